@@ -1,0 +1,54 @@
+"""The one error tree of freeride.
+
+Every error that freeride raises to its users derives from :class:`FreerideError`. The names say
+whether the caller can do something about it:
+
+* :class:`ConfigError` -- bad local input (a size, a device name, a task reference); fix the input.
+* :class:`RequestRejected` -- the manager refused a request (``INVALID_ARGUMENT``); nothing changed
+  on the manager, fix the request and send it again.
+* :class:`TaskNotFound` -- no task with that id (``NOT_FOUND``).
+* :class:`InvalidTransition` -- a task lifecycle change that its state does not allow (internal:
+  a bug if a user ever sees it).
+* :class:`ManagerUnavailable` -- no manager is listening, or it died (``UNAVAILABLE``,
+  ``DEADLINE_EXCEEDED``); recoverable by starting or waiting for the manager.
+* :class:`Unauthenticated` -- a TCP endpoint refused the token (``UNAUTHENTICATED``).
+
+gRPC status codes are mapped to this tree in exactly one place, ``freeride._wire.client_errors``.
+"""
+
+from __future__ import annotations
+
+
+class FreerideError(Exception):
+    """Root of every error freeride raises on purpose."""
+
+
+class ConfigError(FreerideError, ValueError):
+    """A locally given value (size, device, task reference, option) is malformed."""
+
+
+class RequestRejected(FreerideError):
+    """The manager rejected a request as invalid; its state is unchanged."""
+
+
+class TaskNotFound(FreerideError, KeyError):
+    """No task with the given id exists on this manager."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "task not found"
+
+
+class InvalidTransition(FreerideError):
+    """A task state change that the lifecycle does not allow."""
+
+
+class ManagerUnavailable(FreerideError):
+    """No manager answers at the endpoint (not started, dead, or too slow)."""
+
+
+class Unauthenticated(FreerideError):
+    """The manager refused the call's credentials."""
+
+
+class TaskLoadError(ConfigError):
+    """A task reference (``module:Class``) names a module or class that cannot be loaded."""

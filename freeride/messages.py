@@ -1,0 +1,215 @@
+"""Plain, frozen dataclasses for everything that crosses the wire.
+
+The generated protobuf classes never leave the two edge modules (``freeride._wire.client`` on the
+client side, ``freeride._manager.servicers`` on the manager side); both translate to and from these
+types. Times are nanoseconds on the host's ``CLOCK_MONOTONIC`` (``time.monotonic_ns()``), which all
+processes on one machine share, unless a name says ``unix_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from freeride.errors import ConfigError
+
+UNKNOWN_MEMORY = -1
+
+
+@dataclass(frozen=True)
+class BubbleStart:
+    """A stage starts waiting: ``predicted_ns`` is how long it expects to wait."""
+
+    stage: int
+    rank: int
+    iteration: int
+    slot: int
+    kind: str
+    start_ns: int
+    predicted_ns: int
+    free_memory_bytes: int = UNKNOWN_MEMORY
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.stage, self.rank, self.iteration, self.slot)
+
+    @property
+    def predicted_end_ns(self) -> int:
+        return self.start_ns + self.predicted_ns
+
+
+@dataclass(frozen=True)
+class BubbleEnd:
+    """The wait is over (the real end, measured by the trainer)."""
+
+    stage: int
+    rank: int
+    iteration: int
+    slot: int
+    end_ns: int
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.stage, self.rank, self.iteration, self.slot)
+
+
+BubbleEvent = BubbleStart | BubbleEnd
+
+#: Largest accepted predicted bubble length; anything longer is a unit mistake.
+MAX_PREDICTED_NS = 3600 * 10**9
+
+
+def validate_bubble_event(event: BubbleEvent) -> None:
+    """Raise :class:`ConfigError` with a precise message if a bubble event is malformed."""
+    for name in ("stage", "rank", "iteration", "slot"):
+        value = getattr(event, name)
+        if value < 0:
+            raise ConfigError(f"bubble {name} must be >= 0, got {value}")
+    if isinstance(event, BubbleStart):
+        if event.start_ns <= 0:
+            raise ConfigError(f"bubble start_ns must be a positive monotonic time, got {event.start_ns}")
+        if not 0 < event.predicted_ns <= MAX_PREDICTED_NS:
+            raise ConfigError(
+                f"bubble predicted_ns must be in (0, {MAX_PREDICTED_NS}], got {event.predicted_ns}"
+            )
+        if event.free_memory_bytes < UNKNOWN_MEMORY:
+            raise ConfigError(f"free_memory_bytes must be >= 0 or -1, got {event.free_memory_bytes}")
+        if len(event.kind) > 64:
+            raise ConfigError("bubble kind must be at most 64 characters")
+    elif event.end_ns <= 0:
+        raise ConfigError(f"bubble end_ns must be a positive monotonic time, got {event.end_ns}")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a user submits. Exactly one of ``target`` and ``command`` is set."""
+
+    target: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    memory_bytes: int = 0
+    priority: int = 0
+    name: str = ""
+    command: tuple[str, ...] = ()
+    working_dir: str = ""
+    checkpoint_interval_s: float = 0.0
+    step_time_hint_ms: float = 0.0
+
+    @property
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.target:
+            return self.target.rsplit(":", 1)[-1]
+        return self.command[0].rsplit("/", 1)[-1] if self.command else "task"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Why a task failed, as data: the CLI renders it once, plainly."""
+
+    kind: str  # EXCEPTION, MEMORY_LIMIT, SIGNAL, EXIT, STEP_TIMEOUT, IMPORT, PROTOCOL, ...
+    message: str
+    exit_code: int | None = None
+    signal: int = 0
+    step: int = -1
+    traceback: str = ""
+    log_tail: str = ""
+    at_unix_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "step": self.step,
+            "traceback": self.traceback,
+            "log_tail": self.log_tail,
+            "at_unix_s": self.at_unix_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FailureRecord:
+        return cls(
+            kind=str(data["kind"]),
+            message=str(data["message"]),
+            exit_code=data.get("exit_code"),
+            signal=int(data.get("signal", 0)),
+            step=int(data.get("step", -1)),
+            traceback=str(data.get("traceback", "")),
+            log_tail=str(data.get("log_tail", "")),
+            at_unix_s=float(data.get("at_unix_s", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """A task as the manager reports it."""
+
+    task_id: str
+    spec: TaskSpec
+    state: str
+    steps: int = 0
+    progress: float = 0.0
+    progress_unit: str = "steps"
+    step_p50_ms: float = 0.0
+    step_p95_ms: float = 0.0
+    harvested_s: float = 0.0
+    overruns: int = 0
+    checkpoint_step: int = -1
+    waiting_reason: str = ""
+    submitted_unix_s: float = 0.0
+    updated_unix_s: float = 0.0
+    failure: FailureRecord | None = None
+    pid: int = 0
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    count: int = 0
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+    max: float = 0.0
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    device: str
+    uptime_s: float
+    bubbles: int
+    bubble_time_s: float
+    granted_s: float
+    harvested_s: float
+    overruns: int
+    overrun_ms: Percentiles
+    grant_latency_ms: Percentiles
+    park_latency_ms: Percentiles
+    memory_budget_bytes: int
+    tasks_by_state: dict[str, int]
+    events_received: int
+    events_rejected: int
+    draining: bool
+
+
+@dataclass(frozen=True)
+class BubbleSlotStats:
+    stage: int
+    rank: int
+    slot: int
+    kind: str
+    count: int
+    length_ms: Percentiles
+    predicted_ms: Percentiles
+    abs_error_pct: Percentiles
+    min_free_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class TaskEvent:
+    """A live-view event: a task changed, or a bubble started or ended."""
+
+    at_unix_s: float
+    task: TaskInfo | None = None
+    bubble: BubbleEvent | None = None

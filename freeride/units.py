@@ -1,0 +1,66 @@
+"""Parsing and printing of sizes and durations, with clear errors."""
+
+from __future__ import annotations
+
+import re
+
+from freeride.errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count into bytes (> 0)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ConfigError(
+                f"cannot parse size {text!r}: use a number with an optional unit "
+                "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB or 512MB"
+            )
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"size must be positive, got {text!r}")
+    return value
+
+
+def format_size(num_bytes: int | float) -> str:
+    """Render bytes in binary units, e.g. ``1.5 GiB``; negative means unknown."""
+    if num_bytes < 0:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_ms(value_ms: float) -> str:
+    """Render a duration in milliseconds with sensible precision."""
+    if value_ms <= 0:
+        return "-"
+    if value_ms < 1:
+        return f"{value_ms * 1000:.0f} us"
+    if value_ms < 1000:
+        return f"{value_ms:.1f} ms"
+    return f"{value_ms / 1000:.2f} s"
