@@ -1,0 +1,319 @@
+"""The client side of the protocol edge: the only client module that imports generated code.
+
+It turns plain dataclasses (``freeride.messages``) into protobuf messages and back, and maps gRPC
+status codes onto freeride's error tree in one place (:func:`map_rpc_errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from freeride._wire import freeride_pb2 as _pb
+from freeride._wire import freeride_pb2_grpc as _pb_grpc
+from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint
+from freeride.errors import (
+    FreerideError,
+    ManagerUnavailable,
+    RequestRejected,
+    TaskNotFound,
+    Unauthenticated,
+)
+from freeride.messages import (
+    BubbleEnd,
+    BubbleEvent,
+    BubbleSlotStats,
+    BubbleStart,
+    FailureRecord,
+    ManagerStats,
+    Percentiles,
+    TaskEvent,
+    TaskInfo,
+    TaskSpec,
+)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect quickly when a manager (re)starts; the reporter backs off on its own as well.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def open_channel(endpoint: Endpoint) -> grpc.Channel:
+    """An insecure channel (unix sockets are owner-only; TCP callers carry a token)."""
+    return grpc.insecure_channel(endpoint.grpc_target, options=_CHANNEL_OPTIONS)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"bearer {token}"),) if token else ()
+
+
+@contextlib.contextmanager
+def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
+    """Translate :class:`grpc.RpcError` into the freeride error tree."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = (exc.details() if hasattr(exc, "details") else None) or str(code)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise ManagerUnavailable(
+                f"no manager answers at {endpoint} (start one with `freeride manager --device ...`)"
+            ) from None
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise RequestRejected(details) from None
+        if code == grpc.StatusCode.NOT_FOUND:
+            raise TaskNotFound(details) from None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            raise Unauthenticated(details) from None
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise RequestRejected(details) from None
+        raise FreerideError(f"manager error ({code.name if code else 'unknown'}): {details}") from None
+
+
+# ------------------------------------------------------------------ conversions
+
+
+def bubble_event_to_pb(event: BubbleEvent) -> _pb.BubbleEvent:
+    if isinstance(event, BubbleStart):
+        return _pb.BubbleEvent(
+            start=_pb.BubbleStart(
+                stage=event.stage,
+                rank=event.rank,
+                iteration=event.iteration,
+                slot=event.slot,
+                kind=event.kind,
+                start_ns=event.start_ns,
+                predicted_ns=event.predicted_ns,
+                free_memory_bytes=event.free_memory_bytes,
+            )
+        )
+    return _pb.BubbleEvent(
+        end=_pb.BubbleEnd(
+            stage=event.stage, rank=event.rank, iteration=event.iteration, slot=event.slot, end_ns=event.end_ns
+        )
+    )
+
+
+def _bubble_from_pb(msg: Any) -> BubbleEvent:
+    if isinstance(msg, _pb.BubbleStart):
+        return BubbleStart(
+            msg.stage, msg.rank, msg.iteration, msg.slot, msg.kind, msg.start_ns, msg.predicted_ns,
+            msg.free_memory_bytes,
+        )
+    return BubbleEnd(msg.stage, msg.rank, msg.iteration, msg.slot, msg.end_ns)
+
+
+def _spec_to_pb(spec: TaskSpec) -> _pb.SubmitRequest:
+    return _pb.SubmitRequest(
+        target=spec.target,
+        args_json=json.dumps(spec.args),
+        memory_bytes=spec.memory_bytes,
+        priority=spec.priority,
+        name=spec.name,
+        command=list(spec.command),
+        working_dir=spec.working_dir,
+        checkpoint_interval_s=spec.checkpoint_interval_s,
+        step_time_hint_ms=spec.step_time_hint_ms,
+    )
+
+
+def _percentiles(msg: _pb.Percentiles) -> Percentiles:
+    return Percentiles(msg.count, msg.p50, msg.p90, msg.p99, msg.max)
+
+
+def task_info_from_pb(msg: _pb.TaskInfo) -> TaskInfo:
+    failure = None
+    if msg.has_failure:
+        f = msg.failure
+        failure = FailureRecord(
+            kind=f.kind,
+            message=f.message,
+            exit_code=f.exit_code if f.has_exit_code else None,
+            signal=f.signal,
+            step=f.step,
+            traceback=f.traceback,
+            log_tail=f.log_tail,
+            at_unix_s=f.at_unix_s,
+        )
+    spec = TaskSpec(
+        target=msg.target,
+        args=json.loads(msg.args_json) if msg.args_json else {},
+        memory_bytes=msg.memory_bytes,
+        priority=msg.priority,
+        name=msg.name,
+        command=tuple(msg.command),
+    )
+    return TaskInfo(
+        task_id=msg.task_id,
+        spec=spec,
+        state=msg.state,
+        steps=msg.steps,
+        progress=msg.progress,
+        progress_unit=msg.progress_unit,
+        step_p50_ms=msg.step_p50_ms,
+        step_p95_ms=msg.step_p95_ms,
+        harvested_s=msg.harvested_s,
+        overruns=msg.overruns,
+        checkpoint_step=msg.checkpoint_step,
+        waiting_reason=msg.waiting_reason,
+        submitted_unix_s=msg.submitted_unix_s,
+        updated_unix_s=msg.updated_unix_s,
+        failure=failure,
+        pid=msg.pid,
+        restarts=msg.restarts,
+    )
+
+
+def _stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
+    return ManagerStats(
+        device=msg.device,
+        uptime_s=msg.uptime_s,
+        bubbles=msg.bubbles,
+        bubble_time_s=msg.bubble_time_s,
+        granted_s=msg.granted_s,
+        harvested_s=msg.harvested_s,
+        overruns=msg.overruns,
+        overrun_ms=_percentiles(msg.overrun_ms),
+        grant_latency_ms=_percentiles(msg.grant_latency_ms),
+        park_latency_ms=_percentiles(msg.park_latency_ms),
+        memory_budget_bytes=msg.memory_budget_bytes,
+        tasks_by_state=dict(msg.tasks_by_state),
+        events_received=msg.events_received,
+        events_rejected=msg.events_rejected,
+        draining=msg.draining,
+    )
+
+
+def _slot_from_pb(msg: _pb.BubbleSlotStats) -> BubbleSlotStats:
+    return BubbleSlotStats(
+        stage=msg.stage,
+        rank=msg.rank,
+        slot=msg.slot,
+        kind=msg.kind,
+        count=msg.count,
+        length_ms=_percentiles(msg.length_ms),
+        predicted_ms=_percentiles(msg.predicted_ms),
+        abs_error_pct=_percentiles(msg.abs_error_pct),
+        min_free_memory_bytes=msg.min_free_memory_bytes,
+    )
+
+
+# ------------------------------------------------------------------ clients
+
+
+class ControlClient:
+    """Blocking client of a manager's Control service; returns plain dataclasses.
+
+    Every method raises from the freeride error tree: :class:`ManagerUnavailable` when nobody
+    answers, :class:`RequestRejected` for invalid requests, :class:`TaskNotFound`, ...
+    """
+
+    def __init__(self, endpoint: Endpoint, token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._metadata = auth_metadata(token)
+        self._channel = open_channel(endpoint)
+        self._stub = _pb_grpc.ControlStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        with map_rpc_errors(self.endpoint):
+            return method(request, timeout=timeout_s or self._timeout_s, metadata=self._metadata)
+
+    def submit(self, spec: TaskSpec) -> TaskInfo:
+        return task_info_from_pb(self._call(self._stub.Submit, _spec_to_pb(spec)))
+
+    def list(self, include_finished: bool = True) -> list[TaskInfo]:
+        reply = self._call(self._stub.List, _pb.ListRequest(include_finished=include_finished))
+        return [task_info_from_pb(t) for t in reply.tasks]
+
+    def get(self, task_id: str) -> TaskInfo:
+        return task_info_from_pb(self._call(self._stub.Get, _pb.GetRequest(task_id=task_id)))
+
+    def cancel(self, task_id: str) -> TaskInfo:
+        return task_info_from_pb(self._call(self._stub.Cancel, _pb.CancelRequest(task_id=task_id)))
+
+    def stats(self) -> ManagerStats:
+        return _stats_from_pb(self._call(self._stub.Stats, _pb.StatsRequest()))
+
+    def bubbles(self) -> list[BubbleSlotStats]:
+        return [_slot_from_pb(s) for s in self._call(self._stub.Bubbles, _pb.BubblesRequest()).slots]
+
+    def drain(self, timeout_s: float = 30.0) -> tuple[int, int]:
+        reply = self._call(self._stub.Drain, _pb.DrainRequest(timeout_s=timeout_s), timeout_s + 5)
+        return int(reply.parked), int(reply.checkpointed)
+
+    def watch(self) -> Iterator[TaskEvent]:
+        """Live events until the manager stops or the caller stops iterating."""
+        with map_rpc_errors(self.endpoint):
+            for msg in self._stub.Watch(_pb.WatchRequest(), metadata=self._metadata):
+                which = msg.WhichOneof("event")
+                if which == "task":
+                    yield TaskEvent(msg.at_unix_s, task=task_info_from_pb(msg.task))
+                elif which in ("bubble_start", "bubble_end"):
+                    yield TaskEvent(msg.at_unix_s, bubble=_bubble_from_pb(getattr(msg, which)))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the manager's channel is ready, or raise :class:`ManagerUnavailable`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ManagerUnavailable(f"no manager answered at {self.endpoint} within {timeout_s} s") from None
+
+
+def health_status(endpoint: Endpoint, timeout_s: float = 2.0, token: str | None = None) -> str:
+    """The manager's ``grpc.health.v1`` status (``SERVING``, ``NOT_SERVING``, ...)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with open_channel(endpoint) as channel, map_rpc_errors(endpoint):
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, metadata=auth_metadata(token)
+        )
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+class BubbleStream:
+    """One open ``Trainer.StreamBubbles`` call fed from an iterator of bubble events.
+
+    The call runs on gRPC's own threads; :meth:`done` tells whether it ended (the manager went away,
+    or the iterator finished), :meth:`result` returns ``(accepted, rejected)`` or raises
+    :class:`ManagerUnavailable`.
+    """
+
+    def __init__(self, endpoint: Endpoint, events: Iterable[BubbleEvent], token: str | None = None) -> None:
+        self.endpoint = endpoint
+        self._channel = open_channel(endpoint)
+        stub = _pb_grpc.TrainerStub(self._channel)
+        self._future = stub.StreamBubbles.future(
+            (bubble_event_to_pb(e) for e in events), metadata=auth_metadata(token)
+        )
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def result(self, timeout_s: float | None = None) -> tuple[int, int]:
+        with map_rpc_errors(self.endpoint):
+            reply = self._future.result(timeout=timeout_s)
+        return int(reply.accepted), int(reply.rejected)
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+    def close(self) -> None:
+        self._future.cancel()
+        self._channel.close()

@@ -1,0 +1,88 @@
+"""The ``freeride`` command line.
+
+Each subcommand lives in a module under ``freeride._cli`` that defines
+``register(subparsers) -> None``; the parser it adds sets ``func`` to a callable taking the parsed
+arguments and returning the exit code.
+
+Exit codes (documented in the README):
+    0  success
+    1  the operation failed (a task failed, a command's own failure)
+    2  bad input: unparsable size, unknown device, unknown module or class, bad arguments
+    3  no manager is running at the endpoint (or it died)
+    4  no such task
+    5  the manager refused the credentials
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from freeride.errors import (
+    ConfigError,
+    FreerideError,
+    ManagerUnavailable,
+    RequestRejected,
+    TaskNotFound,
+    Unauthenticated,
+)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NO_MANAGER = 3
+EXIT_NOT_FOUND = 4
+EXIT_UNAUTHENTICATED = 5
+
+#: Modules that contribute subcommands, in help order.
+COMMAND_MODULES = (
+    "freeride._cli.manager",
+    "freeride._cli.tasks",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="freeride",
+        description="Run side tasks inside the bubbles of pipeline-parallel training.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (repeatable)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def exit_code_for(exc: FreerideError) -> int:
+    """The documented exit code for an error of the tree."""
+    if isinstance(exc, TaskNotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, (ConfigError, RequestRejected)):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, ManagerUnavailable):
+        return EXIT_NO_MANAGER
+    if isinstance(exc, Unauthenticated):
+        return EXIT_UNAUTHENTICATED
+    return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except FreerideError as exc:
+        print(f"freeride: error: {exc}", file=sys.stderr)
+        return exit_code_for(exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
