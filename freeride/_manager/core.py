@@ -1,0 +1,904 @@
+"""The pure scheduling core of a manager: ``on_event(event, now_ns) -> actions``.
+
+No I/O, no threads, no clock of its own: the manager loop feeds it events (bubbles from the
+trainer, messages and exits from workers, user requests, memory samples) with the current
+monotonic time, and carries out the actions it returns (spawn, grant, park, freeze, stop, kill,
+persist). Timers (freeze a worker that overran a bubble, kill a worker that ignores a stop) are
+data too: :meth:`SchedulerCore.next_timer_ns` tells the loop when to call back.
+
+Policy, in one place:
+
+* **Memory.** The device budget is the minimum over recent iterations of (free memory reported +
+  memory the side tasks held at that moment) minus a headroom, minus the caps of resident tasks. A
+  task becomes resident (its process is spawned) only if its cap fits; when the budget shrinks
+  below zero, parked tasks of the lowest priority are evicted (checkpointed and stopped).
+* **Grants.** At each bubble one resident task is granted until the bubble's predicted end:
+  priority first, then a frozen task that must finish its step, then a task whose step time is not
+  known yet (one probe), then the best fit of its high-percentile step time to the time left, then
+  FIFO. When a worker parks early and time remains, the rest of the bubble goes to the next task.
+  A task whose step (plus margin) fits no bubble seen so far is never granted and says why.
+* **Ends.** The real bubble end parks the running worker after its current step. A step still
+  running ``grace`` past the real end (or past the predicted end, when no end has come) has the
+  worker frozen with SIGSTOP until its next grant; each such overrun doubles that task's margin up
+  to a bound. A step that holds grants for longer than ``step_timeout`` in total fails the task.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from freeride._manager.estimator import StepEstimator, percentiles
+from freeride.errors import InvalidTransition
+from freeride.messages import (
+    BubbleEnd,
+    BubbleSlotStats,
+    BubbleStart,
+    FailureRecord,
+    Percentiles,
+    TaskSpec,
+)
+from freeride.states import TaskState, check_transition
+
+log = logging.getLogger(__name__)
+
+MS = 1_000_000
+
+
+# ====================================================================== config
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Scheduling knobs; units are in the names."""
+
+    headroom_bytes: int = 256 * 2**20
+    grace_ns: int = MS // 2
+    margin_ns: int = MS // 5
+    max_margin_ns: int = 20 * MS
+    step_timeout_ns: int = 60_000 * MS
+    stop_timeout_ns: int = 10_000 * MS
+    memory_window_iterations: int = 8
+    default_checkpoint_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("headroom_bytes", "grace_ns", "margin_ns", "max_margin_ns"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("step_timeout_ns", "stop_timeout_ns", "memory_window_iterations"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_margin_ns < self.margin_ns:
+            raise ValueError("max_margin_ns must be >= margin_ns")
+
+
+# ====================================================================== events
+
+
+@dataclass(frozen=True)
+class BubbleStarted:
+    bubble: BubbleStart
+    received_ns: int
+
+
+@dataclass(frozen=True)
+class BubbleEnded:
+    bubble: BubbleEnd
+    received_ns: int
+
+
+@dataclass(frozen=True)
+class TaskAdded:
+    """A new submission, or a task recovered from the store after a restart."""
+
+    task_id: str
+    spec: TaskSpec
+    seq: int
+    checkpoint_path: str = ""
+    checkpoint_step: int = -1
+    steps: int = 0
+    progress: float = 0.0
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class CancelRequested:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class DrainRequested:
+    pass
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    task_id: str
+    pid: int
+    progress_unit: str = "steps"
+
+
+@dataclass(frozen=True)
+class WorkerParked:
+    task_id: str
+    grant_id: int
+    steps: int
+    durations_ns: tuple[int, ...]
+    first_step_ns: int  # 0: no step ran in this grant
+    last_end_ns: int
+    parked_ns: int
+    reason: str  # "deadline", "park", "stop"
+    progress: float
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class WorkerCheckpointed:
+    task_id: str
+    step: int
+    path: str
+    progress: float
+
+
+@dataclass(frozen=True)
+class WorkerFinished:
+    task_id: str
+    total_steps: int
+    progress: float
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    task_id: str
+    failure: FailureRecord
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    task_id: str
+    exit_code: int | None
+    signal: int
+    log_tail: str = ""
+
+
+@dataclass(frozen=True)
+class TaskMemorySampled:
+    task_id: str
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class DeviceMemorySampled:
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Nothing happened; lets due timers fire."""
+
+
+Event = (
+    BubbleStarted
+    | BubbleEnded
+    | TaskAdded
+    | CancelRequested
+    | DrainRequested
+    | WorkerReady
+    | WorkerParked
+    | WorkerCheckpointed
+    | WorkerFinished
+    | WorkerFailed
+    | WorkerExited
+    | TaskMemorySampled
+    | DeviceMemorySampled
+    | Tick
+)
+
+
+# ====================================================================== actions
+
+
+@dataclass(frozen=True)
+class Spawn:
+    task_id: str
+    spec: TaskSpec
+    memory_bytes: int
+    resume_path: str
+
+
+@dataclass(frozen=True)
+class Grant:
+    task_id: str
+    grant_id: int
+    deadline_ns: int
+    margin_ns: int
+    thaw: bool
+
+
+@dataclass(frozen=True)
+class Park:
+    task_id: str
+    grant_id: int
+
+
+@dataclass(frozen=True)
+class Freeze:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ask the worker to (optionally) checkpoint and exit; a Kill follows if it does not."""
+
+    task_id: str
+    checkpoint: bool
+
+
+@dataclass(frozen=True)
+class Kill:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class StateChanged:
+    task_id: str
+    old: TaskState | None
+    new: TaskState
+    reason: str
+    failure: FailureRecord | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecorded:
+    task_id: str
+    step: int
+    path: str
+    progress: float
+
+
+@dataclass(frozen=True)
+class DrainComplete:
+    pass
+
+
+Action = Spawn | Grant | Park | Freeze | Stop | Kill | StateChanged | CheckpointRecorded | DrainComplete
+
+
+# ====================================================================== state
+
+
+@dataclass
+class TaskRuntime:
+    """What the core knows about one task."""
+
+    task_id: str
+    spec: TaskSpec
+    seq: int
+    state: TaskState = TaskState.SUBMITTED
+    memory_bytes: int = 0
+    pid: int = 0
+    progress_unit: str = "steps"
+    estimator: StepEstimator = field(default_factory=StepEstimator)
+    margin_ns: int = 0
+    grant_id: int = 0
+    granted_at_ns: int = 0
+    grant_bubble: tuple[int, int, int, int] | None = None
+    stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
+    used_bytes: int = 0
+    steps: int = 0
+    progress: float = 0.0
+    harvested_ns: int = 0
+    overruns: int = 0
+    checkpoint_path: str = ""
+    checkpoint_step: int = -1
+    restarts: int = 0
+    stopping: str = ""  # "", "evict", "drain", "cancel", "fail"
+    stop_deadline_ns: int = 0
+    failure: FailureRecord | None = None
+    pending_failure: FailureRecord | None = None
+    finished_seen: bool = False
+
+    @property
+    def known_step_ns(self) -> int | None:
+        return self.estimator.estimate_ns()
+
+
+@dataclass
+class OpenBubble:
+    event: BubbleStart
+    received_ns: int
+    end_ns: int = 0  # real end, once known
+    end_received_ns: int = 0
+    granted: set[str] = field(default_factory=set)
+    running: str = ""  # task id holding the bubble now
+
+    @property
+    def deadline_ns(self) -> int:
+        return self.end_ns or self.event.predicted_end_ns
+
+
+@dataclass
+class SlotStats:
+    kind: str
+    lengths_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
+    predicted_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
+    abs_error_pct: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    count: int = 0
+    min_free: int = -1
+
+
+@dataclass
+class CoreStats:
+    bubbles: int = 0
+    bubble_ns: int = 0
+    granted_ns: int = 0
+    harvested_ns: int = 0
+    overruns: int = 0
+    anomalies: int = 0
+    overrun_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    grant_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    park_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+
+
+# ====================================================================== core
+
+
+class SchedulerCore:
+    """Deterministic scheduler of one device. See the module docstring for the policy."""
+
+    def __init__(self, config: CoreConfig | None = None) -> None:
+        self.config = config or CoreConfig()
+        self.tasks: dict[str, TaskRuntime] = {}
+        self.bubble: OpenBubble | None = None
+        self.stats = CoreStats()
+        self.slots: dict[tuple[int, int, int], SlotStats] = {}
+        self.draining = False
+        self._grant_seq = 0
+        # (rank, iteration) -> min over that iteration of free + side-task usage at the time
+        self._capacity_by_iteration: dict[tuple[int, int], int] = {}
+        self._device_capacity: deque[int] = deque(maxlen=8)
+        self._longest_bubble_ns = 0
+        self._freeze_at_ns = 0
+        self._drain_announced = False
+
+    # ------------------------------------------------------------------ entry point
+
+    def on_event(self, event: Event, now_ns: int) -> list[Action]:
+        """Apply one event at time ``now_ns``; return the actions to carry out, in order."""
+        out: list[Action] = []
+        handler = getattr(self, f"_on_{type(event).__name__}")
+        handler(event, now_ns, out)
+        self._fire_timers(now_ns, out)
+        self._admit(out)
+        self._check_drain(out)
+        return out
+
+    def next_timer_ns(self) -> int | None:
+        """The earliest time at which :meth:`on_event` with a :class:`Tick` has work to do."""
+        times = [t.stop_deadline_ns for t in self.tasks.values() if t.stop_deadline_ns]
+        if self._freeze_at_ns:
+            times.append(self._freeze_at_ns)
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ transitions
+
+    def _transition(
+        self,
+        task: TaskRuntime,
+        new: TaskState,
+        reason: str,
+        out: list[Action],
+        failure: FailureRecord | None = None,
+    ) -> None:
+        """The one place a task changes state; terminal states cannot be left."""
+        old = task.state
+        if old == new:
+            return
+        check_transition(task.task_id, old, new)
+        task.state = new
+        if failure is not None:
+            task.failure = failure
+        log.debug("[task=%s] %s -> %s (%s)", task.task_id, old.value, new.value, reason)
+        out.append(StateChanged(task.task_id, old, new, reason, failure))
+
+    # ------------------------------------------------------------------ bubbles
+
+    def _on_BubbleStarted(self, event: BubbleStarted, now_ns: int, out: list[Action]) -> None:
+        b = event.bubble
+        if self.bubble is not None:
+            # A start while another bubble is open: the trainer lost an end. Close it at this start.
+            self.stats.anomalies += 1
+            self._end_bubble(b.start_ns, now_ns, out, measured=False)
+        self.stats.bubbles += 1
+        self._longest_bubble_ns = max(self._longest_bubble_ns, b.predicted_ns)
+        if b.free_memory_bytes >= 0:
+            key = (b.rank, b.iteration)
+            capacity = b.free_memory_bytes + self._resident_usage()
+            old = self._capacity_by_iteration.get(key)
+            self._capacity_by_iteration[key] = capacity if old is None else min(old, capacity)
+            while len(self._capacity_by_iteration) > self.config.memory_window_iterations:
+                del self._capacity_by_iteration[next(iter(self._capacity_by_iteration))]
+            self._evict_if_over_budget(now_ns, out)
+        slot = self.slots.setdefault((b.stage, b.rank, b.slot), SlotStats(kind=b.kind))
+        slot.kind = b.kind
+        if b.free_memory_bytes >= 0:
+            slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
+        self.bubble = OpenBubble(event=b, received_ns=event.received_ns)
+        self._grant_next(now_ns, out)
+
+    def _on_BubbleEnded(self, event: BubbleEnded, now_ns: int, out: list[Action]) -> None:
+        e = event.bubble
+        if self.bubble is None or self.bubble.event.key != e.key:
+            self.stats.anomalies += 1  # an end without its start: nothing to park
+            return
+        if e.end_ns < self.bubble.event.start_ns:
+            self.stats.anomalies += 1
+            return
+        self.bubble.end_ns = e.end_ns
+        self.bubble.end_received_ns = event.received_ns
+        self._end_bubble(e.end_ns, now_ns, out, measured=True)
+
+    def _end_bubble(self, end_ns: int, now_ns: int, out: list[Action], measured: bool) -> None:
+        bubble = self.bubble
+        assert bubble is not None
+        start = bubble.event
+        length = max(0, end_ns - start.start_ns)
+        self.stats.bubble_ns += length
+        if measured:
+            slot = self.slots[(start.stage, start.rank, start.slot)]
+            slot.count += 1
+            slot.lengths_ns.append(length)
+            slot.predicted_ns.append(start.predicted_ns)
+            if length > 0:
+                slot.abs_error_pct.append(abs(start.predicted_ns - length) * 100.0 / length)
+        if bubble.running:
+            task = self.tasks[bubble.running]
+            if task.state == TaskState.RUNNING:
+                out.append(Park(task.task_id, task.grant_id))
+                self._freeze_at_ns = end_ns + self.config.grace_ns
+            bubble.end_ns = end_ns
+            bubble.end_received_ns = bubble.end_received_ns or now_ns
+            # Keep the bubble record until the worker parks, so its overrun can be measured.
+            self._closing = bubble
+        self.bubble = None
+
+    _closing: OpenBubble | None = None
+
+    # ------------------------------------------------------------------ grants
+
+    def _grant_next(self, now_ns: int, out: list[Action]) -> None:
+        bubble = self.bubble
+        if bubble is None or bubble.running or self.draining:
+            return
+        if self._closing is not None and self._closing.running:
+            return  # the last bubble's worker is finishing its step: one task at a time
+        remaining = bubble.deadline_ns - now_ns
+        if remaining <= self.config.margin_ns:
+            return
+        best: tuple[tuple[int, int, int, int, int], TaskRuntime] | None = None
+        for task in self.tasks.values():
+            if task.state not in (TaskState.PARKED, TaskState.FROZEN) or task.stopping:
+                continue
+            if task.task_id in bubble.granted:
+                continue
+            margin = self.config.margin_ns + task.margin_ns
+            est = task.known_step_ns
+            frozen = task.state == TaskState.FROZEN
+            if not frozen and est is not None and est + margin > remaining:
+                continue
+            key = (
+                -task.spec.priority,
+                0 if frozen else 1,
+                0 if est is None else 1,
+                remaining - (est or 0),
+                task.seq,
+            )
+            if best is None or key < best[0]:
+                best = (key, task)
+        if best is None:
+            return
+        task = best[1]
+        thaw = task.state == TaskState.FROZEN
+        self._grant_seq += 1
+        task.grant_id = self._grant_seq
+        task.granted_at_ns = now_ns
+        task.grant_bubble = bubble.event.key
+        bubble.granted.add(task.task_id)
+        bubble.running = task.task_id
+        self._transition(task, TaskState.RUNNING, "granted", out)
+        out.append(
+            Grant(task.task_id, task.grant_id, bubble.deadline_ns, self.config.margin_ns + task.margin_ns, thaw)
+        )
+        if self._freeze_at_ns == 0 or self._freeze_at_ns < now_ns:
+            self._freeze_at_ns = bubble.deadline_ns + self.config.grace_ns
+
+    def _on_WorkerParked(self, event: WorkerParked, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None:
+            return
+        task.estimator.extend(list(event.durations_ns))
+        harvested = sum(event.durations_ns)
+        task.harvested_ns += harvested
+        self.stats.harvested_ns += harvested
+        task.progress = event.progress
+        task.steps = event.total_steps
+        if event.steps:
+            task.stuck_ns = 0
+        if event.grant_id != task.grant_id or task.state != TaskState.RUNNING:
+            return  # a park for a grant that a freeze already closed; stats only
+        bubble = self._bubble_of(task)
+        self.stats.granted_ns += max(0, event.parked_ns - task.granted_at_ns)
+        if bubble is not None:
+            # Only a bubble's first grant measures "bubble start received -> first step".
+            if event.first_step_ns and len(bubble.granted) == 1:
+                self.stats.grant_latency_ms.append((event.first_step_ns - bubble.received_ns) / MS)
+            if bubble.end_ns:
+                overrun = event.last_end_ns - bubble.end_ns if event.steps else 0
+                if overrun > 0:
+                    self._record_overrun(task, overrun)
+                if event.reason == "park" and bubble.end_received_ns:
+                    self.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
+            bubble.running = ""
+        self._transition(task, TaskState.PARKED, event.reason, out)
+        if self._closing is bubble:
+            self._closing = None
+        self._freeze_at_ns = 0
+        # Backfill the rest of this bubble, or start the bubble that opened while this step ran.
+        self._grant_next(now_ns, out)
+
+    def _bubble_of(self, task: TaskRuntime) -> OpenBubble | None:
+        for bubble in (self.bubble, self._closing):
+            if bubble is not None and bubble.event.key == task.grant_bubble:
+                return bubble
+        return None
+
+    def _record_overrun(self, task: TaskRuntime, overrun_ns: int) -> None:
+        task.overruns += 1
+        self.stats.overruns += 1
+        self.stats.overrun_ms.append(overrun_ns / MS)
+
+    # ------------------------------------------------------------------ timers
+
+    def _fire_timers(self, now_ns: int, out: list[Action]) -> None:
+        if self._freeze_at_ns and now_ns >= self._freeze_at_ns:
+            self._freeze_at_ns = 0
+            self._freeze_running(now_ns, out)
+        for task in list(self.tasks.values()):
+            if task.stop_deadline_ns and now_ns >= task.stop_deadline_ns:
+                task.stop_deadline_ns = 0
+                log.warning("[task=%s] did not stop in time; killing it", task.task_id)
+                out.append(Kill(task.task_id))
+
+    def _freeze_running(self, now_ns: int, out: list[Action]) -> None:
+        """A worker is still stepping past the end (+ grace): stop it until its next grant."""
+        for bubble in (self._closing, self.bubble):
+            if bubble is None or not bubble.running:
+                continue
+            task = self.tasks[bubble.running]
+            if task.state != TaskState.RUNNING:
+                continue
+            if bubble is self.bubble and now_ns < bubble.deadline_ns + self.config.grace_ns:
+                self._freeze_at_ns = bubble.deadline_ns + self.config.grace_ns
+                continue
+            end = bubble.end_ns or bubble.deadline_ns
+            self._record_overrun(task, max(0, now_ns - end))
+            task.stuck_ns += max(0, now_ns - task.granted_at_ns)
+            self.stats.granted_ns += max(0, end - task.granted_at_ns)
+            task.margin_ns = min(
+                self.config.max_margin_ns - self.config.margin_ns, max(task.margin_ns * 2, self.config.margin_ns)
+            )
+            bubble.running = ""
+            if bubble is self._closing:
+                self._closing = None
+            else:
+                self.bubble = None  # the trainer never sent this bubble's end
+            out.append(Freeze(task.task_id))
+            self._transition(task, TaskState.FROZEN, "overran the bubble", out)
+            if task.stuck_ns >= self.config.step_timeout_ns:
+                self._fail(
+                    task,
+                    FailureRecord(
+                        kind="STEP_TIMEOUT",
+                        message=(
+                            f"one step ran for {task.stuck_ns / 1e9:.1f} s of granted time without finishing "
+                            f"(limit {self.config.step_timeout_ns / 1e9:.1f} s)"
+                        ),
+                        step=task.steps,
+                    ),
+                    out,
+                )
+
+    # ------------------------------------------------------------------ lifecycle events
+
+    def _on_TaskAdded(self, event: TaskAdded, now_ns: int, out: list[Action]) -> None:
+        if event.task_id in self.tasks:
+            raise InvalidTransition(f"task {event.task_id} already exists")
+        hint_ns = int(event.spec.step_time_hint_ms * MS)
+        task = TaskRuntime(
+            task_id=event.task_id,
+            spec=event.spec,
+            seq=event.seq,
+            memory_bytes=event.spec.memory_bytes,
+            estimator=StepEstimator(hint_ns=hint_ns),
+            checkpoint_path=event.checkpoint_path,
+            checkpoint_step=event.checkpoint_step,
+            steps=event.steps,
+            progress=event.progress,
+            restarts=event.restarts,
+        )
+        self.tasks[task.task_id] = task
+        out.append(StateChanged(task.task_id, None, TaskState.SUBMITTED, "submitted"))
+
+    def _on_CancelRequested(self, event: CancelRequested, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks[event.task_id]
+        if task.state.is_terminal:
+            return
+        if task.state.is_resident:
+            self._release_bubble(task)
+            out.append(Kill(task.task_id))
+        self._transition(task, TaskState.CANCELLED, "cancelled by user", out)
+
+    def _on_DrainRequested(self, event: DrainRequested, now_ns: int, out: list[Action]) -> None:
+        self.draining = True
+        for task in self.tasks.values():
+            if task.state.is_resident and not task.stopping:
+                self._stop(task, "drain", now_ns, out, checkpoint=task.state != TaskState.STARTING)
+
+    def _on_WorkerReady(self, event: WorkerReady, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or task.state != TaskState.STARTING:
+            return
+        task.pid = event.pid
+        task.progress_unit = event.progress_unit
+        self._transition(task, TaskState.PARKED, "worker ready", out)
+        if self.bubble is not None:
+            self._grant_next(now_ns, out)
+
+    def _on_WorkerCheckpointed(self, event: WorkerCheckpointed, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None:
+            return
+        task.checkpoint_path = event.path
+        task.checkpoint_step = event.step
+        out.append(CheckpointRecorded(task.task_id, event.step, event.path, event.progress))
+
+    def _on_WorkerFinished(self, event: WorkerFinished, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or task.state.is_terminal:
+            return
+        task.steps = event.total_steps
+        task.progress = event.progress
+        task.finished_seen = True
+        self._release_bubble(task)
+        if task.state == TaskState.FROZEN:
+            return  # cannot happen: a frozen worker sends nothing
+        self._transition(task, TaskState.FINISHED, "done", out)
+        if self.bubble is not None:
+            self._grant_next(now_ns, out)
+
+    def _on_WorkerFailed(self, event: WorkerFailed, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or task.state.is_terminal:
+            return
+        # The process exits right after this message; its exit record completes the failure.
+        task.pending_failure = event.failure
+
+    def _on_WorkerExited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None:
+            return
+        task.stop_deadline_ns = 0
+        task.pid = 0
+        was_running = self._release_bubble(task)
+        if task.state.is_terminal:
+            task.stopping = ""
+            if was_running and self.bubble is not None:
+                self._grant_next(now_ns, out)
+            return
+        stopping, task.stopping = task.stopping, ""
+        if stopping in ("evict", "drain") and task.pending_failure is None and event.exit_code == 0:
+            self._transition(task, TaskState.EVICTED, stopping, out)
+            task.restarts += 1
+            self._transition(task, TaskState.SUBMITTED, "re-placement", out)
+        else:
+            failure = task.pending_failure
+            if failure is None:
+                failure = _exit_failure(event, task.steps)
+            elif not failure.log_tail:
+                failure = FailureRecord(**{**failure.to_json(), "log_tail": event.log_tail})
+            task.pending_failure = None
+            if task.state == TaskState.STARTING and failure.kind == "EXIT" and stopping:
+                failure = FailureRecord(**{**failure.to_json(), "message": failure.message + " while stopping"})
+            self._transition(task, TaskState.FAILED, failure.kind, out, failure=failure)
+        if was_running and self.bubble is not None:
+            self._grant_next(now_ns, out)
+
+    def _on_TaskMemorySampled(self, event: TaskMemorySampled, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or not task.state.is_resident:
+            return
+        task.used_bytes = event.used_bytes
+        if event.used_bytes > task.memory_bytes and task.stopping != "fail":
+            self._fail(
+                task,
+                FailureRecord(
+                    kind="MEMORY_LIMIT",
+                    message=(
+                        f"used {event.used_bytes / 2**20:.0f} MiB, over its cap of "
+                        f"{task.memory_bytes / 2**20:.0f} MiB"
+                    ),
+                    step=task.steps,
+                ),
+                out,
+            )
+
+    def _on_DeviceMemorySampled(self, event: DeviceMemorySampled, now_ns: int, out: list[Action]) -> None:
+        self._device_capacity.append(event.free_bytes + self._resident_usage())
+        self._evict_if_over_budget(now_ns, out)
+
+    def _on_Tick(self, event: Tick, now_ns: int, out: list[Action]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ helpers
+
+    def _fail(self, task: TaskRuntime, failure: FailureRecord, out: list[Action]) -> None:
+        """Fail a resident task now: kill its process; the exit only completes the record."""
+        self._release_bubble(task)
+        task.stopping = "fail"
+        out.append(Kill(task.task_id))
+        self._transition(task, TaskState.FAILED, failure.kind, out, failure=failure)
+
+    def _stop(self, task: TaskRuntime, why: str, now_ns: int, out: list[Action], checkpoint: bool) -> None:
+        task.stopping = why
+        task.stop_deadline_ns = now_ns + self.config.stop_timeout_ns
+        if task.state == TaskState.STARTING:
+            out.append(Kill(task.task_id))
+            return
+        out.append(Stop(task.task_id, checkpoint=checkpoint))
+
+    def _release_bubble(self, task: TaskRuntime) -> bool:
+        released = False
+        for bubble in (self.bubble, self._closing):
+            if bubble is not None and bubble.running == task.task_id:
+                bubble.running = ""
+                released = True
+        if self._closing is not None and not self._closing.running:
+            self._closing = None
+        if released:
+            self._freeze_at_ns = 0
+        return released
+
+    def _resident_usage(self) -> int:
+        return sum(t.used_bytes for t in self.tasks.values() if t.state.is_resident)
+
+    def _resident_caps(self) -> int:
+        return sum(t.memory_bytes for t in self.tasks.values() if t.state.is_resident)
+
+    def capacity_bytes(self) -> int | None:
+        """Memory the side tasks may hold in all: recent minimum capacity minus headroom."""
+        samples = list(self._capacity_by_iteration.values()) + list(self._device_capacity)
+        if not samples:
+            return None
+        return max(0, min(samples) - self.config.headroom_bytes)
+
+    def budget_bytes(self) -> int | None:
+        """Memory left for a new resident task, or None before any memory figure arrived."""
+        capacity = self.capacity_bytes()
+        return None if capacity is None else capacity - self._resident_caps()
+
+    def _admit(self, out: list[Action]) -> None:
+        if self.draining:
+            return
+        budget = self.budget_bytes()
+        if budget is None:
+            return
+        waiting = sorted(
+            (t for t in self.tasks.values() if t.state == TaskState.SUBMITTED),
+            key=lambda t: (-t.spec.priority, t.seq),
+        )
+        for task in waiting:
+            if task.memory_bytes > budget:
+                continue
+            budget -= task.memory_bytes
+            self._transition(task, TaskState.STARTING, "memory fits", out)
+            out.append(Spawn(task.task_id, task.spec, task.memory_bytes, task.checkpoint_path))
+
+    def _evict_if_over_budget(self, now_ns: int, out: list[Action]) -> None:
+        budget = self.budget_bytes()
+        if budget is None or budget >= 0:
+            return
+        victims = sorted(
+            (t for t in self.tasks.values() if t.state == TaskState.PARKED and not t.stopping),
+            key=lambda t: (t.spec.priority, -t.seq),
+        )
+        for task in victims:
+            if budget >= 0:
+                break
+            log.info("[task=%s] evicting: device memory budget shrank", task.task_id)
+            self._stop(task, "evict", now_ns, out, checkpoint=True)
+            budget += task.memory_bytes
+
+    def _check_drain(self, out: list[Action]) -> None:
+        if (
+            self.draining
+            and not self._drain_announced
+            and not any(t.state.is_resident for t in self.tasks.values())
+        ):
+            self._drain_announced = True
+            out.append(DrainComplete())
+
+    # ------------------------------------------------------------------ queries
+
+    def waiting_reason(self, task: TaskRuntime) -> str:
+        """Why a non-running task is not running, in one line."""
+        if task.state == TaskState.SUBMITTED:
+            budget = self.budget_bytes()
+            if self.draining:
+                return "the manager is draining"
+            if budget is None:
+                return "waiting for the first free-memory figure from the trainer or device"
+            return (
+                f"needs {task.memory_bytes / 2**20:.0f} MiB; the device budget has "
+                f"{max(0, budget) / 2**20:.0f} MiB free"
+            )
+        if task.state == TaskState.PARKED:
+            est = task.known_step_ns
+            margin = self.config.margin_ns + task.margin_ns
+            if est is not None and self._longest_bubble_ns and est + margin > self._longest_bubble_ns:
+                return (
+                    f"its step ({est / MS:.1f} ms p95 + {margin / MS:.1f} ms margin) fits no bubble seen "
+                    f"(longest {self._longest_bubble_ns / MS:.1f} ms)"
+                )
+            if self._longest_bubble_ns == 0:
+                return "no bubble reported yet"
+            return "waiting for a bubble"
+        if task.state == TaskState.FROZEN:
+            return "frozen mid-step after overrunning a bubble; resumes at its next grant"
+        return ""
+
+    def slot_stats(self) -> list[BubbleSlotStats]:
+        out = []
+        for (stage, rank, slot), s in sorted(self.slots.items()):
+            out.append(
+                BubbleSlotStats(
+                    stage=stage,
+                    rank=rank,
+                    slot=slot,
+                    kind=s.kind,
+                    count=s.count,
+                    length_ms=_pct([v / MS for v in s.lengths_ns]),
+                    predicted_ms=_pct([v / MS for v in s.predicted_ns]),
+                    abs_error_pct=_pct(list(s.abs_error_pct)),
+                    min_free_memory_bytes=s.min_free,
+                )
+            )
+        return out
+
+
+def _pct(values: list[float] | deque[float]) -> Percentiles:
+    return Percentiles(*percentiles(values))
+
+
+def _exit_failure(event: WorkerExited, step: int) -> FailureRecord:
+    if event.signal:
+        import signal as _signal
+
+        try:
+            name = _signal.Signals(event.signal).name
+        except ValueError:
+            name = str(event.signal)
+        return FailureRecord(
+            kind="SIGNAL",
+            message=f"worker died from signal {name}",
+            signal=event.signal,
+            step=step,
+            log_tail=event.log_tail,
+        )
+    return FailureRecord(
+        kind="EXIT",
+        message=f"worker exited with code {event.exit_code} without reporting an error",
+        exit_code=event.exit_code,
+        step=step,
+        log_tail=event.log_tail,
+    )
