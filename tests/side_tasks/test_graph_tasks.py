@@ -1,0 +1,152 @@
+"""Graph tasks: results agree with networkx, resume gives the same result, memory is checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import pytest
+from side_task_helpers import make_ctx, run_interrupted, run_to_end
+
+from side_tasks.errors import TaskTooLarge
+from side_tasks.graphs import BFS, ConnectedComponents, PageRank, load_graph
+
+
+def _write_edges(path: Path, edges: list[tuple[int, int]]) -> Path:
+    path.write_text("# test graph\n" + "".join(f"{u}\t{v}\n" for u, v in edges))
+    return path
+
+
+def _random_digraph(seed: int, n: int = 60, p: float = 0.05) -> nx.DiGraph:
+    graph = nx.gnp_random_graph(n, p, seed=seed, directed=True)
+    # Sparse original ids and a few isolated-by-direction (dangling) vertices.
+    return nx.relabel_nodes(graph, {v: 3 * v + 7 for v in graph.nodes})
+
+
+@pytest.fixture
+def graph_file(tmp_path: Path) -> tuple[Path, nx.DiGraph]:
+    graph = _random_digraph(5)
+    return _write_edges(tmp_path / "g.txt", list(graph.edges)), graph
+
+
+def _result(task_dir: Path) -> dict[int, float]:
+    data = np.load(task_dir / "result.npz")
+    return dict(zip(data["node_ids"].tolist(), data["values"].tolist(), strict=True))
+
+
+def test_pagerank_matches_networkx_including_dangling_vertices(
+    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]
+) -> None:
+    path, reference = graph_file
+    reference.remove_nodes_from(list(nx.isolates(reference)))  # a file cannot hold isolated vertices
+    task = PageRank(str(path), tol=1e-10, max_iterations=500)
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    expected = nx.pagerank(reference, alpha=0.85, tol=1e-10, max_iter=500)
+    ours = _result(tmp_path / "w")
+    assert ours.keys() == expected.keys()
+    for node, value in expected.items():
+        assert ours[node] == pytest.approx(value, abs=1e-8)
+    assert task.progress() == task.iteration > 1
+
+
+def test_bfs_distances_match_networkx(tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]) -> None:
+    path, reference = graph_file
+    source = next(iter(sorted(v for v in reference if reference.out_degree(v) > 0)))
+    task = BFS(str(path), source=source)
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    expected = nx.single_source_shortest_path_length(reference, source)
+    for node, dist in _result(tmp_path / "w").items():
+        assert dist == expected.get(node, -1)
+    assert task.progress() == max(expected.values()) + 1
+
+
+def test_connected_components_match_networkx_weak_components(tmp_path: Path) -> None:
+    reference = nx.disjoint_union_all([_random_digraph(s, n=15, p=0.15) for s in range(4)])
+    path = _write_edges(tmp_path / "g.txt", list(reference.edges))
+    reference.remove_nodes_from(list(nx.isolates(reference)))
+    task = ConnectedComponents(str(path))
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    labels = _result(tmp_path / "w")
+    for component in nx.weakly_connected_components(reference):
+        assert {labels[v] for v in component} == {min(component)}
+    assert task.num_components() == nx.number_weakly_connected_components(reference)
+
+
+def test_rmat_pagerank_matches_networkx_on_generated_graph(tmp_path: Path) -> None:
+    task = PageRank("rmat:7:4", tol=1e-10, max_iterations=300, seed=2)
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    assert task.graph is not None
+    graph = task.graph
+    reference = nx.DiGraph()
+    reference.add_nodes_from(range(graph.num_vertices))
+    reference.add_edges_from(zip(graph.sources().tolist(), graph.indices.tolist(), strict=True))
+    expected = nx.pagerank(reference, tol=1e-10, max_iter=300)
+    assert np.allclose(task.result(), [expected[v] for v in range(graph.num_vertices)], atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("factory", "stop_after"),
+    [
+        (lambda g: PageRank(g, tol=1e-9), 3),
+        (lambda g: BFS(g, source=7), 2),
+        (lambda g: ConnectedComponents(g, directed=False), 1),
+    ],
+    ids=["pagerank", "bfs", "components"],
+)
+def test_resumed_graph_task_gives_same_result_as_uninterrupted(
+    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph], factory, stop_after: int
+) -> None:
+    path = str(graph_file[0])
+    whole = factory(path)
+    whole.setup(make_ctx(tmp_path / "whole"))
+    run_to_end(whole)
+    resumed = run_interrupted(lambda: factory(path), tmp_path / "resumed", stop_after)
+    assert resumed.done()
+    assert resumed.progress() == whole.progress()
+    assert np.array_equal(resumed.result(), whole.result())
+    assert (tmp_path / "resumed" / "result.npz").exists()
+
+
+def test_setup_refuses_rmat_scale_that_cannot_fit_the_limit(tmp_path: Path) -> None:
+    task = PageRank("rmat:20")
+    with pytest.raises(TaskTooLarge, match=r"PageRank on rmat:20 needs about .* memory limit of 1\.0 MiB"):
+        task.setup(make_ctx(tmp_path / "w", memory_limit_bytes=1 << 20))
+
+
+def test_setup_refuses_loaded_graph_that_cannot_fit_the_limit(
+    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]
+) -> None:
+    with pytest.raises(TaskTooLarge, match="smaller graph"):
+        BFS(str(graph_file[0]), source=7).setup(make_ctx(tmp_path / "w", memory_limit_bytes=4096))
+
+
+def test_memory_estimate_grows_with_rmat_scale() -> None:
+    small = PageRank.estimate_memory(graph="rmat:16")
+    large = PageRank.estimate_memory(graph="rmat:20")
+    assert small is not None and large is not None and large > 8 * small
+    assert PageRank.estimate_memory(graph="/no/such/file") == PageRank.memory_estimate_bytes
+
+
+def test_checkpoint_for_another_graph_is_refused(tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]) -> None:
+    task = PageRank("rmat:5")
+    task.setup(make_ctx(tmp_path / "a"))
+    state = task.state_dict()
+    other = PageRank(str(graph_file[0]))
+    other.setup(make_ctx(tmp_path / "b"))
+    with pytest.raises(ValueError, match="checkpoint is for graph 'rmat:5'"):
+        other.load_state_dict(state)
+
+
+def test_unknown_bfs_source_is_a_clear_error(tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]) -> None:
+    with pytest.raises(ValueError, match="vertex 1 is not in the graph"):
+        BFS(str(graph_file[0]), source=1).setup(make_ctx(tmp_path / "w"))
+
+
+def test_loaded_graph_round_trips_through_loader(graph_file: tuple[Path, nx.DiGraph]) -> None:
+    graph = load_graph(graph_file[0])
+    assert graph.num_edges == graph_file[1].number_of_edges()
