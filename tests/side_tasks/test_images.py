@@ -1,0 +1,171 @@
+"""Image task: output matches a Pillow reference, exactly-once atomic output across resumes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFilter
+from side_task_helpers import make_ctx, run_interrupted, run_to_end
+
+from side_tasks.errors import DataFormatError, TaskTooLarge
+from side_tasks.images import SAMPLE_PHOTOS_DIR, ImageWatermark
+
+
+def _make_inputs(directory: Path, count: int = 5) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        # Smooth gradients plus a little texture: close to a photo's statistics, cheap to make.
+        h, w = 30 + 4 * i, 40 + 3 * i
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (w + h)], axis=-1)
+        pixels = np.clip(base + rng.normal(0, 8, base.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(directory / f"img{i:02d}.png")
+    (directory / "notes.txt").write_text("not an image")
+    return directory
+
+
+def _outputs(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_output_matches_pillow_resize_and_alpha_composite(tmp_path: Path) -> None:
+    source = np.random.default_rng(1).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    source = np.asarray(Image.fromarray(source).filter(ImageFilter.SMOOTH))
+    mark = np.zeros((24, 48, 4), dtype=np.uint8)
+    mark[..., 0], mark[..., 3] = 255, 200
+    mark[6:18, 12:36, 3] = 50
+    (tmp_path / "in").mkdir()
+    Image.fromarray(source).save(tmp_path / "in" / "a.png")
+    Image.fromarray(mark, "RGBA").save(tmp_path / "mark.png")
+    task = ImageWatermark(
+        str(tmp_path / "in"), max_side=96, watermark=str(tmp_path / "mark.png"),
+        opacity=0.75, watermark_scale=0.5, format="png",
+    )  # fmt: skip
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    ours = np.asarray(Image.open(tmp_path / "w" / "out" / "a.png")).astype(float)
+
+    resized = np.asarray(Image.fromarray(source).resize((96, 72), Image.BILINEAR)).astype(float)
+    overlay = np.zeros((72, 96, 4), dtype=np.uint8)
+    overlay[72 - 24 - 2 : 72 - 2, 96 - 48 - 2 : 96 - 2] = mark
+    overlay[..., 3] = np.round(overlay[..., 3] * 0.75).astype(np.uint8)
+    expected = Image.alpha_composite(
+        Image.fromarray(resized.round().astype(np.uint8)).convert("RGBA"), Image.fromarray(overlay, "RGBA")
+    )
+    expected_rgb = np.asarray(expected.convert("RGB")).astype(float)
+    assert ours.shape == expected_rgb.shape == (72, 96, 3)
+    assert np.abs(ours - expected_rgb).mean() < 1.0
+    assert np.abs(ours - expected_rgb).max() <= 6
+
+
+def test_resumed_task_neither_loses_nor_duplicates_images(tmp_path: Path) -> None:
+    inputs = _make_inputs(tmp_path / "in")
+
+    def factory() -> ImageWatermark:
+        return ImageWatermark(str(inputs), max_side=32, batch_size=2)
+
+    whole = factory()
+    whole.setup(make_ctx(tmp_path / "whole"))
+    run_to_end(whole)
+    resumed = run_interrupted(factory, tmp_path / "resumed", stop_after=1)
+    assert resumed.progress() == whole.progress() == 5
+    assert _outputs(tmp_path / "resumed" / "out") == _outputs(tmp_path / "whole" / "out")
+    assert sorted(_outputs(tmp_path / "whole" / "out")) == [f"img{i:02d}.jpg" for i in range(5)]
+
+
+def test_batch_redone_after_crash_overwrites_instead_of_duplicating(tmp_path: Path) -> None:
+    inputs = _make_inputs(tmp_path / "in")
+    task = ImageWatermark(str(inputs), max_side=32, batch_size=2)
+    task.setup(make_ctx(tmp_path / "w"))
+    task.step()
+    checkpoint = task.state_dict()
+    task.step()  # writes a batch, then "crashes" before its next checkpoint
+    again = ImageWatermark(str(inputs), max_side=32, batch_size=2)
+    again.setup(make_ctx(tmp_path / "w"))
+    again.load_state_dict(checkpoint)
+    run_to_end(again)
+    names = sorted((tmp_path / "w" / "out").iterdir())
+    assert [p.name for p in names] == [f"img{i:02d}.jpg" for i in range(5)]
+
+
+def test_images_added_after_start_do_not_change_the_resumed_work_list(tmp_path: Path) -> None:
+    inputs = _make_inputs(tmp_path / "in", count=3)
+    task = ImageWatermark(str(inputs), max_side=16, batch_size=1)
+    task.setup(make_ctx(tmp_path / "w"))
+    task.step()
+    state = task.state_dict()
+    Image.new("RGB", (8, 8)).save(inputs / "a-new.png")  # sorts first: would shift the order
+    again = ImageWatermark(str(inputs), max_side=16, batch_size=1)
+    again.setup(make_ctx(tmp_path / "w"))
+    again.load_state_dict(state)
+    run_to_end(again)
+    assert sorted(p.name for p in (tmp_path / "w" / "out").iterdir()) == ["img00.jpg", "img01.jpg", "img02.jpg"]
+
+
+def test_repeat_writes_one_output_per_pass(tmp_path: Path) -> None:
+    inputs = _make_inputs(tmp_path / "in", count=2)
+    task = ImageWatermark(str(inputs), max_side=16, repeat=2, format="webp")
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    assert sorted(p.name for p in (tmp_path / "w" / "out").iterdir()) == [
+        "img00.0.webp", "img00.1.webp", "img01.0.webp", "img01.1.webp",
+    ]  # fmt: skip
+
+
+def test_bundled_sample_photos_are_real_images() -> None:
+    names = ImageWatermark.list_images(SAMPLE_PHOTOS_DIR)
+    assert len(names) >= 4
+    for name in names:
+        with Image.open(SAMPLE_PHOTOS_DIR / name) as image:
+            pixels = np.asarray(image.convert("L"), dtype=float)
+        assert min(image.size) >= 200 and pixels.std() > 20  # photographs, not blank or tiny
+
+
+def test_default_task_processes_bundled_photos(tmp_path: Path) -> None:
+    task = ImageWatermark(max_side=64)
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    outputs = sorted((tmp_path / "w" / "out").iterdir())
+    assert len(outputs) == task.progress() == len(ImageWatermark.list_images(SAMPLE_PHOTOS_DIR))
+    assert max(Image.open(outputs[0]).size) == 64
+
+
+def test_setup_refuses_batch_that_cannot_fit_the_limit(tmp_path: Path) -> None:
+    task = ImageWatermark(max_side=8192, batch_size=8)
+    with pytest.raises(TaskTooLarge, match="lower batch_size or max_side"):
+        task.setup(make_ctx(tmp_path / "w", memory_limit_bytes=64 << 20))
+
+
+def test_memory_estimate_reads_input_sizes() -> None:
+    small = ImageWatermark.estimate_memory(max_side=256)
+    large = ImageWatermark.estimate_memory(max_side=4096)
+    assert small is not None and large is not None and large > 10 * small
+
+
+def test_missing_or_empty_input_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DataFormatError, match="input directory not found"):
+        ImageWatermark(str(tmp_path / "nope")).setup(make_ctx(tmp_path / "w"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataFormatError, match="no images found"):
+        ImageWatermark(str(tmp_path / "empty")).setup(make_ctx(tmp_path / "w"))
+
+
+def test_corrupt_image_is_reported_with_its_path(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    with pytest.raises(DataFormatError, match=r"broken\.jpg"):
+        task = ImageWatermark(str(tmp_path / "in"))
+        task.setup(make_ctx(tmp_path / "w"))
+        run_to_end(task)
+
+
+def test_render_keeps_aspect_ratio_when_upscaling() -> None:
+    task = ImageWatermark(max_side=100)
+    task.device = torch.device("cpu")
+    task.mark = torch.ones(1, 4, 4, 8)
+    out = task.render(torch.zeros(30, 60, 3, dtype=torch.uint8))
+    assert tuple(out.shape) == (50, 100, 3) and out.dtype == torch.uint8
