@@ -1,0 +1,178 @@
+"""The reporter never blocks or raises, and reconnects; the predictor learns after warm-up."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from freeride.endpoints import Endpoint
+from freeride.errors import ManagerUnavailable
+from freeride.messages import BubbleEnd, BubbleStart
+from freeride.predictor import BubblePredictor, ComputeProfile, percentile
+from freeride.reporter import BubbleReporter
+
+
+def _absent(tmp_path: Path) -> Endpoint:
+    return Endpoint("unix", str(tmp_path / "nobody-here.sock"))
+
+
+def test_reporter_returns_immediately_and_raises_nothing_without_manager(tmp_path: Path) -> None:
+    reporter = BubbleReporter("cpu:0", stage=1, rank=1, endpoint=_absent(tmp_path), backoff_initial_s=0.01)
+    try:
+        n = 2000
+        t0 = time.perf_counter()
+        for i in range(n):
+            reporter.bubble_start(i, 0, "warmup", predicted_ns=1_000_000, free_memory_bytes=123)
+            reporter.bubble_end(i, 0)
+        per_call_s = (time.perf_counter() - t0) / (2 * n)
+        # Behaviour, not a timing target: far from anything that could be a blocking connect.
+        assert per_call_s < 0.01
+        # Nonsense input is swallowed too: the training thread never sees an exception.
+        reporter.bubble_start("x", None, None, None)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        while reporter.counters().connects == 0 and reporter.dropped == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not reporter.counters().connected
+    finally:
+        reporter.close()
+    assert reporter.dropped > 0  # what piled up with nobody listening was discarded and counted
+
+
+def test_reporter_bounded_queue_drops_and_counts(tmp_path: Path) -> None:
+    reporter = BubbleReporter("cpu:0", 0, 0, endpoint=_absent(tmp_path), queue_size=10, start=False)
+    for i in range(25):
+        reporter.bubble_end(i, 0)
+    assert reporter.counters().enqueued == 10
+    assert reporter.dropped == 15
+    reporter.close()
+    reporter.bubble_end(99, 0)  # after close: dropped, not raised
+    assert reporter.dropped == 16
+
+
+def test_reporter_rejects_bad_device_at_construction(tmp_path: Path) -> None:
+    from freeride.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        BubbleReporter("gpu0", 0, 0, endpoint=_absent(tmp_path), start=False)
+
+
+def test_reporter_retries_with_backoff(tmp_path: Path) -> None:
+    reporter = BubbleReporter(
+        "cpu:0", 0, 0, endpoint=_absent(tmp_path), backoff_initial_s=0.01, backoff_max_s=0.05
+    )
+    try:
+        deadline = time.monotonic() + 10
+        attempts = 0
+        original = reporter._open_stream
+
+        def counting(alive):  # type: ignore[no-untyped-def]
+            nonlocal attempts
+            attempts += 1
+            return original(alive)
+
+        reporter._open_stream = counting  # type: ignore[method-assign]
+        while attempts < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert attempts >= 3
+    finally:
+        reporter.close()
+
+
+class FakeStream:
+    """Stands in for BubbleStream: consumes the request iterator on its own thread, like gRPC."""
+
+    def __init__(self, events, sink: list, die_after: int | None) -> None:  # type: ignore[no-untyped-def]
+        self.sink = sink
+        self._dead = threading.Event()
+        self._die_after = die_after
+        self._thread = threading.Thread(target=self._consume, args=(events,), daemon=True)
+        self._thread.start()
+
+    def _consume(self, events) -> None:  # type: ignore[no-untyped-def]
+        for n, event in enumerate(events, 1):
+            self.sink.append(event)
+            if self._die_after is not None and n >= self._die_after:
+                break  # the manager died mid-stream
+        self._dead.set()
+
+    def done(self) -> bool:
+        return self._dead.is_set()
+
+    def result(self, timeout_s: float | None = None) -> tuple[int, int]:
+        if self._die_after is not None:
+            raise ManagerUnavailable("gone")
+        return len(self.sink), 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp_path: Path) -> None:
+    received: list = []
+    streams: list[FakeStream] = []
+    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
+                              backoff_initial_s=0.01)
+
+    def open_stream(alive):  # type: ignore[no-untyped-def]
+        # The first manager dies after 4 events; the second one stays.
+        stream = FakeStream(reporter._events(alive), received, die_after=4 if not streams else None)
+        streams.append(stream)
+        return stream
+
+    reporter._open_stream = open_stream  # type: ignore[method-assign]
+    reporter._thread.start()
+    reporter.bubble_start(7, 1, "drain", predicted_ns=2_000_000, free_memory_bytes=4096, start_ns=100)
+    reporter.bubble_end(7, 1, end_ns=200)
+    reporter.bubble_start(8, 0, "boundary", predicted_ns=0, start_ns=300)
+    reporter.bubble_end(8, 0, end_ns=400)
+    deadline = time.monotonic() + 5
+    while len(streams) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(streams) == 2 and reporter.reconnects == 1
+    # While a connection is up, events flow through it at once.
+    deadline = time.monotonic() + 5
+    while not reporter.counters().connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reporter.bubble_end(9, 2, end_ns=500)
+    deadline = time.monotonic() + 5
+    while len(received) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reporter.close()
+    assert received[0] == BubbleStart(2, 5, 7, 1, "drain", 100, 2_000_000, 4096)
+    assert received[1] == BubbleEnd(2, 5, 7, 1, 200)
+    assert received[2].predicted_ns == 1  # clamped to the protocol's positive range
+    assert received[4] == BubbleEnd(2, 5, 9, 2, 500)
+    assert reporter.sent == 5
+
+
+def test_predictor_starts_from_model_then_learns() -> None:
+    model = {(0, 0): 5_000_000.0, (0, 1): 1_000_000.0}
+    pred = BubblePredictor(model=lambda s, k: model.get((s, k)), window=5, warmup=3)
+    assert pred.predict_ns(0, 0) == 5_000_000
+    assert pred.predict_ns(3, 7) == pred.fallback_ns
+    rng = random.Random(1)
+    for _ in range(200):
+        truth = int(8_000_000 * (1 + rng.uniform(-0.03, 0.03)))
+        if rng.random() < 0.03:
+            truth *= 3  # an outlier (GC pause): the median shrugs it off
+        pred.observe(0, 0, truth, predicted_ns=pred.predict_ns(0, 0))
+    assert 7_600_000 <= pred.predict_ns(0, 0) <= 8_400_000
+    warm = pred.prediction_error()
+    cold = pred.prediction_error(after_warmup=False)
+    assert warm.count == 197 and cold.count == 200
+    assert warm.p90 <= 0.10
+    assert cold.max >= warm.p50
+
+
+def test_compute_profile_ewma_and_percentile() -> None:
+    prof = ComputeProfile(alpha=0.5)
+    assert prof.mean_ns("F", 7.0) == 7.0
+    prof.observe("F", 100)
+    prof.observe("F", 200)
+    assert prof.mean_ns("F") == 150.0 and prof.samples("F") == 2
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([], 90) == 0.0
