@@ -34,12 +34,13 @@ def test_reporter_returns_immediately_and_raises_nothing_without_manager(tmp_pat
         # Nonsense input is swallowed too: the training thread never sees an exception.
         reporter.bubble_start("x", None, None, None)  # type: ignore[arg-type]
         deadline = time.monotonic() + 5
-        while reporter.counters().connects == 0 and reporter.dropped == 0 and time.monotonic() < deadline:
+        while reporter.dropped == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not reporter.counters().connected
     finally:
         reporter.close()
-    assert reporter.dropped > 0  # what piled up with nobody listening was discarded and counted
+    # What piled up with nobody listening was discarded and counted.
+    assert reporter.dropped > 0
+    assert reporter.dropped + reporter.sent == reporter.counters().enqueued
 
 
 def test_reporter_bounded_queue_drops_and_counts(tmp_path: Path) -> None:
