@@ -1,0 +1,37 @@
+"""freeride: run side tasks inside the bubbles of pipeline-parallel training.
+
+The public surface: :class:`SideTask` and :class:`TaskContext` (write a side task), the error
+tree, :class:`ControlClient` (manage tasks from Python) and the message dataclasses it returns.
+"""
+
+from freeride.errors import (
+    ConfigError,
+    FreerideError,
+    ManagerUnavailable,
+    RequestRejected,
+    TaskLoadError,
+    TaskNotFound,
+    Unauthenticated,
+)
+from freeride.messages import BubbleEnd, BubbleStart, FailureRecord, TaskInfo, TaskSpec
+from freeride.task import SideTask, TaskContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BubbleEnd",
+    "BubbleStart",
+    "ConfigError",
+    "FailureRecord",
+    "FreerideError",
+    "ManagerUnavailable",
+    "RequestRejected",
+    "SideTask",
+    "TaskContext",
+    "TaskInfo",
+    "TaskLoadError",
+    "TaskNotFound",
+    "TaskSpec",
+    "Unauthenticated",
+    "__version__",
+]

@@ -564,6 +564,8 @@ class SchedulerCore:
         if self._freeze_at_ns and now_ns >= self._freeze_at_ns:
             self._freeze_at_ns = 0
             self._freeze_running(now_ns, out)
+            # A bubble that opened while the frozen worker overran is free now: use what is left.
+            self._grant_next(now_ns, out)
         for task in list(self.tasks.values()):
             if task.stop_deadline_ns and now_ns >= task.stop_deadline_ns:
                 task.stop_deadline_ns = 0
@@ -806,7 +808,11 @@ class SchedulerCore:
 
     def _evict_if_over_budget(self, now_ns: int, out: list[Action]) -> None:
         budget = self.budget_bytes()
-        if budget is None or budget >= 0:
+        if budget is None:
+            return
+        # Caps of tasks already stopping are on their way out: counting them again would evict more.
+        budget += sum(t.memory_bytes for t in self.tasks.values() if t.state.is_resident and t.stopping)
+        if budget >= 0:
             return
         victims = sorted(
             (t for t in self.tasks.values() if t.state == TaskState.PARKED and not t.stopping),

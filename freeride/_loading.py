@@ -1,0 +1,50 @@
+"""Resolving ``module:Class`` references to side-task classes, with one-line errors."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import traceback
+
+from freeride.errors import TaskLoadError
+from freeride.task import SideTask
+
+_TARGET_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+def check_target_syntax(target: str) -> None:
+    if not isinstance(target, str) or not _TARGET_RE.match(target):
+        raise TaskLoadError(
+            f"bad task reference {target!r}: expected package.module:ClassName, e.g. side_tasks.graph:PageRank"
+        )
+
+
+def load_task_class(target: str, search_path: str = "") -> type[SideTask]:
+    """Import ``module:Class`` and check it is a :class:`SideTask` subclass.
+
+    ``search_path`` (a directory) is put first on ``sys.path`` so that a user's own modules next
+    to where they submitted resolve.
+    """
+    check_target_syntax(target)
+    module_name, class_name = target.split(":")
+    if search_path and search_path not in sys.path:
+        sys.path.insert(0, search_path)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise TaskLoadError(f"unknown module {module_name!r} in {target!r}") from None
+        raise TaskLoadError(f"module {module_name!r} failed to import: {exc}") from None
+    except Exception as exc:
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        raise TaskLoadError(
+            f"module {module_name!r} failed to import: {type(exc).__name__}: {exc} "
+            f"({last.filename}:{last.lineno})"
+        ) from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise TaskLoadError(f"module {module_name!r} has no class {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, SideTask)):
+        raise TaskLoadError(f"{target} is not a subclass of freeride.SideTask")
+    return cls

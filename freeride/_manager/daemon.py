@@ -1,0 +1,161 @@
+"""Assembly of one manager: device, loop, gRPC server (Trainer, Control, health), endpoint.
+
+``Manager.serve_forever()`` is what ``freeride manager`` runs: the loop on the main thread (so
+worker processes, which die with the thread that spawned them, live as long as the manager), and
+SIGTERM/SIGINT draining every task before exit. ``Manager.start()`` runs the loop on a background
+thread instead, for tests and embedding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from freeride._manager.core import CoreConfig
+from freeride._manager.loop import LoopConfig, ManagerLoop
+from freeride._manager.servicers import TokenInterceptor, add_servicers
+from freeride.devices import Device, open_device
+from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
+from freeride.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def default_state_dir(device: Device) -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "freeride" / device.name.slug
+
+
+def _socket_in_use(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+class Manager:
+    def __init__(
+        self,
+        device: str | Device,
+        endpoint: Endpoint | None = None,
+        state_dir: Path | None = None,
+        token: str | None = None,
+        core: CoreConfig | None = None,
+        memory_poll_ms: float = 50.0,
+        device_poll_ms: float = 1000.0,
+        max_workers: int = 16,
+    ) -> None:
+        self.device = open_device(device) if isinstance(device, str) else device
+        self.endpoint = endpoint or default_endpoint(self.device.name)
+        if self.endpoint.kind == "tcp" and not token:
+            raise ConfigError("a TCP endpoint needs a token (--token-file or $FREERIDE_TOKEN)")
+        self.state_dir = state_dir or default_state_dir(self.device)
+        self.loop = ManagerLoop(
+            self.device,
+            LoopConfig(
+                state_dir=self.state_dir,
+                core=core or CoreConfig(),
+                memory_poll_ms=memory_poll_ms,
+                device_poll_ms=device_poll_ms,
+            ),
+        )
+        interceptors = [TokenInterceptor(token)] if token else []
+        self.server = grpc.server(
+            ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{self.device.name.slug}"),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        add_servicers(self.server, self.loop)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.loop.on_draining = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    def _set_health(self, status: int) -> None:
+        self.health.set("", status)
+        for service in ("freeride.v1.Trainer", "freeride.v1.Control"):
+            self.health.set(service, status)
+
+    def _bind(self) -> None:
+        if self.endpoint.kind == "unix":
+            path = self.endpoint.address
+            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if os.path.exists(path):
+                if _socket_in_use(path):
+                    raise ConfigError(f"a manager is already listening at {self.endpoint}")
+                os.unlink(path)  # left behind by a manager that was killed
+            old = os.umask(0o177)
+            try:
+                self.port = self.server.add_insecure_port(self.endpoint.grpc_target)
+            finally:
+                os.umask(old)
+        else:
+            try:
+                self.port = self.server.add_insecure_port(self.endpoint.grpc_target)
+            except RuntimeError as exc:
+                raise ConfigError(f"cannot listen on {self.endpoint}: {exc}") from None
+            if self.port == 0:
+                raise ConfigError(f"cannot listen on {self.endpoint}")
+
+    def _serve(self) -> None:
+        self._bind()
+        self.server.start()
+        if self.endpoint.kind == "unix":
+            os.chmod(self.endpoint.address, 0o600)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("[%s] manager listening on %s (state in %s)", self.device, self.endpoint, self.state_dir)
+
+    def serve_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT; then drain every task and return."""
+        self._serve()
+        self.loop.install_signal_handlers()
+        try:
+            self.loop.run()
+        finally:
+            self._shutdown_server()
+
+    def start(self) -> None:
+        """Serve with the loop on a background thread (tests, embedding)."""
+        self._serve()
+        self._thread = threading.Thread(target=self._run_loop, name=f"manager-{self.device.name.slug}", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        try:
+            self.loop.run()
+        except Exception:
+            log.exception("[%s] manager loop crashed", self.device)
+
+    def stop(self, drain: bool = False, timeout_s: float = 30.0) -> None:
+        if drain:
+            from freeride._manager.loop import Shutdown
+
+            self.loop.post(Shutdown())
+        else:
+            self.loop.stop()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._shutdown_server()
+
+    def _shutdown_server(self) -> None:
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace=0.5).wait(2.0)
+        if self.endpoint.kind == "unix":
+            try:
+                os.unlink(self.endpoint.address)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,709 @@
+"""The manager loop: the thin shell that owns sockets, timers and processes around the core.
+
+One thread runs :meth:`ManagerLoop.run`: it waits in a single ``select`` on an eventfd (posted
+events from gRPC threads and signal handlers), every worker's channel and every worker's pidfd,
+with a timeout equal to the next timer. Each wake-up feeds events to the pure
+:class:`~freeride._manager.core.SchedulerCore` and carries out the actions it returns. gRPC
+servicers never touch state: they :meth:`post` events (fire and forget) or :meth:`call` a request
+and wait for the loop's answer.
+
+Workers: ``python -m freeride._worker`` in a new session (so one ``killpg`` reaches the worker and
+whatever it spawned), with one end of a SEQPACKET socketpair, ``PR_SET_PDEATHSIG`` and the
+channel's end-of-file tying its life to the manager's. Their output goes to
+``<state>/tasks/<id>/worker.log``, whose tail becomes part of a failure record.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from freeride._channel import Channel, ChannelClosed, ProtocolError, socketpair
+from freeride._manager import core as C
+from freeride._manager.store import StoredTask, TaskStore
+from freeride.devices import Device
+from freeride.errors import RequestRejected, TaskNotFound
+from freeride.messages import (
+    BubbleEvent,
+    BubbleSlotStats,
+    FailureRecord,
+    ManagerStats,
+    Percentiles,
+    TaskEvent,
+    TaskInfo,
+    TaskSpec,
+)
+from freeride.states import TaskState
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+LOG_TAIL_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    state_dir: Path
+    core: C.CoreConfig = field(default_factory=C.CoreConfig)
+    memory_poll_ms: float = 50.0
+    device_poll_ms: float = 1000.0
+    eof_grace_ms: float = 500.0
+
+    def __post_init__(self) -> None:
+        for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+# ---------------------------------------------------------------- requests (call)
+
+
+@dataclass(frozen=True)
+class SubmitTask:
+    spec: TaskSpec
+
+
+@dataclass(frozen=True)
+class ListTasks:
+    include_finished: bool
+
+
+@dataclass(frozen=True)
+class GetTask:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class CancelTask:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class GetStats:
+    pass
+
+
+@dataclass(frozen=True)
+class GetBubbles:
+    pass
+
+
+@dataclass(frozen=True)
+class Drain:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Drain, then stop the loop (SIGTERM, SIGINT)."""
+
+    immediate: bool = False
+
+
+Request = SubmitTask | ListTasks | GetTask | CancelTask | GetStats | GetBubbles | Drain
+
+
+@dataclass
+class WorkerHandle:
+    task_id: str
+    proc: subprocess.Popen[bytes]
+    channel: Channel
+    pidfd: int
+    log_path: Path
+    extra_pgids: list[int] = field(default_factory=list)
+    closed: bool = False
+    eof_at_ns: int = 0
+
+
+class ManagerLoop:
+    def __init__(self, device: Device, config: LoopConfig, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.device = device
+        self.config = config
+        self.now_ns = now_ns
+        self.core = C.SchedulerCore(config.core)
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.store = TaskStore(config.state_dir / "tasks.db")
+        self.started_unix = time.time()
+        self.events_received = 0
+        self.events_rejected = 0
+        self.on_draining: Callable[[], None] = lambda: None
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_fd, selectors.EVENT_READ, ("wake", None))
+        self._workers: dict[str, WorkerHandle] = {}
+        self._meta: dict[str, StoredTask] = {}
+        self._subscribers: list[queue.Queue[TaskEvent | None]] = []
+        self._sub_lock = threading.Lock()
+        self._drain_waiters: list[Future[Any]] = []
+        self._stop_after_drain = False
+        self._running = True
+        self._next_memory_poll = 0
+        self._next_device_poll = 0
+        self._recover()
+
+    # ------------------------------------------------------------------ thread-safe entry points
+
+    def post(self, event: Any) -> None:
+        """Enqueue an event from any thread (or a signal handler); returns at once."""
+        self._inbox.append(event)
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # the counter is saturated: the loop is awake anyway
+            pass
+
+    def post_bubble(self, event: BubbleEvent, received_ns: int) -> None:
+        from freeride.messages import BubbleStart
+
+        self.events_received += 1
+        if isinstance(event, BubbleStart):
+            self.post(C.BubbleStarted(event, received_ns))
+        else:
+            self.post(C.BubbleEnded(event, received_ns))
+
+    def call(self, request: Request, timeout_s: float = 10.0) -> Any:
+        """Run a request on the loop thread and return its answer (or raise its error)."""
+        future: Future[Any] = Future()
+        self.post((request, future))
+        return future.result(timeout=timeout_s)
+
+    def subscribe(self) -> queue.Queue[TaskEvent | None]:
+        q: queue.Queue[TaskEvent | None] = queue.Queue(maxsize=10_000)
+        with self._sub_lock:
+            self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue[TaskEvent | None]) -> None:
+        with self._sub_lock:
+            if q in self._subscribers:
+                self._subscribers.remove(q)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT only enqueue a shutdown; a second one stops at once."""
+
+        def handler(signum: int, frame: object) -> None:
+            self.post(Shutdown(immediate=self._stop_after_drain))
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        log.info("[%s] manager loop running", self.device)
+        self._apply(self.core.on_event(C.DeviceMemorySampled(self.device.free_memory_bytes()), self.now_ns()))
+        while self._running:
+            timeout = self._timeout_s()
+            for key, _ in self._selector.select(timeout):
+                kind, handle = key.data
+                if kind == "wake":
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+                elif kind == "chan":
+                    self._read_channel(handle)
+                elif kind == "exit":
+                    self._reap(handle)
+            self._drain_inbox()
+            self._polls()
+            self._feed(C.Tick())
+        self._close()
+
+    def _timeout_s(self) -> float:
+        now = self.now_ns()
+        deadlines = [self._next_memory_poll, self._next_device_poll]
+        timer = self.core.next_timer_ns()
+        if timer is not None:
+            deadlines.append(timer)
+        deadlines += [h.eof_at_ns for h in self._workers.values() if h.eof_at_ns]
+        if self._inbox:
+            return 0
+        return max(0.0, (min(deadlines) - now) / 1e9)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, tuple):
+                request, future = item
+                try:
+                    future.set_result(self._handle_request(request, future))
+                except _Deferred:
+                    pass
+                except Exception as exc:  # every request error goes back to its caller
+                    if not future.done():
+                        future.set_exception(exc)
+            elif isinstance(item, Shutdown):
+                self._shutdown(item)
+            else:
+                self._feed(item)
+
+    def _feed(self, event: Any) -> None:
+        try:
+            actions = self.core.on_event(event, self.now_ns())
+        except Exception:
+            # A bug in policy must not take the manager down; the event is dropped and logged.
+            log.exception("[%s] core failed on %r", self.device, event)
+            return
+        self._apply(actions)
+        if isinstance(event, (C.BubbleStarted, C.BubbleEnded)) and self._subscribers:
+            self._publish(TaskEvent(time.time(), bubble=event.bubble))
+
+    def _polls(self) -> None:
+        now = self.now_ns()
+        if now >= self._next_memory_poll:
+            self._next_memory_poll = now + int(self.config.memory_poll_ms * 1e6)
+            for handle in list(self._workers.values()):
+                pids = [handle.proc.pid, *handle.extra_pgids]
+                self._feed(C.TaskMemorySampled(handle.task_id, self.device.process_memory_bytes(pids)))
+        if now >= self._next_device_poll:
+            self._next_device_poll = now + int(self.config.device_poll_ms * 1e6)
+            try:
+                self._feed(C.DeviceMemorySampled(self.device.free_memory_bytes()))
+            except Exception:
+                log.exception("[%s] device memory query failed", self.device)
+        for handle in list(self._workers.values()):
+            if handle.eof_at_ns and now >= handle.eof_at_ns:
+                handle.eof_at_ns = 0
+                if handle.proc.poll() is None:
+                    self._feed(
+                        C.WorkerFailed(
+                            handle.task_id,
+                            FailureRecord(
+                                kind="PROTOCOL",
+                                message="the worker closed its channel but kept running",
+                                at_unix_s=time.time(),
+                            ),
+                        )
+                    )
+                    self._signal(handle, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ actions
+
+    def _apply(self, actions: list[C.Action]) -> None:
+        for action in actions:
+            try:
+                self._apply_one(action)
+            except Exception:
+                log.exception("[%s] failed to apply %r", self.device, action)
+
+    def _apply_one(self, action: C.Action) -> None:
+        if isinstance(action, C.Grant):
+            handle = self._workers.get(action.task_id)
+            if handle is None:
+                return
+            if action.thaw:
+                self._signal(handle, signal.SIGCONT)
+            self._send(handle, {"t": "grant", "g": action.grant_id, "deadline_ns": action.deadline_ns,
+                                "margin_ns": action.margin_ns})
+        elif isinstance(action, C.Park):
+            handle = self._workers.get(action.task_id)
+            if handle is not None:
+                self._send(handle, {"t": "park", "g": action.grant_id})
+        elif isinstance(action, C.Freeze):
+            handle = self._workers.get(action.task_id)
+            if handle is not None:
+                self._signal(handle, signal.SIGSTOP)
+        elif isinstance(action, C.Spawn):
+            self._spawn(action)
+        elif isinstance(action, C.Stop):
+            handle = self._workers.get(action.task_id)
+            if handle is not None:
+                self._send(handle, {"t": "stop", "checkpoint": action.checkpoint})
+                self._signal(handle, signal.SIGCONT)  # a frozen worker must run to obey
+        elif isinstance(action, C.Kill):
+            handle = self._workers.get(action.task_id)
+            if handle is not None:
+                self._signal(handle, signal.SIGKILL)
+        elif isinstance(action, C.StateChanged):
+            self._persist_state(action)
+        elif isinstance(action, C.CheckpointRecorded):
+            self.store.record_checkpoint(action.task_id, action.step, action.path, action.progress)
+        elif isinstance(action, C.DrainComplete):
+            for future in self._drain_waiters:
+                if not future.done():
+                    future.set_result(None)
+            self._drain_waiters.clear()
+            if self._stop_after_drain:
+                self._running = False
+
+    def _send(self, handle: WorkerHandle, message: dict[str, Any]) -> None:
+        if handle.closed:
+            return
+        try:
+            handle.channel.send(message)
+        except ChannelClosed:
+            self._channel_eof(handle)
+
+    def _signal(self, handle: WorkerHandle, sig: int) -> None:
+        for pgid in [handle.proc.pid, *handle.extra_pgids]:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if sig == signal.SIGKILL:
+            for pgid in [handle.proc.pid, *handle.extra_pgids]:
+                try:
+                    os.killpg(pgid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _persist_state(self, action: C.StateChanged) -> None:
+        task = self.core.tasks.get(action.task_id)
+        if action.old in (TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN) and action.new in (
+            TaskState.PARKED,
+            TaskState.RUNNING,
+            TaskState.FROZEN,
+        ):
+            pass  # frequent flips are not durable information
+        else:
+            self.store.set_state(action.task_id, action.new, action.failure)
+            if task is not None and (action.new.is_terminal or action.new == TaskState.SUBMITTED):
+                self.store.record_progress(
+                    task.task_id, task.steps, task.progress, task.progress_unit, task.harvested_ns / 1e9,
+                    task.overruns, task.restarts,
+                )
+            if action.new.is_terminal or action.new in (TaskState.SUBMITTED, TaskState.STARTING):
+                log.info("[%s task=%s] %s -> %s (%s)", self.device, action.task_id,
+                         action.old.value if action.old else "-", action.new.value, action.reason)
+            if action.failure is not None:
+                log.warning("[%s task=%s] failed: %s: %s", self.device, action.task_id, action.failure.kind,
+                            action.failure.message)
+        if self._subscribers and task is not None:
+            self._publish(TaskEvent(time.time(), task=self._info(task.task_id)))
+
+    def _publish(self, event: TaskEvent) -> None:
+        with self._sub_lock:
+            for q in self._subscribers:
+                try:
+                    q.put_nowait(event)
+                except queue.Full:  # a slow viewer loses events, never the manager's time
+                    pass
+
+    # ------------------------------------------------------------------ workers
+
+    def task_dir(self, task_id: str) -> Path:
+        return self.config.state_dir / "tasks" / task_id
+
+    def _spawn(self, action: C.Spawn) -> None:
+        task_dir = self.task_dir(action.task_id)
+        (task_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (task_dir / "work").mkdir(parents=True, exist_ok=True)
+        log_path = task_dir / "worker.log"
+        parent_sock, child_sock = socketpair()
+        env = dict(os.environ)
+        env.update(self.device.worker_env(action.memory_bytes))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        spec = action.spec
+        cwd = spec.working_dir if spec.working_dir and os.path.isdir(spec.working_dir) else str(task_dir / "work")
+        argv = [sys.executable, "-m", "freeride._worker", "--fd", str(child_sock.fileno()),
+                "--parent-pid", str(os.getpid())]
+        try:
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(
+                    argv,
+                    pass_fds=(child_sock.fileno(),),
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                    env=env,
+                )
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
+            failure = FailureRecord(kind="SPAWN", message=f"cannot start the worker: {exc}", at_unix_s=time.time())
+            self._feed(C.WorkerFailed(action.task_id, failure))
+            self._feed(C.WorkerExited(action.task_id, exit_code=None, signal=0))
+            return
+        child_sock.close()
+        parent_sock.setblocking(False)
+        channel = Channel(parent_sock)
+        pidfd = os.pidfd_open(proc.pid)
+        handle = WorkerHandle(action.task_id, proc, channel, pidfd, log_path)
+        self._workers[action.task_id] = handle
+        self._selector.register(channel.fileno(), selectors.EVENT_READ, ("chan", handle))
+        self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
+        channel.send(
+            {
+                "t": "init",
+                "task_id": action.task_id,
+                "target": spec.target,
+                "args": spec.args,
+                "command": list(spec.command),
+                "working_dir": spec.working_dir,
+                "device": str(self.device),
+                "memory_limit_bytes": action.memory_bytes,
+                "work_dir": str(task_dir / "work"),
+                "checkpoint_dir": str(task_dir / "checkpoints"),
+                "resume_path": action.resume_path,
+                "checkpoint_interval_s": spec.checkpoint_interval_s
+                or self.config.core.default_checkpoint_interval_s,
+                "step_time_hint_ms": spec.step_time_hint_ms,
+            }
+        )
+        log.info("[%s task=%s] worker pid %d started", self.device, action.task_id, proc.pid)
+
+    def _read_channel(self, handle: WorkerHandle) -> None:
+        while not handle.closed:
+            try:
+                msg = handle.channel.recv_nowait()
+            except ChannelClosed:
+                self._channel_eof(handle)
+                return
+            except ProtocolError as exc:
+                self._feed(C.WorkerFailed(handle.task_id, FailureRecord(
+                    kind="PROTOCOL", message=f"the worker sent a malformed message: {exc}", at_unix_s=time.time())))
+                self._signal(handle, signal.SIGKILL)
+                return
+            if msg is None:
+                return
+            try:
+                self._on_worker_message(handle, msg)
+            except (KeyError, TypeError, ValueError) as exc:
+                self._feed(C.WorkerFailed(handle.task_id, FailureRecord(
+                    kind="PROTOCOL", message=f"the worker sent a malformed {msg.get('t')!r}: {exc}",
+                    at_unix_s=time.time())))
+                self._signal(handle, signal.SIGKILL)
+                return
+
+    def _on_worker_message(self, handle: WorkerHandle, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        tid = handle.task_id
+        if kind == "parked":
+            self._feed(C.WorkerParked(
+                tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
+                int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),
+                float(msg["progress"]), int(msg["total_steps"])))
+        elif kind == "ready":
+            self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps"))))
+        elif kind == "checkpoint":
+            path = str(msg["path"])
+            if not Path(path).resolve().is_relative_to(self.task_dir(tid).resolve()):
+                raise ValueError(f"checkpoint path {path!r} is outside the task's directory")
+            self._feed(C.WorkerCheckpointed(tid, int(msg["step"]), path, float(msg["progress"])))
+        elif kind == "finished":
+            self._feed(C.WorkerFinished(tid, int(msg["total_steps"]), float(msg["progress"])))
+        elif kind == "failed":
+            self._feed(C.WorkerFailed(tid, FailureRecord(
+                kind=str(msg["kind"]), message=str(msg["message"]), traceback=str(msg.get("traceback", "")),
+                step=int(msg.get("step", -1)), at_unix_s=time.time())))
+        elif kind == "pgroup":
+            handle.extra_pgids.append(int(msg["pgid"]))
+        else:
+            raise ValueError(f"unknown message type {kind!r}")
+
+    def _channel_eof(self, handle: WorkerHandle) -> None:
+        if handle.closed:
+            return
+        handle.closed = True
+        self._selector.unregister(handle.channel.fileno())
+        handle.channel.close()
+        if handle.proc.poll() is None:
+            handle.eof_at_ns = self.now_ns() + int(self.config.eof_grace_ms * 1e6)
+
+    def _reap(self, handle: WorkerHandle) -> None:
+        if not handle.closed:
+            self._read_channel(handle)  # messages sent just before exiting come first
+            self._channel_eof(handle)
+        returncode = handle.proc.wait()
+        self._selector.unregister(handle.pidfd)
+        os.close(handle.pidfd)
+        self._workers.pop(handle.task_id, None)
+        for pgid in handle.extra_pgids:  # a command task's own group dies with its worker
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        sig = -returncode if returncode < 0 else 0
+        code = returncode if returncode >= 0 else None
+        self._feed(C.WorkerExited(handle.task_id, code, sig, _tail(handle.log_path)))
+
+    # ------------------------------------------------------------------ requests
+
+    def _handle_request(self, request: Request, future: Future[Any]) -> Any:
+        if isinstance(request, SubmitTask):
+            if self.core.draining:
+                raise RequestRejected("the manager is draining and accepts no new tasks")
+            stored = self.store.add(request.spec)
+            self._meta[stored.task_id] = stored
+            self._feed(C.TaskAdded(stored.task_id, stored.spec, stored.seq))
+            return self._info(stored.task_id)
+        if isinstance(request, ListTasks):
+            infos = [self._info(tid) for tid in self._meta]
+            return [i for i in infos if request.include_finished or not TaskState(i.state).is_terminal]
+        if isinstance(request, GetTask):
+            return self._info(request.task_id)
+        if isinstance(request, CancelTask):
+            if request.task_id not in self.core.tasks:
+                self._info(request.task_id)  # raises TaskNotFound for unknown ids
+                return self._info(request.task_id)  # already terminal before this run
+            self._feed(C.CancelRequested(request.task_id))
+            return self._info(request.task_id)
+        if isinstance(request, GetStats):
+            return self._stats()
+        if isinstance(request, GetBubbles):
+            return self.core.slot_stats()
+        if isinstance(request, Drain):
+            counts = sum(1 for t in self.core.tasks.values() if t.state.is_resident)
+            self._drain_waiters.append(_chain(future, counts))
+            self._start_drain()
+            raise _Deferred()
+        raise TypeError(f"unknown request {request!r}")
+
+    def _start_drain(self) -> None:
+        if not self.core.draining:
+            self.on_draining()
+        self._feed(C.DrainRequested())
+
+    def _shutdown(self, request: Shutdown) -> None:
+        if request.immediate:
+            log.warning("[%s] stopping now: killing workers without checkpoints", self.device)
+            for handle in list(self._workers.values()):
+                self._signal(handle, signal.SIGKILL)
+            self._running = False
+            return
+        log.info("[%s] stopping: parking and checkpointing every task", self.device)
+        self._stop_after_drain = True
+        self._start_drain()
+
+    def _info(self, task_id: str) -> TaskInfo:
+        meta = self._meta.get(task_id)
+        task = self.core.tasks.get(task_id)
+        if meta is None:
+            raise TaskNotFound(f"no task {task_id!r} on this manager")
+        if task is None:  # terminal before this manager started
+            return TaskInfo(
+                task_id=task_id, spec=meta.spec, state=meta.state.value, steps=meta.steps, progress=meta.progress,
+                progress_unit=meta.progress_unit, harvested_s=meta.harvested_s, overruns=meta.overruns,
+                checkpoint_step=meta.checkpoint_step, submitted_unix_s=meta.submitted_unix,
+                updated_unix_s=meta.updated_unix, failure=meta.failure, restarts=meta.restarts,
+            )
+        p50 = task.estimator.median_ns()
+        p95 = task.estimator.estimate_ns() if task.estimator.count else None
+        handle = self._workers.get(task_id)
+        return TaskInfo(
+            task_id=task_id,
+            spec=task.spec,
+            state=task.state.value,
+            steps=task.steps,
+            progress=task.progress,
+            progress_unit=task.progress_unit,
+            step_p50_ms=(p50 or 0) / 1e6,
+            step_p95_ms=(p95 or 0) / 1e6,
+            harvested_s=task.harvested_ns / 1e9,
+            overruns=task.overruns,
+            checkpoint_step=task.checkpoint_step,
+            waiting_reason=self.core.waiting_reason(task),
+            submitted_unix_s=meta.submitted_unix,
+            updated_unix_s=time.time(),
+            failure=task.failure,
+            pid=handle.proc.pid if handle else 0,
+            restarts=task.restarts,
+        )
+
+    def _stats(self) -> ManagerStats:
+        s = self.core.stats
+        by_state: dict[str, int] = {}
+        for tid, meta in self._meta.items():
+            task = self.core.tasks.get(tid)
+            state = task.state.value if task else meta.state.value
+            by_state[state] = by_state.get(state, 0) + 1
+        budget = self.core.budget_bytes()
+        return ManagerStats(
+            device=str(self.device),
+            uptime_s=time.time() - self.started_unix,
+            bubbles=s.bubbles,
+            bubble_time_s=s.bubble_ns / 1e9,
+            granted_s=s.granted_ns / 1e9,
+            harvested_s=s.harvested_ns / 1e9,
+            overruns=s.overruns,
+            overrun_ms=_pct(s.overrun_ms),
+            grant_latency_ms=_pct(s.grant_latency_ms),
+            park_latency_ms=_pct(s.park_latency_ms),
+            memory_budget_bytes=-1 if budget is None else budget,
+            tasks_by_state=by_state,
+            events_received=self.events_received,
+            events_rejected=self.events_rejected,
+            draining=self.core.draining,
+        )
+
+    def slot_stats(self) -> list[BubbleSlotStats]:
+        return self.core.slot_stats()
+
+    # ------------------------------------------------------------------ startup and shutdown
+
+    def _recover(self) -> None:
+        """Load the store; tasks that were alive when the last manager died start again."""
+        for stored in self.store.all():
+            self._meta[stored.task_id] = stored
+            if stored.state.is_terminal:
+                continue
+            restarts = stored.restarts + (1 if stored.state != TaskState.SUBMITTED else 0)
+            if stored.state != TaskState.SUBMITTED:
+                log.info("[%s task=%s] recovered after a manager restart (was %s)", self.device, stored.task_id,
+                         stored.state.value)
+                self.store.set_state(stored.task_id, TaskState.SUBMITTED)
+            self._apply(self.core.on_event(
+                C.TaskAdded(stored.task_id, stored.spec, stored.seq, stored.checkpoint_path, stored.checkpoint_step,
+                            stored.steps, stored.progress, restarts),
+                self.now_ns(),
+            ))
+
+    def _close(self) -> None:
+        for handle in list(self._workers.values()):
+            self._signal(handle, signal.SIGKILL)
+            handle.proc.wait()
+        with self._sub_lock:
+            for q in self._subscribers:
+                try:
+                    q.put_nowait(None)
+                except queue.Full:
+                    pass
+        self.store.close()
+        os.close(self._wake_fd)
+        log.info("[%s] manager loop stopped", self.device)
+
+    def stop(self) -> None:
+        """Stop without draining (tests, and a manager that must go now)."""
+        self.post(Shutdown(immediate=True))
+
+
+class _Deferred(Exception):
+    """The request's future is completed later by the loop (drain)."""
+
+
+def _chain(future: Future[Any], parked: int) -> Future[Any]:
+    inner: Future[Any] = Future()
+    inner.add_done_callback(lambda f: future.set_result((parked, parked)) if not future.done() else None)
+    return inner
+
+
+def _pct(values: Any) -> Percentiles:
+    return Percentiles(*C.percentiles(values))
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - LOG_TAIL_BYTES))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""

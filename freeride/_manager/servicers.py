@@ -1,0 +1,335 @@
+"""The manager side of the protocol edge: the only manager module that imports generated code.
+
+Servicers validate and translate messages into plain dataclasses, then hand them to the loop:
+bubble events are posted (the trainer never waits on the loop), control requests are called and
+answered. Every invalid input gets ``INVALID_ARGUMENT`` with a precise message and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import grpc
+
+from freeride._loading import check_target_syntax
+from freeride._manager import loop as L
+from freeride._wire import freeride_pb2 as _pb
+from freeride._wire import freeride_pb2_grpc as _pb_grpc
+from freeride.errors import ConfigError, RequestRejected, TaskNotFound
+from freeride.messages import (
+    BubbleEnd,
+    BubbleEvent,
+    BubbleSlotStats,
+    BubbleStart,
+    ManagerStats,
+    Percentiles,
+    TaskEvent,
+    TaskInfo,
+    TaskSpec,
+    validate_bubble_event,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_ARGS_JSON_BYTES = 256 * 1024
+MAX_COMMAND_ARGS = 1024
+MAX_PRIORITY = 1_000_000
+
+
+# ------------------------------------------------------------------ validation
+
+
+def spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
+    """Validate a submission; raises :class:`RequestRejected` with a precise message."""
+    try:
+        return _spec_from_pb(msg)
+    except ConfigError as exc:
+        raise RequestRejected(str(exc)) from None
+
+
+def _spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
+    target = msg.target
+    command = tuple(msg.command)
+    if bool(target) == bool(command):
+        raise RequestRejected("give exactly one of a task target (module:Class) or a command")
+    if target:
+        check_target_syntax(target)
+    if len(command) > MAX_COMMAND_ARGS:
+        raise RequestRejected(f"a command has at most {MAX_COMMAND_ARGS} arguments")
+    for arg in command:
+        if not arg or "\x00" in arg:
+            raise RequestRejected("command arguments must be non-empty and contain no NUL byte")
+    if len(msg.args_json) > MAX_ARGS_JSON_BYTES:
+        raise RequestRejected(f"task arguments exceed {MAX_ARGS_JSON_BYTES} bytes")
+    try:
+        args = json.loads(msg.args_json) if msg.args_json else {}
+    except json.JSONDecodeError as exc:
+        raise RequestRejected(f"task arguments are not valid JSON: {exc}") from None
+    if not isinstance(args, dict) or not all(isinstance(k, str) and k.isidentifier() for k in args):
+        raise RequestRejected("task arguments must be a JSON object whose keys are Python identifiers")
+    if msg.memory_bytes <= 0:
+        raise RequestRejected(f"memory must be a positive number of bytes, got {msg.memory_bytes}")
+    if abs(msg.priority) > MAX_PRIORITY:
+        raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}")
+    if len(msg.name) > 64 or not msg.name.isprintable():
+        raise RequestRejected("a task name has at most 64 printable characters")
+    if msg.working_dir and (not os.path.isabs(msg.working_dir) or not os.path.isdir(msg.working_dir)):
+        raise RequestRejected(f"working directory {msg.working_dir!r} is not an existing absolute path")
+    for name in ("checkpoint_interval_s", "step_time_hint_ms"):
+        value = getattr(msg, name)
+        if not math.isfinite(value) or value < 0 or value > 1e7:
+            raise RequestRejected(f"{name} must be a finite number in [0, 1e7], got {value}")
+    return TaskSpec(
+        target=target,
+        args=args,
+        memory_bytes=msg.memory_bytes,
+        priority=msg.priority,
+        name=msg.name,
+        command=command,
+        working_dir=msg.working_dir,
+        checkpoint_interval_s=msg.checkpoint_interval_s,
+        step_time_hint_ms=msg.step_time_hint_ms,
+    )
+
+
+def bubble_from_pb(msg: _pb.BubbleEvent) -> BubbleEvent:
+    which = msg.WhichOneof("event")
+    if which == "start":
+        s = msg.start
+        event: BubbleEvent = BubbleStart(
+            s.stage, s.rank, s.iteration, s.slot, s.kind, s.start_ns, s.predicted_ns, s.free_memory_bytes
+        )
+    elif which == "end":
+        e = msg.end
+        event = BubbleEnd(e.stage, e.rank, e.iteration, e.slot, e.end_ns)
+    else:
+        raise ConfigError("a bubble event must be a start or an end")
+    validate_bubble_event(event)
+    return event
+
+
+# ------------------------------------------------------------------ conversions out
+
+
+def _pct_pb(p: Percentiles) -> _pb.Percentiles:
+    return _pb.Percentiles(count=p.count, p50=p.p50, p90=p.p90, p99=p.p99, max=p.max)
+
+
+def task_info_to_pb(info: TaskInfo) -> _pb.TaskInfo:
+    msg = _pb.TaskInfo(
+        task_id=info.task_id,
+        name=info.spec.display_name,
+        target=info.spec.target,
+        command=list(info.spec.command),
+        state=info.state,
+        priority=info.spec.priority,
+        memory_bytes=info.spec.memory_bytes,
+        steps=info.steps,
+        progress=info.progress,
+        progress_unit=info.progress_unit,
+        step_p50_ms=info.step_p50_ms,
+        step_p95_ms=info.step_p95_ms,
+        harvested_s=info.harvested_s,
+        overruns=info.overruns,
+        checkpoint_step=info.checkpoint_step,
+        waiting_reason=info.waiting_reason,
+        submitted_unix_s=info.submitted_unix_s,
+        updated_unix_s=info.updated_unix_s,
+        pid=info.pid,
+        args_json=json.dumps(info.spec.args),
+        restarts=info.restarts,
+    )
+    if info.failure is not None:
+        f = info.failure
+        msg.has_failure = True
+        msg.failure.CopyFrom(
+            _pb.Failure(
+                kind=f.kind,
+                message=f.message,
+                exit_code=f.exit_code or 0,
+                has_exit_code=f.exit_code is not None,
+                signal=f.signal,
+                step=f.step,
+                traceback=f.traceback,
+                log_tail=f.log_tail,
+                at_unix_s=f.at_unix_s,
+            )
+        )
+    return msg
+
+
+def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
+    return _pb.StatsResponse(
+        device=s.device,
+        uptime_s=s.uptime_s,
+        bubbles=s.bubbles,
+        bubble_time_s=s.bubble_time_s,
+        granted_s=s.granted_s,
+        harvested_s=s.harvested_s,
+        overruns=s.overruns,
+        overrun_ms=_pct_pb(s.overrun_ms),
+        grant_latency_ms=_pct_pb(s.grant_latency_ms),
+        park_latency_ms=_pct_pb(s.park_latency_ms),
+        memory_budget_bytes=s.memory_budget_bytes,
+        tasks_by_state=s.tasks_by_state,
+        events_received=s.events_received,
+        events_rejected=s.events_rejected,
+        draining=s.draining,
+    )
+
+
+def slot_to_pb(s: BubbleSlotStats) -> _pb.BubbleSlotStats:
+    return _pb.BubbleSlotStats(
+        stage=s.stage,
+        rank=s.rank,
+        slot=s.slot,
+        kind=s.kind,
+        count=s.count,
+        length_ms=_pct_pb(s.length_ms),
+        predicted_ms=_pct_pb(s.predicted_ms),
+        abs_error_pct=_pct_pb(s.abs_error_pct),
+        min_free_memory_bytes=s.min_free_memory_bytes,
+    )
+
+
+def _event_to_pb(event: TaskEvent) -> _pb.ManagerEvent:
+    msg = _pb.ManagerEvent(at_unix_s=event.at_unix_s)
+    if event.task is not None:
+        msg.task.CopyFrom(task_info_to_pb(event.task))
+    elif isinstance(event.bubble, BubbleStart):
+        b = event.bubble
+        msg.bubble_start.CopyFrom(
+            _pb.BubbleStart(stage=b.stage, rank=b.rank, iteration=b.iteration, slot=b.slot, kind=b.kind,
+                            start_ns=b.start_ns, predicted_ns=b.predicted_ns, free_memory_bytes=b.free_memory_bytes)
+        )
+    elif isinstance(event.bubble, BubbleEnd):
+        e = event.bubble
+        msg.bubble_end.CopyFrom(
+            _pb.BubbleEnd(stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot, end_ns=e.end_ns)
+        )
+    return msg
+
+
+# ------------------------------------------------------------------ servicers
+
+
+def _call(loop: L.ManagerLoop, context: grpc.ServicerContext, request: L.Request, timeout_s: float = 10.0) -> Any:
+    try:
+        return loop.call(request, timeout_s)
+    except RequestRejected as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except TaskNotFound as exc:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except FutureTimeout:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the manager loop did not answer in time")
+
+
+class TrainerServicer(_pb_grpc.TrainerServicer):
+    def __init__(self, loop: L.ManagerLoop) -> None:
+        self._loop = loop
+
+    def StreamBubbles(self, request_iterator: Iterator[_pb.BubbleEvent], context: grpc.ServicerContext) -> Any:
+        accepted = rejected = 0
+        last_error = ""
+        for msg in request_iterator:
+            received_ns = time.monotonic_ns()
+            try:
+                event = bubble_from_pb(msg)
+            except ConfigError as exc:
+                # One bad event must not cost the trainer its stream: count it, say why, go on.
+                rejected += 1
+                self._loop.events_rejected += 1
+                last_error = str(exc)
+                continue
+            self._loop.post_bubble(event, received_ns)
+            accepted += 1
+        if rejected:
+            log.warning("[%s] trainer stream: %d event(s) rejected, last: %s", self._loop.device, rejected, last_error)
+        return _pb.StreamSummary(accepted=accepted, rejected=rejected, last_error=last_error)
+
+
+class ControlServicer(_pb_grpc.ControlServicer):
+    def __init__(self, loop: L.ManagerLoop) -> None:
+        self._loop = loop
+
+    def Submit(self, request: _pb.SubmitRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            spec = spec_from_pb(request)
+        except RequestRejected as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return task_info_to_pb(_call(self._loop, context, L.SubmitTask(spec)))
+
+    def List(self, request: _pb.ListRequest, context: grpc.ServicerContext) -> Any:
+        infos = _call(self._loop, context, L.ListTasks(request.include_finished))
+        return _pb.ListResponse(tasks=[task_info_to_pb(i) for i in infos])
+
+    def Get(self, request: _pb.GetRequest, context: grpc.ServicerContext) -> Any:
+        return task_info_to_pb(_call(self._loop, context, L.GetTask(request.task_id)))
+
+    def Cancel(self, request: _pb.CancelRequest, context: grpc.ServicerContext) -> Any:
+        return task_info_to_pb(_call(self._loop, context, L.CancelTask(request.task_id)))
+
+    def Stats(self, request: _pb.StatsRequest, context: grpc.ServicerContext) -> Any:
+        return stats_to_pb(_call(self._loop, context, L.GetStats()))
+
+    def Bubbles(self, request: _pb.BubblesRequest, context: grpc.ServicerContext) -> Any:
+        return _pb.BubblesResponse(slots=[slot_to_pb(s) for s in _call(self._loop, context, L.GetBubbles())])
+
+    def Drain(self, request: _pb.DrainRequest, context: grpc.ServicerContext) -> Any:
+        timeout = request.timeout_s if 0 < request.timeout_s <= 3600 else 60.0
+        parked, checkpointed = _call(self._loop, context, L.Drain(), timeout_s=timeout)
+        return _pb.DrainResponse(parked=parked, checkpointed=checkpointed)
+
+    def Watch(self, request: _pb.WatchRequest, context: grpc.ServicerContext) -> Any:
+        q = self._loop.subscribe()
+        try:
+            while context.is_active():
+                try:
+                    event = q.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if event is None:
+                    return
+                yield _event_to_pb(event)
+        finally:
+            self._loop.unsubscribe(q)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Every call must carry ``authorization: bearer <token>``; compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"bearer {token}".encode()
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), self._expected) or handler is None:
+            return handler
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+        if handler.request_streaming and handler.response_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        elif handler.request_streaming:
+            make = grpc.stream_unary_rpc_method_handler
+        elif handler.response_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
+        return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+def add_servicers(server: grpc.Server, loop: L.ManagerLoop) -> None:
+    _pb_grpc.add_TrainerServicer_to_server(TrainerServicer(loop), server)
+    _pb_grpc.add_ControlServicer_to_server(ControlServicer(loop), server)

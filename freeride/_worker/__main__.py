@@ -1,0 +1,5 @@
+import sys
+
+from freeride._worker.runtime import main
+
+sys.exit(main())

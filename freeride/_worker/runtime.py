@@ -1,0 +1,405 @@
+"""The worker runtime: runs one side task inside the grants its manager sends.
+
+Lifecycle of a worker process (one per task, in its own session, started by the manager):
+
+1. Arrange to die with the manager (``PR_SET_PDEATHSIG``, and end-of-file on the channel).
+2. Read ``init``; prepare the device (core pinning and low priority on CPU, allocator caps on
+   CUDA); import and construct the task. Report ``ready``, or ``failed`` and exit.
+3. Wait for a ``grant`` (deadline, margin). The first grant runs ``setup`` (and restores the last
+   checkpoint); then, while ``now + p95 step time + margin <= deadline``, run ``step()``.
+   Between steps, read the channel without blocking: a ``park`` for this grant (the real bubble
+   end came early) stops the loop after the current step. Then report ``parked`` with the step
+   durations and go back to waiting. Nothing runs outside grants.
+4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
+   ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
+   ever sees whole files, and the last two are kept.
+5. Exit 0 when the task is done or stopped; on an exception, report ``failed`` with the traceback
+   and the step, and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from freeride._channel import Channel, ChannelClosed
+from freeride._manager.estimator import StepEstimator
+from freeride.devices import CpuDevice, CudaDevice, Device, parse_device_name
+from freeride.task import SideTask, TaskContext
+
+log = logging.getLogger("freeride.worker")
+
+_PR_SET_PDEATHSIG = 1
+#: Step durations carried by one ``parked`` report (the estimator only needs recent ones).
+MAX_REPORTED_DURATIONS = 64
+CHECKPOINTS_KEPT = 2
+EXIT_FAILED = 1
+EXIT_SETUP_FAILED = 2
+
+
+class _TaskError(Exception):
+    """Wraps an exception raised by task code, with where it happened."""
+
+    def __init__(self, kind: str, phase: str, exc: BaseException) -> None:
+        super().__init__(f"{phase}: {type(exc).__name__}: {exc}")
+        self.kind = kind
+        self.phase = phase
+        self.exc = exc
+        self.tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    name = type(exc).__name__
+    return name in ("OutOfMemoryError", "OutOfMemoryError_") or "out of memory" in str(exc).lower()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the channel's EOF still ends us
+        pass
+    if parent_pid and os.getppid() != parent_pid:
+        # The manager died between fork and prctl: there is nobody to work for.
+        os._exit(0)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory``, newest (highest step) first."""
+
+    def step_of(p: Path) -> int:
+        try:
+            return int(p.stem.split("-", 1)[1])
+        except (IndexError, ValueError):
+            return -1
+
+    files = [p for p in directory.glob("ckpt-*.pt") if step_of(p) >= 0]
+    return sorted(files, key=step_of, reverse=True)
+
+
+class WorkerRuntime:
+    def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
+        self.chan = channel
+        self.init = init
+        self.task_id = str(init["task_id"])
+        self.limit = int(init["memory_limit_bytes"])
+        self.work_dir = Path(init["work_dir"])
+        self.checkpoint_dir = Path(init["checkpoint_dir"])
+        self.resume_path = str(init.get("resume_path") or "")
+        self.checkpoint_interval_ns = int(float(init.get("checkpoint_interval_s") or 30.0) * 1e9)
+        hint_ns = int(float(init.get("step_time_hint_ms") or 0.0) * 1e6)
+        self.estimator = StepEstimator(hint_ns=hint_ns)
+        self.checkpoint_estimator = StepEstimator(window=8, quantile=1.0)
+        self.device: Device = self._device(str(init["device"]))
+        self.task: SideTask | None = None
+        self.setup_done = False
+        self.steps = 0
+        self.last_checkpoint_ns = time.monotonic_ns()
+        self.checkpointed_steps = -1
+
+    @staticmethod
+    def _device(name: str) -> Device:
+        parsed = parse_device_name(name)
+        return CpuDevice(parsed) if parsed.kind == "cpu" else CudaDevice(parsed)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        try:
+            self._prepare()
+        except _TaskError as err:
+            self._report_failure(err)
+            return EXIT_SETUP_FAILED
+        self.chan.send({"t": "ready", "pid": os.getpid(), "progress_unit": self._progress_unit()})
+        try:
+            while True:
+                msg = self.chan.recv()
+                assert msg is not None
+                kind = msg["t"]
+                if kind == "grant":
+                    if self._run_grant(msg):
+                        return 0
+                elif kind == "stop":
+                    self._stop(bool(msg.get("checkpoint")))
+                    return 0
+                # a "park" outside a grant is stale: the grant already ended on its deadline
+        except ChannelClosed:
+            log.info("[task=%s] manager went away; exiting", self.task_id)
+            self._close_task()
+            return 0
+        except _TaskError as err:
+            self._report_failure(err)
+            self._close_task()
+            return EXIT_FAILED
+
+    def _prepare(self) -> None:
+        try:
+            self.device.prepare_worker(self.limit)
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            command = self.init.get("command") or []
+            args = dict(self.init.get("args") or {})
+            if command:
+                from freeride.command import CommandTask
+
+                self.task = CommandTask(argv=list(command), **args)
+            else:
+                from freeride._loading import load_task_class
+
+                cls = load_task_class(str(self.init["target"]), str(self.init.get("working_dir") or ""))
+                self.task = cls(**args)
+        except Exception as exc:
+            kind = "IMPORT" if type(exc).__name__ == "TaskLoadError" else "CONFIG"
+            raise _TaskError(kind, "loading the task", exc) from exc
+
+    def _progress_unit(self) -> str:
+        return str(getattr(self.task, "progress_unit", "steps"))
+
+    def _progress(self) -> float:
+        assert self.task is not None
+        try:
+            value = self.task.progress()
+        except Exception as exc:
+            raise _TaskError("EXCEPTION", "progress()", exc) from exc
+        return float(self.steps if value is None else value)
+
+    # ------------------------------------------------------------------ grants
+
+    def _run_grant(self, grant: dict[str, Any]) -> bool:
+        """Step inside one grant (and any that supersede it); True when the task finished."""
+        assert self.task is not None
+        grant_id = int(grant["g"])
+        deadline = int(grant["deadline_ns"])
+        margin = int(grant["margin_ns"])
+        set_up_now = not self.setup_done
+        if set_up_now:
+            self._setup()
+        self._maybe_checkpoint(deadline, margin)
+        durations: list[int] = []
+        count = 0
+        first_step_ns = 0
+        last_end_ns = 0
+        reason = "deadline"
+        while True:
+            if self._done():
+                self._send_parked(grant_id, count, durations, first_step_ns, last_end_ns, "done")
+                self.chan.send({"t": "finished", "total_steps": self.steps, "progress": self._progress()})
+                self._close_task()
+                return True
+            msg = self.chan.recv_nowait()
+            stop_now = False
+            while msg is not None:
+                kind = msg["t"]
+                if kind == "park" and int(msg["g"]) == grant_id:
+                    reason = "park"
+                    stop_now = True
+                elif kind == "grant":  # a newer grant supersedes this one (thawed after a freeze)
+                    grant_id = int(msg["g"])
+                    deadline = int(msg["deadline_ns"])
+                    margin = int(msg["margin_ns"])
+                    reason = "deadline"
+                    stop_now = False
+                elif kind == "stop":
+                    self._send_parked(grant_id, count, durations, first_step_ns, last_end_ns, "stop")
+                    self._stop(bool(msg.get("checkpoint")))
+                    return True
+                msg = self.chan.recv_nowait()
+            if stop_now:
+                break
+            now = time.monotonic_ns()
+            est = self.estimator.estimate_ns()
+            if now + (est or 0) + margin > deadline:
+                break
+            try:
+                self.task.step()
+            except Exception as exc:
+                raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", f"step {self.steps}", exc) from exc
+            end = time.monotonic_ns()
+            self.steps += 1
+            count += 1
+            self.estimator.add(end - now)
+            durations.append(end - now)
+            if len(durations) > MAX_REPORTED_DURATIONS:
+                del durations[0]
+            # A grant that ran setup first does not measure "bubble start -> first step".
+            first_step_ns = first_step_ns or (1 if set_up_now else now)
+            last_end_ns = end
+        self._send_parked(grant_id, count, durations, first_step_ns, last_end_ns, reason)
+        return False
+
+    def _done(self) -> bool:
+        assert self.task is not None
+        try:
+            return bool(self.task.done())
+        except Exception as exc:
+            raise _TaskError("EXCEPTION", "done()", exc) from exc
+
+    def _send_parked(
+        self, grant_id: int, count: int, durations: list[int], first: int, last: int, reason: str
+    ) -> None:
+        self.chan.send(
+            {
+                "t": "parked",
+                "g": grant_id,
+                "steps": count,
+                "durations_ns": durations,
+                "first_step_ns": first if first > 1 else 0,
+                "last_end_ns": last,
+                "parked_ns": time.monotonic_ns(),
+                "reason": reason,
+                "progress": self._progress(),
+                "total_steps": self.steps,
+            }
+        )
+
+    # ------------------------------------------------------------------ setup and checkpoints
+
+    def _setup(self) -> None:
+        assert self.task is not None
+        ctx = TaskContext(
+            device=self.device.torch_device,
+            device_name=str(self.device.name),
+            memory_limit_bytes=self.limit,
+            task_id=self.task_id,
+            work_dir=self.work_dir,
+            logger=logging.getLogger(f"freeride.task.{self.task_id}"),
+        )
+        try:
+            self.task.setup(ctx)
+        except Exception as exc:
+            raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", "setup", exc) from exc
+        self.setup_done = True
+        proc = getattr(self.task, "proc", None)
+        if proc is not None and type(self.task).__name__ == "CommandTask":
+            # The command runs in its own process group: the manager freezes and kills it too.
+            self.chan.send({"t": "pgroup", "pgid": proc.pid})
+        self._restore()
+
+    def _restore(self) -> None:
+        """Load the newest readable checkpoint, the acknowledged one first."""
+        assert self.task is not None
+        candidates: list[Path] = []
+        if self.resume_path:
+            candidates.append(Path(self.resume_path))
+        candidates += [p for p in checkpoint_files(self.checkpoint_dir) if p not in candidates]
+        if not candidates:
+            return
+        import torch
+
+        errors = []
+        for path in candidates:
+            try:
+                blob = torch.load(path, map_location=self.device.torch_device, weights_only=False)
+                self.task.load_state_dict(blob["state"])
+            except FileNotFoundError:
+                continue
+            except Exception as exc:  # a torn or corrupt file: try the one before it
+                errors.append(f"{path.name}: {type(exc).__name__}: {exc}")
+                log.warning("[task=%s] cannot restore %s: %s", self.task_id, path, exc)
+                continue
+            self.steps = int(blob.get("steps", 0))
+            self.checkpointed_steps = self.steps
+            log.info("[task=%s] resumed from %s at step %d", self.task_id, path.name, self.steps)
+            return
+        if errors:
+            raise _TaskError(
+                "CHECKPOINT", "restoring a checkpoint", RuntimeError("no checkpoint is readable: " + "; ".join(errors))
+            )
+
+    def _maybe_checkpoint(self, deadline: int, margin: int) -> None:
+        now = time.monotonic_ns()
+        if now - self.last_checkpoint_ns < self.checkpoint_interval_ns or self.steps == self.checkpointed_steps:
+            return
+        est = self.checkpoint_estimator.estimate_ns()
+        if est is not None and now + est + margin > deadline:
+            return
+        self._checkpoint()
+        self.checkpoint_estimator.add(time.monotonic_ns() - now)
+
+    def _checkpoint(self) -> None:
+        assert self.task is not None
+        import torch
+
+        try:
+            state = self.task.state_dict()
+        except Exception as exc:
+            raise _TaskError("EXCEPTION", "state_dict()", exc) from exc
+        path = self.checkpoint_dir / f"ckpt-{self.steps}.pt"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            torch.save({"format": 1, "task_id": self.task_id, "steps": self.steps, "state": state}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.checkpoint_dir)
+        for old in checkpoint_files(self.checkpoint_dir)[CHECKPOINTS_KEPT:]:
+            old.unlink(missing_ok=True)
+        self.last_checkpoint_ns = time.monotonic_ns()
+        self.checkpointed_steps = self.steps
+        self.chan.send({"t": "checkpoint", "step": self.steps, "path": str(path), "progress": self._progress()})
+
+    def _stop(self, checkpoint: bool) -> None:
+        if checkpoint and self.setup_done and self.steps != self.checkpointed_steps:
+            self._checkpoint()
+        self._close_task()
+
+    def _close_task(self) -> None:
+        if self.task is not None:
+            try:
+                self.task.close()
+            except Exception:
+                log.exception("[task=%s] close() raised", self.task_id)
+
+    def _report_failure(self, err: _TaskError) -> None:
+        log.error("[task=%s] %s\n%s", self.task_id, err, err.tb)
+        try:
+            self.chan.send(
+                {
+                    "t": "failed",
+                    "kind": err.kind,
+                    "message": str(err)[:2000],
+                    "traceback": err.tb[-8000:],
+                    "step": self.steps,
+                }
+            )
+        except ChannelClosed:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m freeride._worker")
+    parser.add_argument("--fd", type=int, required=True, help="the channel socket inherited from the manager")
+    parser.add_argument("--parent-pid", type=int, default=0)
+    ns = parser.parse_args(argv)
+    _die_with_parent(ns.parent_pid)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    channel = Channel(socket.socket(fileno=ns.fd))
+    try:
+        init = channel.recv()
+    except ChannelClosed:
+        return 0
+    if init is None or init.get("t") != "init":
+        log.error("expected an init message, got %r", init)
+        return EXIT_SETUP_FAILED
+    return WorkerRuntime(channel, init).run()

@@ -1,0 +1,93 @@
+"""The imperative wrapper: run an arbitrary command as a side task, best effort.
+
+The command runs in its own process group, stopped (SIGSTOP) from before its first instruction.
+Each ``step`` thaws it with SIGCONT for a short slice and freezes it again with SIGSTOP, so the
+runtime's deadline logic applies unchanged: a slice is a step of known length.
+
+Best effort, by nature:
+
+* On a GPU, SIGSTOP does not stop kernels that are already queued: they drain after the freeze
+  and can overrun the bubble by their length.
+* There is no checkpoint: a command that is restarted (after an eviction or a manager restart)
+  starts again from the beginning. Write an iterative task where resumption matters.
+* Grandchildren that leave the command's process group are not frozen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+from freeride.errors import ConfigError
+from freeride.task import SideTask, TaskContext
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _stopped_child_preexec() -> None:  # pragma: no cover - runs in the child before exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.setpgid(0, 0)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class CommandTask(SideTask):
+    """Run ``argv`` (no shell) in slices of ``slice_ms`` inside bubbles."""
+
+    progress_unit = "slices"
+
+    def __init__(self, argv: list[str], slice_ms: float = 2.0) -> None:
+        if not argv or not all(isinstance(a, str) and a for a in argv):
+            raise ConfigError("a command task needs a non-empty argv of non-empty strings")
+        if not 0.1 <= slice_ms <= 1000:
+            raise ConfigError(f"slice_ms must be in [0.1, 1000], got {slice_ms}")
+        self.argv = list(argv)
+        self.slice_s = slice_ms / 1000
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.slices = 0
+        self.returncode: int | None = None
+
+    def setup(self, ctx: TaskContext) -> None:
+        # The manager's threads are irrelevant here: a worker process is single-threaded.
+        self.proc = subprocess.Popen(  # noqa: S603 - argv list, never a shell
+            self.argv,
+            cwd=str(ctx.work_dir),
+            preexec_fn=_stopped_child_preexec,  # noqa: PLW1509
+        )
+        # Wait until the child has stopped itself, so no instruction of it runs outside a slice.
+        os.waitpid(self.proc.pid, os.WUNTRACED)
+
+    def step(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+        time.sleep(self.slice_s)
+        try:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        self.slices += 1
+        self.returncode = self.proc.poll()
+        if self.returncode is not None and self.returncode != 0:
+            raise RuntimeError(f"command {self.argv[0]!r} exited with code {self.returncode}")
+
+    def done(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def progress(self) -> float:
+        return float(self.slices)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()

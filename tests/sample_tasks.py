@@ -1,0 +1,124 @@
+"""Side tasks used by the end-to-end tests: each misbehaves (or behaves) in one specific way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from freeride import SideTask, TaskContext
+
+
+class Counter(SideTask):
+    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never)."""
+
+    progress_unit = "ticks"
+
+    def __init__(self, step_ms: float = 1.0, total: int = 0) -> None:
+        self.step_s = step_ms / 1000
+        self.total = total
+        self.count = 0
+        self.log_path = ""
+
+    def setup(self, ctx: TaskContext) -> None:
+        self.log_path = str(ctx.work_dir / "steps.log")
+
+    def step(self) -> None:
+        start = time.monotonic_ns()
+        end_at = time.perf_counter() + self.step_s
+        while time.perf_counter() < end_at:
+            pass
+        self.count += 1
+        with open(self.log_path, "a") as fh:
+            fh.write(f"{start} {time.monotonic_ns()}\n")
+
+    def done(self) -> bool:
+        return bool(self.total) and self.count >= self.total
+
+    def progress(self) -> float:
+        return float(self.count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+
+
+class Crasher(Counter):
+    """Raises in step number ``crash_at``."""
+
+    def __init__(self, crash_at: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.crash_at = crash_at
+
+    def step(self) -> None:
+        if self.count == self.crash_at:
+            raise ValueError(f"boom at step {self.count}")
+        super().step()
+
+
+class SetupCrasher(Counter):
+    def setup(self, ctx: TaskContext) -> None:
+        raise RuntimeError("cannot set up")
+
+
+class Segfaulter(Counter):
+    def step(self) -> None:
+        if self.count == 2:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        super().step()
+
+
+class Hanger(Counter):
+    """Its step ``hang_at`` never returns (ignores every deadline and park)."""
+
+    def __init__(self, hang_at: int = 2, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.hang_at = hang_at
+
+    def step(self) -> None:
+        if self.count == self.hang_at:
+            while True:
+                pass
+        super().step()
+
+
+class MemoryHog(Counter):
+    """Allocates ``mib_per_step`` MiB per step and keeps it."""
+
+    def __init__(self, mib_per_step: int = 64, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mib = mib_per_step
+        self.hoard: list[bytearray] = []
+
+    def step(self) -> None:
+        self.hoard.append(bytearray(os.urandom(16)) * (self.mib * 2**16))
+        super().step()
+
+
+class ChannelCloser(Counter):
+    """Closes every inherited socket (its channel to the manager) and keeps running."""
+
+    def step(self) -> None:
+        if self.count == 1:
+            for fd in range(3, 256):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            while True:
+                time.sleep(0.01)
+        super().step()
+
+
+class Spawner(Counter):
+    """Starts a child process that sleeps; the child must die with the task."""
+
+    def setup(self, ctx: TaskContext) -> None:
+        super().setup(ctx)
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        (ctx.work_dir / "child.pid").write_text(str(self.child.pid))
