@@ -548,8 +548,9 @@ class SchedulerCore:
         self._grant_next(now_ns, out)
 
     def _bubble_of(self, task: TaskRuntime) -> OpenBubble | None:
+        # Match on the holder, not the key: a duplicate start can open a bubble with the same key.
         for bubble in (self.bubble, self._closing):
-            if bubble is not None and bubble.event.key == task.grant_bubble:
+            if bubble is not None and bubble.running == task.task_id:
                 return bubble
         return None
 
@@ -695,7 +696,9 @@ class SchedulerCore:
         was_running = self._release_bubble(task)
         if task.state.is_terminal:
             task.stopping = ""
-            if was_running and self.bubble is not None:
+            # A task failed or cancelled mid-grant let go of its bubble when it was killed; now that
+            # its process is gone, the rest of the bubble goes to the next task.
+            if self.bubble is not None:
                 self._grant_next(now_ns, out)
             return
         stopping, task.stopping = task.stopping, ""
