@@ -1,0 +1,267 @@
+"""The training loop of the reference trainer (one process = one pipeline rank).
+
+Rank layout comes from torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``); the
+pipeline has one rank per process (``--stages`` must match the world size) and, for
+``interleaved-1f1b``, ``--virtual-stages`` model chunks per rank. Iteration time is measured on every
+rank around ``schedule.step`` and the optimizer step; the first ``--warmup`` iterations are marked
+in the log so that consumers can leave them out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from freeride.devices import parse_device_name
+from freeride.endpoints import default_endpoint, parse_endpoint, read_token
+from freeride.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass
+class TrainerConfig:
+    stages: int = 0  # 0: the world size
+    microbatches: int = 4
+    microbatch_size: int = 4
+    iterations: int = 20
+    warmup: int = 3
+    schedule: str = "1f1b"
+    virtual: int = 2
+    report: bool = False
+    measure: bool = False
+    device: str = "cpu"
+    log: str = ""
+    endpoint_template: str = ""
+    token_file: str = ""
+    vocab: int = 256
+    d_model: int = 128
+    heads: int = 4
+    layers: int = 4
+    seq_len: int = 64
+    seed: int = 0
+    lr: float = 1e-3
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, world: int) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.stages and self.stages != world:
+            raise ConfigError(f"--stages {self.stages} but torchrun started {world} processes (one per stage)")
+        if self.schedule == "1f1b" and self.microbatches < world:
+            raise ConfigError(f"1f1b needs --microbatches ({self.microbatches}) >= stages ({world})")
+        if self.iterations < 1 or self.microbatches < 1 or self.microbatch_size < 1:
+            raise ConfigError("--iterations, --microbatches and --microbatch-size must be >= 1")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:
+    p = argparse.ArgumentParser(prog="python -m freeride.trainer", description=__doc__)
+    p.add_argument("--stages", type=int, default=0, help="pipeline stages (default: torchrun's world size)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="iterations marked as warm-up in the log")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    # Option names must not be prefixes of torchrun's own (argparse rejects ambiguous prefixes).
+    p.add_argument("--virtual-stages", dest="virtual", type=int, default=2,
+                   help="model chunks per stage (interleaved-1f1b)")
+    p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False,
+                   help="stream bubbles to the device's freeride manager")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=False,
+                   help="instrument and log bubbles without reporting (implied by --report)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--iteration-log", dest="log", default="", help="JSON-lines file per rank ({rank} is substituted, "
+                   "else .rank<N> is added before the suffix)")
+    p.add_argument("--endpoint-template", default="",
+                   help="manager endpoint per rank, e.g. unix:/tmp/m-{slug}.sock "
+                   "({device}, {slug}, {local_rank}, {rank} are substituted)")
+    p.add_argument("--token-file", default="")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    ns = p.parse_args(argv)
+    return TrainerConfig(**{k: v for k, v in vars(ns).items()})
+
+
+def rank_log_path(template: str, rank: int) -> Path:
+    if "{rank}" in template:
+        return Path(template.format(rank=rank))
+    path = Path(template)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix or '.jsonl'}")
+
+
+def _endpoint(cfg: TrainerConfig, device: str, local_rank: int, rank: int) -> Any:
+    if cfg.endpoint_template:
+        slug = parse_device_name(device).slug
+        return parse_endpoint(
+            cfg.endpoint_template.format(device=device, slug=slug, local_rank=local_rank, rank=rank)
+        )
+    return default_endpoint(device)
+
+
+def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
+    """Run the training loop in this process (a torchrun rank); returns the iteration records."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from freeride.pipelining import InstrumentedSchedule, MeasuredBubble
+    from freeride.reporter import BubbleReporter
+    from freeride.trainer.model import GPTConfig, build_chunk, lm_loss, synthetic_batch
+
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world)
+
+    if cfg.device == "cpu":
+        cores = sorted(os.sched_getaffinity(0))
+        # One core per stage: the stage's bubbles are then real idle time of that core (cpu:N).
+        core = local_rank if local_rank in cores else cores[local_rank % len(cores)]
+        os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
+        device_name = f"cpu:{core}"
+        torch_device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(local_rank)
+        device_name = f"cuda:{local_rank}"
+        torch_device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    if world > 1 or not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+
+    gpt = GPTConfig(cfg.vocab, cfg.d_model, cfg.heads, cfg.layers, cfg.seq_len, cfg.seed)
+    virtual = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
+    chunks = world * virtual
+    # Looped placement: rank r holds chunks r, r + world, ... (what torch's interleaved schedule expects).
+    local_chunks = [r for r in range(chunks) if r % world == rank]
+    modules = [build_chunk(gpt, c, chunks).to(torch_device) for c in local_chunks]
+    stages = [PipelineStage(m, c, chunks, torch_device) for m, c in zip(modules, local_chunks, strict=True)]
+    if cfg.schedule == "gpipe":
+        schedule: Any = ScheduleGPipe(stages[0], cfg.microbatches, loss_fn=lm_loss)
+    elif cfg.schedule == "1f1b":
+        schedule = Schedule1F1B(stages[0], cfg.microbatches, loss_fn=lm_loss)
+    else:
+        schedule = ScheduleInterleaved1F1B(list(stages), cfg.microbatches, loss_fn=lm_loss)
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+
+    reporter = None
+    runner: Any = schedule
+    instrumented = None
+    if cfg.report or cfg.measure:
+        if cfg.report:
+            token = read_token(cfg.token_file or None)
+            reporter = BubbleReporter(device_name, stage=rank, rank=rank,
+                                      endpoint=_endpoint(cfg, device_name, local_rank, rank), token=token)
+        instrumented = InstrumentedSchedule(schedule, sink=reporter, device=device_name)
+        runner = instrumented
+
+    out = None
+    if cfg.log:
+        path = rank_log_path(cfg.log, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = path.open("w")
+    holds_first = 0 in local_chunks
+    holds_last = chunks - 1 in local_chunks
+    batch = cfg.microbatches * cfg.microbatch_size
+    records: list[dict[str, Any]] = []
+    log.info("[rank %d %s] %s, %d stages x %d micro-batches, report=%s", rank, device_name,
+             cfg.schedule, world, cfg.microbatches, cfg.report)
+    try:
+        for it in range(cfg.iterations):
+            x, y = synthetic_batch(gpt, batch, it)
+            x, y = x.to(torch_device), y.to(torch_device)
+            losses: list[Any] = []
+            t0 = time.monotonic_ns()
+            optimizer.zero_grad(set_to_none=True)
+            if holds_first and holds_last:
+                runner.step(x, target=y, losses=losses)
+            elif holds_first:
+                runner.step(x)
+            elif holds_last:
+                runner.step(target=y, losses=losses)
+            else:
+                runner.step()
+            optimizer.step()
+            if cfg.device == "cuda":
+                # Iteration timing only (not part of the instrumentation): one sync per iteration,
+                # the same in every mode, so that the measured time is the device's.
+                torch.cuda.synchronize()
+            elapsed = time.monotonic_ns() - t0
+            bubbles: list[MeasuredBubble] = instrumented.last_bubbles if instrumented else []
+            record: dict[str, Any] = {
+                "iteration": it,
+                "rank": rank,
+                "stage": rank,
+                "device": device_name,
+                "warmup": it < cfg.warmup,
+                "time_ms": elapsed / 1e6,
+                "end_ns": t0 + elapsed,
+                "loss": float(torch.stack([x.detach() for x in losses]).mean()) if losses else None,
+                "bubbles": [
+                    {"slot": b.slot, "kind": b.kind, "start_ns": b.start_ns, "length_ms": b.length_ns / 1e6,
+                     "predicted_ms": b.predicted_ns / 1e6, "free_memory_bytes": b.free_memory_bytes}
+                    for b in bubbles
+                ],
+            }
+            records.append(record)
+            if out is not None:
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+            log.info("[rank %d] iteration %d: %.1f ms%s", rank, it, elapsed / 1e6,
+                     f", loss {record['loss']:.4f}" if record["loss"] is not None else "")
+        summary: dict[str, Any] = {"summary": True, "rank": rank, "config": asdict(cfg)}
+        if instrumented is not None:
+            err = instrumented.predictor.prediction_error()
+            summary.update(
+                slots=[{"slot": s.index, "kind": s.kind} for s in instrumented.slots],
+                unplanned_waits=instrumented.unplanned_waits,
+                unplanned_wait_ms=instrumented.unplanned_wait_ns / 1e6,
+                prediction_error={"count": err.count, "p50": err.p50, "p90": err.p90, "max": err.max},
+            )
+        if reporter is not None:
+            reporter.close()
+            summary["reporter"] = asdict(reporter.counters())
+        if out is not None:
+            out.write(json.dumps(summary) + "\n")
+    finally:
+        if reporter is not None:
+            reporter.close()
+        if instrumented is not None:
+            instrumented.close()
+        if out is not None:
+            out.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("FREERIDE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = parse_args(argv)
+        train(cfg)
+    except ConfigError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
+    return 0
