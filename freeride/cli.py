@@ -42,6 +42,7 @@ COMMAND_MODULES = (
     "freeride._cli.manager",
     "freeride._cli.tasks",
     "freeride._cli.plan",
+    "freeride._cli.bubbles",
 )
 
 

@@ -1,0 +1,136 @@
+"""``freeride bubbles``: what the managers saw of the training job's bubbles, per stage and slot.
+
+    freeride bubbles [--devices cpu:0,cpu:1 | --endpoint unix:/p.sock] [--json]
+
+One row per (device, stage, slot): how many times the bubble occurred, its measured length
+(p50 / p90 / p99 / max), the trainer's predicted length, the prediction error (|predicted - real|
+/ real, p50 / p90) and the least free device memory reported in it. A footer per device sums the
+median bubble time per iteration. Without ``--devices`` or ``--endpoint`` it asks every manager
+whose socket is in the per-user runtime directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from freeride._wire.client import ControlClient
+from freeride.devices import parse_device_name
+from freeride.endpoints import TOKEN_ENV, Endpoint, default_endpoint, parse_endpoint, read_token, runtime_dir
+from freeride.errors import ConfigError, ManagerUnavailable
+from freeride.messages import BubbleSlotStats
+from freeride.units import format_size
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bubbles",
+        help="show the bubbles each manager saw: count, length percentiles, free memory, prediction error",
+        description="Per (stage, slot) bubble statistics from the managers of the job's devices.",
+    )
+    parser.add_argument("--devices", default=None, help="comma-separated devices, e.g. cpu:0,cpu:1")
+    parser.add_argument("--device", action="append", default=[], help="a device (repeatable)")
+    parser.add_argument("--endpoint", default=None, help="one manager's endpoint (unix:/p.sock or tcp://h:p)")
+    parser.add_argument("--token-file", default=None, help=f"token for a TCP endpoint (else ${TOKEN_ENV})")
+    parser.add_argument("--timeout-s", type=float, default=5.0, help="per-manager RPC timeout")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(func=run)
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, Endpoint]]:
+    devices: list[str] = list(args.device)
+    if args.devices:
+        devices += [d for d in args.devices.split(",") if d.strip()]
+    if args.endpoint:
+        if devices:
+            raise ConfigError("give either --endpoint or --devices, not both")
+        return [(args.endpoint, parse_endpoint(args.endpoint))]
+    if devices:
+        return [(str(parse_device_name(d)), default_endpoint(d)) for d in devices]
+    found = sorted(runtime_dir(create=False).glob("*.sock")) if runtime_dir(create=False).is_dir() else []
+    targets = []
+    for sock in found:
+        kind, _, index = sock.stem.partition("-")
+        if kind in ("cpu", "cuda") and index.isdigit():
+            targets.append((f"{kind}:{index}", Endpoint("unix", str(sock))))
+    if not targets:
+        raise ManagerUnavailable(
+            f"no manager sockets in {runtime_dir(create=False)}; give --devices or --endpoint "
+            "(start managers with `freeride manager --device ...` or `freeride launch`)"
+        )
+    return targets
+
+
+def collect(
+    targets: list[tuple[str, Endpoint]], token: str | None, timeout_s: float
+) -> tuple[dict[str, list[BubbleSlotStats]], dict[str, str]]:
+    """Slot statistics per device, and an error line for each manager that did not answer."""
+    stats: dict[str, list[BubbleSlotStats]] = {}
+    errors: dict[str, str] = {}
+    for name, endpoint in targets:
+        try:
+            with ControlClient(endpoint, token=token, timeout_s=timeout_s) as client:
+                stats[name] = sorted(client.bubbles(), key=lambda s: (s.stage, s.rank, s.slot))
+        except ManagerUnavailable as exc:
+            errors[name] = str(exc)
+    return stats, errors
+
+
+def _ms(value: float) -> str:
+    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def _pct(value: float) -> str:
+    return f"{value:.1f}%"
+
+
+def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str]) -> str:
+    """The human table."""
+    header = (
+        f"{'device':<8} {'stage':>5} {'rank':>4} {'slot':>4} {'kind':<10} {'count':>6} "
+        f"{'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'pred ms':>8} "
+        f"{'err p50':>7} {'err p90':>7} {'min free':>9}"
+    )
+    lines = [header]
+    for device, slots in stats.items():
+        if not slots:
+            lines.append(f"{device:<8} (no bubbles reported yet)")
+            continue
+        for s in slots:
+            free = format_size(s.min_free_memory_bytes) if s.min_free_memory_bytes >= 0 else "?"
+            lines.append(
+                f"{device:<8} {s.stage:>5} {s.rank:>4} {s.slot:>4} {s.kind:<10} {s.count:>6} "
+                f"{_ms(s.length_ms.p50):>8} {_ms(s.length_ms.p90):>8} {_ms(s.length_ms.p99):>8} "
+                f"{_ms(s.length_ms.max):>8} {_ms(s.predicted_ms.p50):>8} "
+                f"{_pct(s.abs_error_pct.p50):>7} {_pct(s.abs_error_pct.p90):>7} {free:>9}"
+            )
+        per_stage: dict[int, float] = {}
+        for s in slots:
+            per_stage[s.stage] = per_stage.get(s.stage, 0.0) + s.length_ms.p50
+        summary = ", ".join(f"stage {k}: {_ms(v)} ms" for k, v in sorted(per_stage.items()))
+        lines.append(f"{'':<8} median bubble time per iteration: {summary}")
+    for device, message in errors.items():
+        lines.append(f"{device:<8} unavailable: {message}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = _targets(args)
+    token = read_token(args.token_file)
+    stats, errors = collect(targets, token, args.timeout_s)
+    if not stats:
+        raise ManagerUnavailable("; ".join(errors.values()))
+    if args.json:
+        doc = {
+            "devices": {d: [asdict(s) for s in slots] for d, slots in stats.items()},
+            "unavailable": errors,
+        }
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render(stats, errors))
+    return 1 if errors else 0
+

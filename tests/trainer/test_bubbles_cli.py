@@ -1,0 +1,121 @@
+"""The reporter against a real in-process manager, and ``freeride bubbles`` on what it saw."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freeride._cli import bubbles as bubbles_cli
+from freeride._wire.client import ControlClient
+from freeride.endpoints import Endpoint
+from freeride.errors import ManagerUnavailable
+from freeride.reporter import BubbleReporter
+
+daemon = pytest.importorskip("freeride._manager.daemon", reason="the manager daemon is not in this tree")
+
+MS = 1_000_000
+
+
+def _start_manager(tmp_path: Path, endpoint: Endpoint) -> Any:
+    manager = daemon.Manager("cpu:0", endpoint=endpoint, state_dir=tmp_path / "state")
+    manager.start()
+    return manager
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> Endpoint:
+    return Endpoint("unix", str(tmp_path / "m.sock"))
+
+
+@pytest.fixture
+def manager(tmp_path: Path, endpoint: Endpoint) -> Iterator[Any]:
+    m = _start_manager(tmp_path, endpoint)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _feed(reporter: BubbleReporter, iterations: range, stage_slots: list[tuple[int, str, int]]) -> None:
+    for it in iterations:
+        t = time.monotonic_ns()
+        for slot, kind, length_ms in stage_slots:
+            reporter.bubble_start(it, slot, kind, predicted_ns=length_ms * MS, free_memory_bytes=2**30, start_ns=t)
+            reporter.bubble_end(it, slot, end_ns=t + int(length_ms * MS * 1.05))
+            t += 2 * length_ms * MS
+
+
+def _wait_count(endpoint: Endpoint, want: int, timeout_s: float = 10.0) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    slots: list[Any] = []
+    while time.monotonic() < deadline:
+        with ControlClient(endpoint, timeout_s=2) as client:
+            slots = client.bubbles()
+        if slots and sum(s.count for s in slots) >= want:
+            return slots
+        time.sleep(0.05)
+    return slots
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    bubbles_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bubbles", *argv])
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def test_reported_bubbles_reach_the_manager_and_the_cli(
+    manager: Any, endpoint: Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with BubbleReporter("cpu:0", stage=1, rank=1, endpoint=endpoint) as reporter:
+        _feed(reporter, range(6), [(0, "turnaround", 4), (1, "drain", 1)])
+        slots = _wait_count(endpoint, 12)
+    assert {(s.stage, s.slot, s.kind, s.count) for s in slots} == {(1, 0, "turnaround", 6), (1, 1, "drain", 6)}
+    assert reporter.sent == 24 and reporter.dropped == 0
+
+    code, out = _cli(["--endpoint", str(endpoint)], capsys)
+    assert code == 0
+    assert "turnaround" in out and "drain" in out and "median bubble time per iteration" in out
+    code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
+    doc = json.loads(out)
+    (rows,) = doc["devices"].values()
+    assert sorted((r["slot"], r["count"]) for r in rows) == [(0, 6), (1, 6)]
+
+
+def test_reporter_reconnects_after_the_manager_restarts(tmp_path: Path, endpoint: Endpoint) -> None:
+    first = _start_manager(tmp_path, endpoint)
+    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=endpoint, backoff_initial_s=0.02,
+                              backoff_max_s=0.1)
+    try:
+        _feed(reporter, range(2), [(0, "boundary", 2)])
+        assert _wait_count(endpoint, 2)
+        first.stop()
+        # The manager is gone: reporting goes on without blocking or raising.
+        _feed(reporter, range(2, 4), [(0, "boundary", 2)])
+        second = _start_manager(tmp_path, endpoint)
+        try:
+            deadline = time.monotonic() + 10
+            while not reporter.counters().connected or reporter.counters().connects < 2:
+                assert time.monotonic() < deadline, reporter.counters()
+                time.sleep(0.02)
+            time.sleep(0.2)
+            _feed(reporter, range(4, 7), [(0, "boundary", 2)])
+            slots = _wait_count(endpoint, 3)
+            assert sum(s.count for s in slots) >= 3
+        finally:
+            second.stop()
+    finally:
+        reporter.close()
+    assert reporter.reconnects >= 1
+
+
+def test_bubbles_cli_without_manager_is_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ManagerUnavailable):
+        _cli(["--endpoint", f"unix:{tmp_path}/none.sock", "--timeout-s", "1"], capsys)
