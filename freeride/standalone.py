@@ -1,0 +1,283 @@
+"""Standalone mode: run one side task alone on a device and measure it.
+
+``run_standalone`` is the yardstick of harvest efficiency (DESIGN section 6): the throughput a
+task reaches with the device to itself, which the benchmark divides bubble-time progress by. It
+also lets a user try a task before submitting it: does it import, does ``setup`` fit the memory
+limit, how long is a step (the worker needs steps well under a bubble), how much memory does it
+really take.
+
+The run goes through the same contract the worker uses -- ``load_task_class``, construct with
+the JSON arguments, ``setup(TaskContext)``, ``step()`` until ``done()`` -- but with no bubbles:
+steps run back to back until the task is done or ``seconds`` have passed (the step in flight at
+the deadline is finished, never cut). On CUDA each step is followed by a device synchronize so
+that step times are device times, not launch times.
+
+Memory: on CUDA, ``torch.cuda.max_memory_allocated`` after a reset (what the allocator cap
+sees); on CPU, the growth of the process's resident set over its size before ``setup``, sampled
+after setup and after every step (so a short-lived spike inside a step can be missed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from freeride._loading import check_target_syntax, load_task_class
+from freeride.devices import Device, open_device, parse_device_name
+from freeride.errors import ConfigError, FreerideError
+from freeride.task import SideTask, TaskContext
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StandaloneReport", "TaskRunError", "check_target_syntax", "load_task_class", "run_standalone"]
+
+
+class TaskRunError(FreerideError):
+    """The task itself raised in ``setup`` or ``step``; carries where and the traceback.
+
+    Raised as a record, not a traceback: ``phase`` is ``"setup"`` or ``"step"``, ``step`` the
+    0-based index of the failing step, ``traceback_text`` the formatted traceback.
+    """
+
+    def __init__(self, target: str, phase: str, step: int, exc: BaseException) -> None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        at = "setup" if phase == "setup" else f"step {step}"
+        super().__init__(f"{target} failed in {at}: {type(exc).__name__}: {exc}{where}")
+        self.phase = phase
+        self.step = step
+        self.traceback_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+@dataclass(frozen=True)
+class StandaloneReport:
+    """What a standalone run measured.
+
+    Attributes:
+        target, args, device: what ran, with which arguments, where (``cpu:0``, ``cuda:1``).
+        steps: ``step()`` calls completed; progress / progress_unit: the task's own count.
+        finished: the task reported ``done()`` (else the time ran out).
+        setup_s: time spent in ``setup``; elapsed_s: time of the step loop.
+        progress_per_s, steps_per_s: throughput over the step loop.
+        step_ms_p50, step_ms_p90, step_ms_p99: step-time percentiles (nearest rank), ms.
+        peak_memory_bytes: see the module doc; memory_measure says which measure it is.
+        memory_limit_bytes: the limit the task was given.
+    """
+
+    target: str
+    device: str
+    steps: int
+    progress: float
+    progress_unit: str
+    finished: bool
+    setup_s: float
+    elapsed_s: float
+    progress_per_s: float
+    steps_per_s: float
+    step_ms_p50: float
+    step_ms_p90: float
+    step_ms_p99: float
+    peak_memory_bytes: int
+    memory_measure: str
+    memory_limit_bytes: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The report as one JSON object (keys sorted, stable for diffs)."""
+        return json.dumps(asdict(self), sort_keys=True, indent=2, default=str)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of ``values`` (0 for an empty list)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+class _MemoryProbe:
+    """Peak memory of this process on one device kind (see the module doc)."""
+
+    def __init__(self, torch_device: str) -> None:
+        self.cuda = torch_device.startswith("cuda")
+        self.torch_device = torch_device
+        self.process = psutil.Process()
+        self.peak = 0
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(torch_device)
+            self.baseline = int(torch.cuda.memory_allocated(torch_device))
+        else:
+            self.baseline = int(self.process.memory_info().rss)
+
+    @property
+    def measure(self) -> str:
+        return "cuda_max_allocated" if self.cuda else "rss_growth"
+
+    def sample(self) -> None:
+        if not self.cuda:
+            self.peak = max(self.peak, int(self.process.memory_info().rss) - self.baseline)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.torch_device)
+
+    def peak_bytes(self) -> int:
+        if self.cuda:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.torch_device))
+        return max(0, self.peak)
+
+
+def _default_limit(cls: type[SideTask], args: dict[str, Any], device: Device) -> int:
+    try:
+        estimate = cls.estimate_memory(**args)
+    except (TypeError, ValueError) as exc:
+        log.warning("%s.estimate_memory failed (%s); using the device's free memory", cls.__name__, exc)
+        estimate = None
+    return int(estimate) if estimate else int(device.free_memory_bytes())
+
+
+def run_standalone(
+    target: str,
+    args: dict[str, Any],
+    device: str,
+    seconds: float,
+    memory_limit_bytes: int | None = None,
+    work_dir: Path | None = None,
+    *,
+    prepare_device: bool = False,
+    max_steps: int | None = None,
+    search_path: str = "",
+) -> StandaloneReport:
+    """Run ``target`` (``"module:Class"``) alone on ``device`` for up to ``seconds``.
+
+    Args:
+        target: the task class reference.
+        args: keyword arguments for its constructor (JSON values).
+        device: ``cpu:N`` or ``cuda:N``.
+        seconds: time budget of the step loop (> 0); the task may finish earlier.
+        memory_limit_bytes: the limit passed in ``TaskContext``; default: the task's
+            ``estimate_memory(**args)``, else the device's free memory.
+        work_dir: the task's work directory; default: a temporary one, removed afterwards.
+        prepare_device: also apply the worker's per-process device setup (core pinning, nice
+            and one thread on CPU; the allocator cap on CUDA) to *this* process, so numbers
+            match what a worker sees. Only for processes that exit afterwards (the CLI).
+        max_steps: stop after this many steps even if time is left.
+        search_path: a directory put first on ``sys.path`` before importing (the CLI passes the
+            current directory, so a user's own module next to them resolves).
+
+    Raises:
+        TaskLoadError: bad reference, unknown module or class, not a SideTask.
+        ConfigError: bad device, arguments the class does not take, a configuration that does
+            not fit the memory limit.
+        TaskRunError: the task raised in ``setup`` or ``step``.
+    """
+    if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
+        raise ConfigError(f"seconds must be a positive number, got {seconds!r}")
+    if not isinstance(args, dict):
+        raise ConfigError(f"task arguments must be a JSON object, got {type(args).__name__}")
+    name = parse_device_name(device)
+    dev = open_device(name)
+    cls = load_task_class(target, search_path=search_path)
+    limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, args, dev)
+    if limit <= 0:
+        raise ConfigError(f"memory limit must be positive, got {limit}")
+    try:
+        task = cls(**args)
+    except TypeError as exc:
+        raise ConfigError(f"bad arguments for {target}: {exc}") from None
+    if prepare_device:
+        dev.prepare_worker(limit)
+    with tempfile.TemporaryDirectory(prefix="freeride-standalone-") as scratch:
+        directory = Path(work_dir) if work_dir is not None else Path(scratch)
+        directory.mkdir(parents=True, exist_ok=True)
+        return _run(task, target, args, dev, limit, directory, float(seconds), max_steps)
+
+
+def _run(
+    task: SideTask,
+    target: str,
+    args: dict[str, Any],
+    dev: Device,
+    limit: int,
+    work_dir: Path,
+    seconds: float,
+    max_steps: int | None,
+) -> StandaloneReport:
+    ctx = TaskContext(
+        device=dev.torch_device,
+        device_name=str(dev.name),
+        memory_limit_bytes=limit,
+        task_id=f"standalone-{type(task).__name__.lower()}",
+        work_dir=work_dir,
+        logger=logging.getLogger(f"freeride.task.{type(task).__name__}"),
+    )
+    probe = _MemoryProbe(dev.torch_device)
+    step_ms: list[float] = []
+    try:
+        start = time.perf_counter()
+        try:
+            task.setup(ctx)
+            probe.synchronize()
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise TaskRunError(target, "setup", 0, exc) from None
+        setup_s = time.perf_counter() - start
+        probe.sample()
+        loop_start = time.perf_counter()
+        deadline = loop_start + seconds
+        while not task.done() and time.perf_counter() < deadline:
+            if max_steps is not None and len(step_ms) >= max_steps:
+                break
+            t0 = time.perf_counter()
+            try:
+                task.step()
+                probe.synchronize()
+            except Exception as exc:
+                raise TaskRunError(target, "step", len(step_ms), exc) from None
+            step_ms.append((time.perf_counter() - t0) * 1000.0)
+            probe.sample()
+        elapsed = time.perf_counter() - loop_start
+        reported = task.progress()
+        progress = float(len(step_ms) if reported is None else reported)
+        finished = bool(task.done())
+    finally:
+        task.close()
+    unit = type(task).progress_unit if reported is not None else "steps"
+    report = StandaloneReport(
+        target=target,
+        device=str(dev.name),
+        steps=len(step_ms),
+        progress=progress,
+        progress_unit=unit,
+        finished=finished,
+        setup_s=setup_s,
+        elapsed_s=elapsed,
+        progress_per_s=progress / elapsed if elapsed > 0 else 0.0,
+        steps_per_s=len(step_ms) / elapsed if elapsed > 0 else 0.0,
+        step_ms_p50=percentile(step_ms, 50),
+        step_ms_p90=percentile(step_ms, 90),
+        step_ms_p99=percentile(step_ms, 99),
+        peak_memory_bytes=probe.peak_bytes(),
+        memory_measure=probe.measure,
+        memory_limit_bytes=limit,
+        args=dict(args),
+    )
+    log.info("standalone %s on %s: %d steps, %.1f %s/s", target, dev.name, report.steps, report.progress_per_s, unit)
+    return report

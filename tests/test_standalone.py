@@ -1,0 +1,206 @@
+"""Standalone mode: run_standalone's report, task loading errors, and the run-task command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from freeride.cli import main
+from freeride.errors import ConfigError, TaskLoadError
+from freeride.standalone import StandaloneReport, TaskRunError, load_task_class, percentile, run_standalone
+from freeride.task import SideTask
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class EndlessTask(SideTask):
+    """Never done; counts its steps (progress in the runtime's default unit)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def step(self) -> None:
+        self.count += 1
+
+
+class FailsOnThirdStep(SideTask):
+    progress_unit: ClassVar[str] = "widgets"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def step(self) -> None:
+        if self.count == 2:
+            raise RuntimeError("widget jammed")
+        self.count += 1
+
+    def progress(self) -> float:
+        return float(self.count)
+
+
+class NotATask:
+    pass
+
+
+def test_report_counts_progress_in_the_tasks_unit_until_done(tmp_path: Path) -> None:
+    report = run_standalone(
+        "side_tasks.graphs:PageRank", {"graph": "rmat:6", "max_iterations": 5, "tol": 0.0},
+        "cpu:0", 30.0, None, tmp_path,
+    )  # fmt: skip
+    assert report.finished and report.steps == 5 and report.progress == 5.0
+    assert report.progress_unit == "iterations"
+    assert report.step_ms_p50 <= report.step_ms_p90 <= report.step_ms_p99
+    assert report.progress_per_s > 0 and report.steps_per_s > 0
+    assert report.memory_measure == "rss_growth" and report.peak_memory_bytes >= 0
+    assert report.memory_limit_bytes > 0  # from PageRank.estimate_memory
+    assert (tmp_path / "result.npz").exists()
+
+
+def test_report_is_frozen_and_serialises_to_json() -> None:
+    report = run_standalone("side_tasks.graphs:BFS", {"graph": "rmat:5"}, "cpu:0", 10.0, 1 << 30, None)
+    with pytest.raises(AttributeError):
+        report.steps = 3  # type: ignore[misc]
+    data = json.loads(report.to_json())
+    assert data["target"] == "side_tasks.graphs:BFS" and data["args"] == {"graph": "rmat:5"}
+    assert set(data) == set(StandaloneReport.__dataclass_fields__)
+
+
+def test_time_limit_stops_an_endless_task_and_progress_defaults_to_steps() -> None:
+    report = run_standalone(f"{__name__}:EndlessTask", {}, "cpu:0", 0.05, 1 << 20, None)
+    assert not report.finished and report.steps > 0
+    assert report.progress == report.steps and report.progress_unit == "steps"
+
+
+def test_max_steps_bounds_the_run() -> None:
+    report = run_standalone(f"{__name__}:EndlessTask", {}, "cpu:0", 60.0, 1 << 20, None, max_steps=7)
+    assert report.steps == 7
+
+
+def test_failing_step_is_reported_with_its_index() -> None:
+    with pytest.raises(TaskRunError, match=r"FailsOnThirdStep failed in step 2: RuntimeError: widget jammed") as info:
+        run_standalone(f"{__name__}:FailsOnThirdStep", {}, "cpu:0", 10.0, 1 << 20, None)
+    assert info.value.step == 2 and "widget jammed" in info.value.traceback_text
+
+
+def test_configuration_that_cannot_fit_the_memory_limit_is_refused() -> None:
+    with pytest.raises(ConfigError, match="more than its memory limit of 1.0 MiB"):
+        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:12"}, "cpu:0", 1.0, 1 << 20, None)
+
+
+def test_unknown_constructor_argument_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"bad arguments for side_tasks.graphs:PageRank: .*colour"):
+        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:4", "colour": 1}, "cpu:0", 1.0, None, None)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("side_tasks.graphs.PageRank", "expected package.module:ClassName"),
+        ("no_such_module_xyz:Task", "unknown module 'no_such_module_xyz'"),
+        ("side_tasks.graphs:NoSuchTask", "has no class 'NoSuchTask'"),
+        (f"{__name__}:NotATask", "is not a subclass of freeride.SideTask"),
+    ],
+    ids=["syntax", "module", "class", "not-a-task"],
+)
+def test_load_task_class_gives_one_line_errors(target: str, message: str) -> None:
+    with pytest.raises(TaskLoadError, match=message) as info:
+        load_task_class(target)
+    assert "\n" not in str(info.value)
+
+
+def test_load_task_class_returns_the_class() -> None:
+    from side_tasks.images import ImageWatermark
+
+    assert load_task_class("side_tasks.images:ImageWatermark") is ImageWatermark
+
+
+def test_bad_device_and_seconds_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown device"):
+        run_standalone(f"{__name__}:EndlessTask", {}, "gpu0", 1.0, None, None)
+    with pytest.raises(ConfigError, match="seconds must be a positive number"):
+        run_standalone(f"{__name__}:EndlessTask", {}, "cpu:0", 0, None, None)
+
+
+def test_percentile_uses_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == (50.0, 90.0, 99.0)
+    assert percentile([], 50) == 0.0 and percentile([3.0], 99) == 3.0
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["run-task", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def fake_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Replace the run itself: the CLI would pin and renice the test process."""
+    seen: dict[str, Any] = {}
+
+    def fake(target: str, args: dict[str, Any], device: str, seconds: float, limit: int | None, work_dir: Any,
+             **kwargs: Any) -> StandaloneReport:  # fmt: skip
+        seen.update(target=target, args=args, device=device, seconds=seconds, limit=limit, **kwargs)
+        return StandaloneReport(target, device, 4, 40.0, "images", True, 0.01, 2.0, 20.0, 2.0, 1.0, 2.0, 3.0,
+                                1 << 20, "rss_growth", limit or 0, args)  # fmt: skip
+
+    monkeypatch.setattr("freeride._cli.run_task.run_standalone", fake)
+    return seen
+
+
+def test_cli_arg_values_parse_as_json_else_string(capsys: pytest.CaptureFixture[str], fake_run: dict) -> None:
+    code, out, _ = _cli(
+        capsys, "pkg.mod:Task", "--args-json", '{"a": 1, "b": "x"}', "--arg", "b=2", "--arg", "flip=true",
+        "--arg", "name=rmat:3", "--arg", 'list=[1, 2]', "--memory", "2GiB", "--seconds", "3", "--device", "cpu:0",
+    )  # fmt: skip
+    assert code == 0
+    assert fake_run["args"] == {"a": 1, "b": 2, "flip": True, "name": "rmat:3", "list": [1, 2]}
+    assert fake_run["limit"] == 2 << 30 and fake_run["seconds"] == 3.0 and fake_run["prepare_device"] is True
+    assert "throughput  20 images/s, 2 steps/s" in out and "p99 3.0 ms" in out
+
+
+def test_cli_json_output_is_the_report(capsys: pytest.CaptureFixture[str], fake_run: dict) -> None:
+    code, out, _ = _cli(capsys, "pkg.mod:Task", "--json")
+    assert code == 0 and json.loads(out)["progress_unit"] == "images"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["pkg.mod:Task", "--arg", "novalue"], "bad --arg 'novalue'"),
+        (["pkg.mod:Task", "--args-json", "[1]"], "--args-json must be a JSON object"),
+        (["pkg.mod:Task", "--args-json", "{"], "--args-json is not valid JSON"),
+        (["pkg.mod:Task", "--memory", "lots"], "cannot parse size 'lots'"),
+        (["pkg.mod.Task"], "expected package.module:ClassName"),
+    ],
+    ids=["arg", "json-type", "json-syntax", "memory", "target"],
+)
+def test_cli_bad_input_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], fake_run: dict, argv: list[str], message: str
+) -> None:
+    code, _, err = _cli(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_cli_runs_a_real_task_in_a_subprocess(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "freeride.cli", "run-task", "monte_carlo_pi:MonteCarloPi",
+         "--arg", "total_samples=2000", "--arg", "batch=500", "--json"],
+        cwd=REPO / "examples", env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["finished"] and report["steps"] == 4 and report["progress"] == 2000.0
+    unknown = subprocess.run(
+        [sys.executable, "-m", "freeride.cli", "run-task", "nowhere_xyz:Task"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == "freeride: error: unknown module 'nowhere_xyz' in 'nowhere_xyz:Task'"
