@@ -6,6 +6,7 @@ status codes onto freeride's error tree in one place (:func:`map_rpc_errors`).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 from collections.abc import Iterable, Iterator
@@ -251,7 +252,7 @@ class ControlClient:
     def stats(self) -> ManagerStats:
         return _stats_from_pb(self._call(self._stub.Stats, _pb.StatsRequest()))
 
-    def bubbles(self) -> list[BubbleSlotStats]:
+    def bubbles(self) -> builtins.list[BubbleSlotStats]:  # `list` is a method here
         return [_slot_from_pb(s) for s in self._call(self._stub.Bubbles, _pb.BubblesRequest()).slots]
 
     def drain(self, timeout_s: float = 30.0) -> tuple[int, int]:

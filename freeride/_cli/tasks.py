@@ -1,0 +1,438 @@
+"""Task management commands: ``submit``, ``ls``, ``show``, ``cancel``, ``stats``, ``drain``, ``health``.
+
+    freeride submit MODULE:CLASS [--arg key=value ...] [--args-json JSON] [--memory 2GiB]
+                    [--priority N] [--name NAME] [--checkpoint-interval-s S] [--step-time-hint-ms MS]
+    freeride submit --command [--memory 1GiB ...] -- prog args...
+    freeride ls [--all]
+    freeride show ID
+    freeride cancel ID
+    freeride stats
+    freeride drain [--timeout-s S]
+    freeride health
+
+Each takes ``--device`` (default cpu:0; picks the default endpoint), ``--endpoint``,
+``--token-file`` and ``--json`` (one stable JSON document, dataclasses as ``dataclasses.asdict``).
+
+A submission is checked here before it is sent: the class must load from the current directory,
+the arguments must be a JSON object, and the memory cap must be known (``--memory``, else the
+class's ``estimate_memory(**args)``). ``health`` exits 0 when the manager is ``SERVING`` and 1 for
+any other status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from freeride._loading import load_task_class
+from freeride._wire.client import ControlClient, health_status
+from freeride.devices import parse_device_name
+from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
+from freeride.errors import ConfigError, ManagerUnavailable
+from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
+from freeride.states import TaskState
+from freeride.units import format_ms, format_size, parse_size
+
+_EXIT_OK = 0
+_EXIT_FAILED = 1
+
+
+# ------------------------------------------------------------------ registration
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", default="cpu:0", help="the manager's device, cpu:N or cuda:N (default cpu:0)")
+    common.add_argument("--endpoint", default=None, help="unix:/path.sock or tcp://host:port (default: the device's)")
+    common.add_argument("--token-file", default=None, help=f"token for a TCP endpoint (else ${TOKEN_ENV})")
+    common.add_argument("--json", action="store_true", help="one machine-readable JSON document")
+    return common
+
+
+def register(subparsers: Any) -> None:
+    common = _common()
+
+    p = subparsers.add_parser(
+        "submit",
+        parents=[common],
+        help="submit a side task (MODULE:CLASS, or --command -- prog args...)",
+        description="Submit a side task to a device's manager; prints the new task id.",
+    )
+    p.add_argument(
+        "words",
+        nargs="*",
+        metavar="MODULE:CLASS | -- PROG ARGS",
+        help="the task class, or with --command the program and its arguments after --",
+    )
+    p.add_argument("--command", action="store_true", help="run a program (argv, never a shell) as the task")
+    p.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a constructor argument; VALUE is JSON when it parses, else a string (repeatable)",
+    )
+    p.add_argument("--args-json", default=None, metavar="JSON", help="constructor arguments as one JSON object")
+    p.add_argument("--memory", default=None, help="memory cap, e.g. 2GiB (default: the class's estimate)")
+    p.add_argument("--priority", type=int, default=0, help="higher is granted first (default 0)")
+    p.add_argument("--name", default="", help="a display name")
+    p.add_argument("--checkpoint-interval-s", type=float, default=0.0, help="seconds between checkpoints")
+    p.add_argument("--step-time-hint-ms", type=float, default=0.0, help="expected step time before one is measured")
+    p.set_defaults(func=cmd_submit)
+
+    p = subparsers.add_parser("ls", parents=[common], help="list tasks", description="List the manager's tasks.")
+    p.add_argument("--all", action="store_true", help="include finished, failed and cancelled tasks")
+    p.set_defaults(func=cmd_ls)
+
+    p = subparsers.add_parser("show", parents=[common], help="everything about one task")
+    p.add_argument("task_id", metavar="ID")
+    p.set_defaults(func=cmd_show)
+
+    p = subparsers.add_parser("cancel", parents=[common], help="cancel a task")
+    p.add_argument("task_id", metavar="ID")
+    p.set_defaults(func=cmd_cancel)
+
+    p = subparsers.add_parser("stats", parents=[common], help="bubbles harvested, overruns, latencies, memory")
+    p.set_defaults(func=cmd_stats)
+
+    p = subparsers.add_parser("drain", parents=[common], help="park and checkpoint every task; accept no new ones")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the drain (default 30)")
+    p.set_defaults(func=cmd_drain)
+
+    p = subparsers.add_parser("health", parents=[common], help="the manager's grpc.health.v1 status")
+    p.set_defaults(func=cmd_health)
+
+
+# ------------------------------------------------------------------ plumbing
+
+
+def _endpoint(args: argparse.Namespace) -> Endpoint:
+    parse_device_name(args.device)  # a mistyped device is bad input even with an explicit endpoint
+    return resolve_endpoint(args.endpoint, args.device)
+
+
+@contextlib.contextmanager
+def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None]:
+    """Reword "no manager" with the command that starts one for this device and endpoint."""
+    try:
+        yield
+    except ManagerUnavailable:
+        start = f"freeride manager --device {args.device}" + (f" --endpoint {endpoint}" if args.endpoint else "")
+        raise ManagerUnavailable(f"no manager answers at {endpoint}; start one with `{start}`") from None
+
+
+@contextlib.contextmanager
+def _client(args: argparse.Namespace) -> Iterator[ControlClient]:
+    endpoint = _endpoint(args)
+    token = read_token(args.token_file)
+    with ControlClient(endpoint, token=token) as client, _manager_hint(args, endpoint):
+        yield client
+
+
+def _to_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(_to_json(value), indent=2, sort_keys=True))
+
+
+# ------------------------------------------------------------------ submit
+
+
+def parse_task_args(pairs: Sequence[str], args_json: str | None) -> dict[str, Any]:
+    """Constructor arguments from ``--args-json`` and ``--arg key=value`` (the latter win)."""
+    result: dict[str, Any] = {}
+    if args_json is not None:
+        try:
+            loaded = json.loads(args_json)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--args-json is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--args-json must be a JSON object, got {type(loaded).__name__}")
+        result.update(loaded)
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"bad --arg {pair!r}: expected key=value with a Python identifier as key")
+        try:
+            result[key] = json.loads(text)
+        except json.JSONDecodeError:
+            result[key] = text  # not JSON: a plain string
+    for key in result:
+        if not (isinstance(key, str) and key.isidentifier()):
+            raise ConfigError(f"argument name {key!r} is not a Python identifier")
+    return result
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
+    return value
+
+
+def build_spec(args: argparse.Namespace) -> TaskSpec:
+    """The submission, checked locally: the class loads, arguments parse, the memory cap is known."""
+    task_args = parse_task_args(args.arg, args.args_json)
+    target = ""
+    command: tuple[str, ...] = ()
+    if args.command:
+        if not args.words:
+            raise ConfigError("--command needs the program and its arguments after --, e.g. -- python run.py")
+        command = tuple(args.words)
+        estimate = None
+    else:
+        if len(args.words) != 1:
+            raise ConfigError(
+                "give one task class as MODULE:CLASS (e.g. side_tasks.graph:PageRank), "
+                "or --command -- PROG ARGS for a program"
+            )
+        target = args.words[0]
+        cls = load_task_class(target, search_path=os.getcwd())
+        try:
+            estimate = cls.estimate_memory(**task_args)
+        except TypeError as exc:
+            raise ConfigError(f"arguments do not fit {target}: {exc}") from None
+    if args.memory is not None:
+        memory_bytes = parse_size(args.memory)
+    elif estimate:
+        memory_bytes = int(estimate)
+    else:
+        what = "a command" if command else f"{target} has no memory estimate; it"
+        raise ConfigError(f"{what} needs a memory cap: pass --memory, e.g. --memory 2GiB")
+    return TaskSpec(
+        target=target,
+        args=task_args,
+        memory_bytes=memory_bytes,
+        priority=args.priority,
+        name=args.name,
+        command=command,
+        working_dir=os.path.abspath(os.getcwd()),
+        checkpoint_interval_s=_finite("checkpoint-interval-s", args.checkpoint_interval_s),
+        step_time_hint_ms=_finite("step-time-hint-ms", args.step_time_hint_ms),
+    )
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec = build_spec(args)
+    with _client(args) as client:
+        info = client.submit(spec)
+    if args.json:
+        _print_json(info)
+    else:
+        print(info.task_id)
+    return _EXIT_OK
+
+
+# ------------------------------------------------------------------ ls, show, cancel
+
+
+def _progress(info: TaskInfo) -> str:
+    value = info.progress if info.progress else float(info.steps)
+    text = f"{value:.0f}" if value == int(value) else f"{value:.2f}"
+    return f"{text} {info.progress_unit or 'steps'}"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def render_task_table(infos: Sequence[TaskInfo]) -> str:
+    rows = [["ID", "NAME", "STATE", "PRIO", "MEMORY", "PROGRESS", "STEP P95", "HARVESTED", "WAITING"]]
+    for i in infos:
+        rows.append(
+            [
+                i.task_id,
+                i.spec.display_name,
+                i.state,
+                str(i.spec.priority),
+                format_size(i.spec.memory_bytes),
+                _progress(i),
+                format_ms(i.step_p95_ms),
+                f"{i.harvested_s:.2f} s",
+                i.waiting_reason or "-",
+            ]
+        )
+    return _table(rows)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        infos = client.list(include_finished=args.all)
+    if args.json:
+        _print_json(infos)
+    elif not infos:
+        print("no tasks" if args.all else "no active tasks (--all shows finished ones)")
+    else:
+        print(render_task_table(infos))
+    return _EXIT_OK
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
+
+
+def render_failure(failure: FailureRecord) -> str:
+    """A failure record, once and plainly."""
+    lines = [f"failure:    {failure.kind}: {failure.message}"]
+    if failure.signal:
+        lines.append(f"  killed by: {_signal_name(failure.signal)} ({failure.signal})")
+    elif failure.exit_code is not None:
+        lines.append(f"  exit code: {failure.exit_code}")
+    if failure.step >= 0:
+        lines.append(f"  at step:   {failure.step}")
+    if failure.at_unix_s:
+        lines.append(f"  at:        {_when(failure.at_unix_s)}")
+    if failure.traceback.strip():
+        lines.append("  traceback:")
+        lines.append(_indent(failure.traceback))
+    log_tail = failure.log_tail
+    if failure.traceback.strip() and failure.traceback.strip() in log_tail:
+        # The worker logs the same traceback it reports: show it once.
+        log_tail = log_tail.replace(failure.traceback.strip(), "(the traceback above)")
+    if log_tail.strip():
+        lines.append("  log tail:")
+        lines.append(_indent(log_tail))
+    return "\n".join(lines)
+
+
+def _when(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s)) if unix_s else "-"
+
+
+def render_task(info: TaskInfo) -> str:
+    spec = info.spec
+    what = spec.target or " ".join(spec.command)
+    fields = [
+        ("task", info.task_id),
+        ("name", spec.display_name),
+        ("state", info.state),
+        ("command" if spec.command else "target", what),
+        ("args", json.dumps(spec.args, sort_keys=True) if spec.args else "-"),
+        ("memory", format_size(spec.memory_bytes)),
+        ("priority", str(spec.priority)),
+        ("progress", f"{_progress(info)} ({info.steps} steps)"),
+        ("step p50", format_ms(info.step_p50_ms)),
+        ("step p95", format_ms(info.step_p95_ms)),
+        ("harvested", f"{info.harvested_s:.3f} s"),
+        ("overruns", str(info.overruns)),
+        ("checkpoint", f"step {info.checkpoint_step}" if info.checkpoint_step >= 0 else "-"),
+        ("restarts", str(info.restarts)),
+        ("pid", str(info.pid) if info.pid else "-"),
+        ("submitted", _when(info.submitted_unix_s)),
+        ("updated", _when(info.updated_unix_s)),
+    ]
+    if info.waiting_reason:
+        fields.append(("waiting", info.waiting_reason))
+    text = "\n".join(f"{key + ':':<11} {value}" for key, value in fields)
+    if info.failure is not None:
+        text += "\n" + render_failure(info.failure)
+    return text
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.get(args.task_id)
+    print(json.dumps(_to_json(info), indent=2, sort_keys=True) if args.json else render_task(info))
+    return _EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.cancel(args.task_id)
+    if args.json:
+        _print_json(info)
+    else:
+        terminal = TaskState(info.state).is_terminal if info.state in TaskState.__members__ else False
+        note = "" if terminal else " (stopping)"
+        print(f"{info.task_id} {info.state}{note}")
+    return _EXIT_OK
+
+
+# ------------------------------------------------------------------ stats, drain, health
+
+
+def _pct_line(p: Percentiles) -> str:
+    if not p.count:
+        return "-"
+    return (
+        f"p50 {format_ms(p.p50)}  p90 {format_ms(p.p90)}  p99 {format_ms(p.p99)}  max {format_ms(p.max)}  (n={p.count})"
+    )
+
+
+def render_stats(s: ManagerStats) -> str:
+    ratio = f"{100 * s.harvested_s / s.bubble_time_s:.1f}%" if s.bubble_time_s > 0 else "-"
+    by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.tasks_by_state.items())) or "none"
+    fields = [
+        ("device", s.device + ("  (draining)" if s.draining else "")),
+        ("uptime", f"{s.uptime_s:.1f} s"),
+        ("bubbles", str(s.bubbles)),
+        ("bubble time", f"{s.bubble_time_s:.3f} s"),
+        ("granted", f"{s.granted_s:.3f} s"),
+        ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
+        ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}"),
+        ("grant lat.", _pct_line(s.grant_latency_ms)),
+        ("park lat.", _pct_line(s.park_latency_ms)),
+        ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),
+        ("tasks", by_state),
+        ("events", f"{s.events_received} received, {s.events_rejected} rejected"),
+    ]
+    return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.stats()
+    if args.json:
+        doc = _to_json(stats)
+        doc["harvested_ratio"] = stats.harvested_s / stats.bubble_time_s if stats.bubble_time_s > 0 else None
+        _print_json(doc)
+    else:
+        print(render_stats(stats))
+    return _EXIT_OK
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    timeout_s = args.timeout_s
+    if not math.isfinite(timeout_s) or not 0 < timeout_s <= 3600:
+        raise ConfigError(f"--timeout-s must be in (0, 3600], got {timeout_s}")
+    with _client(args) as client:
+        parked, checkpointed = client.drain(timeout_s)
+    if args.json:
+        _print_json({"parked": parked, "checkpointed": checkpointed})
+    else:
+        print(f"drained: {parked} task(s) parked, {checkpointed} checkpointed; the manager accepts no new tasks")
+    return _EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    endpoint = _endpoint(args)
+    with _manager_hint(args, endpoint):
+        status = health_status(endpoint, token=read_token(args.token_file))
+    if args.json:
+        _print_json({"endpoint": str(endpoint), "status": status})
+    else:
+        print(status)
+    return _EXIT_OK if status == "SERVING" else _EXIT_FAILED

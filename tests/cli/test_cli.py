@@ -1,0 +1,421 @@
+"""The ``freeride`` command line against a real in-process manager (and one real daemon).
+
+Commands run through :func:`freeride.cli.main` with captured output; a few run as real
+subprocesses (``python -m freeride.cli``). Every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from freeride._manager.daemon import Manager
+from freeride._wire.client import BubbleStream, ControlClient, health_status
+from freeride.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NO_MANAGER, EXIT_NOT_FOUND, EXIT_OK, main
+from freeride.endpoints import Endpoint
+from freeride.errors import ManagerUnavailable
+from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+REPO_ROOT = TESTS_DIR.parent
+COUNTER = "sample_tasks:Counter"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path: unix socket paths are limited to about 100 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="frcli-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def manager(short_dir: Path, tmp_path: Path) -> Iterator[Manager]:
+    m = Manager("cpu:0", endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state")
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def ep(manager: Manager) -> list[str]:
+    """``--endpoint`` arguments for the manager under test."""
+    return ["--endpoint", str(manager.endpoint)]
+
+
+@pytest.fixture
+def in_tests_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submit from the tests directory, so ``sample_tasks`` resolves here and in the worker."""
+    monkeypatch.chdir(TESTS_DIR)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def bubbles(stop: threading.Event, length_ms: float = 20.0) -> Iterator[BubbleEvent]:
+    """Bubbles of one stage, back to back with short compute gaps, until ``stop`` is set."""
+    iteration = 0
+    while not stop.is_set():
+        start = time.monotonic_ns()
+        yield BubbleStart(0, 0, iteration, 0, "cooldown", start, int(length_ms * 1e6))
+        stop.wait(length_ms / 1000)
+        yield BubbleEnd(0, 0, iteration, 0, time.monotonic_ns())
+        stop.wait(0.005)
+        iteration += 1
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("FREERIDE_ENDPOINT", None)
+    return env
+
+
+# ------------------------------------------------------------------ round trip
+
+
+def test_submit_ls_show_cancel_stats_round_trip(
+    manager: Manager, ep: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(
+        capsys,
+        "submit",
+        COUNTER,
+        *ep,
+        "--memory",
+        "64MiB",
+        "--arg",
+        "step_ms=1",
+        "--arg",
+        "total=0",
+        "--name",
+        "counter",
+        "--priority",
+        "3",
+    )
+    assert code == EXIT_OK, err
+    task_id = out.strip()
+    assert task_id and "\n" not in task_id
+
+    code, out, err = run_cli(capsys, "ls", *ep)
+    assert code == EXIT_OK, err
+    header, *rows = out.strip().splitlines()
+    assert header.split()[:5] == ["ID", "NAME", "STATE", "PRIO", "MEMORY"]
+    assert "WAITING" in header
+    assert any(row.startswith(task_id) and "counter" in row and "64.0 MiB" in row for row in rows)
+
+    with ControlClient(manager.endpoint) as client:
+        wait_for(lambda: client.get(task_id).state == "PARKED", what="the worker to start")
+    code, out, err = run_cli(capsys, "show", task_id, *ep)
+    assert code == EXIT_OK, err
+    assert f"task:       {task_id}" in out
+    assert "target:     sample_tasks:Counter" in out
+    assert "priority:   3" in out
+    assert "waiting:    no bubble reported yet" in out
+    assert "failure:" not in out
+
+    code, out, err = run_cli(capsys, "cancel", task_id, *ep)
+    assert code == EXIT_OK, err
+    assert out.startswith(task_id)
+
+    with ControlClient(manager.endpoint) as client:
+        wait_for(lambda: client.get(task_id).state == "CANCELLED", what="the task to be cancelled")
+
+    code, out, _ = run_cli(capsys, "ls", *ep)
+    assert task_id not in out  # finished tasks only with --all
+    code, out, _ = run_cli(capsys, "ls", "--all", *ep)
+    assert task_id in out and "CANCELLED" in out
+
+    code, out, err = run_cli(capsys, "stats", *ep)
+    assert code == EXIT_OK, err
+    for label in (
+        "bubbles:",
+        "bubble time:",
+        "harvested:",
+        "overruns:",
+        "grant lat.:",
+        "park lat.:",
+        "mem budget:",
+        "tasks:",
+        "events:",
+    ):
+        assert label in out
+    assert "CANCELLED 1" in out
+
+
+def test_json_outputs_parse(
+    manager: Manager, ep: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(
+        capsys,
+        "submit",
+        COUNTER,
+        *ep,
+        "--json",
+        "--memory",
+        "32MiB",
+        "--args-json",
+        '{"step_ms": 2}',
+        "--arg",
+        "total=7",
+    )
+    assert code == EXIT_OK, err
+    task = json.loads(out)
+    assert task["spec"]["args"] == {"step_ms": 2, "total": 7}
+    assert task["spec"]["memory_bytes"] == 32 * 2**20
+    task_id = task["task_id"]
+
+    _, out, _ = run_cli(capsys, "ls", "--json", *ep)
+    assert [t["task_id"] for t in json.loads(out)] == [task_id]
+    _, out, _ = run_cli(capsys, "show", task_id, "--json", *ep)
+    assert json.loads(out)["task_id"] == task_id
+    _, out, _ = run_cli(capsys, "stats", "--json", *ep)
+    stats = json.loads(out)
+    assert stats["device"] == "cpu:0" and "overrun_ms" in stats and "harvested_ratio" in stats
+    _, out, _ = run_cli(capsys, "health", "--json", *ep)
+    assert json.loads(out)["status"] == "SERVING"
+    _, out, _ = run_cli(capsys, "cancel", task_id, "--json", *ep)
+    assert json.loads(out)["task_id"] == task_id
+
+
+def test_string_args_stay_strings_and_command_tasks_submit(
+    manager: Manager, ep: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(
+        capsys, "submit", "--json", "--memory", "16MiB", *ep, "--command", "--", "sleep", "--not-an-option", "5"
+    )
+    assert code == EXIT_OK, err
+    task = json.loads(out)
+    assert task["spec"]["command"] == ["sleep", "--not-an-option", "5"]
+    assert task["spec"]["target"] == ""
+
+    from freeride._cli.tasks import parse_task_args
+
+    assert parse_task_args(["a=1", "b=hello", "c=[1, 2]", "d=", "e=null"], None) == {
+        "a": 1,
+        "b": "hello",
+        "c": [1, 2],
+        "d": "",
+        "e": None,
+    }
+
+
+def test_drain_stops_submissions_and_health_reports_it(
+    manager: Manager, ep: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, "drain", "--timeout-s", "10", *ep)
+    assert code == EXIT_OK, err
+    assert out.startswith("drained: 0 task(s) parked")
+    code, _, err = run_cli(capsys, "submit", COUNTER, "--memory", "1MiB", *ep)
+    assert code == EXIT_BAD_INPUT and "draining" in err
+    code, out, _ = run_cli(capsys, "health", *ep)
+    assert code == EXIT_FAILED and out.strip() == "NOT_SERVING"
+
+
+# ------------------------------------------------------------------ exit codes
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["submit", COUNTER, "--memory", "lots"], "cannot parse size"),
+        (["submit", "no_such_module_xyz:Task", "--memory", "1GiB"], "unknown module"),
+        (["submit", "sample_tasks:NoSuchClass", "--memory", "1GiB"], "no class"),
+        (["submit", COUNTER, "--memory", "1GiB", "--arg", "not-an-assignment"], "bad --arg"),
+        (["submit", COUNTER, "--memory", "1GiB", "--args-json", "{nope"], "not valid JSON"),
+        (["submit", COUNTER], "--memory"),
+        (["submit", "--command", "--memory", "1GiB"], "--command needs"),
+        (["ls", "--device", "gpu0"], "unknown device"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    argv: list[str], needle: str, short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, *argv, "--endpoint", f"unix:{short_dir}/none.sock")
+    assert code == EXIT_BAD_INPUT
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("freeride: error: ") and needle in lines[0], err
+
+
+def test_manager_unknown_device_exits_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(
+        capsys,
+        "manager",
+        "--device",
+        "cpu:99",
+        "--endpoint",
+        f"unix:{short_dir}/m.sock",
+        "--state-dir",
+        str(short_dir / "state"),
+    )
+    assert code == EXIT_BAD_INPUT
+    assert len(err.strip().splitlines()) == 1 and "cpu:99" in err
+
+
+def test_manager_bad_options_exit_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["manager", "--device", "cpu:0", "--state-dir", str(short_dir / "state")]
+    code, _, err = run_cli(capsys, *base, "--endpoint", "tcp://127.0.0.1:1")
+    assert code == EXIT_BAD_INPUT and "token" in err
+    code, _, err = run_cli(capsys, *base, "--endpoint", f"unix:{short_dir}/m.sock", "--grace-ms", "-1")
+    assert code == EXIT_BAD_INPUT and "--grace-ms" in err
+    code, _, err = run_cli(capsys, *base, "--endpoint", f"unix:{short_dir}/m.sock", "--headroom", "much")
+    assert code == EXIT_BAD_INPUT and "cannot parse size" in err
+    code, _, err = run_cli(capsys, *base, "--endpoint", f"unix:{short_dir}/m.sock", "--step-timeout-s", "0")
+    assert code == EXIT_BAD_INPUT and "--step-timeout-s" in err
+
+
+def test_no_manager_exits_3_naming_endpoint(
+    short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    endpoint = f"unix:{short_dir}/nobody.sock"
+    for argv in (["ls"], ["stats"], ["health"], ["show", "x-1"], ["submit", COUNTER, "--memory", "1MiB"]):
+        code, out, err = run_cli(capsys, *argv, "--endpoint", endpoint)
+        assert code == EXIT_NO_MANAGER, (argv, err)
+        assert out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and endpoint in lines[0] and "freeride manager --device cpu:0" in lines[0]
+
+
+def test_unknown_task_id_exits_4(manager: Manager, ep: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("show", "cancel"):
+        code, _, err = run_cli(capsys, command, "nope-42", *ep)
+        assert code == EXIT_NOT_FOUND
+        assert "nope-42" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ failures are rendered
+
+
+def test_show_renders_failure_record_of_a_task_that_crashed_in_setup(
+    manager: Manager, ep: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, "submit", "sample_tasks:SetupCrasher", "--memory", "64MiB", *ep)
+    assert code == EXIT_OK, err
+    task_id = out.strip()
+
+    stop = threading.Event()
+    stream = BubbleStream(manager.endpoint, bubbles(stop))
+    try:
+        with ControlClient(manager.endpoint) as client:
+            wait_for(lambda: client.get(task_id).state == "FAILED", timeout_s=20, what="the task to fail")
+    finally:
+        stop.set()
+        stream.close()
+
+    code, out, err = run_cli(capsys, "show", task_id, *ep)
+    assert code == EXIT_OK, err
+    assert "state:      FAILED" in out
+    assert out.count("failure:") == 1
+    assert "cannot set up" in out
+    assert "traceback:" in out and 'raise RuntimeError("cannot set up")' in out
+    assert out.count('raise RuntimeError("cannot set up")') == 1  # not again in the log tail
+    code, out, _ = run_cli(capsys, "ls", "--all", *ep)
+    assert task_id in out and "FAILED" in out
+
+
+# ------------------------------------------------------------------ real processes
+
+
+def test_subprocess_cli_against_in_process_manager(manager: Manager, ep: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "freeride.cli", "submit", COUNTER, "--memory", "8MiB", *ep],
+        cwd=TESTS_DIR,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == EXIT_OK, result.stderr
+    task_id = result.stdout.strip()
+    result = subprocess.run(
+        [sys.executable, "-m", "freeride.cli", "show", task_id, "--json", *ep],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == EXIT_OK, result.stderr
+    assert json.loads(result.stdout)["spec"]["target"] == COUNTER
+
+
+def test_manager_daemon_serves_health_and_exits_0_on_sigterm(short_dir: Path) -> None:
+    endpoint = f"unix:{short_dir}/d.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "freeride.cli",
+            "manager",
+            "--device",
+            "cpu:0",
+            "--endpoint",
+            endpoint,
+            "--state-dir",
+            str(short_dir / "state"),
+            "--headroom",
+            "128MiB",
+            "--grace-ms",
+            "1",
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        target = Endpoint("unix", str(short_dir / "d.sock"))
+
+        def serving() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"manager exited early: {proc.communicate()[1]}")
+            try:
+                return health_status(target, timeout_s=1.0) == "SERVING"
+            except ManagerUnavailable:
+                return False
+
+        wait_for(serving, timeout_s=30, what="the manager to serve")
+        health = subprocess.run(
+            [sys.executable, "-m", "freeride.cli", "health", "--endpoint", endpoint],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert health.returncode == EXIT_OK, health.stderr
+        assert health.stdout.strip() == "SERVING"
+
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert f"freeride manager for cpu:0 listening on {endpoint}; state in" in err
+        assert not os.path.exists(target.address)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
