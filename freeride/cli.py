@@ -43,6 +43,7 @@ COMMAND_MODULES = (
     "freeride._cli.tasks",
     "freeride._cli.plan",
     "freeride._cli.bubbles",
+    "freeride._cli.launch",
     "freeride._cli.run_task",
 )
 

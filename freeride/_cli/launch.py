@@ -1,0 +1,244 @@
+"""``freeride launch``: managers up, the training command run, managers down, its exit code kept.
+
+    freeride launch --devices cpu:0,cpu:1 [--state-dir DIR] -- torchrun --nproc-per-node 2 \\
+        -m freeride.trainer --report
+
+1. One ``freeride manager --device D`` child per device, each in its own session and set to receive
+   SIGTERM when this process dies (``PR_SET_PDEATHSIG``), its output in ``<log dir>/manager-<D>.log``.
+   A device whose default endpoint already has a SERVING manager is used as is and left running.
+2. Wait until every manager's health check says SERVING (``--ready-timeout-s``); a manager that exits
+   or stays unready fails the launch with its log's tail, before the command starts.
+3. Run the command as an argument list (no shell) in its own process group; SIGINT and SIGTERM
+   received by ``launch`` are forwarded to it (the handlers only record the signal; the wait loop
+   forwards it).
+4. Stop the managers: SIGTERM to each manager's process group (they drain and exit 0), one
+   deadline for all (``--stop-timeout-s``), then SIGKILL.
+5. Exit with the command's exit code (128 + N if a signal N ended it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from freeride.devices import parse_device_name
+from freeride.endpoints import Endpoint, default_endpoint, runtime_dir
+from freeride.errors import ConfigError, FreerideError, ManagerUnavailable
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "launch",
+        help="start managers for the job's devices, run a training command, stop the managers",
+        description="Start one manager per device, run COMMAND (no shell), stop the managers, exit with "
+        "COMMAND's exit code.",
+    )
+    parser.add_argument("--devices", required=True, help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1")
+    parser.add_argument("--state-dir", default=None, help="parent of each manager's state directory")
+    parser.add_argument("--log-dir", default=None, help="where manager logs go (default: state dir or a temp dir)")
+    parser.add_argument("--ready-timeout-s", type=float, default=30.0, help="how long managers may take to serve")
+    parser.add_argument("--stop-timeout-s", type=float, default=30.0, help="drain time before SIGKILL")
+    parser.add_argument("--manager-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for every manager (repeatable), e.g. --manager-arg=--grace-ms=1")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    parser.set_defaults(func=run)
+
+
+def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class ManagedManager:
+    """One manager child (or a manager found already running, ``proc`` None)."""
+
+    device: str
+    endpoint: Endpoint
+    proc: subprocess.Popen[bytes] | None
+    log_path: Path | None
+
+    def log_tail(self, lines: int = 15) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _serving(endpoint: Endpoint) -> bool:
+    from freeride._wire.client import health_status
+
+    try:
+        return health_status(endpoint, timeout_s=1.0) == "SERVING"
+    except FreerideError:
+        return False
+
+
+def start_managers(
+    devices: Sequence[str], state_dir: Path | None, log_dir: Path, extra_args: Sequence[str]
+) -> list[ManagedManager]:
+    """Start a manager child for each device that has none serving yet."""
+    started: list[ManagedManager] = []
+    for device in devices:
+        endpoint = default_endpoint(device)
+        if _serving(endpoint):
+            log.warning("a manager already serves %s at %s: using it, and leaving it running", device, endpoint)
+            started.append(ManagedManager(device, endpoint, None, None))
+            continue
+        slug = parse_device_name(device).slug
+        cmd = [sys.executable, "-m", "freeride.cli", "manager", "--device", device, *extra_args]
+        if state_dir is not None:
+            cmd += ["--state-dir", str(state_dir / slug)]
+        log_path = log_dir / f"manager-{slug}.log"
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_set_pdeathsig,
+            )
+        log.info("started manager for %s (pid %d, log %s)", device, proc.pid, log_path)
+        started.append(ManagedManager(device, endpoint, proc, log_path))
+    return started
+
+
+def wait_ready(managers: Sequence[ManagedManager], timeout_s: float) -> None:
+    """Block until every manager is SERVING; raise with the culprit's log tail otherwise."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(managers)
+    while pending:
+        for m in list(pending):
+            if m.proc is not None and m.proc.poll() is not None:
+                raise FreerideError(
+                    f"the manager for {m.device} exited with code {m.proc.returncode} before serving; "
+                    f"its log ({m.log_path}) ends with:\n{m.log_tail()}"
+                )
+            if _serving(m.endpoint):
+                pending.remove(m)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(m.device for m in pending)
+            raise ManagerUnavailable(
+                f"manager(s) for {names} not SERVING after {timeout_s:g} s; see {pending[0].log_path}:\n"
+                f"{pending[0].log_tail()}"
+            )
+        time.sleep(0.1)
+
+
+def stop_managers(managers: Sequence[ManagedManager], timeout_s: float) -> None:
+    """SIGTERM every started manager's group, one deadline for all, then SIGKILL what is left."""
+    ours = [m for m in managers if m.proc is not None and m.proc.poll() is None]
+    for m in ours:
+        assert m.proc is not None
+        try:
+            os.killpg(m.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for m in ours:
+        assert m.proc is not None
+        try:
+            m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("manager for %s did not stop within %g s: killing it", m.device, timeout_s)
+            try:
+                os.killpg(m.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            m.proc.wait()
+    for m in managers:
+        if m.proc is not None and m.proc.returncode not in (0, None):
+            log.warning("manager for %s exited with code %s (log %s)", m.device, m.proc.returncode, m.log_path)
+
+
+def run_command(command: Sequence[str], on_started: Callable[[subprocess.Popen[bytes]], None] | None = None) -> int:
+    """Run ``command`` (no shell) in its own process group, forwarding SIGINT/SIGTERM; its exit code."""
+    received: list[int] = []
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)  # only record: the loop below forwards
+
+    previous = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            proc = subprocess.Popen(list(command), preexec_fn=os.setpgrp)
+        except OSError as exc:
+            raise ConfigError(f"cannot run {command[0]!r}: {exc.strerror}") from None
+        if on_started is not None:
+            on_started(proc)
+        while True:
+            try:
+                code = proc.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            while received:
+                signum = received.pop(0)
+                log.info("forwarding signal %d to the command (pid %d)", signum, proc.pid)
+                try:
+                    proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
+
+
+def _parse_devices(text: str) -> list[str]:
+    devices = [str(parse_device_name(d)) for d in text.split(",") if d.strip()]
+    if not devices:
+        raise ConfigError("--devices needs at least one device, e.g. cpu:0")
+    if len(set(devices)) != len(devices):
+        raise ConfigError(f"--devices names a device twice: {text}")
+    return devices
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("no command given: freeride launch --devices cpu:0 -- COMMAND [ARGS...]")
+    devices = _parse_devices(args.devices)
+    if args.ready_timeout_s <= 0 or args.stop_timeout_s < 0:
+        raise ConfigError("--ready-timeout-s must be > 0 and --stop-timeout-s >= 0")
+    state_dir = Path(args.state_dir) if args.state_dir else None
+    if args.log_dir:
+        log_dir = Path(args.log_dir)
+    elif state_dir is not None:
+        log_dir = state_dir
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="launch-", dir=runtime_dir()))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    managers: list[ManagedManager] = []
+    try:
+        managers = start_managers(devices, state_dir, log_dir, args.manager_arg)
+        wait_ready(managers, args.ready_timeout_s)
+        print(
+            f"freeride launch: managers serving {', '.join(devices)} (logs in {log_dir}); running: "
+            + " ".join(command),
+            file=sys.stderr,
+            flush=True,
+        )
+        return run_command(command)
+    finally:
+        stop_managers(managers, args.stop_timeout_s)
