@@ -105,7 +105,7 @@ def test_memory_estimates_cover_the_reference_profile() -> None:
     assert estimate is not None and 300 << 20 < estimate < 4 << 30
     small = LSTMLanguageModelTraining.estimate_memory(hidden=64)
     large = LSTMLanguageModelTraining.estimate_memory(hidden=1024)
-    assert small is not None and large is not None and large > 4 * small
+    assert small is not None and large is not None and large - small > 256 << 20
 
 
 def test_cifar_python_directory_and_npz_datasets_load(tmp_path: Path) -> None:
