@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import io
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
@@ -117,6 +118,7 @@ class ImageWatermark(SideTask):
         self.quality = int(quality)
         self.repeat = int(repeat)
         self.files: list[str] = []
+        self._clashing_stems: set[str] = set()
         self.cursor = 0
         self._marks: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -156,7 +158,7 @@ class ImageWatermark(SideTask):
     def setup(self, ctx: TaskContext) -> None:
         self.ctx = ctx
         self.device = torch.device(ctx.device)
-        self.files = self.list_images(self.input_dir)
+        self._set_files(self.list_images(self.input_dir))
         self.output_dir = Path(self.output_dir_arg) if self.output_dir_arg else Path(ctx.work_dir) / "out"
         try:
             sizes = sorted((self._pixels(self.input_dir / n) for n in self.files), reverse=True)
@@ -192,10 +194,15 @@ class ImageWatermark(SideTask):
         """The output file name of work item ``index`` (a pure function of the input name)."""
         name = self.files[index % len(self.files)]
         stem = name.rsplit(".", 1)[0]
-        if sum(1 for other in self.files if other.rsplit(".", 1)[0] == stem) > 1:
+        if stem in self._clashing_stems:
             stem = name  # a.png and a.jpg both present: keep them apart
         suffix = f".{index // len(self.files)}" if self.repeat > 1 else ""
         return f"{stem}{suffix}.{self.extension}"
+
+    def _set_files(self, files: list[str]) -> None:
+        self.files = files
+        stems = Counter(name.rsplit(".", 1)[0] for name in files)
+        self._clashing_stems = {stem for stem, count in stems.items() if count > 1}
 
     def done(self) -> bool:
         return self.cursor >= self.total
@@ -213,7 +220,8 @@ class ImageWatermark(SideTask):
         path = self.input_dir / self.files[index % len(self.files)]
         try:
             with Image.open(path) as image:
-                pixels = _to_array(image.convert("RGB"))
+                # Phone photos are stored sideways with an EXIF orientation tag: apply it.
+                pixels = _to_array(ImageOps.exif_transpose(image).convert("RGB"))
         except (OSError, ValueError) as exc:
             raise DataFormatError(path, f"cannot decode image: {exc}") from None
         out = self.render(torch.from_numpy(pixels))
@@ -271,7 +279,7 @@ class ImageWatermark(SideTask):
         if int(state["repeat"]) != self.repeat:
             raise ConfigError(f"checkpoint was taken with repeat={state['repeat']}, this task has repeat={self.repeat}")
         # The work list of the first run wins: images added since are not mixed into its order.
-        self.files = files
+        self._set_files(files)
         self.cursor = int(state["cursor"])
 
 

@@ -169,3 +169,25 @@ def test_render_keeps_aspect_ratio_when_upscaling() -> None:
     task.mark = torch.ones(1, 4, 4, 8)
     out = task.render(torch.zeros(30, 60, 3, dtype=torch.uint8))
     assert tuple(out.shape) == (50, 100, 3) and out.dtype == torch.uint8
+
+
+def test_inputs_sharing_a_stem_get_distinct_outputs(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    Image.new("RGB", (10, 10), "red").save(tmp_path / "in" / "a.png")
+    Image.new("RGB", (10, 10), "blue").save(tmp_path / "in" / "a.bmp")
+    Image.new("RGB", (10, 10), "green").save(tmp_path / "in" / "b.png")
+    task = ImageWatermark(str(tmp_path / "in"), max_side=8)
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    assert sorted(p.name for p in (tmp_path / "w" / "out").iterdir()) == ["a.bmp.jpg", "a.png.jpg", "b.jpg"]
+
+
+def test_exif_orientation_is_applied_before_resizing(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: rotate 90 degrees clockwise to display
+    Image.new("RGB", (40, 20), "white").save(tmp_path / "in" / "p.jpg", exif=exif)
+    task = ImageWatermark(str(tmp_path / "in"), max_side=20)
+    task.setup(make_ctx(tmp_path / "w"))
+    run_to_end(task)
+    assert Image.open(tmp_path / "w" / "out" / "p.jpg").size == (10, 20)
