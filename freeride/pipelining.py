@@ -116,12 +116,15 @@ class MeasuredBubble:
 class MemorySampler:
     """Free device memory for bubble reports, never synchronising the device.
 
-    :meth:`refresh` (called between iterations) takes one real sample; :meth:`free_bytes` (called at
-    each bubble start) adjusts it by how much the caching allocator reserved since (CUDA), or
-    returns the sample (CPU).
+    :meth:`refresh` (called between iterations) takes one real sample at most every
+    ``refresh_interval_s`` (a host memory query costs tens of microseconds, too much for every
+    iteration of a fast pipeline); :meth:`free_bytes` (called at each bubble start) adjusts the
+    sample by how much the caching allocator reserved since (CUDA), or returns it (CPU).
     """
 
-    def __init__(self, device: str | None) -> None:
+    def __init__(self, device: str | None, refresh_interval_s: float = 0.5) -> None:
+        self._interval_ns = int(refresh_interval_s * 1e9)
+        self._last_ns = -self._interval_ns
         self._cuda_index: int | None = None
         if device and device.startswith("cuda"):
             self._cuda_index = int(device.split(":", 1)[1]) if ":" in device else 0
@@ -132,6 +135,10 @@ class MemorySampler:
     def refresh(self) -> None:
         if not self._enabled:
             return
+        now = time.monotonic_ns()
+        if now - self._last_ns < self._interval_ns and self._free >= 0:
+            return
+        self._last_ns = now
         try:
             if self._cuda_index is None:
                 import psutil
@@ -282,8 +289,7 @@ class InstrumentedSchedule:
         self.unplanned_waits = 0
         self.unplanned_wait_ns = 0
         self._restore: list[tuple[object, str]] = []
-        for stage in self._stages:
-            self._wrap(stage)
+        self.attach()
 
     # ---------------------------------------------------------------- construction
 
@@ -357,14 +363,31 @@ class InstrumentedSchedule:
             if not had_instance_attr:
                 self._restore.append((stage, attr))
 
-    def close(self) -> None:
-        """Restore the stages' own methods (the schedule keeps working, uninstrumented)."""
+    @property
+    def attached(self) -> bool:
+        return bool(self._restore)
+
+    def attach(self) -> None:
+        """Hook the stages' compute methods (done at construction; again after :meth:`detach`)."""
+        if not self._restore:
+            for stage in self._stages:
+                self._wrap(stage)
+
+    def detach(self) -> None:
+        """Restore the stages' own methods: :meth:`step` then runs the bare schedule.
+
+        Used by A/B measurements (instrumented and bare iterations interleaved in one run).
+        """
         for stage, attr in self._restore:
             try:
                 delattr(stage, attr)
             except AttributeError:
                 pass
         self._restore.clear()
+
+    def close(self) -> None:
+        """Restore the stages' own methods (the schedule keeps working, uninstrumented)."""
+        self.detach()
 
     # ---------------------------------------------------------------- model
 
@@ -444,6 +467,9 @@ class InstrumentedSchedule:
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Run one iteration of the wrapped schedule (same arguments as its ``step``)."""
+        if not self._restore:  # detached: the bare schedule, nothing measured or reported
+            self._bubbles = []
+            return self.schedule.step(*args, **kwargs)
         self.memory.refresh()
         self._cursor = 0
         self._last_end_ns = None

@@ -12,6 +12,11 @@ the call ends; the thread then waits with exponential backoff (``backoff_initial
 ``backoff_max_s``, reset after a connection that carried events) and reconnects. Events queued
 while no manager listens are discarded (counted in ``dropped``): a bubble is only useful live.
 
+Sending costs CPU (about a hundred microseconds per event in gRPC's Python streaming path, measured
+in ``bench/bench_instrumentation.py``). A trainer pinned to one core passes ``cpu_affinity`` (for
+example the cores it was given before pinning) so that the sender thread and the gRPC thread it
+starts are not confined to the training thread's core.
+
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
 """
@@ -19,6 +24,7 @@ the manager compares them with its own clock directly.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -75,6 +81,7 @@ class BubbleReporter:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         start: bool = True,
+        cpu_affinity: set[int] | None = None,
     ) -> None:
         parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
         self.device = device
@@ -86,6 +93,7 @@ class BubbleReporter:
         self._queue_size = int(queue_size)
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
+        self._cpu_affinity = set(cpu_affinity) if cpu_affinity else None
         self._closed = threading.Event()
         self._connected = False
         # Counters: each is written by one thread only, so plain ints are race-free under the GIL.
@@ -226,6 +234,13 @@ class BubbleReporter:
                 self._dropped_bg += 1
 
     def _run(self) -> None:
+        if self._cpu_affinity:
+            # Linux affinity is per thread and inherited by the threads this one starts (gRPC's
+            # request-consumer thread): a trainer pinned to one core keeps the sends off that core.
+            try:
+                os.sched_setaffinity(0, self._cpu_affinity)
+            except OSError as exc:
+                log.debug("reporter thread affinity %s not applied: %s", self._cpu_affinity, exc)
         backoff = self._backoff_initial_s
         while not self._closed.is_set():
             alive = threading.Event()

@@ -50,6 +50,7 @@ class TrainerConfig:
     seq_len: int = 64
     seed: int = 0
     lr: float = 1e-3
+    ab_block: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, world: int) -> None:
@@ -94,6 +95,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ab-block", type=int, default=0,
+                   help="A/B measurement: alternate blocks of N instrumented and bare iterations (order "
+                   "within each pair of blocks drawn from --seed); 0 = always instrumented")
     ns = p.parse_args(argv)
     return TrainerConfig(**{k: v for k, v in vars(ns).items()})
 
@@ -114,6 +118,23 @@ def _endpoint(cfg: TrainerConfig, device: str, local_rank: int, rank: int) -> An
     return default_endpoint(device)
 
 
+def _ab_modes(iterations: int, block: int, seed: int) -> list[bool]:
+    """Per iteration: instrumented (True) or bare; blocks of ``block``, each pair in random order.
+
+    Every rank draws the same sequence (same seed), so all stages switch at the same iteration.
+    """
+    if block <= 0:
+        return []
+    import random
+
+    rng = random.Random(seed * 7919 + 17)
+    modes: list[bool] = []
+    while len(modes) < iterations:
+        first = rng.random() < 0.5
+        modes += [first] * block + [not first] * block
+    return modes[:iterations]
+
+
 def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     """Run the training loop in this process (a torchrun rank); returns the iteration records."""
     import torch
@@ -129,8 +150,9 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)
 
+    given_cores = set(os.sched_getaffinity(0))
     if cfg.device == "cpu":
-        cores = sorted(os.sched_getaffinity(0))
+        cores = sorted(given_cores)
         # One core per stage: the stage's bubbles are then real idle time of that core (cpu:N).
         core = local_rank if local_rank in cores else cores[local_rank % len(cores)]
         os.sched_setaffinity(0, {core})
@@ -169,7 +191,8 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
         if cfg.report:
             token = read_token(cfg.token_file or None)
             reporter = BubbleReporter(device_name, stage=rank, rank=rank,
-                                      endpoint=_endpoint(cfg, device_name, local_rank, rank), token=token)
+                                      endpoint=_endpoint(cfg, device_name, local_rank, rank), token=token,
+                                      cpu_affinity=given_cores)
         instrumented = InstrumentedSchedule(schedule, sink=reporter, device=device_name)
         runner = instrumented
 
@@ -178,6 +201,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
         path = rank_log_path(cfg.log, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         out = path.open("w")
+    modes = _ab_modes(cfg.iterations, cfg.ab_block, cfg.seed) if instrumented is not None else []
     holds_first = 0 in local_chunks
     holds_last = chunks - 1 in local_chunks
     batch = cfg.microbatches * cfg.microbatch_size
@@ -189,6 +213,11 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             x, y = synthetic_batch(gpt, batch, it)
             x, y = x.to(torch_device), y.to(torch_device)
             losses: list[Any] = []
+            if modes and instrumented is not None:
+                if modes[it] and not instrumented.attached:
+                    instrumented.attach()
+                elif not modes[it] and instrumented.attached:
+                    instrumented.detach()
             t0 = time.monotonic_ns()
             optimizer.zero_grad(set_to_none=True)
             if holds_first and holds_last:
@@ -212,6 +241,8 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
                 "stage": rank,
                 "device": device_name,
                 "warmup": it < cfg.warmup,
+                "instrumented": bool(instrumented is not None and instrumented.attached),
+                "reporting": bool(reporter is not None and instrumented is not None and instrumented.attached),
                 "time_ms": elapsed / 1e6,
                 "end_ns": t0 + elapsed,
                 "loss": float(torch.stack([x.detach() for x in losses]).mean()) if losses else None,

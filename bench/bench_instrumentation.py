@@ -1,0 +1,429 @@
+"""Instrumentation overhead and bubble-prediction error of the reference trainer.
+
+    python bench/bench_instrumentation.py [--iterations 480] [--ab-block 6] [--out bench/results/cpu]
+
+What it measures, all in one run:
+
+1. **End-to-end overhead.** ``freeride launch`` starts one manager per CPU core (no side tasks) and
+   runs the reference trainer (2 stages, gloo, one core per stage) under torchrun with ``--report``
+   and ``--ab-block B``: blocks of B iterations alternate between *instrumented + reporting* and
+   *bare* (hooks detached), the order within each pair of blocks drawn at random. Overhead =
+   mean instrumented iteration time / mean bare iteration time - 1, over pairs of blocks, with a
+   bootstrap 95% interval. The first iteration of every block and the warm-up are left out.
+2. **Hot-path cost.** The same instrumentation driven by fake stages whose compute is empty, with a
+   reporter streaming to an in-process manager: the training-thread time the instrumentation
+   adds per iteration, free of the machine's noise. Divided by the measured iteration time it is
+   the overhead's deterministic part.
+3. **Prediction error** of bubble lengths after warm-up: ``|predicted - measured| / measured`` of
+   every reported bubble, from the trainer's own log and from the managers' Bubbles statistics.
+
+Results: ``<out>/instrumentation.json`` and ``<out>/instrumentation.md`` (machine and versions
+included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from freeride.predictor import percentile  # noqa: E402
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+    import torch
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": psutil.virtual_memory().total,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- 1 + 3: the real run
+
+
+def run_trainer(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    log = work / "it.jsonl"
+    dump = work / "managers.json"
+    driver = work / "driver.py"
+    trainer = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(_free_port()), "-m", "freeride.trainer", "--schedule", args.schedule,
+        "--microbatches", str(args.microbatches), "--iterations", str(args.iterations),
+        "--ab-block", str(args.ab_block), "--warmup", str(args.warmup), "--report",
+        "--iteration-log", str(log), "--seed", str(args.seed),
+    ]
+    driver.write_text(textwrap.dedent(f"""
+        import json, subprocess, sys, time
+        from dataclasses import asdict
+        from freeride._wire.client import ControlClient
+        from freeride.endpoints import default_endpoint
+        rc = subprocess.call({trainer!r})
+        time.sleep(0.5)
+        doc = {{}}
+        for device in ("cpu:0", "cpu:1"):
+            with ControlClient(default_endpoint(device)) as c:
+                doc[device] = {{"bubbles": [asdict(s) for s in c.bubbles()], "stats": asdict(c.stats())}}
+        json.dump(doc, open({str(dump)!r}, "w"))
+        sys.exit(rc)
+    """))
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(work), OMP_NUM_THREADS="1", FREERIDE_LOG_LEVEL="WARNING",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FREERIDE_ENDPOINT", None)
+    cmd = [sys.executable, "-m", "freeride.cli", "launch", "--devices", "cpu:0,cpu:1",
+           "--state-dir", str(work / "state"), "--", sys.executable, str(driver)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"trainer run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    records = []
+    for rank in (0, 1):
+        path = log.with_name(f"it.rank{rank}.jsonl")
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records, json.loads(dump.read_text())
+
+
+def bootstrap_ci(values: list[float], rounds: int = 2000, seed: int = 1) -> tuple[float, float]:
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def analyse_overhead(records: list[dict[str, Any]], block: int, warmup: int) -> dict[str, Any]:
+    per_iter: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("summary"):
+            continue
+        entry = per_iter.setdefault(r["iteration"], {"times": [], "on": r["reporting"]})
+        entry["times"].append(r["time_ms"])
+    # Iteration time: the mean over ranks (they are coupled by the pipeline).
+    times = {it: statistics.fmean(e["times"]) for it, e in per_iter.items()}
+    on = {it: e["on"] for it, e in per_iter.items()}
+    pairs = []
+    n_blocks = (max(times) + 1) // block
+    for b in range(0, n_blocks - 1, 2):
+        blocks = [list(range(k * block, (k + 1) * block)) for k in (b, b + 1)]
+        kept = [[it for it in blk[1:] if it >= warmup] for blk in blocks]  # first of a block: transition
+        if not all(kept):
+            continue
+        means = [statistics.fmean(times[it] for it in k) for k in kept]
+        modes = [on[blk[0]] for blk in blocks]
+        if modes[0] == modes[1]:
+            continue
+        t_on, t_off = (means[0], means[1]) if modes[0] else (means[1], means[0])
+        pairs.append((t_on, t_off))
+    ratios = [a / b - 1 for a, b in pairs]
+    all_on = [times[it] for it in times if on[it] and it >= warmup and it % block]
+    all_off = [times[it] for it in times if not on[it] and it >= warmup and it % block]
+    lo, hi = bootstrap_ci(ratios) if ratios else (0.0, 0.0)
+    return {
+        "pairs": len(pairs),
+        "iteration_ms_instrumented_mean": statistics.fmean(all_on),
+        "iteration_ms_bare_mean": statistics.fmean(all_off),
+        "iteration_ms_instrumented_median": statistics.median(all_on),
+        "iteration_ms_bare_median": statistics.median(all_off),
+        "iteration_ms_bare_stdev": statistics.stdev(all_off),
+        "overhead_mean_of_pairs": statistics.fmean(ratios) if ratios else 0.0,
+        "overhead_median_of_pairs": statistics.median(ratios) if ratios else 0.0,
+        "overhead_ci95": [lo, hi],
+        "overhead_ratio_of_means": statistics.fmean(all_on) / statistics.fmean(all_off) - 1,
+    }
+
+
+def analyse_prediction(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    errors: list[float] = []
+    by_slot: dict[str, list[float]] = {}
+    lengths: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("summary") or r["iteration"] < warmup:
+            continue
+        for b in r["bubbles"]:
+            if b["length_ms"] <= 0:
+                continue
+            err = abs(b["predicted_ms"] - b["length_ms"]) / b["length_ms"]
+            key = f"stage{r['stage']}/slot{b['slot']}:{b['kind']}"
+            errors.append(err)
+            by_slot.setdefault(key, []).append(err)
+            lengths.setdefault(key, []).append(b["length_ms"])
+    return {
+        "bubbles": len(errors),
+        "p50": percentile(errors, 50),
+        "p90": percentile(errors, 90),
+        "p99": percentile(errors, 99),
+        "per_slot": {
+            k: {
+                "count": len(v),
+                "length_ms_p50": percentile(lengths[k], 50),
+                "length_ms_p90": percentile(lengths[k], 90),
+                "error_p50": percentile(v, 50),
+                "error_p90": percentile(v, 90),
+            }
+            for k, v in sorted(by_slot.items())
+        },
+    }
+
+
+# ---------------------------------------------------------------- 2: hot-path cost
+
+
+def hot_path_cost(microbatches: int, work: Path, iterations: int = 20000) -> dict[str, Any]:
+    """Training-thread ns per iteration added by instrumentation + reporting (fake, empty compute)."""
+    from freeride.endpoints import Endpoint
+    from freeride.pipelining import InstrumentedSchedule
+    from freeride.reporter import BubbleReporter
+    from freeride.schedules import build_schedule
+
+    class Stage:
+        def __init__(self, index: int) -> None:
+            self.stage_index, self.num_stages = index, 2
+
+        def forward_one_chunk(self, i: int, *a: Any, **k: Any) -> None:
+            pass
+
+        def backward_one_chunk(self, i: int, *a: Any, **k: Any) -> None:
+            pass
+
+        def backward_weight_one_chunk(self, i: int, *a: Any, **k: Any) -> None:
+            pass
+
+    class Schedule1F1B:
+        def __init__(self, stage: Stage) -> None:
+            self._stage, self._n_microbatches = stage, microbatches
+            self.order = build_schedule("1f1b", 2, microbatches).orders[stage.stage_index]
+
+        def step(self) -> None:
+            for a in self.order:
+                if a.kind == "F":
+                    self._stage.forward_one_chunk(a.microbatch, (), {})
+                else:
+                    self._stage.backward_one_chunk(a.microbatch, loss=None, full_backward=True)
+
+    # The manager runs in its own process, as in production: its work must not be billed here.
+    endpoint = Endpoint("unix", str(work / "hot.sock"))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    manager = subprocess.Popen(
+        [sys.executable, "-m", "freeride.cli", "manager", "--device", "cpu:0", "--endpoint", str(endpoint),
+         "--state-dir", str(work / "hot-state")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    out: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while not _serving(endpoint):
+            if time.monotonic() > deadline or manager.poll() is not None:
+                raise SystemExit("hot-path bench: the manager did not start")
+            time.sleep(0.1)
+        # (a) the training thread's own cost: hooks + bubble bookkeeping, and the enqueue calls.
+        for rank in (0, 1):
+            offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=endpoint, start=False,
+                                     queue_size=10**8)
+            bare = Schedule1F1B(Stage(rank))
+            measured = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=None, device="cpu:0")
+            enqueued = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=offline, device="cpu:0")
+            totals = {"bare": 0, "measured": 0, "enqueued": 0}
+            for _ in range(iterations // 1000):  # interleaved batches of 1000
+                for name, sched in (("bare", bare), ("measured", measured), ("enqueued", enqueued)):
+                    t0 = time.perf_counter_ns()
+                    for _ in range(1000):
+                        sched.step()
+                    totals[name] += time.perf_counter_ns() - t0
+            out[f"stage{rank}"] = {
+                "instrumentation_ns_per_iteration": (totals["measured"] - totals["bare"]) / iterations,
+                "enqueue_ns_per_iteration": (totals["enqueued"] - totals["measured"]) / iterations,
+                "bubbles_per_iteration": len(measured.slots),
+            }
+        # (b) the sender thread's CPU per event (gRPC serialisation and write), paced like a trainer.
+        # On a CPU device it shares the stage's core: bubble-end events are sent while the stage
+        # computes again (on the critical path); bubble-start events while it waits (free).
+        reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=endpoint)
+        time.sleep(0.3)
+        events = 2000
+        # Pinned like a CPU stage: process CPU time then counts every thread's share on that core.
+        idle_cpu = time.process_time()
+        t0 = time.monotonic()
+        for _ in range(events):
+            time.sleep(0.0005)
+        idle_cpu = time.process_time() - idle_cpu
+        idle_wall = time.monotonic() - t0
+        cpu0 = time.process_time()
+        for i in range(events // 2):
+            reporter.bubble_start(i, 0, "x", 1_000_000)
+            time.sleep(0.0005)
+            reporter.bubble_end(i, 0)
+            time.sleep(0.0005)
+        deadline = time.monotonic() + 10
+        while reporter.sent < events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cpu = time.process_time() - cpu0 - idle_cpu
+        reporter.close()
+        out["sender_cpu_ns_per_event"] = cpu / events * 1e9
+        out["sender_reporter"] = reporter.counters().__dict__
+        out["pacing_wall_s"] = idle_wall
+        for rank in (0, 1):
+            st = out[f"stage{rank}"]
+            own = st["instrumentation_ns_per_iteration"] + st["enqueue_ns_per_iteration"]
+            st["critical_path_ns_per_iteration"] = own + st["bubbles_per_iteration"] * out["sender_cpu_ns_per_event"]
+            st["upper_bound_ns_per_iteration"] = own + 2 * st["bubbles_per_iteration"] * out["sender_cpu_ns_per_event"]
+    finally:
+        manager.terminate()
+        manager.wait(30)
+    return out
+
+
+def _serving(endpoint: Any) -> bool:
+    from freeride._wire.client import health_status
+    from freeride.errors import FreerideError
+
+    try:
+        return health_status(endpoint, timeout_s=1.0) == "SERVING"
+    except FreerideError:
+        return False
+
+
+# ---------------------------------------------------------------- report
+
+
+def write_markdown(path: Path, doc: dict[str, Any]) -> None:
+    o, p, h, m = doc["overhead"], doc["prediction"], doc["hot_path"], doc["machine"]
+    cfg = doc["config"]
+    it_ms = o["iteration_ms_bare_mean"]
+    crit_ns = max(h[s]["critical_path_ns_per_iteration"] for s in ("stage0", "stage1"))
+    upper_ns = max(h[s]["upper_bound_ns_per_iteration"] for s in ("stage0", "stage1"))
+    lines = [
+        "# Instrumentation overhead and bubble prediction error (CPU)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores_usable']} usable cores, Python {m['python']}, torch {m['torch']}; "
+        f"load average at start {tuple(round(x, 2) for x in m['loadavg_at_start'])}, "
+        f"at end {tuple(round(x, 2) for x in doc['loadavg_at_end'])}.",
+        f"Workload: reference GPT trainer, {cfg['schedule']}, 2 stages (gloo, one core each) x "
+        f"{cfg['microbatches']} micro-batches, {cfg['iterations']} iterations, A/B blocks of "
+        f"{cfg['ab_block']} (random order per pair), warm-up {cfg['warmup']} iterations excluded. "
+        "One manager per core (freeride launch), no side tasks.",
+        "",
+        "## Overhead (reporting on, manager up) vs bare, same run, interleaved",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| pairs of blocks | {o['pairs']} |",
+        f"| iteration time, bare (mean / median / stdev) | {it_ms:.2f} / {o['iteration_ms_bare_median']:.2f} / "
+        f"{o['iteration_ms_bare_stdev']:.2f} ms |",
+        f"| iteration time, instrumented (mean / median) | {o['iteration_ms_instrumented_mean']:.2f} / "
+        f"{o['iteration_ms_instrumented_median']:.2f} ms |",
+        f"| overhead, mean of pair ratios | {o['overhead_mean_of_pairs']:+.3%} "
+        f"(95% CI {o['overhead_ci95'][0]:+.3%} .. {o['overhead_ci95'][1]:+.3%}) |",
+        f"| overhead, median of pair ratios | {o['overhead_median_of_pairs']:+.3%} |",
+        f"| training-thread cost per iteration, stage 0 / stage 1: hooks + bookkeeping | "
+        f"{h['stage0']['instrumentation_ns_per_iteration'] / 1e3:.1f} / "
+        f"{h['stage1']['instrumentation_ns_per_iteration'] / 1e3:.1f} us |",
+        f"| ... + enqueue of the events | {h['stage0']['enqueue_ns_per_iteration'] / 1e3:.1f} / "
+        f"{h['stage1']['enqueue_ns_per_iteration'] / 1e3:.1f} us |",
+        f"| sender thread CPU per event (gRPC stream write) | {h['sender_cpu_ns_per_event'] / 1e3:.1f} us |",
+        f"| critical-path cost per iteration (own + bubble-end sends on the shared core) | "
+        f"{h['stage0']['critical_path_ns_per_iteration'] / 1e3:.1f} / "
+        f"{h['stage1']['critical_path_ns_per_iteration'] / 1e3:.1f} us |",
+        f"| critical-path cost / bare iteration time (target <= 0.2%) | "
+        f"{crit_ns / 1e6 / it_ms:.3%} |",
+        f"| upper bound (every send on the critical path) / iteration time | "
+        f"{upper_ns / 1e6 / it_ms:.3%} |",
+        "",
+        "## Bubble length prediction error after warm-up (|predicted - measured| / measured)",
+        "",
+        f"All {p['bubbles']} reported bubbles: p50 {p['p50']:.1%}, p90 {p['p90']:.1%}, p99 {p['p99']:.1%} "
+        "(target p90 <= 10%).",
+        "",
+        "| stage/slot:kind | count | length p50 ms | length p90 ms | error p50 | error p90 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k, v in p["per_slot"].items():
+        lines.append(
+            f"| {k} | {v['count']} | {v['length_ms_p50']:.2f} | {v['length_ms_p90']:.2f} | "
+            f"{v['error_p50']:.1%} | {v['error_p90']:.1%} |"
+        )
+    lines += ["", "Manager-side view (Control.Bubbles, whole run including warm-up):", "",
+              "| device | stage | slot | kind | count | length p50 ms | predicted p50 ms | error p50 | error p90 |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for device, d in doc["managers"].items():
+        for s in d["bubbles"]:
+            lines.append(
+                f"| {device} | {s['stage']} | {s['slot']} | {s['kind']} | {s['count']} | "
+                f"{s['length_ms']['p50']:.2f} | {s['predicted_ms']['p50']:.2f} | "
+                f"{s['abs_error_pct']['p50']:.1f}% | {s['abs_error_pct']['p90']:.1f}% |"
+            )
+    lines += ["", f"Command: `{doc['command']}`", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=480)
+    ap.add_argument("--ab-block", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=12)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu"))
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="frb-", dir="/tmp"))
+    work.chmod(0o700)
+    try:
+        machine = machine_info()
+        hot = hot_path_cost(args.microbatches, work)
+        records, managers = run_trainer(args, work)
+        doc = {
+            "command": " ".join(["python", "bench/bench_instrumentation.py", *sys.argv[1:]]),
+            "unix_time": time.time(),
+            "machine": machine,
+            "loadavg_at_end": os.getloadavg(),
+            "config": vars(args),
+            "overhead": analyse_overhead(records, args.ab_block, args.warmup),
+            "hot_path": hot,
+            "prediction": analyse_prediction(records, args.warmup),
+            "managers": managers,
+            "trainer_summaries": [r for r in records if r.get("summary")],
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "instrumentation.json").write_text(json.dumps(doc, indent=2) + "\n")
+        write_markdown(out / "instrumentation.md", doc)
+        print((out / "instrumentation.md").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
