@@ -4,7 +4,13 @@ Submit as ``side_tasks.graphs:PageRank`` (or ``BFS``, ``ConnectedComponents``) w
 ``{"graph": "path/to/edges.txt"}`` or ``{"graph": "rmat:20"}``.
 """
 
-from side_tasks.graphs.formats import CSRGraph, load_edge_list, load_graph, load_matrix_market
+from side_tasks.graphs.formats import (
+    CSRGraph,
+    load_edge_list,
+    load_graph,
+    load_graph_cached,
+    load_matrix_market,
+)
 from side_tasks.graphs.rmat import rmat_edges
 from side_tasks.graphs.tasks import BFS, ConnectedComponents, GraphTask, PageRank
 
@@ -16,6 +22,7 @@ __all__ = [
     "PageRank",
     "load_edge_list",
     "load_graph",
+    "load_graph_cached",
     "load_matrix_market",
     "rmat_edges",
 ]

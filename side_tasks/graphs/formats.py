@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import io
 import logging
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -275,3 +276,49 @@ def load_graph(path: str | Path, *, format: str = "auto", directed: bool = True)
     if format == "mtx":
         return load_matrix_market(path, directed=directed)
     raise DataFormatError(path, f"unknown graph format {format!r} (use auto, snap or mtx)")
+
+
+_CACHE_VERSION = 1
+
+
+def load_graph_cached(path: str | Path, cache_dir: Path, *, format: str = "auto", directed: bool = True) -> CSRGraph:
+    """:func:`load_graph`, with the CSR arrays cached as ``.npz`` in ``cache_dir``.
+
+    A side task is set up again after every restart or eviction; parsing a text file of a
+    hundred million edges takes minutes, loading the binary arrays takes seconds. The cache is
+    keyed by the source's resolved path, size and modification time and the load options, and
+    written atomically (a crash leaves no half-written cache behind).
+    """
+    source = Path(path)
+    try:
+        stat = source.stat()
+    except OSError:
+        return load_graph(source, format=format, directed=directed)  # reports the missing file
+    key = f"{_CACHE_VERSION}|{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{format}|{directed}"
+    cache = Path(cache_dir) / "graph-cache.npz"
+    if cache.exists():
+        try:
+            with np.load(cache, allow_pickle=False) as archive:
+                if str(archive["key"]) == key:
+                    log.info("loaded %s from cache %s", source, cache)
+                    return CSRGraph(
+                        indptr=archive["indptr"],
+                        indices=archive["indices"],
+                        node_ids=archive["node_ids"],
+                        directed=bool(archive["directed"]),
+                    )
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable graph cache %s: %s", cache, exc)
+    graph = load_graph(source, format=format, directed=directed)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp.npz")
+        with open(tmp, "wb") as handle:
+            np.savez(handle, key=np.array(key), indptr=graph.indptr, indices=graph.indices,
+                     node_ids=graph.node_ids, directed=np.array(graph.directed))  # fmt: skip
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, cache)
+    except OSError as exc:  # a cache is an optimisation: never fail the task for it
+        log.warning("cannot write graph cache %s: %s", cache, exc)
+    return graph

@@ -6,7 +6,9 @@ targets in CSR order). Every kernel is a whole-graph sweep of torch scatter oper
 (``index_add_``, ``scatter_reduce_``), so a step costs O(n + m) and takes a steady time, which is
 what the worker runtime's step-time estimate needs. The same code runs on CPU and CUDA.
 
-Results are written atomically to ``ctx.work_dir/result.npz`` (``node_ids`` and ``values`` in the
+A graph file's parsed CSR arrays are cached in ``ctx.work_dir`` so that a task set up again after
+a restart or eviction does not parse the text again. Results are written atomically to
+``ctx.work_dir/result.npz`` (``node_ids`` and ``values`` in the
 user's vertex ids) in the step that finishes the task.
 """
 
@@ -25,7 +27,7 @@ from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
 from side_tasks._io import atomic_write_bytes
 from side_tasks.errors import check_fits
-from side_tasks.graphs.formats import CSRGraph, load_graph
+from side_tasks.graphs.formats import CSRGraph, load_graph_cached
 from side_tasks.graphs.rmat import GRAPH500_EDGE_FACTOR, rmat_edges
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,8 @@ class GraphTask(SideTask):
             graph = CSRGraph.from_edges(src, dst, n, directed=self.directed)
             del src, dst
         else:
-            graph = load_graph(self.graph_spec, format=self.format, directed=self.directed)
+            # Cached in the work dir (which survives restarts): a resumed task skips the parse.
+            graph = load_graph_cached(self.graph_spec, Path(ctx.work_dir), format=self.format, directed=self.directed)
         self.graph = graph
         check_fits(
             f"{type(self).__name__} on {self.graph_spec} ({graph.num_vertices} vertices, {graph.num_edges} edges)",

@@ -12,7 +12,7 @@ import scipy.sparse
 
 from freeride.errors import ConfigError
 from side_tasks.errors import DataFormatError
-from side_tasks.graphs import CSRGraph, load_graph, rmat_edges
+from side_tasks.graphs import CSRGraph, load_graph, load_graph_cached, rmat_edges
 
 
 def _dense(graph: CSRGraph) -> np.ndarray:
@@ -143,3 +143,17 @@ def test_rmat_rejects_bad_parameters() -> None:
         rmat_edges(0)
     with pytest.raises(ConfigError, match="probabilities"):
         rmat_edges(4, a=0.6, b=0.3, c=0.2)
+
+
+def test_graph_cache_is_reused_and_invalidated_when_the_source_changes(tmp_path: Path) -> None:
+    source = tmp_path / "g.txt"
+    source.write_text("0 1\n1 2\n")
+    first = load_graph_cached(source, tmp_path / "cache")
+    assert (tmp_path / "cache" / "graph-cache.npz").exists()
+    again = load_graph_cached(source, tmp_path / "cache")
+    assert np.array_equal(again.indices, first.indices) and np.array_equal(again.indptr, first.indptr)
+    source.write_text("0 1\n1 2\n2 0\n5 0\n")
+    changed = load_graph_cached(source, tmp_path / "cache")
+    assert changed.num_edges == 4 and changed.node_ids.tolist() == [0, 1, 2, 5]
+    with pytest.raises(DataFormatError, match="graph file not found"):
+        load_graph_cached(tmp_path / "gone.txt", tmp_path / "cache")
