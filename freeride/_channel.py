@@ -20,6 +20,10 @@ class ChannelClosed(Exception):
     """The peer closed the channel or died."""
 
 
+class ChannelFull(Exception):
+    """The peer is not reading (busy in a long step, or frozen) and its buffer is full."""
+
+
 class ProtocolError(Exception):
     """The peer sent something that is not a well-formed message."""
 
@@ -41,7 +45,9 @@ class Channel:
             raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
         try:
             self.sock.send(data)
-        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+        except BlockingIOError:
+            raise ChannelFull(f"peer's buffer is full; dropped a {message.get('t')!r} message") from None
+        except OSError as exc:
             raise ChannelClosed(str(exc)) from None
 
     def _decode(self, data: bytes) -> dict[str, Any]:

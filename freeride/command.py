@@ -1,6 +1,7 @@
 """The imperative wrapper: run an arbitrary command as a side task, best effort.
 
-The command runs in its own process group, stopped (SIGSTOP) from before its first instruction.
+The command runs in its own process group, stopped (SIGSTOP) right after it starts, inside the
+grant that runs setup.
 Each ``step`` thaws it with SIGCONT for a short slice and freezes it again with SIGSTOP, so the
 runtime's deadline logic applies unchanged: a slice is a step of known length.
 
@@ -28,11 +29,10 @@ from freeride.task import SideTask, TaskContext
 _PR_SET_PDEATHSIG = 1
 
 
-def _stopped_child_preexec() -> None:  # pragma: no cover - runs in the child before exec
+def _child_preexec() -> None:  # pragma: no cover - runs in the child before exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.setpgid(0, 0)
-    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class CommandTask(SideTask):
@@ -56,9 +56,11 @@ class CommandTask(SideTask):
         self.proc = subprocess.Popen(  # noqa: S603 - argv list, never a shell
             self.argv,
             cwd=str(ctx.work_dir),
-            preexec_fn=_stopped_child_preexec,  # noqa: PLW1509
+            preexec_fn=_child_preexec,  # noqa: PLW1509
         )
-        # Wait until the child has stopped itself, so no instruction of it runs outside a slice.
+        # Setup runs inside a grant, so the few instructions the command runs before this stop
+        # are inside a bubble too. (Stopping in preexec would deadlock: Popen waits for exec.)
+        os.killpg(self.proc.pid, signal.SIGSTOP)
         os.waitpid(self.proc.pid, os.WUNTRACED)
 
     def step(self) -> None:

@@ -117,14 +117,10 @@ class CpuDevice(Device):
         return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
     def prepare_worker(self, memory_limit_bytes: int) -> None:
+        # torch is not imported here: a task that never uses it should not pay its memory and
+        # start-up time. OMP_NUM_THREADS from worker_env keeps torch to one thread when it loads.
         os.sched_setaffinity(0, {self.name.index})
         os.nice(WORKER_NICENESS)
-        try:
-            import torch
-
-            torch.set_num_threads(1)
-        except ImportError:  # pragma: no cover - torch is a core dependency
-            pass
 
 
 def mps_pipe_directory() -> Path | None:

@@ -61,12 +61,15 @@ class CoreConfig:
     stop_timeout_ns: int = 10_000 * MS
     memory_window_iterations: int = 8
     default_checkpoint_interval_s: float = 30.0
+    #: A task whose step fitted no bubble for this many bubbles gets one probe grant: its estimate
+    #: may be stale (learned under contention), and without a probe it could never recover.
+    reprobe_after_bubbles: int = 200
 
     def __post_init__(self) -> None:
         for name in ("headroom_bytes", "grace_ns", "margin_ns", "max_margin_ns"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("step_timeout_ns", "stop_timeout_ns", "memory_window_iterations"):
+        for name in ("step_timeout_ns", "stop_timeout_ns", "memory_window_iterations", "reprobe_after_bubbles"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_margin_ns < self.margin_ns:
@@ -160,6 +163,7 @@ class WorkerExited:
     exit_code: int | None
     signal: int
     log_tail: str = ""
+    step: int = -1  # the step the worker was in, when it published one
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,7 @@ class Grant:
     deadline_ns: int
     margin_ns: int
     thaw: bool
+    probe: bool = False  # run one step whatever the estimate, and learn the step time afresh
 
 
 @dataclass(frozen=True)
@@ -285,6 +290,7 @@ class TaskRuntime:
     granted_at_ns: int = 0
     grant_bubble: tuple[int, int, int, int] | None = None
     stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
+    unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
     used_bytes: int = 0
     steps: int = 0
     progress: float = 0.0
@@ -357,7 +363,7 @@ class SchedulerCore:
         self._grant_seq = 0
         # (rank, iteration) -> min over that iteration of free + side-task usage at the time
         self._capacity_by_iteration: dict[tuple[int, int], int] = {}
-        self._device_capacity: deque[int] = deque(maxlen=8)
+        self._device_capacity: deque[int] = deque(maxlen=self.config.memory_window_iterations)
         self._longest_bubble_ns = 0
         self._freeze_at_ns = 0
         self._drain_announced = False
@@ -486,7 +492,11 @@ class SchedulerCore:
             est = task.known_step_ns
             frozen = task.state == TaskState.FROZEN
             if not frozen and est is not None and est + margin > remaining:
-                continue
+                if len(bubble.granted) == 0:
+                    task.unfit_bubbles += 1
+                if task.unfit_bubbles < self.config.reprobe_after_bubbles:
+                    continue
+                est = None  # a re-probe: ranked like a task whose step time is unknown
             key = (
                 -task.spec.priority,
                 0 if frozen else 1,
@@ -500,6 +510,11 @@ class SchedulerCore:
             return
         task = best[1]
         thaw = task.state == TaskState.FROZEN
+        probe = task.unfit_bubbles >= self.config.reprobe_after_bubbles
+        task.unfit_bubbles = 0
+        if probe:
+            log.info("[task=%s] re-probing its step time", task.task_id)
+            task.estimator = StepEstimator(hint_ns=0)
         self._grant_seq += 1
         task.grant_id = self._grant_seq
         task.granted_at_ns = now_ns
@@ -508,7 +523,7 @@ class SchedulerCore:
         bubble.running = task.task_id
         self._transition(task, TaskState.RUNNING, "granted", out)
         out.append(
-            Grant(task.task_id, task.grant_id, bubble.deadline_ns, self.config.margin_ns + task.margin_ns, thaw)
+            Grant(task.task_id, task.grant_id, bubble.deadline_ns, self.config.margin_ns + task.margin_ns, thaw, probe)
         )
         if self._freeze_at_ns == 0 or self._freeze_at_ns < now_ns:
             self._freeze_at_ns = bubble.deadline_ns + self.config.grace_ns
@@ -634,8 +649,8 @@ class SchedulerCore:
         out.append(StateChanged(task.task_id, None, TaskState.SUBMITTED, "submitted"))
 
     def _on_CancelRequested(self, event: CancelRequested, now_ns: int, out: list[Action]) -> None:
-        task = self.tasks[event.task_id]
-        if task.state.is_terminal:
+        task = self.tasks.get(event.task_id)
+        if task is None or task.state.is_terminal:
             return
         if task.state.is_resident:
             self._release_bubble(task)
@@ -702,14 +717,17 @@ class SchedulerCore:
                 self._grant_next(now_ns, out)
             return
         stopping, task.stopping = task.stopping, ""
-        if stopping in ("evict", "drain") and task.pending_failure is None and event.exit_code == 0:
+        # A stop for eviction or drain that ended the process one way or another (clean exit after
+        # its checkpoint, or killed because it was still starting or ignored the stop) loses at most
+        # the work since the last checkpoint: the task goes back to be placed again.
+        if stopping in ("evict", "drain") and task.pending_failure is None:
             self._transition(task, TaskState.EVICTED, stopping, out)
             task.restarts += 1
             self._transition(task, TaskState.SUBMITTED, "re-placement", out)
         else:
             failure = task.pending_failure
             if failure is None:
-                failure = _exit_failure(event, task.steps)
+                failure = _exit_failure(event, event.step if event.step >= 0 else task.steps)
             elif not failure.log_tail:
                 failure = FailureRecord(**{**failure.to_json(), "log_tail": event.log_tail})
             task.pending_failure = None

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from freeride._channel import Channel, ChannelClosed, ProtocolError, socketpair
+from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._manager import core as C
 from freeride._manager.store import StoredTask, TaskStore
 from freeride.devices import Device
@@ -125,6 +125,7 @@ class WorkerHandle:
     log_path: Path
     extra_pgids: list[int] = field(default_factory=list)
     closed: bool = False
+    goodbye: bool = False  # the worker announced its exit: end-of-file is expected
     eof_at_ns: int = 0
 
 
@@ -139,6 +140,7 @@ class ManagerLoop:
         self.started_unix = time.time()
         self.events_received = 0
         self.events_rejected = 0
+        self.messages_dropped = 0
         self.on_draining: Callable[[], None] = lambda: None
         self._inbox: collections.deque[Any] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -308,7 +310,7 @@ class ManagerLoop:
             if action.thaw:
                 self._signal(handle, signal.SIGCONT)
             self._send(handle, {"t": "grant", "g": action.grant_id, "deadline_ns": action.deadline_ns,
-                                "margin_ns": action.margin_ns})
+                                "margin_ns": action.margin_ns, "probe": action.probe})
         elif isinstance(action, C.Park):
             handle = self._workers.get(action.task_id)
             if handle is not None:
@@ -345,6 +347,11 @@ class ManagerLoop:
             return
         try:
             handle.channel.send(message)
+        except ChannelFull:
+            # The worker is busy (a long step or setup) or frozen: a grant or park it cannot read
+            # now is stale by the time it could. The freeze timer and stop timeout still apply.
+            self.messages_dropped += 1
+            log.debug("[%s task=%s] worker not reading; dropped %s", self.device, handle.task_id, message["t"])
         except ChannelClosed:
             self._channel_eof(handle)
 
@@ -401,6 +408,7 @@ class ManagerLoop:
     def _spawn(self, action: C.Spawn) -> None:
         task_dir = self.task_dir(action.task_id)
         (task_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (task_dir / "current_step").unlink(missing_ok=True)
         (task_dir / "work").mkdir(parents=True, exist_ok=True)
         log_path = task_dir / "worker.log"
         parent_sock, child_sock = socketpair()
@@ -455,6 +463,7 @@ class ManagerLoop:
                 "checkpoint_interval_s": spec.checkpoint_interval_s
                 or self.config.core.default_checkpoint_interval_s,
                 "step_time_hint_ms": spec.step_time_hint_ms,
+                "step_file": str(task_dir / "current_step"),
             }
         )
         log.info("[%s task=%s] worker pid %d started", self.device, action.task_id, proc.pid)
@@ -503,6 +512,8 @@ class ManagerLoop:
             self._feed(C.WorkerFailed(tid, FailureRecord(
                 kind=str(msg["kind"]), message=str(msg["message"]), traceback=str(msg.get("traceback", "")),
                 step=int(msg.get("step", -1)), at_unix_s=time.time())))
+        elif kind == "bye":
+            handle.goodbye = True
         elif kind == "pgroup":
             handle.extra_pgids.append(int(msg["pgid"]))
         else:
@@ -514,7 +525,7 @@ class ManagerLoop:
         handle.closed = True
         self._selector.unregister(handle.channel.fileno())
         handle.channel.close()
-        if handle.proc.poll() is None:
+        if not handle.goodbye and handle.proc.poll() is None:
             handle.eof_at_ns = self.now_ns() + int(self.config.eof_grace_ms * 1e6)
 
     def _reap(self, handle: WorkerHandle) -> None:
@@ -532,7 +543,10 @@ class ManagerLoop:
                 pass
         sig = -returncode if returncode < 0 else 0
         code = returncode if returncode >= 0 else None
-        self._feed(C.WorkerExited(handle.task_id, code, sig, _tail(handle.log_path)))
+        from freeride._worker.runtime import read_step_board
+
+        step = read_step_board(self.task_dir(handle.task_id) / "current_step")
+        self._feed(C.WorkerExited(handle.task_id, code, sig, _tail(handle.log_path), step))
 
     # ------------------------------------------------------------------ requests
 

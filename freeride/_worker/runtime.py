@@ -20,11 +20,14 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -96,6 +99,33 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return sorted(files, key=step_of, reverse=True)
 
 
+class _StepBoard:
+    """The current step index in an 8-byte shared file: one memory store per step, no syscall.
+
+    If the worker dies from a signal mid-step, the manager reads it to say which step that was.
+    """
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, 8)
+            self._mm = mmap.mmap(fd, 8)
+        finally:
+            os.close(fd)
+
+    def publish(self, step: int) -> None:
+        struct.pack_into("q", self._mm, 0, step)
+
+
+def read_step_board(path: Path) -> int:
+    """The step a worker last published, or -1."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return -1
+    return int(struct.unpack("q", data[:8])[0]) if len(data) >= 8 else -1
+
+
 class WorkerRuntime:
     def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
         self.chan = channel
@@ -115,6 +145,7 @@ class WorkerRuntime:
         self.steps = 0
         self.last_checkpoint_ns = time.monotonic_ns()
         self.checkpointed_steps = -1
+        self._step_board = _StepBoard(Path(init["step_file"])) if init.get("step_file") else None
 
     @staticmethod
     def _device(name: str) -> Device:
@@ -190,6 +221,9 @@ class WorkerRuntime:
         grant_id = int(grant["g"])
         deadline = int(grant["deadline_ns"])
         margin = int(grant["margin_ns"])
+        if grant.get("probe"):
+            # The manager suspects a stale estimate: forget it and run at least one step.
+            self.estimator = StepEstimator(hint_ns=0)
         set_up_now = not self.setup_done
         if set_up_now:
             self._setup()
@@ -229,6 +263,8 @@ class WorkerRuntime:
             est = self.estimator.estimate_ns()
             if now + (est or 0) + margin > deadline:
                 break
+            if self._step_board is not None:
+                self._step_board.publish(self.steps)
             try:
                 self.task.step()
             except Exception as exc:
@@ -402,4 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     if init is None or init.get("t") != "init":
         log.error("expected an init message, got %r", init)
         return EXIT_SETUP_FAILED
-    return WorkerRuntime(channel, init).run()
+    code = WorkerRuntime(channel, init).run()
+    # Say goodbye so the manager reads the coming end-of-file as an exit, not as a worker that
+    # dropped its channel; then skip interpreter teardown (torch's can take a second at nice 19).
+    with contextlib.suppress(ChannelClosed):
+        channel.send({"t": "bye", "code": code})
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

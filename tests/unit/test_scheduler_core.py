@@ -1141,7 +1141,8 @@ def test_worker_that_ignores_stop_is_killed_at_the_stop_timeout() -> None:
     assert sim.tick() == [Kill("a")]
     assert sim.core.next_timer_ns() is None
     actions = sim.exited("a", exit_code=None, sig=signal.SIGKILL)
-    assert sim.state("a") == S.FAILED
+    # Killed during a drain: it loses only the work since its last checkpoint and is placed again.
+    assert sim.state("a") == S.SUBMITTED
     assert of(actions, DrainComplete) == [DrainComplete()]
 
 
@@ -1307,3 +1308,20 @@ def test_every_transition_emits_exactly_one_state_changed_and_they_chain() -> No
     ]:
         assert expected in seen
     assert of(sim.actions, DrainComplete) == [DrainComplete()]
+
+
+def test_task_whose_estimate_fits_no_bubble_gets_a_reprobe_after_enough_bubbles() -> None:
+    sim = Sim(reprobe_after_bubbles=3)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([500 * MS] * 10)
+    grants = []
+    for i in range(4):
+        grants.append(of(sim.send(BubbleStarted(BubbleStart(0, 0, i, 0, "k", sim.now, 20 * MS, -1), sim.now)), Grant))
+        if grants[-1]:
+            break
+        sim.advance_ms(20)
+        sim.send(BubbleEnded(BubbleEnd(0, 0, i, 0, sim.now), sim.now))
+        sim.advance_ms(5)
+    assert [len(g) for g in grants] == [0, 0, 1]
+    assert grants[-1][0].probe
+    assert sim.core.tasks["a"].known_step_ns is None

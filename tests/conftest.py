@@ -1,0 +1,171 @@
+"""Shared fixtures: an in-process manager on a temporary socket, and a bubble trace replayer."""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from freeride._manager.core import CoreConfig
+from freeride._manager.daemon import Manager
+from freeride._wire.client import BubbleStream, ControlClient
+from freeride.endpoints import Endpoint
+from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, TaskInfo, TaskSpec
+
+TESTS_DIR = Path(__file__).resolve().parent
+MS = 1_000_000
+
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.02) -> object:
+    """Poll until ``predicate()`` is truthy; fail the test with a clear message at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s: {predicate}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class Bubble:
+    start_ns: int
+    predicted_end_ns: int
+    end_ns: int
+
+
+@dataclass
+class BubbleFeeder:
+    """Replays a generated bubble trace in real time over a real Trainer stream."""
+
+    endpoint: Endpoint
+    stage: int = 0
+    rank: int = 0
+    free_memory_bytes: int = 8 * 2**30
+    sent: list[Bubble] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._q: queue.Queue[BubbleEvent | None] = queue.Queue()
+        self._iteration = 0
+        self.stream = BubbleStream(self.endpoint, self._events())
+
+    def _events(self) -> Iterator[BubbleEvent]:
+        while True:
+            event = self._q.get()
+            if event is None:
+                return
+            yield event
+
+    def send(self, event: BubbleEvent) -> None:
+        self._q.put(event)
+
+    def bubble(self, length_ms: float, predicted_ms: float | None = None, gap_ms: float = 5.0) -> Bubble:
+        """One bubble: start, wait ``length_ms``, end; then ``gap_ms`` of 'compute'."""
+        predicted_ms = length_ms if predicted_ms is None else predicted_ms
+        it = self._iteration
+        self._iteration += 1
+        start = time.monotonic_ns()
+        self.send(BubbleStart(self.stage, self.rank, it, 0, "test", start, int(predicted_ms * MS),
+                              self.free_memory_bytes))
+        time.sleep(length_ms / 1000)
+        end = time.monotonic_ns()
+        self.send(BubbleEnd(self.stage, self.rank, it, 0, end))
+        time.sleep(gap_ms / 1000)
+        record = Bubble(start, start + int(predicted_ms * MS), end)
+        self.sent.append(record)
+        return record
+
+    def run(self, count: int, length_ms: float, predicted_ms: float | None = None, gap_ms: float = 5.0) -> None:
+        for _ in range(count):
+            self.bubble(length_ms, predicted_ms, gap_ms)
+
+    def run_until(self, predicate: Callable[[], object], length_ms: float = 20.0, timeout_s: float = 30.0,
+                  gap_ms: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                with ControlClient(self.endpoint) as client:
+                    tasks = [(t.task_id, t.state, t.steps, t.waiting_reason, t.failure) for t in client.list()]
+                raise AssertionError(f"condition not met within {timeout_s} s of bubbles; tasks: {tasks}")
+            self.bubble(length_ms, gap_ms=gap_ms)
+
+    def close(self) -> tuple[int, int]:
+        self._q.put(None)
+        try:
+            return self.stream.result(10)
+        finally:
+            self.stream.close()
+
+
+@dataclass
+class ManagerHarness:
+    manager: Manager
+    client: ControlClient
+    tmp: Path
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.manager.endpoint
+
+    def submit(self, target: str, memory_mib: int = 512, **kw: object) -> TaskInfo:
+        args = kw.pop("args", {})
+        return self.client.submit(
+            TaskSpec(target=target, args=dict(args), memory_bytes=memory_mib * 2**20,  # type: ignore[arg-type]
+                     working_dir=str(TESTS_DIR), **kw)  # type: ignore[arg-type]
+        )
+
+    def wait_state(self, task_id: str, *states: str, timeout_s: float = 30.0) -> TaskInfo:
+        wait_for(lambda: self.client.get(task_id).state in states, timeout_s)
+        return self.client.get(task_id)
+
+    def feeder(self, **kw: object) -> BubbleFeeder:
+        return BubbleFeeder(self.endpoint, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
+    """Start in-process managers on cpu:0 with temporary sockets and state; stopped at teardown."""
+    started: list[ManagerHarness] = []
+
+    def make(**core: object) -> ManagerHarness:
+        index = len(started)
+        sock = Path(f"/tmp/fr-{os.getpid()}-{id(tmp_path) % 10**6}-{index}.sock")
+        manager = Manager(
+            "cpu:0",
+            endpoint=Endpoint("unix", str(sock)),
+            state_dir=tmp_path / f"state{index}",
+            core=CoreConfig(**core),  # type: ignore[arg-type]
+            memory_poll_ms=20.0,
+        )
+        manager.start()
+        harness = ManagerHarness(manager, ControlClient(manager.endpoint), tmp_path)
+        started.append(harness)
+        return harness
+
+    yield make
+    for harness in started:
+        harness.client.close()
+        harness.manager.stop()
+
+
+@pytest.fixture
+def harness(make_manager: Callable[..., ManagerHarness]) -> ManagerHarness:
+    return make_manager()
+
+
+def read_steps(work_dir: Path) -> list[tuple[int, int]]:
+    path = work_dir / "steps.log"
+    if not path.exists():
+        return []
+    return [tuple(int(x) for x in line.split()) for line in path.read_text().splitlines() if line.strip()]  # type: ignore[misc]
+

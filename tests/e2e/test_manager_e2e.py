@@ -1,0 +1,222 @@
+"""End-to-end: the real manager loop, real worker processes on cpu:0, bubbles over a real stream."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ManagerHarness, read_steps, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def work_dir(h: ManagerHarness, task_id: str) -> Path:
+    return h.manager.loop.task_dir(task_id) / "work"
+
+
+def test_task_steps_start_only_inside_bubbles(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    harness.wait_state(task.task_id, "PARKED")
+    time.sleep(0.3)  # no bubble: nothing may run
+    assert read_steps(work_dir(harness, task.task_id)) == []
+    feeder = harness.feeder()
+    feeder.run(25, length_ms=25, gap_ms=15)
+    accepted, rejected = feeder.close()
+    assert (accepted, rejected) == (50, 0)
+    info = harness.wait_state(task.task_id, "PARKED")
+    steps = read_steps(work_dir(harness, task.task_id))
+    assert len(steps) > 25, "the task should harvest several steps per bubble"
+    assert info.steps == len(steps)
+    for start, _end in steps:
+        assert any(b.start_ns <= start <= b.predicted_end_ns for b in feeder.sent), (
+            f"a step started at {start} outside every bubble"
+        )
+    time.sleep(0.2)
+    assert len(read_steps(work_dir(harness, task.task_id))) == len(steps), "steps ran after the last bubble"
+    stats = harness.client.stats()
+    assert stats.bubbles == 25
+    assert 0 < stats.harvested_s <= stats.bubble_time_s
+
+
+def test_crashing_task_fails_with_its_traceback_and_the_others_keep_running(harness: ManagerHarness) -> None:
+    crasher = harness.submit("sample_tasks:Crasher", args={"crash_at": 3})
+    counter = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(crasher.task_id).state == "FAILED")
+    failed = harness.client.get(crasher.task_id)
+    assert failed.failure is not None
+    assert failed.failure.kind == "EXCEPTION"
+    assert failed.failure.step == 3
+    assert "ValueError: boom at step 3" in failed.failure.traceback
+    before = harness.client.get(counter.task_id).steps
+    feeder.run(10, length_ms=20)
+    feeder.close()
+    assert harness.client.get(counter.task_id).steps > before
+
+
+def test_setup_error_is_a_failure_record(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:SetupCrasher")
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(task.task_id).state == "FAILED")
+    feeder.close()
+    failure = harness.client.get(task.task_id).failure
+    assert failure is not None and failure.kind == "EXCEPTION"
+    assert "cannot set up" in failure.traceback
+    assert "setup" in failure.message
+
+
+def test_unknown_class_fails_at_load_with_import_record(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:NoSuchTask")
+    info = harness.wait_state(task.task_id, "FAILED")
+    assert info.failure is not None and info.failure.kind == "IMPORT"
+    assert "NoSuchTask" in info.failure.message
+
+
+def test_segfault_is_recorded_with_signal_and_log_tail(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:Segfaulter")
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(task.task_id).state == "FAILED")
+    feeder.close()
+    failure = harness.client.get(task.task_id).failure
+    assert failure is not None
+    assert failure.kind == "SIGNAL" and failure.signal == signal.SIGSEGV
+    assert "worker pid" not in failure.log_tail  # the tail is the worker's own output
+    assert failure.step == 2
+
+
+def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarness) -> None:
+    hog = harness.submit("sample_tasks:MemoryHog", memory_mib=200, args={"mib_per_step": 16})
+    other = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(hog.task_id).state == "FAILED", length_ms=30)
+    failure = harness.client.get(hog.task_id).failure
+    assert failure is not None and failure.kind == "MEMORY_LIMIT"
+    assert "over its cap of 200 MiB" in failure.message
+    before = harness.client.get(other.task_id).steps
+    feeder.run(5, length_ms=20)
+    feeder.close()
+    assert harness.client.get(other.task_id).steps > before
+
+
+def test_step_that_ignores_the_bubble_end_is_frozen_then_fails_on_step_timeout(
+    make_manager: object,
+) -> None:
+    h: ManagerHarness = make_manager(step_timeout_ns=400_000_000)  # type: ignore[operator]
+    task = h.submit("sample_tasks:Hanger", args={"hang_at": 2})
+    feeder = h.feeder()
+    seen_frozen = False
+
+    def frozen_or_failed() -> bool:
+        nonlocal seen_frozen
+        state = h.client.get(task.task_id).state
+        seen_frozen |= state == "FROZEN"
+        return state == "FAILED"
+
+    feeder.run_until(frozen_or_failed, length_ms=20, gap_ms=30)
+    feeder.close()
+    info = h.client.get(task.task_id)
+    assert seen_frozen
+    assert info.failure is not None and info.failure.kind == "STEP_TIMEOUT"
+    assert info.overruns >= 1
+    overrun = h.client.stats().overrun_ms
+    assert overrun.count >= 1
+
+
+def test_step_longer_than_every_bubble_is_never_granted_again(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 60.0})
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(task.task_id).steps >= 1, length_ms=10, gap_ms=30)
+    steps = harness.client.get(task.task_id).steps
+    feeder.run(10, length_ms=10, gap_ms=10)
+    feeder.close()
+    info = harness.wait_state(task.task_id, "PARKED")
+    assert info.steps == steps
+    assert "fits no bubble seen" in info.waiting_reason
+
+
+def test_worker_that_closes_its_channel_is_killed_with_protocol_record(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:ChannelCloser")
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(task.task_id).state == "FAILED", gap_ms=20)
+    feeder.close()
+    failure = harness.client.get(task.task_id).failure
+    assert failure is not None and failure.kind == "PROTOCOL"
+
+
+def test_cancel_kills_the_worker_and_its_children(harness: ManagerHarness) -> None:
+    task = harness.submit("sample_tasks:Spawner")
+    feeder = harness.feeder()
+    pid_file = work_dir(harness, task.task_id) / "child.pid"
+    feeder.run_until(pid_file.exists)
+    feeder.close()
+    child = int(pid_file.read_text())
+    worker = harness.client.get(task.task_id).pid
+    assert psutil.pid_exists(child)
+    assert harness.client.cancel(task.task_id).state == "CANCELLED"
+    wait_for(lambda: not psutil.pid_exists(worker) and not _alive(child), 10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_command_task_runs_only_in_slices_and_finishes(harness: ManagerHarness, tmp_path: Path) -> None:
+    out = tmp_path / "count.txt"
+    script = (
+        "import time\n"
+        f"open({str(out)!r}, 'w').write('started')\n"
+        "t = time.monotonic()\n"
+        "n = 0\n"
+        "while n < 20000:\n    n += 1\n"
+        f"open({str(out)!r}, 'w').write('done')\n"
+    )
+    import sys
+
+    info = harness.client.submit(
+        __import__("freeride").TaskSpec(command=(sys.executable, "-c", script), memory_bytes=512 * 2**20)
+    )
+    feeder = harness.feeder()
+    time.sleep(0.5)
+    assert not out.exists(), "the command ran before any bubble"
+    feeder.run_until(lambda: harness.client.get(info.task_id).state in ("FINISHED", "FAILED"), length_ms=30)
+    feeder.close()
+    final = harness.client.get(info.task_id)
+    assert final.state == "FINISHED", final.failure
+    assert out.read_text() == "done"
+
+
+def test_malformed_bubble_events_are_counted_not_fatal(harness: ManagerHarness) -> None:
+    from freeride.messages import BubbleEnd, BubbleStart
+
+    feeder = harness.feeder()
+    now = time.monotonic_ns()
+    feeder.send(BubbleStart(0, 0, 0, 0, "x", now, -5, -1))  # negative length
+    feeder.send(BubbleStart(0, 0, 1, 0, "x", 0, 5_000_000, -1))  # no start time
+    feeder.send(BubbleEnd(0, 0, 9, 0, now))  # end without start
+    feeder.bubble(10)
+    accepted, rejected = feeder.close()
+    assert rejected == 2
+    assert accepted == 3
+    assert harness.client.stats().events_rejected == 2
+
+
+def test_drain_checkpoints_every_task_and_they_resume_on_a_new_manager(make_manager: object) -> None:
+    h: ManagerHarness = make_manager()  # type: ignore[operator]
+    task = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    feeder = h.feeder()
+    feeder.run_until(lambda: h.client.get(task.task_id).steps >= 20)
+    feeder.close()
+    parked, _ = h.client.drain(timeout_s=20)
+    assert parked == 1
+    info = h.client.get(task.task_id)
+    assert info.state == "SUBMITTED"
+    assert info.checkpoint_step == info.steps >= 20
+    assert h.client.stats().draining
+    os.environ.pop("FREERIDE_ENDPOINT", None)
