@@ -33,7 +33,9 @@ def load_task_class(target: str, search_path: str = "") -> type[SideTask]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        # Unknown only if the missing module is the one named (or a parent package of it); a
+        # module that exists but imports something missing is a failed import, not an unknown one.
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise TaskLoadError(f"unknown module {module_name!r} in {target!r}") from None
         raise TaskLoadError(f"module {module_name!r} failed to import: {exc}") from None
     except Exception as exc:

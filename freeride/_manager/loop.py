@@ -16,6 +16,7 @@ channel's end-of-file tying its life to the manager's. Their output goes to
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -390,7 +391,10 @@ class ManagerLoop:
                 log.warning("[%s task=%s] failed: %s: %s", self.device, action.task_id, action.failure.kind,
                             action.failure.message)
         if self._subscribers and task is not None:
-            self._publish(TaskEvent(time.time(), task=self._info(task.task_id)))
+            # The core may have moved on within the same event (SUBMITTED -> STARTING): report the
+            # state this change produced, so viewers see every transition.
+            info = dataclasses.replace(self._info(task.task_id), state=action.new.value)
+            self._publish(TaskEvent(time.time(), task=info))
 
     def _publish(self, event: TaskEvent) -> None:
         with self._sub_lock:

@@ -25,12 +25,14 @@ import ctypes
 import logging
 import mmap
 import os
+import pickle
 import signal
 import socket
 import struct
 import sys
 import time
 import traceback
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,32 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
     files = [p for p in directory.glob("ckpt-*.pt") if step_of(p) >= 0]
     return sorted(files, key=step_of, reverse=True)
+
+
+def _save_checkpoint(blob: dict[str, Any], fh: Any) -> None:
+    """torch.save when the task uses torch (its state may hold tensors), else plain pickle.
+
+    A task that never imported torch cannot hold tensors, and importing torch only to write a
+    checkpoint would cost it a second or more of CPU inside its bubbles.
+    """
+    if "torch" in sys.modules:
+        sys.modules["torch"].save(blob, fh)
+    else:
+        pickle.dump(blob, fh, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _load_checkpoint(path: Path, map_location: str) -> dict[str, Any]:
+    # The file is the task's own, in its private directory: it is as trusted as the task's code.
+    if zipfile.is_zipfile(path):
+        import torch
+
+        blob = torch.load(path, map_location=map_location, weights_only=False)
+    else:
+        with open(path, "rb") as fh:
+            blob = pickle.load(fh)
+    if not isinstance(blob, dict) or "state" not in blob:
+        raise ValueError("not a freeride checkpoint")
+    return blob
 
 
 class _StepBoard:
@@ -339,12 +367,10 @@ class WorkerRuntime:
         candidates += [p for p in checkpoint_files(self.checkpoint_dir) if p not in candidates]
         if not candidates:
             return
-        import torch
-
         errors = []
         for path in candidates:
             try:
-                blob = torch.load(path, map_location=self.device.torch_device, weights_only=False)
+                blob = _load_checkpoint(path, self.device.torch_device)
                 self.task.load_state_dict(blob["state"])
             except FileNotFoundError:
                 continue
@@ -373,8 +399,6 @@ class WorkerRuntime:
 
     def _checkpoint(self) -> None:
         assert self.task is not None
-        import torch
-
         try:
             state = self.task.state_dict()
         except Exception as exc:
@@ -382,7 +406,7 @@ class WorkerRuntime:
         path = self.checkpoint_dir / f"ckpt-{self.steps}.pt"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as fh:
-            torch.save({"format": 1, "task_id": self.task_id, "steps": self.steps, "state": state}, fh)
+            _save_checkpoint({"format": 1, "task_id": self.task_id, "steps": self.steps, "state": state}, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

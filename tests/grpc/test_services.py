@@ -1,0 +1,165 @@
+"""gRPC tests against a real in-process server: validation, auth, permissions, health."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import TESTS_DIR, ManagerHarness
+
+from freeride._manager.daemon import Manager
+from freeride._wire import freeride_pb2 as pb
+from freeride._wire import freeride_pb2_grpc as pb_grpc
+from freeride._wire.client import ControlClient, health_status
+from freeride.endpoints import Endpoint
+from freeride.errors import ConfigError, RequestRejected, TaskNotFound, Unauthenticated
+from freeride.messages import TaskSpec
+
+
+def _raw_submit(endpoint: Endpoint, **fields: object) -> grpc.RpcError:
+    with grpc.insecure_channel(endpoint.grpc_target) as channel:
+        stub = pb_grpc.ControlStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Submit(pb.SubmitRequest(**fields), timeout=5)  # type: ignore[arg-type]
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"target": "", "memory_bytes": 1}, "exactly one of"),
+        ({"target": "a:B", "command": ["x"], "memory_bytes": 1}, "exactly one of"),
+        ({"target": "../../etc/passwd:X", "memory_bytes": 1}, "bad task reference"),
+        ({"target": "os:system; rm", "memory_bytes": 1}, "bad task reference"),
+        ({"target": "a:B", "memory_bytes": 0}, "memory must be a positive"),
+        ({"target": "a:B", "memory_bytes": 1, "args_json": "{nope"}, "not valid JSON"),
+        ({"target": "a:B", "memory_bytes": 1, "args_json": "[1, 2]"}, "JSON object"),
+        ({"target": "a:B", "memory_bytes": 1, "args_json": '{"__class__ x": 1}'}, "identifiers"),
+        ({"target": "a:B", "memory_bytes": 1, "working_dir": "relative/dir"}, "working directory"),
+        ({"target": "a:B", "memory_bytes": 1, "checkpoint_interval_s": float("nan")}, "finite"),
+        ({"target": "a:B", "memory_bytes": 1, "priority": 10**8}, "priority"),
+        ({"command": ["ok", "bad\x00arg"], "memory_bytes": 1}, "NUL"),
+    ],
+)
+def test_malformed_submission_is_invalid_argument_and_changes_nothing(
+    harness: ManagerHarness, fields: dict[str, object], message: str
+) -> None:
+    error = _raw_submit(harness.endpoint, **fields)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (error.details() or "")
+    assert harness.client.list() == []
+
+
+def test_client_maps_status_codes_to_the_error_tree(harness: ManagerHarness) -> None:
+    with pytest.raises(RequestRejected):
+        harness.client.submit(TaskSpec(target="a:B", memory_bytes=-1))
+    with pytest.raises(TaskNotFound):
+        harness.client.get("nope-1")
+    with pytest.raises(TaskNotFound):
+        harness.client.cancel("nope-1")
+
+
+def test_submit_then_get_list_and_cancel_round_trip(harness: ManagerHarness) -> None:
+    info = harness.submit("sample_tasks:Counter", memory_mib=64, priority=3, name="ticker")
+    assert info.task_id == "ticker-1"
+    assert info.spec.priority == 3
+    assert [t.task_id for t in harness.client.list()] == ["ticker-1"]
+    assert harness.client.cancel("ticker-1").state == "CANCELLED"
+    assert harness.client.list(include_finished=False) == []
+    assert harness.client.stats().tasks_by_state == {"CANCELLED": 1}
+
+
+def test_unix_socket_is_owner_only_and_health_says_serving(harness: ManagerHarness) -> None:
+    mode = stat.S_IMODE(os.stat(harness.endpoint.address).st_mode)
+    assert mode & 0o077 == 0
+    assert health_status(harness.endpoint) == "SERVING"
+
+
+def test_second_manager_on_the_same_socket_is_refused(harness: ManagerHarness, tmp_path: Path) -> None:
+    second = Manager("cpu:0", endpoint=harness.endpoint, state_dir=tmp_path / "other")
+    with pytest.raises(ConfigError, match="already listening"):
+        second.start()
+    assert health_status(harness.endpoint) == 'SERVING'
+
+
+def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
+    sock = Path(f"/tmp/fr-stale-{os.getpid()}.sock")
+    sock.write_text("")  # a leftover file nobody listens on
+    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "s")
+    manager.start()
+    try:
+        assert health_status(manager.endpoint) == "SERVING"
+    finally:
+        manager.stop()
+
+
+def test_tcp_endpoint_requires_a_token(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="token"):
+        Manager("cpu:0", endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s")
+
+
+def test_tcp_calls_without_the_right_token_are_unauthenticated(tmp_path: Path) -> None:
+    manager = Manager("cpu:0", endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token="s3cret")
+    manager.start()
+    endpoint = Endpoint("tcp", f"127.0.0.1:{manager.port}")
+    try:
+        for token in (None, "wrong", "s3cret-but-longer"):
+            with ControlClient(endpoint, token=token) as client, pytest.raises(Unauthenticated):
+                client.list()
+        with pytest.raises(Unauthenticated):
+            health_status(endpoint, token="wrong")
+        with ControlClient(endpoint, token="s3cret") as client:
+            assert client.list() == []
+    finally:
+        manager.stop()
+
+
+def test_oversized_message_is_refused_not_fatal(harness: ManagerHarness) -> None:
+    big = "x" * (5 * 2**20)
+    with pytest.raises(RequestRejected):
+        harness.client.submit(TaskSpec(target="a:B", args={"blob": big}, memory_bytes=1))
+    assert harness.client.stats().device == "cpu:0"
+
+
+def test_watch_streams_task_state_changes(harness: ManagerHarness) -> None:
+    import threading
+
+    seen: list[str] = []
+
+    def watch() -> None:
+        with ControlClient(harness.endpoint) as client:
+            for event in client.watch():
+                if event.task is not None:
+                    seen.append(event.task.state)
+                    if event.task.state == "CANCELLED":
+                        return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    info = harness.submit("sample_tasks:Counter", memory_mib=64)
+    harness.client.cancel(info.task_id)
+    thread.join(10)
+    assert "SUBMITTED" in seen and seen[-1] == "CANCELLED"
+
+
+def test_submitted_task_survives_a_manager_restart_with_the_same_state(tmp_path: Path) -> None:
+    sock = Path(f"/tmp/fr-persist-{os.getpid()}.sock")
+    state = tmp_path / "state"
+    for round_ in range(2):
+        manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=state)
+        manager.start()
+        try:
+            with ControlClient(manager.endpoint) as client:
+                if round_ == 0:
+                    client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=2**40,
+                                           working_dir=str(TESTS_DIR)))
+                tasks = client.list()
+                assert [(t.task_id, t.state) for t in tasks] == [("counter-1", "SUBMITTED")]
+                assert "needs 1048576 MiB" in tasks[0].waiting_reason
+        finally:
+            manager.stop()
