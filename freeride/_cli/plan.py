@@ -90,7 +90,7 @@ def render_plan(schedule: Schedule, cyclic: bool = False, grid: bool = True) -> 
     out += [
         "",
         "idle slots per iteration" + (" (cyclic: tail + next warm-up are one wait)" if cyclic else "") + ":",
-        f"{'stage':>5} {'slot':>4}  {'kind':<10} {'offset ms':>10} {'length ms':>10}  between",
+        f"{'stage':>5} {'slot':>4}  {'kind':<10} {'offset ms':>10} {'length ms':>10}  between (model stage, F/B, mb)",
     ]
     for r in range(schedule.ranks):
         slots = schedule.cyclic_slots(r) if cyclic else schedule.slots(r)
