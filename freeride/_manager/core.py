@@ -291,6 +291,7 @@ class TaskRuntime:
     grant_bubble: tuple[int, int, int, int] | None = None
     stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
     unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
+    probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
     used_bytes: int = 0
     steps: int = 0
     progress: float = 0.0
@@ -462,7 +463,9 @@ class SchedulerCore:
             task = self.tasks[bubble.running]
             if task.state == TaskState.RUNNING:
                 out.append(Park(task.task_id, task.grant_id))
-                self._freeze_at_ns = end_ns + self.config.grace_ns
+                # Grace counts from when the manager learns of the end: it cannot act before. The
+                # overrun itself is still measured from the trainer's real end.
+                self._freeze_at_ns = max(end_ns, now_ns) + self.config.grace_ns
             bubble.end_ns = end_ns
             bubble.end_received_ns = bubble.end_received_ns or now_ns
             # Keep the bubble record until the worker parks, so its overrun can be measured.
@@ -512,6 +515,7 @@ class SchedulerCore:
         thaw = task.state == TaskState.FROZEN
         probe = task.unfit_bubbles >= self.config.reprobe_after_bubbles
         task.unfit_bubbles = 0
+        task.probing = probe or task.known_step_ns is None
         if probe:
             log.info("[task=%s] re-probing its step time", task.task_id)
             task.estimator = StepEstimator(hint_ns=0)
@@ -548,10 +552,13 @@ class SchedulerCore:
             # Only a bubble's first grant measures "bubble start received -> first step".
             if event.first_step_ns and len(bubble.granted) == 1:
                 self.stats.grant_latency_ms.append((event.first_step_ns - bubble.received_ns) / MS)
+            overrun = event.last_end_ns - bubble.end_ns if bubble.end_ns and event.steps else 0
+            if overrun > 0:
+                self._record_overrun(task, overrun)
+            else:
+                # A clean grant: let a margin widened by earlier overruns shrink back (1/8 a time).
+                task.margin_ns -= task.margin_ns // 8
             if bubble.end_ns:
-                overrun = event.last_end_ns - bubble.end_ns if event.steps else 0
-                if overrun > 0:
-                    self._record_overrun(task, overrun)
                 if event.reason == "park" and bubble.end_received_ns:
                     self.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
             bubble.running = ""
@@ -603,9 +610,11 @@ class SchedulerCore:
             self._record_overrun(task, max(0, now_ns - end))
             task.stuck_ns += max(0, now_ns - task.granted_at_ns)
             self.stats.granted_ns += max(0, end - task.granted_at_ns)
-            task.margin_ns = min(
-                self.config.max_margin_ns - self.config.margin_ns, max(task.margin_ns * 2, self.config.margin_ns)
-            )
+            if task.known_step_ns is not None and not task.probing:
+                # The estimate was wrong (not a setup or a probe): widen this task's margin.
+                task.margin_ns = min(
+                    self.config.max_margin_ns - self.config.margin_ns, max(task.margin_ns * 2, self.config.margin_ns)
+                )
             bubble.running = ""
             if bubble is self._closing:
                 self._closing = None

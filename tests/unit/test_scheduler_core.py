@@ -753,6 +753,7 @@ def test_tick_before_the_grace_period_ends_does_nothing() -> None:
 def test_overrun_widens_the_task_margin_up_to_the_bound() -> None:
     sim = Sim(margin_ns=MS, max_margin_ns=5 * MS, grace_ns=MS // 2)
     sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS] * 8)  # an estimate that then proves wrong
     margins = []
     for _ in range(5):
         sim.advance_ms(5)
@@ -764,6 +765,7 @@ def test_overrun_widens_the_task_margin_up_to_the_bound() -> None:
 def test_frozen_task_is_thawed_by_the_grant_at_the_next_bubble() -> None:
     sim = Sim(margin_ns=MS)
     sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS] * 8)
     _overrun(sim)
     sim.advance_ms(5)
     grant = of(sim.start(predicted_ms=10), Grant)
@@ -1325,3 +1327,24 @@ def test_task_whose_estimate_fits_no_bubble_gets_a_reprobe_after_enough_bubbles(
     assert [len(g) for g in grants] == [0, 0, 1]
     assert grants[-1][0].probe
     assert sim.core.tasks["a"].known_step_ns is None
+
+
+def test_overrun_of_a_first_step_or_probe_does_not_widen_the_margin() -> None:
+    sim = Sim(margin_ns=MS, grace_ns=MS // 2)
+    sim.resident("a")  # no estimate yet: its first grant learns the step time
+    _overrun(sim)
+    assert sim.core.tasks["a"].margin_ns == 0
+
+
+def test_clean_grants_shrink_a_widened_margin_back() -> None:
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    sim.core.tasks["a"].margin_ns = 8 * MS
+    for i in range(10):
+        sim.advance_ms(5)
+        sim.start(predicted_ms=30)
+        sim.advance_ms(2)
+        sim.parked("a", [0.1])
+        sim.advance_ms(1)
+        sim.send(BubbleEnded(BubbleEnd(0, 0, sim.core.stats.bubbles - 1, 0, sim.now), sim.now))
+    assert sim.core.tasks["a"].margin_ns < 3 * MS
