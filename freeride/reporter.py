@@ -212,6 +212,10 @@ class BubbleReporter:
             if item is _STOP:
                 self._queue.put(_STOP)  # let the supervisor see it too
                 return
+            if not alive.is_set():
+                # This call ended while we waited; the event would go nowhere. Count it.
+                self._dropped_bg += 1
+                return
             try:
                 event = self._to_event(item)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
