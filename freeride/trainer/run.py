@@ -229,10 +229,9 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             else:
                 runner.step()
             optimizer.step()
-            if cfg.device == "cuda":
-                # Iteration timing only (not part of the instrumentation): one sync per iteration,
-                # the same in every mode, so that the measured time is the device's.
-                torch.cuda.synchronize()
+            # No torch.cuda.synchronize: on CUDA this is host time, which can lead the device by the
+            # launch queue within an iteration but not across many (the pipeline's receives and the
+            # last stage's loss readout below hold the host back), so means over iterations hold.
             elapsed = time.monotonic_ns() - t0
             bubbles: list[MeasuredBubble] = instrumented.last_bubbles if instrumented else []
             record: dict[str, Any] = {
