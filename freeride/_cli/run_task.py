@@ -14,13 +14,12 @@ my_task:MyTask`` works next to ``my_task.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from freeride.errors import ConfigError
+from freeride._cli.tasks import parse_task_args
 from freeride.standalone import StandaloneReport, check_target_syntax, run_standalone
 from freeride.units import format_ms, format_size, parse_size
 
@@ -44,27 +43,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def parse_task_args(pairs: list[str], args_json: str | None) -> dict[str, Any]:
-    """Merge ``--args-json`` and ``--arg key=value`` pairs (the latter win)."""
-    result: dict[str, Any] = {}
-    if args_json is not None:
-        try:
-            loaded = json.loads(args_json)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--args-json is not valid JSON: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--args-json must be a JSON object, got {type(loaded).__name__}")
-        result.update(loaded)
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"bad --arg {pair!r}: expected KEY=VALUE with KEY a Python identifier")
-        try:
-            result[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            result[key] = raw
-    return result
 
 
 def render(report: StandaloneReport) -> str:
