@@ -21,7 +21,7 @@ for dev in cpu:0 cpu:1; do
 done
 echo "== submitting side tasks"
 freeride submit side_tasks.graphs:PageRank --device cpu:0 --arg graph=rmat:12 --memory 512MiB --name pagerank
-freeride submit examples.monte_carlo_pi:MonteCarloPi --device cpu:1 --memory 256MiB --name pi
+freeride submit examples.monte_carlo_pi:MonteCarloPi --device cpu:1 --arg batch=10000 --memory 512MiB --name pi
 echo "== training: 2 stages, 1F1B, $ITERATIONS iterations, reporting bubbles"
 torchrun --standalone --nproc-per-node 2 -m freeride.trainer --stages 2 --schedule 1f1b \
   --iterations "$ITERATIONS" --report --iteration-log "$OUT/iterations.jsonl"

@@ -558,9 +558,8 @@ class SchedulerCore:
             else:
                 # A clean grant: let a margin widened by earlier overruns shrink back (1/8 a time).
                 task.margin_ns -= task.margin_ns // 8
-            if bubble.end_ns:
-                if event.reason == "park" and bubble.end_received_ns:
-                    self.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
+            if bubble.end_ns and event.reason == "park" and bubble.end_received_ns:
+                self.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
             bubble.running = ""
         self._transition(task, TaskState.PARKED, event.reason, out)
         if self._closing is bubble:

@@ -371,6 +371,12 @@ class ManagerLoop:
 
     def _persist_state(self, action: C.StateChanged) -> None:
         task = self.core.tasks.get(action.task_id)
+        if action.failure is not None and not action.failure.at_unix_s:
+            # The pure core has no wall clock: failures it decides (memory, timeouts) are stamped here.
+            stamped = dataclasses.replace(action.failure, at_unix_s=time.time())
+            action = dataclasses.replace(action, failure=stamped)
+            if task is not None and task.failure is not None:
+                task.failure = stamped
         if action.old in (TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN) and action.new in (
             TaskState.PARKED,
             TaskState.RUNNING,

@@ -1340,7 +1340,7 @@ def test_clean_grants_shrink_a_widened_margin_back() -> None:
     sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
     sim.resident("a")
     sim.core.tasks["a"].margin_ns = 8 * MS
-    for i in range(10):
+    for _ in range(10):
         sim.advance_ms(5)
         sim.start(predicted_ms=30)
         sim.advance_ms(2)
