@@ -137,7 +137,7 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
     """Start in-process managers on cpu:0 with temporary sockets and state; stopped at teardown."""
     started: list[ManagerHarness] = []
 
-    def make(**core: object) -> ManagerHarness:
+    def make(trace_path: Path | None = None, **core: object) -> ManagerHarness:
         index = len(started)
         sock = Path(f"/tmp/fr-{os.getpid()}-{id(tmp_path) % 10**6}-{index}.sock")
         manager = Manager(
@@ -146,6 +146,7 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
             state_dir=tmp_path / f"state{index}",
             core=CoreConfig(**core),  # type: ignore[arg-type]
             memory_poll_ms=20.0,
+            trace_path=trace_path,
         )
         manager.start()
         harness = ManagerHarness(manager, ControlClient(manager.endpoint), tmp_path)

@@ -2,7 +2,8 @@
 
     freeride manager --device cpu:0 [--endpoint unix:/p.sock | tcp://host:port] [--state-dir DIR]
                      [--token-file FILE] [--headroom 256MiB] [--grace-ms 0.5] [--margin-ms 0.2]
-                     [--step-timeout-s 60] [--memory-poll-ms 50]
+                     [--step-timeout-s 60] [--memory-poll-ms 50] [--trace FILE]
+                     [--policy freeride|paper [--paper-profile FILE]]
 
 It serves until SIGTERM or SIGINT, then parks and checkpoints every task and exits 0 (a second
 signal stops at once). Bad options exit 2 with one line; a TCP endpoint needs a token.
@@ -11,13 +12,14 @@ signal stops at once). Bad options exit 2 with one line; a TCP endpoint needs a 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from freeride._manager.core import MS, CoreConfig
+from freeride._manager.core import MS, POLICIES, CoreConfig
 from freeride._manager.daemon import Manager
 from freeride.endpoints import ENDPOINT_ENV, TOKEN_ENV, read_token, resolve_endpoint
 from freeride.errors import ConfigError
@@ -72,7 +74,32 @@ def register(subparsers: Any) -> None:
         default=50.0,
         help="how often side tasks' memory is checked against their caps (default %(default)s)",
     )
+    parser.add_argument("--trace", default=None,
+                        help="write a JSON-lines timeline of bubbles, grants and steps to FILE (see the demo)")
+    parser.add_argument("--policy", choices=POLICIES, default="freeride",
+                        help="scheduling policy: freeride (default) or paper, an emulation of the reference "
+                        "system's policy for the bench (10 ms polling, predicted ends only, 1.2x median admission)")
+    parser.add_argument("--paper-profile", default=None,
+                        help="for --policy paper: JSON of the minimum bubble length per (stage, slot), "
+                        '{"slots": [{"stage": 0, "slot": 1, "min_ns": 12000000}, ...]}; without it the trainer\'s '
+                        "prediction stands in for the offline profile")
     parser.set_defaults(func=run)
+
+
+def load_paper_profile(path: str) -> dict[tuple[int, int], int]:
+    """The reference policy's offline profile: minimum bubble length per (stage, slot)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        profile = {(int(s["stage"]), int(s["slot"])): int(s["min_ns"]) for s in data["slots"]}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the paper profile {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        shape = '{"slots": [{"stage", "slot", "min_ns"}, ...]}'
+        raise ConfigError(f"the paper profile {path} is not {shape}: {exc}") from None
+    bad = [k for k, v in profile.items() if v <= 0 or min(k) < 0]
+    if bad:
+        raise ConfigError(f"the paper profile {path} has non-positive lengths or negative indices at {bad[:3]}")
+    return profile
 
 
 def _ms(name: str, value: float, positive: bool) -> float:
@@ -91,6 +118,11 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
     margin_ms = _ms("margin-ms", args.margin_ms, positive=False)
     step_timeout_ms = _ms("step-timeout-s", args.step_timeout_s * 1000, positive=True)
     margin_ns = round(margin_ms * MS)
+    policy = getattr(args, "policy", "freeride")
+    profile_file = getattr(args, "paper_profile", None)
+    if profile_file and policy != "paper":
+        raise ConfigError("--paper-profile needs --policy paper")
+    profile = load_paper_profile(profile_file) if profile_file else {}
     try:
         return CoreConfig(
             headroom_bytes=headroom_bytes,
@@ -99,6 +131,8 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
             # Overruns double the margin up to this bound; a larger starting margin raises it.
             max_margin_ns=max(CoreConfig().max_margin_ns, margin_ns),
             step_timeout_ns=round(step_timeout_ms * MS),
+            policy=policy,
+            paper_profile_ns=profile,
         )
     except ValueError as exc:
         raise ConfigError(f"bad manager option: {exc}") from None
@@ -131,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             token=token,
             core=config,
             memory_poll_ms=memory_poll_ms,
+            trace_path=Path(os.path.abspath(os.path.expanduser(args.trace))) if args.trace else None,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         if isinstance(exc, ConfigError):

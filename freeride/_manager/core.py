@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 MS = 1_000_000
 
+#: ``freeride``: this module's policy. ``paper``: an emulation of the reference system's policy
+#: (REFERENCE.md), so that the bench compares both inside one manager on one machine.
+POLICIES = ("freeride", "paper")
+
 
 # ====================================================================== config
 
@@ -64,8 +68,18 @@ class CoreConfig:
     #: A task whose step fitted no bubble for this many bubbles gets one probe grant: its estimate
     #: may be stale (learned under contention), and without a probe it could never recover.
     reprobe_after_bubbles: int = 200
+    policy: str = "freeride"
+    #: ``paper`` only: the scheduler polls on this period (the reference's 10 ms) ...
+    poll_interval_ns: int = 10 * MS
+    #: ... and predicts a bubble's end as start + the minimum profiled length of its (stage, slot);
+    #: a slot missing here falls back to the trainer's prediction.
+    paper_profile_ns: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.poll_interval_ns <= 0:
+            raise ValueError("poll_interval_ns must be > 0")
         for name in ("headroom_bytes", "grace_ns", "margin_ns", "max_margin_ns"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -319,9 +333,14 @@ class OpenBubble:
     end_received_ns: int = 0
     granted: set[str] = field(default_factory=set)
     running: str = ""  # task id holding the bubble now
+    #: ``paper`` policy: the predicted end that stands, whatever the real end says.
+    fixed_deadline_ns: int = 0
+    park_sent: bool = False
 
     @property
     def deadline_ns(self) -> int:
+        if self.fixed_deadline_ns:
+            return self.fixed_deadline_ns
         return self.end_ns or self.event.predicted_end_ns
 
 
@@ -368,6 +387,8 @@ class SchedulerCore:
         self._longest_bubble_ns = 0
         self._freeze_at_ns = 0
         self._drain_announced = False
+        self._paper = self.config.policy == "paper"
+        self._next_poll_ns = 0
 
     # ------------------------------------------------------------------ entry point
 
@@ -386,6 +407,8 @@ class SchedulerCore:
         times = [t.stop_deadline_ns for t in self.tasks.values() if t.stop_deadline_ns]
         if self._freeze_at_ns:
             times.append(self._freeze_at_ns)
+        if self._next_poll_ns:
+            times.append(self._next_poll_ns)
         return min(times) if times else None
 
     # ------------------------------------------------------------------ transitions
@@ -432,6 +455,11 @@ class SchedulerCore:
         if b.free_memory_bytes >= 0:
             slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
         self.bubble = OpenBubble(event=b, received_ns=event.received_ns)
+        if self._paper:
+            # The reference predicts start + the minimum profiled length, and acts at its next poll.
+            length = self.config.paper_profile_ns.get((b.stage, b.slot), b.predicted_ns)
+            self.bubble.fixed_deadline_ns = b.start_ns + length
+            return
         self._grant_next(now_ns, out)
 
     def _on_BubbleEnded(self, event: BubbleEnded, now_ns: int, out: list[Action]) -> None:
@@ -461,7 +489,7 @@ class SchedulerCore:
                 slot.abs_error_pct.append(abs(start.predicted_ns - length) * 100.0 / length)
         if bubble.running:
             task = self.tasks[bubble.running]
-            if task.state == TaskState.RUNNING:
+            if task.state == TaskState.RUNNING and not self._paper:  # the reference never sees real ends
                 out.append(Park(task.task_id, task.grant_id))
                 # Grace counts from when the manager learns of the end: it cannot act before. The
                 # overrun itself is still measured from the trainer's real end.
@@ -483,7 +511,7 @@ class SchedulerCore:
         if self._closing is not None and self._closing.running:
             return  # the last bubble's worker is finishing its step: one task at a time
         remaining = bubble.deadline_ns - now_ns
-        if remaining <= self.config.margin_ns:
+        if remaining <= (0 if self._paper else self.config.margin_ns):
             return
         best: tuple[tuple[int, int, int, int, int], TaskRuntime] | None = None
         for task in self.tasks.values():
@@ -494,6 +522,13 @@ class SchedulerCore:
             margin = self.config.margin_ns + task.margin_ns
             est = task.known_step_ns
             frozen = task.state == TaskState.FROZEN
+            if self._paper:
+                # The reference grants the highest priority, FIFO on ties; the task itself decides
+                # whether a step fits (1.2 x its median, see the worker runtime).
+                paper_key = (-task.spec.priority, 0, 0, 0, task.seq)
+                if best is None or paper_key < best[0]:
+                    best = (paper_key, task)
+                continue
             if not frozen and est is not None and est + margin > remaining:
                 if len(bubble.granted) == 0:
                     task.unfit_bubbles += 1
@@ -513,7 +548,7 @@ class SchedulerCore:
             return
         task = best[1]
         thaw = task.state == TaskState.FROZEN
-        probe = task.unfit_bubbles >= self.config.reprobe_after_bubbles
+        probe = task.unfit_bubbles >= self.config.reprobe_after_bubbles and not self._paper
         task.unfit_bubbles = 0
         task.probing = probe or task.known_step_ns is None
         if probe:
@@ -526,9 +561,10 @@ class SchedulerCore:
         bubble.granted.add(task.task_id)
         bubble.running = task.task_id
         self._transition(task, TaskState.RUNNING, "granted", out)
-        out.append(
-            Grant(task.task_id, task.grant_id, bubble.deadline_ns, self.config.margin_ns + task.margin_ns, thaw, probe)
-        )
+        margin_ns = 0 if self._paper else self.config.margin_ns + task.margin_ns
+        out.append(Grant(task.task_id, task.grant_id, bubble.deadline_ns, margin_ns, thaw, probe))
+        if self._paper:
+            return  # the reference never interrupts a running step
         if self._freeze_at_ns == 0 or self._freeze_at_ns < now_ns:
             self._freeze_at_ns = bubble.deadline_ns + self.config.grace_ns
 
@@ -558,13 +594,15 @@ class SchedulerCore:
             else:
                 # A clean grant: let a margin widened by earlier overruns shrink back (1/8 a time).
                 task.margin_ns -= task.margin_ns // 8
-            if bubble.end_ns and event.reason == "park" and bubble.end_received_ns:
+            if bubble.end_ns and event.reason == "park" and bubble.end_received_ns and not self._paper:
                 self.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
             bubble.running = ""
         self._transition(task, TaskState.PARKED, event.reason, out)
         if self._closing is bubble:
             self._closing = None
         self._freeze_at_ns = 0
+        if self._paper:
+            return  # no backfill: the next poll starts whatever bubble is open
         # Backfill the rest of this bubble, or start the bubble that opened while this step ran.
         self._grant_next(now_ns, out)
 
@@ -583,6 +621,8 @@ class SchedulerCore:
     # ------------------------------------------------------------------ timers
 
     def _fire_timers(self, now_ns: int, out: list[Action]) -> None:
+        if self._paper:
+            self._paper_poll(now_ns, out)
         if self._freeze_at_ns and now_ns >= self._freeze_at_ns:
             self._freeze_at_ns = 0
             self._freeze_running(now_ns, out)
@@ -593,6 +633,27 @@ class SchedulerCore:
                 task.stop_deadline_ns = 0
                 log.warning("[task=%s] did not stop in time; killing it", task.task_id)
                 out.append(Kill(task.task_id))
+
+    def _paper_poll(self, now_ns: int, out: list[Action]) -> None:
+        """The reference's scheduler thread, every ``poll_interval_ns``: pause a task whose bubble's
+        predicted end has passed, then grant the bubble that has started (REFERENCE.md)."""
+        if self._next_poll_ns == 0:
+            self._next_poll_ns = now_ns + self.config.poll_interval_ns
+            return
+        if now_ns < self._next_poll_ns:
+            return
+        while self._next_poll_ns <= now_ns:
+            self._next_poll_ns += self.config.poll_interval_ns
+        for bubble in (self._closing, self.bubble):
+            if bubble is None or not bubble.running or bubble.park_sent or now_ns < bubble.deadline_ns:
+                continue
+            task = self.tasks[bubble.running]
+            if task.state == TaskState.RUNNING:
+                bubble.park_sent = True
+                out.append(Park(task.task_id, task.grant_id))
+        bubble = self.bubble
+        if bubble is not None and not bubble.granted and now_ns >= bubble.event.start_ns:
+            self._grant_next(now_ns, out)
 
     def _freeze_running(self, now_ns: int, out: list[Action]) -> None:
         """A worker is still stepping past the end (+ grace): stop it until its next grant."""

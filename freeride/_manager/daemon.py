@@ -53,6 +53,7 @@ class Manager:
         memory_poll_ms: float = 50.0,
         device_poll_ms: float = 1000.0,
         max_workers: int = 16,
+        trace_path: Path | None = None,
     ) -> None:
         self.device = open_device(device) if isinstance(device, str) else device
         self.endpoint = endpoint or default_endpoint(self.device.name)
@@ -66,6 +67,7 @@ class Manager:
                 core=core or CoreConfig(),
                 memory_poll_ms=memory_poll_ms,
                 device_poll_ms=device_poll_ms,
+                trace_path=trace_path,
             ),
         )
         interceptors = [TokenInterceptor(token)] if token else []

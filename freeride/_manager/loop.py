@@ -35,6 +35,7 @@ from typing import Any
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._manager import core as C
 from freeride._manager.store import StoredTask, TaskStore
+from freeride._manager.trace import TraceWriter
 from freeride.devices import Device
 from freeride.errors import RequestRejected, TaskNotFound
 from freeride.messages import (
@@ -62,6 +63,8 @@ class LoopConfig:
     memory_poll_ms: float = 50.0
     device_poll_ms: float = 1000.0
     eof_grace_ms: float = 500.0
+    #: Write a JSON-lines timeline of bubbles, grants, parks and steps here (see trace.py).
+    trace_path: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms"):
@@ -156,6 +159,7 @@ class ManagerLoop:
         self._running = True
         self._next_memory_poll = 0
         self._next_device_poll = 0
+        self._trace = TraceWriter(config.trace_path, str(device)) if config.trace_path else None
         self._recover()
 
     # ------------------------------------------------------------------ thread-safe entry points
@@ -261,9 +265,36 @@ class ManagerLoop:
             # A bug in policy must not take the manager down; the event is dropped and logged.
             log.exception("[%s] core failed on %r", self.device, event)
             return
+        if self._trace is not None:
+            self._trace_event(event)
         self._apply(actions)
         if isinstance(event, (C.BubbleStarted, C.BubbleEnded)) and self._subscribers:
             self._publish(TaskEvent(time.time(), bubble=event.bubble))
+
+    def _trace_event(self, event: Any) -> None:
+        assert self._trace is not None
+        if isinstance(event, C.BubbleStarted):
+            b = event.bubble
+            self._trace.write("bubble_start", stage=b.stage, rank=b.rank, iteration=b.iteration, slot=b.slot,
+                              kind=b.kind, start_ns=b.start_ns, predicted_ns=b.predicted_ns,
+                              received_ns=event.received_ns)
+        elif isinstance(event, C.BubbleEnded):
+            e = event.bubble
+            self._trace.write("bubble_end", stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot,
+                              end_ns=e.end_ns, received_ns=event.received_ns)
+
+    def _trace_action(self, action: C.Action) -> None:
+        assert self._trace is not None
+        if isinstance(action, C.Grant):
+            self._trace.write("grant", task=action.task_id, grant=action.grant_id, deadline_ns=action.deadline_ns,
+                              thaw=action.thaw, at_ns=self.now_ns())
+        elif isinstance(action, C.Park):
+            self._trace.write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
+        elif isinstance(action, C.Freeze):
+            self._trace.write("freeze", task=action.task_id, at_ns=self.now_ns())
+        elif isinstance(action, C.StateChanged):
+            self._trace.write("state", task=action.task_id, old=action.old.value if action.old else None,
+                              new=action.new.value, reason=action.reason, at_ns=self.now_ns())
 
     def _polls(self) -> None:
         now = self.now_ns()
@@ -304,6 +335,8 @@ class ManagerLoop:
                 log.exception("[%s] failed to apply %r", self.device, action)
 
     def _apply_one(self, action: C.Action) -> None:
+        if self._trace is not None:
+            self._trace_action(action)
         if isinstance(action, C.Grant):
             handle = self._workers.get(action.task_id)
             if handle is None:
@@ -474,6 +507,7 @@ class ManagerLoop:
                 or self.config.core.default_checkpoint_interval_s,
                 "step_time_hint_ms": spec.step_time_hint_ms,
                 "step_file": str(task_dir / "current_step"),
+                "admission": self.config.core.policy,
             }
         )
         log.info("[%s task=%s] worker pid %d started", self.device, action.task_id, proc.pid)
@@ -505,6 +539,11 @@ class ManagerLoop:
         kind = msg["t"]
         tid = handle.task_id
         if kind == "parked":
+            if self._trace is not None:
+                # A worker of an older version sends no starts: its grant then has no spans.
+                starts = msg.get("starts_ns") or []
+                spans = [[int(s), int(s) + int(d)] for s, d in zip(starts, msg["durations_ns"], strict=False)]
+                self._trace.write("steps", task=tid, grant=int(msg["g"]), reason=str(msg["reason"]), spans=spans)
             self._feed(C.WorkerParked(
                 tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
                 int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),
@@ -700,6 +739,8 @@ class ManagerLoop:
                 except queue.Full:
                     pass
         self.store.close()
+        if self._trace is not None:
+            self._trace.close()
         os.close(self._wake_fd)
         log.info("[%s] manager loop stopped", self.device)
 

@@ -154,6 +154,21 @@ def read_step_board(path: Path) -> int:
     return int(struct.unpack("q", data[:8])[0]) if len(data) >= 8 else -1
 
 
+#: The reference system's task loop (REFERENCE.md): a step runs only if the time left exceeds
+#: 1.2 x its median step time rounded up to 10 ms, and every step is followed by a 5 ms sleep.
+PAPER_ADMISSION_FACTOR = 1.2
+PAPER_ROUND_NS = 10_000_000
+PAPER_SLEEP_AFTER_STEP_S = 0.005
+
+
+def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
+    """The reference's admission rule; an unknown step time (the first step) always runs."""
+    if median_ns is None:
+        return remaining_ns > 0
+    rounded = -(-median_ns // PAPER_ROUND_NS) * PAPER_ROUND_NS
+    return remaining_ns > PAPER_ADMISSION_FACTOR * rounded
+
+
 class WorkerRuntime:
     def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
         self.chan = channel
@@ -165,7 +180,10 @@ class WorkerRuntime:
         self.resume_path = str(init.get("resume_path") or "")
         self.checkpoint_interval_ns = int(float(init.get("checkpoint_interval_s") or 30.0) * 1e9)
         hint_ns = int(float(init.get("step_time_hint_ms") or 0.0) * 1e6)
-        self.estimator = StepEstimator(hint_ns=hint_ns)
+        #: ``paper``: the reference system's rule (see :func:`paper_step_fits`) and its 5 ms sleep
+        #: after every step, for the bench's side-by-side comparison; else this project's rule.
+        self.paper = init.get("admission") == "paper"
+        self.estimator = StepEstimator(hint_ns=hint_ns, quantile=0.5 if self.paper else 0.95)
         self.checkpoint_estimator = StepEstimator(window=8, quantile=1.0)
         self.device: Device = self._device(str(init["device"]))
         self.task: SideTask | None = None
@@ -257,13 +275,14 @@ class WorkerRuntime:
             self._setup()
         self._maybe_checkpoint(deadline, margin)
         durations: list[int] = []
+        starts: list[int] = []
         count = 0
         first_step_ns = 0
         last_end_ns = 0
         reason = "deadline"
         while True:
             if self._done():
-                self._send_parked(grant_id, count, durations, first_step_ns, last_end_ns, "done")
+                self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, "done")
                 self.chan.send({"t": "finished", "total_steps": self.steps, "progress": self._progress()})
                 self._close_task()
                 return True
@@ -281,7 +300,7 @@ class WorkerRuntime:
                     reason = "deadline"
                     stop_now = False
                 elif kind == "stop":
-                    self._send_parked(grant_id, count, durations, first_step_ns, last_end_ns, "stop")
+                    self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, "stop")
                     self._stop(bool(msg.get("checkpoint")))
                     return True
                 msg = self.chan.recv_nowait()
@@ -289,7 +308,10 @@ class WorkerRuntime:
                 break
             now = time.monotonic_ns()
             est = self.estimator.estimate_ns()
-            if now + (est or 0) + margin > deadline:
+            if self.paper:
+                if not paper_step_fits(est, deadline - now):
+                    break
+            elif now + (est or 0) + margin > deadline:
                 break
             if self._step_board is not None:
                 self._step_board.publish(self.steps)
@@ -302,12 +324,16 @@ class WorkerRuntime:
             count += 1
             self.estimator.add(end - now)
             durations.append(end - now)
+            starts.append(now)
             if len(durations) > MAX_REPORTED_DURATIONS:
                 del durations[0]
+                del starts[0]
             # A grant that ran setup first does not measure "bubble start -> first step".
             first_step_ns = first_step_ns or (1 if set_up_now else now)
             last_end_ns = end
-        self._send_parked(grant_id, count, durations, first_step_ns, last_end_ns, reason)
+            if self.paper:
+                time.sleep(PAPER_SLEEP_AFTER_STEP_S)
+        self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, reason)
         return False
 
     def _done(self) -> bool:
@@ -318,7 +344,7 @@ class WorkerRuntime:
             raise _TaskError("EXCEPTION", "done()", exc) from exc
 
     def _send_parked(
-        self, grant_id: int, count: int, durations: list[int], first: int, last: int, reason: str
+        self, grant_id: int, count: int, durations: list[int], starts: list[int], first: int, last: int, reason: str
     ) -> None:
         self.chan.send(
             {
@@ -326,6 +352,7 @@ class WorkerRuntime:
                 "g": grant_id,
                 "steps": count,
                 "durations_ns": durations,
+                "starts_ns": starts,
                 "first_step_ns": first if first > 1 else 0,
                 "last_end_ns": last,
                 "parked_ns": time.monotonic_ns(),

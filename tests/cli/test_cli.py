@@ -290,6 +290,23 @@ def test_manager_bad_options_exit_2(short_dir: Path, capsys: pytest.CaptureFixtu
     assert code == EXIT_BAD_INPUT and "--step-timeout-s" in err
 
 
+def test_manager_refuses_a_bad_paper_profile_with_exit_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["manager", "--device", "cpu:0", "--state-dir", str(short_dir / "state"),
+            "--endpoint", f"unix:{short_dir}/m.sock"]
+    profile = short_dir / "profile.json"
+    profile.write_text('{"slots": [{"stage": 0, "slot": 1, "min_ns": 5000000}]}')
+    code, _, err = run_cli(capsys, *base, "--paper-profile", str(profile))
+    assert code == EXIT_BAD_INPUT and "--policy paper" in err
+    code, _, err = run_cli(capsys, *base, "--policy", "paper", "--paper-profile", str(short_dir / "none.json"))
+    assert code == EXIT_BAD_INPUT and "cannot read the paper profile" in err
+    profile.write_text('{"slots": [{"stage": 0}]}')
+    code, _, err = run_cli(capsys, *base, "--policy", "paper", "--paper-profile", str(profile))
+    assert code == EXIT_BAD_INPUT and "min_ns" in err
+    profile.write_text('{"slots": [{"stage": 0, "slot": 0, "min_ns": 0}]}')
+    code, _, err = run_cli(capsys, *base, "--policy", "paper", "--paper-profile", str(profile))
+    assert code == EXIT_BAD_INPUT and "non-positive" in err
+
+
 def test_no_manager_exits_3_naming_endpoint(
     short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,80 @@
+"""An opt-in timeline of what a manager did: ``freeride manager --trace FILE``.
+
+One JSON object per line, written by the loop thread only, times in CLOCK_MONOTONIC nanoseconds
+(the clock the trainer's bubble events use, shared by every process on the host), so a trace can be
+laid beside the trainer's iteration logs. The demo turns it into a timeline picture and a
+Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
+
+* ``bubble_start``: ``stage, rank, iteration, slot, kind, start_ns, predicted_ns, received_ns``
+* ``bubble_end``: ``stage, rank, iteration, slot, end_ns, received_ns``
+* ``grant``: ``task, grant, deadline_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
+* ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)
+* ``steps``: ``task, grant, reason, spans`` ([start_ns, end_ns] of the steps the worker reported
+  for that grant: the most recent ones when a grant ran more steps than a report carries)
+* ``state``: ``task, old, new, reason, at_ns``
+
+Writes are buffered (the loop never waits on a disk for a trace) and flushed when the manager
+stops; a trace that cannot be written is logged once and switched off, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+BUFFER_BYTES = 1 << 20
+
+
+class TraceWriter:
+    """Buffered JSON-lines writer; :meth:`write` never raises."""
+
+    def __init__(self, path: Path, device: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.device = device
+        self._fh: IO[str] | None = path.open("w", buffering=BUFFER_BYTES)
+
+    def write(self, ev: str, **fields: Any) -> None:
+        if self._fh is None:
+            return
+        try:
+            self._fh.write(json.dumps({"ev": ev, "device": self.device, **fields}, separators=(",", ":")) + "\n")
+        except (OSError, ValueError) as exc:
+            log.warning("[%s] trace %s could not be written (%s); tracing is off", self.device, self.path, exc)
+            self._close_quietly()
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            try:
+                self._fh.flush()
+            except OSError as exc:
+                log.warning("[%s] trace %s could not be flushed (%s); tracing is off", self.device, self.path, exc)
+                self._close_quietly()
+
+    def close(self) -> None:
+        self.flush()
+        self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """The records of a trace file, in order; a torn last line (a killed manager) is skipped."""
+    records: list[dict[str, Any]] = []
+    with path.open() as fh:
+        for line in fh:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
