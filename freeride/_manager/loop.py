@@ -543,7 +543,8 @@ class ManagerLoop:
                 # A worker of an older version sends no starts: its grant then has no spans.
                 starts = msg.get("starts_ns") or []
                 spans = [[int(s), int(s) + int(d)] for s, d in zip(starts, msg["durations_ns"], strict=False)]
-                self._trace.write("steps", task=tid, grant=int(msg["g"]), reason=str(msg["reason"]), spans=spans)
+                self._trace.write("steps", task=tid, grant=int(msg["g"]), reason=str(msg["reason"]),
+                                  count=int(msg["steps"]), spans=spans)
             self._feed(C.WorkerParked(
                 tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
                 int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),

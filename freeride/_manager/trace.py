@@ -9,8 +9,8 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
 * ``bubble_end``: ``stage, rank, iteration, slot, end_ns, received_ns``
 * ``grant``: ``task, grant, deadline_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
 * ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)
-* ``steps``: ``task, grant, reason, spans`` ([start_ns, end_ns] of the steps the worker reported
-  for that grant: the most recent ones when a grant ran more steps than a report carries)
+* ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are
+  [start_ns, end_ns] of the most recent of them, at most 64, as the worker reported them)
 * ``state``: ``task, old, new, reason, at_ns``
 
 Writes are buffered (the loop never waits on a disk for a trace) and flushed when the manager
