@@ -41,6 +41,7 @@ EXIT_UNAUTHENTICATED = 5
 COMMAND_MODULES = (
     "freeride._cli.manager",
     "freeride._cli.tasks",
+    "freeride._cli.top",
     "freeride._cli.plan",
     "freeride._cli.bubbles",
     "freeride._cli.launch",

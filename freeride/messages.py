@@ -191,6 +191,9 @@ class ManagerStats:
     events_received: int
     events_rejected: int
     draining: bool
+    #: Grants and parks dropped because a worker's channel was full. Not on the wire yet: a
+    #: ``ControlClient`` reports 0; the in-process metrics endpoint reports the real count.
+    messages_dropped: int = 0
 
 
 @dataclass(frozen=True)

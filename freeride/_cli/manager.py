@@ -4,9 +4,12 @@
                      [--token-file FILE] [--headroom 256MiB] [--grace-ms 0.5] [--margin-ms 0.2]
                      [--step-timeout-s 60] [--memory-poll-ms 50] [--trace FILE]
                      [--policy freeride|paper [--paper-profile FILE]]
+                     [--metrics-port N [--metrics-address 127.0.0.1]]
 
 It serves until SIGTERM or SIGINT, then parks and checkpoints every task and exits 0 (a second
 signal stops at once). Bad options exit 2 with one line; a TCP endpoint needs a token.
+``--metrics-port`` also serves Prometheus metrics at ``http://ADDRESS:PORT/metrics`` (0: a free
+port, announced on stderr); without it no metrics are served. A port in use exits 2.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from freeride._manager.core import MS, POLICIES, CoreConfig
 from freeride._manager.daemon import Manager
+from freeride._manager.metrics import DEFAULT_ADDRESS
 from freeride.endpoints import ENDPOINT_ENV, TOKEN_ENV, read_token, resolve_endpoint
 from freeride.errors import ConfigError
 from freeride.units import parse_size
@@ -83,6 +87,17 @@ def register(subparsers: Any) -> None:
                         help="for --policy paper: JSON of the minimum bubble length per (stage, slot), "
                         '{"slots": [{"stage": 0, "slot": 1, "min_ns": 12000000}, ...]}; without it the trainer\'s '
                         "prediction stands in for the offline profile")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://ADDRESS:PORT/metrics; 0 picks a free port (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default=None,
+        help=f"the address the metrics endpoint binds to (default {DEFAULT_ADDRESS}; it has no authentication)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -143,8 +158,9 @@ class _AnnouncingManager(Manager):
 
     def _serve(self) -> None:
         super()._serve()
+        metrics = f"; metrics on {self.metrics.url}" if self.metrics is not None else ""
         print(
-            f"freeride manager for {self.device} listening on {self.endpoint}; state in {self.state_dir}",
+            f"freeride manager for {self.device} listening on {self.endpoint}{metrics}; state in {self.state_dir}",
             file=sys.stderr,
             flush=True,
         )
@@ -157,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     endpoint = resolve_endpoint(args.endpoint, args.device)
     token = read_token(args.token_file)
     state_dir = Path(os.path.abspath(os.path.expanduser(args.state_dir))) if args.state_dir else None
+    if args.metrics_address is not None and args.metrics_port is None:
+        raise ConfigError("--metrics-address needs --metrics-port (metrics are off without it)")
     try:
         manager = _AnnouncingManager(
             args.device,
@@ -166,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
             core=config,
             memory_poll_ms=memory_poll_ms,
             trace_path=Path(os.path.abspath(os.path.expanduser(args.trace))) if args.trace else None,
+            metrics_port=args.metrics_port,
+            metrics_address=args.metrics_address or DEFAULT_ADDRESS,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         if isinstance(exc, ConfigError):

@@ -3,7 +3,8 @@
 ``Manager.serve_forever()`` is what ``freeride manager`` runs: the loop on the main thread (so
 worker processes, which die with the thread that spawned them, live as long as the manager), and
 SIGTERM/SIGINT draining every task before exit. ``Manager.start()`` runs the loop on a background
-thread instead, for tests and embedding.
+thread instead, for tests and embedding. With ``metrics_port`` set, a Prometheus ``/metrics``
+endpoint (``freeride._manager.metrics``) starts and stops with the gRPC server.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
+from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
 from freeride._manager.servicers import TokenInterceptor, add_servicers
 from freeride.devices import Device, open_device
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
@@ -54,7 +56,10 @@ class Manager:
         device_poll_ms: float = 1000.0,
         max_workers: int = 16,
         trace_path: Path | None = None,
+        metrics_port: int | None = None,
+        metrics_address: str = DEFAULT_ADDRESS,
     ) -> None:
+        """``metrics_port``: None serves no metrics; 0 serves them on a free port (see ``metrics.port``)."""
         self.device = open_device(device) if isinstance(device, str) else device
         self.endpoint = endpoint or default_endpoint(self.device.name)
         if self.endpoint.kind == "tcp" and not token:
@@ -86,6 +91,7 @@ class Manager:
         self.loop.on_draining = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._thread: threading.Thread | None = None
         self.port = 0
+        self.metrics = MetricsServer(self.loop, metrics_address, metrics_port) if metrics_port is not None else None
 
     def _set_health(self, status: int) -> None:
         self.health.set("", status)
@@ -114,7 +120,14 @@ class Manager:
                 raise ConfigError(f"cannot listen on {self.endpoint}")
 
     def _serve(self) -> None:
-        self._bind()
+        if self.metrics is not None:
+            self.metrics.start()  # first: a busy metrics port fails before the gRPC endpoint is bound
+        try:
+            self._bind()
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.stop()
+            raise
         self.server.start()
         if self.endpoint.kind == "unix":
             os.chmod(self.endpoint.address, 0o600)
@@ -156,6 +169,8 @@ class Manager:
     def _shutdown_server(self) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace=0.5).wait(2.0)
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.endpoint.kind == "unix":
             try:
                 os.unlink(self.endpoint.address)

@@ -183,9 +183,13 @@ class ManagerLoop:
 
     def call(self, request: Request, timeout_s: float = 10.0) -> Any:
         """Run a request on the loop thread and return its answer (or raise its error)."""
+        return self.call_async(request).result(timeout=timeout_s)
+
+    def call_async(self, request: Request) -> Future[Any]:
+        """Enqueue a request; the loop completes the returned future (a caller may stop waiting)."""
         future: Future[Any] = Future()
         self.post((request, future))
-        return future.result(timeout=timeout_s)
+        return future
 
     def subscribe(self) -> queue.Queue[TaskEvent | None]:
         q: queue.Queue[TaskEvent | None] = queue.Queue(maxsize=10_000)
@@ -705,6 +709,7 @@ class ManagerLoop:
             events_received=self.events_received,
             events_rejected=self.events_rejected,
             draining=self.core.draining,
+            messages_dropped=self.messages_dropped,
         )
 
     def slot_stats(self) -> list[BubbleSlotStats]:

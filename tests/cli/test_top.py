@@ -1,0 +1,289 @@
+"""``freeride top``: the frame rendered from fixed data, the live loop on a fake screen and clock,
+and the command against a real in-process manager (``--once``, the plain text mode, no manager)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from freeride._cli import top
+from freeride._cli.top import Snapshot, live_view, order_tasks, render
+from freeride._manager.daemon import Manager
+from freeride._wire.client import ControlClient
+from freeride.cli import EXIT_BAD_INPUT, EXIT_NO_MANAGER, EXIT_OK, main
+from freeride.endpoints import Endpoint
+from freeride.errors import ManagerUnavailable
+from freeride.messages import BubbleSlotStats, FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+
+
+def stats(**changes: object) -> ManagerStats:
+    fields: dict[str, object] = dict(
+        device="cpu:3", uptime_s=3725.0, bubbles=1200, bubble_time_s=1000.0, granted_s=850.0, harvested_s=800.0,
+        overruns=4, overrun_ms=Percentiles(4, 0.5, 0.8, 0.9, 1.2),
+        grant_latency_ms=Percentiles(100, 0.4, 0.6, 0.72, 2.0), park_latency_ms=Percentiles(100, 0.3, 0.5, 0.58, 1.0),
+        memory_budget_bytes=3 * 2**30,
+        tasks_by_state={"RUNNING": 1, "PARKED": 1, "SUBMITTED": 1, "FAILED": 1}, events_received=2400,
+        events_rejected=2, draining=False,
+    )
+    fields.update(changes)
+    return ManagerStats(**fields)  # type: ignore[arg-type]
+
+
+def task(task_id: str, state: str, submitted: float, **changes: object) -> TaskInfo:
+    fields: dict[str, object] = dict(
+        task_id=task_id, spec=TaskSpec(target=f"side_tasks.x:{task_id.split('-')[0].title()}", memory_bytes=2**26),
+        state=state, steps=10, progress=10.0, progress_unit="ticks", step_p95_ms=1.5, harvested_s=0.25,
+        submitted_unix_s=submitted,
+    )
+    fields.update(changes)
+    return TaskInfo(**fields)  # type: ignore[arg-type]
+
+
+TASKS = [
+    task("failed-1", "FAILED", 1.0, failure=FailureRecord("MEMORY_LIMIT", "used 70 MiB over its 64 MiB cap\nmore")),
+    task("parked-2", "PARKED", 2.0, waiting_reason="waiting for a bubble"),
+    task("running-3", "RUNNING", 3.0),
+    task("waiting-4", "SUBMITTED", 4.0, steps=0, progress=0.0, waiting_reason="needs 64 MiB; 0 B free"),
+    task("done-5", "FINISHED", 5.0),
+]
+BUBBLES = [
+    BubbleSlotStats(1, 1, 0, "warmup", 300, Percentiles(300, 12.0, 14.0, 15.5, 16.0),
+                    Percentiles(300, 12.5, 13.0, 13.0, 13.0), Percentiles(300, 4.2, 8.0, 9.0, 9.5), 2**30),
+    BubbleSlotStats(0, 0, 2, "cooldown", 300, Percentiles(300, 20.0, 22.0, 25.0, 30.0),
+                    Percentiles(300, 20.0, 20.0, 20.0, 20.0), Percentiles(300, 2.5, 5.0, 6.0, 7.0), -1),
+]
+
+
+# ------------------------------------------------------------------ render (pure)
+
+
+def test_header_shows_harvest_shares_overruns_and_latencies() -> None:
+    frame = render(stats(), TASKS, BUBBLES, width=120)
+    lines = frame.splitlines()
+    assert lines[0].startswith("freeride top - cpu:3  up 1h02m05s")
+    assert "bubbles 1200  bubble time 1000.000 s (26.8% of uptime)" in frame
+    assert "harvested 800.000 s (80.0% of bubble time)" in frame
+    assert "overruns 4 (p99 900 us)" in frame
+    assert "grant p99 720 us" in frame and "park p99 580 us" in frame
+    assert "memory budget 3.0 GiB" in frame
+    assert "events 2400 (2 rejected)" in frame
+    assert "now" not in frame  # no previous frame: no rate over the last interval
+
+
+def test_task_table_lists_live_tasks_first_with_why_each_waits_or_failed() -> None:
+    frame = render(stats(), TASKS, BUBBLES, width=160)
+    rows = [line.split()[0] for line in frame.splitlines() if line.split() and "-" in line.split()[0]]
+    assert rows[:5] == ["running-3", "parked-2", "waiting-4", "done-5", "failed-1"]
+    assert "needs 64 MiB; 0 B free" in frame
+    assert "MEMORY_LIMIT: used 70 MiB over its 64 MiB cap" in frame
+    assert "more" not in frame.split("MEMORY_LIMIT")[1].splitlines()[0]  # a failure takes one line
+    assert "10 ticks" in frame and "1.5 ms" in frame
+
+
+def test_bubble_table_has_one_row_per_slot_in_stage_order() -> None:
+    frame = render(stats(), TASKS, BUBBLES, width=120)
+    section = frame.split("BUBBLES")[1].splitlines()[2:]
+    assert section[0].split()[:5] == ["0", "0", "2", "cooldown", "300"]
+    assert section[1].split()[:5] == ["1", "1", "0", "warmup", "300"]
+    assert "?" in section[0]  # free memory never reported
+    assert "1.0 GiB" in section[1] and "4.2%" in section[1]
+
+
+def test_every_line_fits_the_width() -> None:
+    long_name = task("verbose-6", "PARKED", 6.0, spec=TaskSpec(target="a:B", name="n" * 64, memory_bytes=1),
+                     waiting_reason="w" * 300)
+    frame = render(stats(draining=True), [*TASKS, long_name], BUBBLES, width=60)
+    assert all(len(line) <= 60 for line in frame.splitlines())
+    assert "DRAINING" in frame
+    assert "..." in frame
+
+
+def test_a_short_terminal_keeps_the_header_and_counts_the_rows_left_out() -> None:
+    many = [task(f"t-{i}", "PARKED", float(i)) for i in range(40)]
+    frame = render(stats(), many, BUBBLES, width=120, height=20)
+    lines = frame.splitlines()
+    assert len(lines) <= 20
+    assert lines[0].startswith("freeride top")
+    assert any(line.startswith("... ") and line.endswith("more tasks") for line in lines)
+    assert "BUBBLES" in frame and "cooldown" in frame  # the bubbles keep their room
+
+
+def test_previous_frame_adds_the_shares_of_the_last_interval() -> None:
+    before = stats(uptime_s=100.0, bubble_time_s=40.0, harvested_s=30.0)
+    after = stats(uptime_s=102.0, bubble_time_s=41.0, harvested_s=30.5)
+    frame = render(after, [], [], width=120, previous=before)
+    assert "50.0% now" in frame  # 1 s of bubbles in 2 s
+    assert "(74.4% of bubble time, 50.0% now)" in frame  # 0.5 s harvested of that 1 s
+
+
+def test_empty_manager_says_so_and_a_notice_is_shown() -> None:
+    empty = stats(bubbles=0, bubble_time_s=0.0, harvested_s=0.0, tasks_by_state={}, memory_budget_bytes=-1,
+                  overrun_ms=Percentiles(), grant_latency_ms=Percentiles(), park_latency_ms=Percentiles())
+    frame = render(empty, [], [], width=100, notice="no manager answers at unix:/x.sock")
+    assert "no tasks" in frame and "no bubbles reported yet" in frame
+    assert "grant p99 -" in frame and "memory budget unknown yet" in frame and "of uptime" in frame
+    assert "! no manager answers at unix:/x.sock" in frame
+
+
+def test_order_tasks_puts_newest_ended_task_first() -> None:
+    ended = [task("a-1", "FINISHED", 1.0), task("b-2", "CANCELLED", 2.0)]
+    assert [t.task_id for t in order_tasks(ended)] == ["b-2", "a-1"]
+
+
+# ------------------------------------------------------------------ the live loop on a fake screen
+
+
+class FakeScreen:
+    """Keys come from a script; waiting for a key with none pressed advances the fake clock."""
+
+    def __init__(self, keys: list[int]) -> None:
+        self.keys = keys
+        self.now = 0.0
+        self.delay_ms = 0
+        self.frames: list[list[str]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def getmaxyx(self) -> tuple[int, int]:
+        return (30, 100)
+
+    def erase(self) -> None:
+        self.frames.append([])
+
+    def addnstr(self, y: int, x: int, text: str, n: int) -> None:
+        assert x == 0 and n == 99 and len(text) <= n
+        self.frames[-1].append(text)
+
+    def refresh(self) -> None:
+        pass
+
+    def timeout(self, delay_ms: int) -> None:
+        self.delay_ms = delay_ms
+
+    def getch(self) -> int:
+        key = self.keys.pop(0)
+        if key == -1:
+            self.now += self.delay_ms / 1000
+        return key
+
+
+NOKEY, QUIT, RESIZE = -1, ord("q"), 410
+
+
+def snapshot(bubbles: int = 10) -> Snapshot:
+    return Snapshot(stats(bubbles=bubbles, uptime_s=10.0 + bubbles), [], [])
+
+
+def test_live_view_refreshes_every_interval_until_q() -> None:
+    screen = FakeScreen([NOKEY, NOKEY, QUIT])
+    answers = iter([snapshot(11), snapshot(12)])
+    live_view(screen, lambda: next(answers), snapshot(10), interval_s=1.0, clock=screen.clock, resize_key=RESIZE)
+    assert [frame[1].split()[1] for frame in screen.frames] == ["10", "11", "12"]
+    assert "now" in screen.frames[-1][1]
+
+
+def test_live_view_redraws_on_resize_without_asking_the_manager() -> None:
+    screen = FakeScreen([RESIZE, QUIT])
+
+    def refresh() -> Snapshot:
+        raise AssertionError("a resize must not fetch")
+
+    live_view(screen, refresh, snapshot(), interval_s=1.0, clock=screen.clock, resize_key=RESIZE)
+    assert len(screen.frames) == 2
+
+
+def test_live_view_shows_a_vanished_manager_and_recovers_when_it_returns() -> None:
+    screen = FakeScreen([NOKEY, NOKEY, QUIT])
+    answers: list[Snapshot | Exception] = [ManagerUnavailable("no manager answers at unix:/m.sock"), snapshot(12)]
+
+    def refresh() -> Snapshot:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    live_view(screen, refresh, snapshot(10), interval_s=0.5, clock=screen.clock, resize_key=RESIZE)
+    assert any(line.startswith("! no manager answers at unix:/m.sock") for line in screen.frames[1])
+    assert screen.frames[1][1].split()[1] == "10"  # the last figures stay on screen
+    assert not any(line.startswith("!") for line in screen.frames[2])
+    assert screen.frames[2][1].split()[1] == "12"
+
+
+# ------------------------------------------------------------------ the command against a real manager
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="frtop-"))  # unix socket paths are limited to about 100 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def manager(short_dir: Path, tmp_path: Path) -> Iterator[Manager]:
+    m = Manager("cpu:0", endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state")
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def test_top_once_prints_one_frame_of_a_real_manager(manager: Manager, capsys: pytest.CaptureFixture[str]) -> None:
+    with ControlClient(manager.endpoint) as client:
+        info = client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=2**26, name="ticker",
+                                      working_dir=str(TESTS_DIR)))
+    capsys.readouterr()
+    code = main(["top", "--once", "--endpoint", str(manager.endpoint)])
+    out, err = capsys.readouterr()
+    assert code == EXIT_OK, err
+    assert out.startswith("freeride top - cpu:0  up ")
+    assert out.count("freeride top - ") == 1
+    assert info.task_id in out and "ticker" in out
+    assert "no bubbles reported yet" in out
+
+
+def test_top_without_a_tty_prints_frames_one_after_another_until_ctrl_c(
+    manager: Manager, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(top, "sleep", sleep)  # only the view's own waits
+    capsys.readouterr()
+    code = main(["top", "--interval", "0.25", "--endpoint", str(manager.endpoint)])
+    out, _ = capsys.readouterr()
+    assert code == EXIT_OK
+    assert out.count("freeride top - cpu:0") == 3  # never cleared: every frame stays in the output
+    assert "\x1b" not in out  # no terminal control sequences in a pipe
+    assert sleeps == [0.25, 0.25, 0.25]
+
+
+def test_top_without_a_manager_exits_3_naming_the_endpoint(
+    short_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    endpoint = f"unix:{short_dir}/nobody.sock"
+    code = main(["top", "--once", "--endpoint", endpoint])
+    out, err = capsys.readouterr()
+    assert code == EXIT_NO_MANAGER
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and endpoint in lines[0] and "freeride manager --device cpu:0" in lines[0]
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "1e9"])
+def test_top_rejects_a_bad_interval(interval: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["top", "--once", "--interval", interval, "--endpoint", "unix:/nonexistent/m.sock"])
+    assert code == EXIT_BAD_INPUT
+    assert "--interval" in capsys.readouterr().err
