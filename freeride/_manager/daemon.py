@@ -171,6 +171,8 @@ class Manager:
         self.server.stop(grace=0.5).wait(2.0)
         if self.metrics is not None:
             self.metrics.stop()
+        if self._thread is None or not self._thread.is_alive():
+            self.loop.release()
         if self.endpoint.kind == "unix":
             try:
                 os.unlink(self.endpoint.address)

@@ -167,8 +167,11 @@ class ManagerLoop:
     def post(self, event: Any) -> None:
         """Enqueue an event from any thread (or a signal handler); returns at once."""
         self._inbox.append(event)
+        fd = self._wake_fd
+        if fd < 0:
+            return  # the loop has stopped: nothing will read the event
         try:
-            os.eventfd_write(self._wake_fd, 1)
+            os.eventfd_write(fd, 1)
         except OSError:  # the counter is saturated: the loop is awake anyway
             pass
 
@@ -747,8 +750,17 @@ class ManagerLoop:
         self.store.close()
         if self._trace is not None:
             self._trace.close()
-        os.close(self._wake_fd)
+        # The eventfd stays open: gRPC threads and scrapes may still post until the server has
+        # stopped, and a closed descriptor number could be reused by another file in the meantime.
+        # release() closes it once nothing can post any more.
+        self._selector.close()
         log.info("[%s] manager loop stopped", self.device)
+
+    def release(self) -> None:
+        """Close the wake-up eventfd; call after every thread that could post has stopped."""
+        fd, self._wake_fd = self._wake_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def stop(self) -> None:
         """Stop without draining (tests, and a manager that must go now)."""

@@ -23,9 +23,11 @@ def test_trace_records_every_bubble_and_each_grants_steps_inside_it(
     task = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
     h.wait_state(task.task_id, "PARKED")
     feeder = h.feeder()
-    feeder.run(12, length_ms=20, gap_ms=10)
+    # Predicted longer than real: each real end reaches a running worker and parks it.
+    feeder.run(12, length_ms=20, predicted_ms=40, gap_ms=10)
     feeder.close()
-    h.wait_state(task.task_id, "PARKED")
+    # A step that overran the last bubble leaves its worker frozen until a next bubble that never comes.
+    h.wait_state(task.task_id, "PARKED", "FROZEN")
     h.manager.stop()
     records = read_trace(trace)
     kinds = {r["ev"] for r in records}
@@ -54,7 +56,8 @@ def test_paper_policy_runs_steps_only_before_the_profiled_end_and_never_freezes(
     feeder = h.feeder()
     feeder.run(15, length_ms=40, gap_ms=10)
     feeder.close()
-    h.wait_state(task.task_id, "PARKED")
+    # A step that overran the last bubble leaves its worker frozen until a next bubble that never comes.
+    h.wait_state(task.task_id, "PARKED", "FROZEN")
     h.manager.stop()
     records = read_trace(trace)
     grants = [r for r in records if r["ev"] == "grant"]
