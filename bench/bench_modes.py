@@ -555,6 +555,10 @@ def plot(out: Path, table: dict[str, dict[str, Any]]) -> list[str]:
     return written
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=3)
@@ -568,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu"))
     p.add_argument("--keep", action="store_true", help="keep the per-run directories (logs, traces)")
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so that every manager, trainer and naive task is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     task_sets = [s for s in args.task_sets.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     for s in task_sets:
