@@ -10,32 +10,33 @@ freeride manager on that device can harvest them.
 **The emulated peers.** :class:`EmulatedPeers` places every other stage's actions in time the way
 :func:`freeride.schedules.simulate` does (list scheduling in each rank's order: an action starts
 when its rank is free and its input has arrived), except that this stage's own actions are not
-modelled: their real end times are fed in as they happen. A receive waits until the emulated
-peer's action that produces it ends. The neighbours therefore react to the real stage like real
-ones would (a slow forward here delays the gradient that comes back), and with equal costs
-everywhere the waits are exactly the model's idle slots (tested). Peer action costs are
-``--peer-forward-ms`` / ``--peer-backward-ms``, by default this stage's own costs learned over the
-warm-up iterations (median per kind; iteration 0 is left out when there are more; then fixed, like
-steady neighbours), and ``--jitter-pct`` adds seeded uniform noise per peer action. Between two
-iterations every peer spends what this stage spent between the same two (optimizer step, batch
-preparation, logging), measured, not learned: it is known before any peer action of the next
-iteration is needed, and a learned figure would turn this stage's noise there into boundary
-bubbles. Until measured, the model assumes 1 ms per forward and 2 ms per backward.
+modelled: their real end times are fed in as they happen. A receive waits until the emulated peer's
+action that produces it ends. The neighbours therefore react to the real stage like real ones would
+(a slow forward here delays the gradient that comes back), and with equal costs everywhere the waits
+are exactly the model's idle slots (tested). Peer action costs are ``--peer-forward-ms`` /
+``--peer-backward-ms``, by default this stage's own costs learned over the warm-up iterations
+(median per kind; iteration 0 is left out when there are more; then fixed, like steady neighbours),
+and ``--jitter-pct`` adds seeded uniform noise per peer action (predictions stay the noiseless
+model's). Between two iterations every peer spends what this stage spent between the same two
+(optimizer step, batch preparation, logging), measured, not learned: it is known before any peer
+action of the next iteration is needed, and a learned figure would turn this stage's noise there
+into boundary bubbles. Until measured, the model assumes 1 ms per forward and 2 ms per backward.
 
 **Which waits are bubbles.** The slot layout (ids and kinds) is the reference trainer's:
-``build_schedule(name, P, M).cyclic_slots(stage)``, as :class:`freeride.pipelining.InstrumentedSchedule`
-uses. Each slot is reported every iteration (start when the wait begins, end when it ends, possibly
-at once), with the *predicted* length from :func:`plan_waits` -- the same emulation run ahead on the
-current cost estimates, which with equal costs is ``simulate``'s slot length. A wait at another
-place (peers slower than this stage, or jitter) is real idle time too, but not a modelled slot: it
-is measured and counted as unplanned, as in the reference trainer.
+``build_schedule(name, P, M).cyclic_slots(stage)``, as
+:class:`freeride.pipelining.InstrumentedSchedule` uses. Each slot is reported every iteration (start
+when the wait begins, end when it ends, possibly at once), with the *predicted* length from
+:func:`plan_waits` -- the same emulation run ahead on the current cost estimates, which with equal
+costs is ``simulate``'s slot length. A wait at another place (peers slower than this stage, or
+jitter) is real idle time too, but not a modelled slot: it is measured and counted as unplanned, as
+in the reference trainer.
 
-**Waiting is real idleness.** On ``cpu:N`` the process is pinned to core N with one torch thread
-and a wait is a blocking sleep. On ``cuda:N`` kernels are queued asynchronously, so each action is
-bracketed by CUDA events, and the host resolves them to host-clock times only when the peers need
-them; at the start of every wait it **synchronizes the stream** (so the device really is idle from
-the reported start on) and then sleeps. This one synchronize per bubble is a property of the
-emulation, not of the instrumented real trainer, which never synchronizes; on CUDA the emulation
+**Waiting is real idleness.** On ``cpu:N`` the training thread is pinned to core N with one torch
+thread and a wait is a blocking sleep. On ``cuda:N`` kernels are queued asynchronously, so each
+action is bracketed by CUDA events, and the host resolves them to host-clock times only when the
+peers need them; at the start of every wait it **synchronizes the stream** (so the device really is
+idle from the reported start on) and then sleeps. This one synchronize per bubble is a property of
+the emulation, not of the instrumented real trainer, which never synchronizes; on CUDA the emulation
 also checks deliveries only where the model expects a wait (deciding anywhere else would need a
 synchronize per action), so jitter there is not enforced. ``time.sleep`` overshoots by the kernel's
 timer slack (50 us by default) plus wake-up latency, so a wait sleeps until ``--spin-us`` before its
@@ -43,9 +44,9 @@ target and spins the rest.
 
 Reporting (``--report``) goes through :class:`freeride.reporter.BubbleReporter` to the device's
 manager (``--endpoint``, else ``$FREERIDE_ENDPOINT``, else the device's default socket), with free
-memory from :mod:`freeride.devices` (on CUDA the driver's figure, which already excludes this
-trainer's own allocation). ``--iteration-log`` writes the reference trainer's JSON-lines record
-shape, plus ``model`` (the costs and bubble fraction the predictions used) and a final summary.
+memory from :mod:`freeride.devices` (on CUDA the driver's figure, which counts this trainer's own
+allocation as used). ``--iteration-log`` writes the reference trainer's JSON-lines record shape,
+plus ``model`` (the costs and bubble fraction the predictions used) and a final summary.
 :func:`single_stage_command` gives the bench the command line.
 """
 
