@@ -22,6 +22,7 @@ from typing import Any
 from freeride.devices import parse_device_name
 from freeride.endpoints import default_endpoint, parse_endpoint, read_token
 from freeride.errors import ConfigError
+from freeride.pipelining import MeasuredBubble
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,34 @@ class TrainerConfig:
             raise ConfigError("--iterations, --microbatches and --microbatch-size must be >= 1")
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every trainer shares (this one and ``freeride.trainer.single_stage``): model size,
+    batch, iterations, optimizer and token file, with :class:`TrainerConfig`'s defaults."""
+    d = TrainerConfig()
+    p.add_argument("--microbatches", type=int, default=d.microbatches)
+    p.add_argument("--microbatch-size", type=int, default=d.microbatch_size)
+    p.add_argument("--iterations", type=int, default=d.iterations)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="iterations marked as warm-up in the log")
+    p.add_argument("--token-file", default=d.token_file)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--lr", type=float, default=d.lr)
+
+
+def bubble_record(b: MeasuredBubble) -> dict[str, Any]:
+    """One measured bubble as it appears in an iteration log record's ``bubbles`` list."""
+    return {"slot": b.slot, "kind": b.kind, "start_ns": b.start_ns, "length_ms": b.length_ns / 1e6,
+            "predicted_ms": b.predicted_ns / 1e6, "free_memory_bytes": b.free_memory_bytes}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:
     p = argparse.ArgumentParser(prog="python -m freeride.trainer", description=__doc__)
     p.add_argument("--stages", type=int, default=0, help="pipeline stages (default: torchrun's world size)")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--microbatch-size", type=int, default=4)
-    p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="iterations marked as warm-up in the log")
+    add_model_arguments(p)
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     # Option names must not be prefixes of torchrun's own (argparse rejects ambiguous prefixes).
     p.add_argument("--virtual-stages", dest="virtual", type=int, default=2,
@@ -87,14 +109,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:
     p.add_argument("--endpoint-template", default="",
                    help="manager endpoint per rank, e.g. unix:/tmp/m-{slug}.sock "
                    "({device}, {slug}, {local_rank}, {rank} are substituted)")
-    p.add_argument("--token-file", default="")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ab-block", type=int, default=0,
                    help="A/B measurement: alternate blocks of N instrumented and bare iterations (order "
                    "within each pair of blocks drawn from --seed); 0 = always instrumented")
@@ -141,7 +155,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from freeride.pipelining import InstrumentedSchedule, MeasuredBubble
+    from freeride.pipelining import InstrumentedSchedule
     from freeride.reporter import BubbleReporter
     from freeride.trainer.model import GPTConfig, build_chunk, lm_loss, synthetic_batch
 
@@ -245,11 +259,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
                 "time_ms": elapsed / 1e6,
                 "end_ns": t0 + elapsed,
                 "loss": float(torch.stack([x.detach() for x in losses]).mean()) if losses else None,
-                "bubbles": [
-                    {"slot": b.slot, "kind": b.kind, "start_ns": b.start_ns, "length_ms": b.length_ns / 1e6,
-                     "predicted_ms": b.predicted_ns / 1e6, "free_memory_bytes": b.free_memory_bytes}
-                    for b in bubbles
-                ],
+                "bubbles": [bubble_record(b) for b in bubbles],
             }
             records.append(record)
             if out is not None:
