@@ -58,7 +58,10 @@ from freeride.messages import TaskSpec
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "instrumented", "naive", "freeride-paper", "freeride")
-DEVICES = ("cpu:0", "cpu:1")
+#: The devices of the trainer's stages; ``--single-stage DEVICE`` makes it that one device.
+DEVICES: tuple[str, ...] = ("cpu:0", "cpu:1")
+#: ``--single-stage``: (stage index, stages, microbatches) of the one real stage.
+SINGLE_STAGE: tuple[int, int, int] | None = None
 MiB = 2**20
 
 
@@ -147,6 +150,14 @@ def managers(run_dir: Path, sock_dir: Path, policy: str, profile: Path | None) -
 
 
 def trainer_argv(iterations: int, warmup: int, log: Path, extra: list[str], endpoint_template: str | None) -> list[str]:
+    if SINGLE_STAGE is not None:
+        from freeride.trainer.single_stage import single_stage_command
+
+        index, stages, microbatches = SINGLE_STAGE
+        endpoint = endpoint_template.replace("{slug}", DEVICES[0].replace(":", "-")) if endpoint_template else None
+        return single_stage_command(DEVICES[0], index, stages, microbatches, iterations,
+                                    log=log.with_name(f"{log.stem}.rank0{log.suffix}"), report=bool(endpoint),
+                                    endpoint=endpoint, extra=["--warmup", str(warmup), *extra])
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "freeride.trainer", "--stages", "2", "--schedule", "1f1b", "--iterations", str(iterations),
             "--warmup", str(warmup), "--iteration-log", str(log), *extra]
@@ -167,7 +178,7 @@ def run_trainer(argv: list[str], run_dir: Path) -> float:
 def read_iterations(log: Path) -> dict[int, list[dict[str, Any]]]:
     """Per rank, the iteration records after warm-up."""
     ranks: dict[int, list[dict[str, Any]]] = {}
-    for rank in (0, 1):
+    for rank in range(len(DEVICES)):
         path = log.with_name(f"{log.stem}.rank{rank}{log.suffix}")
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         ranks[rank] = [r for r in records if "iteration" in r and not r["warmup"]]
@@ -179,7 +190,7 @@ def standalone_rates(tasks: list[str], seconds: float, run_dir: Path) -> dict[st
     rates: dict[str, float] = {}
     for name in tasks:
         cfg = TASKS[name]
-        argv = [sys.executable, "-m", "freeride.cli", "run-task", cfg.target, "--device", "cpu:1", "--seconds",
+        argv = [sys.executable, "-m", "freeride.cli", "run-task", cfg.target, "--device", DEVICES[-1], "--seconds",
                 str(seconds), "--memory", f"{cfg.memory_bytes // MiB}MiB", "--json"]
         for key, value in cfg.args.items():
             argv += ["--arg", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
@@ -257,7 +268,7 @@ def window_figures(records: list[dict[str, Any]], start_ns: int, end_ns: int) ->
 def measurement_window(log: Path) -> tuple[int, int]:
     """From the end of the last warm-up iteration (latest rank) to the end of the run."""
     start = end = 0
-    for rank in (0, 1):
+    for rank in range(len(DEVICES)):
         path = log.with_name(f"{log.stem}.rank{rank}{log.suffix}")
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         its = [r for r in records if "iteration" in r]
@@ -361,6 +372,7 @@ def run_once(mode: str, task_set: str, trial: int, args: argparse.Namespace, roo
     ranks = read_iterations(log)
     means = [sum(r["time_ms"] for r in recs) / len(recs) for recs in ranks.values() if recs]
     result.iteration_ms = sum(means) / len(means)
+    # Bubble fraction per stage from the trainer's own measurements (the managers' B is per device).
     for recs in ranks.values():
         busy = sum(r["time_ms"] for r in recs)
         idle = sum(b["length_ms"] for r in recs for b in r["bubbles"])
@@ -447,16 +459,16 @@ def write_markdown(path: Path, meta: dict[str, Any], table: dict[str, dict[str, 
         "",
         f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, Python {meta['machine']['python']}, "
         f"versions {meta['machine']['versions']}.",
-        f"Trainer: reference GPT, 1F1B, 2 stages on cpu:0/cpu:1 (gloo), `{meta['trainer_args']}`, "
+        f"Trainer: {meta['trainer']}, `{meta['trainer_args']}`, "
         f"{meta['iterations']} iterations ({meta['warmup']} warm-up excluded from times), {meta['trials']} trials; "
         "modes in a fresh random order inside each trial.",
         f"Command: `{meta['command']}`",
         "",
         "Overhead = T_mode / T_none - 1 of the same trial (mean, +- 95% CI over trials). H = (sum of progress / "
         "standalone throughput) / bubble time. Saving = (W / r - n dT) / (n T_base), W the side work in "
-        "standalone device-seconds, n = 2 devices, r the price ratio of a training device-hour to a dedicated "
-        "side-task device-hour (1x: same device; 5.5x: the reference's $3.96/h 4-GPU server per GPU vs a $0.18/h "
-        "RTX 3080; 22x: the reference's own server-to-GPU ratio).",
+        f"standalone device-seconds, n = {len(meta['devices'])} devices, r the price ratio of a training "
+        "device-hour to a dedicated side-task device-hour (1x: same device; 5.5x: the reference's $3.96/h "
+        "4-GPU server per GPU vs a $0.18/h RTX 3080; 22x: the reference's own server-to-GPU ratio).",
         "",
     ]
     for task_set in dict.fromkeys(row["task_set"] for row in table.values()):
@@ -571,7 +583,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu"))
     p.add_argument("--keep", action="store_true", help="keep the per-run directories (logs, traces)")
+    p.add_argument("--single-stage", metavar="DEVICE", default=None,
+                   help="one real stage on DEVICE (cuda:0, cpu:0), its neighbours emulated by timed waits "
+                   "(freeride.trainer.single_stage); --trainer-args then go to that trainer")
+    p.add_argument("--stage", default="1/4/8",
+                   help="with --single-stage: INDEX/STAGES/MICROBATCHES (default %(default)s)")
     args = p.parse_args(argv)
+    global DEVICES, SINGLE_STAGE
+    if args.single_stage:
+        try:
+            index, stages, microbatches = (int(x) for x in args.stage.split("/"))
+        except ValueError:
+            p.error(f"--stage must be INDEX/STAGES/MICROBATCHES, got {args.stage!r}")
+        DEVICES, SINGLE_STAGE = (args.single_stage,), (index, stages, microbatches)
     # SIGTERM unwinds like Ctrl-C, so that every manager, trainer and naive task is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     task_sets = [s for s in args.task_sets.split(",") if s]
@@ -627,9 +651,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"B {result.bubble_s:6.2f} s work {result.work_s:6.2f} s "
                   f"H {result.work_s / result.bubble_s if result.bubble_s else 0:5.2f} ({result.wall_s:.0f} s)",
                   flush=True)
-    table = summarize(runs, task_sets)
+    table = summarize(runs, task_sets, devices=len(DEVICES))
     command = "python -m bench.bench_modes " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    meta = {"machine": machine_info(), "trainer_args": args.trainer_args, "iterations": args.iterations,
+    trainer = (f"one real stage ({SINGLE_STAGE[0]} of {SINGLE_STAGE[1]}, 1F1B, {SINGLE_STAGE[2]} micro-batches) on "
+               f"{DEVICES[0]}, neighbours emulated" if SINGLE_STAGE else
+               f"reference GPT, 1F1B, {len(DEVICES)} stages on {'/'.join(DEVICES)} (gloo)")
+    meta = {"machine": machine_info(), "devices": list(DEVICES), "trainer": trainer,
+            "trainer_args": args.trainer_args, "iterations": args.iterations,
             "warmup": args.warmup, "trials": args.trials, "command": command, "wall_s": time.time() - started,
             "tasks": {k: {"target": v.target, "args": v.args, "memory_bytes": v.memory_bytes}
                       for k, v in TASKS.items()},
