@@ -167,11 +167,15 @@ class TaskInfo:
 
 @dataclass(frozen=True)
 class Percentiles:
+    """A distribution in brief. ``p999`` is 0 where not computed: only whole-run histograms have it
+    (the recent-sample windows behind the other figures are too short for a 99.9th percentile)."""
+
     count: int = 0
     p50: float = 0.0
     p90: float = 0.0
     p99: float = 0.0
     max: float = 0.0
+    p999: float = 0.0
 
 
 @dataclass(frozen=True)
