@@ -195,6 +195,20 @@ class ManagerStats:
     events_received: int
     events_rejected: int
     draining: bool
+    #: Trainer timestamp of a bubble event -> the manager's loop handing it to the scheduler.
+    event_delay_ms: Percentiles = field(default_factory=Percentiles)
+    #: Valid events never handed to the scheduler: the manager stopped while they waited for room.
+    events_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    """The manager's answer when a trainer closes its bubble stream; counts are events."""
+
+    accepted: int = 0
+    rejected: int = 0
+    dropped: int = 0
+    last_error: str = ""
 
 
 @dataclass(frozen=True)
