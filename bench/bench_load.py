@@ -179,15 +179,17 @@ class Sampler:
     manager: Manager
     reporter: BubbleReporter
     samples: list[dict[str, float]] = field(default_factory=list)
+    t0: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> threading.Thread:
+        self.t0 = time.monotonic()
         thread = threading.Thread(target=self._run, daemon=True)
         thread.start()
         return thread
 
     def _run(self) -> None:
-        t0 = time.monotonic()
+        t0 = self.t0
         while not self._stop.wait(max(0.0, 1.0 - (time.monotonic() - t0) % 1.0)):
             self.samples.append({
                 "t_s": round(time.monotonic() - t0, 3),
@@ -263,12 +265,13 @@ def stream(
 
 
 def memory_summary(samples: list[dict[str, float]], warmup_s: float) -> dict[str, Any]:
+    """RSS figures over the samples taken from ``warmup_s`` on (the steady part of the run)."""
     steady = [(s["t_s"], s["rss_mib"]) for s in samples if s["t_s"] >= warmup_s]
     if not steady:
         return {"samples": len(samples)}
     return {
         "samples": len(samples),
-        "warmup_s": warmup_s,
+        "warmup_s": round(warmup_s, 1),
         "first_mib": steady[0][1],
         "last_mib": steady[-1][1],
         "max_mib": max(v for _, v in steady),
@@ -282,7 +285,7 @@ def memory_summary(samples: list[dict[str, float]], warmup_s: float) -> dict[str
 
 def saturation_with_tasks(ns: argparse.Namespace) -> dict[str, Any]:
     manager = launch("sat")
-    tasks: dict[str, Any] = {"submit_ms": [], "list_ms": [], "errors": []}
+    tasks: dict[str, Any] = {"submit_ms": [], "list_ms": [], "errors": [], "done_at": None}
 
     def queue_tasks() -> None:
         time.sleep(ns.submit_at_s)
@@ -294,6 +297,7 @@ def saturation_with_tasks(ns: argparse.Namespace) -> dict[str, Any]:
                     t = time.perf_counter()
                     client.submit(spec)
                     tasks["submit_ms"].append((time.perf_counter() - t) * 1e3)
+                tasks["done_at"] = time.monotonic()
                 end = time.monotonic() + ns.seconds - ns.submit_at_s
                 while time.monotonic() + ns.list_every_s < end:
                     time.sleep(ns.list_every_s)
@@ -309,9 +313,12 @@ def saturation_with_tasks(ns: argparse.Namespace) -> dict[str, Any]:
         with ControlClient(manager.endpoint) as client:
             final = client.list()
             stats = client.stats()
-        result["memory"] = memory_summary(sampler.samples, ns.warmup_s)
+        # Steady state: after the warm-up and after the last submission (each task adds a few KiB).
+        submitted_s = (tasks["done_at"] - sampler.t0) if tasks["done_at"] else 0.0
+        result["memory"] = memory_summary(sampler.samples, max(ns.warmup_s, submitted_s + 1))
         result["tasks"] = {
             "submitted": len(tasks["submit_ms"]),
+            "submissions_done_at_s": round(submitted_s, 1),
             "submit_ms": pct(tasks["submit_ms"]),
             "list_calls": len(tasks["list_ms"]),
             "list_ms": pct(tasks["list_ms"]),
@@ -403,7 +410,9 @@ def render(results: dict[str, Any]) -> str:
         f"One `BubbleReporter` (stage {sat['stage']} of 1F1B, 4 stages x 8 micro-batches: "
         f"{len(sat['slots'])} idle slots an iteration) fed start+end pairs as fast as it takes them "
         f"(at most {sat['producer_backlog_events']} events queued), for {sat['seconds']} s; "
-        f"{tasks['submitted']} tasks submitted during the run stay queued (caps above the budget).",
+        f"{tasks['submitted']} tasks submitted from {results['args']['submit_at_s']} s to "
+        f"{tasks['submissions_done_at_s']} s stay queued (caps above the budget). RSS figures start after "
+        f"the warm-up ({results['args']['warmup_s']:.0f} s) and the last submission.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -418,9 +427,9 @@ def render(results: dict[str, Any]) -> str:
         f"| CPU per event: trainer process / manager (us) | {sat['client_cpu_us_per_event']} / "
         f"{sat['manager_cpu_us_per_event']} |",
         f"| event delay p50 / p99 / p999 / max (ms) | {_p(sat['event_delay_ms'])} |",
-        f"| manager RSS after {mem['warmup_s']:.0f} s warm-up: first / last / max (MiB) | {mem['first_mib']:.1f} / "
+        f"| manager RSS from {mem['warmup_s']:.0f} s on: first / last / max (MiB) | {mem['first_mib']:.1f} / "
         f"{mem['last_mib']:.1f} / {mem['max_mib']:.1f} |",
-        f"| manager RSS slope (least squares, after warm-up) | {mem['slope_mib_per_min']:+.3f} MiB/min |",
+        f"| manager RSS slope (least squares over those samples) | {mem['slope_mib_per_min']:+.3f} MiB/min |",
         f"| submit latency p50 / p99 / max (ms), {tasks['submitted']} tasks | "
         f"{_p(tasks['submit_ms'], ('p50', 'p99', 'max'))} |",
         f"| List latency with {tasks['present_after']} tasks p50 / p99 / max (ms), {tasks['list_calls']} calls | "
