@@ -45,6 +45,7 @@ from freeride.states import TaskState, check_transition
 log = logging.getLogger(__name__)
 
 MS = 1_000_000
+_RESIDENT_STATES = tuple(state for state in TaskState if state.is_resident)
 
 
 # ====================================================================== config
@@ -829,7 +830,7 @@ class SchedulerCore:
             yield from self._by_state[state].values()
 
     def _resident(self) -> Iterator[TaskRuntime]:
-        return self._in_states(TaskState.STARTING, TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN)
+        return self._in_states(*_RESIDENT_STATES)
 
     def _resident_usage(self) -> int:
         return sum(t.used_bytes for t in self._resident())
