@@ -167,11 +167,15 @@ class TaskInfo:
 
 @dataclass(frozen=True)
 class Percentiles:
+    """A distribution in brief. ``p999`` is 0 where not computed: only whole-run histograms have it
+    (the recent-sample windows behind the other figures are too short for a 99.9th percentile)."""
+
     count: int = 0
     p50: float = 0.0
     p90: float = 0.0
     p99: float = 0.0
     max: float = 0.0
+    p999: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,20 @@ class ManagerStats:
     #: Grants and parks dropped because a worker's channel was full. Not on the wire yet: a
     #: ``ControlClient`` reports 0; the in-process metrics endpoint reports the real count.
     messages_dropped: int = 0
+    #: Trainer timestamp of a bubble event -> the manager's loop handing it to the scheduler.
+    event_delay_ms: Percentiles = field(default_factory=Percentiles)
+    #: Valid events never handed to the scheduler: the manager stopped while they waited for room.
+    events_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    """The manager's answer when a trainer closes its bubble stream; counts are events."""
+
+    accepted: int = 0
+    rejected: int = 0
+    dropped: int = 0
+    last_error: str = ""
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,20 @@ when the queue is full the event is dropped and counted. Nothing on those calls 
 
 A daemon thread owns the connection. It opens one ``Trainer.StreamBubbles`` call
 (:class:`freeride._wire.client.BubbleStream`) fed by a generator that reads the queue, so events go
-out as soon as gRPC's sender thread picks them up. When the manager is absent, refuses, or dies,
-the call ends; the thread then waits with exponential backoff (``backoff_initial_s`` doubling up to
+out as soon as gRPC's sender thread picks them up. Each time the sender thread asks for a message,
+the generator takes everything queued by then (up to ``MAX_BATCH_EVENTS``) and sends it as one
+batch: it never waits to fill a batch, so a lone event goes out at once, on its own, and batches
+only form while the sender is busy with the previous message. When the manager is absent, refuses,
+or dies, the call ends; the thread then waits with exponential backoff (``backoff_initial_s`` doubling up to
 ``backoff_max_s``, reset after a connection that carried events) and reconnects. Events queued
 while no manager listens are discarded (counted in ``dropped``): a bubble is only useful live.
 
-Sending costs CPU (about a hundred microseconds per event in gRPC's Python streaming path, measured
-in ``bench/bench_instrumentation.py``). A trainer pinned to one core passes ``cpu_affinity`` (for
-example the cores it was given before pinning) so that the sender thread and the gRPC thread it
-starts are not confined to the training thread's core.
+Sending costs CPU: about a hundred microseconds per *message* in gRPC's Python streaming path
+(measured in ``bench/bench_instrumentation.py``), plus a few microseconds per event to convert it.
+Batching is what lets a stream go past ~7,000 events/s (``bench/bench_load.py``): under load the
+per-message cost is shared by the whole batch. A trainer pinned to one core passes
+``cpu_affinity`` (for example the cores it was given before pinning) so that the sender thread and
+the gRPC thread it starts are not confined to the training thread's core.
 
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
@@ -34,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, resolve_endpoint
-from freeride.messages import UNKNOWN_MEMORY, BubbleEnd, BubbleEvent, BubbleStart
+from freeride.messages import UNKNOWN_MEMORY, BubbleEnd, BubbleEvent, BubbleStart, StreamSummary
 
 if TYPE_CHECKING:
     from freeride._wire.client import BubbleStream
@@ -43,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: Default bound of the event queue: ~minutes of events of a fast schedule, a few hundred KiB.
 DEFAULT_QUEUE_SIZE = 4096
+#: Most events in one message (~50 bytes each on the wire, far below the message size limit).
+MAX_BATCH_EVENTS = 512
 
 _STOP = object()
 _START = 0
@@ -51,7 +58,13 @@ _END = 1
 
 @dataclass(frozen=True)
 class ReporterCounters:
-    """What a reporter did so far: events handed to gRPC, dropped, and connections opened."""
+    """What a reporter did so far: events handed to gRPC, dropped, and connections opened.
+
+    ``messages`` is how many stream messages carried the ``sent`` events. ``accepted``,
+    ``rejected`` and ``manager_dropped`` add up the manager's summaries of the streams closed so far
+    (a stream is summarised only when it closes; a manager that died sends none);
+    ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
+    """
 
     enqueued: int
     sent: int
@@ -59,6 +72,10 @@ class ReporterCounters:
     connects: int
     reconnects: int
     connected: bool
+    messages: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    manager_dropped: int = 0
 
 
 class BubbleReporter:
@@ -101,7 +118,9 @@ class BubbleReporter:
         self._dropped_hot = 0
         self._dropped_bg = 0
         self._sent = 0
+        self._messages = 0
         self._connects = 0
+        self._accepted = self._rejected = self._manager_dropped = 0
         self._thread = threading.Thread(
             target=self._run, name=f"freeride-reporter-{self.stage}", daemon=True
         )
@@ -166,6 +185,10 @@ class BubbleReporter:
             connects=self._connects,
             reconnects=self.reconnects,
             connected=self._connected,
+            messages=self._messages,
+            accepted=self._accepted,
+            rejected=self._rejected,
+            manager_dropped=self._manager_dropped,
         )
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -202,27 +225,47 @@ class BubbleReporter:
         _, iteration, slot, end_ns = item
         return BubbleEnd(self.stage, self.rank, int(iteration), int(slot), int(end_ns))  # type: ignore[call-overload]
 
-    def _events(self, alive: threading.Event) -> Iterator[BubbleEvent]:
-        """The request iterator of one call: runs on gRPC's sender thread until the call ends."""
+    def _batches(self, alive: threading.Event) -> Iterator[list[BubbleEvent]]:
+        """The request iterator of one call: runs on gRPC's sender thread until the call ends.
+
+        Blocks for the first event, then takes whatever else is queued without waiting, so each
+        message carries everything that piled up while the previous one was being sent.
+        """
+        q = self._queue
         while alive.is_set():
             try:
-                item = self._queue.get(timeout=0.2)
+                item = q.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if item is _STOP:
-                self._queue.put(_STOP)  # let the supervisor see it too
+            batch: list[BubbleEvent] = []
+            stop = False
+            while True:
+                if item is _STOP:
+                    stop = True
+                    break
+                try:
+                    batch.append(self._to_event(item))  # type: ignore[arg-type]
+                except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
+                    self._dropped_bg += 1
+                if len(batch) >= MAX_BATCH_EVENTS:
+                    break
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+            if not alive.is_set():
+                # This call ended while we waited; the events would go nowhere. Count them.
+                self._dropped_bg += len(batch)
+                batch = []
+            if batch:
+                self._sent += len(batch)
+                self._messages += 1
+                yield batch
+            if stop:
+                q.put(_STOP)  # let the supervisor see it too
                 return
             if not alive.is_set():
-                # This call ended while we waited; the event would go nowhere. Count it.
-                self._dropped_bg += 1
                 return
-            try:
-                event = self._to_event(item)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
-                self._dropped_bg += 1
-                continue
-            self._sent += 1
-            yield event
 
     def _discard_queued(self) -> bool:
         """Drop what piled up while disconnected; True if close() was requested meanwhile."""
@@ -261,13 +304,15 @@ class BubbleReporter:
                     time.sleep(0.05)
                 if self._closed.is_set():
                     try:
-                        stream.result(timeout_s=2.0)
+                        self._add_summary(stream.summary(timeout_s=2.0))
                     except Exception:  # noqa: BLE001 - closing: the outcome no longer matters
                         pass
                     break
-                accepted, rejected = stream.result(timeout_s=0)
-                if rejected:
-                    log.warning("[%s stage=%d] manager rejected %d bubble events", self.device, self.stage, rejected)
+                summary = stream.summary(timeout_s=0)
+                self._add_summary(summary)
+                if summary.rejected:
+                    log.warning("[%s stage=%d] manager rejected %d bubble events, last: %s", self.device,
+                                self.stage, summary.rejected, summary.last_error)
             except Exception as exc:  # noqa: BLE001 - any failure means: back off and retry
                 if self._sent > sent_before or self._connects <= 1:
                     log.info("[%s stage=%d] bubble stream to %s ended: %s", self.device, self.stage,
@@ -284,7 +329,15 @@ class BubbleReporter:
             backoff = min(self._backoff_max_s, backoff * 2)
         self._discard_queued()
 
+    def _add_summary(self, summary: StreamSummary) -> None:
+        self._accepted += summary.accepted
+        self._rejected += summary.rejected
+        self._manager_dropped += summary.dropped
+        if summary.dropped:
+            log.info("[%s stage=%d] the manager stopped before handling %d bubble events", self.device, self.stage,
+                     summary.dropped)
+
     def _open_stream(self, alive: threading.Event) -> BubbleStream:
         from freeride._wire.client import BubbleStream
 
-        return BubbleStream(self.endpoint, self._events(alive), token=self._token)
+        return BubbleStream(self.endpoint, self._batches(alive), token=self._token)

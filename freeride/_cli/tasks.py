@@ -397,7 +397,9 @@ def render_stats(s: ManagerStats) -> str:
         ("park lat.", _pct_line(s.park_latency_ms)),
         ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),
         ("tasks", by_state),
-        ("events", f"{s.events_received} received, {s.events_rejected} rejected"),
+        ("events", f"{s.events_received} received, {s.events_rejected} rejected"
+                   + (f", {s.events_dropped} dropped" if s.events_dropped else "")),
+        ("event delay", _pct_line(s.event_delay_ms)),
     ]
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
 

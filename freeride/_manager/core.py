@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from freeride._manager.estimator import StepEstimator, percentiles
@@ -44,6 +45,7 @@ from freeride.states import TaskState, check_transition
 log = logging.getLogger(__name__)
 
 MS = 1_000_000
+_RESIDENT_STATES = tuple(state for state in TaskState if state.is_resident)
 
 #: ``freeride``: this module's policy. ``paper``: an emulation of the reference system's policy
 #: (REFERENCE.md), so that the bench compares both inside one manager on one machine.
@@ -389,6 +391,18 @@ class SchedulerCore:
         self._drain_announced = False
         self._paper = self.config.policy == "paper"
         self._next_poll_ns = 0
+        # Every task, indexed by its state; kept by _transition and _on_TaskAdded. The paths that run
+        # on every bubble event (grants, budgets, admission, timers) read only the states they need,
+        # so a few hundred queued tasks do not cost each event a scan of all of them.
+        self._by_state: dict[TaskState, dict[str, TaskRuntime]] = {state: {} for state in TaskState}
+        # Admission is skipped while it cannot succeed: (waiting-set epoch, budget left after the
+        # last pass). Every task a pass left waiting has a cap above that budget, so no pass admits
+        # anything at a budget as small or smaller until a task joins the waiting set (a new epoch).
+        self._waiting_epoch = 0
+        self._admit_floor: tuple[int, int] | None = None
+        # Tasks given a stop deadline (only _stop sets one); those whose deadline was cleared since
+        # are pruned when the timers are next looked at.
+        self._stop_timers: dict[str, TaskRuntime] = {}
 
     # ------------------------------------------------------------------ entry point
 
@@ -404,7 +418,7 @@ class SchedulerCore:
 
     def next_timer_ns(self) -> int | None:
         """The earliest time at which :meth:`on_event` with a :class:`Tick` has work to do."""
-        times = [t.stop_deadline_ns for t in self.tasks.values() if t.stop_deadline_ns]
+        times = [t.stop_deadline_ns for t in self._stop_timers.values() if t.stop_deadline_ns]
         if self._freeze_at_ns:
             times.append(self._freeze_at_ns)
         if self._next_poll_ns:
@@ -427,6 +441,10 @@ class SchedulerCore:
             return
         check_transition(task.task_id, old, new)
         task.state = new
+        del self._by_state[old][task.task_id]
+        self._by_state[new][task.task_id] = task
+        if new == TaskState.SUBMITTED:
+            self._waiting_epoch += 1
         if failure is not None:
             task.failure = failure
         log.debug("[task=%s] %s -> %s (%s)", task.task_id, old.value, new.value, reason)
@@ -514,7 +532,7 @@ class SchedulerCore:
         if remaining <= (0 if self._paper else self.config.margin_ns):
             return
         best: tuple[tuple[int, int, int, int, int], TaskRuntime] | None = None
-        for task in self.tasks.values():
+        for task in self._in_states(TaskState.PARKED, TaskState.FROZEN):
             if task.state not in (TaskState.PARKED, TaskState.FROZEN) or task.stopping:
                 continue
             if task.task_id in bubble.granted:
@@ -628,9 +646,12 @@ class SchedulerCore:
             self._freeze_running(now_ns, out)
             # A bubble that opened while the frozen worker overran is free now: use what is left.
             self._grant_next(now_ns, out)
-        for task in list(self.tasks.values()):
-            if task.stop_deadline_ns and now_ns >= task.stop_deadline_ns:
+        for task in list(self._stop_timers.values()):
+            if not task.stop_deadline_ns:
+                del self._stop_timers[task.task_id]
+            elif now_ns >= task.stop_deadline_ns:
                 task.stop_deadline_ns = 0
+                del self._stop_timers[task.task_id]
                 log.warning("[task=%s] did not stop in time; killing it", task.task_id)
                 out.append(Kill(task.task_id))
 
@@ -715,6 +736,8 @@ class SchedulerCore:
             restarts=event.restarts,
         )
         self.tasks[task.task_id] = task
+        self._by_state[TaskState.SUBMITTED][task.task_id] = task
+        self._waiting_epoch += 1
         out.append(StateChanged(task.task_id, None, TaskState.SUBMITTED, "submitted"))
 
     def _on_CancelRequested(self, event: CancelRequested, now_ns: int, out: list[Action]) -> None:
@@ -844,6 +867,7 @@ class SchedulerCore:
     def _stop(self, task: TaskRuntime, why: str, now_ns: int, out: list[Action], checkpoint: bool) -> None:
         task.stopping = why
         task.stop_deadline_ns = now_ns + self.config.stop_timeout_ns
+        self._stop_timers[task.task_id] = task
         if task.state == TaskState.STARTING:
             out.append(Kill(task.task_id))
             return
@@ -861,11 +885,19 @@ class SchedulerCore:
             self._freeze_at_ns = 0
         return released
 
+    def _in_states(self, *states: TaskState) -> Iterator[TaskRuntime]:
+        """The tasks now in any of ``states`` (from the state index: no scan of every task)."""
+        for state in states:
+            yield from self._by_state[state].values()
+
+    def _resident(self) -> Iterator[TaskRuntime]:
+        return self._in_states(*_RESIDENT_STATES)
+
     def _resident_usage(self) -> int:
-        return sum(t.used_bytes for t in self.tasks.values() if t.state.is_resident)
+        return sum(t.used_bytes for t in self._resident())
 
     def _resident_caps(self) -> int:
-        return sum(t.memory_bytes for t in self.tasks.values() if t.state.is_resident)
+        return sum(t.memory_bytes for t in self._resident())
 
     def capacity_bytes(self) -> int | None:
         """Memory the side tasks may hold in all: recent minimum capacity minus headroom."""
@@ -880,32 +912,33 @@ class SchedulerCore:
         return None if capacity is None else capacity - self._resident_caps()
 
     def _admit(self, out: list[Action]) -> None:
-        if self.draining:
+        waiting = self._by_state[TaskState.SUBMITTED]
+        if self.draining or not waiting:
             return
         budget = self.budget_bytes()
         if budget is None:
             return
-        waiting = sorted(
-            (t for t in self.tasks.values() if t.state == TaskState.SUBMITTED),
-            key=lambda t: (-t.spec.priority, t.seq),
-        )
-        for task in waiting:
+        floor = self._admit_floor
+        if floor is not None and floor[0] == self._waiting_epoch and budget <= floor[1]:
+            return  # nothing fitted at this budget or a larger one, and nobody new is waiting
+        for task in sorted(waiting.values(), key=lambda t: (-t.spec.priority, t.seq)):
             if task.memory_bytes > budget:
                 continue
             budget -= task.memory_bytes
             self._transition(task, TaskState.STARTING, "memory fits", out)
             out.append(Spawn(task.task_id, task.spec, task.memory_bytes, task.checkpoint_path))
+        self._admit_floor = (self._waiting_epoch, budget)
 
     def _evict_if_over_budget(self, now_ns: int, out: list[Action]) -> None:
         budget = self.budget_bytes()
         if budget is None:
             return
         # Caps of tasks already stopping are on their way out: counting them again would evict more.
-        budget += sum(t.memory_bytes for t in self.tasks.values() if t.state.is_resident and t.stopping)
+        budget += sum(t.memory_bytes for t in self._resident() if t.stopping)
         if budget >= 0:
             return
         victims = sorted(
-            (t for t in self.tasks.values() if t.state == TaskState.PARKED and not t.stopping),
+            (t for t in self._in_states(TaskState.PARKED) if not t.stopping),
             key=lambda t: (t.spec.priority, -t.seq),
         )
         for task in victims:
@@ -919,7 +952,7 @@ class SchedulerCore:
         if (
             self.draining
             and not self._drain_announced
-            and not any(t.state.is_resident for t in self.tasks.values())
+            and not any(True for _ in self._resident())
         ):
             self._drain_announced = True
             out.append(DrainComplete())

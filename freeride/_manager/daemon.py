@@ -83,6 +83,11 @@ class Manager:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                # Keep each stream's receive window at gRPC's default 64 KiB. With bandwidth-delay
+                # probing a saturating trainer stream grew it to megabytes: seconds of stale bubble
+                # events buffered in the transport, past the loop's own bound (a 1.8 s median event
+                # delay in bench/bench_load.py, 0.1 s without). Control calls are small either way.
+                ("grpc.http2.bdp_probe", 0),
             ],
         )
         add_servicers(self.server, self.loop)

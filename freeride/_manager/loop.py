@@ -7,6 +7,14 @@ with a timeout equal to the next timer. Each wake-up feeds events to the pure
 servicers never touch state: they :meth:`post` events (fire and forget) or :meth:`call` a request
 and wait for the loop's answer.
 
+Bubble events arrive in batches (one per trainer message, :meth:`ManagerLoop.post_bubbles`): a batch
+costs one append to the loop's bubble inbox and one eventfd wake-up, and the loop then feeds its
+events to the core one at a time, in order, timing each one's delay from the trainer's timestamp
+(``event_delay``). The bubble inbox holds a bounded number of events; a stream that outpaces the
+loop is held back rather than buffered (see ``post_bubbles``). Each turn of the loop handles every
+waiting request first and then at most ``BUBBLES_PER_TURN`` bubble events, so that under a flood
+worker messages, timers and control calls still get a turn every few milliseconds.
+
 Workers: ``python -m freeride._worker`` in a new session (so one ``killpg`` reaches the worker and
 whatever it spawned), with one end of a SEQPACKET socketpair, ``PR_SET_PDEATHSIG`` and the
 channel's end-of-file tying its life to the manager's. Their output goes to
@@ -26,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +42,7 @@ from typing import Any
 
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._manager import core as C
+from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.store import StoredTask, TaskStore
 from freeride._manager.trace import TraceWriter
 from freeride.devices import Device
@@ -41,6 +50,7 @@ from freeride.errors import RequestRejected, TaskNotFound
 from freeride.messages import (
     BubbleEvent,
     BubbleSlotStats,
+    BubbleStart,
     FailureRecord,
     ManagerStats,
     Percentiles,
@@ -54,6 +64,9 @@ log = logging.getLogger(__name__)
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 LOG_TAIL_BYTES = 4096
+#: Bubble events fed to the core per turn of the loop at most (a few ms of work), and the size of
+#: the chunks ``post_bubbles`` cuts larger batches into.
+BUBBLES_PER_TURN = 256
 
 
 @dataclass(frozen=True)
@@ -65,9 +78,12 @@ class LoopConfig:
     eof_grace_ms: float = 500.0
     #: Write a JSON-lines timeline of bubbles, grants, parks and steps here (see trace.py).
     trace_path: Path | None = None
+    #: Bubble events that may wait in the inbox: ~50 ms of the loop's work at the ~40,000 events/s
+    #: measured in ``bench/bench_load.py``, under 1 MiB. See :meth:`ManagerLoop.post_bubbles`.
+    max_pending_events: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms"):
+        for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -144,9 +160,17 @@ class ManagerLoop:
         self.started_unix = time.time()
         self.events_received = 0
         self.events_rejected = 0
+        self.events_dropped = 0  # valid bubble events never handed to the core: the loop stopped first
+        self.watch_events_dropped = 0  # live-view events a slow viewer's full queue did not take
         self.messages_dropped = 0
+        #: Trainer timestamp -> handed to the core, for every bubble event (loop thread only).
+        self.event_delay = LatencyHistogram()
+        self._pending_events = 0  # bubble events posted and not yet taken by the loop
+        self._room = threading.Condition()  # guards _pending_events; notified when the loop takes some
+        self._stopped = threading.Event()
         self.on_draining: Callable[[], None] = lambda: None
         self._inbox: collections.deque[Any] = collections.deque()
+        self._bubbles: collections.deque[list[C.BubbleStarted | C.BubbleEnded]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_fd, selectors.EVENT_READ, ("wake", None))
@@ -167,6 +191,9 @@ class ManagerLoop:
     def post(self, event: Any) -> None:
         """Enqueue an event from any thread (or a signal handler); returns at once."""
         self._inbox.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
         fd = self._wake_fd
         if fd < 0:
             return  # the loop has stopped: nothing will read the event
@@ -175,14 +202,44 @@ class ManagerLoop:
         except OSError:  # the counter is saturated: the loop is awake anyway
             pass
 
-    def post_bubble(self, event: BubbleEvent, received_ns: int) -> None:
-        from freeride.messages import BubbleStart
+    def post_bubble(self, event: BubbleEvent, received_ns: int) -> int:
+        """Enqueue one valid bubble event; see :meth:`post_bubbles`."""
+        return self.post_bubbles((event,), received_ns)
 
-        self.events_received += 1
-        if isinstance(event, BubbleStart):
-            self.post(C.BubbleStarted(event, received_ns))
-        else:
-            self.post(C.BubbleEnded(event, received_ns))
+    def post_bubbles(self, events: Sequence[BubbleEvent], received_ns: int) -> int:
+        """Enqueue valid bubble events, in order, with one wake-up of the loop per chunk.
+
+        Called once per trainer message from that stream's gRPC thread. At most
+        ``max_pending_events`` bubble events wait in the inbox: a stream that outpaces the loop
+        waits here for room (the loop makes some each time it takes a batch), so gRPC stops reading
+        it, its flow control holds the sender back, and the trainer's bounded reporter queue drops
+        and counts what does not fit; the training thread itself never waits. Holding back rather
+        than shedding here keeps every event the manager accepted, ends included, in order, and
+        keeps the delay bounded (~50 ms of the loop's work) instead of letting stale starts pile up.
+        A batch larger than the bound goes in chunks. Returns how many events were not enqueued:
+        those still waiting for room when the loop stopped. They, and the events the stopped loop
+        left in its inbox, are counted in ``events_dropped``.
+        """
+        limit = self.config.max_pending_events
+        size = min(limit, BUBBLES_PER_TURN)
+        with self._room:
+            self.events_received += len(events)
+        for first in range(0, len(events), size):
+            chunk: list[C.BubbleStarted | C.BubbleEnded] = [
+                C.BubbleStarted(e, received_ns) if isinstance(e, BubbleStart) else C.BubbleEnded(e, received_ns)
+                for e in events[first:first + size]
+            ]
+            with self._room:
+                while self._pending_events + len(chunk) > limit and not self._stopped.is_set():
+                    self._room.wait(0.1)
+                if self._stopped.is_set():
+                    lost = len(events) - first
+                    self.events_dropped += lost
+                    return lost
+                self._pending_events += len(chunk)
+            self._bubbles.append(chunk)
+            self._wake()
+        return 0
 
     def call(self, request: Request, timeout_s: float = 10.0) -> Any:
         """Run a request on the loop thread and return its answer (or raise its error)."""
@@ -244,11 +301,12 @@ class ManagerLoop:
         if timer is not None:
             deadlines.append(timer)
         deadlines += [h.eof_at_ns for h in self._workers.values() if h.eof_at_ns]
-        if self._inbox:
+        if self._inbox or self._bubbles:
             return 0
         return max(0.0, (min(deadlines) - now) / 1e9)
 
     def _drain_inbox(self) -> None:
+        """One turn's share of the inbox: every waiting request, then up to ``BUBBLES_PER_TURN`` events."""
         while self._inbox:
             item = self._inbox.popleft()
             if isinstance(item, tuple):
@@ -264,10 +322,27 @@ class ManagerLoop:
                 self._shutdown(item)
             else:
                 self._feed(item)
+        budget = BUBBLES_PER_TURN
+        while budget > 0 and self._bubbles and self._running:
+            chunk = self._bubbles.popleft()
+            self._feed_bubbles(chunk)
+            budget -= len(chunk)
 
-    def _feed(self, event: Any) -> None:
+    def _feed_bubbles(self, events: list[C.BubbleStarted | C.BubbleEnded]) -> None:
+        """Feed one posted chunk to the core: each event on its own, in order, its delay recorded."""
+        with self._room:
+            self._pending_events -= len(events)
+            self._room.notify_all()
+        record = self.event_delay.record
+        for event in events:
+            now = self.now_ns()
+            bubble = event.bubble
+            record(now - (bubble.start_ns if isinstance(bubble, BubbleStart) else bubble.end_ns))
+            self._feed(event, now)
+
+    def _feed(self, event: Any, now_ns: int | None = None) -> None:
         try:
-            actions = self.core.on_event(event, self.now_ns())
+            actions = self.core.on_event(event, self.now_ns() if now_ns is None else now_ns)
         except Exception:
             # A bug in policy must not take the manager down; the event is dropped and logged.
             log.exception("[%s] core failed on %r", self.device, event)
@@ -448,7 +523,7 @@ class ManagerLoop:
                 try:
                     q.put_nowait(event)
                 except queue.Full:  # a slow viewer loses events, never the manager's time
-                    pass
+                    self.watch_events_dropped += 1
 
     # ------------------------------------------------------------------ workers
 
@@ -713,6 +788,8 @@ class ManagerLoop:
             events_rejected=self.events_rejected,
             draining=self.core.draining,
             messages_dropped=self.messages_dropped,
+            event_delay_ms=self.event_delay.percentiles(),
+            events_dropped=self.events_dropped,
         )
 
     def slot_stats(self) -> list[BubbleSlotStats]:
@@ -747,6 +824,11 @@ class ManagerLoop:
                     q.put_nowait(None)
                 except queue.Full:
                     pass
+        with self._room:
+            self._stopped.set()  # streams waiting for room in the inbox give up
+            self.events_dropped += sum(len(chunk) for chunk in self._bubbles)
+            self._bubbles.clear()
+            self._room.notify_all()
         self.store.close()
         if self._trace is not None:
             self._trace.close()

@@ -121,7 +121,7 @@ def bubble_from_pb(msg: _pb.BubbleEvent) -> BubbleEvent:
 
 
 def _pct_pb(p: Percentiles) -> _pb.Percentiles:
-    return _pb.Percentiles(count=p.count, p50=p.p50, p90=p.p90, p99=p.p99, max=p.max)
+    return _pb.Percentiles(count=p.count, p50=p.p50, p90=p.p90, p99=p.p99, max=p.max, p999=p.p999)
 
 
 def task_info_to_pb(info: TaskInfo) -> _pb.TaskInfo:
@@ -184,6 +184,8 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         events_received=s.events_received,
         events_rejected=s.events_rejected,
         draining=s.draining,
+        event_delay_ms=_pct_pb(s.event_delay_ms),
+        events_dropped=s.events_dropped,
     )
 
 
@@ -238,23 +240,33 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
         self._loop = loop
 
     def StreamBubbles(self, request_iterator: Iterator[_pb.BubbleEvent], context: grpc.ServicerContext) -> Any:
-        accepted = rejected = 0
+        """Validate every event on its own; post each message's valid events to the loop at once.
+
+        A message is one event or a batch (``BubbleEvent.batch``), unpacked in order. A malformed
+        event, a batch nested in a batch included, is rejected and counted alone: its neighbours
+        still go through, in order. The summary counts events, never messages.
+        """
+        accepted = rejected = dropped = 0
         last_error = ""
         for msg in request_iterator:
             received_ns = time.monotonic_ns()
-            try:
-                event = bubble_from_pb(msg)
-            except ConfigError as exc:
-                # One bad event must not cost the trainer its stream: count it, say why, go on.
-                rejected += 1
-                self._loop.events_rejected += 1
-                last_error = str(exc)
-                continue
-            self._loop.post_bubble(event, received_ns)
-            accepted += 1
+            parts = msg.batch.events if msg.WhichOneof("event") == "batch" else (msg,)
+            events: list[BubbleEvent] = []
+            for part in parts:
+                try:
+                    events.append(bubble_from_pb(part))
+                except ConfigError as exc:
+                    # One bad event must not cost the trainer its stream: count it, say why, go on.
+                    rejected += 1
+                    self._loop.events_rejected += 1
+                    last_error = str(exc)
+            if events:
+                lost = self._loop.post_bubbles(events, received_ns)  # only when the manager is stopping
+                dropped += lost
+                accepted += len(events) - lost
         if rejected:
             log.warning("[%s] trainer stream: %d event(s) rejected, last: %s", self._loop.device, rejected, last_error)
-        return _pb.StreamSummary(accepted=accepted, rejected=rejected, last_error=last_error)
+        return _pb.StreamSummary(accepted=accepted, rejected=rejected, last_error=last_error, dropped=dropped)
 
 
 class ControlServicer(_pb_grpc.ControlServicer):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -32,6 +32,7 @@ from freeride.messages import (
     FailureRecord,
     ManagerStats,
     Percentiles,
+    StreamSummary,
     TaskEvent,
     TaskInfo,
     TaskSpec,
@@ -102,6 +103,18 @@ def bubble_event_to_pb(event: BubbleEvent) -> _pb.BubbleEvent:
     )
 
 
+def bubble_message_to_pb(item: BubbleEvent | Sequence[BubbleEvent]) -> _pb.BubbleEvent:
+    """One stream message: an event alone, or a sequence of events as one batch.
+
+    A sequence of one goes out as the event alone, the form every manager of ``freeride.v1`` reads.
+    """
+    if isinstance(item, (BubbleStart, BubbleEnd)):
+        return bubble_event_to_pb(item)
+    if len(item) == 1:
+        return bubble_event_to_pb(item[0])
+    return _pb.BubbleEvent(batch=_pb.BubbleEventBatch(events=[bubble_event_to_pb(e) for e in item]))
+
+
 def _bubble_from_pb(msg: Any) -> BubbleEvent:
     if isinstance(msg, _pb.BubbleStart):
         return BubbleStart(
@@ -126,7 +139,7 @@ def _spec_to_pb(spec: TaskSpec) -> _pb.SubmitRequest:
 
 
 def _percentiles(msg: _pb.Percentiles) -> Percentiles:
-    return Percentiles(msg.count, msg.p50, msg.p90, msg.p99, msg.max)
+    return Percentiles(msg.count, msg.p50, msg.p90, msg.p99, msg.max, msg.p999)
 
 
 def task_info_from_pb(msg: _pb.TaskInfo) -> TaskInfo:
@@ -189,6 +202,8 @@ def _stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         events_received=msg.events_received,
         events_rejected=msg.events_rejected,
         draining=msg.draining,
+        event_delay_ms=_percentiles(msg.event_delay_ms),
+        events_dropped=msg.events_dropped,
     )
 
 
@@ -289,28 +304,39 @@ def health_status(endpoint: Endpoint, timeout_s: float = 2.0, token: str | None 
 
 
 class BubbleStream:
-    """One open ``Trainer.StreamBubbles`` call fed from an iterator of bubble events.
+    """One open ``Trainer.StreamBubbles`` call fed from an iterator of messages.
 
-    The call runs on gRPC's own threads; :meth:`done` tells whether it ended (the manager went away,
-    or the iterator finished), :meth:`result` returns ``(accepted, rejected)`` or raises
+    Each item the iterator yields is one message: a bubble event, or a sequence of events sent as
+    one batch (see :func:`bubble_message_to_pb`). The call runs on gRPC's own threads; :meth:`done`
+    tells whether it ended (the manager went away, or the iterator finished); :meth:`summary`
+    returns the manager's counts and :meth:`result` ``(accepted, rejected)``, or they raise
     :class:`ManagerUnavailable`.
     """
 
-    def __init__(self, endpoint: Endpoint, events: Iterable[BubbleEvent], token: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        messages: Iterable[BubbleEvent | Sequence[BubbleEvent]],
+        token: str | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self._channel = open_channel(endpoint)
         stub = _pb_grpc.TrainerStub(self._channel)
         self._future = stub.StreamBubbles.future(
-            (bubble_event_to_pb(e) for e in events), metadata=auth_metadata(token)
+            (bubble_message_to_pb(m) for m in messages), metadata=auth_metadata(token)
         )
 
     def done(self) -> bool:
         return bool(self._future.done())
 
-    def result(self, timeout_s: float | None = None) -> tuple[int, int]:
+    def summary(self, timeout_s: float | None = None) -> StreamSummary:
         with map_rpc_errors(self.endpoint):
             reply = self._future.result(timeout=timeout_s)
-        return int(reply.accepted), int(reply.rejected)
+        return StreamSummary(int(reply.accepted), int(reply.rejected), int(reply.dropped), reply.last_error)
+
+    def result(self, timeout_s: float | None = None) -> tuple[int, int]:
+        summary = self.summary(timeout_s)
+        return summary.accepted, summary.rejected
 
     def cancel(self) -> None:
         self._future.cancel()

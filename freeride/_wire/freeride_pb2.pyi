@@ -41,22 +41,32 @@ class BubbleEnd(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...
 
 class BubbleEvent(_message.Message):
-    __slots__ = ("start", "end")
+    __slots__ = ("start", "end", "batch")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     start: BubbleStart
     end: BubbleEnd
-    def __init__(self, start: _Optional[_Union[BubbleStart, _Mapping]] = ..., end: _Optional[_Union[BubbleEnd, _Mapping]] = ...) -> None: ...
+    batch: BubbleEventBatch
+    def __init__(self, start: _Optional[_Union[BubbleStart, _Mapping]] = ..., end: _Optional[_Union[BubbleEnd, _Mapping]] = ..., batch: _Optional[_Union[BubbleEventBatch, _Mapping]] = ...) -> None: ...
+
+class BubbleEventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[BubbleEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[BubbleEvent, _Mapping]]] = ...) -> None: ...
 
 class StreamSummary(_message.Message):
-    __slots__ = ("accepted", "rejected", "last_error")
+    __slots__ = ("accepted", "rejected", "last_error", "dropped")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     rejected: int
     last_error: str
-    def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    dropped: int
+    def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., last_error: _Optional[str] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("target", "args_json", "memory_bytes", "priority", "name", "command", "working_dir", "checkpoint_interval_s", "step_time_hint_ms")
@@ -181,21 +191,23 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Percentiles(_message.Message):
-    __slots__ = ("count", "p50", "p90", "p99", "max")
+    __slots__ = ("count", "p50", "p90", "p99", "max", "p999")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     P50_FIELD_NUMBER: _ClassVar[int]
     P90_FIELD_NUMBER: _ClassVar[int]
     P99_FIELD_NUMBER: _ClassVar[int]
     MAX_FIELD_NUMBER: _ClassVar[int]
+    P999_FIELD_NUMBER: _ClassVar[int]
     count: int
     p50: float
     p90: float
     p99: float
     max: float
-    def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
+    p999: float
+    def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ..., p999: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining")
+    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped")
     class TasksByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +230,8 @@ class StatsResponse(_message.Message):
     EVENTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     EVENTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    EVENT_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     device: str
     uptime_s: float
     bubbles: int
@@ -233,7 +247,9 @@ class StatsResponse(_message.Message):
     events_received: int
     events_rejected: int
     draining: bool
-    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    event_delay_ms: Percentiles
+    events_dropped: int
+    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ...) -> None: ...
 
 class BubblesRequest(_message.Message):
     __slots__ = ()

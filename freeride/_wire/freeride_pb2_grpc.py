@@ -49,8 +49,9 @@ class TrainerServicer:
     """
 
     def StreamBubbles(self, request_iterator, context):
-        """A trainer rank opens one stream and sends every bubble start and end on it.
-        The manager answers once, when the trainer closes the stream.
+        """A trainer rank opens one stream and sends every bubble start and end on it,
+        one event per message or several in a batch (see BubbleEvent). The manager
+        answers once, when the trainer closes the stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,19 +1,24 @@
-"""The reporter never blocks or raises, and reconnects; the predictor learns after warm-up."""
+"""The reporter never blocks or raises, reconnects and batches; the predictor learns after warm-up."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
-from freeride.messages import BubbleEnd, BubbleStart
+from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary
 from freeride.predictor import BubblePredictor, ComputeProfile, percentile
-from freeride.reporter import BubbleReporter
+from freeride.reporter import MAX_BATCH_EVENTS, BubbleReporter
+
+MS = 1_000_000
+T0 = 10**12
 
 
 def _absent(tmp_path: Path) -> Endpoint:
@@ -84,29 +89,34 @@ def test_reporter_retries_with_backoff(tmp_path: Path) -> None:
 
 
 class FakeStream:
-    """Stands in for BubbleStream: consumes the request iterator on its own thread, like gRPC."""
+    """Stands in for BubbleStream: consumes the request iterator on its own thread, like gRPC.
 
-    def __init__(self, events, sink: list, die_after: int | None) -> None:  # type: ignore[no-untyped-def]
+    ``sink`` gets every event, ``messages`` every message (a batch) as the reporter yielded it.
+    """
+
+    def __init__(self, batches, sink: list, die_after: int | None) -> None:  # type: ignore[no-untyped-def]
         self.sink = sink
+        self.messages: list[list] = []
         self._dead = threading.Event()
         self._die_after = die_after
-        self._thread = threading.Thread(target=self._consume, args=(events,), daemon=True)
+        self._thread = threading.Thread(target=self._consume, args=(batches,), daemon=True)
         self._thread.start()
 
-    def _consume(self, events) -> None:  # type: ignore[no-untyped-def]
-        for n, event in enumerate(events, 1):
-            self.sink.append(event)
-            if self._die_after is not None and n >= self._die_after:
+    def _consume(self, batches) -> None:  # type: ignore[no-untyped-def]
+        for batch in batches:
+            self.messages.append(list(batch))
+            self.sink.extend(batch)
+            if self._die_after is not None and len(self.sink) >= self._die_after:
                 break  # the manager died mid-stream
         self._dead.set()
 
     def done(self) -> bool:
         return self._dead.is_set()
 
-    def result(self, timeout_s: float | None = None) -> tuple[int, int]:
+    def summary(self, timeout_s: float | None = None) -> StreamSummary:
         if self._die_after is not None:
             raise ManagerUnavailable("gone")
-        return len(self.sink), 0
+        return StreamSummary(accepted=len(self.sink))
 
     def close(self) -> None:
         pass
@@ -120,7 +130,7 @@ def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp
 
     def open_stream(alive):  # type: ignore[no-untyped-def]
         # The first manager dies after 4 events; the second one stays.
-        stream = FakeStream(reporter._events(alive), received, die_after=4 if not streams else None)
+        stream = FakeStream(reporter._batches(alive), received, die_after=4 if not streams else None)
         streams.append(stream)
         return stream
 
@@ -148,6 +158,65 @@ def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp
     assert received[2].predicted_ns == 1  # clamped to the protocol's positive range
     assert received[4] == BubbleEnd(2, 5, 9, 2, 500)
     assert reporter.sent == 5
+
+
+class PullingStream:
+    """Stands in for BubbleStream: a gRPC-like sender thread that asks for a message when told to."""
+
+    def __init__(self, batches: Iterator[list[BubbleEvent]]) -> None:
+        self.messages: list[list[BubbleEvent]] = []
+        self.pull = threading.Semaphore(0)  # one release: the sender asks for one more message
+        self._batches = batches
+        self._thread = threading.Thread(target=self._send, daemon=True)
+        self._thread.start()
+
+    def _send(self) -> None:
+        while self.pull.acquire():
+            batch = next(self._batches, None)
+            if batch is None:
+                return
+            self.messages.append(batch)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        pass
+
+
+def test_reporter_coalesces_what_queued_while_sending_but_sends_a_lone_event_at_once(tmp_path: Path) -> None:
+    reporter = BubbleReporter("cpu:0", 0, 0, endpoint=_absent(tmp_path), start=False)
+    streams: list[PullingStream] = []
+
+    def open_stream(alive: threading.Event) -> PullingStream:
+        streams.append(PullingStream(reporter._batches(alive)))
+        return streams[-1]
+
+    reporter._open_stream = open_stream  # type: ignore[method-assign]
+    reporter._thread.start()
+    wait_for(lambda: streams)
+    stream = streams[0]
+    # A lone event, with the sender idle and waiting: it goes out at once, alone.
+    stream.pull.release()
+    reporter.bubble_start(0, 0, "test", MS, start_ns=T0)
+    wait_for(lambda: len(stream.messages) == 1)
+    assert stream.messages[0] == [BubbleStart(0, 0, 0, 0, "test", T0, MS, -1)]
+    # Events that queue up while the sender is busy with its last message go out together.
+    for it in range(1, 6):
+        reporter.bubble_end(it, 0, end_ns=T0 + it)
+    stream.pull.release()
+    wait_for(lambda: len(stream.messages) == 2)
+    assert stream.messages[1] == [BubbleEnd(0, 0, it, 0, T0 + it) for it in range(1, 6)]
+    # A batch never exceeds MAX_BATCH_EVENTS.
+    for it in range(MAX_BATCH_EVENTS + 3):
+        reporter.bubble_end(it, 1, end_ns=T0 + it)
+    stream.pull.release()
+    stream.pull.release()
+    wait_for(lambda: len(stream.messages) == 4)
+    assert [len(m) for m in stream.messages[2:]] == [MAX_BATCH_EVENTS, 3]
+    assert reporter.counters().messages == 4 and reporter.sent == 1 + 5 + MAX_BATCH_EVENTS + 3
+    stream.pull.release()
+    reporter.close(timeout_s=5)
 
 
 def test_predictor_starts_from_model_then_learns() -> None:

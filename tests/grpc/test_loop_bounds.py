@@ -1,0 +1,123 @@
+"""The manager's memory stays bounded under a flood: its queues hold back or drop, and count.
+
+These drive a real :class:`ManagerLoop` (own thread, real eventfd and store, no gRPC) with the
+calls its servicers make, so a flood can be started and stopped exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from freeride._manager import core as C
+from freeride._manager.loop import LoopConfig, ManagerLoop
+from freeride.devices import open_device
+from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
+
+MS = 1_000_000
+T0 = 10**12
+BOUND = 64
+
+
+def pairs(first: int, n: int) -> list[BubbleEvent]:
+    out: list[BubbleEvent] = []
+    for it in range(first, first + n):
+        out.append(BubbleStart(0, 0, it, 0, "flood", T0 + it * 10, MS, -1))
+        out.append(BubbleEnd(0, 0, it, 0, T0 + it * 10 + 5))
+    return out
+
+
+@pytest.fixture
+def loop(tmp_path: Path) -> Iterator[ManagerLoop]:
+    loop = ManagerLoop(open_device("cpu:0"), LoopConfig(state_dir=tmp_path / "state", max_pending_events=BOUND))
+    yield loop
+    loop.stop()
+
+
+def recorder(loop: ManagerLoop) -> list[BubbleEvent]:
+    seen: list[BubbleEvent] = []
+    original = loop.core.on_event
+
+    def recording(event: C.Event, now_ns: int) -> list[C.Action]:
+        if isinstance(event, (C.BubbleStarted, C.BubbleEnded)):
+            seen.append(event.bubble)
+        return original(event, now_ns)
+
+    loop.core.on_event = recording  # type: ignore[method-assign]
+    return seen
+
+
+def waiting_events(loop: ManagerLoop) -> int:
+    return sum(len(chunk) for chunk in list(loop._bubbles))
+
+
+def test_flood_is_held_back_at_the_bound_then_every_event_is_handled_in_order(loop: ManagerLoop) -> None:
+    handed = recorder(loop)
+    events = pairs(0, 500)  # 1000 events in messages of 20, far past the bound
+    flooder = threading.Thread(
+        target=lambda: [loop.post_bubbles(events[i:i + 20], T0) for i in range(0, len(events), 20)], daemon=True
+    )
+    flooder.start()
+    wait_for(lambda: waiting_events(loop) > BOUND - 20)
+    flooder.join(0.3)
+    # The loop is not running: the flood waits for room instead of growing the inbox.
+    assert flooder.is_alive()
+    assert waiting_events(loop) <= BOUND
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    flooder.join(20)
+    assert not flooder.is_alive()
+    wait_for(lambda: len(handed) == len(events))
+    assert handed == events
+    assert loop.events_dropped == 0
+    assert loop.event_delay.count == len(events)
+    loop.stop()
+    runner.join(10)
+
+
+def test_a_batch_larger_than_the_bound_goes_in_chunks_that_fit(loop: ManagerLoop) -> None:
+    handed = recorder(loop)
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    events = pairs(0, 5 * BOUND)
+    assert loop.post_bubbles(events, T0) == 0
+    wait_for(lambda: len(handed) == len(events))
+    assert handed == events
+    loop.stop()
+    runner.join(10)
+
+
+def test_a_stream_waiting_for_room_gives_up_counted_when_the_loop_stops(loop: ManagerLoop) -> None:
+    loop.post_bubbles(pairs(0, BOUND // 2), T0)  # the inbox is full; nobody drains it
+    lost: list[int] = []
+    waiter = threading.Thread(target=lambda: lost.append(loop.post_bubbles(pairs(100, 3), T0)), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    runner = threading.Thread(target=loop.run, daemon=True)
+    loop.stop()  # queued ahead of the bubbles: the loop stops before it gets to them
+    runner.start()
+    waiter.join(10)
+    runner.join(10)
+    assert lost == [6]
+    assert loop.events_dropped == BOUND + 6  # the stopped loop's leftovers are counted too
+    assert loop.events_received == BOUND + 6
+
+
+def test_slow_watch_viewer_loses_the_overflow_counted_and_the_loop_goes_on(loop: ManagerLoop) -> None:
+    handed = recorder(loop)
+    viewer = loop.subscribe()  # never read
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    events = pairs(0, 5_030)  # 10,060 live-view bubble events for a queue of 10,000
+    for i in range(0, len(events), 500):
+        loop.post_bubbles(events[i:i + 500], T0)
+    wait_for(lambda: len(handed) == len(events))
+    assert viewer.qsize() == viewer.maxsize == 10_000
+    assert loop.watch_events_dropped == len(events) - 10_000
+    loop.stop()
+    runner.join(10)
