@@ -186,20 +186,32 @@ def read_iterations(log: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def standalone_rates(tasks: list[str], seconds: float, run_dir: Path) -> dict[str, float]:
-    """Progress per second of each task with a core to itself (``freeride run-task``, worker setup)."""
+    """Progress per second of each task with a core to itself, at the trainer's priority.
+
+    The same runner as ``naive`` (pinned, not niced: a niced yardstick would measure the other
+    processes of a shared machine as much as the task), timed from the end of ``setup``.
+    """
     rates: dict[str, float] = {}
     for name in tasks:
         cfg = TASKS[name]
-        argv = [sys.executable, "-m", "freeride.cli", "run-task", cfg.target, "--device", DEVICES[-1], "--seconds",
-                str(seconds), "--memory", f"{cfg.memory_bytes // MiB}MiB", "--json"]
-        for key, value in cfg.args.items():
-            argv += ["--arg", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-        out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
-        if out.returncode != 0:
-            raise RuntimeError(f"standalone run of {name} failed: {out.stderr.strip()[-2000:]}")
-        report = json.loads(out.stdout)
-        rates[name] = float(report["progress_per_s"])
-        (run_dir / f"standalone-{name}.json").write_text(out.stdout)
+        ready, out = run_dir / f"standalone-{name}.ready", run_dir / f"standalone-{name}.json"
+        ready.unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.naive_runner", "--target", cfg.target, "--args", json.dumps(cfg.args),
+             "--device", DEVICES[-1], "--memory-bytes", str(cfg.memory_bytes), "--ready", str(ready),
+             "--out", str(out)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"standalone run of {name} did not start")
+                time.sleep(0.05)
+            time.sleep(seconds)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        report = json.loads(out.read_text())
+        rates[name] = report["progress"] / report["elapsed_s"]
     return rates
 
 
