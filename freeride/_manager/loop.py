@@ -457,25 +457,33 @@ class ManagerLoop:
         self._workers[action.task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, ("chan", handle))
         self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
-        channel.send(
-            {
-                "t": "init",
-                "task_id": action.task_id,
-                "target": spec.target,
-                "args": spec.args,
-                "command": list(spec.command),
-                "working_dir": spec.working_dir,
-                "device": str(self.device),
-                "memory_limit_bytes": action.memory_bytes,
-                "work_dir": str(task_dir / "work"),
-                "checkpoint_dir": str(task_dir / "checkpoints"),
-                "resume_path": action.resume_path,
-                "checkpoint_interval_s": spec.checkpoint_interval_s
-                or self.config.core.default_checkpoint_interval_s,
-                "step_time_hint_ms": spec.step_time_hint_ms,
-                "step_file": str(task_dir / "current_step"),
-            }
-        )
+        init: dict[str, Any] = {
+            "t": "init",
+            "task_id": action.task_id,
+            "target": spec.target,
+            "args": spec.args,
+            "command": list(spec.command),
+            "working_dir": spec.working_dir,
+            "device": str(self.device),
+            "memory_limit_bytes": action.memory_bytes,
+            "work_dir": str(task_dir / "work"),
+            "checkpoint_dir": str(task_dir / "checkpoints"),
+            "resume_path": action.resume_path,
+            "checkpoint_interval_s": spec.checkpoint_interval_s
+            or self.config.core.default_checkpoint_interval_s,
+            "step_time_hint_ms": spec.step_time_hint_ms,
+            "step_file": str(task_dir / "current_step"),
+        }
+        try:
+            handle.channel.send(init)
+        except (ProtocolError, ChannelFull, ChannelClosed) as exc:
+            # Validation bounds what a spec carries, so this is a backstop: a worker that never gets
+            # its init would hold the task in STARTING for good. Fail the task; its exit completes it.
+            failure = FailureRecord(kind="SPAWN", message=f"cannot send the task to its worker: {exc}",
+                                    at_unix_s=time.time())
+            self._feed(C.WorkerFailed(action.task_id, failure))
+            self._signal(handle, signal.SIGKILL)
+            return
         log.info("[%s task=%s] worker pid %d started", self.device, action.task_id, proc.pid)
 
     def _read_channel(self, handle: WorkerHandle) -> None:
