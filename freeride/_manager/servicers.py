@@ -24,6 +24,7 @@ from freeride._loading import check_target_syntax
 from freeride._manager import loop as L
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
+from freeride.endpoints import MAX_MESSAGE_BYTES
 from freeride.errors import ConfigError, RequestRejected, TaskNotFound
 from freeride.messages import (
     BubbleEnd,
@@ -381,8 +382,29 @@ class ControlServicer(_pb_grpc.ControlServicer):
         return task_info_to_pb(_call(self._loop, context, L.SubmitTask(spec)))
 
     def List(self, request: _pb.ListRequest, context: grpc.ServicerContext) -> Any:
+        """Every task, in full while that fits one message; else summaries; else a precise refusal.
+
+        Each task is bounded (arguments, command, failure text), but their number is not: without
+        this, enough large tasks would make every listing exceed the message limit, for good. A
+        summary leaves out the arguments and the failure's traceback and log tail (Get has them);
+        the CLI's table shows none of them.
+        """
         infos = _call(self._loop, context, L.ListTasks(request.include_finished))
-        return _pb.ListResponse(tasks=[task_info_to_pb(i) for i in infos])
+        response = _pb.ListResponse(tasks=[task_info_to_pb(i) for i in infos])
+        if response.ByteSize() <= MAX_MESSAGE_BYTES:
+            return response
+        for task in response.tasks:
+            task.args_json = ""
+            if task.has_failure:
+                task.failure.traceback = ""
+                task.failure.log_tail = ""
+        if response.ByteSize() <= MAX_MESSAGE_BYTES:
+            return response
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{len(infos)} tasks do not fit in one reply of {MAX_MESSAGE_BYTES} bytes even as summaries; "
+            "list active tasks only, or get tasks one by one",
+        )
 
     def Get(self, request: _pb.GetRequest, context: grpc.ServicerContext) -> Any:
         _check_id_or_abort(request.task_id, context)

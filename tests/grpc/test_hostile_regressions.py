@@ -142,3 +142,15 @@ def test_bubble_times_ahead_of_the_host_clock_are_rejected(harness: ManagerHarne
     assert summary.rejected == 1 and "end_ns" in summary.last_error
     # A time just taken is never ahead.
     assert _stream(harness.endpoint, [_start(start_ns=time.monotonic_ns())]).accepted == 1
+
+
+def test_listing_many_large_tasks_still_answers(make_manager: object) -> None:
+    # 17 tasks with 250 KiB of arguments each made every List exceed 4 MiB, for good.
+    h: ManagerHarness = make_manager(headroom_bytes=2**62)  # type: ignore[operator]
+    big = {"a": "x" * (MAX_ARGS_JSON_BYTES - 100)}
+    count = MAX_MESSAGE_BYTES // MAX_ARGS_JSON_BYTES + 8
+    ids = [h.client.submit(TaskSpec(target="a:B", args=big, memory_bytes=1)).task_id for _ in range(count)]
+    listed = h.client.list()
+    assert [t.task_id for t in listed] == ids
+    assert all(t.spec.args == {} for t in listed)  # summaries: the arguments are left out
+    assert h.client.get(ids[0]).spec.args == big  # Get still has them
