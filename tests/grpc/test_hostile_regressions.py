@@ -154,3 +154,12 @@ def test_listing_many_large_tasks_still_answers(make_manager: object) -> None:
     assert [t.task_id for t in listed] == ids
     assert all(t.spec.args == {} for t in listed)  # summaries: the arguments are left out
     assert h.client.get(ids[0]).spec.args == big  # Get still has them
+
+
+def test_bubbles_of_ever_new_slots_do_not_grow_the_slot_table(make_manager: object) -> None:
+    h: ManagerHarness = make_manager(max_slots=16)  # type: ignore[operator]
+    now = time.monotonic_ns()
+    events = [_start(stage=i, slot=i, start_ns=now) for i in range(40)]
+    assert _stream(h.endpoint, events).accepted == 40
+    wait_for(lambda: h.client.stats().bubbles == 40)
+    assert len(h.client.bubbles()) == 16
