@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import queue
+import re
 import selectors
 import signal
 import subprocess
@@ -51,6 +52,7 @@ from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
 
+_TASK_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 LOG_TAIL_BYTES = 4096
 
@@ -413,6 +415,14 @@ class ManagerLoop:
     # ------------------------------------------------------------------ workers
 
     def task_dir(self, task_id: str) -> Path:
+        """``<state dir>/tasks/<id>``: state, checkpoints, log and work directory of one task.
+
+        Ids are made by the store from a slug of ``[a-z0-9-]`` and a sequence number, never from a
+        user's text as given, so no name or argument can make this path leave the state directory;
+        the check makes that an invariant rather than a property of the store.
+        """
+        if not _TASK_ID_RE.fullmatch(task_id):
+            raise ValueError(f"task id {task_id[:80]!r} is not a manager-made id")
         return self.config.state_dir / "tasks" / task_id
 
     def _spawn(self, action: C.Spawn) -> None:
@@ -533,7 +543,12 @@ class ManagerLoop:
         elif kind == "bye":
             handle.goodbye = True
         elif kind == "pgroup":
-            handle.extra_pgids.append(int(msg["pgid"]))
+            pgid = int(msg["pgid"])
+            # The manager will SIGKILL this group: 0 or a negative number would make killpg name the
+            # manager's own group or fail with EINVAL on the loop thread, and 1 is init's.
+            if pgid <= 1 or pgid == os.getpgrp():
+                raise ValueError(f"process group {pgid} is not one a command task could have made")
+            handle.extra_pgids.append(pgid)
         else:
             raise ValueError(f"unknown message type {kind!r}")
 
