@@ -10,11 +10,19 @@ import traceback
 from freeride.errors import TaskLoadError
 from freeride.task import SideTask
 
-_TARGET_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+_TARGET_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+#: Longer references are refused before they are parsed or echoed in an error.
+MAX_TARGET_CHARS = 256
 
 
 def check_target_syntax(target: str) -> None:
-    if not isinstance(target, str) or not _TARGET_RE.match(target):
+    """Refuse anything but ``dotted.module:Class``: no paths, no calls, no trailing newline.
+
+    ``fullmatch`` rather than ``match`` with ``$``, which would accept a final ``\\n``.
+    """
+    if isinstance(target, str) and len(target) > MAX_TARGET_CHARS:
+        raise TaskLoadError(f"bad task reference: at most {MAX_TARGET_CHARS} characters, got {len(target)}")
+    if not isinstance(target, str) or not _TARGET_RE.fullmatch(target):
         raise TaskLoadError(
             f"bad task reference {target!r}: expected package.module:ClassName, e.g. side_tasks.graph:PageRank"
         )

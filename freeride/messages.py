@@ -57,10 +57,18 @@ BubbleEvent = BubbleStart | BubbleEnd
 
 #: Largest accepted predicted bubble length; anything longer is a unit mistake.
 MAX_PREDICTED_NS = 3600 * 10**9
+MAX_KIND_CHARS = 64
 
 
-def validate_bubble_event(event: BubbleEvent) -> None:
-    """Raise :class:`ConfigError` with a precise message if a bubble event is malformed."""
+def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> None:
+    """Raise :class:`ConfigError` with a precise message if a bubble event is malformed.
+
+    ``latest_ns`` (the receiver's clock plus a small slack) bounds the event's time from above:
+    trainer and manager share one CLOCK_MONOTONIC, so a time ahead of it is a foreign clock or a
+    unit mistake, and accepting it would hold a grant open or delay a freeze until then. The kind
+    is shown by ``freeride bubbles``, so it must be printable (no terminal escape sequences).
+    Only form is checked here; order (an end without a start, a duplicate) is the core's business.
+    """
     for name in ("stage", "rank", "iteration", "slot"):
         value = getattr(event, name)
         if value < 0:
@@ -74,10 +82,18 @@ def validate_bubble_event(event: BubbleEvent) -> None:
             )
         if event.free_memory_bytes < UNKNOWN_MEMORY:
             raise ConfigError(f"free_memory_bytes must be >= 0 or -1, got {event.free_memory_bytes}")
-        if len(event.kind) > 64:
-            raise ConfigError("bubble kind must be at most 64 characters")
-    elif event.end_ns <= 0:
-        raise ConfigError(f"bubble end_ns must be a positive monotonic time, got {event.end_ns}")
+        if len(event.kind) > MAX_KIND_CHARS or not event.kind.isprintable():
+            raise ConfigError(f"bubble kind must be at most {MAX_KIND_CHARS} printable characters")
+        time_name, time_ns = "start_ns", event.start_ns
+    else:
+        if event.end_ns <= 0:
+            raise ConfigError(f"bubble end_ns must be a positive monotonic time, got {event.end_ns}")
+        time_name, time_ns = "end_ns", event.end_ns
+    if latest_ns is not None and time_ns > latest_ns:
+        raise ConfigError(
+            f"bubble {time_name} {time_ns} is ahead of this host's CLOCK_MONOTONIC (at most {latest_ns} now): "
+            "report times from time.monotonic_ns() on the manager's host"
+        )
 
 
 @dataclass(frozen=True)

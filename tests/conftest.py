@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from freeride._manager.core import CoreConfig
 from freeride._manager.daemon import Manager
@@ -23,6 +24,13 @@ MS = 1_000_000
 
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+# Property tests explore new examples on a developer's machine (and remember failing ones in
+# .hypothesis/); in CI they replay the same derandomized examples, so that a red run is
+# reproducible and a green one does not depend on luck. $HYPOTHESIS_PROFILE picks one explicitly.
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.02) -> object:

@@ -76,6 +76,10 @@ class CoreConfig:
     #: ... and predicts a bubble's end as start + the minimum profiled length of its (stage, slot);
     #: a slot missing here falls back to the trainer's prediction.
     paper_profile_ns: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: Bubble statistics are kept for at most this many (stage, rank, slot) keys. A trainer that
+    #: reports ever new keys (a bug, or a hostile stream) must not grow the manager's memory and the
+    #: Bubbles reply without bound; bubbles of further keys are still scheduled, only not tracked.
+    max_slots: int = 4096
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -85,7 +89,8 @@ class CoreConfig:
         for name in ("headroom_bytes", "grace_ns", "margin_ns", "max_margin_ns"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("step_timeout_ns", "stop_timeout_ns", "memory_window_iterations", "reprobe_after_bubbles"):
+        for name in ("step_timeout_ns", "stop_timeout_ns", "memory_window_iterations", "reprobe_after_bubbles",
+                     "max_slots"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_margin_ns < self.margin_ns:
@@ -468,10 +473,13 @@ class SchedulerCore:
             while len(self._capacity_by_iteration) > self.config.memory_window_iterations:
                 del self._capacity_by_iteration[next(iter(self._capacity_by_iteration))]
             self._evict_if_over_budget(now_ns, out)
-        slot = self.slots.setdefault((b.stage, b.rank, b.slot), SlotStats(kind=b.kind))
-        slot.kind = b.kind
-        if b.free_memory_bytes >= 0:
-            slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
+        slot = self.slots.get((b.stage, b.rank, b.slot))
+        if slot is None and len(self.slots) < self.config.max_slots:
+            slot = self.slots[(b.stage, b.rank, b.slot)] = SlotStats(kind=b.kind)
+        if slot is not None:
+            slot.kind = b.kind
+            if b.free_memory_bytes >= 0:
+                slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
         self.bubble = OpenBubble(event=b, received_ns=event.received_ns)
         if self._paper:
             # The reference predicts start + the minimum profiled length, and acts at its next poll.
@@ -498,8 +506,8 @@ class SchedulerCore:
         start = bubble.event
         length = max(0, end_ns - start.start_ns)
         self.stats.bubble_ns += length
-        if measured:
-            slot = self.slots[(start.stage, start.rank, start.slot)]
+        slot = self.slots.get((start.stage, start.rank, start.slot))
+        if measured and slot is not None:
             slot.count += 1
             slot.lengths_ns.append(length)
             slot.predicted_ns.append(start.predicted_ns)

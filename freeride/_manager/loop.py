@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import queue
+import re
 import selectors
 import signal
 import subprocess
@@ -62,6 +63,7 @@ from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
 
+_TASK_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 LOG_TAIL_BYTES = 4096
 #: Bubble events fed to the core per turn of the loop at most (a few ms of work), and the size of
@@ -528,6 +530,14 @@ class ManagerLoop:
     # ------------------------------------------------------------------ workers
 
     def task_dir(self, task_id: str) -> Path:
+        """``<state dir>/tasks/<id>``: state, checkpoints, log and work directory of one task.
+
+        Ids are made by the store from a slug of ``[a-z0-9-]`` and a sequence number, never from a
+        user's text as given, so no name or argument can make this path leave the state directory;
+        the check makes that an invariant rather than a property of the store.
+        """
+        if not _TASK_ID_RE.fullmatch(task_id):
+            raise ValueError(f"task id {task_id[:80]!r} is not a manager-made id")
         return self.config.state_dir / "tasks" / task_id
 
     def _spawn(self, action: C.Spawn) -> None:
@@ -572,26 +582,34 @@ class ManagerLoop:
         self._workers[action.task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, ("chan", handle))
         self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
-        channel.send(
-            {
-                "t": "init",
-                "task_id": action.task_id,
-                "target": spec.target,
-                "args": spec.args,
-                "command": list(spec.command),
-                "working_dir": spec.working_dir,
-                "device": str(self.device),
-                "memory_limit_bytes": action.memory_bytes,
-                "work_dir": str(task_dir / "work"),
-                "checkpoint_dir": str(task_dir / "checkpoints"),
-                "resume_path": action.resume_path,
-                "checkpoint_interval_s": spec.checkpoint_interval_s
-                or self.config.core.default_checkpoint_interval_s,
-                "step_time_hint_ms": spec.step_time_hint_ms,
-                "step_file": str(task_dir / "current_step"),
-                "admission": self.config.core.policy,
-            }
-        )
+        init: dict[str, Any] = {
+            "t": "init",
+            "task_id": action.task_id,
+            "target": spec.target,
+            "args": spec.args,
+            "command": list(spec.command),
+            "working_dir": spec.working_dir,
+            "device": str(self.device),
+            "memory_limit_bytes": action.memory_bytes,
+            "work_dir": str(task_dir / "work"),
+            "checkpoint_dir": str(task_dir / "checkpoints"),
+            "resume_path": action.resume_path,
+            "checkpoint_interval_s": spec.checkpoint_interval_s
+            or self.config.core.default_checkpoint_interval_s,
+            "step_time_hint_ms": spec.step_time_hint_ms,
+            "step_file": str(task_dir / "current_step"),
+            "admission": self.config.core.policy,
+        }
+        try:
+            handle.channel.send(init)
+        except (ProtocolError, ChannelFull, ChannelClosed) as exc:
+            # Validation bounds what a spec carries, so this is a backstop: a worker that never gets
+            # its init would hold the task in STARTING for good. Fail the task; its exit completes it.
+            failure = FailureRecord(kind="SPAWN", message=f"cannot send the task to its worker: {exc}",
+                                    at_unix_s=time.time())
+            self._feed(C.WorkerFailed(action.task_id, failure))
+            self._signal(handle, signal.SIGKILL)
+            return
         log.info("[%s task=%s] worker pid %d started", self.device, action.task_id, proc.pid)
 
     def _read_channel(self, handle: WorkerHandle) -> None:
@@ -647,7 +665,12 @@ class ManagerLoop:
         elif kind == "bye":
             handle.goodbye = True
         elif kind == "pgroup":
-            handle.extra_pgids.append(int(msg["pgid"]))
+            pgid = int(msg["pgid"])
+            # The manager will SIGKILL this group: 0 or a negative number would make killpg name the
+            # manager's own group or fail with EINVAL on the loop thread, and 1 is init's.
+            if pgid <= 1 or pgid == os.getpgrp():
+                raise ValueError(f"process group {pgid} is not one a command task could have made")
+            handle.extra_pgids.append(pgid)
         else:
             raise ValueError(f"unknown message type {kind!r}")
 

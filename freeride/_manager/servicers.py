@@ -24,6 +24,7 @@ from freeride._loading import check_target_syntax
 from freeride._manager import loop as L
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
+from freeride.endpoints import MAX_MESSAGE_BYTES
 from freeride.errors import ConfigError, RequestRejected, TaskNotFound
 from freeride.messages import (
     BubbleEnd,
@@ -40,9 +41,32 @@ from freeride.messages import (
 
 log = logging.getLogger(__name__)
 
-MAX_ARGS_JSON_BYTES = 256 * 1024
+#: Limits on what a submission may carry. The worker receives the task's arguments, command and
+#: working directory in one message over a channel that holds at most 64 KiB
+#: (``freeride._channel.MAX_MESSAGE_BYTES``), so these, measured as they are encoded for that
+#: channel, sum to well under it: a task that passed validation can always be started.
+MAX_ARGS_JSON_BYTES = 32 * 1024
+MAX_ARGS_DEPTH = 32
 MAX_COMMAND_ARGS = 1024
+MAX_COMMAND_BYTES = 16 * 1024
+MAX_WORKING_DIR_BYTES = 4096
 MAX_PRIORITY = 1_000_000
+#: Ids are ``<slug of at most 32 characters>-<sequence number>``; anything longer is not one.
+MAX_TASK_ID_CHARS = 128
+#: How far ahead of the manager's clock a bubble time may be. Trainer and manager share the host's
+#: CLOCK_MONOTONIC, so a time is never really ahead; the slack only absorbs how long a clock read
+#: takes. A time further ahead (another host's clock, a unit mistake) would otherwise hold a side
+#: task's grant or delay its freeze until that time.
+MAX_CLOCK_AHEAD_NS = 10**9
+#: Longest echo of a client's value in an error message: details travel in gRPC trailers, which a
+#: client refuses beyond 16 KiB, so echoing a 4 MiB value would hide the error behind another one.
+_ECHO_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut to a length that fits any error message."""
+    text = repr(value)
+    return text if len(text) <= _ECHO_CHARS else f"{text[:_ECHO_CHARS - 3]}..."
 
 
 # ------------------------------------------------------------------ validation
@@ -56,6 +80,91 @@ def spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
         raise RequestRejected(str(exc)) from None
 
 
+def _encoded_len(value: object) -> int:
+    """Bytes ``value`` takes in the worker channel's JSON (ASCII-escaped, so never less than its length)."""
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def _reject_constant(name: str) -> Any:
+    raise RequestRejected(f"task arguments must be standard JSON: {name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise RequestRejected(f"task arguments hold a number that overflows a float: {shown(text)}")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion (a hostile value must not exhaust the stack)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_args_json(text: str) -> dict[str, Any]:
+    """The task's keyword arguments: a JSON object of identifiers, bounded in size and depth.
+
+    Rejected with a precise message, never with an internal error: nesting deeper than Python's
+    recursion limit, integers beyond ``int``'s string-conversion limit (4300 digits), ``NaN`` and
+    ``Infinity`` (not JSON, and not portable to the CLI's ``--json`` output), floats that overflow.
+    """
+    if not text:
+        return {}
+    if len(text) > MAX_ARGS_JSON_BYTES:
+        raise RequestRejected(f"task arguments exceed {MAX_ARGS_JSON_BYTES} bytes ({len(text)} characters)")
+    try:
+        args = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise RequestRejected(f"task arguments are not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestRejected(f"task arguments nest deeper than {MAX_ARGS_DEPTH} levels") from None
+    except ValueError as exc:  # int() refuses more than sys.get_int_max_str_digits() digits
+        raise RequestRejected(f"task arguments hold a number that is too large: {shown(str(exc))}") from None
+    if not isinstance(args, dict) or not all(isinstance(k, str) and k.isidentifier() for k in args):
+        raise RequestRejected("task arguments must be a JSON object whose keys are Python identifiers")
+    if _depth(args) > MAX_ARGS_DEPTH:
+        raise RequestRejected(f"task arguments nest deeper than {MAX_ARGS_DEPTH} levels")
+    encoded = _encoded_len(args)
+    if encoded > MAX_ARGS_JSON_BYTES:
+        raise RequestRejected(
+            f"task arguments exceed {MAX_ARGS_JSON_BYTES} bytes once encoded for the worker ({encoded} bytes)"
+        )
+    return args
+
+
+def _check_command(command: tuple[str, ...]) -> None:
+    if len(command) > MAX_COMMAND_ARGS:
+        raise RequestRejected(f"a command has at most {MAX_COMMAND_ARGS} arguments, got {len(command)}")
+    for arg in command:
+        if not arg or "\x00" in arg:
+            raise RequestRejected("command arguments must be non-empty and contain no NUL byte")
+    encoded = _encoded_len(command)
+    if encoded > MAX_COMMAND_BYTES:
+        raise RequestRejected(f"a command takes at most {MAX_COMMAND_BYTES} bytes encoded, got {encoded}")
+
+
+def _check_working_dir(path: str) -> None:
+    """An existing absolute directory. ``..`` is allowed: the kernel resolves it, and the directory
+    only says where the user's own code runs; it grants nothing the submitter does not have."""
+    if not path:
+        return
+    if "\x00" in path:
+        raise RequestRejected("working directory contains a NUL byte")
+    if _encoded_len(path) > MAX_WORKING_DIR_BYTES:
+        raise RequestRejected(f"working directory is longer than {MAX_WORKING_DIR_BYTES} bytes")
+    if not os.path.isabs(path) or not os.path.isdir(path):
+        raise RequestRejected(f"working directory {shown(path)} is not an existing absolute path")
+
+
 def _spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
     target = msg.target
     command = tuple(msg.command)
@@ -63,27 +172,15 @@ def _spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
         raise RequestRejected("give exactly one of a task target (module:Class) or a command")
     if target:
         check_target_syntax(target)
-    if len(command) > MAX_COMMAND_ARGS:
-        raise RequestRejected(f"a command has at most {MAX_COMMAND_ARGS} arguments")
-    for arg in command:
-        if not arg or "\x00" in arg:
-            raise RequestRejected("command arguments must be non-empty and contain no NUL byte")
-    if len(msg.args_json) > MAX_ARGS_JSON_BYTES:
-        raise RequestRejected(f"task arguments exceed {MAX_ARGS_JSON_BYTES} bytes")
-    try:
-        args = json.loads(msg.args_json) if msg.args_json else {}
-    except json.JSONDecodeError as exc:
-        raise RequestRejected(f"task arguments are not valid JSON: {exc}") from None
-    if not isinstance(args, dict) or not all(isinstance(k, str) and k.isidentifier() for k in args):
-        raise RequestRejected("task arguments must be a JSON object whose keys are Python identifiers")
+    _check_command(command)
+    args = parse_args_json(msg.args_json)
     if msg.memory_bytes <= 0:
         raise RequestRejected(f"memory must be a positive number of bytes, got {msg.memory_bytes}")
     if abs(msg.priority) > MAX_PRIORITY:
-        raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}")
+        raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {msg.priority}")
     if len(msg.name) > 64 or not msg.name.isprintable():
         raise RequestRejected("a task name has at most 64 printable characters")
-    if msg.working_dir and (not os.path.isabs(msg.working_dir) or not os.path.isdir(msg.working_dir)):
-        raise RequestRejected(f"working directory {msg.working_dir!r} is not an existing absolute path")
+    _check_working_dir(msg.working_dir)
     for name in ("checkpoint_interval_s", "step_time_hint_ms"):
         value = getattr(msg, name)
         if not math.isfinite(value) or value < 0 or value > 1e7:
@@ -101,7 +198,16 @@ def _spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
     )
 
 
-def bubble_from_pb(msg: _pb.BubbleEvent) -> BubbleEvent:
+def check_task_id(task_id: str) -> None:
+    """Refuse ids that cannot exist before they reach the loop (and its error message)."""
+    if not task_id:
+        raise RequestRejected("give a task id")
+    if len(task_id) > MAX_TASK_ID_CHARS:
+        raise RequestRejected(f"a task id has at most {MAX_TASK_ID_CHARS} characters, got {len(task_id)}")
+
+
+def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> BubbleEvent:
+    """Validate a bubble event; with ``received_ns``, times ahead of this host's clock are refused."""
     which = msg.WhichOneof("event")
     if which == "start":
         s = msg.start
@@ -113,7 +219,7 @@ def bubble_from_pb(msg: _pb.BubbleEvent) -> BubbleEvent:
         event = BubbleEnd(e.stage, e.rank, e.iteration, e.slot, e.end_ns)
     else:
         raise ConfigError("a bubble event must be a start or an end")
-    validate_bubble_event(event)
+    validate_bubble_event(event, None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS)
     return event
 
 
@@ -235,6 +341,13 @@ def _call(loop: L.ManagerLoop, context: grpc.ServicerContext, request: L.Request
         context.abort(grpc.StatusCode.UNAVAILABLE, "the manager loop did not answer in time")
 
 
+def _check_id_or_abort(task_id: str, context: grpc.ServicerContext) -> None:
+    try:
+        check_task_id(task_id)
+    except RequestRejected as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
 class TrainerServicer(_pb_grpc.TrainerServicer):
     def __init__(self, loop: L.ManagerLoop) -> None:
         self._loop = loop
@@ -254,7 +367,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
             events: list[BubbleEvent] = []
             for part in parts:
                 try:
-                    events.append(bubble_from_pb(part))
+                    events.append(bubble_from_pb(part, received_ns))
                 except ConfigError as exc:
                     # One bad event must not cost the trainer its stream: count it, say why, go on.
                     rejected += 1
@@ -281,13 +394,36 @@ class ControlServicer(_pb_grpc.ControlServicer):
         return task_info_to_pb(_call(self._loop, context, L.SubmitTask(spec)))
 
     def List(self, request: _pb.ListRequest, context: grpc.ServicerContext) -> Any:
+        """Every task, in full while that fits one message; else summaries; else a precise refusal.
+
+        Each task is bounded (arguments, command, failure text), but their number is not: without
+        this, enough large tasks would make every listing exceed the message limit, for good. A
+        summary leaves out the arguments and the failure's traceback and log tail (Get has them);
+        the CLI's table shows none of them.
+        """
         infos = _call(self._loop, context, L.ListTasks(request.include_finished))
-        return _pb.ListResponse(tasks=[task_info_to_pb(i) for i in infos])
+        response = _pb.ListResponse(tasks=[task_info_to_pb(i) for i in infos])
+        if response.ByteSize() <= MAX_MESSAGE_BYTES:
+            return response
+        for task in response.tasks:
+            task.args_json = ""
+            if task.has_failure:
+                task.failure.traceback = ""
+                task.failure.log_tail = ""
+        if response.ByteSize() <= MAX_MESSAGE_BYTES:
+            return response
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{len(infos)} tasks do not fit in one reply of {MAX_MESSAGE_BYTES} bytes even as summaries; "
+            "list active tasks only, or get tasks one by one",
+        )
 
     def Get(self, request: _pb.GetRequest, context: grpc.ServicerContext) -> Any:
+        _check_id_or_abort(request.task_id, context)
         return task_info_to_pb(_call(self._loop, context, L.GetTask(request.task_id)))
 
     def Cancel(self, request: _pb.CancelRequest, context: grpc.ServicerContext) -> Any:
+        _check_id_or_abort(request.task_id, context)
         return task_info_to_pb(_call(self._loop, context, L.CancelTask(request.task_id)))
 
     def Stats(self, request: _pb.StatsRequest, context: grpc.ServicerContext) -> Any:
