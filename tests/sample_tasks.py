@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -13,18 +14,23 @@ from freeride import SideTask, TaskContext
 
 
 class Counter(SideTask):
-    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never)."""
+    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never).
+
+    Each step's start and end go to ``work/steps.log`` unless ``log_steps`` is false (a task
+    that must keep running on a full disk).
+    """
 
     progress_unit = "ticks"
 
-    def __init__(self, step_ms: float = 1.0, total: int = 0) -> None:
+    def __init__(self, step_ms: float = 1.0, total: int = 0, log_steps: bool = True) -> None:
         self.step_s = step_ms / 1000
         self.total = total
         self.count = 0
         self.log_path = ""
+        self.log_steps = log_steps
 
     def setup(self, ctx: TaskContext) -> None:
-        self.log_path = str(ctx.work_dir / "steps.log")
+        self.log_path = str(ctx.work_dir / "steps.log") if self.log_steps else ""
 
     def step(self) -> None:
         start = time.monotonic_ns()
@@ -32,8 +38,9 @@ class Counter(SideTask):
         while time.perf_counter() < end_at:
             pass
         self.count += 1
-        with open(self.log_path, "a") as fh:
-            fh.write(f"{start} {time.monotonic_ns()}\n")
+        if self.log_path:
+            with open(self.log_path, "a") as fh:
+                fh.write(f"{start} {time.monotonic_ns()}\n")
 
     def done(self) -> bool:
         return bool(self.total) and self.count >= self.total
@@ -122,3 +129,24 @@ class Spawner(Counter):
         super().setup(ctx)
         self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         (ctx.work_dir / "child.pid").write_text(str(self.child.pid))
+
+
+class SpawnThenCrash(Spawner):
+    """Starts a child in setup, then raises in step ``crash_at``: the child must not outlive it."""
+
+    def __init__(self, crash_at: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.crash_at = crash_at
+
+    def step(self) -> None:
+        if self.count == self.crash_at:
+            raise RuntimeError(f"crashed with a child running, at step {self.count}")
+        super().step()
+
+
+class UnpicklableState(Counter):
+    """Its ``state_dict`` holds a lock, which no checkpoint format can serialise."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "lock": threading.Lock()}
+
