@@ -17,7 +17,8 @@ class Counter(SideTask):
     """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never).
 
     Each step's start and end go to ``work/steps.log`` unless ``log_steps`` is false (a task
-    that must keep running on a full disk).
+    that must keep running on a full disk). Faulty subclasses call :meth:`mark_fault` just before
+    they misbehave, so that ``bench/bench_faults.py`` can time the manager's reaction.
     """
 
     progress_unit = "ticks"
@@ -28,9 +29,16 @@ class Counter(SideTask):
         self.count = 0
         self.log_path = ""
         self.log_steps = log_steps
+        self.work_dir = ""
 
     def setup(self, ctx: TaskContext) -> None:
+        self.work_dir = str(ctx.work_dir)
         self.log_path = str(ctx.work_dir / "steps.log") if self.log_steps else ""
+
+    def mark_fault(self, work_dir: str = "") -> None:
+        """Write the wall-clock time of the fault about to happen to ``work/fault_at``."""
+        with open(os.path.join(work_dir or self.work_dir, "fault_at"), "w") as fh:
+            fh.write(repr(time.time()))
 
     def step(self) -> None:
         start = time.monotonic_ns()
@@ -64,18 +72,21 @@ class Crasher(Counter):
 
     def step(self) -> None:
         if self.count == self.crash_at:
+            self.mark_fault()
             raise ValueError(f"boom at step {self.count}")
         super().step()
 
 
 class SetupCrasher(Counter):
     def setup(self, ctx: TaskContext) -> None:
+        self.mark_fault(str(ctx.work_dir))
         raise RuntimeError("cannot set up")
 
 
 class Segfaulter(Counter):
     def step(self) -> None:
         if self.count == 2:
+            self.mark_fault()
             os.kill(os.getpid(), signal.SIGSEGV)
         super().step()
 
@@ -89,6 +100,7 @@ class Hanger(Counter):
 
     def step(self) -> None:
         if self.count == self.hang_at:
+            self.mark_fault()
             while True:
                 pass
         super().step()
@@ -103,6 +115,8 @@ class MemoryHog(Counter):
         self.hoard: list[bytearray] = []
 
     def step(self) -> None:
+        if not self.hoard:
+            self.mark_fault()
         self.hoard.append(b"\x01" * (self.mib * 2**20))  # touched pages: resident at once
         super().step()
 
@@ -112,6 +126,7 @@ class ChannelCloser(Counter):
 
     def step(self) -> None:
         if self.count == 1:
+            self.mark_fault()
             for fd in range(3, 256):
                 try:
                     os.close(fd)
@@ -140,6 +155,7 @@ class SpawnThenCrash(Spawner):
 
     def step(self) -> None:
         if self.count == self.crash_at:
+            self.mark_fault()
             raise RuntimeError(f"crashed with a child running, at step {self.count}")
         super().step()
 
@@ -148,5 +164,6 @@ class UnpicklableState(Counter):
     """Its ``state_dict`` holds a lock, which no checkpoint format can serialise."""
 
     def state_dict(self) -> dict[str, Any]:
+        self.mark_fault()
         return {"count": self.count, "lock": threading.Lock()}
 
