@@ -189,6 +189,8 @@ class ManagerStats:
     memory_budget_bytes: int
     tasks_by_state: dict[str, int]
     events_received: int
+    #: Bubble events refused as malformed, plus well-formed ones the scheduler ignored as out of
+    #: order (an end without its open start, an end before its start, a start older than the open one).
     events_rejected: int
     draining: bool
 
