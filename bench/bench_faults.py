@@ -348,7 +348,10 @@ def run_out_of_order(tmp: Path) -> Result:
         c.trainer.until(lambda: c.steps(witness.task_id) > 0, 60, "the witness to step")
         c.note_checkpoints()
         result.witness_at_fault = c.steps(witness.task_id)
+        # The reporter's own events first: two streams are not ordered with each other.
+        wait(lambda: c.client.stats().events_received >= c.trainer.reporter.sent, 10, "the reporter's events")
         before = c.client.stats()
+
         def events() -> Iterator[BubbleEvent]:
             now = time.monotonic_ns()
             yield BubbleEnd(0, 0, 100, 0, now)  # an end before its start
@@ -465,7 +468,9 @@ def run_drain(tmp: Path) -> Result:
         result.outcome = (f"exit {code}; health NOT_SERVING while draining: {'NOT_SERVING' in statuses}; "
                           f"witness checkpointed at {listed[witness.task_id].checkpoint_step}, hanger killed, "
                           f"back {listed[hanger.task_id].state}")
-        result.note = "fault -> record: SIGTERM -> manager exited (the hung task is killed at the stop timeout)"
+        result.note = ("fault -> record: SIGTERM -> manager exited (the hung task is killed at the stop timeout). "
+                       "After the restart the hung task comes back, hangs again and, frozen, is granted first at "
+                       "every bubble until its step timeout (60 s): the witness waits meanwhile")
         c.close_out(result)
     return result
 
