@@ -6,6 +6,9 @@ whether the caller can do something about it:
 * :class:`ConfigError` -- bad local input (a size, a device name, a task reference); fix the input.
 * :class:`RequestRejected` -- the manager refused a request (``INVALID_ARGUMENT``); nothing changed
   on the manager, fix the request and send it again.
+* :class:`StateNotWritable` -- a kind of rejection: the manager cannot write its state directory
+  (disk full, read-only, I/O error), so it refuses what it could not record (``RESOURCE_EXHAUSTED``);
+  training is still served; send the request again once space returns.
 * :class:`TaskNotFound` -- no task with that id (``NOT_FOUND``).
 * :class:`InvalidTransition` -- a task lifecycle change that its state does not allow (internal:
   a bug if a user ever sees it).
@@ -29,6 +32,10 @@ class ConfigError(FreerideError, ValueError):
 
 class RequestRejected(FreerideError):
     """The manager rejected a request as invalid; its state is unchanged."""
+
+
+class StateNotWritable(RequestRejected):
+    """The manager cannot write its state directory; the request changed nothing and may be retried."""
 
 
 class TaskNotFound(FreerideError, KeyError):

@@ -209,6 +209,8 @@ class ManagerStats:
     memory_budget_bytes: int
     tasks_by_state: dict[str, int]
     events_received: int
+    #: Bubble events refused as malformed, plus well-formed ones the scheduler ignored as out of
+    #: order (an end without its open start, an end before its start, a start older than the open one).
     events_rejected: int
     draining: bool
     #: Grants and parks dropped because a worker's channel was full. Not on the wire yet: a

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -13,18 +14,31 @@ from freeride import SideTask, TaskContext
 
 
 class Counter(SideTask):
-    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never)."""
+    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never).
+
+    Each step's start and end go to ``work/steps.log`` unless ``log_steps`` is false (a task
+    that must keep running on a full disk). Faulty subclasses call :meth:`mark_fault` just before
+    they misbehave, so that ``bench/bench_faults.py`` can time the manager's reaction.
+    """
 
     progress_unit = "ticks"
 
-    def __init__(self, step_ms: float = 1.0, total: int = 0) -> None:
+    def __init__(self, step_ms: float = 1.0, total: int = 0, log_steps: bool = True) -> None:
         self.step_s = step_ms / 1000
         self.total = total
         self.count = 0
         self.log_path = ""
+        self.log_steps = log_steps
+        self.work_dir = ""
 
     def setup(self, ctx: TaskContext) -> None:
-        self.log_path = str(ctx.work_dir / "steps.log")
+        self.work_dir = str(ctx.work_dir)
+        self.log_path = str(ctx.work_dir / "steps.log") if self.log_steps else ""
+
+    def mark_fault(self, work_dir: str = "") -> None:
+        """Write the wall-clock time of the fault about to happen to ``work/fault_at``."""
+        with open(os.path.join(work_dir or self.work_dir, "fault_at"), "w") as fh:
+            fh.write(repr(time.time()))
 
     def step(self) -> None:
         start = time.monotonic_ns()
@@ -32,8 +46,9 @@ class Counter(SideTask):
         while time.perf_counter() < end_at:
             pass
         self.count += 1
-        with open(self.log_path, "a") as fh:
-            fh.write(f"{start} {time.monotonic_ns()}\n")
+        if self.log_path:
+            with open(self.log_path, "a") as fh:
+                fh.write(f"{start} {time.monotonic_ns()}\n")
 
     def done(self) -> bool:
         return bool(self.total) and self.count >= self.total
@@ -57,18 +72,21 @@ class Crasher(Counter):
 
     def step(self) -> None:
         if self.count == self.crash_at:
+            self.mark_fault()
             raise ValueError(f"boom at step {self.count}")
         super().step()
 
 
 class SetupCrasher(Counter):
     def setup(self, ctx: TaskContext) -> None:
+        self.mark_fault(str(ctx.work_dir))
         raise RuntimeError("cannot set up")
 
 
 class Segfaulter(Counter):
     def step(self) -> None:
         if self.count == 2:
+            self.mark_fault()
             os.kill(os.getpid(), signal.SIGSEGV)
         super().step()
 
@@ -82,6 +100,7 @@ class Hanger(Counter):
 
     def step(self) -> None:
         if self.count == self.hang_at:
+            self.mark_fault()
             while True:
                 pass
         super().step()
@@ -96,6 +115,8 @@ class MemoryHog(Counter):
         self.hoard: list[bytearray] = []
 
     def step(self) -> None:
+        if not self.hoard:
+            self.mark_fault()
         self.hoard.append(b"\x01" * (self.mib * 2**20))  # touched pages: resident at once
         super().step()
 
@@ -105,6 +126,7 @@ class ChannelCloser(Counter):
 
     def step(self) -> None:
         if self.count == 1:
+            self.mark_fault()
             for fd in range(3, 256):
                 try:
                     os.close(fd)
@@ -122,3 +144,26 @@ class Spawner(Counter):
         super().setup(ctx)
         self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         (ctx.work_dir / "child.pid").write_text(str(self.child.pid))
+
+
+class SpawnThenCrash(Spawner):
+    """Starts a child in setup, then raises in step ``crash_at``: the child must not outlive it."""
+
+    def __init__(self, crash_at: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.crash_at = crash_at
+
+    def step(self) -> None:
+        if self.count == self.crash_at:
+            self.mark_fault()
+            raise RuntimeError(f"crashed with a child running, at step {self.count}")
+        super().step()
+
+
+class UnpicklableState(Counter):
+    """Its ``state_dict`` holds a lock, which no checkpoint format can serialise."""
+
+    def state_dict(self) -> dict[str, Any]:
+        self.mark_fault()
+        return {"count": self.count, "lock": threading.Lock()}
+

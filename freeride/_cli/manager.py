@@ -2,7 +2,7 @@
 
     freeride manager --device cpu:0 [--endpoint unix:/p.sock | tcp://host:port] [--state-dir DIR]
                      [--token-file FILE] [--headroom 256MiB] [--grace-ms 0.5] [--margin-ms 0.2]
-                     [--step-timeout-s 60] [--memory-poll-ms 50] [--trace FILE]
+                     [--step-timeout-s 60] [--stop-timeout-s 10] [--memory-poll-ms 50] [--trace FILE]
                      [--policy freeride|paper [--paper-profile FILE]]
                      [--metrics-port N [--metrics-address 127.0.0.1]]
 
@@ -73,6 +73,13 @@ def register(subparsers: Any) -> None:
         help="a single step holding grants longer than this fails its task (default %(default)s)",
     )
     parser.add_argument(
+        "--stop-timeout-s",
+        type=float,
+        default=defaults.stop_timeout_ns / 1e9,
+        help="how long a task may take to checkpoint and exit when stopped (drain, eviction) before it is "
+        "killed; bounds the time SIGTERM takes (default %(default)s)",
+    )
+    parser.add_argument(
         "--memory-poll-ms",
         type=float,
         default=50.0,
@@ -132,6 +139,7 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
     grace_ms = _ms("grace-ms", args.grace_ms, positive=False)
     margin_ms = _ms("margin-ms", args.margin_ms, positive=False)
     step_timeout_ms = _ms("step-timeout-s", args.step_timeout_s * 1000, positive=True)
+    stop_timeout_ms = _ms("stop-timeout-s", args.stop_timeout_s * 1000, positive=True)
     margin_ns = round(margin_ms * MS)
     policy = getattr(args, "policy", "freeride")
     profile_file = getattr(args, "paper_profile", None)
@@ -148,6 +156,7 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
             step_timeout_ns=round(step_timeout_ms * MS),
             policy=policy,
             paper_profile_ns=profile,
+            stop_timeout_ns=round(stop_timeout_ms * MS),
         )
     except ValueError as exc:
         raise ConfigError(f"bad manager option: {exc}") from None

@@ -369,6 +369,9 @@ class CoreStats:
     harvested_ns: int = 0
     overruns: int = 0
     anomalies: int = 0
+    #: Out-of-order events dropped: an end without its open start, an end before its start, a start
+    #: older than the open bubble's. Counted with the rejected events in the manager's stats.
+    ignored_events: int = 0
     overrun_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     grant_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     park_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -459,6 +462,11 @@ class SchedulerCore:
 
     def _on_BubbleStarted(self, event: BubbleStarted, now_ns: int, out: list[Action]) -> None:
         b = event.bubble
+        if self.bubble is not None and b.start_ns < self.bubble.event.start_ns:
+            # A stale start (an old iteration delivered late): the open bubble is the newer truth.
+            self.stats.anomalies += 1
+            self.stats.ignored_events += 1
+            return
         if self.bubble is not None:
             # A start while another bubble is open: the trainer lost an end. Close it at this start.
             self.stats.anomalies += 1
@@ -492,9 +500,11 @@ class SchedulerCore:
         e = event.bubble
         if self.bubble is None or self.bubble.event.key != e.key:
             self.stats.anomalies += 1  # an end without its start: nothing to park
+            self.stats.ignored_events += 1
             return
         if e.end_ns < self.bubble.event.start_ns:
             self.stats.anomalies += 1
+            self.stats.ignored_events += 1
             return
         self.bubble.end_ns = e.end_ns
         self.bubble.end_received_ns = event.received_ns

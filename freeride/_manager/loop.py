@@ -18,13 +18,21 @@ worker messages, timers and control calls still get a turn every few millisecond
 Workers: ``python -m freeride._worker`` in a new session (so one ``killpg`` reaches the worker and
 whatever it spawned), with one end of a SEQPACKET socketpair, ``PR_SET_PDEATHSIG`` and the
 channel's end-of-file tying its life to the manager's. Their output goes to
-``<state>/tasks/<id>/worker.log``, whose tail becomes part of a failure record.
+``<state>/tasks/<id>/worker.log``, whose tail becomes part of a failure record. A worker's process
+group dies with it (whatever it spawned is killed when it is reaped), and processes that a killed
+manager's workers left behind are killed by the next manager (:mod:`freeride._manager.orphans`).
+
+The state directory may stop taking writes (full, read-only, failing disk). Training is served as
+before; a store write that fails is kept and retried every ``store_retry_ms`` (writes are absolute,
+so only the latest per task and kind is kept), and while any is pending, submissions are refused
+with :class:`~freeride.errors.StateNotWritable`: a task is acknowledged only once it is on disk.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -43,11 +51,12 @@ from typing import Any
 
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._manager import core as C
+from freeride._manager import orphans
 from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.store import StoredTask, TaskStore
 from freeride._manager.trace import TraceWriter
 from freeride.devices import Device
-from freeride.errors import RequestRejected, TaskNotFound
+from freeride.errors import ConfigError, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
     BubbleEvent,
     BubbleSlotStats,
@@ -83,9 +92,10 @@ class LoopConfig:
     #: Bubble events that may wait in the inbox: ~50 ms of the loop's work at the ~40,000 events/s
     #: measured in ``bench/bench_load.py``, under 1 MiB. See :meth:`ManagerLoop.post_bubbles`.
     max_pending_events: int = 2048
+    store_retry_ms: float = 1000.0
 
     def __post_init__(self) -> None:
-        for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events"):
+        for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -157,7 +167,10 @@ class ManagerLoop:
         self.config = config
         self.now_ns = now_ns
         self.core = C.SchedulerCore(config.core)
-        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise ConfigError(f"state directory {config.state_dir} is not writable: {exc}") from None
         self.store = TaskStore(config.state_dir / "tasks.db")
         self.started_unix = time.time()
         self.events_received = 0
@@ -186,6 +199,10 @@ class ManagerLoop:
         self._next_memory_poll = 0
         self._next_device_poll = 0
         self._trace = TraceWriter(config.trace_path, str(device)) if config.trace_path else None
+        # Store writes the state directory refused, oldest first, and why (empty: all written).
+        self._pending_writes: dict[tuple[str, str], Callable[[], None]] = {}
+        self.store_fault = ""
+        self._next_store_retry = 0
         self._recover()
 
     # ------------------------------------------------------------------ thread-safe entry points
@@ -303,6 +320,8 @@ class ManagerLoop:
         if timer is not None:
             deadlines.append(timer)
         deadlines += [h.eof_at_ns for h in self._workers.values() if h.eof_at_ns]
+        if self._pending_writes:
+            deadlines.append(self._next_store_retry)
         if self._inbox or self._bubbles:
             return 0
         return max(0.0, (min(deadlines) - now) / 1e9)
@@ -382,6 +401,8 @@ class ManagerLoop:
 
     def _polls(self) -> None:
         now = self.now_ns()
+        if self._pending_writes and now >= self._next_store_retry:
+            self._flush_writes()
         if now >= self._next_memory_poll:
             self._next_memory_poll = now + int(self.config.memory_poll_ms * 1e6)
             for handle in list(self._workers.values()):
@@ -451,7 +472,8 @@ class ManagerLoop:
         elif isinstance(action, C.StateChanged):
             self._persist_state(action)
         elif isinstance(action, C.CheckpointRecorded):
-            self.store.record_checkpoint(action.task_id, action.step, action.path, action.progress)
+            self._durable(action.task_id, "checkpoint", functools.partial(
+                self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress))
         elif isinstance(action, C.DrainComplete):
             for future in self._drain_waiters:
                 if not future.done():
@@ -501,12 +523,13 @@ class ManagerLoop:
         ):
             pass  # frequent flips are not durable information
         else:
-            self.store.set_state(action.task_id, action.new, action.failure)
+            self._durable(action.task_id, "state", functools.partial(
+                self.store.set_state, action.task_id, action.new, action.failure))
             if task is not None and (action.new.is_terminal or action.new == TaskState.SUBMITTED):
-                self.store.record_progress(
-                    task.task_id, task.steps, task.progress, task.progress_unit, task.harvested_ns / 1e9,
-                    task.overruns, task.restarts,
-                )
+                # The figures are bound now, not read when a deferred write is finally carried out.
+                self._durable(task.task_id, "progress", functools.partial(
+                    self.store.record_progress, task.task_id, task.steps, task.progress, task.progress_unit,
+                    task.harvested_ns / 1e9, task.overruns, task.restarts))
             if action.new.is_terminal or action.new in (TaskState.SUBMITTED, TaskState.STARTING):
                 log.info("[%s task=%s] %s -> %s (%s)", self.device, action.task_id,
                          action.old.value if action.old else "-", action.new.value, action.reason)
@@ -518,6 +541,38 @@ class ManagerLoop:
             # state this change produced, so viewers see every transition.
             info = dataclasses.replace(self._info(task.task_id), state=action.new.value)
             self._publish(TaskEvent(time.time(), task=info))
+
+    def _durable(self, task_id: str, kind: str, write: Callable[[], None]) -> None:
+        """Carry out one store write now, or keep it for later if the state directory refuses it.
+
+        Writes set absolute values, so a newer write of the same (task, kind) replaces a pending
+        one; the rest keep their order. A pending write is only in memory: a manager killed before
+        the directory recovers loses it (the task then comes back in its last durable state).
+        """
+        key = (task_id, kind)
+        self._pending_writes.pop(key, None)
+        self._pending_writes[key] = write
+        if not self.store_fault:  # while the directory refuses writes, the retry timer tries again
+            self._flush_writes()
+
+    def _flush_writes(self) -> bool:
+        """Write what is pending, oldest first; True when nothing is left."""
+        while self._pending_writes:
+            key, write = next(iter(self._pending_writes.items()))
+            try:
+                write()
+            except StateNotWritable as exc:
+                if not self.store_fault:
+                    log.error("[%s] %s; training is still served, task records are kept in memory and "
+                              "retried, new submissions are refused", self.device, exc)
+                self.store_fault = str(exc)
+                self._next_store_retry = self.now_ns() + int(self.config.store_retry_ms * 1e6)
+                return False
+            del self._pending_writes[key]
+        if self.store_fault:
+            log.warning("[%s] the state directory takes writes again; deferred task records saved", self.device)
+            self.store_fault = ""
+        return True
 
     def _publish(self, event: TaskEvent) -> None:
         with self._sub_lock:
@@ -542,13 +597,18 @@ class ManagerLoop:
 
     def _spawn(self, action: C.Spawn) -> None:
         task_dir = self.task_dir(action.task_id)
-        (task_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        (task_dir / "current_step").unlink(missing_ok=True)
-        (task_dir / "work").mkdir(parents=True, exist_ok=True)
+        try:
+            (task_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (task_dir / "current_step").unlink(missing_ok=True)
+            (task_dir / "work").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a full or read-only state directory: say so rather than stay STARTING
+            self._spawn_failed(action.task_id, f"cannot prepare the task directory {task_dir}: {exc}")
+            return
         log_path = task_dir / "worker.log"
         parent_sock, child_sock = socketpair()
         env = dict(os.environ)
         env.update(self.device.worker_env(action.memory_bytes))
+        env[orphans.MARKER_ENV] = str(task_dir)
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
         spec = action.spec
@@ -570,11 +630,10 @@ class ManagerLoop:
         except OSError as exc:
             parent_sock.close()
             child_sock.close()
-            failure = FailureRecord(kind="SPAWN", message=f"cannot start the worker: {exc}", at_unix_s=time.time())
-            self._feed(C.WorkerFailed(action.task_id, failure))
-            self._feed(C.WorkerExited(action.task_id, exit_code=None, signal=0))
+            self._spawn_failed(action.task_id, f"cannot start the worker: {exc}")
             return
         child_sock.close()
+        orphans.record(task_dir, proc.pid)
         parent_sock.setblocking(False)
         channel = Channel(parent_sock)
         pidfd = os.pidfd_open(proc.pid)
@@ -611,6 +670,10 @@ class ManagerLoop:
             self._signal(handle, signal.SIGKILL)
             return
         log.info("[%s task=%s] worker pid %d started", self.device, action.task_id, proc.pid)
+
+    def _spawn_failed(self, task_id: str, message: str) -> None:
+        self._feed(C.WorkerFailed(task_id, FailureRecord(kind="SPAWN", message=message, at_unix_s=time.time())))
+        self._feed(C.WorkerExited(task_id, exit_code=None, signal=0))
 
     def _read_channel(self, handle: WorkerHandle) -> None:
         while not handle.closed:
@@ -662,6 +725,10 @@ class ManagerLoop:
             self._feed(C.WorkerFailed(tid, FailureRecord(
                 kind=str(msg["kind"]), message=str(msg["message"]), traceback=str(msg.get("traceback", "")),
                 step=int(msg.get("step", -1)), at_unix_s=time.time())))
+        elif kind == "checkpoint_failed":
+            # The worker goes on and tries again later; the last acknowledged checkpoint stands.
+            log.warning("[%s task=%s] checkpoint at step %s not written: %s", self.device, tid, msg.get("step"),
+                        msg.get("error"))
         elif kind == "bye":
             handle.goodbye = True
         elif kind == "pgroup":
@@ -687,7 +754,14 @@ class ManagerLoop:
         if not handle.closed:
             self._read_channel(handle)  # messages sent just before exiting come first
             self._channel_eof(handle)
+        # Whatever the task spawned dies with it. The unreaped worker still holds its pid, so the
+        # group id cannot have been reused by an unrelated process yet.
+        try:
+            os.killpg(handle.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         returncode = handle.proc.wait()
+        orphans.forget(self.task_dir(handle.task_id))
         self._selector.unregister(handle.pidfd)
         os.close(handle.pidfd)
         self._workers.pop(handle.task_id, None)
@@ -709,7 +783,12 @@ class ManagerLoop:
         if isinstance(request, SubmitTask):
             if self.core.draining:
                 raise RequestRejected("the manager is draining and accepts no new tasks")
-            stored = self.store.add(request.spec)
+            if self._pending_writes and not self._flush_writes():
+                raise StateNotWritable(f"{self.store_fault}; the task was not submitted (training is still served)")
+            try:
+                stored = self.store.add(request.spec)
+            except StateNotWritable as exc:
+                raise StateNotWritable(f"{exc}; the task was not submitted (training is still served)") from None
             self._meta[stored.task_id] = stored
             self._feed(C.TaskAdded(stored.task_id, stored.spec, stored.seq))
             return self._info(stored.task_id)
@@ -808,7 +887,7 @@ class ManagerLoop:
             memory_budget_bytes=-1 if budget is None else budget,
             tasks_by_state=by_state,
             events_received=self.events_received,
-            events_rejected=self.events_rejected,
+            events_rejected=self.events_rejected + s.ignored_events,
             draining=self.core.draining,
             messages_dropped=self.messages_dropped,
             event_delay_ms=self.event_delay.percentiles(),
@@ -821,19 +900,35 @@ class ManagerLoop:
     # ------------------------------------------------------------------ startup and shutdown
 
     def _recover(self) -> None:
-        """Load the store; tasks that were alive when the last manager died start again."""
+        """Load the store; tasks that were alive when the last manager died start again.
+
+        Processes a killed manager's workers left behind are killed first. A task resumes from the
+        newest checkpoint file in its directory when that is newer than the one recorded: files are
+        written whole (fsync, rename), and the manager may have died before recording the newest.
+        """
+        from freeride._worker.runtime import checkpoint_files
+
         for stored in self.store.all():
             self._meta[stored.task_id] = stored
+            killed = orphans.kill_leftovers(self.task_dir(stored.task_id))
+            if killed:
+                log.warning("[%s task=%s] killed %d process(es) left by the previous manager's worker",
+                            self.device, stored.task_id, killed)
             if stored.state.is_terminal:
                 continue
             restarts = stored.restarts + (1 if stored.state != TaskState.SUBMITTED else 0)
             if stored.state != TaskState.SUBMITTED:
                 log.info("[%s task=%s] recovered after a manager restart (was %s)", self.device, stored.task_id,
                          stored.state.value)
-                self.store.set_state(stored.task_id, TaskState.SUBMITTED)
+                self._durable(stored.task_id, "state", functools.partial(
+                    self.store.set_state, stored.task_id, TaskState.SUBMITTED))
+            ck_path, ck_step = stored.checkpoint_path, stored.checkpoint_step
+            newest = checkpoint_files(self.task_dir(stored.task_id) / "checkpoints")[:1]
+            if newest and _step_of(newest[0]) > ck_step:
+                ck_path, ck_step = str(newest[0]), _step_of(newest[0])
             self._apply(self.core.on_event(
-                C.TaskAdded(stored.task_id, stored.spec, stored.seq, stored.checkpoint_path, stored.checkpoint_step,
-                            stored.steps, stored.progress, restarts),
+                C.TaskAdded(stored.task_id, stored.spec, stored.seq, ck_path, ck_step, max(stored.steps, ck_step),
+                            stored.progress, restarts),
                 self.now_ns(),
             ))
 
@@ -841,6 +936,10 @@ class ManagerLoop:
         for handle in list(self._workers.values()):
             self._signal(handle, signal.SIGKILL)
             handle.proc.wait()
+            orphans.forget(self.task_dir(handle.task_id))
+        if self._pending_writes and not self._flush_writes():
+            log.error("[%s] stopping with %d task record(s) not saved (%s): those tasks come back in their last "
+                      "saved state", self.device, len(self._pending_writes), self.store_fault)
         with self._sub_lock:
             for q in self._subscribers:
                 try:
@@ -884,6 +983,10 @@ def _chain(future: Future[Any], parked: int) -> Future[Any]:
 
 def _pct(values: Any) -> Percentiles:
     return Percentiles(*C.percentiles(values))
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.stem.split("-", 1)[1])
 
 
 def _tail(path: Path) -> str:

@@ -25,7 +25,7 @@ from freeride._manager import loop as L
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES
-from freeride.errors import ConfigError, RequestRejected, TaskNotFound
+from freeride.errors import ConfigError, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
     BubbleEnd,
     BubbleEvent,
@@ -333,6 +333,8 @@ def _event_to_pb(event: TaskEvent) -> _pb.ManagerEvent:
 def _call(loop: L.ManagerLoop, context: grpc.ServicerContext, request: L.Request, timeout_s: float = 10.0) -> Any:
     try:
         return loop.call(request, timeout_s)
+    except StateNotWritable as exc:  # the state directory refused the write: retry when space returns
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     except RequestRejected as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except TaskNotFound as exc:

@@ -5,18 +5,28 @@ manager killed with SIGKILL (or a machine that loses power) loses no acknowledge
 checkpoint. The store is written only on changes that matter after a restart (submission,
 residency, terminal states, checkpoints); the frequent PARKED <-> RUNNING flips are not written.
 Only the manager loop thread touches the connection.
+
+A state directory that cannot be written (read-only, full, failing) is reported, never ignored:
+opening the store probes a real write and raises :class:`~freeride.errors.ConfigError` (the
+manager does not start); a write that fails later raises :class:`~freeride.errors.StateNotWritable`
+after SQLite rolled the transaction back, so the caller knows nothing was recorded. Every write
+goes through :meth:`TaskStore._writing`, the one place those errors are translated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from freeride.errors import ConfigError, StateNotWritable
 from freeride.messages import FailureRecord, TaskSpec
 from freeride.states import TaskState
 
@@ -38,6 +48,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     submitted_unix REAL NOT NULL,
     updated_unix REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 #: States written as such; the others are stored as the nearest durable state.
@@ -83,50 +94,100 @@ def _slug(text: str) -> str:
     return slug[:32] or "task"
 
 
+def check_writable(directory: Path) -> None:
+    """Create, fsync and remove a small file in ``directory``; raise OSError if it cannot be done.
+
+    ``os.access`` is not enough: it ignores full disks and read-only mounts, and root passes it always.
+    """
+    probe = directory / f".write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"freeride")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
 class TaskStore:
+    """The task table in ``<state>/tasks.db``; see the module docstring for durability and errors."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            check_writable(path.parent)
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            # A real write: SQLite opens a read-only database without complaint until the first one.
+            with self._writing() as db:
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('opened_unix', ?)", (str(time.time()),))
+        except (OSError, sqlite3.Error, StateNotWritable) as exc:
+            raise ConfigError(f"state directory {path.parent} is not writable: {exc}") from None
 
     def close(self) -> None:
         self._db.close()
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; a refused write is rolled back and raised as StateNotWritable.
+
+        The connection is in autocommit mode (``isolation_level=None``), where ``with connection``
+        begins nothing: without the explicit ``BEGIN``, a multi-statement write could be half done
+        when the disk fills between its statements.
+        """
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                # SQLite may already have rolled back on its own (SQLITE_FULL, SQLITE_IOERR).
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
+        except (OSError, sqlite3.OperationalError) as exc:
+            # OperationalError covers "database or disk is full", "attempt to write a readonly
+            # database" and "disk I/O error"; integrity and programming errors are bugs and propagate.
+            raise StateNotWritable(f"state directory {self.path.parent} not writable: {exc}") from None
+
     def add(self, spec: TaskSpec) -> StoredTask:
         """Record a new submission; the id is ``<name>-<seq>``."""
         now = time.time()
-        with self._db:
-            cur = self._db.execute(
+        with self._writing() as db:
+            cur = db.execute(
                 "INSERT INTO tasks (task_id, spec_json, state, submitted_unix, updated_unix) VALUES (?, ?, ?, ?, ?)",
                 (f"pending-{time.monotonic_ns()}", _spec_to_json(spec), TaskState.SUBMITTED.value, now, now),
             )
             seq = int(cur.lastrowid or 0)
             task_id = f"{_slug(spec.display_name)}-{seq}"
-            self._db.execute("UPDATE tasks SET task_id = ? WHERE seq = ?", (task_id, seq))
+            db.execute("UPDATE tasks SET task_id = ? WHERE seq = ?", (task_id, seq))
         stored = self.get(task_id)
         assert stored is not None
         return stored
 
     def set_state(self, task_id: str, state: TaskState, failure: FailureRecord | None = None) -> None:
         durable = _DURABLE.get(state, state)
-        with self._db:
+        with self._writing() as db:
             if failure is not None:
-                self._db.execute(
+                db.execute(
                     "UPDATE tasks SET state = ?, failure_json = ?, updated_unix = ? WHERE task_id = ?",
                     (durable.value, json.dumps(failure.to_json()), time.time(), task_id),
                 )
             else:
-                self._db.execute(
+                db.execute(
                     "UPDATE tasks SET state = ?, updated_unix = ? WHERE task_id = ?",
                     (durable.value, time.time(), task_id),
                 )
 
     def record_checkpoint(self, task_id: str, step: int, path: str, progress: float) -> None:
-        with self._db:
-            self._db.execute(
+        with self._writing() as db:
+            db.execute(
                 "UPDATE tasks SET checkpoint_step = ?, checkpoint_path = ?, steps = MAX(steps, ?), progress = ?,"
                 " updated_unix = ? WHERE task_id = ?",
                 (step, path, step, progress, time.time(), task_id),
@@ -142,8 +203,8 @@ class TaskStore:
         overruns: int,
         restarts: int,
     ) -> None:
-        with self._db:
-            self._db.execute(
+        with self._writing() as db:
+            db.execute(
                 "UPDATE tasks SET steps = ?, progress = ?, progress_unit = ?, harvested_s = ?, overruns = ?,"
                 " restarts = ?, updated_unix = ? WHERE task_id = ?",
                 (steps, progress, progress_unit, harvested_s, overruns, restarts, time.time(), task_id),

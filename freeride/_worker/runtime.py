@@ -12,7 +12,9 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
    durations and go back to waiting. Nothing runs outside grants.
 4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
    ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
-   ever sees whole files, and the last two are kept.
+   ever sees whole files, and the last two are kept. A checkpoint the disk refuses (full,
+   read-only) is reported to the manager and tried again an interval later: the last written one
+   still stands. One that cannot be serialised is the task's bug: the task fails with CHECKPOINT.
 5. Exit 0 when the task is done or stopped; on an exception, report ``failed`` with the traceback
    and the step, and exit 1.
 """
@@ -47,6 +49,9 @@ _PR_SET_PDEATHSIG = 1
 #: Step durations carried by one ``parked`` report (the estimator only needs recent ones).
 MAX_REPORTED_DURATIONS = 64
 CHECKPOINTS_KEPT = 2
+#: A checkpoint this many intervals overdue is written even if its estimated time fits no grant:
+#: one slow write (a loaded disk) would otherwise keep every later checkpoint out for good.
+CHECKPOINT_OVERDUE_INTERVALS = 2
 EXIT_FAILED = 1
 EXIT_SETUP_FAILED = 2
 
@@ -136,7 +141,9 @@ class _StepBoard:
     def __init__(self, path: Path) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, 8)
+            # Written, not truncated to size: a sparse page would be allocated on the first store,
+            # and a full disk then answers with SIGBUS instead of an error here.
+            os.pwrite(fd, struct.pack("q", -1), 0)
             self._mm = mmap.mmap(fd, 8)
         finally:
             os.close(fd)
@@ -191,7 +198,12 @@ class WorkerRuntime:
         self.steps = 0
         self.last_checkpoint_ns = time.monotonic_ns()
         self.checkpointed_steps = -1
-        self._step_board = _StepBoard(Path(init["step_file"])) if init.get("step_file") else None
+        self._step_board: _StepBoard | None = None
+        if init.get("step_file"):
+            try:
+                self._step_board = _StepBoard(Path(init["step_file"]))
+            except OSError as exc:  # only a diagnostic: a failure record then says less about the step
+                log.warning("[task=%s] no step board (%s)", self.task_id, exc)
 
     @staticmethod
     def _device(name: str) -> Device:
@@ -420,11 +432,14 @@ class WorkerRuntime:
             return
         est = self.checkpoint_estimator.estimate_ns()
         if est is not None and now + est + margin > deadline:
-            return
-        self._checkpoint()
-        self.checkpoint_estimator.add(time.monotonic_ns() - now)
+            if now - self.last_checkpoint_ns < CHECKPOINT_OVERDUE_INTERVALS * self.checkpoint_interval_ns:
+                return
+            self.checkpoint_estimator = StepEstimator(window=8, quantile=1.0)  # re-learn it from this write
+        if self._checkpoint():
+            self.checkpoint_estimator.add(time.monotonic_ns() - now)
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self) -> bool:
+        """Write a checkpoint of the current step; False if the disk refused it (reported, retried later)."""
         assert self.task is not None
         try:
             state = self.task.state_dict()
@@ -432,17 +447,33 @@ class WorkerRuntime:
             raise _TaskError("EXCEPTION", "state_dict()", exc) from exc
         path = self.checkpoint_dir / f"ckpt-{self.steps}.pt"
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            _save_checkpoint({"format": 1, "task_id": self.task_id, "steps": self.steps, "state": state}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.checkpoint_dir)
+        try:
+            with open(tmp, "wb") as fh:
+                _save_checkpoint({"format": 1, "task_id": self.task_id, "steps": self.steps, "state": state}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(self.checkpoint_dir)
+        except OSError as exc:
+            # The disk, not the task: full, read-only or failing. The previous checkpoint stands;
+            # try again an interval from now rather than at every grant.
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self.last_checkpoint_ns = time.monotonic_ns()
+            log.warning("[task=%s] checkpoint at step %d not written: %s", self.task_id, self.steps, exc)
+            self.chan.send({"t": "checkpoint_failed", "step": self.steps, "error": str(exc)})
+            return False
+        except Exception as exc:  # the state does not serialise (a lambda, a lock, an open file)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise _TaskError("CHECKPOINT", f"saving the checkpoint of step {self.steps}", exc) from exc
         for old in checkpoint_files(self.checkpoint_dir)[CHECKPOINTS_KEPT:]:
-            old.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                old.unlink(missing_ok=True)
         self.last_checkpoint_ns = time.monotonic_ns()
         self.checkpointed_steps = self.steps
         self.chan.send({"t": "checkpoint", "step": self.steps, "path": str(path), "progress": self._progress()})
+        return True
 
     def _stop(self, checkpoint: bool) -> None:
         if checkpoint and self.setup_done and self.steps != self.checkpointed_steps:
@@ -494,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     # dropped its channel; then skip interpreter teardown (torch's can take a second at nice 19).
     with contextlib.suppress(ChannelClosed):
         channel.send({"t": "bye", "code": code})
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a full disk under worker.log must not change the exit code
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)

@@ -1238,6 +1238,33 @@ def test_regression_worker_parking_after_a_duplicate_start_does_not_wedge_grants
     assert len(grants(sim.start(predicted_ms=10, iteration=3))) == 1
 
 
+def test_stale_start_older_than_the_open_bubble_is_ignored_and_counted() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10, iteration=5)
+    stale = BubbleStart(0, 0, 3, 0, "fwd", sim.now - 50 * MS, 10 * MS)  # an old iteration, delivered late
+    assert sim.send(BubbleStarted(stale, sim.now)) == []
+    assert sim.state("a") == S.RUNNING  # the open (newer) bubble keeps its worker
+    assert sim.core.stats.ignored_events == 1
+    assert sim.core.stats.bubbles == 1
+
+
+def test_out_of_order_ends_are_counted_as_ignored_events() -> None:
+    sim = Sim()
+    sim.send(BubbleEnded(BubbleEnd(0, 0, 9, 0, T0), T0))  # an end without its start
+    sim.start(predicted_ms=10)
+    sim.advance_ms(5)
+    sim.end(end_ns=T0 - MS)  # an end before its start
+    assert sim.core.stats.ignored_events == 2
+
+
+def test_duplicate_start_is_not_an_ignored_event() -> None:
+    sim = Sim()
+    sim.start(predicted_ms=10, iteration=1)
+    sim.start(predicted_ms=10, iteration=1)  # used: it closes the bubble whose end was lost
+    assert sim.core.stats.ignored_events == 0
+
+
 def test_malformed_streams_never_raise() -> None:
     sim = Sim()
     sim.resident("a", "b")

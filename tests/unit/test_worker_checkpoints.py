@@ -1,0 +1,94 @@
+"""The worker's checkpoints under faults: a refusing disk is retried, an unserialisable state fails the task."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sample_tasks import Counter, UnpicklableState
+
+from freeride._channel import Channel, socketpair
+from freeride._manager.estimator import StepEstimator
+from freeride._worker.runtime import CHECKPOINT_OVERDUE_INTERVALS, WorkerRuntime, _TaskError, checkpoint_files
+
+
+@pytest.fixture
+def manager_end() -> Iterator[tuple[Channel, Channel]]:
+    ours, theirs = socketpair()
+    manager, worker = Channel(ours), Channel(theirs)
+    yield manager, worker
+    manager.close()
+    worker.close()
+
+
+def runtime(worker: Channel, checkpoint_dir: Path, task: Any, interval_s: float = 30.0) -> WorkerRuntime:
+    rt = WorkerRuntime(worker, {
+        "task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(checkpoint_dir.parent / "work"),
+        "checkpoint_dir": str(checkpoint_dir), "device": "cpu:0", "checkpoint_interval_s": interval_s,
+    })
+    rt.task = task
+    rt.setup_done = True
+    return rt
+
+
+def messages(manager: Channel) -> list[dict[str, Any]]:
+    out = []
+    while (msg := manager.recv_nowait()) is not None:
+        out.append(msg)
+    return out
+
+
+def test_checkpoint_the_disk_refuses_is_reported_and_retried_an_interval_later(
+    tmp_path: Path, manager_end: tuple[Channel, Channel]
+) -> None:
+    manager, worker = manager_end
+    (tmp_path / "not-a-dir").write_text("")
+    rt = runtime(worker, tmp_path / "not-a-dir" / "checkpoints", Counter(), interval_s=30.0)
+    rt.steps = 7
+    assert rt._checkpoint() is False  # NotADirectoryError: as a full or read-only disk would refuse it
+    [msg] = messages(manager)
+    assert msg["t"] == "checkpoint_failed" and msg["step"] == 7 and "Not a directory" in msg["error"]
+    assert rt.checkpointed_steps == -1  # nothing acknowledged
+    rt.steps = 8
+    rt._maybe_checkpoint(deadline=time.monotonic_ns() + 10**9, margin=0)
+    assert messages(manager) == [], "retried at once instead of an interval later"
+
+
+def test_state_that_does_not_serialise_fails_the_task_with_a_checkpoint_record(
+    tmp_path: Path, manager_end: tuple[Channel, Channel]
+) -> None:
+    _, worker = manager_end
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    rt = runtime(worker, checkpoints, UnpicklableState())
+    rt.task.work_dir = str(tmp_path)  # type: ignore[union-attr]
+    rt.steps = 3
+    with pytest.raises(_TaskError) as err:
+        rt._checkpoint()
+    assert err.value.kind == "CHECKPOINT"
+    assert "saving the checkpoint of step 3" in str(err.value) and "pickle" in str(err.value)
+    assert list(checkpoints.iterdir()) == [], "a partial file was left behind"
+
+
+def test_regression_overdue_checkpoint_is_written_although_its_estimate_fits_no_grant(
+    tmp_path: Path, manager_end: tuple[Channel, Channel]
+) -> None:
+    """One slow write under load used to keep every later checkpoint out for good."""
+    manager, worker = manager_end
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    rt = runtime(worker, checkpoints, Counter(), interval_s=0.05)
+    rt.checkpoint_estimator.add(10**9)  # a 1 s write once seen
+    rt.steps = 5
+    now = time.monotonic_ns()
+    rt.last_checkpoint_ns = now - int(0.06e9)  # due, not overdue: the estimate rules
+    rt._maybe_checkpoint(deadline=now + 20_000_000, margin=0)
+    assert checkpoint_files(checkpoints) == []
+    rt.last_checkpoint_ns = now - int(CHECKPOINT_OVERDUE_INTERVALS * 0.05e9) - 1
+    rt._maybe_checkpoint(deadline=now + 20_000_000, margin=0)
+    assert [p.name for p in checkpoint_files(checkpoints)] == ["ckpt-5.pt"]
+    assert [m["t"] for m in messages(manager)] == ["checkpoint"]
+    assert isinstance(rt.checkpoint_estimator, StepEstimator) and rt.checkpoint_estimator.count == 1
