@@ -169,6 +169,34 @@ def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
     return remaining_ns > PAPER_ADMISSION_FACTOR * rounded
 
 
+class _ThawCounter:
+    """Counts the SIGCONTs this process receives, so a step the manager froze is not timed.
+
+    The manager freezes a worker whose step ran past a bubble's end (SIGSTOP) and thaws it with its
+    next grant (SIGCONT). The step that was running meanwhile would measure the frozen time too,
+    often a whole compute phase: as a step time it makes the estimate fit no bubble, starving the
+    task until a re-probe, and as harvested time it counts the trainer's compute. Such a step is
+    counted (its progress is real) but its duration is neither reported nor learned. The handler
+    only counts; Python runs it before the next Python-level call, so :meth:`changed_since`, itself
+    a call, always sees it.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def install(self) -> None:
+        try:
+            signal.signal(signal.SIGCONT, self._on_cont)
+        except ValueError:  # not the main thread (an embedded runtime): every step is then timed
+            pass
+
+    def _on_cont(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+    def changed_since(self, count: int) -> bool:
+        return self.count != count
+
+
 class WorkerRuntime:
     def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
         self.chan = channel
@@ -192,6 +220,7 @@ class WorkerRuntime:
         self.last_checkpoint_ns = time.monotonic_ns()
         self.checkpointed_steps = -1
         self._step_board = _StepBoard(Path(init["step_file"])) if init.get("step_file") else None
+        self.thaws = _ThawCounter()
 
     @staticmethod
     def _device(name: str) -> Device:
@@ -201,6 +230,7 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
+        self.thaws.install()
         try:
             self._prepare()
         except _TaskError as err:
@@ -299,6 +329,9 @@ class WorkerRuntime:
                     margin = int(msg["margin_ns"])
                     reason = "deadline"
                     stop_now = False
+                    # Steps of the earlier grant would be reported under this one: its latency
+                    # (bubble start -> first step) is not measured (0 and 1 both mean "none").
+                    first_step_ns = min(first_step_ns, 1)
                 elif kind == "stop":
                     self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, "stop")
                     self._stop(bool(msg.get("checkpoint")))
@@ -315,6 +348,7 @@ class WorkerRuntime:
                 break
             if self._step_board is not None:
                 self._step_board.publish(self.steps)
+            thaws = self.thaws.count
             try:
                 self.task.step()
             except Exception as exc:
@@ -322,14 +356,17 @@ class WorkerRuntime:
             end = time.monotonic_ns()
             self.steps += 1
             count += 1
-            self.estimator.add(end - now)
-            durations.append(end - now)
-            starts.append(now)
-            if len(durations) > MAX_REPORTED_DURATIONS:
-                del durations[0]
-                del starts[0]
-            # A grant that ran setup first does not measure "bubble start -> first step".
-            first_step_ns = first_step_ns or (1 if set_up_now else now)
+            frozen = self.thaws.changed_since(thaws)
+            if not frozen:  # a frozen step's duration holds the frozen time
+                self.estimator.add(end - now)
+                durations.append(end - now)
+                starts.append(now)
+                if len(durations) > MAX_REPORTED_DURATIONS:
+                    del durations[0]
+                    del starts[0]
+            # A grant that ran setup first, or began inside an earlier grant and was frozen, does
+            # not measure "bubble start -> first step".
+            first_step_ns = first_step_ns or (1 if set_up_now or frozen else now)
             last_end_ns = end
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)

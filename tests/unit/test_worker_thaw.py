@@ -1,0 +1,117 @@
+"""A step that the manager froze (SIGSTOP) and thawed (SIGCONT) is counted but not timed.
+
+Regression: on a loaded machine a step overran a bubble, was frozen across the next compute
+phase and reported as a 250-400 ms step; that one sample made the step-time estimate fit no
+20-40 ms bubble (the task starved until a re-probe), counted compute time as harvested, and,
+reported under the thawing grant, gave a negative "bubble start -> first step" latency.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freeride._worker.runtime import WorkerRuntime
+from freeride.task import SideTask, TaskContext
+
+MS = 1_000_000
+
+
+class _FakeChannel:
+    """Records what the worker sends; hands it queued messages between steps."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.inbox: list[dict[str, Any]] = []
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sent.append(msg)
+
+    def recv_nowait(self) -> dict[str, Any] | None:
+        return self.inbox.pop(0) if self.inbox else None
+
+
+class _Steps(SideTask):
+    """Three steps; the hook runs inside step 2 (index 1)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.n = 0
+        self.hook = hook
+
+    def setup(self, ctx: TaskContext) -> None:
+        pass
+
+    def step(self) -> None:
+        self.n += 1
+        if self.n == 2:
+            self.hook()
+
+    def done(self) -> bool:
+        return self.n >= 3
+
+    def progress(self) -> float:
+        return float(self.n)
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel]]:
+    chan = _FakeChannel()
+    init = {"task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(tmp_path / "work"),
+            "checkpoint_dir": str(tmp_path / "ckpt"), "device": "cpu:0"}  # fmt: skip
+    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
+    previous = signal.getsignal(signal.SIGCONT)
+    rt.thaws.install()
+    yield rt, chan
+    signal.signal(signal.SIGCONT, previous)
+
+
+def _grant(g: int) -> dict[str, Any]:
+    return {"t": "grant", "g": g, "deadline_ns": time.monotonic_ns() + 60_000 * MS, "margin_ns": 0}
+
+
+def test_a_step_thawed_by_sigcont_is_counted_but_neither_reported_nor_learned(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    rt, chan = runtime
+
+    def frozen_then_thawed() -> None:
+        time.sleep(0.2)  # the time it spent frozen
+        os.kill(os.getpid(), signal.SIGCONT)  # what the manager's thaw delivers
+
+    rt.task = _Steps(frozen_then_thawed)
+    assert rt._run_grant(_grant(1)) is True
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert parked["steps"] == 3 and parked["total_steps"] == 3 and parked["progress"] == 3.0
+    assert len(parked["durations_ns"]) == len(parked["starts_ns"]) == 2
+    assert all(d < 150 * MS for d in parked["durations_ns"])
+    assert rt.estimator.estimate_ns() is not None and rt.estimator.estimate_ns() < 150 * MS  # type: ignore[operator]
+
+
+def test_steps_reported_under_a_superseding_grant_do_not_measure_its_latency(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    rt, chan = runtime
+    rt.task = _Steps(lambda: chan.inbox.append(_grant(2)))  # thawed: the manager's next grant is queued
+    rt._run_grant(_grant(1))
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert parked["g"] == 2
+    assert parked["first_step_ns"] == 0  # "not measured", not a time from grant 1's bubble
+
+
+def test_an_unfrozen_grant_still_reports_every_duration_and_its_first_step(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    rt, chan = runtime
+    rt.task = _Steps(lambda: None)
+    rt.setup_done = True
+    before = time.monotonic_ns()
+    rt._run_grant(_grant(1))
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert len(parked["durations_ns"]) == 3
+    assert parked["first_step_ns"] >= before
