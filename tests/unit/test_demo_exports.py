@@ -152,3 +152,24 @@ def test_a_timeline_without_any_side_task_step_is_still_drawn(tmp_path: Path) ->
     path = tmp_path / "timeline.png"
     draw_timeline(path, run(count=4), {}, {})
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pictures_are_drawn_without_a_killed_managers_trace_and_a_note_says_so(tmp_path: Path) -> None:
+    import io
+
+    from freeride._demo.plan import DemoConfig
+    from freeride._demo.run import Demo
+
+    demo = Demo(DemoConfig.make("cpu", 10, tmp_path, quick=True), io.StringIO())
+    demo.devices = ("cpu:0", "cpu:1")
+    demo.task_ids = dict(NAMES)
+    r = run()
+    with demo.layout.manager_trace("cpu:1").open("w") as fh:
+        for record in trace("cpu:1", "pagerank-1", _bubbles_of(r[1])):
+            fh.write(json.dumps(record) + "\n")
+        fh.write('{"ev": "steps", "device": "cpu:1", "ta')  # torn by a kill
+    files, notes = demo.write_pictures(r)
+    assert notes and "cpu:0" in notes[0]
+    assert Path(files["timeline"]).read_bytes()[:4] == b"\x89PNG"
+    events = json.loads(Path(files["trace"]).read_text())["traceEvents"]
+    assert any(e.get("cat") == "step" and e["pid"] == 2 for e in events)
