@@ -3,13 +3,16 @@
 The demo trains the reference GPT as a 2-stage 1F1B pipeline, one stage per device, and gives
 the two devices three side tasks: a small language model (the training task) alone on stage 0's
 device, a PageRank and an image watermarking task sharing stage 1's device. Stage 0 has two
-bubbles per iteration (1F1B's turnaround and its drain), stage 1 one longer one. On stage 1 the
-manager's best-fit grant gives each bubble to the task with the longer step first (watermarking)
-and backfills the tail it cannot use with the shorter PageRank steps, which the timeline shows.
+bubbles per iteration (1F1B's turnaround and its drain), stage 1 one longer one. On stage 1 the two
+tasks share the bubbles one grant at a time (the manager's best fit; a task that parks early hands
+the rest of its bubble to the other), which the timeline picture shows.
 
-Sizes are chosen from what the trainer measures on CPU cores: iterations of about 200 ms with
-bubbles of 20-40 ms, so every side-task step must take a few milliseconds (``freeride run-task ...
---seconds 3`` prints a task's step time). Every task is sized so that it cannot finish during the
+Sizes are chosen from what the trainer measures on CPU cores. With the trainer's default model
+(128 wide) iterations take about 100-200 ms and bubbles 2-30 ms, shorter than a small training
+step on a busy machine (2.5 ms alone, 10-15 ms when other programs share the core), which then
+fits no bubble; the demo trains a 256-wide model instead: iterations of about 0.5 s, bubbles of
+about 80 ms (stage 0's turnaround, stage 1's) and 20 ms (stage 0's drain), and side-task steps
+of 1-6 ms alone (``freeride run-task ... --seconds 3`` prints a task's step time). Every task is sized so that it cannot finish during the
 demo (no convergence test for PageRank, a long image stream, many training steps): a finished task
 would stop harvesting and understate the harvest efficiency. Memory caps count the worker's whole
 resident set on CPU, torch included (about 250-350 MiB).
@@ -31,9 +34,9 @@ from freeride.errors import ConfigError
 
 DEVICE_KINDS = ("cpu", "cuda")
 #: Iterations of a full run: about 60 s of training per run on two CPU cores, 2-4 min in all.
-FULL_ITERATIONS = 300
-#: Iterations of a ``--quick`` run (CI): enough bubble time for the training task's setup.
-QUICK_ITERATIONS = 100
+FULL_ITERATIONS = 120
+#: Iterations of a ``--quick`` run (CI): a few seconds of bubble time per device.
+QUICK_ITERATIONS = 40
 #: Iterations the trainer marks as warm-up; the bubble fractions and the overhead leave them out.
 WARMUP_ITERATIONS = 3
 MAX_ITERATIONS = 100_000
@@ -119,14 +122,14 @@ class DemoConfig:
 def trainer_model_args(device_kind: str) -> tuple[str, ...]:
     """The reference trainer's model options for a device kind.
 
-    On CPU the trainer's defaults (a 4-layer, 128-wide GPT, 4 micro-batches of 4) give iterations
-    of about 200 ms. On GPUs that model would finish an iteration in a few milliseconds and leave
-    bubbles shorter than any side-task step, so the CUDA demo trains a larger one.
+    On CPU, a 4-layer 256-wide GPT with 4 micro-batches of 4 (see the module docstring). On GPUs
+    that model would finish an iteration in a few milliseconds and leave bubbles shorter than any
+    side-task step, so the CUDA demo trains a larger one.
     """
     if device_kind == "cuda":
         return ("--d-model", "1024", "--heads", "16", "--layers", "8", "--seq-len", "512",
                 "--microbatch-size", "8")  # fmt: skip
-    return ()
+    return ("--d-model", "256")
 
 
 def plan_tasks(device_kind: str) -> tuple[TaskPlan, ...]:

@@ -87,7 +87,7 @@ def test_the_trainer_runs_two_1f1b_stages_and_reports_only_in_the_run_with_side_
     assert baseline[baseline.index("--iterations") + 1] == "20"
     assert "--report" not in baseline
     assert reported[-3:] == ["--report", "--endpoint-template", "unix:/s/{slug}.sock"]
-    assert trainer_model_args("cpu") == ()
+    assert baseline[baseline.index("--d-model") + 1] == trainer_model_args("cpu")[1]
     assert "--d-model" in trainer_argv(DemoConfig.make("cuda", 20, tmp_path, quick=True), tmp_path / "x", None)
 
 
