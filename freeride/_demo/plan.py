@@ -34,7 +34,7 @@ from freeride.errors import ConfigError
 
 DEVICE_KINDS = ("cpu", "cuda")
 #: Iterations of a full run: about 60 s of training per run on two CPU cores, 2-4 min in all.
-FULL_ITERATIONS = 120
+FULL_ITERATIONS = 250
 #: Iterations of a ``--quick`` run (CI): a few seconds of bubble time per device.
 QUICK_ITERATIONS = 40
 #: Iterations the trainer marks as warm-up; the bubble fractions and the overhead leave them out.
