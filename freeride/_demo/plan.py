@@ -8,14 +8,15 @@ tasks share the bubbles one grant at a time (the manager's best fit; a task that
 the rest of its bubble to the other), which the timeline picture shows.
 
 Sizes are chosen from what the trainer measures on CPU cores. With the trainer's default model
-(128 wide) iterations take about 100-200 ms and bubbles 2-30 ms, shorter than a small training
-step on a busy machine (2.5 ms alone, 10-15 ms when other programs share the core), which then
-fits no bubble; the demo trains a 256-wide model instead: iterations of about 0.5 s, bubbles of
-about 80 ms (stage 0's turnaround, stage 1's) and 20 ms (stage 0's drain), and side-task steps
-of 1-6 ms alone (``freeride run-task ... --seconds 3`` prints a task's step time). Every task is sized so that it cannot finish during the
-demo (no convergence test for PageRank, a long image stream, many training steps): a finished task
-would stop harvesting and understate the harvest efficiency. Memory caps count the worker's whole
-resident set on CPU, torch included (about 250-350 MiB).
+(128 wide) iterations take 100-200 ms and bubbles 2-30 ms, shorter than a small training step on a
+busy machine (2.5 ms alone, 10-15 ms when other programs share the core), which then fits no
+bubble. The demo trains a 256-wide model instead: iterations of 200-500 ms and bubbles of 25-90 ms
+(stage 0's turnaround, stage 1's) and 5-20 ms (stage 0's drain), depending on the machine's load,
+for side-task steps of 1-6 ms alone (``freeride run-task ... --seconds 3`` prints a task's step
+time). Every task is sized so that it cannot finish during the demo (no convergence test for
+PageRank, a long image stream, many training steps): a finished task would stop harvesting and
+understate the harvest efficiency. Memory caps count the worker's whole resident set on CPU, torch
+included (about 250-350 MiB).
 
 The CUDA plan follows the same layout with a larger trainer (so that GPU bubbles last
 milliseconds) and larger side tasks; it has not been run on this project's CI, which has no GPU.
