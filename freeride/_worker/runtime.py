@@ -170,31 +170,44 @@ def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
 
 
 class _ThawCounter:
-    """Counts the SIGCONTs this process receives, so a step the manager froze is not timed.
+    """Counts the SIGCONTs this process receives and when the last came, to time frozen steps.
 
     The manager freezes a worker whose step ran past a bubble's end (SIGSTOP) and thaws it with its
-    next grant (SIGCONT). The step that was running meanwhile would measure the frozen time too,
-    often a whole compute phase: as a step time it makes the estimate fit no bubble, starving the
-    task until a re-probe, and as harvested time it counts the trainer's compute. Such a step is
-    counted (its progress is real) but its duration is neither reported nor learned. The handler
-    only counts; Python runs it before the next Python-level call, so :meth:`changed_since`, itself
-    a call, always sees it.
+    next grant (SIGCONT). Timed from start to end, such a step would also count the time it spent
+    frozen, often a whole compute phase: that one sample made the p95 estimate fit no bubble (the
+    task starved until a re-probe) and counted the trainer's compute as harvested time. The handler
+    only counts and stamps; Python runs it before the next Python-level call, so
+    :meth:`changed_since`, itself a call, always sees it.
     """
 
     def __init__(self) -> None:
         self.count = 0
+        self.last_ns = 0
 
     def install(self) -> None:
         try:
             signal.signal(signal.SIGCONT, self._on_cont)
-        except ValueError:  # not the main thread (an embedded runtime): every step is then timed
+        except ValueError:  # not the main thread (an embedded runtime): frozen steps keep their wall time
             pass
 
     def _on_cont(self, signum: int, frame: Any) -> None:
         self.count += 1
+        self.last_ns = time.monotonic_ns()
 
     def changed_since(self, count: int) -> bool:
         return self.count != count
+
+    def running_ns(self, start_ns: int, end_ns: int, deadline_ns: int, cpu_ns: int) -> int:
+        """About how long a step that was frozen (once or more) between ``start_ns`` and ``end_ns`` ran.
+
+        The larger of the CPU time it used (exact for a compute-bound step on a CPU core, short of
+        its sleeps and waits otherwise) and what it ran before its grant's deadline (it was frozen
+        only after that) plus after the last thaw (short of any run between two freezes); never more
+        than its wall time. Either way it is at least the bubble time the step had, so a step that
+        fits no bubble still learns that it does not.
+        """
+        bounds = max(0, min(deadline_ns, end_ns) - start_ns) + max(0, end_ns - max(self.last_ns, start_ns))
+        return min(end_ns - start_ns, max(cpu_ns, bounds))
 
 
 class WorkerRuntime:
@@ -349,6 +362,8 @@ class WorkerRuntime:
             if self._step_board is not None:
                 self._step_board.publish(self.steps)
             thaws = self.thaws.count
+            step_deadline = deadline
+            cpu_start = time.process_time_ns()
             try:
                 self.task.step()
             except Exception as exc:
@@ -357,13 +372,15 @@ class WorkerRuntime:
             self.steps += 1
             count += 1
             frozen = self.thaws.changed_since(thaws)
-            if not frozen:  # a frozen step's duration holds the frozen time
-                self.estimator.add(end - now)
-                durations.append(end - now)
-                starts.append(now)
-                if len(durations) > MAX_REPORTED_DURATIONS:
-                    del durations[0]
-                    del starts[0]
+            ran = end - now
+            if frozen:
+                ran = self.thaws.running_ns(now, end, step_deadline, time.process_time_ns() - cpu_start)
+            self.estimator.add(ran)
+            durations.append(ran)
+            starts.append(now)
+            if len(durations) > MAX_REPORTED_DURATIONS:
+                del durations[0]
+                del starts[0]
             # A grant that ran setup first, or began inside an earlier grant and was frozen, does
             # not measure "bubble start -> first step".
             first_step_ns = first_step_ns or (1 if set_up_now or frozen else now)

@@ -1,4 +1,4 @@
-"""A step that the manager froze (SIGSTOP) and thawed (SIGCONT) is counted but not timed.
+"""A step that the manager froze (SIGSTOP) and thawed (SIGCONT) is timed without its frozen time.
 
 Regression: on a loaded machine a step overran a bubble, was frozen across the next compute
 phase and reported as a 250-400 ms step; that one sample made the step-time estimate fit no
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from freeride._worker.runtime import WorkerRuntime
+from freeride._worker.runtime import WorkerRuntime, _ThawCounter
 from freeride.task import SideTask, TaskContext
 
 MS = 1_000_000
@@ -75,22 +75,38 @@ def _grant(g: int) -> dict[str, Any]:
     return {"t": "grant", "g": g, "deadline_ns": time.monotonic_ns() + 60_000 * MS, "margin_ns": 0}
 
 
-def test_a_step_thawed_by_sigcont_is_counted_but_neither_reported_nor_learned(
+def test_a_frozen_step_counts_what_ran_before_its_deadline_and_after_the_thaw_not_the_frozen_time(
     runtime: tuple[WorkerRuntime, _FakeChannel],
 ) -> None:
     rt, chan = runtime
 
     def frozen_then_thawed() -> None:
-        time.sleep(0.2)  # the time it spent frozen
+        time.sleep(0.4)  # past the grant's deadline: the time it spent frozen
         os.kill(os.getpid(), signal.SIGCONT)  # what the manager's thaw delivers
 
     rt.task = _Steps(frozen_then_thawed)
-    assert rt._run_grant(_grant(1)) is True
+    rt.setup_done = True
+    grant = {"t": "grant", "g": 1, "deadline_ns": time.monotonic_ns() + 150 * MS, "margin_ns": 0}
+    assert rt._run_grant(grant) is False  # the deadline passed: parked after the frozen step
     parked = next(m for m in chan.sent if m["t"] == "parked")
-    assert parked["steps"] == 3 and parked["total_steps"] == 3 and parked["progress"] == 3.0
-    assert len(parked["durations_ns"]) == len(parked["starts_ns"]) == 2
-    assert all(d < 150 * MS for d in parked["durations_ns"])
-    assert rt.estimator.estimate_ns() is not None and rt.estimator.estimate_ns() < 150 * MS  # type: ignore[operator]
+    assert parked["steps"] == 2 and parked["progress"] == 2.0
+    first, frozen = parked["durations_ns"]
+    assert frozen <= 150 * MS + 20 * MS, "the frozen time was counted"
+    assert frozen >= grant["deadline_ns"] - parked["starts_ns"][1] > 0, "less than the bubble time it had"
+    estimate = rt.estimator.estimate_ns()
+    assert estimate is not None and estimate < 200 * MS
+    assert parked["first_step_ns"] > 0  # the grant's first step was not the frozen one
+
+
+def test_running_time_of_a_frozen_step_is_its_cpu_time_or_its_runs_around_the_freezes_whichever_is_more() -> None:
+    thaws = _ThawCounter()
+    thaws.last_ns = 900  # the last thaw; a run between two freezes (say 400-500) is missed by the bounds
+    assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=0) == 100 + 100
+    assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=300) == 300  # compute-bound
+    # Never more than the wall time, whatever the stamps say.
+    assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=5000) == 1000
+    thaws.last_ns = 0
+    assert thaws.running_ns(start_ns=50, end_ns=150, deadline_ns=500, cpu_ns=0) == 100
 
 
 def test_steps_reported_under_a_superseding_grant_do_not_measure_its_latency(
