@@ -39,6 +39,7 @@ EXIT_UNAUTHENTICATED = 5
 
 #: Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (
+    "freeride._cli.demo",
     "freeride._cli.manager",
     "freeride._cli.tasks",
     "freeride._cli.top",

@@ -176,6 +176,47 @@ def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
     return remaining_ns > PAPER_ADMISSION_FACTOR * rounded
 
 
+class _ThawCounter:
+    """Counts the SIGCONTs this process receives and when the last came, to time frozen steps.
+
+    The manager freezes a worker whose step ran past a bubble's end (SIGSTOP) and thaws it with its
+    next grant (SIGCONT). Timed from start to end, such a step would also count the time it spent
+    frozen, often a whole compute phase: that one sample made the p95 estimate fit no bubble (the
+    task starved until a re-probe) and counted the trainer's compute as harvested time. The handler
+    only counts and stamps; Python runs it before the next Python-level call, so
+    :meth:`changed_since`, itself a call, always sees it.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last_ns = 0
+
+    def install(self) -> None:
+        try:
+            signal.signal(signal.SIGCONT, self._on_cont)
+        except ValueError:  # not the main thread (an embedded runtime): frozen steps keep their wall time
+            pass
+
+    def _on_cont(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        self.last_ns = time.monotonic_ns()
+
+    def changed_since(self, count: int) -> bool:
+        return self.count != count
+
+    def running_ns(self, start_ns: int, end_ns: int, deadline_ns: int, cpu_ns: int) -> int:
+        """About how long a step that was frozen (once or more) between ``start_ns`` and ``end_ns`` ran.
+
+        The larger of the CPU time it used (exact for a compute-bound step on a CPU core, short of
+        its sleeps and waits otherwise) and what it ran before its grant's deadline (it was frozen
+        only after that) plus after the last thaw (short of any run between two freezes); never more
+        than its wall time. Either way it is at least the bubble time the step had, so a step that
+        fits no bubble still learns that it does not.
+        """
+        bounds = max(0, min(deadline_ns, end_ns) - start_ns) + max(0, end_ns - max(self.last_ns, start_ns))
+        return min(end_ns - start_ns, max(cpu_ns, bounds))
+
+
 class WorkerRuntime:
     def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
         self.chan = channel
@@ -204,6 +245,7 @@ class WorkerRuntime:
                 self._step_board = _StepBoard(Path(init["step_file"]))
             except OSError as exc:  # only a diagnostic: a failure record then says less about the step
                 log.warning("[task=%s] no step board (%s)", self.task_id, exc)
+        self.thaws = _ThawCounter()
 
     @staticmethod
     def _device(name: str) -> Device:
@@ -213,6 +255,7 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
+        self.thaws.install()
         try:
             self._prepare()
         except _TaskError as err:
@@ -311,6 +354,9 @@ class WorkerRuntime:
                     margin = int(msg["margin_ns"])
                     reason = "deadline"
                     stop_now = False
+                    # Steps of the earlier grant would be reported under this one: its latency
+                    # (bubble start -> first step) is not measured (0 and 1 both mean "none").
+                    first_step_ns = min(first_step_ns, 1)
                 elif kind == "stop":
                     self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, "stop")
                     self._stop(bool(msg.get("checkpoint")))
@@ -327,6 +373,9 @@ class WorkerRuntime:
                 break
             if self._step_board is not None:
                 self._step_board.publish(self.steps)
+            thaws = self.thaws.count
+            step_deadline = deadline
+            cpu_start = time.process_time_ns()
             try:
                 self.task.step()
             except Exception as exc:
@@ -334,14 +383,19 @@ class WorkerRuntime:
             end = time.monotonic_ns()
             self.steps += 1
             count += 1
-            self.estimator.add(end - now)
-            durations.append(end - now)
+            frozen = self.thaws.changed_since(thaws)
+            ran = end - now
+            if frozen:
+                ran = self.thaws.running_ns(now, end, step_deadline, time.process_time_ns() - cpu_start)
+            self.estimator.add(ran)
+            durations.append(ran)
             starts.append(now)
             if len(durations) > MAX_REPORTED_DURATIONS:
                 del durations[0]
                 del starts[0]
-            # A grant that ran setup first does not measure "bubble start -> first step".
-            first_step_ns = first_step_ns or (1 if set_up_now else now)
+            # A grant that ran setup first, or began inside an earlier grant and was frozen, does
+            # not measure "bubble start -> first step".
+            first_step_ns = first_step_ns or (1 if set_up_now or frozen else now)
             last_end_ns = end
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)

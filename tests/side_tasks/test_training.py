@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +138,10 @@ def test_bad_datasets_give_clear_errors(tmp_path: Path) -> None:
         load_image_dataset(str(bad))
     with pytest.raises(DataFormatError, match="text file not found"):
         _tiny_lstm(text=str(tmp_path / "none.txt")).setup(make_ctx(tmp_path / "w"))
+
+
+def test_importing_the_training_tasks_loads_what_their_first_optimiser_would_load_in_setup() -> None:
+    # setup() runs inside bubbles; the worker imports the task's module at start, outside them.
+    code = "import sys, side_tasks.training; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "True"

@@ -1,0 +1,133 @@
+"""A step that the manager froze (SIGSTOP) and thawed (SIGCONT) is timed without its frozen time.
+
+Regression: on a loaded machine a step overran a bubble, was frozen across the next compute
+phase and reported as a 250-400 ms step; that one sample made the step-time estimate fit no
+20-40 ms bubble (the task starved until a re-probe), counted compute time as harvested, and,
+reported under the thawing grant, gave a negative "bubble start -> first step" latency.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freeride._worker.runtime import WorkerRuntime, _ThawCounter
+from freeride.task import SideTask, TaskContext
+
+MS = 1_000_000
+
+
+class _FakeChannel:
+    """Records what the worker sends; hands it queued messages between steps."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.inbox: list[dict[str, Any]] = []
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sent.append(msg)
+
+    def recv_nowait(self) -> dict[str, Any] | None:
+        return self.inbox.pop(0) if self.inbox else None
+
+
+class _Steps(SideTask):
+    """Three steps; the hook runs inside step 2 (index 1)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.n = 0
+        self.hook = hook
+
+    def setup(self, ctx: TaskContext) -> None:
+        pass
+
+    def step(self) -> None:
+        self.n += 1
+        if self.n == 2:
+            self.hook()
+
+    def done(self) -> bool:
+        return self.n >= 3
+
+    def progress(self) -> float:
+        return float(self.n)
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel]]:
+    chan = _FakeChannel()
+    init = {"task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(tmp_path / "work"),
+            "checkpoint_dir": str(tmp_path / "ckpt"), "device": "cpu:0"}  # fmt: skip
+    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
+    previous = signal.getsignal(signal.SIGCONT)
+    rt.thaws.install()
+    yield rt, chan
+    signal.signal(signal.SIGCONT, previous)
+
+
+def _grant(g: int) -> dict[str, Any]:
+    return {"t": "grant", "g": g, "deadline_ns": time.monotonic_ns() + 60_000 * MS, "margin_ns": 0}
+
+
+def test_a_frozen_step_counts_what_ran_before_its_deadline_and_after_the_thaw_not_the_frozen_time(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    rt, chan = runtime
+
+    def frozen_then_thawed() -> None:
+        time.sleep(0.4)  # past the grant's deadline: the time it spent frozen
+        os.kill(os.getpid(), signal.SIGCONT)  # what the manager's thaw delivers
+
+    rt.task = _Steps(frozen_then_thawed)
+    rt.setup_done = True
+    grant = {"t": "grant", "g": 1, "deadline_ns": time.monotonic_ns() + 150 * MS, "margin_ns": 0}
+    assert rt._run_grant(grant) is False  # the deadline passed: parked after the frozen step
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert parked["steps"] == 2 and parked["progress"] == 2.0
+    first, frozen = parked["durations_ns"]
+    assert frozen <= 150 * MS + 20 * MS, "the frozen time was counted"
+    assert frozen >= grant["deadline_ns"] - parked["starts_ns"][1] > 0, "less than the bubble time it had"
+    estimate = rt.estimator.estimate_ns()
+    assert estimate is not None and estimate < 200 * MS
+    assert parked["first_step_ns"] > 0  # the grant's first step was not the frozen one
+
+
+def test_running_time_of_a_frozen_step_is_its_cpu_time_or_its_runs_around_the_freezes_whichever_is_more() -> None:
+    thaws = _ThawCounter()
+    thaws.last_ns = 900  # the last thaw; a run between two freezes (say 400-500) is missed by the bounds
+    assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=0) == 100 + 100
+    assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=300) == 300  # compute-bound
+    # Never more than the wall time, whatever the stamps say.
+    assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=5000) == 1000
+    thaws.last_ns = 0
+    assert thaws.running_ns(start_ns=50, end_ns=150, deadline_ns=500, cpu_ns=0) == 100
+
+
+def test_steps_reported_under_a_superseding_grant_do_not_measure_its_latency(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    rt, chan = runtime
+    rt.task = _Steps(lambda: chan.inbox.append(_grant(2)))  # thawed: the manager's next grant is queued
+    rt._run_grant(_grant(1))
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert parked["g"] == 2
+    assert parked["first_step_ns"] == 0  # "not measured", not a time from grant 1's bubble
+
+
+def test_an_unfrozen_grant_still_reports_every_duration_and_its_first_step(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    rt, chan = runtime
+    rt.task = _Steps(lambda: None)
+    rt.setup_done = True
+    before = time.monotonic_ns()
+    rt._run_grant(_grant(1))
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert len(parked["durations_ns"]) == 3
+    assert parked["first_step_ns"] >= before
