@@ -155,6 +155,8 @@ class WorkerParked:
     reason: str  # "deadline", "park", "stop"
     progress: float
     total_steps: int
+    #: Leading ``durations_ns`` that are a process's warm-up step: harvested work, no estimate sample.
+    warmup_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -608,7 +610,7 @@ class SchedulerCore:
         task = self.tasks.get(event.task_id)
         if task is None:
             return
-        task.estimator.extend(list(event.durations_ns))
+        task.estimator.extend(list(event.durations_ns[event.warmup_steps:]))
         harvested = sum(event.durations_ns)
         task.harvested_ns += harvested
         self.stats.harvested_ns += harvested

@@ -711,7 +711,7 @@ class ManagerLoop:
             self._feed(C.WorkerParked(
                 tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
                 int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),
-                float(msg["progress"]), int(msg["total_steps"])))
+                float(msg["progress"]), int(msg["total_steps"]), int(msg.get("warmup_steps", 0))))
         elif kind == "ready":
             self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps"))))
         elif kind == "checkpoint":

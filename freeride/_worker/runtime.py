@@ -232,6 +232,11 @@ class WorkerRuntime:
         #: after every step, for the bench's side-by-side comparison; else this project's rule.
         self.paper = init.get("admission") == "paper"
         self.estimator = StepEstimator(hint_ns=hint_ns, quantile=0.5 if self.paper else 0.95)
+        #: The first step of a process is a warm-up (lazy initialisation, first allocations, cold
+        #: caches: a small LSTM's first step takes 25x its others on CPU). It counts as work but is no
+        #: sample of the step time: a p95 over a few samples would be that one step for a long while,
+        #: and a task whose estimate fits no bubble waits for a re-probe (200 bubbles).
+        self._warmup_pending = True
         self.checkpoint_estimator = StepEstimator(window=8, quantile=1.0)
         self.device: Device = self._device(str(init["device"]))
         self.task: SideTask | None = None
@@ -331,13 +336,15 @@ class WorkerRuntime:
         self._maybe_checkpoint(deadline, margin)
         durations: list[int] = []
         starts: list[int] = []
+        warmup_in_grant = False
         count = 0
         first_step_ns = 0
         last_end_ns = 0
         reason = "deadline"
         while True:
             if self._done():
-                self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, "done")
+                self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
+                                  last_end_ns, "done")
                 self.chan.send({"t": "finished", "total_steps": self.steps, "progress": self._progress()})
                 self._close_task()
                 return True
@@ -358,7 +365,8 @@ class WorkerRuntime:
                     # (bubble start -> first step) is not measured (0 and 1 both mean "none").
                     first_step_ns = min(first_step_ns, 1)
                 elif kind == "stop":
-                    self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, "stop")
+                    self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
+                                      last_end_ns, "stop")
                     self._stop(bool(msg.get("checkpoint")))
                     return True
                 msg = self.chan.recv_nowait()
@@ -387,19 +395,24 @@ class WorkerRuntime:
             ran = end - now
             if frozen:
                 ran = self.thaws.running_ns(now, end, step_deadline, time.process_time_ns() - cpu_start)
-            self.estimator.add(ran)
+            if self._warmup_pending:
+                self._warmup_pending = False
+                warmup_in_grant = True
+            else:
+                self.estimator.add(ran)
             durations.append(ran)
             starts.append(now)
             if len(durations) > MAX_REPORTED_DURATIONS:
                 del durations[0]
                 del starts[0]
+                warmup_in_grant = False  # the warm-up step was the one dropped
             # A grant that ran setup first, or began inside an earlier grant and was frozen, does
             # not measure "bubble start -> first step".
             first_step_ns = first_step_ns or (1 if set_up_now or frozen else now)
             last_end_ns = end
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)
-        self._send_parked(grant_id, count, durations, starts, first_step_ns, last_end_ns, reason)
+        self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns, last_end_ns, reason)
         return False
 
     def _done(self) -> bool:
@@ -410,7 +423,15 @@ class WorkerRuntime:
             raise _TaskError("EXCEPTION", "done()", exc) from exc
 
     def _send_parked(
-        self, grant_id: int, count: int, durations: list[int], starts: list[int], first: int, last: int, reason: str
+        self,
+        grant_id: int,
+        count: int,
+        durations: list[int],
+        starts: list[int],
+        warmup_steps: int,
+        first: int,
+        last: int,
+        reason: str,
     ) -> None:
         self.chan.send(
             {
@@ -419,6 +440,7 @@ class WorkerRuntime:
                 "steps": count,
                 "durations_ns": durations,
                 "starts_ns": starts,
+                "warmup_steps": warmup_steps,  # leading durations that are no step-time samples
                 "first_step_ns": first if first > 1 else 0,
                 "last_end_ns": last,
                 "parked_ns": time.monotonic_ns(),

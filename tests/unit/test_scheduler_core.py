@@ -1459,3 +1459,19 @@ def test_paper_policy_grants_fifo_without_backfill_after_an_early_park() -> None
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
         CoreConfig(policy="fastest")
+
+
+def test_a_warm_up_step_counts_as_harvest_but_not_as_a_step_time_sample() -> None:
+    # Regression: a small LSTM's first step (75 ms, lazy initialisation) became its estimate and fit
+    # no 30 ms bubble until a re-probe 200 bubbles later; its other steps take 3 ms.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=100)
+    sim.advance_ms(80)
+    sim.end()
+    task = sim.core.tasks["a"]
+    sim.send(WorkerParked("a", task.grant_id, 1, (75 * MS,), 0, sim.now, sim.now, "park", 1.0, 1, warmup_steps=1))
+    assert task.known_step_ns is None, "the warm-up step became the estimate"
+    assert task.harvested_ns == 75 * MS
+    sim.advance_ms(10)
+    assert grants(sim.start(predicted_ms=30)) == ["a"], "a task without an estimate gets its probe"
