@@ -121,6 +121,24 @@ class CpuDevice(Device):
         # start-up time. OMP_NUM_THREADS from worker_env keeps torch to one thread when it loads.
         os.sched_setaffinity(0, {self.name.index})
         os.nice(WORKER_NICENESS)
+        lower_autogroup_priority(WORKER_NICENESS)
+
+
+def lower_autogroup_priority(niceness: int) -> bool:
+    """Give this process's autogroup the niceness too; True when the kernel took it.
+
+    A worker starts in a session of its own, and with ``sched_autogroup_enabled`` (the default on
+    many distributions) the scheduler shares a core fairly between *sessions* first: a nice 19
+    worker in its own session then competes with the trainer as an equal (measured: 1.53 s of CPU
+    against 1.76 s for a nice 0 loop), and its niceness only ranks it inside its session. Setting
+    the autogroup's nice restores the intent. Without autogroups the file is absent: nothing to do.
+    """
+    try:
+        with open("/proc/self/autogroup", "w") as fh:
+            fh.write(str(niceness))
+    except OSError:
+        return False
+    return True
 
 
 def mps_pipe_directory() -> Path | None:
