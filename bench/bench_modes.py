@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine_info
+from freeride._demo.plan import plan_tasks
 from freeride._manager.trace import read_trace
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
@@ -73,17 +74,17 @@ class SideTaskConfig:
     memory_bytes: int
 
 
-#: The three kinds of side task, sized as in the demo for CPU bubbles of tens of milliseconds:
-#: steps of a few milliseconds on one core (PageRank on 16k vertices / 262k edges; one bundled
-#: photograph resized to 256 px and watermarked; a small character-level LSTM).
+def _demo_sized(name: str, target: str) -> SideTaskConfig:
+    plan = {t.target: t for t in plan_tasks("cpu")}[target]
+    return SideTaskConfig(name, target, dict(plan.args), plan.memory_bytes)
+
+
+#: The three kinds of side task, sized as in the demo (``freeride._demo.plan``) for CPU bubbles of
+#: tens of milliseconds: steps of a few milliseconds on one core.
 TASKS: dict[str, SideTaskConfig] = {
-    "pagerank": SideTaskConfig("pagerank", "side_tasks.graphs:PageRank",
-                               {"graph": "rmat:14", "tol": 0.0, "max_iterations": 10**9}, 640 * MiB),
-    "image": SideTaskConfig("image", "side_tasks.images:ImageWatermark",
-                            {"max_side": 256, "batch_size": 1, "repeat": 10**9}, 640 * MiB),
-    "training": SideTaskConfig("training", "side_tasks.training:LSTMLanguageModelTraining",
-                               {"seq_len": 32, "batch_size": 8, "embed": 32, "hidden": 64, "layers": 1,
-                                "max_steps": 10**9}, 768 * MiB),
+    "pagerank": _demo_sized("pagerank", "side_tasks.graphs:PageRank"),
+    "image": _demo_sized("image", "side_tasks.images:ImageWatermark"),
+    "training": _demo_sized("training", "side_tasks.training:LSTMLanguageModelTraining"),
 }
 TASK_SETS: dict[str, tuple[str, ...]] = {"pagerank": ("pagerank",), "image": ("image",),
                                          "training": ("training",), "mix": ("pagerank", "image", "training")}
