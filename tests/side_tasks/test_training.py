@@ -145,3 +145,18 @@ def test_importing_the_training_tasks_loads_what_their_first_optimiser_would_loa
     code = "import sys, side_tasks.training; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("make", [_tiny_resnet, _tiny_lstm], ids=["resnet", "lstm"])
+def test_setup_warms_the_kernels_up_without_changing_any_state(tmp_path: Path, make: object) -> None:
+    # setup() runs one forward and backward pass so that the first measured step is a steady one.
+    task = make()  # type: ignore[operator]
+    rng = torch.get_rng_state()
+    task.setup(make_ctx(tmp_path))
+    assert torch.equal(torch.get_rng_state(), rng)
+    with torch.random.fork_rng():
+        torch.manual_seed(task.seed)
+        fresh = task._make_model()
+    assert _same_tensors(task.model.state_dict(), fresh.state_dict())  # weights and batch-norm statistics
+    assert all(p.grad is None for p in task.model.parameters())
+    assert task.optimizer.state_dict()["state"] == {}
