@@ -98,14 +98,14 @@ class BubbleFeeder:
             self.bubble(length_ms, predicted_ms, gap_ms)
 
     def run_until(self, predicate: Callable[[], object], length_ms: float = 20.0, timeout_s: float = 30.0,
-                  gap_ms: float = 5.0) -> None:
+                  gap_ms: float = 5.0, predicted_ms: float | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
             if time.monotonic() > deadline:
                 with ControlClient(self.endpoint) as client:
                     tasks = [(t.task_id, t.state, t.steps, t.waiting_reason, t.failure) for t in client.list()]
                 raise AssertionError(f"condition not met within {timeout_s} s of bubbles; tasks: {tasks}")
-            self.bubble(length_ms, gap_ms=gap_ms)
+            self.bubble(length_ms, predicted_ms, gap_ms=gap_ms)
 
     def close(self) -> tuple[int, int]:
         self._q.put(None)

@@ -134,7 +134,9 @@ def test_metrics_move_after_bubbles_and_a_task(metered: ManagerHarness) -> None:
 
     feeder = metered.feeder()
     try:
-        feeder.run_until(harvested)
+        # Predicted longer than real: the real end finds the worker stepping, so a park latency is measured
+        # (a worker that parks itself at the predicted end measures none).
+        feeder.run_until(harvested, predicted_ms=60)
     finally:
         feeder.close()
     # Answers are reused for up to a second: poll until the scrape shows the task's steps.
