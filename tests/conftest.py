@@ -33,6 +33,27 @@ settings.register_profile("ci", deadline=None, derandomize=True, database=None, 
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
+def cpu_devices(count: int = 1) -> list[str]:
+    """``count`` distinct ``cpu:N`` devices this process may run on, from ``os.sched_getaffinity``.
+
+    Tests never name core numbers: a CI runner or a ``taskset`` may allow any set of cores. A test that
+    needs more cores than it is allowed is skipped, saying how many it needed.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < count:
+        pytest.skip(f"needs {count} CPU cores, this process may use {len(allowed)}")
+    return [f"cpu:{core}" for core in allowed[:count]]
+
+
+def now_ns() -> int:
+    """The host's ``CLOCK_MONOTONIC`` now: the only base for a timestamp a test sends to a manager.
+
+    A manager rejects bubble times ahead of its own clock, and a machine that booted a minute ago has a
+    clock of about 60 s: a fixed base such as 1,000 s fails there.
+    """
+    return time.monotonic_ns()
+
+
 def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.02) -> object:
     """Poll until ``predicate()`` is truthy; fail the test with a clear message at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -142,14 +163,16 @@ class ManagerHarness:
 
 @pytest.fixture
 def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
-    """Start in-process managers on cpu:0 with temporary sockets and state; stopped at teardown."""
+    """Start in-process managers on this process's first allowed core, with temporary sockets and state;
+    stopped at teardown."""
     started: list[ManagerHarness] = []
+    device = cpu_devices(1)[0]
 
     def make(trace_path: Path | None = None, **core: object) -> ManagerHarness:
         index = len(started)
         sock = Path(f"/tmp/fr-{os.getpid()}-{id(tmp_path) % 10**6}-{index}.sock")
         manager = Manager(
-            "cpu:0",
+            device,
             endpoint=Endpoint("unix", str(sock)),
             state_dir=tmp_path / f"state{index}",
             core=CoreConfig(**core),  # type: ignore[arg-type]
