@@ -167,8 +167,10 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     given_cores = set(os.sched_getaffinity(0))
     if cfg.device == "cpu":
         cores = sorted(given_cores)
-        # One core per stage: the stage's bubbles are then real idle time of that core (cpu:N).
-        core = local_rank if local_rank in cores else cores[local_rank % len(cores)]
+        # One core per stage: the stage's bubbles are then real idle time of that core (cpu:N). The
+        # local rank indexes the cores this job was given, never a core number: with cores {1, 3},
+        # mapping "rank 1 -> core 1" would put both ranks on core 1.
+        core = cores[local_rank % len(cores)]
         os.sched_setaffinity(0, {core})
         torch.set_num_threads(1)
         device_name = f"cpu:{core}"
