@@ -109,8 +109,9 @@ class Runtime:
         keeps_stage_outputs: a chunk's output tensor is kept until its backward.
         keeps_last_outputs: the last chunk keeps every micro-batch's output until the step ends
             (to return the merged outputs).
-        keeps_input_grads: the gradient of a chunk's input stays in its receive buffer until the next
-            step (autograd accumulates into the buffer's ``.grad``).
+        sends_held_until_step_end: schedules under which everything a chunk sends (its outputs, the
+            gradients of its inputs) is held until the step ends: the send's handle keeps the tensor
+            alive until it is waited for. Elsewhere an input gradient lives only until it is sent.
         grads_freed_between_iterations: gradients are freed after the optimizer step
             (``zero_grad(set_to_none=True)``) and exist from a chunk's first backward on; else they
             are persistent buffers.
@@ -120,17 +121,21 @@ class Runtime:
     recv_buffers_per_microbatch: bool
     keeps_stage_outputs: bool
     keeps_last_outputs: bool
-    keeps_input_grads: bool
     grads_freed_between_iterations: bool
+    sends_held_until_step_end: frozenset[str] = frozenset()
 
 
 RUNTIMES: dict[str, Runtime] = {
-    # torch.distributed.pipelining (stage.py: per-micro-batch recv infos, fwd_cache, output_chunks,
-    # clear_runtime_states at the next step) driven like the reference trainer drives it.
-    "torch": Runtime("torch", True, True, True, True, True),
+    # torch.distributed.pipelining 2.13 (stage.py: receive buffers per micro-batch, fwd_cache until
+    # the backward, the last stage's output_chunks until the step ends; _backward.py drops an input's
+    # .grad once taken for sending). ScheduleGPipe keeps every send's handle in a list it waits on
+    # at the end of its phase and drops at the step's end, the runtime schedules (interleaved,
+    # zero-bubble) wait for their sends only at the step's end; Schedule1F1B waits for each soon.
+    # Driven like the reference trainer drives it (zero_grad(set_to_none=True)).
+    "torch": Runtime("torch", True, True, True, True, frozenset({"gpipe", "interleaved-1f1b", "zb-h1"})),
     # A runtime that frees every transfer and output as soon as it is sent and keeps persistent
     # gradient buffers (Megatron-LM's behaviour, as far as this model goes).
-    "lean": Runtime("lean", False, False, False, False, False),
+    "lean": Runtime("lean", False, False, False, False),
 }
 
 
@@ -343,12 +348,14 @@ class RankMemory:
     """A rank's memory through one iteration.
 
     ``points[0]`` is the state when the iteration starts, ``points[k]`` the state after the rank's
-    ``k``-th action (1-based), while it waits for the next.
+    ``k``-th action (1-based), while it waits for the next; ``step_end`` the state once the step
+    has returned (what the runtime holds only until then released), until the optimizer step.
     """
 
     rank: int
     points: tuple[HeldMemory, ...]
     order: tuple[Action, ...]
+    step_end: HeldMemory
 
     @property
     def peak(self) -> HeldMemory:
@@ -362,11 +369,12 @@ class RankMemory:
     def during(self, slot: IdleSlot) -> HeldMemory:
         """What the rank holds while it waits in ``slot``.
 
-        A ``boundary`` slot spans the iteration's end (the optimizer step, then the next step's
-        start): the larger of the two states is taken, so free memory is never overstated.
+        A ``boundary`` slot spans the iteration's end (the step's return, the optimizer step, then
+        the next step's start): the larger of the two states is taken, so free memory is never
+        overstated.
         """
         if slot.kind == BOUNDARY or slot.after is None:
-            return max(self.points[-1], self.points[0], key=lambda p: p.total_bytes)
+            return max(self.step_end, self.points[0], key=lambda p: p.total_bytes)
         for k, action in enumerate(self.order):
             if action == slot.after:
                 return self.points[k + 1]
@@ -402,7 +410,13 @@ def rank_memory(
 
     state: dict[tuple[int, int], str] = {}
     backwarded: set[int] = set()
-    kept_outputs = kept_input_grads = 0
+    kept_last = 0  # the last chunk's outputs, until the next step starts
+    kept_sends = 0  # everything sent, until the step ends (where the runtime holds sends)
+    sends_held = schedule.name in runtime.sends_held_until_step_end
+
+    def held_to_step_end(c: int) -> bool:
+        last = c == num_chunks - 1
+        return (last and runtime.keeps_last_outputs) or (not last and sends_held)
 
     def point() -> HeldMemory:
         act = 0
@@ -412,14 +426,13 @@ def rank_memory(
                 act += chunk.activation_bytes
                 if not runtime.recv_buffers_per_microbatch:
                     act += chunk.input_bytes
-                if runtime.keeps_stage_outputs and not (runtime.keeps_last_outputs and c == num_chunks - 1):
+                if runtime.keeps_stage_outputs and not held_to_step_end(c):
                     act += chunk.output_bytes
             else:
                 act += chunk.weight_pass_bytes
         with_grads = backwarded if runtime.grads_freed_between_iterations else own
         grads = sum(chunks[c].params for c in with_grads) * precision.grad_bytes
-        return HeldMemory(weights, grads, optimizer_bytes, persistent + kept_outputs + kept_input_grads, act,
-                          len(state))
+        return HeldMemory(weights, grads, optimizer_bytes, persistent + kept_last + kept_sends, act, len(state))
 
     points = [point()]
     for action in order:
@@ -427,16 +440,19 @@ def rank_memory(
         chunk = chunks[action.stage]
         if action.kind == FORWARD:
             state[key] = FORWARD
-            if runtime.keeps_last_outputs and action.stage == num_chunks - 1:
-                kept_outputs += chunk.output_bytes
+            if action.stage == num_chunks - 1 and runtime.keeps_last_outputs:
+                kept_last += chunk.output_bytes
+            elif held_to_step_end(action.stage):
+                kept_sends += chunk.output_bytes
         elif action.kind == BACKWARD_INPUT:
             state[key] = BACKWARD_INPUT
-            if runtime.keeps_input_grads:
-                kept_input_grads += chunk.input_bytes
+            if sends_held:
+                kept_sends += chunk.input_bytes
         else:
             state.pop(key, None)
             backwarded.add(action.stage)
-            if action.kind == BACKWARD and runtime.keeps_input_grads:
-                kept_input_grads += chunk.input_bytes
+            if action.kind == BACKWARD and sends_held:
+                kept_sends += chunk.input_bytes
         points.append(point())
-    return RankMemory(rank, tuple(points), tuple(order))
+    kept_sends = 0
+    return RankMemory(rank, tuple(points), tuple(order), point())

@@ -196,7 +196,7 @@ def test_lean_runtime_holds_static_state_plus_activations_in_flight() -> None:
     assert mem.peak.total_bytes == 360 and mem.peak_in_flight == 2
 
 
-def test_torch_runtime_keeps_buffers_outputs_and_input_gradients() -> None:
+def test_torch_runtime_keeps_receive_buffers_outputs_until_backward_and_the_last_outputs() -> None:
     s = build_schedule("1f1b", 2, 2)
     torch_rt = RUNTIMES["torch"]
     first = rank_memory(s, 0, _CHUNKS, FP32, "adam", torch_rt)  # F0 F1 B0 B1
@@ -204,10 +204,23 @@ def test_torch_runtime_keeps_buffers_outputs_and_input_gradients() -> None:
     # gradients appear with the first backward.
     assert [p.total_bytes for p in first.points] == [130, 235, 340, 275, 170]
     last = rank_memory(s, 1, _CHUNKS, FP32, "adam", torch_rt)  # F0 B0 F1 B1
-    # 2 activation receive buffers (2 x 5); outputs (9 each) kept until the step ends; each backward
-    # leaves its input's gradient (5) in the receive buffer.
-    assert [p.total_bytes for p in last.points] == [250, 459, 344, 553, 358]
-    assert last.points[-1].buffers == 10 + 18 + 10
+    # 2 activation receive buffers (2 x 5); the outputs (9 each) stay until the next step starts;
+    # an input gradient lives only until it is sent (1F1B waits for each send soon).
+    assert [p.total_bytes for p in last.points] == [250, 459, 339, 548, 348]
+    assert last.step_end.total_bytes == 348 and last.step_end.buffers == 10 + 18
+
+
+def test_torch_gpipe_holds_what_it_sends_until_the_step_ends() -> None:
+    s = build_schedule("gpipe", 2, 2)
+    torch_rt = RUNTIMES["torch"]
+    first = rank_memory(s, 0, _CHUNKS, FP32, "adam", torch_rt)  # F0 F1 B0 B1
+    # Outputs (5 each) are held by their sends' handles until the step returns.
+    assert [p.total_bytes for p in first.points] == [130, 235, 340, 280, 180]
+    assert first.step_end.total_bytes == 170
+    last = rank_memory(s, 1, _CHUNKS, FP32, "adam", torch_rt)  # F0 F1 B0 B1
+    # Input gradients (5 each) too; the last outputs (9 each) outlive the step.
+    assert [p.total_bytes for p in last.points] == [250, 459, 668, 553, 358]
+    assert last.step_end.total_bytes == 348
 
 
 def test_memory_during_a_slot_is_what_the_action_before_it_left() -> None:
@@ -218,7 +231,7 @@ def test_memory_during_a_slot_is_what_the_action_before_it_left() -> None:
         for slot in s.cyclic_slots(r):
             held = mem.during(slot)
             if slot.kind == BOUNDARY:
-                assert held.total_bytes == max(mem.points[0].total_bytes, mem.points[-1].total_bytes)
+                assert held.total_bytes == max(mem.points[0].total_bytes, mem.step_end.total_bytes)
             else:
                 k = s.orders[r].index(slot.after)
                 assert held == mem.points[k + 1]
