@@ -47,8 +47,9 @@ vocabulary ``V``, activation element size ``d`` bytes, writing ``N = s b h``:
   the extra layers), transfers and the loss in the activation dtype. Workspace inside one action
   (the backward's activation gradients, an optimizer step's temporaries) is not modelled: the figures
   are the memory held *between* actions, which is what a side task running in a bubble competes
-  with; leave headroom for the rest. Checked against allocator accounting of the reference trainer's
-  chunks on CPU within about 2% (``bench/bench_plan.py``).
+  with; leave headroom for the rest. Checked against the allocator's accounting in runs of the
+  reference trainer on CPU: p90 error 5% over every point between actions of four configurations
+  (``bench/bench_plan.py``, ``bench/results/cpu/plan_validation.md``).
 
 **Measured inputs** (:class:`MeasuredStages`): per rank, the weight bytes and the activation bytes
 one micro-batch saves (e.g. from a profiling run), for models the formulas do not describe.
