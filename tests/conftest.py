@@ -184,12 +184,12 @@ class ManagerHarness:
 
 @pytest.fixture
 def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
-    """Start in-process managers on this process's first allowed core, with temporary sockets and state;
-    stopped at teardown."""
+    """Start in-process managers (on this process's first allowed core unless ``device=`` says otherwise),
+    with temporary sockets and state; stopped at teardown."""
     started: list[ManagerHarness] = []
     device = cpu_devices(1)[0]
 
-    def make(trace_path: Path | None = None, **core: object) -> ManagerHarness:
+    def make(trace_path: Path | None = None, device: str = device, **core: object) -> ManagerHarness:
         index = len(started)
         sock = Path(f"/tmp/fr-{os.getpid()}-{id(tmp_path) % 10**6}-{index}.sock")
         manager = Manager(

@@ -25,6 +25,8 @@ from typing import Any
 from freeride._manager.core import MS, POLICIES, CoreConfig
 from freeride._manager.daemon import Manager
 from freeride._manager.metrics import DEFAULT_ADDRESS
+from freeride.devices import open_device
+from freeride.devices.mps import DEFAULT_SM_PERCENT, MpsMode
 from freeride.endpoints import ENDPOINT_ENV, TOKEN_ENV, read_token, resolve_endpoint
 from freeride.errors import ConfigError
 from freeride.units import parse_size
@@ -94,6 +96,17 @@ def register(subparsers: Any) -> None:
                         help="for --policy paper: JSON of the minimum bubble length per (stage, slot), "
                         '{"slots": [{"stage": 0, "slot": 1, "min_ns": 12000000}, ...]}; without it the trainer\'s '
                         "prediction stands in for the offline profile")
+    parser.add_argument(
+        "--mps", choices=[m.value for m in MpsMode], default=MpsMode.AUTO.value,
+        help="CUDA only. auto (default): side tasks join a live MPS control daemon as low-priority clients with "
+        "an SM share and a pinned-memory limit; off: they never join one; require: refuse to start without a "
+        "live daemon. MPS makes side-task kernels yield to the trainer's, but shares one fault domain with it: "
+        "see the README",
+    )
+    parser.add_argument(
+        "--mps-sm-percent", type=int, default=DEFAULT_SM_PERCENT,
+        help="CUDA with MPS: the share of the GPU's SMs a side task's kernels may occupy (default %(default)s)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -173,10 +186,13 @@ class _AnnouncingManager(Manager):
             file=sys.stderr,
             flush=True,
         )
+        if self.device.name.kind == "cuda":
+            print(f"  {self.device.describe()}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     config = core_config(args)
+    device = open_device(args.device, mps=args.mps, mps_sm_percent=args.mps_sm_percent)
     memory_poll_ms = _ms("memory-poll-ms", args.memory_poll_ms, positive=True)
     # The same endpoint the client commands resolve for this device (explicit, $FREERIDE_ENDPOINT, default).
     endpoint = resolve_endpoint(args.endpoint, args.device)
@@ -186,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--metrics-address needs --metrics-port (metrics are off without it)")
     try:
         manager = _AnnouncingManager(
-            args.device,
+            device,
             endpoint=endpoint,
             state_dir=state_dir,
             token=token,
@@ -197,10 +213,12 @@ def run(args: argparse.Namespace) -> int:
             metrics_address=args.metrics_address or DEFAULT_ADDRESS,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
+        device.close()
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"bad manager option: {exc}") from None
     except OSError as exc:
+        device.close()
         raise ConfigError(f"cannot prepare the manager's state directory: {exc}") from None
     manager.serve_forever()
     return 0

@@ -386,7 +386,9 @@ def render_stats(s: ManagerStats) -> str:
     ratio = f"{100 * s.harvested_s / s.bubble_time_s:.1f}%" if s.bubble_time_s > 0 else "-"
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.tasks_by_state.items())) or "none"
     fields = [
-        ("device", s.device + ("  (draining)" if s.draining else "")),
+        ("device", (s.device_info or s.device) + ("  (draining)" if s.draining else "")),
+        *([("PROBLEM", f"the device cannot be read, nothing is admitted: {s.device_problem}")]
+          if s.device_problem else []),
         ("uptime", f"{s.uptime_s:.1f} s"),
         ("bubbles", str(s.bubbles)),
         ("bubble time", f"{s.bubble_time_s:.3f} s"),

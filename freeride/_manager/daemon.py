@@ -29,6 +29,8 @@ from freeride.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+FIRST_READING_TIMEOUT_S = 2.0
+
 
 def default_state_dir(device: Device) -> Path:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -134,9 +136,15 @@ class Manager:
     def _serve(self) -> None:
         if self.metrics is not None:
             self.metrics.start()  # first: a busy metrics port fails before the gRPC endpoint is bound
+        # The device's first reading goes into the loop's inbox before any request can arrive: a new
+        # manager then answers with a memory budget. Bounded: a device that does not answer yet is
+        # reported as such by the poller, and serving does not wait on it.
+        self.loop.poller.start()
+        self.loop.poller.first_reading.wait(FIRST_READING_TIMEOUT_S)
         try:
             self._bind()
         except BaseException:
+            self.loop.poller.stop()
             if self.metrics is not None:
                 self.metrics.stop()
             raise
@@ -185,6 +193,7 @@ class Manager:
         if self.metrics is not None:
             self.metrics.stop()
         if self._thread is None or not self._thread.is_alive():
+            self.loop.poller.stop()  # stopped by the loop already, unless the loop never ran
             self.loop.release()
             self.device.close()
         if self.endpoint.kind == "unix":

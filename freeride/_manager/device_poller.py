@@ -39,6 +39,9 @@ class DevicePoller:
         self._thread: threading.Thread | None = None
         self.problem = ""
         self.samples = 0
+        #: Set once the first reading is posted: the daemon waits for it (briefly) before it serves, so
+        #: a new manager answers its first requests with a memory budget.
+        self.first_reading = threading.Event()
 
     def watch(self, task_id: str, pids: Sequence[int]) -> None:
         """Sample these processes as ``task_id`` from now on (replaces its earlier list)."""
@@ -50,6 +53,9 @@ class DevicePoller:
             self._watched.pop(task_id, None)
 
     def start(self) -> None:
+        """Start sampling (once; later calls do nothing)."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._run, name=f"device-{self.device.name.slug}", daemon=True)
         self._thread.start()
 
@@ -91,4 +97,5 @@ class DevicePoller:
                 self.poll_once(free=free)
             except Exception:  # a bug here must not end the sampling, and never the manager
                 log.exception("[%s] device poll failed", self.device)
+            self.first_reading.set()
             self._wake.wait(self._memory_period_s)

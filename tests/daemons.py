@@ -25,10 +25,11 @@ def health(endpoint: Endpoint) -> str:
         return "DOWN"
 
 
-def start_daemon(sock: Path, state: Path, *options: str) -> subprocess.Popen[bytes]:
-    """``freeride manager`` on an allowed core, on ``sock`` with ``state``; returns once it is SERVING."""
+def start_daemon(sock: Path, state: Path, *options: str, device: str = DEVICE) -> subprocess.Popen[bytes]:
+    """``freeride manager`` on ``device`` (an allowed core by default), on ``sock`` with ``state``; returns
+    once it is SERVING."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "freeride.cli", "manager", "--device", DEVICE, "--endpoint", f"unix:{sock}",
+        [sys.executable, "-m", "freeride.cli", "manager", "--device", device, "--endpoint", f"unix:{sock}",
          "--state-dir", str(state), *options],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

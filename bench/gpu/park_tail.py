@@ -1,0 +1,126 @@
+"""Park tail on a GPU: from a park (a bubble's end) or a SIGSTOP until the trainer's kernels run at their
+idle latency again, for each bundled task and a kernel-heavy synthetic one; with and without MPS.
+
+This process plays the trainer: it owns a CUDA context and, right after sending a bubble's end (or
+freezing the worker with SIGSTOP, which leaves its queued kernels running), launches tiny probe kernels
+back to back. The GPU counts as free of side-task kernels at the first of three consecutive probes that
+complete within twice the idle latency (measured first, with the GPU to itself). Under MPS the probe can
+run beside side-task kernels, so the figure is what matters to training either way: how long its kernels
+are held back.
+
+    python -m bench.gpu.park_tail [--trials 30] [--mps off|require]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.gpu.common import REPO, GiB, Trainer, client, gpu_manager, pct, wait_until, write_results
+from freeride.messages import TaskSpec
+
+TASKS: list[tuple[str, str, dict[str, Any]]] = [
+    ("kernel-storm", "bench.gpu.tasks:KernelStorm", {"size": 8192, "kernels": 64}),
+    ("pagerank", "side_tasks.graphs:PageRank", {"graph": "rmat:22"}),
+    ("watermark", "side_tasks.images:ImageWatermark", {"repeat": 1000}),
+    ("resnet18", "side_tasks.training:ResNet18Training", {"batch_size": 128}),
+    ("lstm", "side_tasks.training:LSTMLanguageModelTraining", {"batch_size": 256}),
+]
+FREE_RUN = 3
+
+
+class Probe:
+    """Tiny kernels timed from the host: launch, wait, and how long it took."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.x = torch.zeros(1, device="cuda:0")
+        self.stream = torch.cuda.Stream(priority=-1)  # the trainer's kernels come first where they can
+        for _ in range(20):
+            self.once()
+        self.idle_s = sorted(self.once() for _ in range(200))[100]
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        with self.torch.cuda.stream(self.stream):
+            self.x.add_(1)
+        self.stream.synchronize()
+        return time.perf_counter() - t0
+
+    def until_free(self, since: float, timeout_s: float = 10.0) -> float:
+        """Seconds from ``since`` (perf_counter) to the first of FREE_RUN fast probes in a row."""
+        run_start, run = 0.0, 0
+        while time.perf_counter() - since < timeout_s:
+            t0 = time.perf_counter()
+            if self.once() <= 2 * self.idle_s:
+                run_start, run = (t0, run + 1) if run else (t0, 1)
+                if run >= FREE_RUN:
+                    return run_start - since
+            else:
+                run = 0
+        return float("inf")
+
+
+def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Probe, mps: str) -> dict[str, Any]:
+    park, stop = [], []
+    with tempfile.TemporaryDirectory() as tmp, gpu_manager(Path(tmp), mps=mps) as manager, client(manager) as c:
+        task = c.submit(TaskSpec(target=target, args=args, memory_bytes=8 * GiB, working_dir=str(REPO))).task_id
+        trainer = Trainer(manager.endpoint)
+        wait_until(lambda: c.get(task).state == "PARKED", 120, f"{name} ready")
+        trainer.bubbles(3, length_ms=300, gap_ms=50)  # setup and a few steps: the estimate exists
+        for i in range(2 * trials):
+            trainer.start(500)
+            wait_until(lambda: c.get(task).state == "RUNNING", 10, "granted")
+            time.sleep(0.05)  # mid-stream of steps
+            if i % 2 == 0:
+                since = time.perf_counter()
+                trainer.end()
+                park.append(probe.until_free(since))
+            else:
+                pid = c.get(task).pid
+                since = time.perf_counter()
+                os.kill(pid, signal.SIGSTOP)
+                stop.append(probe.until_free(since))
+                os.kill(pid, signal.SIGCONT)
+                trainer.end()
+            wait_until(lambda: c.get(task).state in ("PARKED", "FROZEN", "FAILED"), 10, "parked")
+            time.sleep(0.05)
+        trainer.close()
+        stats = c.stats()
+    ms = 1000.0
+    return {"task": name, "park_ms": pct([v * ms for v in park]), "sigstop_ms": pct([v * ms for v in stop]),
+            "manager_park_latency_ms": stats.park_latency_ms.__dict__, "samples_ms": {
+                "park": [v * ms for v in park], "sigstop": [v * ms for v in stop]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--mps", choices=("off", "require"), default="off",
+                    help="side tasks out of MPS, or MPS clients of a live daemon (names the result file)")
+    ns = ap.parse_args(argv)
+    probe = Probe()
+    rows = [measure(n, t, a, ns.trials, probe, ns.mps) for n, t, a in TASKS]
+    lines = [f"Idle probe latency {probe.idle_s * 1e6:.0f} us; free = {FREE_RUN} probes in a row within twice that.",
+             "", "| task | park -> free p50 / p99 ms | SIGSTOP -> free p50 / p99 ms | manager park latency p99 ms |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['task']} | {r['park_ms']['p50']:.2f} / {r['park_ms']['p99']:.2f} | "
+                     f"{r['sigstop_ms']['p50']:.2f} / {r['sigstop_ms']['p99']:.2f} | "
+                     f"{r['manager_park_latency_ms'].get('p99', 0):.2f} |")
+    label = "mps" if ns.mps == "require" else "no-mps"
+    write_results(f"park_tail-{label}", {"idle_probe_s": probe.idle_s, "rows": rows}, "\n".join(lines),
+                  "python -m bench.gpu.park_tail " + " ".join(sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

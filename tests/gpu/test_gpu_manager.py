@@ -1,0 +1,165 @@
+"""On a real GPU: every bundled task runs, caps hold (and a trainer beside them goes on), tasks resume
+after the manager is killed, bubble ends park and overruns freeze, and NVML's figures agree with ours."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import BubbleFeeder, ManagerHarness, wait_for
+from daemons import socket_path, start_daemon
+from gpu_support import GPU
+
+from freeride._wire.client import ControlClient
+from freeride.endpoints import Endpoint
+from freeride.messages import TaskSpec
+
+pytestmark = GPU
+
+MiB = 2**20
+GiB = 2**30
+REPO = Path(__file__).resolve().parents[2]
+
+BUNDLED = [
+    ("side_tasks.graphs:PageRank", {"graph": "rmat:16"}),
+    ("side_tasks.graphs:BFS", {"graph": "rmat:16"}),
+    ("side_tasks.graphs:ConnectedComponents", {"graph": "rmat:16"}),
+    ("side_tasks.images:ImageWatermark", {"repeat": 50}),
+    ("side_tasks.training:ResNet18Training", {"batch_size": 64}),
+    ("side_tasks.training:LSTMLanguageModelTraining", {}),
+]
+
+
+def submit(h: ManagerHarness, target: str, args: dict[str, object], memory: int = 4 * GiB,
+           **kw: object) -> str:
+    spec = TaskSpec(target=target, args=args, memory_bytes=memory, working_dir=str(REPO), **kw)  # type: ignore[arg-type]
+    return h.client.submit(spec).task_id
+
+
+@pytest.mark.parametrize(("target", "args"), BUNDLED, ids=[t.split(":")[1] for t, _ in BUNDLED])
+def test_every_bundled_task_steps_on_the_gpu_inside_bubbles(
+    make_manager: Callable[..., ManagerHarness], target: str, args: dict[str, object]
+) -> None:
+    h = make_manager(device="cuda:0")
+    task = submit(h, target, args)
+    feeder = h.feeder(free_memory_bytes=40 * GiB)
+    feeder.run_until(lambda: h.client.get(task).steps >= 3 or h.client.get(task).state in ("FINISHED", "FAILED"),
+                     length_ms=200, timeout_s=180)
+    feeder.close()
+    info = h.client.get(task)
+    assert info.state != "FAILED", info.failure
+    assert info.steps >= 3 or info.state == "FINISHED"
+
+
+TRAINER = textwrap.dedent("""
+    import sys, time, torch
+    x = torch.randn(4096, 4096, device="cuda:0")
+    n = 0
+    while True:
+        y = x @ x
+        torch.cuda.synchronize()
+        n += 1
+        with open(sys.argv[1], "w") as fh:
+            fh.write(str(n))
+""")
+
+
+@pytest.mark.parametrize("via", ["torch", "raw"])
+def test_an_allocation_over_the_cap_fails_memory_limit_while_a_trainer_on_the_gpu_goes_on(
+    make_manager: Callable[..., ManagerHarness], tmp_path: Path, via: str
+) -> None:
+    progress = tmp_path / "trainer.count"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(progress)])
+    try:
+        wait_for(lambda: progress.exists() and progress.read_text(), 120)
+        h = make_manager(device="cuda:0")
+        task = submit(h, "bench.gpu.tasks:CudaHog", {"mib_per_step": 256, "via": via}, memory=1536 * MiB)
+        feeder = h.feeder(free_memory_bytes=40 * GiB)
+        feeder.run_until(lambda: h.client.get(task).state == "FAILED", length_ms=100, timeout_s=120)
+        feeder.close()
+        failure = h.client.get(task).failure
+        assert failure is not None and failure.kind == "MEMORY_LIMIT", failure
+        before = int(progress.read_text())
+        wait_for(lambda: int(progress.read_text() or 0) > before + 10, 60)
+        assert trainer.poll() is None, "the trainer died with the side task"
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_gpu_task_resumes_from_its_checkpoint_after_the_manager_is_killed(tmp_path: Path) -> None:
+    sock, state = socket_path("gpu-restart"), tmp_path / "state"
+    daemon = start_daemon(sock, state, "--memory-poll-ms", "10", device="cuda:0")
+    endpoint = Endpoint("unix", str(sock))
+    try:
+        with ControlClient(endpoint) as client:
+            task = client.submit(TaskSpec(target="side_tasks.training:ResNet18Training", args={"batch_size": 32},
+                                          memory_bytes=4 * GiB, working_dir=str(REPO),
+                                          checkpoint_interval_s=0.5)).task_id
+            feeder = BubbleFeeder(endpoint, free_memory_bytes=40 * GiB)
+            feeder.run_until(lambda: client.get(task).checkpoint_step >= 5, length_ms=200, timeout_s=180)
+            checkpoint = client.get(task).checkpoint_step
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(30)
+        feeder.stream.close()
+        daemon = start_daemon(sock, state, "--memory-poll-ms", "10", device="cuda:0")
+        with ControlClient(endpoint) as client:
+            feeder = BubbleFeeder(endpoint, free_memory_bytes=40 * GiB)
+            feeder.run_until(lambda: client.get(task).steps > checkpoint + 2, length_ms=200, timeout_s=180)
+            feeder.close()
+            info = client.get(task)
+            assert info.state != "FAILED", info.failure
+            assert info.restarts == 1 and info.steps > checkpoint
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+
+
+def test_a_bubble_end_parks_a_short_gpu_step_and_an_overrunning_one_is_frozen_then_thawed(
+    make_manager: Callable[..., ManagerHarness],
+) -> None:
+    h = make_manager(device="cuda:0", grace_ns=2_000_000)
+    short = submit(h, "bench.gpu.tasks:KernelStorm", {"size": 1024, "kernels": 1})
+    feeder = h.feeder(free_memory_bytes=40 * GiB)
+    feeder.run_until(lambda: h.client.get(short).steps >= 20, length_ms=50, timeout_s=120)
+    assert h.client.get(short).overruns == 0 or h.client.get(short).state == "PARKED"
+    h.client.cancel(short)
+    # ~0.3 s of matrix products per step: the first (probe) step overruns a 30 ms bubble and is frozen.
+    long = submit(h, "bench.gpu.tasks:KernelStorm", {"size": 8192, "kernels": 200})
+    seen: set[str] = set()
+
+    def frozen_then_thawed() -> bool:
+        info = h.client.get(long)
+        seen.add(info.state)
+        return "FROZEN" in seen and info.steps >= 2
+
+    feeder.run_until(frozen_then_thawed, length_ms=30, gap_ms=30, timeout_s=180)
+    feeder.close()
+
+
+def test_nvml_sees_each_worker_within_its_cap(make_manager: Callable[..., ManagerHarness]) -> None:
+    import pynvml
+
+    h = make_manager(device="cuda:0")
+    cap = 2 * GiB
+    task = submit(h, "bench.gpu.tasks:KernelStorm", {"size": 4096, "kernels": 4}, memory=cap)
+    feeder = h.feeder(free_memory_bytes=40 * GiB)
+    feeder.run_until(lambda: h.client.get(task).steps >= 5, length_ms=100, timeout_s=120)
+    feeder.close()
+    pid = h.client.get(task).pid
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(os.environ.get("FREERIDE_TEST_GPU_UUID", "").encode()) \
+            if os.environ.get("FREERIDE_TEST_GPU_UUID") else pynvml.nvmlDeviceGetHandleByIndex(0)
+        used = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    finally:
+        pynvml.nvmlShutdown()
+    if pid not in used:
+        pytest.skip("NVML does not list this container's PIDs (no host PID namespace): the worker's own report counts")
+    assert 0 < used[pid] <= cap
