@@ -1,10 +1,17 @@
 """Graph analytics side tasks: PageRank, BFS and connected components, one iteration per step.
 
 All three share :class:`GraphTask`: the graph is loaded (or generated) on the host in ``setup``,
-checked against the memory limit, and moved to the device as two int64 edge arrays (sources and
-targets in CSR order). Every kernel is a whole-graph sweep of torch scatter operations
-(``index_add_``, ``scatter_reduce_``), so a step costs O(n + m) and takes a steady time, which is
-what the worker runtime's step-time estimate needs. The same code runs on CPU and CUDA.
+checked against the memory limit, and moved to the device. Every kernel is a whole-graph sweep, so a
+step costs O(n + m) and takes a steady time, which is what the worker runtime's step-time estimate
+needs. Two backends compute the same results:
+
+* ``backend="torch"`` (the default): two int64 edge arrays (sources and targets in CSR order) and
+  torch scatter operations (``index_add_``, ``scatter_reduce_``), on CPU and CUDA alike;
+* ``backend="array"``: NumPy and SciPy on a CPU, CuPy and ``cupyx.scipy`` on a GPU, one code path
+  (:mod:`side_tasks.arrays`): PageRank and BFS are sparse matrix-vector products over the graph's
+  adjacency matrix, connected components a scatter-min over the edge arrays.
+
+Checkpoints hold host arrays, so a task resumes on either backend from a checkpoint of the other.
 
 A graph file's parsed CSR arrays are cached in ``ctx.work_dir`` so that a task set up again after
 a restart or eviction does not parse the text again. Results are written atomically to
@@ -26,6 +33,7 @@ import torch
 from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
 from side_tasks._io import atomic_write_bytes
+from side_tasks.arrays import ArrayBackend, array_backend, check_backend
 from side_tasks.errors import check_fits
 from side_tasks.graphs.formats import CSRGraph, load_graph_cached
 from side_tasks.graphs.rmat import GRAPH500_EDGE_FACTOR, rmat_edges
@@ -74,6 +82,7 @@ class GraphTask(SideTask):
         format: ``"auto"``, ``"snap"`` or ``"mtx"``.
         directed: False treats every edge as undirected (stored in both directions).
         seed: the R-MAT generator's seed.
+        backend: ``"torch"`` or ``"array"`` (NumPy/SciPy on CPU, CuPy on CUDA); see the module doc.
     """
 
     progress_unit: ClassVar[str] = "iterations"
@@ -82,10 +91,13 @@ class GraphTask(SideTask):
     #: Per-edge 8-byte device arrays: source, target and one per-edge temporary.
     _edge_arrays: ClassVar[int] = 3
 
-    def __init__(self, graph: str, format: str = "auto", directed: bool = True, seed: int = 0) -> None:
+    def __init__(self, graph: str, format: str = "auto", directed: bool = True, seed: int = 0,
+                 backend: str = "torch") -> None:
         if not isinstance(graph, str) or not graph:
             raise ConfigError("graph must be a file path or rmat:SCALE[:EDGE_FACTOR]")
         parse_graph_spec(graph)  # validates the synthetic form early
+        self.backend = check_backend(backend)
+        self.arrays: ArrayBackend | None = None
         self.graph_spec = graph
         self.format = format
         self.directed = bool(directed)
@@ -139,16 +151,36 @@ class GraphTask(SideTask):
             ctx.memory_limit_bytes,
             "use a smaller graph or raise the task's memory limit",
         )
-        device = torch.device(ctx.device)
         self.n = graph.num_vertices
-        self.src = torch.from_numpy(graph.sources()).to(device)
-        self.dst = torch.from_numpy(graph.indices).to(device)
-        self.device = device
-        self._init_state()
-        ctx.logger.info("%s: %d vertices, %d edges on %s", type(self).__name__, self.n, graph.num_edges, ctx.device)
+        self.device = torch.device(ctx.device)
+        if self.backend == "torch":
+            self.src = torch.from_numpy(graph.sources()).to(self.device)
+            self.dst = torch.from_numpy(graph.indices).to(self.device)
+            self._init_state()
+        else:
+            self.arrays = ab = array_backend(ctx.device)
+            self.src = ab.asarray(graph.sources())
+            self.dst = ab.asarray(graph.indices)
+            self._init_state_array(ab)
+        ctx.logger.info("%s: %d vertices, %d edges on %s (%s)", type(self).__name__, self.n, graph.num_edges,
+                        ctx.device, self.backend if self.arrays is None else self.arrays.name)
 
     def _init_state(self) -> None:
         raise NotImplementedError
+
+    def _init_state_array(self, ab: ArrayBackend) -> None:
+        raise NotImplementedError
+
+    def _adjacency(self, ab: ArrayBackend, dtype: Any) -> Any:
+        """The sparse matrix A with A[v, u] = 1 for every edge u -> v (CSR): ``A @ x`` sums x over in-edges."""
+        ones = ab.xp.ones(self.src.shape[0], dtype=dtype)
+        return ab.sparse.coo_matrix((ones, (self.dst, self.src)), shape=(self.n, self.n)).tocsr()
+
+    def _host(self, value: Any) -> np.ndarray:
+        """A per-vertex array on the host, from either backend (checkpoints and results)."""
+        if self.arrays is not None:
+            return self.arrays.to_host(value)
+        return value.cpu().numpy()
 
     def done(self) -> bool:
         return self.finished
@@ -179,10 +211,13 @@ class GraphTask(SideTask):
         self.iteration = int(state["iteration"])
         self.finished = bool(state["finished"])
 
-    def _load_vector(self, value: torch.Tensor) -> torch.Tensor:
+    def _load_vector(self, value: Any) -> Any:
+        """A checkpointed per-vertex array (a tensor or a NumPy array) on this task's backend."""
         if value.shape[0] != self.n:
             raise ConfigError(f"checkpoint holds {value.shape[0]} vertices, the graph has {self.n}")
-        return value.to(self.device)
+        if self.arrays is not None:
+            return self.arrays.asarray(value)
+        return (value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))).to(self.device)
 
 
 class PageRank(GraphTask):
@@ -206,8 +241,9 @@ class PageRank(GraphTask):
         format: str = "auto",
         directed: bool = True,
         seed: int = 0,
+        backend: str = "torch",
     ) -> None:
-        super().__init__(graph, format=format, directed=directed, seed=seed)
+        super().__init__(graph, format=format, directed=directed, seed=seed, backend=backend)
         if not 0.0 < damping < 1.0:
             raise ConfigError(f"damping must be in (0, 1), got {damping}")
         if max_iterations < 1:
@@ -224,24 +260,40 @@ class PageRank(GraphTask):
         self.rank = torch.full((self.n,), 1.0 / self.n, dtype=torch.float64, device=self.device)
         self.last_change = float("inf")
 
+    def _init_state_array(self, ab: ArrayBackend) -> None:
+        xp = ab.xp
+        out_degree = xp.bincount(self.src, minlength=self.n).astype(xp.float64)
+        self.dangling = out_degree == 0
+        self.inv_out_degree = xp.where(self.dangling, 0.0, 1.0 / xp.maximum(out_degree, 1.0))
+        self.matrix = self._adjacency(ab, xp.float64)
+        self.rank = xp.full(self.n, 1.0 / self.n, dtype=xp.float64)
+        self.last_change = float("inf")
+
     def step(self) -> None:
         if self.finished:
             return
-        contrib = (self.rank * self.inv_out_degree)[self.src]
-        new = torch.zeros_like(self.rank).index_add_(0, self.dst, contrib)
-        dangling_mass = self.rank[self.dangling].sum()
-        new = self.damping * (new + dangling_mass / self.n) + (1.0 - self.damping) / self.n
-        self.last_change = float((new - self.rank).abs().sum())
+        if self.arrays is None:
+            contrib = (self.rank * self.inv_out_degree)[self.src]
+            new = torch.zeros_like(self.rank).index_add_(0, self.dst, contrib)
+            dangling_mass = self.rank[self.dangling].sum()
+            new = self.damping * (new + dangling_mass / self.n) + (1.0 - self.damping) / self.n
+            self.last_change = float((new - self.rank).abs().sum())
+        else:
+            xp = self.arrays.xp
+            new = self.matrix @ (self.rank * self.inv_out_degree)
+            dangling_mass = self.rank[self.dangling].sum()
+            new = self.damping * (new + dangling_mass / self.n) + (1.0 - self.damping) / self.n
+            self.last_change = float(xp.abs(new - self.rank).sum())
         self.rank = new
         self.iteration += 1
         if self.last_change < self.n * self.tol or self.iteration >= self.max_iterations:
             self._finish()
 
     def result(self) -> np.ndarray:
-        return self.rank.cpu().numpy()
+        return self._host(self.rank)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._base_state(), "rank": self.rank.cpu(), "last_change": self.last_change}
+        return {**self._base_state(), "rank": self._host(self.rank), "last_change": self.last_change}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base_state(state)
@@ -261,8 +313,9 @@ class BFS(GraphTask):
     progress_unit: ClassVar[str] = "levels"
     memory_estimate_bytes: ClassVar[int | None] = 512 << 20
 
-    def __init__(self, graph: str, source: int = 0, format: str = "auto", directed: bool = True, seed: int = 0) -> None:
-        super().__init__(graph, format=format, directed=directed, seed=seed)
+    def __init__(self, graph: str, source: int = 0, format: str = "auto", directed: bool = True, seed: int = 0,
+                 backend: str = "torch") -> None:
+        super().__init__(graph, format=format, directed=directed, seed=seed, backend=backend)
         self.source = int(source)
 
     def _init_state(self) -> None:
@@ -273,23 +326,39 @@ class BFS(GraphTask):
         self.frontier = torch.zeros(self.n, dtype=torch.bool, device=self.device)
         self.frontier[start] = True
 
+    def _init_state_array(self, ab: ArrayBackend) -> None:
+        assert self.graph is not None
+        xp = ab.xp
+        start = self.graph.index_of(self.source)
+        self.matrix = self._adjacency(ab, xp.float32)
+        self.distance = xp.full(self.n, -1, dtype=xp.int64)
+        self.distance[start] = 0
+        self.frontier = xp.zeros(self.n, dtype=xp.bool_)
+        self.frontier[start] = True
+
     def step(self) -> None:
         if self.finished:
             return
-        neighbours = self.dst[self.frontier[self.src]]
-        fresh = neighbours[self.distance[neighbours] < 0]
-        self.distance[fresh] = self.iteration + 1
-        self.frontier = torch.zeros_like(self.frontier)
-        self.frontier[fresh] = True
+        if self.arrays is None:
+            neighbours = self.dst[self.frontier[self.src]]
+            fresh = neighbours[self.distance[neighbours] < 0]
+            self.distance[fresh] = self.iteration + 1
+            self.frontier = torch.zeros_like(self.frontier)
+            self.frontier[fresh] = True
+        else:
+            # In-edges from the frontier: A @ f counts, per vertex, its frontier in-neighbours.
+            reached = (self.matrix @ self.frontier.astype(self.arrays.xp.float32)) > 0
+            self.frontier = reached & (self.distance < 0)
+            self.distance[self.frontier] = self.iteration + 1
         self.iteration += 1
         if not bool(self.frontier.any()):
             self._finish()
 
     def result(self) -> np.ndarray:
-        return self.distance.cpu().numpy()
+        return self._host(self.distance)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._base_state(), "distance": self.distance.cpu(), "frontier": self.frontier.cpu()}
+        return {**self._base_state(), "distance": self._host(self.distance), "frontier": self._host(self.frontier)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base_state(state)
@@ -309,18 +378,27 @@ class ConnectedComponents(GraphTask):
 
     memory_estimate_bytes: ClassVar[int | None] = 512 << 20
 
-    def __init__(self, graph: str, format: str = "auto", directed: bool = True, seed: int = 0) -> None:
-        super().__init__(graph, format=format, directed=directed, seed=seed)
+    def __init__(self, graph: str, format: str = "auto", directed: bool = True, seed: int = 0,
+                 backend: str = "torch") -> None:
+        super().__init__(graph, format=format, directed=directed, seed=seed, backend=backend)
 
     def _init_state(self) -> None:
         self.labels = torch.arange(self.n, dtype=torch.int64, device=self.device)
 
+    def _init_state_array(self, ab: ArrayBackend) -> None:
+        self.labels = ab.xp.arange(self.n, dtype=ab.xp.int64)
+
     def step(self) -> None:
         if self.finished:
             return
-        new = self.labels.clone()
-        new.scatter_reduce_(0, self.dst, self.labels[self.src], reduce="amin")
-        new.scatter_reduce_(0, self.src, self.labels[self.dst], reduce="amin")
+        if self.arrays is None:
+            new = self.labels.clone()
+            new.scatter_reduce_(0, self.dst, self.labels[self.src], reduce="amin")
+            new.scatter_reduce_(0, self.src, self.labels[self.dst], reduce="amin")
+        else:
+            new = self.labels.copy()
+            self.arrays.scatter_min(new, self.dst, self.labels[self.src])
+            self.arrays.scatter_min(new, self.src, self.labels[self.dst])
         new = new[new]
         changed = bool((new != self.labels).any())
         self.labels = new
@@ -329,14 +407,14 @@ class ConnectedComponents(GraphTask):
             self._finish()
 
     def num_components(self) -> int:
-        return int(torch.unique(self.labels).numel())
+        return int(np.unique(self._host(self.labels)).size)
 
     def result(self) -> np.ndarray:
         assert self.graph is not None
-        return self.graph.node_ids[self.labels.cpu().numpy()]
+        return self.graph.node_ids[self._host(self.labels)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._base_state(), "labels": self.labels.cpu()}
+        return {**self._base_state(), "labels": self._host(self.labels)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base_state(state)

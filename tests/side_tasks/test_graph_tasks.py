@@ -1,4 +1,5 @@
-"""Graph tasks: results agree with networkx, resume gives the same result, memory is checked."""
+"""Graph tasks: results agree with networkx on both backends (torch; NumPy/SciPy, the logic CuPy runs on a
+GPU), resume gives the same result (across backends too), memory is checked."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def _random_digraph(seed: int, n: int = 60, p: float = 0.05) -> nx.DiGraph:
     return nx.relabel_nodes(graph, {v: 3 * v + 7 for v in graph.nodes})
 
 
+@pytest.fixture(params=["torch", "array"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
 def graph_file(tmp_path: Path) -> tuple[Path, nx.DiGraph]:
     graph = _random_digraph(5)
@@ -36,11 +42,11 @@ def _result(task_dir: Path) -> dict[int, float]:
 
 
 def test_pagerank_matches_networkx_including_dangling_vertices(
-    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]
+    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph], backend: str
 ) -> None:
     path, reference = graph_file
     reference.remove_nodes_from(list(nx.isolates(reference)))  # a file cannot hold isolated vertices
-    task = PageRank(str(path), tol=1e-10, max_iterations=500)
+    task = PageRank(str(path), tol=1e-10, max_iterations=500, backend=backend)
     task.setup(make_ctx(tmp_path / "w"))
     run_to_end(task)
     expected = nx.pagerank(reference, alpha=0.85, tol=1e-10, max_iter=500)
@@ -51,10 +57,10 @@ def test_pagerank_matches_networkx_including_dangling_vertices(
     assert task.progress() == task.iteration > 1
 
 
-def test_bfs_distances_match_networkx(tmp_path: Path, graph_file: tuple[Path, nx.DiGraph]) -> None:
+def test_bfs_distances_match_networkx(tmp_path: Path, graph_file: tuple[Path, nx.DiGraph], backend: str) -> None:
     path, reference = graph_file
     source = next(iter(sorted(v for v in reference if reference.out_degree(v) > 0)))
-    task = BFS(str(path), source=source)
+    task = BFS(str(path), source=source, backend=backend)
     task.setup(make_ctx(tmp_path / "w"))
     run_to_end(task)
     expected = nx.single_source_shortest_path_length(reference, source)
@@ -63,11 +69,11 @@ def test_bfs_distances_match_networkx(tmp_path: Path, graph_file: tuple[Path, nx
     assert task.progress() == max(expected.values()) + 1
 
 
-def test_connected_components_match_networkx_weak_components(tmp_path: Path) -> None:
+def test_connected_components_match_networkx_weak_components(tmp_path: Path, backend: str) -> None:
     reference = nx.disjoint_union_all([_random_digraph(s, n=15, p=0.15) for s in range(4)])
     path = _write_edges(tmp_path / "g.txt", list(reference.edges))
     reference.remove_nodes_from(list(nx.isolates(reference)))
-    task = ConnectedComponents(str(path))
+    task = ConnectedComponents(str(path), backend=backend)
     task.setup(make_ctx(tmp_path / "w"))
     run_to_end(task)
     labels = _result(tmp_path / "w")
@@ -76,8 +82,8 @@ def test_connected_components_match_networkx_weak_components(tmp_path: Path) -> 
     assert task.num_components() == nx.number_weakly_connected_components(reference)
 
 
-def test_rmat_pagerank_matches_networkx_on_generated_graph(tmp_path: Path) -> None:
-    task = PageRank("rmat:7:4", tol=1e-10, max_iterations=300, seed=2)
+def test_rmat_pagerank_matches_networkx_on_generated_graph(tmp_path: Path, backend: str) -> None:
+    task = PageRank("rmat:7:4", tol=1e-10, max_iterations=300, seed=2, backend=backend)
     task.setup(make_ctx(tmp_path / "w"))
     run_to_end(task)
     assert task.graph is not None
@@ -89,23 +95,22 @@ def test_rmat_pagerank_matches_networkx_on_generated_graph(tmp_path: Path) -> No
     assert np.allclose(task.result(), [expected[v] for v in range(graph.num_vertices)], atol=1e-8)
 
 
-@pytest.mark.parametrize(
-    ("factory", "stop_after"),
-    [
-        (lambda g: PageRank(g, tol=1e-9), 3),
-        (lambda g: BFS(g, source=7), 2),
-        (lambda g: ConnectedComponents(g, directed=False), 1),
-    ],
-    ids=["pagerank", "bfs", "components"],
-)
+FACTORIES = [
+    (lambda g, b: PageRank(g, tol=1e-9, backend=b), 3),
+    (lambda g, b: BFS(g, source=7, backend=b), 2),
+    (lambda g, b: ConnectedComponents(g, directed=False, backend=b), 1),
+]
+
+
+@pytest.mark.parametrize(("factory", "stop_after"), FACTORIES, ids=["pagerank", "bfs", "components"])
 def test_resumed_graph_task_gives_same_result_as_uninterrupted(
-    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph], factory, stop_after: int
+    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph], factory, stop_after: int, backend: str
 ) -> None:
     path = str(graph_file[0])
-    whole = factory(path)
+    whole = factory(path, backend)
     whole.setup(make_ctx(tmp_path / "whole"))
     run_to_end(whole)
-    resumed = run_interrupted(lambda: factory(path), tmp_path / "resumed", stop_after)
+    resumed = run_interrupted(lambda: factory(path, backend), tmp_path / "resumed", stop_after)
     assert resumed.done()
     assert resumed.progress() == whole.progress()
     assert np.array_equal(resumed.result(), whole.result())
@@ -150,3 +155,29 @@ def test_unknown_bfs_source_is_a_clear_error(tmp_path: Path, graph_file: tuple[P
 def test_loaded_graph_round_trips_through_loader(graph_file: tuple[Path, nx.DiGraph]) -> None:
     graph = load_graph(graph_file[0])
     assert graph.num_edges == graph_file[1].number_of_edges()
+
+
+@pytest.mark.parametrize(("factory", "stop_after"), FACTORIES, ids=["pagerank", "bfs", "components"])
+def test_a_checkpoint_of_one_backend_resumes_on_the_other(
+    tmp_path: Path, graph_file: tuple[Path, nx.DiGraph], factory, stop_after: int
+) -> None:
+    path = str(graph_file[0])
+    first = factory(path, "torch")
+    first.setup(make_ctx(tmp_path / "first"))
+    for _ in range(stop_after):
+        first.step()
+    state = first.state_dict()
+    second = factory(path, "array")
+    second.setup(make_ctx(tmp_path / "second"))
+    second.load_state_dict(state)
+    run_to_end(second)
+    whole = factory(path, "torch")
+    whole.setup(make_ctx(tmp_path / "whole"))
+    run_to_end(whole)
+    assert second.progress() == whole.progress()
+    assert np.allclose(second.result(), whole.result(), atol=1e-12)
+
+
+def test_an_unknown_backend_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="backend must be one of torch, array"):
+        PageRank("rmat:5", backend="jax")
