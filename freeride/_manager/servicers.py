@@ -45,7 +45,10 @@ from freeride.messages import (
     TaskEvent,
     TaskInfo,
     TaskSpec,
+    TrainerEvent,
+    TrainerLayout,
     validate_bubble_event,
+    validate_layout,
 )
 
 log = logging.getLogger(__name__)
@@ -85,9 +88,16 @@ def check_task_id(task_id: str) -> None:
         raise RequestRejected(f"a task id has at most {MAX_TASK_ID_CHARS} characters, got {len(task_id)}")
 
 
-def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> BubbleEvent:
-    """Validate a bubble event; with ``received_ns``, times ahead of this host's clock are refused."""
+def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> TrainerEvent:
+    """Validate a bubble event or layout; with ``received_ns``, times ahead of this host's clock are refused."""
     which = msg.WhichOneof("event")
+    latest_ns = None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS
+    if which == "layout":
+        m = msg.layout
+        layout = TrainerLayout(m.schedule, m.stages, m.microbatches, tuple(m.stage_devices), m.at_ns,
+                               m.free_memory_bytes)
+        validate_layout(layout, latest_ns)
+        return layout
     if which == "start":
         s = msg.start
         event: BubbleEvent = BubbleStart(
@@ -97,8 +107,8 @@ def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> Bubb
         e = msg.end
         event = BubbleEnd(e.stage, e.rank, e.iteration, e.slot, e.end_ns)
     else:
-        raise ConfigError("a bubble event must be a start or an end")
-    validate_bubble_event(event, None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS)
+        raise ConfigError("a bubble event must be a start, an end or a layout")
+    validate_bubble_event(event, latest_ns)
     return event
 
 
@@ -171,6 +181,8 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         draining=s.draining,
         event_delay_ms=_pct_pb(s.event_delay_ms),
         events_dropped=s.events_dropped,
+        layout_changes=s.layout_changes,
+        layout=s.layout,
     )
 
 
@@ -245,7 +257,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
         for msg in request_iterator:
             received_ns = time.monotonic_ns()
             parts = msg.batch.events if msg.WhichOneof("event") == "batch" else (msg,)
-            events: list[BubbleEvent] = []
+            events: list[TrainerEvent] = []
             for part in parts:
                 try:
                     events.append(bubble_from_pb(part, received_ns))
