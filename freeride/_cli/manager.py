@@ -231,6 +231,10 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_address is not None and args.metrics_port is None:
         raise ConfigError("--metrics-address needs --metrics-port (metrics are off without it)")
     queue = queue_config(args)
+    if args.node is not None:
+        from freeride._cli.launch import check_node_name
+
+        check_node_name(args.node)
     try:
         manager = _AnnouncingManager(
             args.device,
