@@ -1086,12 +1086,21 @@ class SchedulerCore:
             (t for t in self._in_states(TaskState.PARKED) if not t.stopping),
             key=lambda t: (t.spec.priority, -t.seq),
         )
+        chosen: list[TaskRuntime] = []
         for task in victims:
             if budget >= 0:
                 break
+            chosen.append(task)
+            budget += task.memory_bytes
+        # A victim picked early (lowest priority, newest) may have been needed only until a larger one
+        # was picked: keep, most important first, every victim whose cap the surplus still holds.
+        for task in reversed(list(chosen)):
+            if budget >= 0 and task.memory_bytes <= budget:
+                chosen.remove(task)
+                budget -= task.memory_bytes
+        for task in chosen:
             log.info("[task=%s] evicting: device memory budget shrank", task.task_id)
             self._stop(task, "evict", now_ns, out, checkpoint=True)
-            budget += task.memory_bytes
 
     def _check_drain(self, out: list[Action]) -> None:
         if (
