@@ -138,6 +138,7 @@ repeat
       if owner and owner ~= '' then
         redis.call('HSET', key, 'state', 'QUEUED', 'owner', '', 'device', '', 'updated_unix', ARGV[7],
                    'reason', 'lease expired: ' .. owner .. ' stopped renewing it')
+        redis.call('HINCRBY', key, 'restarts', 1)
         redis.call('ZADD', KEYS[2], SCORE, tid)
         moved = moved + 1
       end
