@@ -3,6 +3,8 @@ persistence across a restart, and the CLI's ``--queue`` forms with their exit co
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TESTS_DIR, redis_binary, wait_for
+from nodes import node_devices, start_node
 from redis_server import RedisServer, remove, start_redis
 
 from freeride._cluster.redis_queue import Held, RedisQueue
@@ -17,6 +20,7 @@ from freeride._cluster.url import parse_queue_url
 from freeride._manager.validation import Submission
 from freeride.cli import main
 from freeride.errors import QueueUnavailable, Unauthenticated
+from freeride.messages import TaskSpec
 
 GIB = 2**30
 
@@ -214,3 +218,41 @@ def test_cli_exit_codes_for_a_bad_url_an_unreachable_queue_and_refused_credentia
             _queue(server.url_with("wrong"))
     finally:
         remove(server)
+
+
+# ------------------------------------------------------------------ a manager's start
+
+
+def test_a_manager_with_refused_queue_credentials_does_not_start(tmp_path: Path) -> None:
+    server = start_redis(redis_binary(), "--requirepass", "s3cret")
+    base = [sys.executable, "-m", "freeride.cli", "manager", "--device", node_device(),
+            "--endpoint", f"unix:/tmp/fr-refused-{tmp_path.name[-8:]}.sock", "--state-dir", str(tmp_path / "s")]
+    try:
+        proc = subprocess.run([*base, "--queue", server.url_with("wrong"), "--checkpoint-dir", str(tmp_path / "c")],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 5, proc.stderr
+        assert "refused the credentials" in proc.stderr and "wrong" not in proc.stderr
+        proc = subprocess.run([*base, "--queue", server.url], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--checkpoint-dir" in proc.stderr
+        proc = subprocess.run([*base, "--queue", "redis://h/x", "--checkpoint-dir", str(tmp_path / "c")],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "database" in proc.stderr
+    finally:
+        remove(server)
+
+
+def test_a_manager_whose_queue_is_unreachable_serves_its_own_tasks(tmp_path: Path) -> None:
+    node = start_node(tmp_path, "alone", node_device(), f"unix://{tmp_path}/no-redis.sock", tmp_path / "ckpt")
+    try:
+        node.train(free_mib=1500)
+        info = node.client.submit(TaskSpec(target="sample_tasks:Counter", args={"step_ms": 1.0},
+                                           memory_bytes=2**28, working_dir=str(TESTS_DIR)))
+        wait_for(lambda: node.client.get(info.task_id).steps > 10, 30)
+        agent = node.manager.agent
+        assert agent is not None and not agent.connected and "cannot reach the queue" in agent.last_error
+    finally:
+        node.stop()
+
+
+def node_device() -> str:
+    return node_devices(1)[0]
