@@ -107,7 +107,7 @@ def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> Trai
         e = msg.end
         event = BubbleEnd(e.stage, e.rank, e.iteration, e.slot, e.end_ns)
     else:
-        raise ConfigError("a bubble event must be a start, an end or a layout")
+        raise ConfigError("a bubble event must be a start or an end (or a layout)")
     validate_bubble_event(event, latest_ns)
     return event
 
