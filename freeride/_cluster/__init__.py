@@ -17,5 +17,5 @@ Layout, from the edge inwards:
   loop never waits on Redis; it posts claimed tasks to the loop the way gRPC servicers post requests.
 
 The design (streams, the consumer group, leases, failure modes) is in ``docs/architecture.md``,
-section "Cluster queue".
+section "Many nodes: the cluster queue".
 """
