@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from freeride._cluster import require_client
 from freeride._cluster.records import ClusterRecord
 from freeride._cluster.url import parse_queue_url
 from freeride._manager.validation import submission_of, validate_spec
@@ -32,9 +33,11 @@ from freeride.units import format_size
 @contextlib.contextmanager
 def open_queue(url_text: str) -> Iterator[Any]:
     """A connected :class:`~freeride._cluster.redis_queue.RedisQueue`, closed on exit."""
+    url = parse_queue_url(url_text)
+    require_client()
     from freeride._cluster.redis_queue import RedisQueue
 
-    queue = RedisQueue(parse_queue_url(url_text))
+    queue = RedisQueue(url)
     try:
         queue.connect()
         yield queue

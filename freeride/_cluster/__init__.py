@@ -19,3 +19,13 @@ Layout, from the edge inwards:
 The design (streams, the consumer group, leases, failure modes) is in ``docs/architecture.md``,
 section "Many nodes: the cluster queue".
 """
+
+
+def require_client() -> None:
+    """Raise :class:`~freeride.errors.ConfigError` if the Redis client (the ``cluster`` extra) is missing."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        from freeride.errors import ConfigError
+
+        raise ConfigError("the cluster queue needs the redis client: pip install 'freeride[cluster]'") from None

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from freeride._cluster import placement
+from freeride._cluster import placement, require_client
 from freeride._cluster.records import (
     ClaimedTask,
     ClusterRecord,
@@ -121,6 +121,8 @@ class QueueAgent:
         node: str,
         queue_factory: Callable[[QueueURL], Any] | None = None,
     ) -> None:
+        if queue_factory is None:
+            require_client()
         from freeride._cluster.redis_queue import Held, RedisQueue
 
         self._held_type = Held
@@ -269,10 +271,17 @@ class QueueAgent:
     def _view(self) -> QueueView | None:
         from freeride._manager.loop import GetQueueView
 
+        future = self.loop.call_async(GetQueueView())
+        deadline = time.monotonic() + 1.0
         try:
-            view = self.loop.call_async(GetQueueView()).result(timeout=1.0)
-        except FutureTimeout:
-            return None  # the loop is busy or stopped: no decisions on stale figures
+            # In slices, so that a manager that stops (its loop no longer answers) does not wait here.
+            while True:
+                try:
+                    view = future.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if self._stopping.is_set() or time.monotonic() > deadline:
+                        return None  # the loop is busy or stopped: no decisions on stale figures
         except Exception:  # noqa: BLE001 - the loop's answer failed; try again at the next poll
             log.exception("[%s] the loop did not give its queue view", self.where)
             return None
