@@ -450,6 +450,8 @@ def render_stats(s: ManagerStats) -> str:
                    + (f", {s.events_dropped} dropped" if s.events_dropped else "")),
         ("event delay", _pct_line(s.event_delay_ms)),
     ]
+    if s.layout:
+        fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
 
 
