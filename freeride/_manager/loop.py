@@ -934,9 +934,13 @@ class ManagerLoop:
 
         tid = claim.task_id
         if tid in self.core.tasks or tid in self._meta or not is_cluster_id(tid):
-            # The same task twice (its earlier copy here is still on its way out): the queue's lease on
-            # it runs out and it is placed again; this claim is dropped.
-            log.warning("[%s task=%s] claimed while still held here; ignored", self.device, tid)
+            # The same task twice (its earlier copy here is still on its way out; the agent avoids it):
+            # the claim is dropped and the agent told to forget it, so its lease runs out and the queue
+            # places it again.
+            log.warning("[%s task=%s] claimed while still held here; dropped", self.device, tid)
+            self._note("lost", TaskStatus(tid, "CLAIMED", claim.steps, claim.progress, claim.progress_unit,
+                                          claim.checkpoint_step, claim.checkpoint_path, claim.restarts,
+                                          claim.step_p95_ms, 0.0), "claimed while still held here")
             return
         self._cluster.add(tid)
         ck_path, ck_step = claim.checkpoint_path, claim.checkpoint_step
