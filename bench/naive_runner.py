@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from freeride._loading import load_task_class
-from freeride.devices import open_device, parse_device_name
+from freeride.devices import open_device, parse_device_name, worker_device
 from freeride.task import TaskContext
 
 
@@ -33,7 +33,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     ns = p.parse_args()
     name = parse_device_name(ns.device)
-    device = open_device(name)
+    open_device(name).close()  # it exists for this process
+    device = worker_device(name)  # no caps and no lowered priority: naive co-location
     if name.kind == "cpu":
         os.sched_setaffinity(0, {name.index})
         import torch

@@ -299,6 +299,10 @@ class ManagerStats:
     event_delay_ms: Percentiles = field(default_factory=Percentiles)
     #: Valid events never handed to the scheduler: the manager stopped while they waited for room.
     events_dropped: int = 0
+    #: The device as the manager resolved it (for a GPU: model, UUID, MPS mode).
+    device_info: str = ""
+    #: Why the device cannot be read now ("" when it can); the manager is NOT_SERVING meanwhile.
+    device_problem: str = ""
     #: Trainer layouts adopted, and the current one in short form ("" before any was reported).
     layout_changes: int = 0
     layout: str = ""

@@ -113,6 +113,21 @@ class MeasuredBubble:
         return self.end_ns - self.start_ns
 
 
+@dataclass(frozen=True)
+class MeasuredAction:
+    """One compute action as the stage ran it: ``kind`` of ``microbatch`` on model stage ``stage``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start_ns: int
+    end_ns: int
+
+    @property
+    def length_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
 class MemorySampler:
     """Free device memory for bubble reports, never synchronising the device.
 
@@ -233,7 +248,9 @@ class InstrumentedSchedule:
     ``sink`` receives the bubbles (None: measure only). ``device`` is the stage's device name
     (``cpu:0``, ``cuda:1``) for free-memory samples. ``t_forward`` and ``t_backward`` fix the cost
     ratio of the slot layout (any unit); ``on_iteration`` is called after each :meth:`step` with the
-    iteration's measured bubbles.
+    iteration's measured bubbles; ``on_action_end`` (kind, model stage, micro-batch) at the end of
+    every compute action, on the training thread, before the bubble it may open starts (a measuring
+    hook such as the trainer's memory probe: it must return in microseconds).
     """
 
     def __init__(
@@ -248,10 +265,12 @@ class InstrumentedSchedule:
         predictor: BubblePredictor | None = None,
         on_iteration: Callable[[int, list[MeasuredBubble]], None] | None = None,
         remodel_iterations: int = 5,
+        on_action_end: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.sink = sink
         self.on_iteration = on_iteration
+        self.on_action_end = on_action_end
         self.iteration = 0
         self.profile = ComputeProfile()
         self.memory = MemorySampler(device)
@@ -286,6 +305,7 @@ class InstrumentedSchedule:
         self._order_warned = False
         self._last_end_ns: int | None = None
         self._bubbles: list[MeasuredBubble] = []
+        self._actions: list[tuple[str, int, int, int, int]] = []  # MeasuredAction fields; tuples are cheaper
         self.unplanned_waits = 0
         self.unplanned_wait_ns = 0
         self._restore: list[tuple[object, str]] = []
@@ -440,6 +460,9 @@ class InstrumentedSchedule:
     def _leave(self, kind: str, stage: int, microbatch: int, entered_ns: int) -> None:
         now = time.monotonic_ns()
         self.profile.observe(kind, now - entered_ns)
+        self._actions.append((kind, stage, microbatch, entered_ns, now))
+        if self.on_action_end is not None:
+            self.on_action_end(kind, stage, microbatch)
         slot = self._opens.get((kind, stage, microbatch))
         if slot is not None:
             self._start_bubble(slot, now)
@@ -469,11 +492,13 @@ class InstrumentedSchedule:
         """Run one iteration of the wrapped schedule (same arguments as its ``step``)."""
         if not self._restore:  # detached: the bare schedule, nothing measured or reported
             self._bubbles = []
+            self._actions = []
             return self.schedule.step(*args, **kwargs)
         self.memory.refresh()
         self._cursor = 0
         self._last_end_ns = None
         self._bubbles = []
+        self._actions = []
         if self._boundary is not None:
             self._start_bubble(self._boundary, time.monotonic_ns())
         try:
@@ -504,3 +529,8 @@ class InstrumentedSchedule:
     @property
     def last_bubbles(self) -> list[MeasuredBubble]:
         return list(self._bubbles)
+
+    @property
+    def last_actions(self) -> list[MeasuredAction]:
+        """The compute actions of the last iteration, timed (host clock, as the bubbles)."""
+        return [MeasuredAction(*a) for a in self._actions]

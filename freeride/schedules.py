@@ -22,6 +22,9 @@ The model counts costs in any unit (the instrumented trainer uses nanoseconds). 
 ``t_backward`` are the costs of one micro-batch through one rank's whole share of the model; with
 ``virtual`` model chunks per rank each chunk costs ``1/virtual`` of that. ``t_backward`` is the full
 backward; zero-bubble schedules split it into ``I = t_backward - t_weight`` and ``W = t_weight``.
+Stages that cost differently (the first holds the embedding, the last the head and the loss) take
+``stage_costs``: per model stage, the ``(t_forward, t_backward, t_weight)`` of one micro-batch through
+that one chunk, used as given (not divided by ``virtual``).
 
 The module is pure (no torch, no I/O): the same simulator feeds ``freeride plan``, the predictor in
 the trainer, the tests and the benchmarks. :func:`schedule_from_orders` builds a :class:`Schedule`
@@ -141,6 +144,12 @@ class Schedule:
     makespan: float
     _slots: Mapping[int, tuple[IdleSlot, ...]] = field(repr=False)
     _cyclic: Mapping[int, tuple[IdleSlot, ...]] = field(repr=False)
+    #: Per model stage ``(t_forward, t_backward, t_weight)`` of one chunk, where given (see module doc).
+    stage_costs: Mapping[int, tuple[float, float, float]] = field(default_factory=dict)
+
+    def cost(self, action: Action) -> float:
+        """The simulated cost of one action of this schedule."""
+        return action_cost(action, self.t_forward, self.t_backward, self.t_weight, self.virtual, self.stage_costs)
 
     def slots(self, rank: int) -> tuple[IdleSlot, ...]:
         """The rank's idle slots of one isolated iteration (``warmup`` ... ``tail``)."""
@@ -267,6 +276,14 @@ def _zb_h1_orders(p: int, m: int) -> dict[int, list[Action]]:
     return orders
 
 
+def canonical_name(name: str) -> str:
+    """The name :func:`build_schedule` knows ``name`` (or an alias of it) by; ConfigError if none."""
+    key = _ALIASES.get(name.strip().lower()) if isinstance(name, str) else None
+    if key is None:
+        raise ConfigError(f"unknown schedule {name!r}: expected one of {', '.join(SCHEDULE_NAMES)}")
+    return key
+
+
 def build_schedule(
     name: str,
     stages: int,
@@ -281,9 +298,7 @@ def build_schedule(
     ``virtual`` is the number of model chunks per rank (interleaved schedules only);
     ``t_weight`` defaults to half the backward (zero-bubble schedules only).
     """
-    key = _ALIASES.get(name.strip().lower()) if isinstance(name, str) else None
-    if key is None:
-        raise ConfigError(f"unknown schedule {name!r}: expected one of {', '.join(SCHEDULE_NAMES)}")
+    key = canonical_name(name)
     p = _check_positive_int("stages", stages)
     m = _check_positive_int("microbatches", microbatches)
     v = _check_positive_int("virtual", virtual)
@@ -314,8 +329,20 @@ def build_schedule(
 # ------------------------------------------------------------------ simulation
 
 
-def action_cost(action: Action, t_forward: float, t_backward: float, t_weight: float, virtual: int) -> float:
-    """Cost of one action: a chunk costs ``1/virtual`` of the rank's share of the model."""
+def action_cost(
+    action: Action,
+    t_forward: float,
+    t_backward: float,
+    t_weight: float,
+    virtual: int,
+    stage_costs: Mapping[int, tuple[float, float, float]] | None = None,
+) -> float:
+    """Cost of one action: a chunk costs ``1/virtual`` of the rank's share of the model, unless
+    ``stage_costs`` gives its model stage's own costs (used as given)."""
+    own = stage_costs.get(action.stage) if stage_costs else None
+    if own is not None:
+        t_forward, t_backward, t_weight = own
+        virtual = 1
     if action.kind == FORWARD:
         cost = t_forward
     elif action.kind == BACKWARD:
@@ -325,6 +352,24 @@ def action_cost(action: Action, t_forward: float, t_backward: float, t_weight: f
     else:
         cost = t_weight
     return cost / virtual
+
+
+def _check_stage_costs(
+    stage_costs: Mapping[int, tuple[float, float, float]] | None, num_stages: int
+) -> dict[int, tuple[float, float, float]]:
+    checked: dict[int, tuple[float, float, float]] = {}
+    for stage, costs in (stage_costs or {}).items():
+        if not isinstance(stage, int) or not 0 <= stage < num_stages:
+            raise ConfigError(f"stage_costs names model stage {stage!r}; the schedule has stages 0..{num_stages - 1}")
+        if len(costs) != 3:
+            raise ConfigError(f"stage_costs[{stage}] must be (t_forward, t_backward, t_weight), got {costs!r}")
+        tf = _check_cost(f"stage_costs[{stage}] t_forward", costs[0])
+        tb = _check_cost(f"stage_costs[{stage}] t_backward", costs[1])
+        tw = _check_cost(f"stage_costs[{stage}] t_weight", costs[2], allow_zero=True)
+        if tw > tb:
+            raise ConfigError(f"stage_costs[{stage}] t_weight ({tw}) exceeds t_backward ({tb})")
+        checked[stage] = (tf, tb, tw)
+    return checked
 
 
 def _dependency(action: Action, num_stages: int) -> Action | None:
@@ -344,6 +389,7 @@ def simulate(
     t_backward: float,
     t_weight: float = 0.0,
     virtual: int = 1,
+    stage_costs: Mapping[int, tuple[float, float, float]] | None = None,
 ) -> tuple[dict[int, tuple[TimedAction, ...]], float]:
     """Place every rank's actions in time (list scheduling in the given order, free transfers).
 
@@ -371,7 +417,7 @@ def simulate(
                         break
                     ready = done
                 start = max(free_at[r], ready)
-                end = start + action_cost(action, t_forward, t_backward, t_weight, virtual)
+                end = start + action_cost(action, t_forward, t_backward, t_weight, virtual, stage_costs)
                 ends[action] = end
                 free_at[r] = end
                 placed[r].append(TimedAction(action, start, end))
@@ -441,14 +487,19 @@ def schedule_from_orders(
     t_weight: float = 0.0,
     virtual: int = 1,
     microbatches: int | None = None,
+    stage_costs: Mapping[int, tuple[float, float, float]] | None = None,
 ) -> Schedule:
-    """Simulate arbitrary per-rank action orders (e.g. read off a torch schedule at run time)."""
+    """Simulate arbitrary per-rank action orders (e.g. read off a torch schedule at run time).
+
+    ``stage_costs`` overrides the costs of the model stages it names (see the module doc).
+    """
     if not orders:
         raise ConfigError("a schedule needs at least one rank")
-    timeline, makespan = simulate(orders, num_stages, t_forward, t_backward, t_weight, virtual)
-    smallest = min(
-        (c for c in (t_forward, t_backward, t_weight, t_backward - t_weight) if c > 0), default=1.0
-    ) / virtual
+    own = _check_stage_costs(stage_costs, num_stages)
+    timeline, makespan = simulate(orders, num_stages, t_forward, t_backward, t_weight, virtual, own)
+    costs = [c / virtual for c in (t_forward, t_backward, t_weight, t_backward - t_weight)]
+    costs += [c for tf, tb, tw in own.values() for c in (tf, tb, tw, tb - tw)]
+    smallest = min((c for c in costs if c > 0), default=1.0)
     eps = smallest * _EPS_FRACTION * max(1, len(timeline))
     slots: dict[int, tuple[IdleSlot, ...]] = {}
     cyclic: dict[int, tuple[IdleSlot, ...]] = {}
@@ -469,6 +520,7 @@ def schedule_from_orders(
         makespan=makespan,
         _slots=slots,
         _cyclic=cyclic,
+        stage_costs=own,
     )
 
 
@@ -495,13 +547,7 @@ def draw_grid(schedule: Schedule, max_columns: int = 160) -> str:
     The quantum is the greatest common step of the action costs when they are commensurable,
     else ``makespan / max_columns``.
     """
-    costs = sorted(
-        {
-            action_cost(t.action, schedule.t_forward, schedule.t_backward, schedule.t_weight, schedule.virtual)
-            for ts in schedule.timeline.values()
-            for t in ts
-        }
-    )
+    costs = sorted({schedule.cost(t.action) for ts in schedule.timeline.values() for t in ts})
     quantum = _common_step(costs) or (schedule.makespan / max_columns if schedule.makespan else 1.0)
     columns = max(1, round(schedule.makespan / quantum))
     if columns > max_columns:

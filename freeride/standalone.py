@@ -10,11 +10,13 @@ The run goes through the same contract the worker uses -- ``load_task_class``, c
 the JSON arguments, ``setup(TaskContext)``, ``step()`` until ``done()`` -- but with no bubbles:
 steps run back to back until the task is done or ``seconds`` have passed (the step in flight at
 the deadline is finished, never cut). On CUDA each step is followed by a device synchronize so
-that step times are device times, not launch times.
+that step times are device times, not launch times, exactly as in a worker.
 
-Memory: on CUDA, ``torch.cuda.max_memory_allocated`` after a reset (what the allocator cap
-sees); on CPU, the growth of the process's resident set over its size before ``setup``, sampled
-after setup and after every step (so a short-lived spike inside a step can be missed).
+Memory: on CUDA, the peak as the GPU counts it -- the CUDA context plus the most the allocator
+(torch's, which CuPy allocates through) reserved, or NVML's figure for this process where larger --
+so that a cap copied from the report holds in a worker, whose cap covers the same things. On CPU,
+the growth of the process's resident set over its size before ``setup``, sampled after setup and
+after every step (a short-lived spike inside a step can be missed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 import traceback
@@ -32,7 +35,7 @@ from typing import Any
 import psutil
 
 from freeride._loading import check_target_syntax, load_task_class
-from freeride.devices import Device, open_device, parse_device_name
+from freeride.devices import Device, WorkerDevice, WorkerSetupError, open_device, parse_device_name, worker_device
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext
 
@@ -106,40 +109,26 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class _MemoryProbe:
-    """Peak memory of this process on one device kind (see the module doc)."""
+    """Peak memory of this process on its device (see the module doc)."""
 
-    def __init__(self, torch_device: str) -> None:
-        self.cuda = torch_device.startswith("cuda")
-        self.torch_device = torch_device
+    def __init__(self, device: WorkerDevice) -> None:
+        self.device = device
+        self.cuda = device.torch_device.startswith("cuda")
         self.process = psutil.Process()
         self.peak = 0
-        if self.cuda:
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(torch_device)
-            self.baseline = int(torch.cuda.memory_allocated(torch_device))
-        else:
-            self.baseline = int(self.process.memory_info().rss)
+        self.baseline = 0 if self.cuda else int(self.process.memory_info().rss)
 
     @property
     def measure(self) -> str:
-        return "cuda_max_allocated" if self.cuda else "rss_growth"
+        return "device" if self.cuda else "rss_growth"
 
     def sample(self) -> None:
-        if not self.cuda:
+        if self.cuda:
+            self.peak = max(self.peak, self.device.peak_bytes())
+        else:
             self.peak = max(self.peak, int(self.process.memory_info().rss) - self.baseline)
 
-    def synchronize(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize(self.torch_device)
-
     def peak_bytes(self) -> int:
-        if self.cuda:
-            import torch
-
-            return int(torch.cuda.max_memory_allocated(self.torch_device))
         return max(0, self.peak)
 
 
@@ -175,8 +164,9 @@ def run_standalone(
             ``estimate_memory(**args)``, else the device's free memory.
         work_dir: the task's work directory; default: a temporary one, removed afterwards.
         prepare_device: also apply the worker's per-process device setup (core pinning, nice
-            and one thread on CPU; the allocator cap on CUDA) to *this* process, so numbers
-            match what a worker sees. Only for processes that exit afterwards (the CLI).
+            and one thread on CPU; on CUDA this GPU alone, the context and the one cap) to *this*
+            process, so numbers match what a worker sees. Only for processes that exit afterwards
+            (the CLI), and before CUDA was initialised in them.
         max_steps: stop after this many steps even if time is left.
         search_path: a directory put first on ``sys.path`` before importing (the CLI passes the
             current directory, so a user's own module next to them resolves).
@@ -197,23 +187,31 @@ def run_standalone(
     limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, args, dev)
     if limit <= 0:
         raise ConfigError(f"memory limit must be positive, got {limit}")
+    if prepare_device:
+        # As a worker: this process sees only its GPU (set before anything can start CUDA here).
+        os.environ.update(dev.worker_env(limit))
+    dev.close()
     try:
         task = cls(**args)
     except TypeError as exc:
         raise ConfigError(f"bad arguments for {target}: {exc}") from None
+    wdev = worker_device(name)
     if prepare_device:
-        dev.prepare_worker(limit)
+        try:
+            wdev.prepare(limit)
+        except WorkerSetupError as exc:
+            raise ConfigError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="freeride-standalone-") as scratch:
         directory = Path(work_dir) if work_dir is not None else Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        return _run(task, target, args, dev, limit, directory, float(seconds), max_steps)
+        return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps)
 
 
 def _run(
     task: SideTask,
     target: str,
     args: dict[str, Any],
-    dev: Device,
+    dev: WorkerDevice,
     limit: int,
     work_dir: Path,
     seconds: float,
@@ -227,13 +225,13 @@ def _run(
         work_dir=work_dir,
         logger=logging.getLogger(f"freeride.task.{type(task).__name__}"),
     )
-    probe = _MemoryProbe(dev.torch_device)
+    probe = _MemoryProbe(dev)
     step_ms: list[float] = []
     try:
         start = time.perf_counter()
         try:
             task.setup(ctx)
-            probe.synchronize()
+            dev.synchronize()
         except ConfigError:
             raise
         except Exception as exc:
@@ -248,7 +246,7 @@ def _run(
             t0 = time.perf_counter()
             try:
                 task.step()
-                probe.synchronize()
+                dev.synchronize()
             except Exception as exc:
                 raise TaskRunError(target, "step", len(step_ms), exc) from None
             step_ms.append((time.perf_counter() - t0) * 1000.0)

@@ -55,15 +55,36 @@ def now_ns() -> int:
     return time.monotonic_ns()
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.02) -> object:
-    """Poll until ``predicate()`` is truthy; fail the test with a clear message at the deadline."""
+def wait_for(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.02,
+             what: str | None = None) -> object:
+    """Poll until ``predicate()`` is truthy; fail the test with a clear message at the deadline.
+
+    The way tests synchronise with other threads and processes: on an observable condition, with a
+    deadline generous enough for a loaded 2-core machine, never a sleep that hopes.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s: {predicate}")
+            raise AssertionError(f"{what or 'condition'} not met within {timeout_s} s: {predicate}")
+        time.sleep(interval_s)
+
+
+def holds_for(predicate: Callable[[], object], duration_s: float, what: str, interval_s: float = 0.01) -> None:
+    """Check that something stays true for ``duration_s``: the only honest form of "nothing happened".
+
+    A negative can only be observed for a while; the failure names what was expected and for how long,
+    and the check fails as soon as it breaks rather than at the end.
+    """
+    deadline = time.monotonic() + duration_s
+    while True:
+        if not predicate():
+            raise AssertionError(f"expected for {duration_s} s: {what}; it broke after "
+                                 f"{duration_s - max(0.0, deadline - time.monotonic()):.3f} s")
+        if time.monotonic() >= deadline:
+            return
         time.sleep(interval_s)
 
 

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from conftest import cpu_devices
 
 from freeride.cli import main
 from freeride.errors import ConfigError, TaskLoadError
 from freeride.standalone import StandaloneReport, TaskRunError, load_task_class, percentile, run_standalone
 from freeride.task import SideTask
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +54,7 @@ class NotATask:
 def test_report_counts_progress_in_the_tasks_unit_until_done(tmp_path: Path) -> None:
     report = run_standalone(
         "side_tasks.graphs:PageRank", {"graph": "rmat:6", "max_iterations": 5, "tol": 0.0},
-        "cpu:0", 30.0, None, tmp_path,
+        DEVICE, 30.0, None, tmp_path,
     )  # fmt: skip
     assert report.finished and report.steps == 5 and report.progress == 5.0
     assert report.progress_unit == "iterations"
@@ -63,7 +66,7 @@ def test_report_counts_progress_in_the_tasks_unit_until_done(tmp_path: Path) -> 
 
 
 def test_report_is_frozen_and_serialises_to_json() -> None:
-    report = run_standalone("side_tasks.graphs:BFS", {"graph": "rmat:5"}, "cpu:0", 10.0, 1 << 30, None)
+    report = run_standalone("side_tasks.graphs:BFS", {"graph": "rmat:5"}, DEVICE, 10.0, 1 << 30, None)
     with pytest.raises(AttributeError):
         report.steps = 3  # type: ignore[misc]
     data = json.loads(report.to_json())
@@ -72,30 +75,30 @@ def test_report_is_frozen_and_serialises_to_json() -> None:
 
 
 def test_time_limit_stops_an_endless_task_and_progress_defaults_to_steps() -> None:
-    report = run_standalone(f"{__name__}:EndlessTask", {}, "cpu:0", 0.05, 1 << 20, None)
+    report = run_standalone(f"{__name__}:EndlessTask", {}, DEVICE, 0.05, 1 << 20, None)
     assert not report.finished and report.steps > 0
     assert report.progress == report.steps and report.progress_unit == "steps"
 
 
 def test_max_steps_bounds_the_run() -> None:
-    report = run_standalone(f"{__name__}:EndlessTask", {}, "cpu:0", 60.0, 1 << 20, None, max_steps=7)
+    report = run_standalone(f"{__name__}:EndlessTask", {}, DEVICE, 60.0, 1 << 20, None, max_steps=7)
     assert report.steps == 7
 
 
 def test_failing_step_is_reported_with_its_index() -> None:
     with pytest.raises(TaskRunError, match=r"FailsOnThirdStep failed in step 2: RuntimeError: widget jammed") as info:
-        run_standalone(f"{__name__}:FailsOnThirdStep", {}, "cpu:0", 10.0, 1 << 20, None)
+        run_standalone(f"{__name__}:FailsOnThirdStep", {}, DEVICE, 10.0, 1 << 20, None)
     assert info.value.step == 2 and "widget jammed" in info.value.traceback_text
 
 
 def test_configuration_that_cannot_fit_the_memory_limit_is_refused() -> None:
     with pytest.raises(ConfigError, match="more than its memory limit of 1.0 MiB"):
-        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:12"}, "cpu:0", 1.0, 1 << 20, None)
+        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:12"}, DEVICE, 1.0, 1 << 20, None)
 
 
 def test_unknown_constructor_argument_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"bad arguments for side_tasks.graphs:PageRank: .*colour"):
-        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:4", "colour": 1}, "cpu:0", 1.0, None, None)
+        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:4", "colour": 1}, DEVICE, 1.0, None, None)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +127,7 @@ def test_bad_device_and_seconds_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="unknown device"):
         run_standalone(f"{__name__}:EndlessTask", {}, "gpu0", 1.0, None, None)
     with pytest.raises(ConfigError, match="seconds must be a positive number"):
-        run_standalone(f"{__name__}:EndlessTask", {}, "cpu:0", 0, None, None)
+        run_standalone(f"{__name__}:EndlessTask", {}, DEVICE, 0, None, None)
 
 
 def test_percentile_uses_nearest_rank() -> None:
@@ -157,7 +160,7 @@ def fake_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_cli_arg_values_parse_as_json_else_string(capsys: pytest.CaptureFixture[str], fake_run: dict) -> None:
     code, out, _ = _cli(
         capsys, "pkg.mod:Task", "--args-json", '{"a": 1, "b": "x"}', "--arg", "b=2", "--arg", "flip=true",
-        "--arg", "name=rmat:3", "--arg", 'list=[1, 2]', "--memory", "2GiB", "--seconds", "3", "--device", "cpu:0",
+        "--arg", "name=rmat:3", "--arg", 'list=[1, 2]', "--memory", "2GiB", "--seconds", "3", "--device", DEVICE,
     )  # fmt: skip
     assert code == 0
     assert fake_run["args"] == {"a": 1, "b": 2, "flip": True, "name": "rmat:3", "list": [1, 2]}

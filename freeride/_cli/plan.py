@@ -1,39 +1,244 @@
-"""``freeride plan``: the analytical bubble model of a schedule, drawn and tabulated.
+"""``freeride plan``: the bubbles of a pipeline configuration, its memory, and what side tasks fit.
 
     freeride plan --schedule 1f1b --stages 4 --microbatches 8 [--t-forward 1 --t-backward 2]
+    freeride plan --stages 4 --sweep [--schedule gpipe,1f1b,interleaved,zb-h1] [--microbatches 4,8,16]
+                  [--virtual 2,4] --layers 32 --hidden 4096 --heads 32 --seq-len 2048 --vocab 50304
+                  --device-memory 80GiB --task name=pagerank,memory=2GiB,step_ms=3.5 [--plot frontier.png]
 
-prints the step x stage grid, each stage's idle slots per iteration (offset, length, kind) and the
-bubble fraction; ``--json`` gives the same as one JSON document. ``--cyclic`` lists the slots as a
-running trainer sees them (a stage's tail and the next iteration's warm-up are one wait).
+The first form prints the step x stage grid, each stage's idle slots per iteration (offset, length,
+kind) and the bubble fraction; ``--cyclic`` lists the slots as a running trainer sees them (a stage's
+tail and the next iteration's warm-up are one wait). With a memory model (model dimensions, or
+``--weight-bytes`` and ``--activation-bytes`` measured per stage) it adds what each stage holds and,
+with ``--device-memory``, what is free in each slot; with ``--task`` where each side task fits.
+
+``--sweep`` evaluates every schedule x micro-batches x virtual stages combination for the given
+stages and prints one line each, with the Pareto-optimal ones marked (``*``): bubble fraction and
+peak memory per stage minimised, harvest capacity maximised (see :mod:`freeride.planner`).
+``--plot FILE`` draws the frontier; ``--json`` prints everything as one JSON document.
+
+The core is :mod:`freeride.planner` and :mod:`freeride.memory`; this module parses, prints and draws.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 from typing import Any
 
-from freeride.schedules import SCHEDULE_NAMES, IdleSlot, Schedule, build_schedule, draw_grid
+from freeride.errors import ConfigError
+from freeride.memory import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    RUNTIMES,
+    HeldMemory,
+    MeasuredStages,
+    TransformerDims,
+)
+from freeride.planner import (
+    DEFAULT_HEADROOM_BYTES,
+    DEFAULT_MARGIN_MS,
+    Candidate,
+    ConfigPlan,
+    Costs,
+    MemoryInputs,
+    PlanInputs,
+    SideTaskDemand,
+    SweepResult,
+    candidates,
+    plan_config,
+    sweep,
+)
+from freeride.schedules import SCHEDULE_NAMES, IdleSlot, Schedule, draw_grid
+from freeride.units import format_size, parse_size
+
+_DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="show a pipeline schedule's bubbles (idle slots per stage, bubble fraction)",
-        description="Simulate a pipeline schedule and show each stage's idle slots per iteration.",
+        help="show a pipeline configuration's bubbles, memory per stage and side-task fit; --sweep for the frontier",
+        description="Simulate pipeline schedules: idle slots per stage, memory held and free in each, which side "
+        "tasks fit; --sweep compares configurations and marks the Pareto front.",
     )
-    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b)")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline stages (ranks)")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per iteration")
-    parser.add_argument("--virtual", type=int, default=1, help="model chunks per stage (interleaved only)")
-    parser.add_argument("--t-forward", type=float, default=1.0, help="forward time of one micro-batch (ms)")
-    parser.add_argument("--t-backward", type=float, default=2.0, help="full backward time (ms)")
-    parser.add_argument("--t-weight", type=float, default=None, help="weight-gradient time (zero-bubble; ms)")
-    parser.add_argument("--cyclic", action="store_true", help="slots between back-to-back iterations")
-    parser.add_argument("--no-grid", action="store_true", help="leave out the step x stage grid")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    sched = parser.add_argument_group("schedule")
+    sched.add_argument("--schedule", default=None,
+                       help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b); with --sweep a comma list "
+                       "(default all)")
+    sched.add_argument("--stages", type=int, required=True, help="pipeline stages (ranks)")
+    sched.add_argument("--microbatches", default=None,
+                       help="micro-batches per iteration; with --sweep a comma list (default p,2p,4p,8p)")
+    sched.add_argument("--virtual", default=None,
+                       help="model chunks per stage (interleaved only); with --sweep a comma list (default 2,4)")
+    sched.add_argument("--t-forward", type=float, default=1.0, help="forward time of one micro-batch (ms)")
+    sched.add_argument("--t-backward", type=float, default=2.0, help="full backward time (ms)")
+    sched.add_argument("--t-weight", type=float, default=None, help="weight-gradient time (zero-bubble; ms)")
+    sched.add_argument("--t-step", type=float, default=0.0,
+                       help="time per iteration outside the schedule: optimizer step etc. (ms)")
+    sched.add_argument("--global-batch", type=int, default=None,
+                       help="hold the samples per iteration fixed: a micro-batch is global/m samples, and times "
+                       "and activations (given for --microbatch-size) scale with it")
+
+    model = parser.add_argument_group("memory model: model dimensions (a GPT of pre-norm blocks) ...")
+    model.add_argument("--layers", type=int, help="transformer blocks")
+    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--seq-len", type=int, help="sequence length")
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    model.add_argument("--microbatch-size", type=int, default=1,
+                       help="samples per micro-batch the times (and measured activations) are for (default 1)")
+    model.add_argument("--ffn-multiplier", type=int, default=4, help="MLP width / hidden (default 4)")
+    model.add_argument("--attention", choices=("flash", "math"), default="flash",
+                       help="fused attention saves no s x s matrix (default flash)")
+    measured = parser.add_argument_group("... or measured per stage")
+    measured.add_argument("--weight-bytes", help="parameter bytes per stage: one size, or one per stage (comma list)")
+    measured.add_argument("--activation-bytes",
+                          help="bytes one micro-batch saves for its backward, per stage (one size or a comma list)")
+    measured.add_argument("--boundary-bytes", default=None,
+                          help="one micro-batch's tensor between stages (receive buffers; default 0)")
+    state = parser.add_argument_group("training state and device")
+    state.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="default fp32")
+    state.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam", help="default adam")
+    state.add_argument("--runtime", choices=sorted(RUNTIMES), default="torch",
+                       help="what the pipeline runtime keeps: torch (torch.distributed.pipelining) or lean")
+    state.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GiB")
+    state.add_argument("--headroom", default=f"{DEFAULT_HEADROOM_BYTES // 2**20}MiB",
+                       help="memory the manager keeps free (its --headroom; default %(default)s)")
+    state.add_argument("--margin-ms", type=float, default=DEFAULT_MARGIN_MS,
+                       help="admission margin added to a step (the manager's --margin-ms; default %(default)s)")
+
+    tasks = parser.add_argument_group("side tasks")
+    tasks.add_argument("--task", action="append", default=[], metavar="name=N,memory=SIZE,step_ms=T",
+                       help="a side task's memory cap and measured p95 step time (repeatable)")
+    tasks.add_argument("--tasks-file", default=None,
+                       help='JSON list of tasks: [{"name": "pagerank", "memory": "2GiB", "step_ms": 3.5}, ...]')
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--sweep", action="store_true", help="compare schedules x micro-batches x virtual stages")
+    out.add_argument("--plot", default=None, metavar="FILE", help="with --sweep: draw the frontier (PNG, SVG, PDF)")
+    out.add_argument("--cyclic", action="store_true", help="slots between back-to-back iterations")
+    out.add_argument("--no-grid", action="store_true", help="leave out the step x stage grid")
+    out.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: expected integers separated by commas, got {text!r}") from None
+        if value < 1:
+            raise ConfigError(f"{flag}: values must be >= 1, got {value}")
+        values.append(value)
+    return values
+
+
+def _single_int(flag: str, text: str | None, default: int) -> int:
+    if text is None:
+        return default
+    values = _int_list(flag, text)
+    if len(values) != 1:
+        raise ConfigError(f"{flag} takes one value without --sweep, got {text!r}")
+    return values[0]
+
+
+def _sizes_per_stage(flag: str, text: str, stages: int) -> tuple[int, ...]:
+    sizes = tuple(parse_size(part.strip()) for part in text.split(","))
+    if len(sizes) == 1:
+        return sizes * stages
+    if len(sizes) != stages:
+        raise ConfigError(f"{flag}: give one size or one per stage ({stages}), got {len(sizes)}")
+    return sizes
+
+
+def _size_or_zero(flag: str, text: str) -> int:
+    text = text.strip()
+    if text in ("0", "0B", "0b"):
+        return 0
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _memory_inputs(args: argparse.Namespace) -> MemoryInputs | None:
+    dims_given = {name: getattr(args, name) for name in _DIM_FLAGS if getattr(args, name) is not None}
+    measured_given = args.weight_bytes is not None or args.activation_bytes is not None
+    if dims_given and measured_given:
+        raise ConfigError("give either model dimensions (--layers ...) or measured bytes (--weight-bytes, "
+                          "--activation-bytes), not both")
+    source: TransformerDims | MeasuredStages
+    if dims_given:
+        missing = [f"--{n.replace('_', '-')}" for n in _DIM_FLAGS if n not in dims_given]
+        if missing:
+            raise ConfigError(f"model dimensions need {', '.join(missing)} as well")
+        source = TransformerDims(
+            layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+            microbatch_size=args.microbatch_size, vocab=args.vocab, ffn_multiplier=args.ffn_multiplier,
+            flash_attention=args.attention == "flash",
+        )
+    elif measured_given:
+        if args.weight_bytes is None or args.activation_bytes is None:
+            raise ConfigError("measured memory needs both --weight-bytes and --activation-bytes")
+        boundary = 0 if args.boundary_bytes is None else _size_or_zero("--boundary-bytes", args.boundary_bytes)
+        source = MeasuredStages(
+            _sizes_per_stage("--weight-bytes", args.weight_bytes, args.stages),
+            _sizes_per_stage("--activation-bytes", args.activation_bytes, args.stages),
+            boundary,
+        )
+    else:
+        if args.boundary_bytes is not None:
+            raise ConfigError("--boundary-bytes goes with --weight-bytes and --activation-bytes")
+        return None
+    return MemoryInputs(source, PRECISIONS[args.precision], args.optimizer, RUNTIMES[args.runtime])
+
+
+def _tasks(args: argparse.Namespace) -> tuple[SideTaskDemand, ...]:
+    tasks = [SideTaskDemand.parse(text) for text in args.task]
+    if args.tasks_file:
+        path = Path(args.tasks_file)
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"--tasks-file {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--tasks-file {path}: not JSON ({exc})") from None
+        if not isinstance(doc, list) or not all(isinstance(t, dict) for t in doc):
+            raise ConfigError(f"--tasks-file {path}: expected a JSON list of objects with name, memory, step_ms")
+        tasks += [SideTaskDemand.from_mapping(t, where=f"{path} task {i}") for i, t in enumerate(doc)]
+    return tuple(tasks)
+
+
+def plan_inputs(args: argparse.Namespace) -> PlanInputs:
+    """The planner's inputs from the command line (ConfigError with the flag's name when bad)."""
+    for flag in ("t_forward", "t_backward", "t_step", "margin_ms"):
+        value = getattr(args, flag)
+        if not math.isfinite(value):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number, got {value}")
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot draws the frontier of a sweep: add --sweep")
+    return PlanInputs(
+        stages=args.stages,
+        costs=Costs(args.t_forward, args.t_backward, args.t_weight, args.t_step),
+        memory=_memory_inputs(args),
+        device_memory_bytes=None if args.device_memory is None else parse_size(args.device_memory),
+        headroom_bytes=_size_or_zero("--headroom", args.headroom),
+        margin_ms=args.margin_ms,
+        tasks=_tasks(args),
+        global_batch=args.global_batch,
+        microbatch_size=args.microbatch_size,
+    )
+
+
+# ------------------------------------------------------------------ JSON
 
 
 def _slot_json(slot: IdleSlot) -> dict[str, Any]:
@@ -48,7 +253,7 @@ def _slot_json(slot: IdleSlot) -> dict[str, Any]:
 
 
 def plan_json(schedule: Schedule, cyclic: bool = False) -> dict[str, Any]:
-    """The plan as a JSON-ready dict (what ``--json`` prints)."""
+    """The schedule as a JSON-ready dict (what ``--json`` prints without a memory model)."""
     stages = []
     for r in range(schedule.ranks):
         slots = schedule.cyclic_slots(r) if cyclic else schedule.slots(r)
@@ -76,8 +281,98 @@ def plan_json(schedule: Schedule, cyclic: bool = False) -> dict[str, Any]:
     }
 
 
+def _held_json(held: HeldMemory) -> dict[str, int]:
+    return {"weights": held.weights, "gradients": held.gradients, "optimizer": held.optimizer,
+            "buffers": held.buffers, "activations": held.activations, "total": held.total_bytes}
+
+
+def _num(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def config_json(plan: ConfigPlan) -> dict[str, Any]:
+    """One evaluated configuration: times, memory per stage and slot (cyclic layout), task fit."""
+    return {
+        "schedule": plan.candidate.schedule,
+        "microbatches": plan.candidate.microbatches,
+        "virtual": plan.candidate.virtual,
+        "microbatch_size": plan.microbatch_size,
+        "iteration_ms": _num(plan.iteration_ms),
+        "bubble_fraction": _num(plan.bubble_fraction),
+        "peak_bytes": plan.peak_bytes,
+        "harvest_rate_bytes": _num(plan.harvest_rate_bytes, 1),
+        "fits_device": plan.fits_device,
+        "pareto": plan.pareto,
+        "per_stage": [
+            {
+                "stage": s.rank,
+                "idle_ms": _num(s.idle_ms),
+                "bubble_fraction": _num(s.bubble_fraction),
+                "peak_bytes": None if s.peak is None else s.peak.total_bytes,
+                "peak": None if s.peak is None else _held_json(s.peak),
+                "peak_in_flight": s.peak_in_flight,
+                "budget_bytes": s.budget_bytes,
+                "harvest_byte_seconds": _num(s.harvest_byte_seconds, 3),
+                "slots": [
+                    {"index": x.index, "kind": x.kind, "start_ms": _num(x.start_ms), "length_ms": _num(x.length_ms),
+                     "held_bytes": x.held_bytes, "free_bytes": x.free_bytes}
+                    for x in s.slots
+                ],
+            }
+            for s in plan.stages
+        ],
+        "tasks": [
+            {"task": f.task, "stage": f.rank, "fits": f.fits, "slots": list(f.slots), "memory_fits": f.memory_fits,
+             "usable_ms": _num(f.usable_ms)}
+            for f in plan.fits
+        ],
+    }
+
+
+def _inputs_json(inputs: PlanInputs) -> dict[str, Any]:
+    mem = inputs.memory
+    memory: dict[str, Any] | None = None
+    if mem is not None:
+        src = mem.source
+        if isinstance(src, TransformerDims):
+            source: dict[str, Any] = {"kind": "dimensions", "layers": src.layers, "hidden": src.hidden,
+                                      "heads": src.heads, "seq_len": src.seq_len, "vocab": src.vocab,
+                                      "ffn_multiplier": src.ffn_multiplier, "flash_attention": src.flash_attention}
+        else:
+            source = {"kind": "measured", "weight_bytes": list(src.weight_bytes),
+                      "activation_bytes": list(src.activation_bytes), "boundary_bytes": src.boundary_bytes}
+        memory = {"source": source, "precision": mem.precision.name, "optimizer": mem.optimizer,
+                  "runtime": mem.runtime.name}
+    c = inputs.costs
+    return {
+        "stages": inputs.stages,
+        "t_forward_ms": c.t_forward_ms, "t_backward_ms": c.t_backward_ms, "t_weight_ms": c.t_weight_ms,
+        "t_step_ms": c.t_step_ms,
+        "microbatch_size": inputs.microbatch_size, "global_batch": inputs.global_batch,
+        "memory": memory,
+        "device_memory_bytes": inputs.device_memory_bytes,
+        "headroom_bytes": inputs.headroom_bytes,
+        "margin_ms": inputs.margin_ms,
+        "tasks": [{"name": t.name, "memory_bytes": t.memory_bytes, "step_ms": t.step_ms} for t in inputs.tasks],
+    }
+
+
+def sweep_json(inputs: PlanInputs, result: SweepResult) -> dict[str, Any]:
+    return {
+        "inputs": _inputs_json(inputs),
+        "objectives": {"minimise": [n for n in result.objectives if n != "harvest_rate_bytes"],
+                       "maximise": [n for n in result.objectives if n == "harvest_rate_bytes"]},
+        "configs": [config_json(p) for p in result.plans],
+        "rejected": [{"schedule": c.schedule, "microbatches": c.microbatches, "virtual": c.virtual, "reason": why}
+                     for c, why in result.rejected],
+    }
+
+
+# ------------------------------------------------------------------ text
+
+
 def render_plan(schedule: Schedule, cyclic: bool = False, grid: bool = True) -> str:
-    """The human-readable plan."""
+    """The human-readable schedule."""
     out = [
         f"schedule {schedule.name}: {schedule.ranks} stages x {schedule.microbatches} micro-batches"
         + (f" x {schedule.virtual} chunks" if schedule.virtual > 1 else "")
@@ -106,19 +401,149 @@ def render_plan(schedule: Schedule, cyclic: bool = False, grid: bool = True) -> 
     return "\n".join(out)
 
 
+def _size(value: int | float | None) -> str:
+    return "-" if value is None else format_size(value)
+
+
+def render_memory(plan: ConfigPlan) -> str:
+    """Memory per stage (at its peak) and in each idle slot of the cyclic layout."""
+    out = [
+        f"memory per stage at its peak (between actions), iteration {plan.iteration_ms:g} ms:",
+        f"{'stage':>5} {'weights':>10} {'grads':>10} {'optimizer':>10} {'buffers':>10} {'activations':>11} "
+        f"{'in flight':>9} {'peak':>10} {'budget':>10}",
+    ]
+    for s in plan.stages:
+        p = s.peak
+        if p is None:
+            continue
+        out.append(f"{s.rank:>5} {_size(p.weights):>10} {_size(p.gradients):>10} {_size(p.optimizer):>10} "
+                    f"{_size(p.buffers):>10} {_size(p.activations):>11} {s.peak_in_flight:>9} "
+                    f"{_size(p.total_bytes):>10} {_size(s.budget_bytes):>10}")
+    out += ["", "idle slots (cyclic) with the memory held and free during each:",
+            f"{'stage':>5} {'slot':>4}  {'kind':<10} {'length ms':>10} {'held':>10} {'free':>10}"]
+    for s in plan.stages:
+        for x in s.slots:
+            out.append(f"{s.rank:>5} {x.index:>4}  {x.kind:<10} {x.length_ms:>10.3f} {_size(x.held_bytes):>10} "
+                       f"{_size(x.free_bytes):>10}")
+    if plan.fits_device is False:
+        out.append(f"\nthe peak ({_size(plan.peak_bytes)}) does not fit the device ({_size(plan.device_memory_bytes)})")
+    return "\n".join(out)
+
+
+def render_fit(plan: ConfigPlan, margin_ms: float) -> str:
+    """Per task and stage: the slots its step fits, and whether its memory fits the stage's budget."""
+    out = [f"side tasks (a slot fits a step when step + {margin_ms:g} ms margin <= its length; memory is checked "
+           "against the stage's budget, device - peak - headroom):",
+           f"{'task':<16} {'stage':>5}  {'fits':<4} {'slots':<14} {'usable ms':>10}  memory"]
+    for f in plan.fits:
+        memory = {None: "unknown", True: "fits", False: "over budget"}[f.memory_fits]
+        slots = ",".join(str(i) for i in f.slots) or "-"
+        fits = "yes" if f.fits else "no"
+        out.append(f"{f.task:<16} {f.rank:>5}  {fits:<4} {slots:<14} {f.usable_ms:>10.3f}  {memory}")
+    return "\n".join(out)
+
+
+def _fit_summary(plan: ConfigPlan, tasks: tuple[SideTaskDemand, ...]) -> str:
+    parts = []
+    for t in tasks:
+        stages = plan.fitting_stages(t.name)
+        parts.append(f"{t.name}:" + (",".join(str(s) for s in stages) if stages else "-"))
+    return " ".join(parts)
+
+
+def render_sweep(inputs: PlanInputs, result: SweepResult) -> str:
+    known = set(result.objectives)
+    batch = (f"global batch {inputs.global_batch}" if inputs.global_batch
+             else f"micro-batch of {inputs.microbatch_size} (fixed)")
+    lines = [f"sweep: {inputs.stages} stages, {batch}, t_f={inputs.costs.t_forward_ms:g} ms, "
+             f"t_b={inputs.costs.t_backward_ms:g} ms per micro-batch of {inputs.microbatch_size}"
+             + (f", device {format_size(inputs.device_memory_bytes)}" if inputs.device_memory_bytes else "")]
+    header = f"{'':1} {'configuration':<26} {'mb':>4} {'iter ms':>9} {'bubble':>7}"
+    if "peak_bytes" in known:
+        header += f" {'peak/stage':>11}"
+    if "harvest_rate_bytes" in known:
+        header += f" {'harvest':>11}"
+    if inputs.tasks:
+        header += "  fits on stages"
+    lines += ["", header]
+    for p in result.plans:
+        row = (f"{'*' if p.pareto else ' ':1} {p.candidate.label:<26} {p.microbatch_size:>4} {p.iteration_ms:>9.3f} "
+               f"{p.bubble_fraction:>7.1%}")
+        if "peak_bytes" in known:
+            row += f" {_size(p.peak_bytes):>11}"
+        if "harvest_rate_bytes" in known:
+            row += f" {_size(p.harvest_rate_bytes):>11}"
+        if inputs.tasks:
+            row += "  " + _fit_summary(p, inputs.tasks)
+        if p.fits_device is False:
+            row += "  (exceeds device memory)"
+        lines.append(row)
+    goals = ["bubble fraction (min)"]
+    if "peak_bytes" in known:
+        goals.append("peak memory per stage (min)")
+    if "harvest_rate_bytes" in known:
+        goals.append("harvest capacity (max)")
+    lines += ["", f"* Pareto-optimal on {', '.join(goals)}."]
+    if "harvest_rate_bytes" in known:
+        lines.append("harvest: free memory x bubble time, summed over stages and slots, per second of training "
+                     "(GiB-s per s).")
+    if result.rejected:
+        lines += ["", "not valid:"] + [f"  {c.label}: {why}" for c, why in result.rejected]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ run
+
+
+def _sweep_candidates(args: argparse.Namespace) -> list[Candidate]:
+    schedules = [s.strip() for s in args.schedule.split(",")] if args.schedule else list(SCHEDULE_NAMES)
+    ms = _int_list("--microbatches", args.microbatches) if args.microbatches else []
+    vs = _int_list("--virtual", args.virtual) if args.virtual else [2, 4]
+    return candidates(args.stages, schedules, ms, vs)
+
+
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(
-        args.schedule,
-        args.stages,
-        args.microbatches,
-        t_forward=args.t_forward,
-        t_backward=args.t_backward,
-        t_weight=args.t_weight,
-        virtual=args.virtual,
-    )
+    inputs = plan_inputs(args)
+    if args.sweep:
+        result = sweep(inputs, _sweep_candidates(args))
+        if not result.plans:
+            raise ConfigError("no valid configuration in the sweep: "
+                              + "; ".join(f"{c.label}: {why}" for c, why in result.rejected))
+        if args.plot:
+            from freeride._cli.plan_figure import draw_frontier
+
+            draw_frontier(result, Path(args.plot))
+        if args.json:
+            json.dump(sweep_json(inputs, result), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print(render_sweep(inputs, result))
+            if args.plot:
+                print(f"\nfrontier drawn to {args.plot}")
+        return 0
+
+    if args.schedule is not None and "," in args.schedule:
+        raise ConfigError("--schedule takes one name without --sweep")
+    if args.microbatches is None:
+        raise ConfigError("--microbatches is required without --sweep")
+    candidate = Candidate(args.schedule or "1f1b", _single_int("--microbatches", args.microbatches, 1),
+                          _single_int("--virtual", args.virtual, 1))
+    if candidate.schedule.strip().lower().startswith("interleaved") and candidate.virtual < 2:
+        candidate = Candidate(candidate.schedule, candidate.microbatches, 2)
+    plan = plan_config(inputs, candidate)
+    detailed = inputs.memory is not None or bool(inputs.tasks)
     if args.json:
-        json.dump(plan_json(schedule, cyclic=args.cyclic), sys.stdout, indent=2)
+        doc = plan_json(plan.schedule, cyclic=args.cyclic)
+        if detailed or inputs.costs.t_step_ms:
+            doc["plan"] = config_json(plan)
+            doc["inputs"] = _inputs_json(inputs)
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
-    else:
-        print(render_plan(schedule, cyclic=args.cyclic, grid=not args.no_grid))
+        return 0
+    text = render_plan(plan.schedule, cyclic=args.cyclic, grid=not args.no_grid)
+    if inputs.memory is not None:
+        text += "\n\n" + render_memory(plan)
+    if inputs.tasks:
+        text += "\n\n" + render_fit(plan, inputs.margin_ms)
+    print(text)
     return 0

@@ -49,7 +49,8 @@ def render(report: StandaloneReport) -> str:
     """The human-readable report."""
     status = "finished" if report.finished else "time limit reached"
     arguments = ", ".join(f"{k}={v!r}" for k, v in report.args.items()) or "(none)"
-    memory = "RSS growth" if report.memory_measure == "rss_growth" else "max allocated"
+    memory = ("RSS growth" if report.memory_measure == "rss_growth"
+              else "as the GPU counts it: context + allocator; a cap of this size holds")
     return "\n".join([
         f"task        {report.target} on {report.device} ({status})",
         f"arguments   {arguments}",

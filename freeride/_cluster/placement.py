@@ -3,7 +3,7 @@
 A manager claims a task only when it can place it, so that nothing claimed waits on a device that
 cannot run it while another could. It can place a task when:
 
-* it is not draining, and its device runs a stage of the trainer's current layout;
+* it is not draining, its device can be read, and the device runs a stage of the trainer's current layout;
 * it has seen a bubble since it started or since the layout last changed (no bubbles: no harvest);
 * no task here still waits for memory (a manager that cannot start what it holds takes no more);
 * the task's memory cap fits the device budget left (:meth:`SchedulerCore.budget_bytes`);
@@ -32,6 +32,7 @@ class Capacity:
     waiting: int  # tasks here that wait for memory
     draining: bool = False
     hosts_stage: bool = True
+    device_problem: str = ""  # the device cannot be read now: nothing is admitted here meanwhile
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def closed_reason(cap: Capacity) -> str | None:
     """Why this manager takes no task at all now, or None if it may take one that fits."""
     if cap.draining:
         return "draining"
+    if cap.device_problem:
+        return f"the device cannot be read: {cap.device_problem}"
     if not cap.hosts_stage:
         return "no stage of the trainer's layout runs on this device"
     if cap.budget_bytes is None:

@@ -11,7 +11,10 @@ Policy, in one place:
 * **Memory.** The device budget is the minimum over recent iterations of (free memory reported +
   memory the side tasks held at that moment) minus a headroom, minus the caps of resident tasks. A
   task becomes resident (its process is spawned) only if its cap fits; when the budget shrinks
-  below zero, parked tasks of the lowest priority are evicted (checkpointed and stopped).
+  below zero, parked tasks of the lowest priority are evicted (checkpointed and stopped). A task's
+  usage is the larger of the device's figure for its processes and its worker's own report (the
+  only figure where the device cannot see the worker's processes); over its cap it fails
+  MEMORY_LIMIT. While the device cannot be read (a lost GPU, NVML failing), nothing is admitted.
 * **Grants.** At each bubble one resident task is granted until the bubble's predicted end:
   priority first, then a frozen task that must finish its step, then a task whose step time is not
   known yet (one probe), then the best fit of its high-percentile step time to the time left, then
@@ -167,6 +170,8 @@ class WorkerReady:
     task_id: str
     pid: int
     progress_unit: str = "steps"
+    #: What the device's runtime took before the task allocated anything (a CUDA context); 0 on CPU.
+    context_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,8 @@ class WorkerParked:
     total_steps: int
     #: Leading ``durations_ns`` that are a process's warm-up step: harvested work, no estimate sample.
     warmup_steps: int = 0
+    #: Device memory the worker holds by its own measure (0: it leaves that to the device's figure).
+    device_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,13 @@ class DeviceMemorySampled:
 
 
 @dataclass(frozen=True)
+class DeviceStatusChanged:
+    """The device became unreadable (``problem`` says why) or readable again (``problem`` empty)."""
+
+    problem: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Nothing happened; lets due timers fire."""
 
@@ -245,6 +259,7 @@ Event = (
     | WorkerExited
     | TaskMemorySampled
     | DeviceMemorySampled
+    | DeviceStatusChanged
     | ReleaseRequested
     | LayoutChanged
     | Tick
@@ -360,6 +375,7 @@ class TaskRuntime:
     unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
     probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
     used_bytes: int = 0
+    reported_bytes: int = 0  # the worker's own measure of its device memory
     steps: int = 0
     progress: float = 0.0
     harvested_ns: int = 0
@@ -439,6 +455,10 @@ class SchedulerCore:
         self.stats = CoreStats()
         self.slots: dict[tuple[int, int, int], SlotStats] = {}
         self.draining = False
+        #: Why the device cannot be read now ("" when it can): no task is admitted meanwhile.
+        self.device_problem = ""
+        #: The largest device context a worker of this device reported: a cap must leave room past it.
+        self.context_bytes = 0
         #: The trainer's current layout, once one was reported.
         self.layout: TrainerLayout | None = None
         self._grant_seq = 0
@@ -667,6 +687,10 @@ class SchedulerCore:
         task.steps = event.total_steps
         if event.steps:
             task.stuck_ns = 0
+        if event.device_bytes:
+            task.reported_bytes = event.device_bytes
+            if task.state.is_resident and self._check_cap(task, out):
+                return
         if event.grant_id != task.grant_id or task.state != TaskState.RUNNING:
             return  # a park for a grant that a freeze already closed; stats only
         bubble = self._bubble_of(task)
@@ -873,6 +897,7 @@ class SchedulerCore:
             return
         task.pid = event.pid
         task.progress_unit = event.progress_unit
+        self.context_bytes = max(self.context_bytes, event.context_bytes)
         self._transition(task, TaskState.PARKED, "worker ready", out)
         if self.bubble is not None:
             self._grant_next(now_ns, out)
@@ -949,23 +974,32 @@ class SchedulerCore:
         if task is None or not task.state.is_resident:
             return
         task.used_bytes = event.used_bytes
-        if event.used_bytes > task.memory_bytes and task.stopping != "fail":
-            self._fail(
-                task,
-                FailureRecord(
-                    kind="MEMORY_LIMIT",
-                    message=(
-                        f"used {event.used_bytes / 2**20:.0f} MiB, over its cap of "
-                        f"{task.memory_bytes / 2**20:.0f} MiB"
-                    ),
-                    step=task.steps,
-                ),
-                out,
-            )
+        self._check_cap(task, out)
+
+    def _check_cap(self, task: TaskRuntime, out: list[Action]) -> bool:
+        """Fail a task whose usage (the device's figure or its own report) is over its cap; True if so."""
+        used = max(task.used_bytes, task.reported_bytes)
+        if used <= task.memory_bytes or task.stopping == "fail":
+            return False
+        self._fail(
+            task,
+            FailureRecord(
+                kind="MEMORY_LIMIT",
+                message=f"used {used / 2**20:.0f} MiB, over its cap of {task.memory_bytes / 2**20:.0f} MiB",
+                step=task.steps,
+            ),
+            out,
+        )
+        return True
 
     def _on_DeviceMemorySampled(self, event: DeviceMemorySampled, now_ns: int, out: list[Action]) -> None:
         self._device_capacity.append(event.free_bytes + self._resident_usage())
         self._evict_if_over_budget(now_ns, out)
+
+    def _on_DeviceStatusChanged(self, event: DeviceStatusChanged, now_ns: int, out: list[Action]) -> None:
+        if event.problem and not self.device_problem:
+            log.warning("device unreadable, admitting no task: %s", event.problem)
+        self.device_problem = event.problem
 
     def _on_Tick(self, event: Tick, now_ns: int, out: list[Action]) -> None:
         pass
@@ -1039,7 +1073,7 @@ class SchedulerCore:
         return self._in_states(*_RESIDENT_STATES)
 
     def _resident_usage(self) -> int:
-        return sum(t.used_bytes for t in self._resident())
+        return sum(max(t.used_bytes, t.reported_bytes) for t in self._resident())
 
     def _resident_caps(self) -> int:
         return sum(t.memory_bytes for t in self._resident())
@@ -1058,7 +1092,7 @@ class SchedulerCore:
 
     def _admit(self, out: list[Action]) -> None:
         waiting = self._by_state[TaskState.SUBMITTED]
-        if self.draining or not waiting:
+        if self.draining or not waiting or self.device_problem:
             return
         budget = self.budget_bytes()
         if budget is None:
@@ -1127,6 +1161,8 @@ class SchedulerCore:
             budget = self.budget_bytes()
             if self.draining:
                 return "the manager is draining"
+            if self.device_problem:
+                return f"the device cannot be read: {self.device_problem}"
             if budget is None:
                 return "waiting for the first free-memory figure from the trainer or device"
             return (

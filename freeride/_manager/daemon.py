@@ -123,10 +123,17 @@ class Manager:
         add_servicers(self.server, self.loop)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.loop.on_draining = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.loop.on_draining = self._update_health
+        self.loop.on_device_state = lambda problem: self._update_health()
         self._thread: threading.Thread | None = None
         self.port = 0
         self.metrics = MetricsServer(self.loop, metrics_address, metrics_port) if metrics_port is not None else None
+
+    def _update_health(self) -> None:
+        """SERVING unless draining or the device cannot be read (its problem is in Stats and the log)."""
+        unusable = self.loop.core.draining or bool(self.loop.core.device_problem)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING if unusable
+                         else health_pb2.HealthCheckResponse.SERVING)
 
     def _set_health(self, status: int) -> None:
         self.health.set("", status)
@@ -168,8 +175,9 @@ class Manager:
         self.server.start()
         if self.endpoint.kind == "unix":
             os.chmod(self.endpoint.address, 0o600)
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("[%s] manager listening on %s (state in %s)", self.device, self.endpoint, self.state_dir)
+        self._update_health()
+        log.info("[%s] manager listening on %s (state in %s); %s", self.device, self.endpoint, self.state_dir,
+                 self.device.describe())
         if self.agent is not None:
             self.agent.start()
 
@@ -219,6 +227,7 @@ class Manager:
             self.metrics.stop()
         if self._thread is None or not self._thread.is_alive():
             self.loop.release()
+            self.device.close()
         if self.endpoint.kind == "unix":
             try:
                 os.unlink(self.endpoint.address)

@@ -55,10 +55,12 @@ from freeride._cluster.placement import Capacity
 from freeride._cluster.records import ClaimedTask, QueueNote, QueueView, TaskStatus, is_cluster_id
 from freeride._manager import core as C
 from freeride._manager import orphans
+from freeride._manager.device_poller import DevicePoller
 from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.store import StoredTask, TaskStore
 from freeride._manager.trace import TraceWriter
 from freeride.devices import Device
+from freeride.devices.cuda import MIN_ALLOCATOR_BYTES
 from freeride.errors import ConfigError, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
     BubbleSlotStats,
@@ -82,6 +84,9 @@ LOG_TAIL_BYTES = 4096
 #: Bubble events fed to the core per turn of the loop at most (a few ms of work), and the size of
 #: the chunks ``post_bubbles`` cuts larger batches into.
 BUBBLES_PER_TURN = 256
+#: The loop wakes at least this often with nothing to do (every event, timer and message wakes it
+#: anyway): a bound on how long a lost wake-up could go unnoticed, not a poll.
+IDLE_WAKE_NS = 1_000_000_000
 
 _TrainerInput = C.BubbleStarted | C.BubbleEnded | C.LayoutChanged
 
@@ -200,6 +205,9 @@ class ManagerLoop:
         self._room = threading.Condition()  # guards _pending_events; notified when the loop takes some
         self._stopped = threading.Event()
         self.on_draining: Callable[[], None] = lambda: None
+        #: Called on the loop thread with the device's problem when it stops answering, "" when it answers
+        #: again (the daemon turns it into the health status).
+        self.on_device_state: Callable[[str], None] = lambda problem: None
         self._inbox: collections.deque[Any] = collections.deque()
         self._bubbles: collections.deque[list[_TrainerInput]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -216,8 +224,7 @@ class ManagerLoop:
         self._drain_waiters: list[Future[Any]] = []
         self._stop_after_drain = False
         self._running = True
-        self._next_memory_poll = 0
-        self._next_device_poll = 0
+        self.poller = DevicePoller(device, self.post, config.memory_poll_ms, config.device_poll_ms)
         self._trace = TraceWriter(config.trace_path, str(device)) if config.trace_path else None
         # Store writes the state directory refused, oldest first, and why (empty: all written).
         self._pending_writes: dict[tuple[str, str], Callable[[], None]] = {}
@@ -319,7 +326,7 @@ class ManagerLoop:
 
     def run(self) -> None:
         log.info("[%s] manager loop running", self.device)
-        self._apply(self.core.on_event(C.DeviceMemorySampled(self.device.free_memory_bytes()), self.now_ns()))
+        self.poller.start()  # its first reading comes at once
         while self._running:
             timeout = self._timeout_s()
             for key, _ in self._selector.select(timeout):
@@ -340,7 +347,7 @@ class ManagerLoop:
 
     def _timeout_s(self) -> float:
         now = self.now_ns()
-        deadlines = [self._next_memory_poll, self._next_device_poll]
+        deadlines = [now + IDLE_WAKE_NS]
         timer = self.core.next_timer_ns()
         if timer is not None:
             deadlines.append(timer)
@@ -370,6 +377,8 @@ class ManagerLoop:
                 self._add_claimed(item)
             else:
                 self._feed(item)
+                if isinstance(item, C.DeviceStatusChanged):
+                    self.on_device_state(item.problem)
         budget = BUBBLES_PER_TURN
         while budget > 0 and self._bubbles and self._running:
             chunk = self._bubbles.popleft()
@@ -437,17 +446,6 @@ class ManagerLoop:
         now = self.now_ns()
         if self._pending_writes and now >= self._next_store_retry:
             self._flush_writes()
-        if now >= self._next_memory_poll:
-            self._next_memory_poll = now + int(self.config.memory_poll_ms * 1e6)
-            for handle in list(self._workers.values()):
-                pids = [handle.proc.pid, *handle.extra_pgids]
-                self._feed(C.TaskMemorySampled(handle.task_id, self.device.process_memory_bytes(pids)))
-        if now >= self._next_device_poll:
-            self._next_device_poll = now + int(self.config.device_poll_ms * 1e6)
-            try:
-                self._feed(C.DeviceMemorySampled(self.device.free_memory_bytes()))
-            except Exception:
-                log.exception("[%s] device memory query failed", self.device)
         for handle in list(self._workers.values()):
             if handle.eof_at_ns and now >= handle.eof_at_ns:
                 handle.eof_at_ns = 0
@@ -695,6 +693,7 @@ class ManagerLoop:
         self._workers[action.task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, ("chan", handle))
         self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
+        self.poller.watch(action.task_id, [proc.pid])
         init: dict[str, Any] = {
             "t": "init",
             "task_id": action.task_id,
@@ -765,9 +764,11 @@ class ManagerLoop:
             self._feed(C.WorkerParked(
                 tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
                 int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),
-                float(msg["progress"]), int(msg["total_steps"]), int(msg.get("warmup_steps", 0))))
+                float(msg["progress"]), int(msg["total_steps"]), int(msg.get("warmup_steps", 0)),
+                _byte_count(msg.get("device_bytes", 0))))
         elif kind == "ready":
-            self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps"))))
+            self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps")),
+                                     _byte_count(msg.get("context_bytes", 0))))
         elif kind == "checkpoint":
             path = str(msg["path"])
             home = self.checkpoint_dir(tid) if tid in self._cluster else self.task_dir(tid)
@@ -793,6 +794,7 @@ class ManagerLoop:
             if pgid <= 1 or pgid == os.getpgrp():
                 raise ValueError(f"process group {pgid} is not one a command task could have made")
             handle.extra_pgids.append(pgid)
+            self.poller.watch(tid, [handle.proc.pid, *handle.extra_pgids])
         else:
             raise ValueError(f"unknown message type {kind!r}")
 
@@ -820,6 +822,7 @@ class ManagerLoop:
         self._selector.unregister(handle.pidfd)
         os.close(handle.pidfd)
         self._workers.pop(handle.task_id, None)
+        self.poller.forget(handle.task_id)
         for pgid in handle.extra_pgids:  # a command task's own group dies with its worker
             try:
                 os.killpg(pgid, signal.SIGKILL)
@@ -838,6 +841,13 @@ class ManagerLoop:
         if isinstance(request, SubmitTask):
             if self.core.draining:
                 raise RequestRejected("the manager is draining and accepts no new tasks")
+            context = self.core.context_bytes
+            if context and request.spec.memory_bytes < context + MIN_ALLOCATOR_BYTES:
+                raise RequestRejected(
+                    f"memory {request.spec.memory_bytes / 2**20:.0f} MiB is below what a task needs on "
+                    f"{self.device}: its CUDA context takes {context / 2**20:.0f} MiB (measured by a worker "
+                    f"here), so give at least {(context + MIN_ALLOCATOR_BYTES) / 2**20:.0f} MiB"
+                )
             if self._pending_writes and not self._flush_writes():
                 raise StateNotWritable(f"{self.store_fault}; the task was not submitted (training is still served)")
             try:
@@ -872,9 +882,10 @@ class ManagerLoop:
         raise TypeError(f"unknown request {request!r}")
 
     def _start_drain(self) -> None:
-        if not self.core.draining:
-            self.on_draining()
+        announce = not self.core.draining
         self._feed(C.DrainRequested())
+        if announce:
+            self.on_draining()
 
     def _shutdown(self, request: Shutdown) -> None:
         if request.immediate:
@@ -1006,6 +1017,7 @@ class ManagerLoop:
             waiting=core.count_in(TaskState.SUBMITTED),
             draining=core.draining,
             hosts_stage=layout is None or layout.hosts_stage(str(self.device), self.config.node),
+            device_problem=core.device_problem,
         )
         tasks = tuple(self._status(core.tasks[tid]) for tid in sorted(self._cluster) if tid in core.tasks)
         return QueueView(capacity, tasks)
@@ -1037,6 +1049,8 @@ class ManagerLoop:
             messages_dropped=self.messages_dropped,
             event_delay_ms=self.event_delay.percentiles(),
             events_dropped=self.events_dropped,
+            device_info=self.device.describe(),
+            device_problem=self.core.device_problem,
             layout_changes=s.layout_changes,
             layout=self.core.layout.describe() if self.core.layout is not None else "",
         )
@@ -1087,6 +1101,7 @@ class ManagerLoop:
             ))
 
     def _close(self) -> None:
+        self.poller.stop()
         for handle in list(self._workers.values()):
             self._signal(handle, signal.SIGKILL)
             handle.proc.wait()
@@ -1133,6 +1148,13 @@ def _chain(future: Future[Any], parked: int) -> Future[Any]:
     inner: Future[Any] = Future()
     inner.add_done_callback(lambda f: future.set_result((parked, parked)) if not future.done() else None)
     return inner
+
+
+def _byte_count(value: Any) -> int:
+    """A byte count from a worker: an int from 0 to 2**63-1 (ValueError, hence PROTOCOL, otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"a byte count must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _pct(values: Any) -> Percentiles:

@@ -181,6 +181,8 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         draining=s.draining,
         event_delay_ms=_pct_pb(s.event_delay_ms),
         events_dropped=s.events_dropped,
+        device_info=s.device_info,
+        device_problem=s.device_problem,
         layout_changes=s.layout_changes,
         layout=s.layout,
     )

@@ -217,6 +217,8 @@ def _stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         draining=msg.draining,
         event_delay_ms=_percentiles(msg.event_delay_ms),
         events_dropped=msg.events_dropped,
+        device_info=msg.device_info,
+        device_problem=msg.device_problem,
         layout_changes=msg.layout_changes,
         layout=msg.layout,
     )

@@ -3,13 +3,19 @@
 Lifecycle of a worker process (one per task, in its own session, started by the manager):
 
 1. Arrange to die with the manager (``PR_SET_PDEATHSIG``, and end-of-file on the channel).
-2. Read ``init``; prepare the device (core pinning and low priority on CPU, allocator caps on
-   CUDA); import and construct the task. Report ``ready``, or ``failed`` and exit.
+2. Read ``init``; prepare the device (core pinning and low priority on CPU; on CUDA the context,
+   one cap for context, torch and CuPy, low priority and few threads: see
+   :mod:`freeride.devices.cuda`); import and construct the task. Report ``ready`` (with the CUDA
+   context's size), or ``failed`` and exit.
 3. Wait for a ``grant`` (deadline, margin). The first grant runs ``setup`` (and restores the last
    checkpoint); then, while ``now + p95 step time + margin <= deadline``, run ``step()``.
-   Between steps, read the channel without blocking: a ``park`` for this grant (the real bubble
-   end came early) stops the loop after the current step. Then report ``parked`` with the step
-   durations and go back to waiting. Nothing runs outside grants.
+   **A step is timed in device time**: on CUDA ``step()`` returns once its kernels are queued, so
+   the runtime waits for the device (:meth:`WorkerDevice.synchronize`) before it stops the step's
+   clock and decides on the next one; the time is then what the GPU spent, and no step is admitted
+   on the strength of a launch time. Between steps, read the channel without blocking: a ``park``
+   for this grant (the real bubble end came early) stops the loop after the current step. Then
+   report ``parked`` with the step durations and the device memory the worker holds, and go back
+   to waiting. Nothing runs outside grants.
 4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
    ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
    ever sees whole files, and the last two are kept. A checkpoint the disk refuses (full,
@@ -40,7 +46,7 @@ from typing import Any
 
 from freeride._channel import Channel, ChannelClosed
 from freeride._manager.estimator import StepEstimator
-from freeride.devices import CpuDevice, CudaDevice, Device, parse_device_name
+from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.task import SideTask, TaskContext
 
 log = logging.getLogger("freeride.worker")
@@ -118,12 +124,17 @@ def _save_checkpoint(blob: dict[str, Any], fh: Any) -> None:
         pickle.dump(blob, fh, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _load_checkpoint(path: Path, map_location: str) -> dict[str, Any]:
-    # The file is the task's own, in its private directory: it is as trusted as the task's code.
+def _load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents, every tensor on the CPU.
+
+    Always the CPU: the task's ``load_state_dict`` puts each tensor where it belongs. Loaded straight to
+    a GPU, RNG states (which must be CPU byte tensors) fail to load, so a training task would fail its
+    first resume on CUDA. The file is the task's own, in its private directory: as trusted as its code.
+    """
     if zipfile.is_zipfile(path):
         import torch
 
-        blob = torch.load(path, map_location=map_location, weights_only=False)
+        blob = torch.load(path, map_location="cpu", weights_only=False)
     else:
         with open(path, "rb") as fh:
             blob = pickle.load(fh)
@@ -238,7 +249,7 @@ class WorkerRuntime:
         #: and a task whose estimate fits no bubble waits for a re-probe (200 bubbles).
         self._warmup_pending = True
         self.checkpoint_estimator = StepEstimator(window=8, quantile=1.0)
-        self.device: Device = self._device(str(init["device"]))
+        self.device: WorkerDevice = worker_device(str(init["device"]))
         self.task: SideTask | None = None
         self.setup_done = False
         self.steps = 0
@@ -252,11 +263,6 @@ class WorkerRuntime:
                 log.warning("[task=%s] no step board (%s)", self.task_id, exc)
         self.thaws = _ThawCounter()
 
-    @staticmethod
-    def _device(name: str) -> Device:
-        parsed = parse_device_name(name)
-        return CpuDevice(parsed) if parsed.kind == "cpu" else CudaDevice(parsed)
-
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
@@ -266,7 +272,8 @@ class WorkerRuntime:
         except _TaskError as err:
             self._report_failure(err)
             return EXIT_SETUP_FAILED
-        self.chan.send({"t": "ready", "pid": os.getpid(), "progress_unit": self._progress_unit()})
+        self.chan.send({"t": "ready", "pid": os.getpid(), "progress_unit": self._progress_unit(),
+                        "context_bytes": self.device.context_bytes})
         try:
             while True:
                 msg = self.chan.recv()
@@ -289,11 +296,16 @@ class WorkerRuntime:
             return EXIT_FAILED
 
     def _prepare(self) -> None:
+        command = self.init.get("command") or []
         try:
-            self.device.prepare_worker(self.limit)
+            self.device.prepare(self.limit, command=bool(command))
+        except WorkerSetupError as exc:  # the cap cannot hold the task's device context
+            raise _TaskError(exc.kind, "preparing the device", exc) from exc
+        except Exception as exc:
+            raise _TaskError("CONFIG", "preparing the device", exc) from exc
+        try:
             self.work_dir.mkdir(parents=True, exist_ok=True)
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            command = self.init.get("command") or []
             args = dict(self.init.get("args") or {})
             if command:
                 from freeride.command import CommandTask
@@ -386,6 +398,9 @@ class WorkerRuntime:
             cpu_start = time.process_time_ns()
             try:
                 self.task.step()
+                # Device time: the step is over when the device has done its work, not when its
+                # kernels are queued (a fault in them surfaces here too, as this step's).
+                self.device.synchronize()
             except Exception as exc:
                 raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", f"step {self.steps}", exc) from exc
             end = time.monotonic_ns()
@@ -447,6 +462,9 @@ class WorkerRuntime:
                 "reason": reason,
                 "progress": self._progress(),
                 "total_steps": self.steps,
+                # What the device holds for this worker, as the worker itself measures it: the manager's
+                # figure where NVML cannot see the worker's process (containers).
+                "device_bytes": self.device.used_bytes(),
             }
         )
 
@@ -464,6 +482,7 @@ class WorkerRuntime:
         )
         try:
             self.task.setup(ctx)
+            self.device.synchronize()
         except Exception as exc:
             raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", "setup", exc) from exc
         self.setup_done = True
@@ -485,7 +504,7 @@ class WorkerRuntime:
         errors = []
         for path in candidates:
             try:
-                blob = _load_checkpoint(path, self.device.torch_device)
+                blob = _load_checkpoint(path)
                 self.task.load_state_dict(blob["state"])
             except FileNotFoundError:
                 continue

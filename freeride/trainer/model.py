@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from freeride.errors import ConfigError
+from freeride.memory import split_layers
 
 
 @dataclass(frozen=True)
@@ -90,19 +91,6 @@ class GPTChunk(nn.Module):
         if self.is_last:
             x = self.head(self.ln(x))
         return x
-
-
-def split_layers(layers: int, chunks: int) -> list[tuple[int, int]]:
-    """Split ``layers`` blocks over ``chunks`` as evenly as possible (earlier chunks get extras)."""
-    if chunks < 1 or layers < chunks:
-        raise ConfigError(f"cannot split {layers} layers over {chunks} pipeline chunks (need layers >= chunks)")
-    base, extra = divmod(layers, chunks)
-    bounds, start = [], 0
-    for c in range(chunks):
-        end = start + base + (1 if c < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def build_chunk(cfg: GPTConfig, chunk: int, chunks: int) -> GPTChunk:

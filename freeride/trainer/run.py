@@ -40,6 +40,7 @@ class TrainerConfig:
     virtual: int = 2
     report: bool = False
     measure: bool = False
+    memory_probe: bool = False
     device: str = "cpu"
     log: str = ""
     endpoint_template: str = ""
@@ -103,6 +104,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:
                    help="stream bubbles to the device's freeride manager")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=False,
                    help="instrument and log bubbles without reporting (implied by --report)")
+    p.add_argument("--memory-probe", action=argparse.BooleanOptionalAction, default=False,
+                   help="log the memory held at every bubble start and after each step (implies --measure; "
+                   "see freeride.trainer.memory_probe)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--iteration-log", dest="log", default="", help="JSON-lines file per rank ({rank} is substituted, "
                    "else .rank<N> is added before the suffix)")
@@ -157,6 +161,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
 
     from freeride.pipelining import InstrumentedSchedule
     from freeride.reporter import BubbleReporter
+    from freeride.trainer.memory_probe import MemoryProbe, peak_rss_bytes, prime_memory
     from freeride.trainer.model import GPTConfig, build_chunk, lm_loss, synthetic_batch
 
     rank = int(os.environ.get("RANK", "0"))
@@ -167,8 +172,10 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     given_cores = set(os.sched_getaffinity(0))
     if cfg.device == "cpu":
         cores = sorted(given_cores)
-        # One core per stage: the stage's bubbles are then real idle time of that core (cpu:N).
-        core = local_rank if local_rank in cores else cores[local_rank % len(cores)]
+        # One core per stage: the stage's bubbles are then real idle time of that core (cpu:N). The
+        # local rank indexes the cores this job was given, never a core number: with cores {1, 3},
+        # mapping "rank 1 -> core 1" would put both ranks on core 1.
+        core = cores[local_rank % len(cores)]
         os.sched_setaffinity(0, {core})
         torch.set_num_threads(1)
         device_name = f"cpu:{core}"
@@ -181,8 +188,20 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
         backend = "nccl"
     if world > 1 or not dist.is_initialized():
         dist.init_process_group(backend=backend)
-
     gpt = GPTConfig(cfg.vocab, cfg.d_model, cfg.heads, cfg.layers, cfg.seq_len, cfg.seed)
+    probe = None
+    if cfg.memory_probe:
+        # The probe's baseline: everything but this stage's state -- the interpreter, torch, the
+        # process group, and the framework's one-time allocations (kernel caches, modules imported on
+        # first use), made here by one training step of a throwaway one-block model.
+        prime_memory(gpt, cfg.microbatch_size, torch_device)
+        probe = MemoryProbe(device_name)
+    baseline_rss = 0
+    if probe is not None:
+        import psutil
+
+        baseline_rss = int(psutil.Process().memory_info().rss)
+
     virtual = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
     chunks = world * virtual
     # Looped placement: rank r holds chunks r, r + world, ... (what torch's interleaved schedule expects).
@@ -201,13 +220,18 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     reporter = None
     runner: Any = schedule
     instrumented = None
-    if cfg.report or cfg.measure:
+    if cfg.report or cfg.measure or probe is not None:
         if cfg.report:
             token = read_token(cfg.token_file or None)
             reporter = BubbleReporter(device_name, stage=rank, rank=rank,
                                       endpoint=_endpoint(cfg, device_name, local_rank, rank), token=token,
                                       cpu_affinity=given_cores)
-        instrumented = InstrumentedSchedule(schedule, sink=reporter, device=device_name)
+        sink: Any = reporter
+        if probe is not None:
+            probe.inner = reporter
+            sink = probe
+        instrumented = InstrumentedSchedule(schedule, sink=sink, device=device_name,
+                                            on_action_end=probe.action_end if probe is not None else None)
         runner = instrumented
 
     out = None
@@ -234,6 +258,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
                     instrumented.detach()
             t0 = time.monotonic_ns()
             optimizer.zero_grad(set_to_none=True)
+            t_schedule = time.monotonic_ns()
             if holds_first and holds_last:
                 runner.step(x, target=y, losses=losses)
             elif holds_first:
@@ -242,6 +267,8 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
                 runner.step(target=y, losses=losses)
             else:
                 runner.step()
+            schedule_ns = time.monotonic_ns() - t_schedule
+            held_after_step = probe.sample() if probe is not None else None
             optimizer.step()
             # No torch.cuda.synchronize: on CUDA this is host time, which can lead the device by the
             # launch queue within an iteration but not across many (the pipeline's receives and the
@@ -261,6 +288,15 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
                 "loss": float(torch.stack([x.detach() for x in losses]).mean()) if losses else None,
                 "bubbles": [bubble_record(b) for b in bubbles],
             }
+            if instrumented is not None and instrumented.attached:
+                record["schedule_ms"] = schedule_ns / 1e6
+                record["actions"] = [[a.kind, a.stage, a.microbatch, (a.start_ns - t0) / 1e6, a.length_ns / 1e6]
+                                     for a in instrumented.last_actions]
+            if probe is not None:
+                slot_samples, action_samples = probe.take()
+                record["memory"] = {"slots": {str(k): v for k, v in sorted(slot_samples.items())},
+                                    "after_actions": action_samples, "after_step": held_after_step,
+                                    "after_optimizer": probe.sample()}
             records.append(record)
             if out is not None:
                 out.write(json.dumps(record) + "\n")
@@ -279,6 +315,10 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
         if reporter is not None:
             reporter.close()
             summary["reporter"] = asdict(reporter.counters())
+        if probe is not None:
+            summary["memory_probe"] = {"available": probe.available, "baseline_bytes": probe.baseline_bytes,
+                                       "baseline_rss_bytes": baseline_rss, "peak_rss_bytes": peak_rss_bytes(),
+                                       "local_chunks": local_chunks}
         if out is not None:
             out.write(json.dumps(summary) + "\n")
     finally:

@@ -15,10 +15,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import cpu_devices, wait_for
 
 from freeride._manager.daemon import Manager
 from freeride._wire.client import BubbleStream, ControlClient, health_status
@@ -26,6 +27,9 @@ from freeride.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NO_MANAGER, EXIT_NOT_
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
+UNUSABLE = f"cpu:{max(os.sched_getaffinity(0)) + 1}"  # past every core this process may use
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
@@ -42,7 +46,7 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def manager(short_dir: Path, tmp_path: Path) -> Iterator[Manager]:
-    m = Manager("cpu:0", endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state")
+    m = Manager(DEVICE, endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state")
     m.start()
     try:
         yield m
@@ -67,14 +71,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def bubbles(stop: threading.Event, length_ms: float = 20.0) -> Iterator[BubbleEvent]:
@@ -196,7 +192,7 @@ def test_json_outputs_parse(
     assert json.loads(out)["task_id"] == task_id
     _, out, _ = run_cli(capsys, "stats", "--json", *ep)
     stats = json.loads(out)
-    assert stats["device"] == "cpu:0" and "overrun_ms" in stats and "harvested_ratio" in stats
+    assert stats["device"] == DEVICE and "overrun_ms" in stats and "harvested_ratio" in stats
     _, out, _ = run_cli(capsys, "health", "--json", *ep)
     assert json.loads(out)["status"] == "SERVING"
     _, out, _ = run_cli(capsys, "cancel", task_id, "--json", *ep)
@@ -268,18 +264,18 @@ def test_manager_unknown_device_exits_2(short_dir: Path, capsys: pytest.CaptureF
         capsys,
         "manager",
         "--device",
-        "cpu:99",
+        UNUSABLE,
         "--endpoint",
         f"unix:{short_dir}/m.sock",
         "--state-dir",
         str(short_dir / "state"),
     )
     assert code == EXIT_BAD_INPUT
-    assert len(err.strip().splitlines()) == 1 and "cpu:99" in err
+    assert len(err.strip().splitlines()) == 1 and UNUSABLE in err
 
 
 def test_manager_bad_options_exit_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["manager", "--device", "cpu:0", "--state-dir", str(short_dir / "state")]
+    base = ["manager", "--device", DEVICE, "--state-dir", str(short_dir / "state")]
     code, _, err = run_cli(capsys, *base, "--endpoint", "tcp://127.0.0.1:1")
     assert code == EXIT_BAD_INPUT and "token" in err
     code, _, err = run_cli(capsys, *base, "--endpoint", f"unix:{short_dir}/m.sock", "--grace-ms", "-1")
@@ -291,7 +287,7 @@ def test_manager_bad_options_exit_2(short_dir: Path, capsys: pytest.CaptureFixtu
 
 
 def test_manager_refuses_a_bad_paper_profile_with_exit_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["manager", "--device", "cpu:0", "--state-dir", str(short_dir / "state"),
+    base = ["manager", "--device", DEVICE, "--state-dir", str(short_dir / "state"),
             "--endpoint", f"unix:{short_dir}/m.sock"]
     profile = short_dir / "profile.json"
     profile.write_text('{"slots": [{"stage": 0, "slot": 1, "min_ns": 5000000}]}')
@@ -390,7 +386,7 @@ def test_manager_daemon_serves_health_and_exits_0_on_sigterm(short_dir: Path) ->
             "freeride.cli",
             "manager",
             "--device",
-            "cpu:0",
+            DEVICE,
             "--endpoint",
             endpoint,
             "--state-dir",

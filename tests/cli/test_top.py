@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import cpu_devices
 
 from freeride._cli import top
 from freeride._cli.top import Snapshot, live_view, order_tasks, render
@@ -18,6 +19,8 @@ from freeride.cli import EXIT_BAD_INPUT, EXIT_NO_MANAGER, EXIT_OK, main
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
 from freeride.messages import BubbleSlotStats, FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 
@@ -228,7 +231,7 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def manager(short_dir: Path, tmp_path: Path) -> Iterator[Manager]:
-    m = Manager("cpu:0", endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state")
+    m = Manager(DEVICE, endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state")
     m.start()
     try:
         yield m

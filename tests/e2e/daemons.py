@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 import psutil
-from conftest import wait_for
+from conftest import cpu_devices, wait_for
 
 from freeride._wire.client import health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 
 def health(endpoint: Endpoint) -> str:
@@ -24,9 +26,9 @@ def health(endpoint: Endpoint) -> str:
 
 
 def start_daemon(sock: Path, state: Path, *options: str) -> subprocess.Popen[bytes]:
-    """``freeride manager --device cpu:0`` on ``sock`` with ``state``; returns once it is SERVING."""
+    """``freeride manager`` on an allowed core, on ``sock`` with ``state``; returns once it is SERVING."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "freeride.cli", "manager", "--device", "cpu:0", "--endpoint", f"unix:{sock}",
+        [sys.executable, "-m", "freeride.cli", "manager", "--device", DEVICE, "--endpoint", f"unix:{sock}",
          "--state-dir", str(state), *options],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

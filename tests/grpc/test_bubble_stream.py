@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import ManagerHarness, wait_for
+from conftest import ManagerHarness, cpu_devices, now_ns, wait_for
 
 from freeride._manager import core as C
 from freeride._wire import freeride_pb2 as pb
@@ -18,14 +18,15 @@ from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
 from freeride.reporter import MAX_BATCH_EVENTS, BubbleReporter
 
 MS = 1_000_000
-T0 = 10**12
 
 
 def pairs(n: int, first_iteration: int = 0) -> list[BubbleEvent]:
+    """``n`` start/end pairs 1 us apart, all in the host clock's recent past (never ahead of it)."""
+    t0 = now_ns() - (first_iteration + n) * 1000 - MS
     out: list[BubbleEvent] = []
     for it in range(first_iteration, first_iteration + n):
-        out.append(BubbleStart(0, 0, it, it % 3, "test", T0 + it * 1000, 2 * MS, 2**30))
-        out.append(BubbleEnd(0, 0, it, it % 3, T0 + it * 1000 + 500))
+        out.append(BubbleStart(0, 0, it, it % 3, "test", t0 + it * 1000, 2 * MS, 2**30))
+        out.append(BubbleEnd(0, 0, it, it % 3, t0 + it * 1000 + 500))
     return out
 
 
@@ -65,17 +66,18 @@ def test_batched_stream_events_are_all_accepted_in_order_and_counted_once(
 
 
 def test_legacy_single_event_messages_are_still_accepted(harness: ManagerHarness, handed: list[BubbleEvent]) -> None:
+    t0 = now_ns() - MS
     start = pb.BubbleEvent(start=pb.BubbleStart(stage=1, rank=2, iteration=3, slot=4, kind="warmup",
-                                                start_ns=T0, predicted_ns=MS, free_memory_bytes=-1))
-    end = pb.BubbleEvent(end=pb.BubbleEnd(stage=1, rank=2, iteration=3, slot=4, end_ns=T0 + 10))
+                                                start_ns=t0, predicted_ns=MS, free_memory_bytes=-1))
+    end = pb.BubbleEvent(end=pb.BubbleEnd(stage=1, rank=2, iteration=3, slot=4, end_ns=t0 + 10))
     summary = raw_stream(harness, [start, end])
     assert (summary.accepted, summary.rejected, summary.dropped) == (2, 0, 0)
     wait_for(lambda: len(handed) >= 2)
-    assert handed == [BubbleStart(1, 2, 3, 4, "warmup", T0, MS, -1), BubbleEnd(1, 2, 3, 4, T0 + 10)]
+    assert handed == [BubbleStart(1, 2, 3, 4, "warmup", t0, MS, -1), BubbleEnd(1, 2, 3, 4, t0 + 10)]
 
 
 def test_a_lone_event_goes_on_the_wire_in_the_legacy_form() -> None:
-    event = BubbleEnd(0, 0, 1, 0, T0)
+    event = BubbleEnd(0, 0, 1, 0, now_ns())
     assert bubble_message_to_pb([event]).WhichOneof("event") == "end"
     assert bubble_message_to_pb(event).WhichOneof("event") == "end"
     assert bubble_message_to_pb([event, event]).WhichOneof("event") == "batch"
@@ -84,8 +86,9 @@ def test_a_lone_event_goes_on_the_wire_in_the_legacy_form() -> None:
 def test_malformed_event_inside_a_batch_is_rejected_alone_and_its_neighbours_are_accepted(
     harness: ManagerHarness, handed: list[BubbleEvent]
 ) -> None:
-    good = [bubble_message_to_pb(e) for e in pairs(2)]
-    zero_length = pb.BubbleEvent(start=pb.BubbleStart(iteration=9, start_ns=T0, predicted_ns=0))
+    events = pairs(2)
+    good = [bubble_message_to_pb(e) for e in events]
+    zero_length = pb.BubbleEvent(start=pb.BubbleStart(iteration=9, start_ns=now_ns() - MS, predicted_ns=0))
     nested = pb.BubbleEvent(batch=pb.BubbleEventBatch(events=[good[0]]))
     empty = pb.BubbleEvent()
     batch = pb.BubbleEvent(batch=pb.BubbleEventBatch(events=[good[0], zero_length, good[1], nested, empty,
@@ -94,7 +97,7 @@ def test_malformed_event_inside_a_batch_is_rejected_alone_and_its_neighbours_are
     assert (summary.accepted, summary.rejected) == (4, 3)
     assert "start or an end" in summary.last_error
     wait_for(lambda: len(handed) >= 4)
-    assert handed == pairs(2)
+    assert handed == events
     assert harness.client.stats().events_rejected == 3
 
 
@@ -111,11 +114,12 @@ def test_batch_larger_than_the_loop_bound_is_handed_over_whole_and_in_order(
 def test_reporter_sends_what_queued_before_it_connected_as_full_batches(
     harness: ManagerHarness, handed: list[BubbleEvent]
 ) -> None:
-    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=harness.endpoint, start=False)
+    reporter = BubbleReporter(cpu_devices(1)[0], stage=0, rank=0, endpoint=harness.endpoint, start=False)
     total = MAX_BATCH_EVENTS + 100
+    t0 = now_ns() - MS
     for it in range(total // 2):
-        reporter.bubble_start(it, 0, "test", 2 * MS, start_ns=T0 + it)
-        reporter.bubble_end(it, 0, end_ns=T0 + it + 1)
+        reporter.bubble_start(it, 0, "test", 2 * MS, start_ns=t0 + it)
+        reporter.bubble_end(it, 0, end_ns=t0 + it + 1)
     reporter._thread.start()
     wait_for(lambda: reporter.sent == total)
     reporter.close(timeout_s=10)

@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import TESTS_DIR, ManagerHarness, wait_for
+from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +44,8 @@ from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint
 from freeride.messages import TaskSpec
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 #: Inputs sent, by kind; reported by the last test of this module.
 TRIED: collections.Counter[str] = collections.Counter()
@@ -58,7 +60,7 @@ MAX_DETAILS_CHARS = 1024
 
 def _start_manager(tmp: Path, name: str, core: CoreConfig) -> ManagerHarness:
     sock = Path(f"/tmp/fr-hostile-{os.getpid()}-{name}.sock")
-    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=tmp / "state", core=core,
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=tmp / "state", core=core,
                       memory_poll_ms=20.0)
     manager.start()
     return ManagerHarness(manager, ControlClient(manager.endpoint), tmp)
@@ -208,7 +210,7 @@ def _send(endpoint: Endpoint, events: list[Ev]) -> tuple[pb.StreamSummary, list[
 def _assert_alive(h: ManagerHarness) -> None:
     """Health says SERVING and the loop answers requests."""
     assert health_status(h.endpoint) == "SERVING"
-    assert h.client.stats().device == "cpu:0"
+    assert h.client.stats().device == DEVICE
     h.client.list(include_finished=True)
 
 
@@ -269,8 +271,7 @@ def _snapshot(h: ManagerHarness) -> tuple[object, ...]:
 
 
 def test_rejected_bubble_events_change_nothing(trainer_side: ManagerHarness) -> None:
-    _quiesce(trainer_side)
-    time.sleep(0.2)  # let a parking worker's report land before the first snapshot
+    _quiesce(trainer_side)  # PARKED is set by the worker's own report: its figures have landed
 
     @settings(max_examples=40)
     @given(events=st.lists(invalid_events(), min_size=1, max_size=6))

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import cpu_devices, holds_for, now_ns, wait_for
 
 from freeride._manager import core as C
 from freeride._manager.loop import LoopConfig, ManagerLoop
@@ -19,21 +19,23 @@ from freeride.devices import open_device
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
 
 MS = 1_000_000
-T0 = 10**12
 BOUND = 64
 
 
 def pairs(first: int, n: int) -> list[BubbleEvent]:
+    """Start/end pairs 10 ns apart, in the host clock's recent past."""
+    t0 = now_ns() - (first + n) * 10 - MS
     out: list[BubbleEvent] = []
     for it in range(first, first + n):
-        out.append(BubbleStart(0, 0, it, 0, "flood", T0 + it * 10, MS, -1))
-        out.append(BubbleEnd(0, 0, it, 0, T0 + it * 10 + 5))
+        out.append(BubbleStart(0, 0, it, 0, "flood", t0 + it * 10, MS, -1))
+        out.append(BubbleEnd(0, 0, it, 0, t0 + it * 10 + 5))
     return out
 
 
 @pytest.fixture
 def loop(tmp_path: Path) -> Iterator[ManagerLoop]:
-    loop = ManagerLoop(open_device("cpu:0"), LoopConfig(state_dir=tmp_path / "state", max_pending_events=BOUND))
+    config = LoopConfig(state_dir=tmp_path / "state", max_pending_events=BOUND)
+    loop = ManagerLoop(open_device(cpu_devices(1)[0]), config)
     yield loop
     loop.stop()
 
@@ -59,14 +61,13 @@ def test_flood_is_held_back_at_the_bound_then_every_event_is_handled_in_order(lo
     handed = recorder(loop)
     events = pairs(0, 500)  # 1000 events in messages of 20, far past the bound
     flooder = threading.Thread(
-        target=lambda: [loop.post_bubbles(events[i:i + 20], T0) for i in range(0, len(events), 20)], daemon=True
+        target=lambda: [loop.post_bubbles(events[i:i + 20], now_ns()) for i in range(0, len(events), 20)], daemon=True
     )
     flooder.start()
     wait_for(lambda: waiting_events(loop) > BOUND - 20)
-    flooder.join(0.3)
     # The loop is not running: the flood waits for room instead of growing the inbox.
-    assert flooder.is_alive()
-    assert waiting_events(loop) <= BOUND
+    holds_for(lambda: flooder.is_alive() and waiting_events(loop) <= BOUND, 0.3,
+              "the flooder stays blocked with the inbox at its bound")
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     flooder.join(20)
@@ -84,7 +85,7 @@ def test_a_batch_larger_than_the_bound_goes_in_chunks_that_fit(loop: ManagerLoop
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     events = pairs(0, 5 * BOUND)
-    assert loop.post_bubbles(events, T0) == 0
+    assert loop.post_bubbles(events, now_ns()) == 0
     wait_for(lambda: len(handed) == len(events))
     assert handed == events
     loop.stop()
@@ -92,12 +93,11 @@ def test_a_batch_larger_than_the_bound_goes_in_chunks_that_fit(loop: ManagerLoop
 
 
 def test_a_stream_waiting_for_room_gives_up_counted_when_the_loop_stops(loop: ManagerLoop) -> None:
-    loop.post_bubbles(pairs(0, BOUND // 2), T0)  # the inbox is full; nobody drains it
+    loop.post_bubbles(pairs(0, BOUND // 2), now_ns())  # the inbox is full; nobody drains it
     lost: list[int] = []
-    waiter = threading.Thread(target=lambda: lost.append(loop.post_bubbles(pairs(100, 3), T0)), daemon=True)
+    waiter = threading.Thread(target=lambda: lost.append(loop.post_bubbles(pairs(100, 3), now_ns())), daemon=True)
     waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive()
+    holds_for(waiter.is_alive, 0.3, "the stream stays blocked waiting for room")
     runner = threading.Thread(target=loop.run, daemon=True)
     loop.stop()  # queued ahead of the bubbles: the loop stops before it gets to them
     runner.start()
@@ -115,7 +115,7 @@ def test_slow_watch_viewer_loses_the_overflow_counted_and_the_loop_goes_on(loop:
     runner.start()
     events = pairs(0, 5_030)  # 10,060 live-view bubble events for a queue of 10,000
     for i in range(0, len(events), 500):
-        loop.post_bubbles(events[i:i + 500], T0)
+        loop.post_bubbles(events[i:i + 500], now_ns())
     wait_for(lambda: len(handed) == len(events))
     assert viewer.qsize() == viewer.maxsize == 10_000
     assert loop.watch_events_dropped == len(events) - 10_000

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ManagerHarness, wait_for
+from conftest import ManagerHarness, cpu_devices, wait_for
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +35,8 @@ from freeride.cli import EXIT_BAD_INPUT, main
 from freeride.endpoints import Endpoint
 from freeride.errors import ConfigError
 from freeride.messages import ManagerStats, Percentiles
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +59,7 @@ def scrape(url: str) -> Samples:
 
 def value(samples: Samples, metric: str, /, **labels: str) -> float | None:
     """The sample ``metric`` whose labels include ``labels`` (device cpu:0 unless given), or None."""
-    wanted = {"device": "cpu:0", **labels}.items()
+    wanted = {"device": DEVICE, **labels}.items()
     for (sample, sample_labels), v in samples.items():
         if sample == metric and wanted <= dict(sample_labels).items():
             return v
@@ -74,7 +76,7 @@ def short_dir() -> Iterator[Path]:
 @pytest.fixture
 def metered(short_dir: Path, tmp_path: Path) -> Iterator[ManagerHarness]:
     """A real in-process manager with metrics on an ephemeral port."""
-    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state",
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state",
                       memory_poll_ms=20.0, metrics_port=0)
     manager.start()
     harness = ManagerHarness(manager, ControlClient(manager.endpoint), tmp_path)
@@ -196,7 +198,7 @@ def test_scrape_of_a_stuck_loop_returns_partial_figures_and_adds_no_requests(
 
 
 def test_metrics_server_stops_with_the_manager(short_dir: Path, tmp_path: Path) -> None:
-    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state",
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(short_dir / "m.sock")), state_dir=tmp_path / "state",
                       metrics_port=0)
     manager.start()
     assert manager.metrics is not None
@@ -211,7 +213,7 @@ def test_manager_command_announces_its_ephemeral_metrics_url_and_serves_it(short
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "freeride.cli", "manager", "--device", "cpu:0", "--endpoint",
+        [sys.executable, "-m", "freeride.cli", "manager", "--device", DEVICE, "--endpoint",
          f"unix:{short_dir / 'd.sock'}", "--state-dir", str(short_dir / "state"), "--metrics-port", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -245,7 +247,7 @@ def test_metrics_port_in_use_is_a_config_error_and_leaves_no_socket(
     busy_port: int, short_dir: Path, tmp_path: Path
 ) -> None:
     sock = short_dir / "m.sock"
-    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "state",
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "state",
                       metrics_port=busy_port)
     with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{busy_port}"):
         manager.start()
@@ -256,7 +258,7 @@ def test_metrics_port_in_use_is_a_config_error_and_leaves_no_socket(
 def test_manager_command_exits_2_when_the_metrics_port_is_in_use(
     busy_port: int, short_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["manager", "--device", "cpu:0", "--endpoint", f"unix:{short_dir / 'm.sock'}",
+    code = main(["manager", "--device", DEVICE, "--endpoint", f"unix:{short_dir / 'm.sock'}",
                  "--state-dir", str(tmp_path / "state"), "--metrics-port", str(busy_port)])
     assert code == EXIT_BAD_INPUT
     err = capsys.readouterr().err
@@ -275,7 +277,7 @@ def test_manager_command_exits_2_when_the_metrics_port_is_in_use(
 def test_manager_command_rejects_bad_metrics_options(
     argv: list[str], message: str, short_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["manager", "--device", "cpu:0", "--endpoint", f"unix:{short_dir / 'm.sock'}",
+    code = main(["manager", "--device", DEVICE, "--endpoint", f"unix:{short_dir / 'm.sock'}",
                  "--state-dir", str(tmp_path / "state"), *argv])
     assert code == EXIT_BAD_INPUT
     assert message in capsys.readouterr().err

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import TESTS_DIR, ManagerHarness, wait_for
+from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
 from freeride._manager import servicers
 from freeride._manager.daemon import Manager
@@ -30,6 +30,8 @@ from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint, default_endpoint, runtime_dir
 from freeride.errors import ConfigError, Unauthenticated
 from freeride.messages import TaskSpec
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,8 +67,8 @@ def test_default_endpoint_is_an_owner_only_socket_in_an_owner_only_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    manager = Manager("cpu:0", state_dir=tmp_path / "state")
-    assert manager.endpoint == default_endpoint("cpu:0")
+    manager = Manager(DEVICE, state_dir=tmp_path / "state")
+    assert manager.endpoint == default_endpoint(DEVICE)
     manager.start()
     try:
         assert _mode(manager.endpoint.address) == 0o600
@@ -80,7 +82,7 @@ def test_socket_is_owner_only_from_the_moment_it_exists(tmp_path: Path) -> None:
     # The socket file appears when the port is added, before the server starts and before the
     # chmod after start: the umask must already make it 0600, or another user could connect first.
     sock = Path(f"/tmp/fr-umask-{os.getpid()}.sock")
-    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "s")
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "s")
     old = os.umask(0)
     try:
         manager._bind()
@@ -97,12 +99,12 @@ def test_socket_is_owner_only_from_the_moment_it_exists(tmp_path: Path) -> None:
 @pytest.mark.parametrize("token", [None, ""])
 def test_tcp_without_a_token_is_refused_at_start(tmp_path: Path, token: str | None) -> None:
     with pytest.raises(ConfigError, match="token"):
-        Manager("cpu:0", endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token=token)
+        Manager(DEVICE, endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token=token)
 
 
 @pytest.fixture
 def tcp_manager(tmp_path: Path) -> Any:
-    manager = Manager("cpu:0", endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token="s3cret")
+    manager = Manager(DEVICE, endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token="s3cret")
     manager.start()
     yield SimpleNamespace(manager=manager, endpoint=Endpoint("tcp", f"127.0.0.1:{manager.port}"))
     manager.stop()

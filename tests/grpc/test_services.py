@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import TESTS_DIR, ManagerHarness
+from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
 from freeride._manager.daemon import Manager
 from freeride._wire import freeride_pb2 as pb
@@ -18,6 +17,8 @@ from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import ConfigError, RequestRejected, TaskNotFound, Unauthenticated
 from freeride.messages import TaskSpec
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 
 def _raw_submit(endpoint: Endpoint, **fields: object) -> grpc.RpcError:
@@ -80,7 +81,7 @@ def test_unix_socket_is_owner_only_and_health_says_serving(harness: ManagerHarne
 
 
 def test_second_manager_on_the_same_socket_is_refused(harness: ManagerHarness, tmp_path: Path) -> None:
-    second = Manager("cpu:0", endpoint=harness.endpoint, state_dir=tmp_path / "other")
+    second = Manager(DEVICE, endpoint=harness.endpoint, state_dir=tmp_path / "other")
     with pytest.raises(ConfigError, match="already listening"):
         second.start()
     assert health_status(harness.endpoint) == 'SERVING'
@@ -89,7 +90,7 @@ def test_second_manager_on_the_same_socket_is_refused(harness: ManagerHarness, t
 def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
     sock = Path(f"/tmp/fr-stale-{os.getpid()}.sock")
     sock.write_text("")  # a leftover file nobody listens on
-    manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "s")
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "s")
     manager.start()
     try:
         assert health_status(manager.endpoint) == "SERVING"
@@ -99,11 +100,11 @@ def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
 
 def test_tcp_endpoint_requires_a_token(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="token"):
-        Manager("cpu:0", endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s")
+        Manager(DEVICE, endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s")
 
 
 def test_tcp_calls_without_the_right_token_are_unauthenticated(tmp_path: Path) -> None:
-    manager = Manager("cpu:0", endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token="s3cret")
+    manager = Manager(DEVICE, endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s", token="s3cret")
     manager.start()
     endpoint = Endpoint("tcp", f"127.0.0.1:{manager.port}")
     try:
@@ -122,7 +123,7 @@ def test_oversized_message_is_refused_not_fatal(harness: ManagerHarness) -> None
     big = "x" * (5 * 2**20)
     with pytest.raises(RequestRejected):
         harness.client.submit(TaskSpec(target="a:B", args={"blob": big}, memory_bytes=1))
-    assert harness.client.stats().device == "cpu:0"
+    assert harness.client.stats().device == DEVICE
 
 
 def test_watch_streams_task_state_changes(harness: ManagerHarness) -> None:
@@ -140,7 +141,8 @@ def test_watch_streams_task_state_changes(harness: ManagerHarness) -> None:
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
-    time.sleep(0.3)
+    # The subscription is open once the manager's loop counts a subscriber: only then can no event be missed.
+    wait_for(lambda: len(harness.manager.loop._subscribers) == 1, 10)
     info = harness.submit("sample_tasks:Counter", memory_mib=64)
     harness.client.cancel(info.task_id)
     thread.join(10)
@@ -151,7 +153,7 @@ def test_submitted_task_survives_a_manager_restart_with_the_same_state(tmp_path:
     sock = Path(f"/tmp/fr-persist-{os.getpid()}.sock")
     state = tmp_path / "state"
     for round_ in range(2):
-        manager = Manager("cpu:0", endpoint=Endpoint("unix", str(sock)), state_dir=state)
+        manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=state)
         manager.start()
         try:
             with ControlClient(manager.endpoint) as client:

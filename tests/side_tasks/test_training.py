@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -65,16 +66,32 @@ def test_lstm_resume_is_exact_with_dropout(tmp_path: Path) -> None:
     assert _same_tensors(resumed.model.state_dict(), whole.model.state_dict())
 
 
-def test_resnet_learns_the_bundled_digits(tmp_path: Path) -> None:
-    task = ResNet18Training(batch_size=32, width=8, max_steps=40, lr=0.05)
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Learning tests run on one intra-op thread: the task is seeded, but float sums reduced over a
+    machine-dependent number of threads round differently, and 40 steps of a small ResNet amplified
+    that from 0.63 (1 thread) to 0.33 (2 threads) test accuracy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_resnet_learns_the_bundled_digits(tmp_path: Path, one_torch_thread: None) -> None:
+    # 80 steps: 0.90-0.94 accuracy over seeds 0-2 on 1 and 2 threads, against a bound of 0.6. At 40
+    # steps the batch-norm running statistics had not settled and accuracy swung from 0.33 to 0.63.
+    task = ResNet18Training(batch_size=32, width=8, max_steps=80, lr=0.05, seed=0)
     task.setup(make_ctx(tmp_path / "w"))
     assert task.evaluate() < 0.3  # ten classes: about chance before training
+    losses = []
     while not task.done():
         task.step()
+        losses.append(task.last_loss)
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
     assert task.evaluate() > 0.6
 
 
-def test_lstm_learns_repetitive_text(tmp_path: Path) -> None:
+def test_lstm_learns_repetitive_text(tmp_path: Path, one_torch_thread: None) -> None:
     corpus = tmp_path / "text.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     task = _tiny_lstm(text=str(corpus), max_steps=60, lr=1e-2, hidden=32)

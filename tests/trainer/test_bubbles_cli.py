@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cpu_devices, now_ns, wait_for
 
 from freeride._cli import bubbles as bubbles_cli
+from freeride._manager import daemon
 from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
 from freeride.reporter import BubbleReporter
 
-daemon = pytest.importorskip("freeride._manager.daemon", reason="the manager daemon is not in this tree")
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 MS = 1_000_000
 
 
 def _start_manager(tmp_path: Path, endpoint: Endpoint) -> Any:
-    manager = daemon.Manager("cpu:0", endpoint=endpoint, state_dir=tmp_path / "state")
+    manager = daemon.Manager(DEVICE, endpoint=endpoint, state_dir=tmp_path / "state")
     manager.start()
     return manager
 
@@ -43,8 +44,10 @@ def manager(tmp_path: Path, endpoint: Endpoint) -> Iterator[Any]:
 
 
 def _feed(reporter: BubbleReporter, iterations: range, stage_slots: list[tuple[int, str, int]]) -> None:
+    """Each iteration's slots, laid out back to back in the host clock's recent past."""
+    span_ns = sum(2 * length_ms * MS for _, _, length_ms in stage_slots)
     for it in iterations:
-        t = time.monotonic_ns()
+        t = now_ns() - span_ns
         for slot, kind, length_ms in stage_slots:
             reporter.bubble_start(it, slot, kind, predicted_ns=length_ms * MS, free_memory_bytes=2**30, start_ns=t)
             reporter.bubble_end(it, slot, end_ns=t + int(length_ms * MS * 1.05))
@@ -52,14 +55,16 @@ def _feed(reporter: BubbleReporter, iterations: range, stage_slots: list[tuple[i
 
 
 def _wait_count(endpoint: Endpoint, want: int, timeout_s: float = 10.0) -> list[Any]:
-    deadline = time.monotonic() + timeout_s
+    """The manager's slot telemetry once it has counted ``want`` bubbles; fails at the deadline."""
     slots: list[Any] = []
-    while time.monotonic() < deadline:
+
+    def counted() -> bool:
+        nonlocal slots
         with ControlClient(endpoint, timeout_s=2) as client:
             slots = client.bubbles()
-        if slots and sum(s.count for s in slots) >= want:
-            return slots
-        time.sleep(0.05)
+        return sum(s.count for s in slots) >= want
+
+    wait_for(counted, timeout_s)
     return slots
 
 
@@ -74,7 +79,7 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
 def test_reported_bubbles_reach_the_manager_and_the_cli(
     manager: Any, endpoint: Endpoint, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with BubbleReporter("cpu:0", stage=1, rank=1, endpoint=endpoint) as reporter:
+    with BubbleReporter(DEVICE, stage=1, rank=1, endpoint=endpoint) as reporter:
         _feed(reporter, range(6), [(0, "turnaround", 4), (1, "drain", 1)])
         slots = _wait_count(endpoint, 12)
     assert {(s.stage, s.slot, s.kind, s.count) for s in slots} == {(1, 0, "turnaround", 6), (1, 1, "drain", 6)}
@@ -91,7 +96,7 @@ def test_reported_bubbles_reach_the_manager_and_the_cli(
 
 def test_reporter_reconnects_after_the_manager_restarts(tmp_path: Path, endpoint: Endpoint) -> None:
     first = _start_manager(tmp_path, endpoint)
-    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=endpoint, backoff_initial_s=0.02,
+    reporter = BubbleReporter(DEVICE, stage=0, rank=0, endpoint=endpoint, backoff_initial_s=0.02,
                               backoff_max_s=0.1)
     try:
         _feed(reporter, range(2), [(0, "boundary", 2)])
@@ -101,11 +106,7 @@ def test_reporter_reconnects_after_the_manager_restarts(tmp_path: Path, endpoint
         _feed(reporter, range(2, 4), [(0, "boundary", 2)])
         second = _start_manager(tmp_path, endpoint)
         try:
-            deadline = time.monotonic() + 10
-            while not reporter.counters().connected or reporter.counters().connects < 2:
-                assert time.monotonic() < deadline, reporter.counters()
-                time.sleep(0.02)
-            time.sleep(0.2)
+            wait_for(lambda: reporter.counters().connected and reporter.counters().connects >= 2, 10)
             _feed(reporter, range(4, 7), [(0, "boundary", 2)])
             slots = _wait_count(endpoint, 3)
             assert sum(s.count for s in slots) >= 3

@@ -6,20 +6,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import cpu_devices, wait_for
 
 from freeride.schedules import build_schedule
 
-pytest.importorskip("freeride._cli.manager", reason="the manager CLI is not in this tree")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -52,12 +50,13 @@ def _no_managers_left(runtime: Path) -> None:
 
 
 def test_launch_runs_command_with_managers_up_and_passes_its_exit_code(runtime: Path) -> None:
+    devices = cpu_devices(2)
     probe = (
         "import sys; from freeride._wire.client import health_status; "
         "from freeride.endpoints import default_endpoint; "
-        "sys.exit(7 if all(health_status(default_endpoint(d)) == 'SERVING' for d in ('cpu:0', 'cpu:1')) else 1)"
+        f"sys.exit(7 if all(health_status(default_endpoint(d)) == 'SERVING' for d in {devices!r}) else 1)"
     )
-    proc = _launch(runtime, "--devices", "cpu:0,cpu:1", "--", sys.executable, "-c", probe)
+    proc = _launch(runtime, "--devices", ",".join(devices), "--", sys.executable, "-c", probe)
     assert proc.returncode == 7, proc.stderr[-2000:]
     _no_managers_left(runtime)
 
@@ -70,15 +69,12 @@ def test_launch_forwards_sigterm_to_the_command(runtime: Path) -> None:
         f"pathlib.Path({str(flag)!r}).write_text('x')\n"
         "time.sleep(60)\n"
     )
-    cmd = [sys.executable, "-m", "freeride.cli", "launch", "--devices", "cpu:0", "--state-dir",
+    cmd = [sys.executable, "-m", "freeride.cli", "launch", "--devices", cpu_devices(1)[0], "--state-dir",
            str(runtime / "state"), "--", sys.executable, "-c", script]
     proc = subprocess.Popen(cmd, env=_env(runtime), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not flag.exists():
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: flag.exists() or proc.poll() is not None, 60)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 42
     finally:
@@ -90,30 +86,26 @@ def test_launch_forwards_sigterm_to_the_command(runtime: Path) -> None:
 
 def test_launch_fails_clearly_when_a_manager_cannot_start(runtime: Path) -> None:
     marker = runtime / "ran"
+    device = cpu_devices(1)[0]
     proc = _launch(
-        runtime, "--devices", "cpu:0", "--manager-arg=--headroom=lots", "--ready-timeout-s", "20", "--",
+        runtime, "--devices", device, "--manager-arg=--headroom=lots", "--ready-timeout-s", "20", "--",
         sys.executable, "-c", f"open({str(marker)!r}, 'w')",
     )
     assert proc.returncode != 0
-    assert "manager for cpu:0 exited" in proc.stderr
+    assert f"manager for {device} exited" in proc.stderr
     assert not marker.exists()  # the command never ran
     _no_managers_left(runtime)
 
 
 def test_launch_rejects_missing_command(runtime: Path) -> None:
-    proc = _launch(runtime, "--devices", "cpu:0")
+    proc = _launch(runtime, "--devices", cpu_devices(1)[0])
     assert proc.returncode == 2 and "no command" in proc.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_trainer_under_launch_reports_the_modelled_bubbles_to_each_manager(runtime: Path) -> None:
     """The whole trainer path: torchrun ranks -> reporters -> one manager per core -> Bubbles RPC."""
     iterations, microbatches = 5, 4
+    devices = cpu_devices(2)  # the trainer pins local rank k to the k-th core it was given
     out = runtime / "bubbles.json"
     driver = runtime / "driver.py"
     driver.write_text(textwrap.dedent(f"""
@@ -121,24 +113,31 @@ def test_trainer_under_launch_reports_the_modelled_bubbles_to_each_manager(runti
         from dataclasses import asdict
         from freeride._wire.client import ControlClient
         from freeride.endpoints import default_endpoint
-        rc = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", "{_free_port()}", "-m", "freeride.trainer",
+        rc = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "freeride.trainer",
             "--schedule", "1f1b", "--microbatches", "{microbatches}", "--iterations", "{iterations}",
             "--layers", "2", "--d-model", "32", "--seq-len", "16", "--vocab", "64", "--report"])
-        time.sleep(0.5)  # the managers' loops fold the last events into their statistics
+        # Each manager folds the last events into its statistics shortly after the trainer exits: wait
+        # until every slot has seen every iteration (or 30 s), never a fixed sleep.
         doc = {{}}
-        for device in ("cpu:0", "cpu:1"):
+        deadline = time.monotonic() + 30
+        for device in {devices!r}:
             with ControlClient(default_endpoint(device)) as c:
-                doc[device] = [asdict(s) for s in c.bubbles()]
+                while True:
+                    doc[device] = [asdict(s) for s in c.bubbles()]
+                    if (doc[device] and all(s["count"] >= {iterations} for s in doc[device])) \
+                            or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
         json.dump(doc, open({str(out)!r}, "w"))
         sys.exit(rc)
     """))
-    proc = _launch(runtime, "--devices", "cpu:0,cpu:1", "--", sys.executable, str(driver))
+    proc = _launch(runtime, "--devices", ",".join(devices), "--", sys.executable, str(driver))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _no_managers_left(runtime)
     doc = json.loads(out.read_text())
     model = build_schedule("1f1b", 2, microbatches)
-    for rank, device in ((0, "cpu:0"), (1, "cpu:1")):
+    for rank, device in enumerate(devices):
         got = sorted((s["stage"], s["slot"], s["kind"], s["count"]) for s in doc[device])
         want = sorted((rank, s.index, s.kind, iterations) for s in model.cyclic_slots(rank))
         assert got == want, device

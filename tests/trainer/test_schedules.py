@@ -166,3 +166,17 @@ def test_plan_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_cli_bad_input_raises_config_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="unknown schedule"):
         _plan(["--schedule", "nope", "--stages", "2", "--microbatches", "2"], capsys)
+
+
+def test_stage_costs_override_the_uniform_costs_per_model_stage() -> None:
+    # GPipe p=2 m=2; stage 1 twice as slow as stage 0. Rank 0: F0 [0,1] F1 [1,2], then B0 waits for
+    # rank 1's B0 (rank 1: F0 [1,3] F1 [3,5] B0 [5,9] B1 [9,13]): B0 [9,11], B1 [13,15].
+    orders = build_schedule("gpipe", 2, 2).orders
+    s = schedule_from_orders("gpipe", orders, 2, 1.0, 2.0, stage_costs={1: (2.0, 4.0, 2.0)})
+    assert s.makespan == 15.0
+    assert [(x.kind, x.start, x.length) for x in s.slots(0)] == [(TURNAROUND, 2.0, 7.0), (DRAIN, 11.0, 2.0)]
+    assert s.cost(Action("B", 1, 0)) == 4.0 and s.cost(Action("B", 0, 0)) == 2.0
+    with pytest.raises(ConfigError, match="model stage 2"):
+        schedule_from_orders("gpipe", orders, 2, 1.0, 2.0, stage_costs={2: (1.0, 2.0, 1.0)})
+    with pytest.raises(ConfigError, match="exceeds t_backward"):
+        schedule_from_orders("gpipe", orders, 2, 1.0, 2.0, stage_costs={0: (1.0, 2.0, 3.0)})

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import cpu_devices, wait_for
 
 from freeride.errors import ConfigError
 from freeride.schedules import BACKWARD, FORWARD, Action, build_schedule
@@ -34,6 +34,9 @@ from freeride.trainer.single_stage import (
     sleep_until,
 )
 
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
+UNUSABLE = f"cpu:{max(os.sched_getaffinity(0)) + 1}"  # past every core this process may use
+
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab", "64",
         "--microbatch-size", "2"]
 RUN_KEYS = {"iteration", "rank", "stage", "device", "warmup", "time_ms", "end_ns", "bubbles"}
@@ -41,7 +44,7 @@ BUBBLE_KEYS = {"slot", "kind", "start_ns", "length_ms", "predicted_ms", "free_me
 
 
 def tiny_config(**kw: Any) -> SingleStageConfig:
-    base: dict[str, Any] = dict(device="cpu:0", stages=4, stage_index=1, microbatches=4, iterations=6, warmup=2,
+    base: dict[str, Any] = dict(device=DEVICE, stages=4, stage_index=1, microbatches=4, iterations=6, warmup=2,
                                 layers=4, d_model=32, heads=2, seq_len=16, vocab=64, microbatch_size=2)
     base.update(kw)
     return SingleStageConfig(**base)
@@ -171,7 +174,7 @@ def test_sleep_until_returns_at_or_after_the_target() -> None:
         (["--schedule", "1f1b", "--stages", "4", "--microbatches", "3"],
          "1f1b needs --microbatches (3) >= --stages (4)"),
         (["--device", "gpu0"], "unknown device 'gpu0'"),
-        (["--device", "cpu:4096"], "unknown device cpu:4096"),
+        (["--device", UNUSABLE], f"unknown device {UNUSABLE}"),
         (["--stages", "1"], "--stages must be >= 2"),
         (["--stages", "8", "--microbatches", "8", "--layers", "4"], "--layers (4) must be >= --stages (8)"),
         (["--jitter-pct", "100"], "--jitter-pct"),
@@ -208,7 +211,7 @@ def test_the_bench_command_parses_back_to_the_same_run() -> None:
     assert (cfg.device, cfg.stage_index, cfg.stages, cfg.microbatches, cfg.iterations) == ("cpu:1", 2, 4, 8, 30)
     assert (cfg.log, cfg.report, cfg.endpoint, cfg.schedule, cfg.jitter_pct) == (
         "/tmp/x.jsonl", True, "unix:/tmp/m.sock", "gpipe", 5.0)
-    assert "--report" not in single_stage_command("cpu:0", 0, 2, 2, 1)
+    assert "--report" not in single_stage_command(DEVICE, 0, 2, 2, 1)
 
 
 def test_validation_needs_no_device_for_a_bad_config() -> None:
@@ -269,7 +272,7 @@ def test_the_iteration_log_has_the_reference_trainers_shape(tmp_path: Path) -> N
     assert [r["iteration"] for r in iterations] == [0, 1, 2]
     for record in iterations:
         assert set(record) >= RUN_KEYS
-        assert (record["rank"], record["stage"], record["device"]) == (3, 3, "cpu:0")
+        assert (record["rank"], record["stage"], record["device"]) == (3, 3, DEVICE)
         assert record["warmup"] == (record["iteration"] < 1)
         assert record["time_ms"] > 0 and record["end_ns"] > 0
         assert record["loss"] is not None and record["loss"] > 0  # the last stage computes the loss
@@ -296,7 +299,7 @@ def test_a_real_manager_receives_every_slot_of_every_iteration(
     harness = make_manager()
     iterations = 4
     log = tmp_path / "stage.jsonl"
-    argv = single_stage_command("cpu:0", 2, 4, 4, iterations, log=log, report=True,
+    argv = single_stage_command(DEVICE, 2, 4, 4, iterations, log=log, report=True,
                                 endpoint=str(harness.endpoint), extra=[*TINY, "--warmup", "1"])
     env = dict(os.environ, FREERIDE_LOG_LEVEL="WARNING", PYTHONPATH=str(Path(__file__).parents[2]))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
@@ -320,7 +323,8 @@ def test_a_real_manager_receives_every_slot_of_every_iteration(
 
 @pytest.mark.gpu
 def test_a_cuda_run_reports_every_modelled_slot_once_per_iteration() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     cfg = tiny_config(device="cuda:0", iterations=6, warmup=2, d_model=256, heads=4, seq_len=128,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,17 +23,11 @@ ITERATIONS = 5
 MICROBATCHES = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_trainer(tmp_path: Path, schedule: str, *extra: str) -> dict[int, list[dict[str, Any]]]:
     log = tmp_path / f"{schedule}.jsonl"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        # --standalone: the rendezvous picks its own port; a test never picks one and binds it later.
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "freeride.trainer", "--schedule", schedule, "--microbatches", str(MICROBATCHES),
         "--iterations", str(ITERATIONS), "--layers", "2", "--d-model", "32", "--seq-len", "16",
         "--vocab", "64", "--iteration-log", str(log), *extra,

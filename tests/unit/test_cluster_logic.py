@@ -84,6 +84,7 @@ def _cap(**kw: object) -> Capacity:
     ("cap", "why"),
     [
         (_cap(draining=True), "draining"),
+        (_cap(device_problem="NVML: GPU is lost"), "cannot be read"),
         (_cap(hosts_stage=False), "no stage"),
         (_cap(budget_bytes=None), "no free-memory figure"),
         (_cap(longest_bubble_ns=0), "no bubble"),

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from conftest import wait_for
 
 from freeride._manager import orphans
 
@@ -58,10 +58,7 @@ def test_left_over_group_with_the_task_marker_is_killed(task_dir: Path) -> None:
         orphans.record(task_dir, leader.pid)
         assert orphans.kill_leftovers(task_dir) == 2
         leader.wait(5)
-        deadline = time.monotonic() + 10
-        while _members(leader.pid) and time.monotonic() < deadline:  # SIGKILL takes effect asynchronously
-            time.sleep(0.02)
-        assert _members(leader.pid) == []
+        wait_for(lambda pid=leader.pid: _members(pid) == [], 10)  # SIGKILL takes effect asynchronously
         assert not (task_dir / orphans.PID_FILE).exists()
 
 

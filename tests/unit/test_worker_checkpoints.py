@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cpu_devices
 from sample_tasks import Counter, UnpicklableState
 
 from freeride._channel import Channel, socketpair
 from freeride._manager.estimator import StepEstimator
 from freeride._worker.runtime import CHECKPOINT_OVERDUE_INTERVALS, WorkerRuntime, _TaskError, checkpoint_files
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 
 @pytest.fixture
@@ -27,7 +30,7 @@ def manager_end() -> Iterator[tuple[Channel, Channel]]:
 def runtime(worker: Channel, checkpoint_dir: Path, task: Any, interval_s: float = 30.0) -> WorkerRuntime:
     rt = WorkerRuntime(worker, {
         "task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(checkpoint_dir.parent / "work"),
-        "checkpoint_dir": str(checkpoint_dir), "device": "cpu:0", "checkpoint_interval_s": interval_s,
+        "checkpoint_dir": str(checkpoint_dir), "device": DEVICE, "checkpoint_interval_s": interval_s,
     })
     rt.task = task
     rt.setup_done = True

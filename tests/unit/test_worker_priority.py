@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 CHILD = """
-from freeride.devices import CpuDevice, parse_device_name
-CpuDevice(parse_device_name("cpu:0")).prepare_worker(1 << 30)
 import os
+from freeride.devices import CpuWorkerDevice, parse_device_name
+CpuWorkerDevice(parse_device_name(f"cpu:{min(os.sched_getaffinity(0))}")).prepare(1 << 30)
 print(os.nice(0), open("/proc/self/autogroup").read().split()[-1])
 """
 

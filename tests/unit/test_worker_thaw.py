@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cpu_devices
 
 from freeride._worker.runtime import WorkerRuntime, _ThawCounter
 from freeride.task import SideTask, TaskContext
+
+DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 MS = 1_000_000
 
@@ -63,7 +66,7 @@ class _Steps(SideTask):
 def runtime(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel]]:
     chan = _FakeChannel()
     init = {"task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(tmp_path / "work"),
-            "checkpoint_dir": str(tmp_path / "ckpt"), "device": "cpu:0"}  # fmt: skip
+            "checkpoint_dir": str(tmp_path / "ckpt"), "device": DEVICE}  # fmt: skip
     rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
     previous = signal.getsignal(signal.SIGCONT)
     rt.thaws.install()

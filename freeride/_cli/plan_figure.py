@@ -1,0 +1,80 @@
+"""The picture of ``freeride plan --sweep --plot FILE``: the frontier of the configurations swept.
+
+Two panels share the vertical axis, the bubble fraction (the iteration time relative to the work):
+against the peak memory per stage (left) and against the harvest capacity (right). Each
+configuration is one point, shaped and coloured by schedule; Pareto-optimal points are filled and
+labelled, the others hollow; a configuration that exceeds the device's memory is a grey cross.
+Without a memory model the panels fall back to the iteration time. Drawn with matplotlib's object
+API (no pyplot, no display): the format follows the file's suffix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from freeride.planner import ConfigPlan, SweepResult
+
+_GIB = 2**30
+_STYLE = {
+    "gpipe": ("#4c72b0", "o"),
+    "1f1b": ("#dd8452", "s"),
+    "interleaved-1f1b": ("#55a868", "^"),
+    "zb-h1": ("#c44e52", "D"),
+}
+
+
+def _short(plan: ConfigPlan) -> str:
+    c = plan.candidate
+    return f"m={c.microbatches}" + (f" v={c.virtual}" if c.virtual > 1 else "")
+
+
+def draw_frontier(result: SweepResult, path: Path) -> None:
+    """Write the frontier picture to ``path`` (PNG, SVG or PDF by its suffix)."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    known = set(result.objectives)
+    panels: list[tuple[str, str]] = []
+    panels.append(("peak_bytes", "peak memory per stage (GiB)") if "peak_bytes" in known
+                  else ("iteration_ms", "iteration time (ms)"))
+    if "harvest_rate_bytes" in known:
+        panels.append(("harvest_rate_bytes", "harvest capacity (GiB-s of free memory in bubbles per s)"))
+
+    def x_of(plan: ConfigPlan, key: str) -> float:
+        if key == "peak_bytes":
+            return (plan.peak_bytes or 0) / _GIB
+        if key == "harvest_rate_bytes":
+            return (plan.harvest_rate_bytes or 0.0) / _GIB
+        return plan.iteration_ms
+
+    fig = Figure(figsize=(6.0 * len(panels), 4.6), dpi=110)
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, (key, xlabel) in zip(axes, panels, strict=True):
+        for plan in result.plans:
+            colour, marker = _STYLE.get(plan.candidate.schedule, ("#8172b2", "o"))
+            x, y = x_of(plan, key), plan.bubble_fraction * 100
+            if plan.fits_device is False:
+                ax.scatter([x], [y], marker="x", color="#999999", s=30, zorder=2)
+            elif plan.pareto:
+                ax.scatter([x], [y], marker=marker, color=colour, edgecolors="black", linewidths=0.8, s=52, zorder=3)
+                ax.annotate(_short(plan), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+            else:
+                ax.scatter([x], [y], marker=marker, facecolors="none", edgecolors=colour, s=40, zorder=2)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.grid(color="#e4e4e4", linewidth=0.5)
+        ax.set_axisbelow(True)
+    axes[0].set_ylabel("bubble fraction (%)", fontsize=9)
+    schedules = sorted({p.candidate.schedule for p in result.plans}, key=lambda s: list(_STYLE).index(s)
+                       if s in _STYLE else len(_STYLE))
+    handles = [Line2D([], [], linestyle="none", marker=_STYLE.get(s, ("#8172b2", "o"))[1],
+                      color=_STYLE.get(s, ("#8172b2", "o"))[0], label=s) for s in schedules]
+    handles.append(Line2D([], [], linestyle="none", marker="o", markerfacecolor="#bbbbbb", markeredgecolor="black",
+                          color="#bbbbbb", label="Pareto-optimal (filled)"))
+    if any(p.fits_device is False for p in result.plans):
+        handles.append(Line2D([], [], linestyle="none", marker="x", color="#999999", label="exceeds device memory"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
+    stages = result.plans[0].schedule.ranks if result.plans else 0
+    fig.suptitle(f"{stages}-stage pipeline: configurations swept, Pareto front filled", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)

@@ -1,0 +1,180 @@
+"""The device seam's shapes: names, the manager's view of a device, a worker's view of it.
+
+A device is named ``cuda:N`` (one GPU, numbered as the training job sees it) or ``cpu:N`` (one CPU
+core). Two views of it, because two kinds of process use it:
+
+* :class:`Device`, in the manager: what memory is free, how much each side task's processes hold
+  (:meth:`Device.sample`, called on the device poller's thread, never on the manager's loop), and the
+  environment a worker starts with (:meth:`Device.worker_env`).
+* :class:`WorkerDevice`, inside a worker: prepare the process before any task code runs (core
+  pinning and priority; on a GPU the context, the allocator caps and the thread count), wait for a
+  step's device work before the runtime times it (:meth:`WorkerDevice.synchronize`), and say how much
+  memory the worker holds as the device counts it (:meth:`WorkerDevice.used_bytes`), the fallback
+  when the manager cannot see the worker's processes on the device (containers, MPS).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from freeride.errors import ConfigError, FreerideError
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+
+#: ``os.nice`` increment for side-task workers: the trainer always wins the core.
+WORKER_NICENESS = 19
+
+
+@dataclass(frozen=True)
+class DeviceName:
+    """A parsed device name; ``str()`` gives it back as ``kind:index``."""
+
+    kind: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    @property
+    def slug(self) -> str:
+        """A file-name-safe form, e.g. ``cpu-0``."""
+        return f"{self.kind}-{self.index}"
+
+
+def parse_device_name(text: str) -> DeviceName:
+    """Parse ``cpu:N`` or ``cuda:N`` (syntax only; :func:`freeride.devices.open_device` checks it exists)."""
+    match = _DEVICE_RE.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ConfigError(f"unknown device {text!r}: expected cpu:N or cuda:N, e.g. cpu:0")
+    return DeviceName(match.group(1), int(match.group(2)))
+
+
+class DeviceError(FreerideError):
+    """The device cannot be queried (a lost GPU, a driver and library that do not match, ...).
+
+    The manager turns it into a device state (NOT_SERVING, with this message as the reason) and
+    never lets it escape its loop.
+    """
+
+
+class WorkerSetupError(FreerideError):
+    """A worker's device preparation refused the task; ``kind`` is its failure kind (``MEMORY_LIMIT``)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """One reading of a device: its free memory and what each side task holds on it.
+
+    ``task_bytes`` has an entry for every task asked about: 0 when its processes hold nothing the
+    device can see. ``error`` is set instead when the device could not be read.
+    """
+
+    free_bytes: int | None
+    task_bytes: Mapping[str, int] = field(default_factory=dict)
+    error: str = ""
+
+
+class Device(abc.ABC):
+    """One device as its manager sees it."""
+
+    def __init__(self, name: DeviceName) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return str(self.name)
+
+    @abc.abstractmethod
+    def free_memory_bytes(self) -> int:
+        """Free memory of the device now. Raises :class:`DeviceError` when it cannot be read."""
+
+    @abc.abstractmethod
+    def process_memory_bytes(self, pids: Sequence[int]) -> int:
+        """Device memory these processes hold together (0 for those gone or not visible).
+
+        Raises :class:`DeviceError` when the device cannot be read.
+        """
+
+    def sample(self, task_pids: Mapping[str, Sequence[int]], *, free: bool = True) -> DeviceSample:
+        """Free memory (when ``free``) and each task's usage in one reading; never raises."""
+        try:
+            free_bytes = self.free_memory_bytes() if free else None
+            usage = {task: self.process_memory_bytes(pids) for task, pids in task_pids.items()}
+        except DeviceError as exc:
+            return DeviceSample(None, {}, str(exc))
+        return DeviceSample(free_bytes, usage)
+
+    def worker_env(self, memory_limit_bytes: int, *, command: bool = False) -> dict[str, str]:
+        """Extra environment for a worker of this device (``command``: it runs a command task)."""
+        return {}
+
+    def describe(self) -> str:
+        """One line naming the device for logs and statistics."""
+        return str(self.name)
+
+    def close(self) -> None:  # noqa: B027 - optional: most devices hold nothing to release
+        """Release what the device holds (NVML, for one); the manager calls it once, at exit."""
+
+
+class WorkerDevice(abc.ABC):
+    """One device as a worker process sees it, after its manager prepared its environment."""
+
+    def __init__(self, name: DeviceName) -> None:
+        self.name = name
+        #: What the device's runtime holds before the task allocates anything (the CUDA context).
+        self.context_bytes = 0
+
+    @property
+    @abc.abstractmethod
+    def torch_device(self) -> str:
+        """The device string a side task allocates on (``cpu``; ``cuda:0`` in a GPU worker, which sees
+        only its own GPU)."""
+
+    @abc.abstractmethod
+    def prepare(self, memory_limit_bytes: int, *, command: bool = False) -> None:
+        """Called once in a fresh worker before any task code runs.
+
+        ``command``: the task is a command in its own process; this process then creates no device
+        context of its own. Raises :class:`WorkerSetupError` when the task cannot run within its cap.
+        """
+
+    def synchronize(self) -> None:  # noqa: B027 - optional: a CPU core has no queue to wait for
+        """Return once the work this process queued on the device is done (no-op on a CPU core)."""
+
+    def used_bytes(self) -> int:
+        """Device memory this process holds as the device counts it; 0 where the manager measures it."""
+        return 0
+
+    def peak_bytes(self) -> int:
+        """The most :meth:`used_bytes` has been since :meth:`prepare`, as far as it is known."""
+        return self.used_bytes()
+
+
+def lower_autogroup_priority(niceness: int) -> bool:
+    """Give this process's autogroup the niceness too; True when the kernel took it.
+
+    A worker starts in a session of its own, and with ``sched_autogroup_enabled`` (the default on
+    many distributions) the scheduler shares a core fairly between *sessions* first: a nice 19
+    worker in its own session then competes with the trainer as an equal (measured: 1.53 s of CPU
+    against 1.76 s for a nice 0 loop), and its niceness only ranks it inside its session. Setting
+    the autogroup's nice restores the intent. Without autogroups the file is absent: nothing to do.
+    """
+    try:
+        with open("/proc/self/autogroup", "w") as fh:
+            fh.write(str(niceness))
+    except OSError:
+        return False
+    return True
+
+
+def lower_priority() -> None:
+    """Nice 19 for this process and its autogroup: the trainer's threads always win a core."""
+    os.nice(WORKER_NICENESS)
+    lower_autogroup_priority(WORKER_NICENESS)

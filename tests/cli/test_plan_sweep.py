@@ -1,0 +1,121 @@
+"""``freeride plan`` with memory, side tasks and ``--sweep``, through :func:`freeride.cli.main`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from freeride.cli import EXIT_BAD_INPUT, EXIT_OK, main
+
+GPT = ["--layers", "8", "--hidden", "256", "--heads", "4", "--seq-len", "128", "--vocab", "512"]
+TASKS = ["--task", "name=pagerank,memory=64MiB,step_ms=0.5", "--task", "name=lstm,memory=2GiB,step_ms=2.5"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_sweep_table_marks_the_pareto_front_and_lists_invalid_configurations(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = _run(["--stages", "4", "--sweep", "--microbatches", "2,4,8", *GPT, "--device-memory", "4GiB",
+                         *TASKS], capsys)
+    assert code == EXIT_OK
+    rows = [line for line in out.splitlines() if "m=" in line and ":" in line and "ms" not in line.split()[0]]
+    assert any(line.startswith("*") for line in rows)
+    assert "zb-h1 m=8" in out and "interleaved-1f1b m=8 v=4" in out
+    assert "not valid:" in out and "1f1b m=2: 1f1b needs micro-batches (2) >= stages (4)" in out
+    assert "pagerank:0,1,2,3" in out
+    assert "Pareto-optimal on bubble fraction (min), peak memory per stage (min), harvest capacity (max)" in out
+
+
+def test_sweep_json_has_every_configuration_with_memory_and_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(["--stages", "2", "--sweep", "--json", *GPT, "--device-memory", "4GiB", *TASKS,
+                         "--schedule", "gpipe,1f1b,interleaved", "--microbatches", "2,4", "--virtual", "2"], capsys)
+    assert code == EXIT_OK
+    doc = json.loads(out)
+    assert doc["objectives"] == {"minimise": ["bubble_fraction", "peak_bytes"], "maximise": ["harvest_rate_bytes"]}
+    labels = [(c["schedule"], c["microbatches"], c["virtual"]) for c in doc["configs"]]
+    assert labels == [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
+                      ("interleaved-1f1b", 2, 2), ("interleaved-1f1b", 4, 2)]
+    assert any(c["pareto"] for c in doc["configs"])
+    one = doc["configs"][3]
+    assert [s["peak_in_flight"] for s in one["per_stage"]] == [2, 1]
+    slot = one["per_stage"][0]["slots"][0]
+    assert slot["free_bytes"] == 4 * 2**30 - slot["held_bytes"]
+    assert {(t["task"], t["stage"]) for t in one["tasks"]} == {("pagerank", 0), ("pagerank", 1), ("lstm", 0),
+                                                               ("lstm", 1)}
+    assert doc["inputs"]["memory"]["source"]["kind"] == "dimensions"
+
+
+def test_sweep_plot_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    picture = tmp_path / "out" / "frontier.png"
+    code, out, _ = _run(["--stages", "2", "--sweep", *GPT, "--device-memory", "1GiB", "--plot", str(picture)],
+                        capsys)
+    assert code == EXIT_OK
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"frontier drawn to {picture}" in out
+
+
+def test_sweep_without_a_memory_model_ranks_by_bubble_fraction_alone(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(["--stages", "2", "--sweep", "--json", "--plot", str(tmp_path / "f.svg")], capsys)
+    assert code == EXIT_OK
+    doc = json.loads(out)
+    assert doc["objectives"]["minimise"] == ["bubble_fraction"]
+    assert all(c["peak_bytes"] is None for c in doc["configs"])
+    assert (tmp_path / "f.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_one_configuration_shows_memory_per_slot_and_where_tasks_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(["--stages", "2", "--microbatches", "4", "--weight-bytes", "40MiB,30MiB",
+                         "--activation-bytes", "8MiB", "--boundary-bytes", "1MiB", "--device-memory", "1GiB",
+                         "--headroom", "0", *TASKS], capsys)
+    assert code == EXIT_OK
+    assert "memory per stage at its peak" in out and "held" in out and "free" in out
+    assert "pagerank" in out and "over budget" in out  # lstm's 2 GiB cannot fit a 1 GiB device
+
+
+def test_tasks_come_from_a_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps([{"name": "img", "memory": "100MiB", "step_ms": 0.4}]))
+    code, out, _ = _run(["--stages", "2", "--microbatches", "4", "--tasks-file", str(path), "--json"], capsys)
+    assert code == EXIT_OK
+    assert json.loads(out)["plan"]["tasks"][0]["task"] == "img"
+
+
+def test_plain_plan_json_is_unchanged_without_memory_or_tasks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(["--stages", "4", "--microbatches", "4", "--schedule", "gpipe", "--json"], capsys)
+    assert code == EXIT_OK
+    doc = json.loads(out)
+    assert "plan" not in doc and doc["bubble_fraction"] == pytest.approx(3 / 7, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--microbatches", "4", "--device-memory", "lots"], "cannot parse size 'lots'"),
+        (["--microbatches", "4", "--task", "name=x,memory=1GiB"], "missing step_ms"),
+        (["--microbatches", "4", "--layers", "4"], "model dimensions need --hidden, --heads, --seq-len, --vocab"),
+        (["--microbatches", "4", "--plot", "x.png"], "--plot draws the frontier of a sweep: add --sweep"),
+        (["--microbatches", "4", *GPT, "--weight-bytes", "1GiB", "--activation-bytes", "1GiB"], "not both"),
+        (["--microbatches", "4", "--weight-bytes", "1GiB,2GiB,3GiB", "--activation-bytes", "1GiB"],
+         "one per stage (2), got 3"),
+        (["--microbatches", "4", "--weight-bytes", "1GiB"], "needs both --weight-bytes and --activation-bytes"),
+        (["--microbatches", "4,8"], "--microbatches takes one value without --sweep"),
+        (["--sweep", "--microbatches", "4,x"], "expected integers separated by commas"),
+        (["--sweep", "--schedule", "1f1b", "--microbatches", "1"], "no valid configuration"),
+        (["--microbatches", "4", "--tasks-file", "/nonexistent/tasks.json"], "--tasks-file"),
+        (["--microbatches", "4", "--t-step", "nan"], "--t-step must be a finite number"),
+        (["--microbatches", "4", "--headroom=-1GiB"], "--headroom: cannot parse size"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["--stages", "2", *argv], capsys)
+    assert code == EXIT_BAD_INPUT
+    assert message in err
