@@ -5,9 +5,9 @@ write, as in the tests):
 
 * **Claims per second.** ``--tasks`` tasks are submitted, then ``C`` claimers (threads, each with its
   own connection: separate managers) take them all through the managers' own claim path -- peek at the
-  head of the waiting room, pick with :func:`freeride._cluster.placement.pick`, claim with the atomic
-  script -- until none is left. Reported: tasks claimed per second of wall time, for each ``C``. This
-  is the queue's own rate; a manager adds its poll (at most ``CLAIMS_PER_POLL`` claims per
+  head of the waiting room, rank with :func:`freeride._cluster.placement.ranked`, claim the first it
+  can with the atomic script -- until none is left. Reported: tasks claimed per second of wall time,
+  for each ``C``. This is the queue's own rate; a manager adds its poll (at most ``CLAIMS_PER_POLL`` claims per
   ``--queue-poll-ms``) and a worker process per task on top.
 * **Re-placement after a node loss.** A manager daemon (``freeride manager --queue ...``) holds a
   1 ms-step counter that checkpoints every 50 ms, fed bubbles by a real ``BubbleReporter``; a second
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine_info
-from freeride._cluster.placement import Capacity, pick
+from freeride._cluster.placement import Capacity, ranked
 from freeride._cluster.redis_queue import RedisQueue
 from freeride._cluster.url import parse_queue_url
 from freeride._manager.validation import Submission
@@ -95,9 +95,10 @@ def claims_per_second(binary: str, tasks: int, claimers: int) -> dict[str, Any]:
                 waiting = mine.waiting(64)
                 if not waiting:
                     break
-                choice = pick(waiting, OPEN)
-                if choice is not None and mine.claim(choice.task_id, me, me, time.time()) is not None:
-                    claimed[index] += 1
+                for choice in ranked(waiting, OPEN):  # as the agent does: on a lost race, the next in line
+                    if mine.claim(choice.task_id, me, me, time.time()) is not None:
+                        claimed[index] += 1
+                        break
             mine.close()
 
         threads = [threading.Thread(target=claimer, args=(i,)) for i in range(claimers)]
@@ -246,7 +247,7 @@ def render(results: dict[str, Any]) -> str:
         "## Claims per second",
         "",
         f"{results['claims'][0]['tasks']} tasks queued, then claimed by C claimers (threads with their own "
-        "connections, the managers' claim path: peek 64, pick, atomic claim script).",
+        "connections, the managers' claim path: peek 64, rank, atomic claim script, the next in line on a lost race).",
         "",
         "| claimers | claims/s | seconds | per claimer | submits/s (one client) |",
         "|---|---|---|---|---|",

@@ -21,9 +21,10 @@ Each poll (``poll_ms``), in this order:
    a whole lease, so that after a Redis restart (or this manager's own reconnection) every live holder
    has renewed before anyone treats its silence as death; and only one manager per half lease
    (a lock in Redis) does it for the whole cluster.
-6. **Claim**: peek at the waiting room, pick what :mod:`~freeride._cluster.placement` says this manager
-   can place, claim it (atomically; another manager may have been faster), validate its spec with the
-   same function as ``Submit``, and post it to the loop. A few per poll, each decided on a fresh view.
+6. **Claim**: peek at the waiting room, rank what :mod:`~freeride._cluster.placement` says this manager
+   can place, claim the first it can (atomically; another manager may have been faster, then the next),
+   validate its spec with the same function as ``Submit``, and post it to the loop. A few per poll, each
+   decided on a fresh view.
 
 **Outages.** Any Redis error ends the poll: the agent marks itself disconnected, logs once, and tries
 again after a backoff (doubling from ``poll_ms`` to ``backoff_max_ms``). Nothing escapes into the
@@ -371,12 +372,13 @@ class QueueAgent:
             return False
         here = set(self._held) | self._leaving | {s.task_id for s in view.tasks}
         candidates = [c for c in self._queue.waiting(PEEK_TASKS) if c.task_id not in here]
-        choice = placement.pick(candidates, view.capacity)
-        if choice is None:
-            return False
-        record = self._queue.claim(choice.task_id, self.me, self.where, time.time())
+        record = None
+        for choice in placement.ranked(candidates, view.capacity):
+            record = self._queue.claim(choice.task_id, self.me, self.where, time.time())
+            if record is not None:
+                break  # else another manager was faster: the next one in line
         if record is None:
-            return True  # another manager was faster: look again
+            return False
         held = self._held_type(record.task_id, record.entry, record.epoch)
         self._held[record.task_id] = held
         self.counters["claims"] += 1

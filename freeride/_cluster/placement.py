@@ -78,12 +78,16 @@ def refusal(task: Candidate, cap: Capacity) -> str | None:
     return None
 
 
+def ranked(candidates: Iterable[Candidate], cap: Capacity) -> list[Candidate]:
+    """The tasks this manager can place, in the order it tries to claim them: highest priority, then oldest.
+
+    A manager that loses the race for the first (another manager claimed it a moment earlier) tries the
+    next one rather than looking at the queue again.
+    """
+    return sorted((t for t in candidates if refusal(t, cap) is None), key=lambda t: (-t.priority, t.seq))
+
+
 def pick(candidates: Iterable[Candidate], cap: Capacity) -> Candidate | None:
-    """The task to claim: highest priority, then oldest, among those this manager can place."""
-    best: Candidate | None = None
-    for task in candidates:
-        if refusal(task, cap) is not None:
-            continue
-        if best is None or (-task.priority, task.seq) < (-best.priority, best.seq):
-            best = task
-    return best
+    """The task to claim first, or None if this manager can place none of them."""
+    order = ranked(candidates, cap)
+    return order[0] if order else None

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from freeride._cli.launch import local_devices, spans_nodes
-from freeride._cluster.placement import Candidate, Capacity, closed_reason, pick, refusal
+from freeride._cluster.placement import Candidate, Capacity, closed_reason, pick, ranked, refusal
 from freeride._cluster.records import (
     ClusterRecord,
     TaskStatus,
@@ -116,6 +116,7 @@ def test_pick_takes_the_highest_priority_then_the_oldest_among_those_that_fit() 
     ]
     chosen = pick(tasks, cap)
     assert chosen is not None and chosen.task_id == "old-q2"
+    assert [t.task_id for t in ranked(tasks, cap)] == ["old-q2", "new-q3", "low-q4"]  # the order of retries
     assert pick([], cap) is None
 
 
