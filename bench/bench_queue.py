@@ -274,7 +274,9 @@ def render(results: dict[str, Any]) -> str:
         f"Median: claimed after {r['median_claimed_ms']} ms, first step after {r['median_first_step_ms']} ms. The "
         "floor is the lease (a holder is presumed dead only after it), plus up to half a lease (one manager "
         "sweeps expired leases per half lease), plus a poll of the claiming manager, plus a worker's start. "
-        "The default lease is 10 s: a node loss then costs its tasks 10-15 s.",
+        "The default lease is 10 s: a node loss then costs its tasks 10-15 s. \"Checkpoint at kill\" is the "
+        "record's; a task resumes from the newest file in the shared directory, which can be newer (the dead "
+        "manager wrote it after its last record update).",
     ]
     return "\n".join(lines) + "\n"
 
