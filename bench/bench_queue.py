@@ -228,6 +228,8 @@ def replacement_trial(binary: str, lease_ms: int, poll_ms: float) -> dict[str, A
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+        for name in ("doomed", "survivor"):  # a killed manager leaves its socket behind
+            Path(f"/tmp/frq-{name}-{os.getpid()}.sock").unlink(missing_ok=True)
         remove(server)
         shutil.rmtree(tmp, ignore_errors=True)
 
