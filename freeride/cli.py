@@ -8,7 +8,7 @@ Exit codes (documented in the README):
     0  success
     1  the operation failed (a task failed, a command's own failure)
     2  bad input: unparsable size, unknown device, unknown module or class, bad arguments
-    3  no manager is running at the endpoint (or it died)
+    3  no manager is running at the endpoint (or it died), or the cluster queue's Redis cannot be reached
     4  no such task
     5  the manager refused the credentials
 """
@@ -25,6 +25,7 @@ from freeride.errors import (
     ConfigError,
     FreerideError,
     ManagerUnavailable,
+    QueueUnavailable,
     RequestRejected,
     TaskNotFound,
     Unauthenticated,
@@ -69,7 +70,7 @@ def exit_code_for(exc: FreerideError) -> int:
         return EXIT_NOT_FOUND
     if isinstance(exc, (ConfigError, RequestRejected)):
         return EXIT_BAD_INPUT
-    if isinstance(exc, ManagerUnavailable):
+    if isinstance(exc, (ManagerUnavailable, QueueUnavailable)):
         return EXIT_NO_MANAGER
     if isinstance(exc, Unauthenticated):
         return EXIT_UNAUTHENTICATED

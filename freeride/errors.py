@@ -14,9 +14,13 @@ whether the caller can do something about it:
   a bug if a user ever sees it).
 * :class:`ManagerUnavailable` -- no manager is listening, or it died (``UNAVAILABLE``,
   ``DEADLINE_EXCEEDED``); recoverable by starting or waiting for the manager.
-* :class:`Unauthenticated` -- a TCP endpoint refused the token (``UNAUTHENTICATED``).
+* :class:`Unauthenticated` -- a TCP endpoint refused the token (``UNAUTHENTICATED``), or the cluster
+  queue's Redis refused the URL's credentials.
+* :class:`QueueUnavailable` -- the cluster queue's Redis cannot be reached (down, wrong host, timed
+  out); recoverable by waiting for it. A manager never stops for it; commands exit 3.
 
-gRPC status codes are mapped to this tree in exactly one place, ``freeride._wire.client_errors``.
+gRPC status codes are mapped to this tree in exactly one place, ``freeride._wire.client.map_rpc_errors``;
+Redis errors in one other, ``freeride._cluster.redis_queue.redis_errors``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ class ManagerUnavailable(FreerideError):
 
 
 class Unauthenticated(FreerideError):
-    """The manager refused the call's credentials."""
+    """The manager (or the queue's Redis) refused the call's credentials."""
+
+
+class QueueUnavailable(FreerideError):
+    """The cluster queue's Redis does not answer (not started, unreachable, or too slow)."""
 
 
 class TaskLoadError(ConfigError):

@@ -96,6 +96,85 @@ def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> N
         )
 
 
+#: Bounds of a reported layout: more stages than this is a unit mistake or a hostile stream.
+MAX_LAYOUT_STAGES = 4096
+MAX_LAYOUT_MICROBATCHES = 65536
+MAX_LAYOUT_TEXT_CHARS = 128
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The job's pipeline layout from ``at_ns`` on (``TrainerLayout`` in the protocol).
+
+    Elastic training changes it at run time. ``stage_devices[i]`` is where stage ``i`` runs, as
+    ``cuda:0`` (this node) or ``node/cuda:0``; empty when the reporting rank does not know the
+    whole map. ``free_memory_bytes`` is this device's free memory under the new layout, when the
+    trainer knows it (it seeds the manager's memory budget at once instead of at the next bubble).
+    """
+
+    schedule: str
+    stages: int
+    microbatches: int
+    stage_devices: tuple[str, ...] = ()
+    at_ns: int = 0
+    free_memory_bytes: int = UNKNOWN_MEMORY
+
+    def same_shape(self, other: TrainerLayout | None) -> bool:
+        """True if ``other`` describes the same layout (the time and memory figure aside)."""
+        return other is not None and (self.schedule, self.stages, self.microbatches, self.stage_devices) == (
+            other.schedule, other.stages, other.microbatches, other.stage_devices)
+
+    def describe(self) -> str:
+        """Short text form, e.g. ``1f1b stages=4 microbatches=8 [cuda:0 cuda:1 cuda:2 cuda:3]``."""
+        text = f"{self.schedule} stages={self.stages} microbatches={self.microbatches}"
+        if self.stage_devices:
+            shown = " ".join(self.stage_devices[:8]) + (" ..." if len(self.stage_devices) > 8 else "")
+            text += f" [{shown}]"
+        return text
+
+    def hosts_stage(self, device: str, node: str) -> bool:
+        """Whether ``device`` on ``node`` runs a stage under this layout (True when no map is given).
+
+        An entry ``node/device`` names a device on a node; a bare ``device`` matches any node, so a
+        single-node job may leave nodes out.
+        """
+        if not self.stage_devices:
+            return True
+        for entry in self.stage_devices:
+            where, sep, dev = entry.rpartition("/")
+            if dev == device and (not sep or where == node):
+                return True
+        return False
+
+
+TrainerEvent = BubbleStart | BubbleEnd | TrainerLayout
+
+
+def validate_layout(layout: TrainerLayout, latest_ns: int | None = None) -> None:
+    """Raise :class:`ConfigError` with a precise message if a reported layout is malformed."""
+    if not layout.schedule or len(layout.schedule) > MAX_KIND_CHARS or not layout.schedule.isprintable():
+        raise ConfigError(f"layout schedule must be 1 to {MAX_KIND_CHARS} printable characters")
+    for name, bound in (("stages", MAX_LAYOUT_STAGES), ("microbatches", MAX_LAYOUT_MICROBATCHES)):
+        value = getattr(layout, name)
+        if not 0 < value <= bound:
+            raise ConfigError(f"layout {name} must be in [1, {bound}], got {value}")
+    if layout.stage_devices and len(layout.stage_devices) != layout.stages:
+        raise ConfigError(
+            f"layout stage_devices names {len(layout.stage_devices)} devices for {layout.stages} stages"
+        )
+    for entry in layout.stage_devices:
+        if not entry or len(entry) > MAX_LAYOUT_TEXT_CHARS or not entry.isprintable():
+            raise ConfigError(f"a layout stage device must be 1 to {MAX_LAYOUT_TEXT_CHARS} printable characters")
+    if layout.free_memory_bytes < UNKNOWN_MEMORY:
+        raise ConfigError(f"layout free_memory_bytes must be >= 0 or -1, got {layout.free_memory_bytes}")
+    if layout.at_ns <= 0:
+        raise ConfigError(f"layout at_ns must be a positive monotonic time, got {layout.at_ns}")
+    if latest_ns is not None and layout.at_ns > latest_ns:
+        raise ConfigError(
+            f"layout at_ns {layout.at_ns} is ahead of this host's CLOCK_MONOTONIC (at most {latest_ns} now)"
+        )
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """What a user submits. Exactly one of ``target`` and ``command`` is set."""
@@ -224,6 +303,9 @@ class ManagerStats:
     device_info: str = ""
     #: Why the device cannot be read now ("" when it can); the manager is NOT_SERVING meanwhile.
     device_problem: str = ""
+    #: Trainer layouts adopted, and the current one in short form ("" before any was reported).
+    layout_changes: int = 0
+    layout: str = ""
 
 
 @dataclass(frozen=True)

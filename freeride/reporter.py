@@ -39,7 +39,14 @@ from typing import TYPE_CHECKING
 
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, resolve_endpoint
-from freeride.messages import UNKNOWN_MEMORY, BubbleEnd, BubbleEvent, BubbleStart, StreamSummary
+from freeride.messages import (
+    UNKNOWN_MEMORY,
+    BubbleEnd,
+    BubbleStart,
+    StreamSummary,
+    TrainerEvent,
+    TrainerLayout,
+)
 
 if TYPE_CHECKING:
     from freeride._wire.client import BubbleStream
@@ -54,6 +61,7 @@ MAX_BATCH_EVENTS = 512
 _STOP = object()
 _START = 0
 _END = 1
+_LAYOUT = 2
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,35 @@ class BubbleReporter:
         except Exception:  # noqa: BLE001
             self._dropped_hot += 1
 
+    def report_layout(
+        self,
+        schedule: str,
+        stages: int,
+        microbatches: int,
+        stage_devices: tuple[str, ...] | list[str] = (),
+        free_memory_bytes: int = UNKNOWN_MEMORY,
+        at_ns: int | None = None,
+    ) -> None:
+        """Report that the job's pipeline layout changed (elastic training). Never blocks or raises.
+
+        Call it after re-sharding and before the first step of the new layout: it travels on the
+        bubble stream, in order. ``stage_devices[i]`` is where stage ``i`` runs (``cuda:0`` or
+        ``node/cuda:0``; empty if this rank does not know the whole map); ``free_memory_bytes`` is
+        this device's free memory under the new layout, when known. The manager drops its bubble
+        statistics and re-learns them; tasks that no longer fit its memory budget are evicted (and,
+        from a cluster queue, placed again elsewhere). Reporting the same layout again changes nothing.
+        """
+        try:
+            if at_ns is None:
+                at_ns = time.monotonic_ns()
+            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+                self._dropped_hot += 1
+                return
+            self._queue.put((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes))
+            self._enqueued += 1
+        except Exception:  # noqa: BLE001
+            self._dropped_hot += 1
+
     # ---------------------------------------------------------------- counters and lifecycle
 
     @property
@@ -209,7 +246,17 @@ class BubbleReporter:
 
     # ---------------------------------------------------------------- background thread
 
-    def _to_event(self, item: tuple[object, ...]) -> BubbleEvent:
+    def _to_event(self, item: tuple[object, ...]) -> TrainerEvent:
+        if item[0] == _LAYOUT:
+            _, schedule, stages, microbatches, devices, at_ns, free = item
+            return TrainerLayout(
+                schedule=str(schedule),
+                stages=int(stages),  # type: ignore[call-overload]
+                microbatches=int(microbatches),  # type: ignore[call-overload]
+                stage_devices=tuple(str(d) for d in devices),  # type: ignore[attr-defined]
+                at_ns=int(at_ns),  # type: ignore[call-overload]
+                free_memory_bytes=int(free),  # type: ignore[call-overload]
+            )
         if item[0] == _START:
             _, iteration, slot, kind, start_ns, predicted_ns, free = item
             return BubbleStart(
@@ -225,7 +272,7 @@ class BubbleReporter:
         _, iteration, slot, end_ns = item
         return BubbleEnd(self.stage, self.rank, int(iteration), int(slot), int(end_ns))  # type: ignore[call-overload]
 
-    def _batches(self, alive: threading.Event) -> Iterator[list[BubbleEvent]]:
+    def _batches(self, alive: threading.Event) -> Iterator[list[TrainerEvent]]:
         """The request iterator of one call: runs on gRPC's sender thread until the call ends.
 
         Blocks for the first event, then takes whatever else is queued without waiting, so each
@@ -237,7 +284,7 @@ class BubbleReporter:
                 item = q.get(timeout=0.2)
             except queue.Empty:
                 continue
-            batch: list[BubbleEvent] = []
+            batch: list[TrainerEvent] = []
             stop = False
             while True:
                 if item is _STOP:

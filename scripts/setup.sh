@@ -2,8 +2,22 @@
 # Create (or reuse) the virtual environment and install freeride into it.
 # torch is installed first, pinned to 2.13.0: on CPU machines that is a CPU build on local disk,
 # and with it in place the package's torch>=2.4 requirement never pulls a multi-GB CUDA build.
+# The cluster queue's tests start a real redis-server: installed here with apt when it is missing
+# and we run as root (CI); otherwise a message says how to install it.
 # Source this file: it leaves the environment activated.
 VENV=${FREERIDE_VENV:-.venv}
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing redis-server (the cluster queue's tests start a real one)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q redis-server >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; } \
+            || echo "setup: could not install redis-server with apt-get; the cluster-queue tests will fail" >&2
+    else
+        echo "setup: redis-server is not installed; the cluster-queue tests need it" \
+             "(Debian/Ubuntu: sudo apt-get install redis-server). Without it they are skipped, or fail under CI." >&2
+    fi
+fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -214,6 +215,41 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
 @pytest.fixture
 def harness(make_manager: Callable[..., ManagerHarness]) -> ManagerHarness:
     return make_manager()
+
+
+def redis_binary() -> str:
+    """The ``redis-server`` binary for the cluster-queue tests.
+
+    Missing, it fails the test under CI (``$CI`` set: the setup installs it, so its absence is a broken
+    setup, not a reason to pass) and skips it, saying why, on a developer's machine without it.
+    """
+    path = shutil.which("redis-server")
+    if path is None:
+        message = ("redis-server is not installed (scripts/setup.sh installs it when run as root; "
+                   "apt-get install redis-server)")
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message + "; set CI to make this a failure")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        message = "the redis client is not installed (pip install -e '.[test]')"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture
+def redis_server() -> Iterator[object]:
+    """A real redis-server on a unix socket in a temporary directory (see ``tests/redis_server.py``)."""
+    from redis_server import remove, start_redis
+
+    server = start_redis(redis_binary())
+    try:
+        yield server
+    finally:
+        remove(server)
 
 
 def read_steps(work_dir: Path) -> list[tuple[int, int]]:

@@ -2,6 +2,21 @@
 
     freeride launch --devices cpu:0,cpu:1 [--state-dir DIR] -- torchrun --nproc-per-node 2 \\
         -m freeride.trainer --report
+    srun --ntasks-per-node=1 freeride launch --queue redis://head:6379/0 --checkpoint-dir /shared/ckpt \\
+        -- torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint head:29500 train.py
+
+**Many nodes.** One launch runs per node (torchrun's own multi-node form, or Slurm's
+``srun --ntasks-per-node=1``; with ``srun --overlap`` next to a training step started on its own, give
+``-- sleep infinity`` as the command: the managers then stop when the job ends). Without ``--devices``
+(or with ``--devices auto``) launch finds this node's devices, first match wins (see
+:func:`local_devices`): torchrun's ``--nproc-per-node`` in the command; ``$LOCAL_WORLD_SIZE``;
+Slurm's ``$SLURM_GPUS_ON_NODE``, ``$SLURM_STEP_GPUS`` or ``$SLURM_JOB_GPUS``; ``$CUDA_VISIBLE_DEVICES``;
+the GPUs NVML sees. The devices are ``cuda:0..n-1`` when this node has GPUs (indices inside the
+visible set, as the ranks number them), else the ``cpu:N`` cores the reference trainer pins its local
+ranks to (``--device-kind`` overrides). When the job spans nodes (torchrun ``--nnodes`` above 1, or
+``$SLURM_JOB_NUM_NODES`` above 1) each manager's state directory gains this node's name, so that a
+state directory on a shared file system is never shared by two nodes. ``--queue`` and
+``--checkpoint-dir`` are passed to every manager (with ``--node``, this node's name).
 
 1. One ``freeride manager --device D`` child per device, each in its own session and set to receive
    SIGTERM when this process dies (``PR_SET_PDEATHSIG``), its output in ``<log dir>/manager-<D>.log``.
@@ -23,11 +38,12 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -49,7 +65,16 @@ def register(subparsers: Any) -> None:
         description="Start one manager per device, run COMMAND (no shell), stop the managers, exit with "
         "COMMAND's exit code.",
     )
-    parser.add_argument("--devices", required=True, help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1")
+    parser.add_argument("--devices", default="auto",
+                        help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1; auto (the default): this "
+                        "node's, from torchrun's --nproc-per-node, Slurm or the visible GPUs")
+    parser.add_argument("--device-kind", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="with --devices auto: cuda when this node has GPUs, else cpu (default auto)")
+    parser.add_argument("--node", default=None,
+                        help="this node's name for the managers (default: $SLURMD_NODENAME, else the host name)")
+    parser.add_argument("--queue", default=None, metavar="URL", help="every manager joins this cluster queue")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="with --queue: the shared checkpoint directory of cluster tasks")
     parser.add_argument("--state-dir", default=None, help="parent of each manager's state directory")
     parser.add_argument("--log-dir", default=None, help="where manager logs go (default: state dir or a temp dir)")
     parser.add_argument("--ready-timeout-s", type=float, default=30.0, help="how long managers may take to serve")
@@ -95,7 +120,7 @@ def _serving(endpoint: Endpoint) -> bool:
 def start_managers(
     devices: Sequence[str], state_dir: Path | None, log_dir: Path, extra_args: Sequence[str]
 ) -> list[ManagedManager]:
-    """Start a manager child for each device that has none serving yet."""
+    """Start a manager child for each device that has none serving yet (``state_dir``: their parent)."""
     started: list[ManagedManager] = []
     for device in devices:
         endpoint = default_endpoint(device)
@@ -202,6 +227,129 @@ def run_command(command: Sequence[str], on_started: Callable[[subprocess.Popen[b
     return 128 - code if code < 0 else code
 
 
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+#: Sources that count GPUs: the devices are GPUs whatever this process sees.
+_GPU_SOURCES = ("torchrun --nproc-per-node gpu", "$SLURM_GPUS_ON_NODE", "$SLURM_STEP_GPUS", "$SLURM_JOB_GPUS",
+                "$CUDA_VISIBLE_DEVICES", "the GPUs NVML sees")
+
+
+def _torchrun_options(command: Sequence[str]) -> dict[str, str] | None:
+    """torchrun's own options in ``command`` (``--opt value`` or ``--opt=value``, ``_`` as ``-``), or None
+    if the command is not torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``)."""
+    words = list(command)
+    if not words:
+        return None
+    if os.path.basename(words[0]) == "torchrun":
+        rest = words[1:]
+    else:
+        try:
+            at = words.index("-m")
+        except ValueError:
+            return None
+        if at + 1 >= len(words) or words[at + 1] not in _TORCHRUN_MODULES:
+            return None
+        rest = words[at + 2:]
+    options: dict[str, str] = {}
+    i = 0
+    while i < len(rest) and rest[i].startswith("-"):
+        word = rest[i]
+        if word == "--":
+            break
+        key, eq, value = word.lstrip("-").partition("=")
+        key = key.replace("_", "-")
+        if not eq:
+            # A flag (--standalone, --no-python) takes no value; every other option takes the next word.
+            if key in ("standalone", "no-python", "run-path", "module", "m") or i + 1 >= len(rest):
+                options[key] = ""
+                i += 1
+                continue
+            value = rest[i + 1]
+            i += 1
+        options[key] = value
+        i += 1
+    return options
+
+
+def _count_list(text: str) -> int:
+    """How many devices a list such as ``0,1,3`` or ``GPU-uuid,GPU-uuid`` names (0 for ``-1`` or empty)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or items[0] in ("-1", "NoDevFiles"):
+        return 0
+    return len(items)
+
+
+def local_devices(
+    env: Mapping[str, str],
+    command: Sequence[str],
+    cuda_count: Callable[[], int],
+    cores: Sequence[int],
+    kind: str = "auto",
+) -> tuple[list[str], str]:
+    """This node's devices for the job's local ranks, and where the count came from.
+
+    ``cuda_count`` says how many GPUs this node has (called only when needed); ``cores`` are the CPU
+    cores this process may use. Raises :class:`ConfigError` when nothing says how many ranks run here.
+    """
+    count, source = 0, ""
+    options = _torchrun_options(command) or {}
+    nproc = options.get("nproc-per-node", "")
+    if nproc.isdigit() and int(nproc) > 0:
+        count, source = int(nproc), "torchrun --nproc-per-node"
+    elif nproc == "gpu" and cuda_count() > 0:
+        count, source = cuda_count(), "torchrun --nproc-per-node gpu"
+    elif env.get("LOCAL_WORLD_SIZE", "").isdigit() and int(env["LOCAL_WORLD_SIZE"]) > 0:
+        count, source = int(env["LOCAL_WORLD_SIZE"]), "$LOCAL_WORLD_SIZE"
+    elif env.get("SLURM_GPUS_ON_NODE", "").isdigit() and int(env["SLURM_GPUS_ON_NODE"]) > 0:
+        count, source = int(env["SLURM_GPUS_ON_NODE"]), "$SLURM_GPUS_ON_NODE"
+    else:
+        for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+            if _count_list(env.get(name, "")):
+                count, source = _count_list(env[name]), f"${name}"
+                break
+        else:
+            if cuda_count() > 0:
+                count, source = cuda_count(), "the GPUs NVML sees"
+    if count <= 0:
+        raise ConfigError("cannot tell how many ranks run on this node: pass --devices (e.g. cuda:0,cuda:1), or "
+                          "run torchrun with --nproc-per-node N")
+    if kind == "auto":
+        kind = "cuda" if source in _GPU_SOURCES or cuda_count() > 0 else "cpu"
+    if kind == "cuda":
+        return [f"cuda:{i}" for i in range(count)], source
+    allowed = sorted(cores)
+    if not allowed:
+        raise ConfigError("no CPU core is available to this process")
+    # The reference trainer pins local rank r to core r when it may, else to the r-th allowed core.
+    picked = [r if r in allowed else allowed[r % len(allowed)] for r in range(count)]
+    return [f"cpu:{c}" for c in dict.fromkeys(picked)], source
+
+
+def spans_nodes(env: Mapping[str, str], command: Sequence[str]) -> bool:
+    """Whether the job runs on more than one node (torchrun ``--nnodes``, Slurm's node count)."""
+    nnodes = (_torchrun_options(command) or {}).get("nnodes", "1")
+    upper = nnodes.rpartition(":")[2]  # elastic form MIN:MAX
+    if upper.isdigit() and int(upper) > 1:
+        return True
+    return any(env.get(name, "").isdigit() and int(env[name]) > 1 for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
+
+
+def check_node_name(node: str) -> str:
+    """A node name as the queue and a trainer's stage map use it (``node/cuda:0``)."""
+    if not node or "/" in node or " " in node or len(node) > 64 or not node.isprintable():
+        raise ConfigError(f"a node name is 1 to 64 printable characters without '/' or spaces, got {node!r}")
+    return node
+
+
+def _cuda_count() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPU
+        return 0
+
+
 def _parse_devices(text: str) -> list[str]:
     devices = [str(parse_device_name(d)) for d in text.split(",") if d.strip()]
     if not devices:
@@ -217,10 +365,27 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise ConfigError("no command given: freeride launch --devices cpu:0 -- COMMAND [ARGS...]")
-    devices = _parse_devices(args.devices)
+    env = os.environ
+    if args.devices.strip() == "auto":
+        devices, source = local_devices(env, command, _cuda_count, sorted(os.sched_getaffinity(0)), args.device_kind)
+        log.info("devices of this node: %s (from %s)", ",".join(devices), source)
+    else:
+        devices = _parse_devices(args.devices)
     if args.ready_timeout_s <= 0 or args.stop_timeout_s < 0:
         raise ConfigError("--ready-timeout-s must be > 0 and --stop-timeout-s >= 0")
+    node = check_node_name(args.node or env.get("SLURMD_NODENAME") or socket.gethostname())
+    extra = list(args.manager_arg) + ["--node", node]
+    if args.queue is not None or args.checkpoint_dir is not None:
+        if not (args.queue and args.checkpoint_dir):
+            raise ConfigError("--queue and --checkpoint-dir go together (a shared directory for cluster tasks)")
+        extra += ["--queue", args.queue, "--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
     state_dir = Path(args.state_dir) if args.state_dir else None
+    if spans_nodes(env, command):
+        # One state directory per node: a shared file system must never give two nodes one SQLite store.
+        if state_dir is None:
+            base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+            state_dir = Path(base) / "freeride" / "nodes"
+        state_dir = state_dir / node
     if args.log_dir:
         log_dir = Path(args.log_dir)
     elif state_dir is not None:
@@ -231,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
 
     managers: list[ManagedManager] = []
     try:
-        managers = start_managers(devices, state_dir, log_dir, args.manager_arg)
+        managers = start_managers(devices, state_dir, log_dir, extra)
         wait_ready(managers, args.ready_timeout_s)
         print(
             f"freeride launch: managers serving {', '.join(devices)} (logs in {log_dir}); running: "

@@ -5,11 +5,18 @@
                      [--step-timeout-s 60] [--stop-timeout-s 10] [--memory-poll-ms 50] [--trace FILE]
                      [--policy freeride|paper [--paper-profile FILE]]
                      [--metrics-port N [--metrics-address 127.0.0.1]]
+                     [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
+                      [--queue-hold-ms 5000] [--node NAME]]
 
 It serves until SIGTERM or SIGINT, then parks and checkpoints every task and exits 0 (a second
 signal stops at once). Bad options exit 2 with one line; a TCP endpoint needs a token.
 ``--metrics-port`` also serves Prometheus metrics at ``http://ADDRESS:PORT/metrics`` (0: a free
 port, announced on stderr); without it no metrics are served. A port in use exits 2.
+
+``--queue`` joins the cluster queue at a Redis URL (``redis://``, ``rediss://``, ``unix://``): the
+manager then also runs tasks it claims from the queue, checkpointing them in ``--checkpoint-dir``, a
+directory every node shares. A malformed URL exits 2, refused credentials exit 5; a queue that
+cannot be reached does not stop the manager (it retries with backoff and serves its local tasks).
 """
 
 from __future__ import annotations
@@ -118,7 +125,44 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"the address the metrics endpoint binds to (default {DEFAULT_ADDRESS}; it has no authentication)",
     )
+    queue = parser.add_argument_group("cluster queue")
+    queue.add_argument("--queue", default=None, metavar="URL",
+                       help="join the cluster queue at this Redis URL: redis://[:password@]host[:port][/db], "
+                       "rediss://... (TLS) or unix:///path/redis.sock")
+    queue.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                       help="with --queue: where cluster tasks checkpoint, shared by every node (required)")
+    queue.add_argument("--queue-lease-ms", type=int, default=10_000,
+                       help="a manager that has not renewed its tasks' leases for this long loses them to "
+                       "the queue (default %(default)s)")
+    queue.add_argument("--queue-poll-ms", type=float, default=200.0,
+                       help="how often the manager talks to the queue (default %(default)s; at most a third "
+                       "of the lease)")
+    queue.add_argument("--queue-hold-ms", type=float, default=5_000.0,
+                       help="a claimed task still waiting for memory after this long goes back to the queue "
+                       "(default %(default)s)")
+    queue.add_argument("--node", default=None,
+                       help="this host's name in the queue and in a trainer's stage map (default: the host name)")
     parser.set_defaults(func=run)
+
+
+def queue_config(args: argparse.Namespace) -> Any:
+    """The queue settings from the command line (None without --queue), validated with clear messages."""
+    if args.queue is None:
+        if args.checkpoint_dir is not None:
+            raise ConfigError("--checkpoint-dir needs --queue (a manager's own tasks checkpoint in its state dir)")
+        return None
+    if not args.checkpoint_dir:
+        raise ConfigError("--queue needs --checkpoint-dir: a directory every node shares, where a task "
+                          "reclaimed on another device finds its checkpoints")
+    from freeride._cluster.agent import QueueConfig
+
+    return QueueConfig.from_text(
+        args.queue,
+        Path(os.path.abspath(os.path.expanduser(args.checkpoint_dir))),
+        lease_ms=args.queue_lease_ms,
+        poll_ms=args.queue_poll_ms,
+        hold_ms=args.queue_hold_ms,
+    )
 
 
 def load_paper_profile(path: str) -> dict[tuple[int, int], int]:
@@ -181,6 +225,8 @@ class _AnnouncingManager(Manager):
     def _serve(self) -> None:
         super()._serve()
         metrics = f"; metrics on {self.metrics.url}" if self.metrics is not None else ""
+        if self.agent is not None:
+            metrics += f"; queue {self.agent.config.url} as {self.agent.where}"
         print(
             f"freeride manager for {self.device} listening on {self.endpoint}{metrics}; state in {self.state_dir}",
             file=sys.stderr,
@@ -200,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
     state_dir = Path(os.path.abspath(os.path.expanduser(args.state_dir))) if args.state_dir else None
     if args.metrics_address is not None and args.metrics_port is None:
         raise ConfigError("--metrics-address needs --metrics-port (metrics are off without it)")
+    queue = queue_config(args)
+    if args.node is not None:
+        from freeride._cli.launch import check_node_name
+
+        check_node_name(args.node)
     try:
         manager = _AnnouncingManager(
             device,
@@ -211,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
             trace_path=Path(os.path.abspath(os.path.expanduser(args.trace))) if args.trace else None,
             metrics_port=args.metrics_port,
             metrics_address=args.metrics_address or DEFAULT_ADDRESS,
+            queue=queue,
+            node=args.node,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         device.close()

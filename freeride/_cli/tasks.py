@@ -12,6 +12,8 @@
 
 Each takes ``--device`` (default cpu:0; picks the default endpoint), ``--endpoint``,
 ``--token-file`` and ``--json`` (one stable JSON document, dataclasses as ``dataclasses.asdict``).
+``submit``, ``ls``, ``show`` and ``cancel`` also take ``--queue URL``: they then act on the cluster
+queue instead of one manager (see :mod:`freeride._cli.cluster`).
 
 A submission is checked here before it is sent: the class must load from the current directory,
 the arguments must be a JSON object, and the memory cap must be known (``--memory``, else the
@@ -57,6 +59,12 @@ def _common() -> argparse.ArgumentParser:
     return common
 
 
+def _queue_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--queue", default=None, metavar="URL",
+                        help=f"{what} the cluster queue at this Redis URL instead of one manager "
+                        "(redis://[:password@]host[:port][/db], rediss://..., unix:///path/redis.sock)")
+
+
 def register(subparsers: Any) -> None:
     common = _common()
 
@@ -86,18 +94,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", default="", help="a display name")
     p.add_argument("--checkpoint-interval-s", type=float, default=0.0, help="seconds between checkpoints")
     p.add_argument("--step-time-hint-ms", type=float, default=0.0, help="expected step time before one is measured")
+    _queue_option(p, "put the task on")
     p.set_defaults(func=cmd_submit)
 
     p = subparsers.add_parser("ls", parents=[common], help="list tasks", description="List the manager's tasks.")
     p.add_argument("--all", action="store_true", help="include finished, failed and cancelled tasks")
+    _queue_option(p, "list every task of")
     p.set_defaults(func=cmd_ls)
 
     p = subparsers.add_parser("show", parents=[common], help="everything about one task")
     p.add_argument("task_id", metavar="ID")
+    _queue_option(p, "show a task of")
     p.set_defaults(func=cmd_show)
 
     p = subparsers.add_parser("cancel", parents=[common], help="cancel a task")
     p.add_argument("task_id", metavar="ID")
+    _queue_option(p, "cancel a task of")
     p.set_defaults(func=cmd_cancel)
 
     p = subparsers.add_parser("stats", parents=[common], help="bubbles harvested, overruns, latencies, memory")
@@ -228,6 +240,15 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = build_spec(args)
+    if args.queue is not None:
+        from freeride._cli import cluster
+
+        record = cluster.submit(args.queue, spec)
+        if args.json:
+            cluster.print_json(cluster.to_json(record))
+        else:
+            print(record.task_id)
+        return _EXIT_OK
     with _client(args) as client:
         info = client.submit(spec)
     if args.json:
@@ -272,6 +293,17 @@ def render_task_table(infos: Sequence[TaskInfo]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.queue is not None:
+        from freeride._cli import cluster
+
+        records = cluster.records(args.queue, include_finished=args.all)
+        if args.json:
+            cluster.print_json([cluster.to_json(r) for r in records])
+        elif not records:
+            print("no tasks in the queue" if args.all else "no active tasks in the queue (--all shows finished ones)")
+        else:
+            print(cluster.render_table(records))
+        return _EXIT_OK
     with _client(args) as client:
         infos = client.list(include_finished=args.all)
     if args.json:
@@ -353,6 +385,13 @@ def render_task(info: TaskInfo) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.queue is not None:
+        from freeride._cli import cluster
+
+        record = cluster.record(args.queue, args.task_id)
+        print(json.dumps(cluster.to_json(record), indent=2, sort_keys=True) if args.json
+              else cluster.render_record(record))
+        return _EXIT_OK
     with _client(args) as client:
         info = client.get(args.task_id)
     print(json.dumps(_to_json(info), indent=2, sort_keys=True) if args.json else render_task(info))
@@ -360,6 +399,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    if args.queue is not None:
+        from freeride._cli import cluster
+
+        outcome = cluster.cancel(args.queue, args.task_id)
+        if args.json:
+            cluster.print_json({"task_id": args.task_id, "outcome": outcome})
+        else:
+            note = " (its manager stops it)" if outcome == "REQUESTED" else ""
+            print(f"{args.task_id} {'CANCEL REQUESTED' if outcome == 'REQUESTED' else outcome}{note}")
+        return _EXIT_OK
     with _client(args) as client:
         info = client.cancel(args.task_id)
     if args.json:
@@ -403,6 +452,8 @@ def render_stats(s: ManagerStats) -> str:
                    + (f", {s.events_dropped} dropped" if s.events_dropped else "")),
         ("event delay", _pct_line(s.event_delay_ms)),
     ]
+    if s.layout:
+        fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
 
 

@@ -42,6 +42,7 @@ from freeride.messages import (
     FailureRecord,
     Percentiles,
     TaskSpec,
+    TrainerLayout,
 )
 from freeride.states import TaskState, check_transition
 
@@ -127,6 +128,31 @@ class TaskAdded:
     steps: int = 0
     progress: float = 0.0
     restarts: int = 0
+    #: Claimed from the cluster queue: when it must leave this device (eviction, drain, a layout
+    #: without a stage here) it goes back to the queue (:class:`Released`) instead of waiting here.
+    from_queue: bool = False
+    #: A step time learned on another device (the cluster record); 0: the spec's hint.
+    step_hint_ns: int = 0
+
+
+@dataclass(frozen=True)
+class ReleaseRequested:
+    """Give a cluster task up. With ``checkpoint`` it is stopped after a checkpoint and handed back to
+    the queue; without, another manager owns it now and this copy is killed without writing."""
+
+    task_id: str
+    reason: str
+    checkpoint: bool = True
+
+
+@dataclass(frozen=True)
+class LayoutChanged:
+    """The trainer's pipeline layout changed (elastic training): what was learned of the old bubbles
+    no longer holds. ``hosts_stage``: this device runs a stage under the new layout."""
+
+    layout: TrainerLayout
+    received_ns: int
+    hosts_stage: bool = True
 
 
 @dataclass(frozen=True)
@@ -234,6 +260,8 @@ Event = (
     | TaskMemorySampled
     | DeviceMemorySampled
     | DeviceStatusChanged
+    | ReleaseRequested
+    | LayoutChanged
     | Tick
 )
 
@@ -305,7 +333,23 @@ class DrainComplete:
     pass
 
 
-Action = Spawn | Grant | Park | Freeze | Stop | Kill | StateChanged | CheckpointRecorded | DrainComplete
+@dataclass(frozen=True)
+class Released:
+    """A cluster task left this device, its process gone: the queue places it again (unless it was
+    lost to another manager). Its figures are the last this device knew."""
+
+    task_id: str
+    reason: str
+    checkpoint: bool
+    steps: int
+    progress: float
+    checkpoint_path: str
+    checkpoint_step: int
+    restarts: int
+    step_p95_ns: int | None
+
+
+Action = Spawn | Grant | Park | Freeze | Stop | Kill | StateChanged | CheckpointRecorded | DrainComplete | Released
 
 
 # ====================================================================== state
@@ -339,11 +383,13 @@ class TaskRuntime:
     checkpoint_path: str = ""
     checkpoint_step: int = -1
     restarts: int = 0
-    stopping: str = ""  # "", "evict", "drain", "cancel", "fail"
+    stopping: str = ""  # "", "evict", "drain", "release", "cancel", "fail"
     stop_deadline_ns: int = 0
     failure: FailureRecord | None = None
     pending_failure: FailureRecord | None = None
     finished_seen: bool = False
+    from_queue: bool = False
+    release_checkpoint: bool = True  # a release without it: the copy here is killed, not checkpointed
 
     @property
     def known_step_ns(self) -> int | None:
@@ -387,6 +433,7 @@ class CoreStats:
     harvested_ns: int = 0
     overruns: int = 0
     anomalies: int = 0
+    layout_changes: int = 0
     #: Out-of-order events dropped: an end without its open start, an end before its start, a start
     #: older than the open bubble's. Counted with the rejected events in the manager's stats.
     ignored_events: int = 0
@@ -412,6 +459,8 @@ class SchedulerCore:
         self.device_problem = ""
         #: The largest device context a worker of this device reported: a cap must leave room past it.
         self.context_bytes = 0
+        #: The trainer's current layout, once one was reported.
+        self.layout: TrainerLayout | None = None
         self._grant_seq = 0
         # (rank, iteration) -> min over that iteration of free + side-task usage at the time
         self._capacity_by_iteration: dict[tuple[int, int], int] = {}
@@ -766,7 +815,7 @@ class SchedulerCore:
     def _on_TaskAdded(self, event: TaskAdded, now_ns: int, out: list[Action]) -> None:
         if event.task_id in self.tasks:
             raise InvalidTransition(f"task {event.task_id} already exists")
-        hint_ns = int(event.spec.step_time_hint_ms * MS)
+        hint_ns = event.step_hint_ns or int(event.spec.step_time_hint_ms * MS)
         task = TaskRuntime(
             task_id=event.task_id,
             spec=event.spec,
@@ -778,6 +827,7 @@ class SchedulerCore:
             steps=event.steps,
             progress=event.progress,
             restarts=event.restarts,
+            from_queue=event.from_queue,
         )
         self.tasks[task.task_id] = task
         self._by_state[TaskState.SUBMITTED][task.task_id] = task
@@ -795,9 +845,51 @@ class SchedulerCore:
 
     def _on_DrainRequested(self, event: DrainRequested, now_ns: int, out: list[Action]) -> None:
         self.draining = True
-        for task in self.tasks.values():
+        for task in list(self.tasks.values()):
             if task.state.is_resident and not task.stopping:
                 self._stop(task, "drain", now_ns, out, checkpoint=task.state != TaskState.STARTING)
+            elif task.from_queue and task.state == TaskState.SUBMITTED:
+                self._leave(task, "the manager is draining", out)
+
+    def _on_ReleaseRequested(self, event: ReleaseRequested, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or task.state.is_terminal or not task.from_queue:
+            return
+        self._release(task, event.reason, now_ns, out, event.checkpoint)
+
+    def _on_LayoutChanged(self, event: LayoutChanged, now_ns: int, out: list[Action]) -> None:
+        """Forget what was learned of the old layout's bubbles; evict what the new budget cannot hold.
+
+        Dropped: the open bubble (its running task is parked), per-slot telemetry, the memory
+        budget's window, the longest bubble seen and every task's count of bubbles it did not fit.
+        A memory figure in the layout seeds the new window at once, standing in for an iteration
+        until the new layout's own iterations replace it; without one, nothing is admitted until a
+        figure arrives. Kept: side tasks' own step estimates (they describe the task, not the
+        trainer) and the run's totals. A device with no stage in the new layout hands its cluster
+        tasks back to the queue: it will see no bubbles.
+        """
+        layout = event.layout
+        if layout.same_shape(self.layout):
+            return
+        log.info("trainer layout: %s (was %s)", layout.describe(), self.layout.describe() if self.layout else "-")
+        self.layout = layout
+        self.stats.layout_changes += 1
+        if self.bubble is not None:
+            self._end_bubble(max(layout.at_ns, self.bubble.event.start_ns), now_ns, out, measured=False)
+        self.slots.clear()
+        self._capacity_by_iteration.clear()
+        self._device_capacity.clear()
+        self._longest_bubble_ns = 0
+        self._admit_floor = None
+        for task in self.tasks.values():
+            task.unfit_bubbles = 0
+        if layout.free_memory_bytes >= 0:
+            self._capacity_by_iteration[(-1, -1)] = layout.free_memory_bytes + self._resident_usage()
+            self._evict_if_over_budget(now_ns, out)
+        if not event.hosts_stage:
+            for task in list(self.tasks.values()):
+                if task.from_queue and not task.state.is_terminal and not task.stopping:
+                    self._release(task, "no stage of the new layout runs on this device", now_ns, out, True)
 
     def _on_WorkerReady(self, event: WorkerReady, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
@@ -857,10 +949,13 @@ class SchedulerCore:
         # A stop for eviction or drain that ended the process one way or another (clean exit after
         # its checkpoint, or killed because it was still starting or ignored the stop) loses at most
         # the work since the last checkpoint: the task goes back to be placed again.
-        if stopping in ("evict", "drain") and task.pending_failure is None:
+        if stopping in ("evict", "drain", "release") and task.pending_failure is None:
             self._transition(task, TaskState.EVICTED, stopping, out)
             task.restarts += 1
-            self._transition(task, TaskState.SUBMITTED, "re-placement", out)
+            if task.from_queue:
+                self._leave(task, stopping, out)
+            else:
+                self._transition(task, TaskState.SUBMITTED, "re-placement", out)
         else:
             failure = task.pending_failure
             if failure is None:
@@ -926,6 +1021,36 @@ class SchedulerCore:
             out.append(Kill(task.task_id))
             return
         out.append(Stop(task.task_id, checkpoint=checkpoint))
+
+    def _release(self, task: TaskRuntime, reason: str, now_ns: int, out: list[Action], checkpoint: bool) -> None:
+        """A cluster task leaves: at once if it has no process, else once its process is gone."""
+        log.info("[task=%s] releasing to the queue: %s", task.task_id, reason)
+        task.release_checkpoint = checkpoint
+        if task.state.is_resident:
+            if task.stopping in ("release", "fail", "cancel"):
+                return
+            if not checkpoint:
+                self._release_bubble(task)
+                task.stopping = "release"
+                out.append(Kill(task.task_id))
+                return
+            if not task.stopping:
+                self._stop(task, "release", now_ns, out, checkpoint=task.state != TaskState.STARTING)
+            else:
+                task.stopping = "release"  # an eviction or drain under way ends the same way
+            return
+        if task.state in (TaskState.SUBMITTED, TaskState.EVICTED):
+            self._leave(task, reason, out)
+
+    def _leave(self, task: TaskRuntime, reason: str, out: list[Action]) -> None:
+        """Forget a cluster task that has no process here; the loop hands it back to the queue."""
+        del self.tasks[task.task_id]
+        del self._by_state[task.state][task.task_id]
+        self._stop_timers.pop(task.task_id, None)
+        out.append(Released(
+            task.task_id, reason, task.release_checkpoint, task.steps, task.progress, task.checkpoint_path,
+            task.checkpoint_step, task.restarts, task.known_step_ns,
+        ))
 
     def _release_bubble(self, task: TaskRuntime) -> bool:
         released = False
@@ -995,12 +1120,21 @@ class SchedulerCore:
             (t for t in self._in_states(TaskState.PARKED) if not t.stopping),
             key=lambda t: (t.spec.priority, -t.seq),
         )
+        chosen: list[TaskRuntime] = []
         for task in victims:
             if budget >= 0:
                 break
+            chosen.append(task)
+            budget += task.memory_bytes
+        # A victim picked early (lowest priority, newest) may have been needed only until a larger one
+        # was picked: keep, most important first, every victim whose cap the surplus still holds.
+        for task in reversed(list(chosen)):
+            if budget >= 0 and task.memory_bytes <= budget:
+                chosen.remove(task)
+                budget -= task.memory_bytes
+        for task in chosen:
             log.info("[task=%s] evicting: device memory budget shrank", task.task_id)
             self._stop(task, "evict", now_ns, out, checkpoint=True)
-            budget += task.memory_bytes
 
     def _check_drain(self, out: list[Action]) -> None:
         if (
@@ -1012,6 +1146,14 @@ class SchedulerCore:
             out.append(DrainComplete())
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def longest_bubble_ns(self) -> int:
+        """The longest bubble predicted since the start or the last layout change (0: none yet)."""
+        return self._longest_bubble_ns
+
+    def count_in(self, state: TaskState) -> int:
+        return len(self._by_state[state])
 
     def waiting_reason(self, task: TaskRuntime) -> str:
         """Why a non-running task is not running, in one line."""

@@ -4,7 +4,9 @@
 worker processes, which die with the thread that spawned them, live as long as the manager), and
 SIGTERM/SIGINT draining every task before exit. ``Manager.start()`` runs the loop on a background
 thread instead, for tests and embedding. With ``metrics_port`` set, a Prometheus ``/metrics``
-endpoint (``freeride._manager.metrics``) starts and stops with the gRPC server.
+endpoint (``freeride._manager.metrics``) starts and stops with the gRPC server. With ``queue`` set,
+a :class:`~freeride._cluster.agent.QueueAgent` joins the cluster queue once the server serves, and
+hands back what the manager still holds when it stops.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +29,9 @@ from freeride._manager.servicers import TokenInterceptor, add_servicers
 from freeride.devices import Device, open_device
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
 from freeride.errors import ConfigError
+
+if TYPE_CHECKING:
+    from freeride._cluster.agent import QueueAgent, QueueConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,17 @@ def _socket_in_use(path: str) -> bool:
         return True
 
 
+def _prepare_checkpoint_dir(path: Path) -> None:
+    """The shared checkpoint directory must exist and take writes before the manager claims anything."""
+    from freeride._manager.store import check_writable
+
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_writable(path)
+    except OSError as exc:
+        raise ConfigError(f"checkpoint directory {path} is not writable: {exc}") from None
+
+
 class Manager:
     def __init__(
         self,
@@ -60,13 +77,19 @@ class Manager:
         trace_path: Path | None = None,
         metrics_port: int | None = None,
         metrics_address: str = DEFAULT_ADDRESS,
+        queue: QueueConfig | None = None,
+        node: str | None = None,
     ) -> None:
-        """``metrics_port``: None serves no metrics; 0 serves them on a free port (see ``metrics.port``)."""
+        """``metrics_port``: None serves no metrics; 0 serves them on a free port (see ``metrics.port``).
+        ``queue``: join the cluster queue; ``node``: this host's name there (default: the host name)."""
         self.device = open_device(device) if isinstance(device, str) else device
         self.endpoint = endpoint or default_endpoint(self.device.name)
         if self.endpoint.kind == "tcp" and not token:
             raise ConfigError("a TCP endpoint needs a token (--token-file or $FREERIDE_TOKEN)")
         self.state_dir = state_dir or default_state_dir(self.device)
+        self.node = node or socket.gethostname()
+        if queue is not None:
+            _prepare_checkpoint_dir(queue.checkpoint_dir)
         self.loop = ManagerLoop(
             self.device,
             LoopConfig(
@@ -75,8 +98,15 @@ class Manager:
                 memory_poll_ms=memory_poll_ms,
                 device_poll_ms=device_poll_ms,
                 trace_path=trace_path,
+                node=self.node,
+                checkpoint_root=queue.checkpoint_dir if queue is not None else None,
             ),
         )
+        self.agent: QueueAgent | None = None
+        if queue is not None:
+            from freeride._cluster.agent import QueueAgent
+
+            self.agent = QueueAgent(self.loop, queue, str(self.device), self.node)
         interceptors = [TokenInterceptor(token)] if token else []
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{self.device.name.slug}"),
@@ -134,6 +164,8 @@ class Manager:
                 raise ConfigError(f"cannot listen on {self.endpoint}")
 
     def _serve(self) -> None:
+        if self.agent is not None:
+            self.agent.check_credentials()  # refused credentials stop the start; an outage does not
         if self.metrics is not None:
             self.metrics.start()  # first: a busy metrics port fails before the gRPC endpoint is bound
         # The device's first reading goes into the loop's inbox before any request can arrive: a new
@@ -154,6 +186,8 @@ class Manager:
         self._update_health()
         log.info("[%s] manager listening on %s (state in %s); %s", self.device, self.endpoint, self.state_dir,
                  self.device.describe())
+        if self.agent is not None:
+            self.agent.start()
 
     def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT; then drain every task and return."""
@@ -163,6 +197,12 @@ class Manager:
             self.loop.run()
         finally:
             self._shutdown_server()
+            self._close_agent()
+
+    def _close_agent(self) -> None:
+        """After the loop stopped: hand back to the queue what it released while draining."""
+        if self.agent is not None:
+            self.agent.close()
 
     def start(self) -> None:
         """Serve with the loop on a background thread (tests, embedding)."""
@@ -186,6 +226,7 @@ class Manager:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._shutdown_server()
+        self._close_agent()
 
     def _shutdown_server(self) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

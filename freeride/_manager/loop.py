@@ -39,6 +39,7 @@ import queue
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
+from freeride._cluster.placement import Capacity
+from freeride._cluster.records import ClaimedTask, QueueNote, QueueView, TaskStatus, is_cluster_id
 from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.device_poller import DevicePoller
@@ -60,7 +63,6 @@ from freeride.devices import Device
 from freeride.devices.cuda import MIN_ALLOCATOR_BYTES
 from freeride.errors import ConfigError, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
-    BubbleEvent,
     BubbleSlotStats,
     BubbleStart,
     FailureRecord,
@@ -69,6 +71,8 @@ from freeride.messages import (
     TaskEvent,
     TaskInfo,
     TaskSpec,
+    TrainerEvent,
+    TrainerLayout,
 )
 from freeride.states import TaskState
 
@@ -84,6 +88,8 @@ BUBBLES_PER_TURN = 256
 #: anyway): a bound on how long a lost wake-up could go unnoticed, not a poll.
 IDLE_WAKE_NS = 1_000_000_000
 
+_TrainerInput = C.BubbleStarted | C.BubbleEnded | C.LayoutChanged
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -98,6 +104,11 @@ class LoopConfig:
     #: measured in ``bench/bench_load.py``, under 1 MiB. See :meth:`ManagerLoop.post_bubbles`.
     max_pending_events: int = 2048
     store_retry_ms: float = 1000.0
+    #: This host as the cluster names it: in a layout's stage map (``node/cuda:0``) and in the queue.
+    node: str = field(default_factory=socket.gethostname)
+    #: Where cluster tasks checkpoint (``--checkpoint-dir``, shared by every node): ``<dir>/<task id>/``,
+    #: so that a task reclaimed elsewhere resumes from the newest checkpoint its last holder wrote.
+    checkpoint_root: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
@@ -144,13 +155,18 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class GetQueueView:
+    """The queue agent's question at each poll: room for more, and the cluster tasks held here."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Drain, then stop the loop (SIGTERM, SIGINT)."""
 
     immediate: bool = False
 
 
-Request = SubmitTask | ListTasks | GetTask | CancelTask | GetStats | GetBubbles | Drain
+Request = SubmitTask | ListTasks | GetTask | CancelTask | GetStats | GetBubbles | Drain | GetQueueView
 
 
 @dataclass
@@ -193,12 +209,16 @@ class ManagerLoop:
         #: again (the daemon turns it into the health status).
         self.on_device_state: Callable[[str], None] = lambda problem: None
         self._inbox: collections.deque[Any] = collections.deque()
-        self._bubbles: collections.deque[list[C.BubbleStarted | C.BubbleEnded]] = collections.deque()
+        self._bubbles: collections.deque[list[_TrainerInput]] = collections.deque()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_fd, selectors.EVENT_READ, ("wake", None))
         self._workers: dict[str, WorkerHandle] = {}
         self._meta: dict[str, StoredTask] = {}
+        #: Tasks claimed from the cluster queue and held here; never in the local store (Redis holds them).
+        self._cluster: set[str] = set()
+        #: Called on the loop thread, must not block: what a cluster task did here (the queue agent's inbox).
+        self.queue_notes: Callable[[QueueNote], None] | None = None
         self._subscribers: list[queue.Queue[TaskEvent | None]] = []
         self._sub_lock = threading.Lock()
         self._drain_waiters: list[Future[Any]] = []
@@ -228,11 +248,11 @@ class ManagerLoop:
         except OSError:  # the counter is saturated: the loop is awake anyway
             pass
 
-    def post_bubble(self, event: BubbleEvent, received_ns: int) -> int:
+    def post_bubble(self, event: TrainerEvent, received_ns: int) -> int:
         """Enqueue one valid bubble event; see :meth:`post_bubbles`."""
         return self.post_bubbles((event,), received_ns)
 
-    def post_bubbles(self, events: Sequence[BubbleEvent], received_ns: int) -> int:
+    def post_bubbles(self, events: Sequence[TrainerEvent], received_ns: int) -> int:
         """Enqueue valid bubble events, in order, with one wake-up of the loop per chunk.
 
         Called once per trainer message from that stream's gRPC thread. At most
@@ -242,7 +262,8 @@ class ManagerLoop:
         and counts what does not fit; the training thread itself never waits. Holding back rather
         than shedding here keeps every event the manager accepted, ends included, in order, and
         keeps the delay bounded (~50 ms of the loop's work) instead of letting stale starts pile up.
-        A batch larger than the bound goes in chunks. Returns how many events were not enqueued:
+        A layout report travels the same way, in order with the bubbles around it. A batch larger
+        than the bound goes in chunks. Returns how many events were not enqueued:
         those still waiting for room when the loop stopped. They, and the events the stopped loop
         left in its inbox, are counted in ``events_dropped``.
         """
@@ -251,10 +272,7 @@ class ManagerLoop:
         with self._room:
             self.events_received += len(events)
         for first in range(0, len(events), size):
-            chunk: list[C.BubbleStarted | C.BubbleEnded] = [
-                C.BubbleStarted(e, received_ns) if isinstance(e, BubbleStart) else C.BubbleEnded(e, received_ns)
-                for e in events[first:first + size]
-            ]
+            chunk = [self._trainer_event(e, received_ns) for e in events[first:first + size]]
             with self._room:
                 while self._pending_events + len(chunk) > limit and not self._stopped.is_set():
                     self._room.wait(0.1)
@@ -266,6 +284,13 @@ class ManagerLoop:
             self._bubbles.append(chunk)
             self._wake()
         return 0
+
+    def _trainer_event(self, event: TrainerEvent, received_ns: int) -> _TrainerInput:
+        if isinstance(event, BubbleStart):
+            return C.BubbleStarted(event, received_ns)
+        if isinstance(event, TrainerLayout):
+            return C.LayoutChanged(event, received_ns, event.hosts_stage(str(self.device), self.config.node))
+        return C.BubbleEnded(event, received_ns)
 
     def call(self, request: Request, timeout_s: float = 10.0) -> Any:
         """Run a request on the loop thread and return its answer (or raise its error)."""
@@ -348,6 +373,8 @@ class ManagerLoop:
                         future.set_exception(exc)
             elif isinstance(item, Shutdown):
                 self._shutdown(item)
+            elif isinstance(item, ClaimedTask):
+                self._add_claimed(item)
             else:
                 self._feed(item)
                 if isinstance(item, C.DeviceStatusChanged):
@@ -358,7 +385,7 @@ class ManagerLoop:
             self._feed_bubbles(chunk)
             budget -= len(chunk)
 
-    def _feed_bubbles(self, events: list[C.BubbleStarted | C.BubbleEnded]) -> None:
+    def _feed_bubbles(self, events: list[_TrainerInput]) -> None:
         """Feed one posted chunk to the core: each event on its own, in order, its delay recorded."""
         with self._room:
             self._pending_events -= len(events)
@@ -366,8 +393,11 @@ class ManagerLoop:
         record = self.event_delay.record
         for event in events:
             now = self.now_ns()
-            bubble = event.bubble
-            record(now - (bubble.start_ns if isinstance(bubble, BubbleStart) else bubble.end_ns))
+            if isinstance(event, C.LayoutChanged):
+                record(now - event.layout.at_ns)
+            else:
+                bubble = event.bubble
+                record(now - (bubble.start_ns if isinstance(bubble, BubbleStart) else bubble.end_ns))
             self._feed(event, now)
 
     def _feed(self, event: Any, now_ns: int | None = None) -> None:
@@ -394,6 +424,10 @@ class ManagerLoop:
             e = event.bubble
             self._trace.write("bubble_end", stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot,
                               end_ns=e.end_ns, received_ns=event.received_ns)
+        elif isinstance(event, C.LayoutChanged):
+            lay = event.layout
+            self._trace.write("layout", schedule=lay.schedule, stages=lay.stages, microbatches=lay.microbatches,
+                              stage_devices=list(lay.stage_devices), at_ns=lay.at_ns, received_ns=event.received_ns)
 
     def _trace_action(self, action: C.Action) -> None:
         assert self._trace is not None
@@ -470,8 +504,12 @@ class ManagerLoop:
         elif isinstance(action, C.StateChanged):
             self._persist_state(action)
         elif isinstance(action, C.CheckpointRecorded):
+            if action.task_id in self._cluster:
+                return  # the queue agent reads it from the core at its next poll
             self._durable(action.task_id, "checkpoint", functools.partial(
                 self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress))
+        elif isinstance(action, C.Released):
+            self._released(action)
         elif isinstance(action, C.DrainComplete):
             for future in self._drain_waiters:
                 if not future.done():
@@ -514,7 +552,14 @@ class ManagerLoop:
             action = dataclasses.replace(action, failure=stamped)
             if task is not None and task.failure is not None:
                 task.failure = stamped
-        if action.old in (TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN) and action.new in (
+        if action.task_id in self._cluster:
+            # Redis, not the local store, keeps a cluster task: the queue agent records it.
+            if action.new.is_terminal and task is not None:
+                self._note("ended", self._status(task), action.reason)
+            if action.new.is_terminal or action.new == TaskState.STARTING:
+                log.info("[%s task=%s] %s -> %s (%s)", self.device, action.task_id,
+                         action.old.value if action.old else "-", action.new.value, action.reason)
+        elif action.old in (TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN) and action.new in (
             TaskState.PARKED,
             TaskState.RUNNING,
             TaskState.FROZEN,
@@ -593,10 +638,19 @@ class ManagerLoop:
             raise ValueError(f"task id {task_id[:80]!r} is not a manager-made id")
         return self.config.state_dir / "tasks" / task_id
 
+    def checkpoint_dir(self, task_id: str) -> Path:
+        """Where a task's worker writes its checkpoints: ``<task dir>/checkpoints``, or for a cluster task
+        ``<checkpoint root>/<id>``, which every node sees."""
+        if task_id in self._cluster and self.config.checkpoint_root is not None:
+            self.task_dir(task_id)  # the same check of the id
+            return self.config.checkpoint_root / task_id
+        return self.task_dir(task_id) / "checkpoints"
+
     def _spawn(self, action: C.Spawn) -> None:
         task_dir = self.task_dir(action.task_id)
+        checkpoint_dir = self.checkpoint_dir(action.task_id)
         try:
-            (task_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
             (task_dir / "current_step").unlink(missing_ok=True)
             (task_dir / "work").mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a full or read-only state directory: say so rather than stay STARTING
@@ -650,7 +704,7 @@ class ManagerLoop:
             "device": str(self.device),
             "memory_limit_bytes": action.memory_bytes,
             "work_dir": str(task_dir / "work"),
-            "checkpoint_dir": str(task_dir / "checkpoints"),
+            "checkpoint_dir": str(checkpoint_dir),
             "resume_path": action.resume_path,
             "checkpoint_interval_s": spec.checkpoint_interval_s
             or self.config.core.default_checkpoint_interval_s,
@@ -717,7 +771,8 @@ class ManagerLoop:
                                      _byte_count(msg.get("context_bytes", 0))))
         elif kind == "checkpoint":
             path = str(msg["path"])
-            if not Path(path).resolve().is_relative_to(self.task_dir(tid).resolve()):
+            home = self.checkpoint_dir(tid) if tid in self._cluster else self.task_dir(tid)
+            if not Path(path).resolve().is_relative_to(home.resolve()):
                 raise ValueError(f"checkpoint path {path!r} is outside the task's directory")
             self._feed(C.WorkerCheckpointed(tid, int(msg["step"]), path, float(msg["progress"])))
         elif kind == "finished":
@@ -817,6 +872,8 @@ class ManagerLoop:
             return self._stats()
         if isinstance(request, GetBubbles):
             return self.core.slot_stats()
+        if isinstance(request, GetQueueView):
+            return self._queue_view()
         if isinstance(request, Drain):
             counts = sum(1 for t in self.core.tasks.values() if t.state.is_resident)
             self._drain_waiters.append(_chain(future, counts))
@@ -876,6 +933,95 @@ class ManagerLoop:
             restarts=task.restarts,
         )
 
+    # ------------------------------------------------------------------ cluster tasks
+
+    def _add_claimed(self, claim: ClaimedTask) -> None:
+        """Add a task the queue agent claimed; it resumes from the newest checkpoint in the shared directory.
+
+        The newest file wins over the record's checkpoint when it is newer: the last holder may have
+        died between writing a file and the record catching up (as in a manager's own restart).
+        """
+        from freeride._worker.runtime import checkpoint_files
+
+        tid = claim.task_id
+        if tid in self.core.tasks or tid in self._meta or not is_cluster_id(tid):
+            # The same task twice (its earlier copy here is still on its way out; the agent avoids it):
+            # the claim is dropped and the agent told to forget it, so its lease runs out and the queue
+            # places it again.
+            log.warning("[%s task=%s] claimed while still held here; dropped", self.device, tid)
+            self._note("lost", TaskStatus(tid, "CLAIMED", claim.steps, claim.progress, claim.progress_unit,
+                                          claim.checkpoint_step, claim.checkpoint_path, claim.restarts,
+                                          claim.step_p95_ms, 0.0), "claimed while still held here")
+            return
+        self._cluster.add(tid)
+        ck_path, ck_step = claim.checkpoint_path, claim.checkpoint_step
+        if self.config.checkpoint_root is not None:
+            newest = checkpoint_files(self.checkpoint_dir(tid))[:1]
+            if newest and _step_of(newest[0]) > ck_step:
+                ck_path, ck_step = str(newest[0]), _step_of(newest[0])
+        if ck_path and not Path(ck_path).resolve().is_relative_to(self.checkpoint_dir(tid).resolve()):
+            ck_path = ""  # a path from another checkpoint root: the worker looks in its own directory
+        now = time.time()
+        self._meta[tid] = StoredTask(
+            seq=claim.seq, task_id=tid, spec=claim.spec, state=TaskState.SUBMITTED, failure=None,
+            checkpoint_step=ck_step, checkpoint_path=ck_path, steps=claim.steps, progress=claim.progress,
+            progress_unit=claim.progress_unit, harvested_s=0.0, overruns=0, restarts=claim.restarts,
+            submitted_unix=claim.submitted_unix or now, updated_unix=now,
+        )
+        log.info("[%s task=%s] claimed from the cluster queue (checkpoint step %d)", self.device, tid, ck_step)
+        self._feed(C.TaskAdded(
+            tid, claim.spec, claim.seq, ck_path, ck_step, max(claim.steps, ck_step), claim.progress, claim.restarts,
+            from_queue=True, step_hint_ns=int(claim.step_p95_ms * 1e6),
+        ))
+
+    def _released(self, action: C.Released) -> None:
+        """A cluster task left this device: hand it back to the queue (or forget it if it was lost)."""
+        meta = self._meta.pop(action.task_id, None)
+        self._cluster.discard(action.task_id)
+        status = TaskStatus(
+            task_id=action.task_id, state="EVICTED", steps=action.steps, progress=action.progress,
+            progress_unit=meta.progress_unit if meta else "steps", checkpoint_step=action.checkpoint_step,
+            checkpoint_path=action.checkpoint_path, restarts=action.restarts,
+            step_p95_ms=(action.step_p95_ns or 0) / 1e6, harvested_s=0.0,
+        )
+        log.info("[%s task=%s] left this device: %s", self.device, action.task_id, action.reason)
+        self._note("left" if action.checkpoint else "lost", status, action.reason)
+
+    def _note(self, kind: str, status: TaskStatus, reason: str) -> None:
+        sink = self.queue_notes
+        if sink is not None:
+            try:
+                sink(QueueNote(kind, status, reason))
+            except Exception:  # the agent's inbox must never take the loop down
+                log.exception("[%s] queue note dropped", self.device)
+
+    def _status(self, task: C.TaskRuntime) -> TaskStatus:
+        p95 = task.estimator.estimate_ns() if task.estimator.count else None
+        failure = task.failure
+        if failure is not None and not failure.at_unix_s:
+            failure = dataclasses.replace(failure, at_unix_s=time.time())
+        return TaskStatus(
+            task_id=task.task_id, state=task.state.value, steps=task.steps, progress=task.progress,
+            progress_unit=task.progress_unit, checkpoint_step=task.checkpoint_step,
+            checkpoint_path=task.checkpoint_path, restarts=task.restarts, step_p95_ms=(p95 or 0) / 1e6,
+            harvested_s=task.harvested_ns / 1e9, failure=failure,
+        )
+
+    def _queue_view(self) -> QueueView:
+        core = self.core
+        layout = core.layout
+        capacity = Capacity(
+            budget_bytes=core.budget_bytes(),
+            longest_bubble_ns=core.longest_bubble_ns,
+            margin_ns=self.config.core.margin_ns,
+            waiting=core.count_in(TaskState.SUBMITTED),
+            draining=core.draining,
+            hosts_stage=layout is None or layout.hosts_stage(str(self.device), self.config.node),
+            device_problem=core.device_problem,
+        )
+        tasks = tuple(self._status(core.tasks[tid]) for tid in sorted(self._cluster) if tid in core.tasks)
+        return QueueView(capacity, tasks)
+
     def _stats(self) -> ManagerStats:
         s = self.core.stats
         by_state: dict[str, int] = {}
@@ -905,6 +1051,8 @@ class ManagerLoop:
             events_dropped=self.events_dropped,
             device_info=self.device.describe(),
             device_problem=self.core.device_problem,
+            layout_changes=s.layout_changes,
+            layout=self.core.layout.describe() if self.core.layout is not None else "",
         )
 
     def slot_stats(self) -> list[BubbleSlotStats]:
@@ -921,6 +1069,13 @@ class ManagerLoop:
         """
         from freeride._worker.runtime import checkpoint_files
 
+        # A cluster task is not in the store (Redis holds it; its lease runs out and it is placed again),
+        # but what its workers spawned here dies all the same.
+        tasks_dir = self.config.state_dir / "tasks"
+        for path in sorted(tasks_dir.iterdir()) if tasks_dir.is_dir() else []:
+            if is_cluster_id(path.name) and orphans.kill_leftovers(path):
+                log.warning("[%s task=%s] killed process(es) left by the previous manager's worker", self.device,
+                            path.name)
         for stored in self.store.all():
             self._meta[stored.task_id] = stored
             killed = orphans.kill_leftovers(self.task_dir(stored.task_id))

@@ -10,8 +10,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
-import os
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -20,8 +18,19 @@ from typing import Any
 
 import grpc
 
-from freeride._loading import check_target_syntax
 from freeride._manager import loop as L
+from freeride._manager.validation import (  # noqa: F401 - re-exported limits
+    MAX_ARGS_DEPTH,
+    MAX_ARGS_JSON_BYTES,
+    MAX_COMMAND_ARGS,
+    MAX_COMMAND_BYTES,
+    MAX_PRIORITY,
+    MAX_WORKING_DIR_BYTES,
+    Submission,
+    parse_args_json,
+    shown,
+    validate_submission,
+)
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES
@@ -36,21 +45,14 @@ from freeride.messages import (
     TaskEvent,
     TaskInfo,
     TaskSpec,
+    TrainerEvent,
+    TrainerLayout,
     validate_bubble_event,
+    validate_layout,
 )
 
 log = logging.getLogger(__name__)
 
-#: Limits on what a submission may carry. The worker receives the task's arguments, command and
-#: working directory in one message over a channel that holds at most 64 KiB
-#: (``freeride._channel.MAX_MESSAGE_BYTES``), so these, measured as they are encoded for that
-#: channel, sum to well under it: a task that passed validation can always be started.
-MAX_ARGS_JSON_BYTES = 32 * 1024
-MAX_ARGS_DEPTH = 32
-MAX_COMMAND_ARGS = 1024
-MAX_COMMAND_BYTES = 16 * 1024
-MAX_WORKING_DIR_BYTES = 4096
-MAX_PRIORITY = 1_000_000
 #: Ids are ``<slug of at most 32 characters>-<sequence number>``; anything longer is not one.
 MAX_TASK_ID_CHARS = 128
 #: How far ahead of the manager's clock a bubble time may be. Trainer and manager share the host's
@@ -58,144 +60,24 @@ MAX_TASK_ID_CHARS = 128
 #: takes. A time further ahead (another host's clock, a unit mistake) would otherwise hold a side
 #: task's grant or delay its freeze until that time.
 MAX_CLOCK_AHEAD_NS = 10**9
-#: Longest echo of a client's value in an error message: details travel in gRPC trailers, which a
-#: client refuses beyond 16 KiB, so echoing a 4 MiB value would hide the error behind another one.
-_ECHO_CHARS = 80
-
-
-def shown(value: object) -> str:
-    """``repr(value)``, cut to a length that fits any error message."""
-    text = repr(value)
-    return text if len(text) <= _ECHO_CHARS else f"{text[:_ECHO_CHARS - 3]}..."
 
 
 # ------------------------------------------------------------------ validation
 
 
 def spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
-    """Validate a submission; raises :class:`RequestRejected` with a precise message."""
-    try:
-        return _spec_from_pb(msg)
-    except ConfigError as exc:
-        raise RequestRejected(str(exc)) from None
-
-
-def _encoded_len(value: object) -> int:
-    """Bytes ``value`` takes in the worker channel's JSON (ASCII-escaped, so never less than its length)."""
-    return len(json.dumps(value, separators=(",", ":")))
-
-
-def _reject_constant(name: str) -> Any:
-    raise RequestRejected(f"task arguments must be standard JSON: {name} is not a JSON value")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise RequestRejected(f"task arguments hold a number that overflows a float: {shown(text)}")
-    return value
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion (a hostile value must not exhaust the stack)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
-
-
-def parse_args_json(text: str) -> dict[str, Any]:
-    """The task's keyword arguments: a JSON object of identifiers, bounded in size and depth.
-
-    Rejected with a precise message, never with an internal error: nesting deeper than Python's
-    recursion limit, integers beyond ``int``'s string-conversion limit (4300 digits), ``NaN`` and
-    ``Infinity`` (not JSON, and not portable to the CLI's ``--json`` output), floats that overflow.
-    """
-    if not text:
-        return {}
-    if len(text) > MAX_ARGS_JSON_BYTES:
-        raise RequestRejected(f"task arguments exceed {MAX_ARGS_JSON_BYTES} bytes ({len(text)} characters)")
-    try:
-        args = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as exc:
-        raise RequestRejected(f"task arguments are not valid JSON: {exc}") from None
-    except RecursionError:
-        raise RequestRejected(f"task arguments nest deeper than {MAX_ARGS_DEPTH} levels") from None
-    except ValueError as exc:  # int() refuses more than sys.get_int_max_str_digits() digits
-        raise RequestRejected(f"task arguments hold a number that is too large: {shown(str(exc))}") from None
-    if not isinstance(args, dict) or not all(isinstance(k, str) and k.isidentifier() for k in args):
-        raise RequestRejected("task arguments must be a JSON object whose keys are Python identifiers")
-    if _depth(args) > MAX_ARGS_DEPTH:
-        raise RequestRejected(f"task arguments nest deeper than {MAX_ARGS_DEPTH} levels")
-    encoded = _encoded_len(args)
-    if encoded > MAX_ARGS_JSON_BYTES:
-        raise RequestRejected(
-            f"task arguments exceed {MAX_ARGS_JSON_BYTES} bytes once encoded for the worker ({encoded} bytes)"
-        )
-    return args
-
-
-def _check_command(command: tuple[str, ...]) -> None:
-    if len(command) > MAX_COMMAND_ARGS:
-        raise RequestRejected(f"a command has at most {MAX_COMMAND_ARGS} arguments, got {len(command)}")
-    for arg in command:
-        if not arg or "\x00" in arg:
-            raise RequestRejected("command arguments must be non-empty and contain no NUL byte")
-    encoded = _encoded_len(command)
-    if encoded > MAX_COMMAND_BYTES:
-        raise RequestRejected(f"a command takes at most {MAX_COMMAND_BYTES} bytes encoded, got {encoded}")
-
-
-def _check_working_dir(path: str) -> None:
-    """An existing absolute directory. ``..`` is allowed: the kernel resolves it, and the directory
-    only says where the user's own code runs; it grants nothing the submitter does not have."""
-    if not path:
-        return
-    if "\x00" in path:
-        raise RequestRejected("working directory contains a NUL byte")
-    if _encoded_len(path) > MAX_WORKING_DIR_BYTES:
-        raise RequestRejected(f"working directory is longer than {MAX_WORKING_DIR_BYTES} bytes")
-    if not os.path.isabs(path) or not os.path.isdir(path):
-        raise RequestRejected(f"working directory {shown(path)} is not an existing absolute path")
-
-
-def _spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
-    target = msg.target
-    command = tuple(msg.command)
-    if bool(target) == bool(command):
-        raise RequestRejected("give exactly one of a task target (module:Class) or a command")
-    if target:
-        check_target_syntax(target)
-    _check_command(command)
-    args = parse_args_json(msg.args_json)
-    if msg.memory_bytes <= 0:
-        raise RequestRejected(f"memory must be a positive number of bytes, got {msg.memory_bytes}")
-    if abs(msg.priority) > MAX_PRIORITY:
-        raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {msg.priority}")
-    if len(msg.name) > 64 or not msg.name.isprintable():
-        raise RequestRejected("a task name has at most 64 printable characters")
-    _check_working_dir(msg.working_dir)
-    for name in ("checkpoint_interval_s", "step_time_hint_ms"):
-        value = getattr(msg, name)
-        if not math.isfinite(value) or value < 0 or value > 1e7:
-            raise RequestRejected(f"{name} must be a finite number in [0, 1e7], got {value}")
-    return TaskSpec(
-        target=target,
-        args=args,
+    """Validate a submission (:func:`validate_submission`); raises :class:`RequestRejected`."""
+    return validate_submission(Submission(
+        target=msg.target,
+        args_json=msg.args_json,
         memory_bytes=msg.memory_bytes,
         priority=msg.priority,
         name=msg.name,
-        command=command,
+        command=tuple(msg.command),
         working_dir=msg.working_dir,
         checkpoint_interval_s=msg.checkpoint_interval_s,
         step_time_hint_ms=msg.step_time_hint_ms,
-    )
+    ))
 
 
 def check_task_id(task_id: str) -> None:
@@ -206,9 +88,16 @@ def check_task_id(task_id: str) -> None:
         raise RequestRejected(f"a task id has at most {MAX_TASK_ID_CHARS} characters, got {len(task_id)}")
 
 
-def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> BubbleEvent:
-    """Validate a bubble event; with ``received_ns``, times ahead of this host's clock are refused."""
+def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> TrainerEvent:
+    """Validate a bubble event or layout; with ``received_ns``, times ahead of this host's clock are refused."""
     which = msg.WhichOneof("event")
+    latest_ns = None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS
+    if which == "layout":
+        m = msg.layout
+        layout = TrainerLayout(m.schedule, m.stages, m.microbatches, tuple(m.stage_devices), m.at_ns,
+                               m.free_memory_bytes)
+        validate_layout(layout, latest_ns)
+        return layout
     if which == "start":
         s = msg.start
         event: BubbleEvent = BubbleStart(
@@ -218,8 +107,8 @@ def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> Bubb
         e = msg.end
         event = BubbleEnd(e.stage, e.rank, e.iteration, e.slot, e.end_ns)
     else:
-        raise ConfigError("a bubble event must be a start or an end")
-    validate_bubble_event(event, None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS)
+        raise ConfigError("a bubble event must be a start or an end (or a layout)")
+    validate_bubble_event(event, latest_ns)
     return event
 
 
@@ -294,6 +183,8 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         events_dropped=s.events_dropped,
         device_info=s.device_info,
         device_problem=s.device_problem,
+        layout_changes=s.layout_changes,
+        layout=s.layout,
     )
 
 
@@ -368,7 +259,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
         for msg in request_iterator:
             received_ns = time.monotonic_ns()
             parts = msg.batch.events if msg.WhichOneof("event") == "batch" else (msg,)
-            events: list[BubbleEvent] = []
+            events: list[TrainerEvent] = []
             for part in parts:
                 try:
                     events.append(bubble_from_pb(part, received_ns))

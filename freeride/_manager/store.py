@@ -89,7 +89,8 @@ def _spec_from_json(text: str) -> TaskSpec:
     return TaskSpec(**data)
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """A task id's stem: ``[a-z0-9-]``, at most 32 characters, never empty."""
     slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     return slug[:32] or "task"
 
@@ -165,7 +166,7 @@ class TaskStore:
                 (f"pending-{time.monotonic_ns()}", _spec_to_json(spec), TaskState.SUBMITTED.value, now, now),
             )
             seq = int(cur.lastrowid or 0)
-            task_id = f"{_slug(spec.display_name)}-{seq}"
+            task_id = f"{slug(spec.display_name)}-{seq}"
             db.execute("UPDATE tasks SET task_id = ? WHERE seq = ?", (task_id, seq))
         stored = self.get(task_id)
         assert stored is not None

@@ -36,6 +36,8 @@ from freeride.messages import (
     TaskEvent,
     TaskInfo,
     TaskSpec,
+    TrainerEvent,
+    TrainerLayout,
 )
 
 _CHANNEL_OPTIONS = [
@@ -82,7 +84,18 @@ def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
 # ------------------------------------------------------------------ conversions
 
 
-def bubble_event_to_pb(event: BubbleEvent) -> _pb.BubbleEvent:
+def bubble_event_to_pb(event: TrainerEvent) -> _pb.BubbleEvent:
+    if isinstance(event, TrainerLayout):
+        return _pb.BubbleEvent(
+            layout=_pb.TrainerLayout(
+                schedule=event.schedule,
+                stages=event.stages,
+                microbatches=event.microbatches,
+                stage_devices=list(event.stage_devices),
+                at_ns=event.at_ns,
+                free_memory_bytes=event.free_memory_bytes,
+            )
+        )
     if isinstance(event, BubbleStart):
         return _pb.BubbleEvent(
             start=_pb.BubbleStart(
@@ -103,12 +116,12 @@ def bubble_event_to_pb(event: BubbleEvent) -> _pb.BubbleEvent:
     )
 
 
-def bubble_message_to_pb(item: BubbleEvent | Sequence[BubbleEvent]) -> _pb.BubbleEvent:
+def bubble_message_to_pb(item: TrainerEvent | Sequence[TrainerEvent]) -> _pb.BubbleEvent:
     """One stream message: an event alone, or a sequence of events as one batch.
 
     A sequence of one goes out as the event alone, the form every manager of ``freeride.v1`` reads.
     """
-    if isinstance(item, (BubbleStart, BubbleEnd)):
+    if isinstance(item, (BubbleStart, BubbleEnd, TrainerLayout)):
         return bubble_event_to_pb(item)
     if len(item) == 1:
         return bubble_event_to_pb(item[0])
@@ -206,6 +219,8 @@ def _stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         events_dropped=msg.events_dropped,
         device_info=msg.device_info,
         device_problem=msg.device_problem,
+        layout_changes=msg.layout_changes,
+        layout=msg.layout,
     )
 
 
@@ -318,7 +333,7 @@ class BubbleStream:
     def __init__(
         self,
         endpoint: Endpoint,
-        messages: Iterable[BubbleEvent | Sequence[BubbleEvent]],
+        messages: Iterable[TrainerEvent | Sequence[TrainerEvent]],
         token: str | None = None,
     ) -> None:
         self.endpoint = endpoint

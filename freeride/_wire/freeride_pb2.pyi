@@ -41,14 +41,32 @@ class BubbleEnd(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...
 
 class BubbleEvent(_message.Message):
-    __slots__ = ("start", "end", "batch")
+    __slots__ = ("start", "end", "batch", "layout")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     start: BubbleStart
     end: BubbleEnd
     batch: BubbleEventBatch
-    def __init__(self, start: _Optional[_Union[BubbleStart, _Mapping]] = ..., end: _Optional[_Union[BubbleEnd, _Mapping]] = ..., batch: _Optional[_Union[BubbleEventBatch, _Mapping]] = ...) -> None: ...
+    layout: TrainerLayout
+    def __init__(self, start: _Optional[_Union[BubbleStart, _Mapping]] = ..., end: _Optional[_Union[BubbleEnd, _Mapping]] = ..., batch: _Optional[_Union[BubbleEventBatch, _Mapping]] = ..., layout: _Optional[_Union[TrainerLayout, _Mapping]] = ...) -> None: ...
+
+class TrainerLayout(_message.Message):
+    __slots__ = ("schedule", "stages", "microbatches", "stage_devices", "at_ns", "free_memory_bytes")
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    AT_NS_FIELD_NUMBER: _ClassVar[int]
+    FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    schedule: str
+    stages: int
+    microbatches: int
+    stage_devices: _containers.RepeatedScalarFieldContainer[str]
+    at_ns: int
+    free_memory_bytes: int
+    def __init__(self, schedule: _Optional[str] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., stage_devices: _Optional[_Iterable[str]] = ..., at_ns: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class BubbleEventBatch(_message.Message):
     __slots__ = ("events",)
@@ -207,7 +225,7 @@ class Percentiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ..., p999: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem")
+    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout")
     class TasksByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +252,8 @@ class StatsResponse(_message.Message):
     EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INFO_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     device: str
     uptime_s: float
     bubbles: int
@@ -253,7 +273,9 @@ class StatsResponse(_message.Message):
     events_dropped: int
     device_info: str
     device_problem: str
-    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ...) -> None: ...
+    layout_changes: int
+    layout: str
+    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class BubblesRequest(_message.Message):
     __slots__ = ()

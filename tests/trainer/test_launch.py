@@ -141,3 +141,28 @@ def test_trainer_under_launch_reports_the_modelled_bubbles_to_each_manager(runti
         got = sorted((s["stage"], s["slot"], s["kind"], s["count"]) for s in doc[device])
         want = sorted((rank, s.index, s.kind, iterations) for s in model.cyclic_slots(rank))
         assert got == want, device
+
+
+def test_launch_on_a_slurm_node_finds_its_devices_joins_the_queue_and_keeps_a_state_dir_per_node(
+    runtime: Path, redis_server: object
+) -> None:
+    """No Slurm here: its environment stands in (a 2-node job, this node's name, one local rank)."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    device = f"cpu:{core}"
+    probe = (
+        "import sys; from freeride._wire.client import health_status; "
+        "from freeride.endpoints import default_endpoint; "
+        f"sys.exit(7 if health_status(default_endpoint({device!r})) == 'SERVING' else 1)"
+    )
+    env = dict(_env(runtime), SLURM_JOB_NUM_NODES="2", SLURMD_NODENAME="node7", LOCAL_WORLD_SIZE="1")
+    cmd = [sys.executable, "-m", "freeride.cli", "launch", "--state-dir", str(runtime / "state"),
+           "--queue", redis_server.url, "--checkpoint-dir", str(runtime / "ckpt"),  # type: ignore[attr-defined]
+           "--", sys.executable, "-c", probe]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env)
+    assert proc.returncode == 7, proc.stderr[-2000:]
+    assert f"managers serving {device}" in proc.stderr
+    state = runtime / "state" / "node7" / f"cpu-{core}"
+    assert (state / "tasks.db").exists()  # this node's own state, apart from the other nodes'
+    log = (runtime / "state" / "node7" / f"manager-cpu-{core}.log").read_text()
+    assert "queue unix://" in log and f"as node7/{device}" in log
+    _no_managers_left(runtime)

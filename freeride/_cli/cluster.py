@@ -1,0 +1,137 @@
+"""The cluster-queue forms of ``submit``, ``ls``, ``show`` and ``cancel`` (``--queue URL``).
+
+    freeride submit MODULE:CLASS --queue redis://host:6379/0 [--memory 2GiB ...]
+    freeride ls --queue URL [--all]
+    freeride show ID --queue URL
+    freeride cancel ID --queue URL
+
+A submission is validated here exactly as a manager's ``Submit`` validates it
+(:func:`freeride._manager.validation.validate_spec`), then put on the queue's stream; the managers
+that joined the queue place it. ``ls`` shows every task of the cluster with the device holding it,
+its state and progress. Exit codes: 2 for a malformed URL or a rejected submission, 3 when the
+queue's Redis cannot be reached, 4 for an unknown task, 5 for refused credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from freeride._cluster import require_client
+from freeride._cluster.records import ClusterRecord
+from freeride._cluster.url import parse_queue_url
+from freeride._manager.validation import submission_of, validate_spec
+from freeride.errors import TaskNotFound
+from freeride.messages import TaskSpec
+from freeride.units import format_size
+
+
+@contextlib.contextmanager
+def open_queue(url_text: str) -> Iterator[Any]:
+    """A connected :class:`~freeride._cluster.redis_queue.RedisQueue`, closed on exit."""
+    url = parse_queue_url(url_text)
+    require_client()
+    from freeride._cluster.redis_queue import RedisQueue
+
+    queue = RedisQueue(url)
+    try:
+        queue.connect()
+        yield queue
+    finally:
+        queue.close()
+
+
+def submit(url_text: str, spec: TaskSpec) -> ClusterRecord:
+    """Validate ``spec`` as ``Submit`` does and put it on the queue; its new record."""
+    parse_queue_url(url_text)  # a malformed URL is bad input before the submission is looked at
+    checked = validate_spec(spec)
+    with open_queue(url_text) as queue:
+        task_id = queue.submit(submission_of(checked))
+        record = queue.record(task_id)
+    assert record is not None
+    return record
+
+
+def records(url_text: str, include_finished: bool) -> list[ClusterRecord]:
+    with open_queue(url_text) as queue:
+        return list(queue.records(include_finished))
+
+
+def record(url_text: str, task_id: str) -> ClusterRecord:
+    with open_queue(url_text) as queue:
+        found = queue.record(task_id)
+    if found is None:
+        raise TaskNotFound(f"no task {task_id!r} in the queue")
+    return found
+
+
+def cancel(url_text: str, task_id: str) -> str:
+    """``CANCELLED`` (it was queued), ``REQUESTED`` (its holder cancels it), or its terminal state."""
+    with open_queue(url_text) as queue:
+        outcome = queue.cancel(task_id)
+    if outcome == "MISSING":
+        raise TaskNotFound(f"no task {task_id!r} in the queue")
+    return outcome
+
+
+def to_json(rec: ClusterRecord) -> dict[str, Any]:
+    doc = dataclasses.asdict(rec)
+    doc["name"] = rec.name
+    doc["submission"]["command"] = list(rec.submission.command)
+    return doc
+
+
+def _progress(rec: ClusterRecord) -> str:
+    value = rec.progress if rec.progress else float(rec.steps)
+    text = f"{value:.0f}" if value == int(value) else f"{value:.2f}"
+    return f"{text} {rec.progress_unit}"
+
+
+def render_table(recs: Sequence[ClusterRecord]) -> str:
+    rows = [["ID", "NAME", "STATE", "DEVICE", "PRIO", "MEMORY", "PROGRESS", "CHECKPOINT", "RESTARTS", "LAST"]]
+    for r in recs:
+        rows.append([
+            r.task_id, r.name, r.state, r.device or "-", str(r.submission.priority),
+            format_size(r.submission.memory_bytes), _progress(r),
+            f"step {r.checkpoint_step}" if r.checkpoint_step >= 0 else "-", str(r.restarts), r.reason or "-",
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def render_record(rec: ClusterRecord) -> str:
+    sub = rec.submission
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.submitted_unix)) if rec.submitted_unix else "-"
+    fields = [
+        ("task", rec.task_id),
+        ("name", rec.name),
+        ("state", rec.state + (" (cancel requested)" if rec.cancel_requested and not rec.terminal else "")),
+        ("device", rec.device or "-"),
+        ("command" if sub.command else "target", sub.target or " ".join(sub.command)),
+        ("args", sub.args_json or "-"),
+        ("memory", format_size(sub.memory_bytes)),
+        ("priority", str(sub.priority)),
+        ("progress", f"{_progress(rec)} ({rec.steps} steps)"),
+        ("checkpoint", f"step {rec.checkpoint_step}" if rec.checkpoint_step >= 0 else "-"),
+        ("step p95", f"{rec.step_p95_ms:.2f} ms" if rec.step_p95_ms else "-"),
+        ("restarts", str(rec.restarts)),
+        ("claims", str(rec.epoch)),
+        ("last", rec.reason or "-"),
+        ("submitted", when),
+    ]
+    text = "\n".join(f"{k + ':':<11} {v}" for k, v in fields)
+    if rec.spec_error:
+        text += f"\nspec:       {rec.spec_error}"
+    if rec.failure is not None:
+        from freeride._cli.tasks import render_failure
+
+        text += "\n" + render_failure(rec.failure)
+    return text
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))

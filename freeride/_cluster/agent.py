@@ -1,0 +1,417 @@
+"""A manager's queue agent: the thread that does all of the manager's Redis I/O.
+
+The manager loop never waits on Redis. The agent talks to the loop only the way gRPC servicers do:
+it *posts* claimed tasks and release requests (fire and forget), and *asks* the loop, through
+``call_async`` with a deadline, for a :class:`~freeride._cluster.records.QueueView` (room for more,
+and the cluster tasks held here). The loop tells the agent what a cluster task did through a
+callback that only appends to a deque (``ManagerLoop.queue_notes``).
+
+Each poll (``poll_ms``), in this order:
+
+1. **Write what the loop reported**: a task that ended is recorded and acknowledged (``finish``); a
+   task that left this device (evicted, drained, released) is handed back to the waiting room
+   (``release``); a lost one is forgotten. These writes are kept until Redis takes them.
+2. **Progress** of every held task whose figures changed (one pipelined round trip).
+3. **Renew the leases** every third of the lease. Tasks the renewal says are lost (another manager
+   took them after this one's lease expired) are killed here without a checkpoint; tasks a user
+   cancelled with ``freeride cancel --queue`` are cancelled.
+4. **Hand back** a claimed task still waiting for memory here after ``hold_ms``: this device cannot
+   start it, another may.
+5. **Sweep** expired leases back to the waiting room -- only once this agent has been connected for
+   a whole lease, so that after a Redis restart (or this manager's own reconnection) every live holder
+   has renewed before anyone treats its silence as death; and only one manager per half lease
+   (a lock in Redis) does it for the whole cluster.
+6. **Claim**: peek at the waiting room, rank what :mod:`~freeride._cluster.placement` says this manager
+   can place, claim the first it can (atomically; another manager may have been faster, then the next),
+   validate its spec with the same function as ``Submit``, and post it to the loop. A few per poll, each
+   decided on a fresh view.
+
+**Outages.** Any Redis error ends the poll: the agent marks itself disconnected, logs once, and tries
+again after a backoff (doubling from ``poll_ms`` to ``backoff_max_ms``). Nothing escapes into the
+loop; local tasks and the cluster tasks already here go on. On reconnection it renews its leases
+first: what it lost meanwhile is stopped here, what it kept goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from freeride._cluster import placement, require_client
+from freeride._cluster.records import (
+    ClaimedTask,
+    ClusterRecord,
+    QueueNote,
+    QueueView,
+    TaskStatus,
+    status_fields,
+)
+from freeride._cluster.url import QueueURL, parse_queue_url
+from freeride._manager import core as C
+from freeride._manager.validation import validate_submission
+from freeride.errors import ConfigError, FreerideError, RequestRejected, Unauthenticated
+from freeride.messages import FailureRecord
+
+log = logging.getLogger(__name__)
+
+#: Claims an agent makes in one poll at most, each on a fresh view of the loop.
+CLAIMS_PER_POLL = 8
+#: Queued tasks an agent looks at per poll (the head of the waiting room, in claim order).
+PEEK_TASKS = 64
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """A manager's queue settings; units are in the names."""
+
+    url: QueueURL
+    #: Shared by every node: cluster tasks checkpoint to ``<checkpoint_dir>/<task id>/``.
+    checkpoint_dir: Path
+    #: A holder that has not renewed for this long loses its tasks to the queue.
+    lease_ms: int = 10_000
+    poll_ms: float = 200.0
+    #: A claimed task still waiting for memory here after this long is handed back.
+    hold_ms: float = 5_000.0
+    backoff_max_ms: float = 5_000.0
+    #: How long a stopping manager keeps trying to hand its tasks back before their leases do it.
+    flush_timeout_ms: float = 5_000.0
+
+    def __post_init__(self) -> None:
+        if self.lease_ms < 100:
+            raise ConfigError(f"the queue lease must be at least 100 ms, got {self.lease_ms}")
+        if not 0 < self.poll_ms <= self.lease_ms / 3:
+            raise ConfigError(f"the queue poll ({self.poll_ms} ms) must be > 0 and at most a third of the lease "
+                              f"({self.lease_ms} ms): leases are renewed at polls")
+        for name in ("hold_ms", "backoff_max_ms", "flush_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"queue {name} must be > 0")
+
+    @classmethod
+    def from_text(cls, url: str, checkpoint_dir: str | Path, **kw: Any) -> QueueConfig:
+        return cls(parse_queue_url(url), Path(checkpoint_dir), **kw)
+
+
+class LoopPort(Protocol):
+    """What the agent needs of the manager loop (``ManagerLoop`` provides it; tests may fake it)."""
+
+    queue_notes: Callable[[QueueNote], None] | None
+
+    def post(self, event: Any) -> None: ...
+
+    def call_async(self, request: Any) -> Any: ...
+
+
+class QueueAgent:
+    """Connects one manager to the cluster queue; see the module docstring."""
+
+    def __init__(
+        self,
+        loop: LoopPort,
+        config: QueueConfig,
+        device: str,
+        node: str,
+        queue_factory: Callable[[QueueURL], Any] | None = None,
+    ) -> None:
+        if queue_factory is None:
+            require_client()
+        from freeride._cluster.redis_queue import Held, RedisQueue
+
+        self._held_type = Held
+        self.loop = loop
+        self.config = config
+        self.where = f"{node}/{device}"
+        #: This manager's consumer in the group: unique per process, so a restarted manager never
+        #: mistakes its predecessor's tasks for its own (they come back through the lease).
+        self.me = f"{self.where}/{os.getpid()}-{secrets.token_hex(3)}"
+        self._factory = queue_factory or (lambda url: RedisQueue(url))
+        self._queue: Any = None
+        self._notes: collections.deque[QueueNote] = collections.deque()
+        loop.queue_notes = self._notes.append  # called on the loop thread: an append, never blocks
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._held: dict[str, Any] = {}  # task id -> Held
+        self._leaving: set[str] = set()  # asked to leave; the loop has not said it left yet
+        self._pending: dict[str, QueueNote] = {}  # final writes Redis has not taken yet
+        self._written: dict[str, dict[str, str]] = {}
+        self._waiting_since: dict[str, float] = {}
+        self._connected_at: float | None = None
+        self._next_heartbeat = 0.0
+        self.counters: dict[str, int] = collections.Counter()
+        self.last_error = ""
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def connected(self) -> bool:
+        return self._connected_at is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="freeride-queue", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop polling; hand back what the loop released (until ``flush_timeout_ms``), then stop."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            limit = self.config.flush_timeout_ms / 1000 + 5 if timeout_s is None else timeout_s
+            self._thread.join(limit)
+        self.loop.queue_notes = None
+
+    def check_credentials(self) -> None:
+        """Connect once now: refused credentials are a configuration error (raised); an unreachable
+        queue is an outage (logged, and the agent keeps trying once started)."""
+        try:
+            self._connect()
+        except Unauthenticated:
+            raise
+        except FreerideError as exc:
+            log.warning("[%s] the queue is not reachable yet (%s); local tasks are served, retrying", self.where,
+                        exc)
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        backoff = self.config.poll_ms
+        while not self._stopping.is_set():
+            try:
+                if self._queue is None or self._connected_at is None:
+                    self._connect()
+                self._poll()
+                backoff = self.config.poll_ms
+                delay = self.config.poll_ms
+            except FreerideError as exc:
+                self._disconnected(exc)
+                delay = backoff
+                backoff = min(self.config.backoff_max_ms, backoff * 2)
+            except Exception as exc:  # a bug here must not stop the manager: log, back off, go on
+                log.exception("[%s] queue agent poll failed", self.where)
+                self._disconnected(exc)
+                delay = backoff
+                backoff = min(self.config.backoff_max_ms, backoff * 2)
+            self._wake.wait(delay / 1000)
+            self._wake.clear()
+        self._final_flush()
+
+    def _connect(self) -> None:
+        if self._queue is None:
+            self._queue = self._factory(self.config.url)
+        self._queue.connect()
+        if self._connected_at is None:
+            log.info("[%s] connected to the queue at %s as %s", self.where, self.config.url, self.me)
+            self._connected_at = time.monotonic()
+            self._next_heartbeat = 0.0  # renew at once: this manager may have been away for a while
+
+    def _disconnected(self, exc: BaseException) -> None:
+        self.counters["errors"] += 1
+        self.last_error = str(exc)
+        if self._connected_at is not None or self.counters["errors"] == 1:
+            log.warning("[%s] queue unavailable: %s; local and running tasks go on, retrying with backoff",
+                        self.where, exc)
+        self._connected_at = None
+
+    def _final_flush(self) -> None:
+        """Hand back what the loop released while stopping (a drain), for at most ``flush_timeout_ms``."""
+        deadline = time.monotonic() + self.config.flush_timeout_ms / 1000
+        while (self._notes or self._pending) and time.monotonic() < deadline:
+            try:
+                if self._queue is None or self._connected_at is None:
+                    self._connect()
+                self._write_notes()
+            except FreerideError as exc:
+                self._disconnected(exc)
+                time.sleep(min(0.2, self.config.poll_ms / 1000))
+        if self._notes or self._pending:
+            log.warning("[%s] stopping with %d task(s) not handed back to the queue; their leases will expire",
+                        self.where, len(self._notes) + len(self._pending))
+        elif self._connected_at is not None:
+            try:
+                self._queue.retire(self.me)
+            except FreerideError:
+                pass
+        if self._queue is not None:
+            self._queue.close()
+
+    # ------------------------------------------------------------ one poll
+
+    def _poll(self) -> None:
+        self._write_notes()
+        view = self._view()
+        if view is None:
+            return
+        self._write_progress(view)
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._heartbeat()
+            self._next_heartbeat = now + self.config.lease_ms / 3000
+        self._hand_back_waiting(view, now)
+        assert self._connected_at is not None
+        if now - self._connected_at >= self.config.lease_ms / 1000:
+            moved = self._queue.sweep(self.me, self.config.lease_ms, max(1, self.config.lease_ms // 2), time.time())
+            if moved > 0:
+                self.counters["reclaimed"] += moved
+                log.info("[%s] %d task(s) whose holder's lease expired went back to the queue", self.where, moved)
+        for _ in range(CLAIMS_PER_POLL):
+            if self._stopping.is_set() or not self._claim_one(view):
+                break
+            view = self._view()
+            if view is None:
+                break
+
+    def _view(self) -> QueueView | None:
+        from freeride._manager.loop import GetQueueView
+
+        future = self.loop.call_async(GetQueueView())
+        deadline = time.monotonic() + 1.0
+        try:
+            # In slices, so that a manager that stops (its loop no longer answers) does not wait here.
+            while True:
+                try:
+                    view = future.result(timeout=0.05)
+                    break
+                except FutureTimeout:
+                    if self._stopping.is_set() or time.monotonic() > deadline:
+                        return None  # the loop is busy or stopped: no decisions on stale figures
+        except Exception:  # noqa: BLE001 - the loop's answer failed; try again at the next poll
+            log.exception("[%s] the loop did not give its queue view", self.where)
+            return None
+        return view if isinstance(view, QueueView) else None
+
+    def _write_notes(self) -> None:
+        while self._notes:
+            note = self._notes.popleft()
+            self._pending[note.status.task_id] = note
+        for task_id, note in list(self._pending.items()):
+            held = self._held.get(task_id)
+            if held is not None and note.kind != "lost":
+                fields = status_fields(note.status, time.time())
+                if note.kind == "ended":
+                    fields["reason"] = note.reason or note.status.state.lower()
+                    self._queue.finish(self.me, held, fields)
+                    self.counters["ended"] += 1
+                else:
+                    fields["reason"] = f"left {self.where}: {note.reason}"
+                    if self._queue.release(self.me, held, fields):
+                        self.counters["handed_back"] += 1
+            del self._pending[task_id]
+            self._forget(task_id)
+
+    def _forget(self, task_id: str) -> None:
+        self._held.pop(task_id, None)
+        self._leaving.discard(task_id)
+        self._written.pop(task_id, None)
+        self._waiting_since.pop(task_id, None)
+
+    def _write_progress(self, view: QueueView) -> None:
+        writes = []
+        for status in view.tasks:
+            held = self._held.get(status.task_id)
+            if held is None or status.task_id in self._leaving or status.task_id in self._pending:
+                continue
+            fields = status_fields(status, time.time())
+            compare = {k: v for k, v in fields.items() if k != "updated_unix"}
+            if self._written.get(status.task_id) != compare:
+                writes.append((held, fields, compare))
+        if not writes:
+            return
+        results = self._queue.update(self.me, [(h, f) for h, f, _ in writes])
+        for (held, _fields, compare), ok in zip(writes, results, strict=True):
+            if ok:
+                self._written[held.task_id] = compare
+            else:
+                self._lost(held.task_id)
+
+    def _heartbeat(self) -> None:
+        held = [h for tid, h in self._held.items() if tid not in self._leaving and tid not in self._pending]
+        lost, cancelled = self._queue.heartbeat(self.me, held)
+        for task_id in lost:
+            self._lost(task_id)
+        for task_id in cancelled:
+            log.info("[%s task=%s] cancelled through the queue", self.where, task_id)
+            self.loop.post(C.CancelRequested(task_id))
+
+    def _lost(self, task_id: str) -> None:
+        if task_id in self._leaving:
+            return
+        self.counters["lost"] += 1
+        log.warning("[%s task=%s] another manager holds this task now (this one's lease expired); stopping "
+                    "the copy here without a checkpoint", self.where, task_id)
+        self._leaving.add(task_id)
+        self._held.pop(task_id, None)
+        self.loop.post(C.ReleaseRequested(task_id, "lease lost to another manager", checkpoint=False))
+
+    def _hand_back_waiting(self, view: QueueView, now: float) -> None:
+        waiting = {s.task_id for s in view.tasks if s.state == "SUBMITTED"}
+        for task_id in list(self._waiting_since):
+            if task_id not in waiting:
+                del self._waiting_since[task_id]
+        for task_id in waiting:
+            if task_id in self._leaving or task_id not in self._held:
+                continue
+            since = self._waiting_since.setdefault(task_id, now)
+            if now - since >= self.config.hold_ms / 1000:
+                log.info("[%s task=%s] still waiting for memory after %.0f ms: handing it back", self.where,
+                         task_id, self.config.hold_ms)
+                self._leaving.add(task_id)
+                self.loop.post(C.ReleaseRequested(task_id, "waited for memory here", checkpoint=True))
+
+    def _claim_one(self, view: QueueView) -> bool:
+        """Claim one task this manager can place; True if it did (worth looking again)."""
+        if placement.closed_reason(view.capacity) is not None:
+            return False
+        here = set(self._held) | self._leaving | {s.task_id for s in view.tasks}
+        candidates = [c for c in self._queue.waiting(PEEK_TASKS) if c.task_id not in here]
+        record = None
+        for choice in placement.ranked(candidates, view.capacity):
+            record = self._queue.claim(choice.task_id, self.me, self.where, time.time())
+            if record is not None:
+                break  # else another manager was faster: the next one in line
+        if record is None:
+            return False
+        held = self._held_type(record.task_id, record.entry, record.epoch)
+        self._held[record.task_id] = held
+        self.counters["claims"] += 1
+        claimed = self._claimed(record)
+        if claimed is None:
+            return True
+        log.info("[%s task=%s] claimed (epoch %d, restarts %d)", self.where, record.task_id, record.epoch,
+                 record.restarts)
+        self.loop.post(claimed)
+        return True
+
+    def _claimed(self, record: ClusterRecord) -> ClaimedTask | None:
+        """The task to post to the loop; a spec that does not validate fails the task in the queue."""
+        sub = record.submission
+        # The working directory must exist where the task runs, not where it was submitted: a node that
+        # lacks it starts the task in its own work directory (the import then says what is missing).
+        local_dir = sub.working_dir if sub.working_dir and os.path.isdir(sub.working_dir) else ""
+        try:
+            if record.spec_error:
+                raise RequestRejected(record.spec_error)
+            spec = validate_submission(dataclasses.replace(sub, working_dir=local_dir))
+        except RequestRejected as exc:
+            failure = FailureRecord(kind="INVALID", message=f"the queued spec does not validate: {exc}",
+                                    at_unix_s=time.time())
+            status = TaskStatus(record.task_id, "FAILED", record.steps, record.progress, record.progress_unit,
+                                record.checkpoint_step, record.checkpoint_path, record.restarts, record.step_p95_ms,
+                                record.harvested_s, failure)
+            self._pending[record.task_id] = QueueNote("ended", status, "invalid spec")
+            return None
+        spec = dataclasses.replace(spec, working_dir=sub.working_dir)
+        return ClaimedTask(
+            task_id=record.task_id, spec=spec, seq=record.seq, steps=record.steps, progress=record.progress,
+            progress_unit=record.progress_unit, checkpoint_step=record.checkpoint_step,
+            checkpoint_path=record.checkpoint_path, restarts=record.restarts, step_p95_ms=record.step_p95_ms,
+            submitted_unix=record.submitted_unix,
+        )

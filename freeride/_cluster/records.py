@@ -1,0 +1,268 @@
+"""A task's cluster record as plain data, and what a manager's loop and its queue agent tell each other.
+
+The record lives in one Redis hash per task (:mod:`freeride._cluster.redis_queue` names the keys);
+here it is a frozen dataclass, and :func:`record_from_fields` / :func:`new_task_fields` /
+:func:`status_fields` are the codec to and from the hash's string fields. Decoding is lenient: a
+listing must show every task even when one record was written by another version or by hand, so a
+field that does not parse takes its default. The submission is kept as it travelled
+(:class:`~freeride._manager.validation.Submission`, arguments as JSON text): a manager validates
+it, with the same function as ``Submit``, when it claims the task.
+
+Record states: ``QUEUED`` (in the queue, nobody holds it), ``CLAIMED`` (a manager took it and is
+about to add it), then the holding manager's own task states (``SUBMITTED`` ... ``FROZEN``), and
+finally ``FINISHED``, ``FAILED`` or ``CANCELLED``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from freeride._cluster.placement import Capacity
+from freeride._manager.store import slug
+from freeride._manager.validation import Submission
+from freeride.messages import FailureRecord, TaskSpec
+
+QUEUED = "QUEUED"
+CLAIMED = "CLAIMED"
+TERMINAL = ("FINISHED", "FAILED", "CANCELLED")
+#: Cluster task ids end in ``-q<seq>``: a manager's own ids end in ``-<seq>``, so the two never meet
+#: in one manager (both are ``[a-z0-9-]``, safe as directory names).
+CLUSTER_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,40}-q[0-9]{1,18}")
+
+
+def cluster_task_id(name: str, seq: int) -> str:
+    return f"{slug(name)}-q{seq}"
+
+
+def is_cluster_id(task_id: str) -> bool:
+    return CLUSTER_ID_RE.fullmatch(task_id) is not None
+
+
+def display_name(sub: Submission) -> str:
+    if sub.name:
+        return sub.name
+    if sub.target:
+        return sub.target.rsplit(":", 1)[-1]
+    return sub.command[0].rsplit("/", 1)[-1] if sub.command else "task"
+
+
+def encode_submission(sub: Submission) -> str:
+    return json.dumps({
+        "target": sub.target,
+        "args_json": sub.args_json,
+        "memory_bytes": sub.memory_bytes,
+        "priority": sub.priority,
+        "name": sub.name,
+        "command": list(sub.command),
+        "working_dir": sub.working_dir,
+        "checkpoint_interval_s": sub.checkpoint_interval_s,
+        "step_time_hint_ms": sub.step_time_hint_ms,
+    }, separators=(",", ":"))
+
+
+def decode_submission(text: str) -> Submission:
+    """The stored submission; raise ValueError if it is not one (validation proper comes later)."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("the stored spec is not a JSON object")
+    command = data.get("command", [])
+    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+        raise ValueError("the stored command is not a list of strings")
+    return Submission(
+        target=str(data.get("target", "")),
+        args_json=str(data.get("args_json", "")),
+        memory_bytes=int(data.get("memory_bytes", 0)),
+        priority=int(data.get("priority", 0)),
+        name=str(data.get("name", "")),
+        command=tuple(command),
+        working_dir=str(data.get("working_dir", "")),
+        checkpoint_interval_s=float(data.get("checkpoint_interval_s", 0.0)),
+        step_time_hint_ms=float(data.get("step_time_hint_ms", 0.0)),
+    )
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """One task of the cluster, as its hash says."""
+
+    task_id: str
+    submission: Submission
+    seq: int = 0
+    state: str = QUEUED
+    owner: str = ""  # the holding manager's consumer name; "" while queued or done
+    device: str = ""  # "node/device" of the holding manager
+    epoch: int = 0  # claims so far: a fencing token, every write of a holder carries it
+    entry: str = ""  # the task's stream entry
+    steps: int = 0
+    progress: float = 0.0
+    progress_unit: str = "steps"
+    checkpoint_step: int = -1
+    checkpoint_path: str = ""
+    restarts: int = 0
+    step_p95_ms: float = 0.0
+    harvested_s: float = 0.0
+    failure: FailureRecord | None = None
+    reason: str = ""  # why it last moved (claimed, lease expired, evicted, ...)
+    submitted_unix: float = 0.0
+    updated_unix: float = 0.0
+    cancel_requested: bool = False
+    spec_error: str = ""  # the stored spec did not parse
+
+    @property
+    def name(self) -> str:
+        return display_name(self.submission)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
+def _num(fields: dict[str, str], key: str, kind: Any, default: Any) -> Any:
+    try:
+        return kind(fields[key])
+    except (KeyError, TypeError, ValueError):
+        return default
+
+
+def record_from_fields(task_id: str, fields: dict[str, str]) -> ClusterRecord:
+    """Decode a task hash; lenient (see the module docstring)."""
+    spec_error = ""
+    try:
+        sub = decode_submission(fields.get("spec", ""))
+    except (ValueError, TypeError) as exc:
+        sub = Submission(name=fields.get("name", ""))
+        spec_error = f"the stored spec does not parse: {exc}"
+    failure = None
+    if fields.get("failure"):
+        try:
+            failure = FailureRecord.from_json(json.loads(fields["failure"]))
+        except (ValueError, KeyError, TypeError):
+            failure = FailureRecord(kind="UNKNOWN", message=fields["failure"][:200])
+    return ClusterRecord(
+        task_id=task_id,
+        submission=sub,
+        seq=_num(fields, "seq", int, 0),
+        state=fields.get("state", QUEUED),
+        owner=fields.get("owner", ""),
+        device=fields.get("device", ""),
+        epoch=_num(fields, "epoch", int, 0),
+        entry=fields.get("entry", ""),
+        steps=_num(fields, "steps", int, 0),
+        progress=_num(fields, "progress", float, 0.0),
+        progress_unit=fields.get("progress_unit", "steps") or "steps",
+        checkpoint_step=_num(fields, "checkpoint_step", int, -1),
+        checkpoint_path=fields.get("checkpoint_path", ""),
+        restarts=_num(fields, "restarts", int, 0),
+        step_p95_ms=_num(fields, "step_p95_ms", float, 0.0),
+        harvested_s=_num(fields, "harvested_s", float, 0.0),
+        failure=failure,
+        reason=fields.get("reason", ""),
+        submitted_unix=_num(fields, "submitted_unix", float, 0.0),
+        updated_unix=_num(fields, "updated_unix", float, 0.0),
+        cancel_requested=fields.get("cancel", "0") == "1",
+        spec_error=spec_error,
+    )
+
+
+def new_task_fields(sub: Submission, now_unix: float) -> dict[str, str]:
+    """The fields of a new submission's hash (the queue adds seq, entry and state)."""
+    return {
+        "spec": encode_submission(sub),
+        "name": display_name(sub),
+        "memory_bytes": str(sub.memory_bytes),
+        "priority": str(sub.priority),
+        "step_hint_ms": repr(float(sub.step_time_hint_ms)),
+        "epoch": "0",
+        "steps": "0",
+        "progress": "0.0",
+        "progress_unit": "steps",
+        "checkpoint_step": "-1",
+        "checkpoint_path": "",
+        "restarts": "0",
+        "step_p95_ms": "0.0",
+        "harvested_s": "0.0",
+        "failure": "",
+        "reason": "submitted",
+        "submitted_unix": repr(now_unix),
+        "updated_unix": repr(now_unix),
+        "cancel": "0",
+    }
+
+
+# ---------------------------------------------------------------- loop <-> agent
+
+
+@dataclass(frozen=True)
+class ClaimedTask:
+    """A task this manager claimed from the queue: the agent posts it to the loop, which adds it."""
+
+    task_id: str
+    spec: TaskSpec
+    seq: int
+    steps: int = 0
+    progress: float = 0.0
+    progress_unit: str = "steps"
+    checkpoint_step: int = -1
+    checkpoint_path: str = ""
+    restarts: int = 0
+    step_p95_ms: float = 0.0
+    submitted_unix: float = 0.0
+
+
+@dataclass(frozen=True)
+class TaskStatus:
+    """A cluster task as its holding manager sees it now."""
+
+    task_id: str
+    state: str
+    steps: int
+    progress: float
+    progress_unit: str
+    checkpoint_step: int
+    checkpoint_path: str
+    restarts: int
+    step_p95_ms: float
+    harvested_s: float
+    failure: FailureRecord | None = None
+
+
+def status_fields(status: TaskStatus, now_unix: float) -> dict[str, str]:
+    """The hash fields a holder writes for ``status``."""
+    return {
+        "state": status.state,
+        "steps": str(status.steps),
+        "progress": repr(float(status.progress)),
+        "progress_unit": status.progress_unit,
+        "checkpoint_step": str(status.checkpoint_step),
+        "checkpoint_path": status.checkpoint_path,
+        "restarts": str(status.restarts),
+        "step_p95_ms": repr(float(status.step_p95_ms)),
+        "harvested_s": repr(float(status.harvested_s)),
+        "failure": json.dumps(status.failure.to_json()) if status.failure is not None else "",
+        "updated_unix": repr(now_unix),
+    }
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What the agent asks the loop for at each poll: room for more, and the cluster tasks held here."""
+
+    capacity: Capacity
+    tasks: tuple[TaskStatus, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class QueueNote:
+    """The loop tells the agent that a cluster task is done here.
+
+    ``ended``: it reached a terminal state (the queue records it and forgets the task).
+    ``left``: it left this device (evicted, drained, released) and goes back to the queue.
+    ``lost``: another manager holds it now; this copy is gone and writes nothing.
+    """
+
+    kind: str
+    status: TaskStatus
+    reason: str = ""

@@ -1,0 +1,48 @@
+"""A trainer's layout report (``TrainerLayout``) end to end on an in-process manager: through the
+reporter, in order with the bubbles around it, checked at the edge, reflected in Stats."""
+
+from __future__ import annotations
+
+from conftest import ManagerHarness, now_ns, wait_for
+
+from freeride._wire.client import BubbleStream
+from freeride.messages import BubbleEnd, BubbleStart, TrainerLayout
+from freeride.reporter import BubbleReporter
+
+MS = 1_000_000
+
+
+def test_a_reported_layout_resets_the_managers_bubble_statistics(harness: ManagerHarness) -> None:
+    device = str(harness.manager.device)
+    with BubbleReporter(device, stage=0, rank=0, endpoint=harness.endpoint) as reporter:
+        for it in range(3):
+            reporter.bubble_start(it, 0, "old", 5 * MS, 2**30)
+            reporter.bubble_end(it, 0)
+        wait_for(lambda: [s.count for s in harness.client.bubbles()] == [3])
+        reporter.report_layout("1f1b", 4, 8, ("n/cuda:0", "n/cuda:1", "n/cuda:2", "n/cuda:3"), 2**30)
+        reporter.report_layout("1f1b", 4, 8, ("n/cuda:0", "n/cuda:1", "n/cuda:2", "n/cuda:3"), 2**30)  # again
+        reporter.bubble_start(3, 1, "new", 5 * MS, 2**30)
+        reporter.bubble_end(3, 1)
+        wait_for(lambda: [(s.slot, s.count) for s in harness.client.bubbles()] == [(1, 1)])
+    stats = harness.client.stats()
+    assert stats.layout_changes == 1  # the same layout twice is one change
+    assert stats.layout == "1f1b stages=4 microbatches=8 [n/cuda:0 n/cuda:1 n/cuda:2 n/cuda:3]"
+    assert stats.bubbles == 4 and stats.events_rejected == 0
+
+
+def test_a_malformed_layout_is_rejected_alone_and_the_stream_goes_on(harness: ManagerHarness) -> None:
+    t = now_ns()
+    events = [
+        BubbleStart(0, 0, 0, 0, "k", t, 5 * MS),
+        TrainerLayout("1f1b", 0, 8, (), t),  # no stages
+        TrainerLayout("1f1b", 2, 8, ("cuda:0",), t),  # a map that does not cover the stages
+        TrainerLayout("gpipe\x1b[2J", 2, 8, (), t),  # a kind that would reach a terminal
+        TrainerLayout("gpipe", 2, 4, (), t + 3600 * 10**9),  # ahead of this host's clock
+        BubbleEnd(0, 0, 0, 0, t + MS),
+    ]
+    stream = BubbleStream(harness.endpoint, [events])
+    summary = stream.summary(timeout_s=30)
+    stream.close()
+    assert (summary.accepted, summary.rejected) == (2, 4)
+    assert "CLOCK_MONOTONIC" in summary.last_error
+    assert harness.client.stats().layout_changes == 0

@@ -1,0 +1,205 @@
+"""The queue agent's decisions on plain data: a fake loop and a fake queue, one poll at a time (no thread,
+no Redis). The real Redis behaviour is in ``tests/cluster``."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conftest import wait_for
+
+from freeride._cluster.agent import QueueAgent, QueueConfig
+from freeride._cluster.placement import Candidate, Capacity
+from freeride._cluster.records import ClaimedTask, ClusterRecord, QueueNote, QueueView, TaskStatus
+from freeride._cluster.redis_queue import Held
+from freeride._cluster.url import parse_queue_url
+from freeride._manager import core as C
+from freeride._manager.validation import Submission
+from freeride.errors import QueueUnavailable
+
+MiB = 2**20
+MS = 1_000_000
+ROOM = Capacity(budget_bytes=1024 * MiB, longest_bubble_ns=50 * MS, margin_ns=MS // 5, waiting=0)
+
+
+@dataclass
+class FakeLoop:
+    view: QueueView = field(default_factory=lambda: QueueView(ROOM))
+    posted: list[Any] = field(default_factory=list)
+    queue_notes: Any = None
+
+    def post(self, event: Any) -> None:
+        self.posted.append(event)
+
+    def call_async(self, request: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(self.view)
+        return future
+
+
+@dataclass
+class FakeQueue:
+    """Records the agent's calls; answers as a queue with the given waiting tasks would."""
+
+    waiting_tasks: list[Candidate] = field(default_factory=list)
+    records: dict[str, ClusterRecord] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    down: bool = False
+
+    def _call(self, name: str, arg: Any = None) -> None:
+        if self.down:
+            raise QueueUnavailable("cannot reach the queue at unix:///nowhere")
+        self.calls.append((name, arg))
+
+    def connect(self) -> None:
+        self._call("connect")
+
+    def waiting(self, limit: int) -> list[Candidate]:
+        self._call("waiting")
+        return list(self.waiting_tasks)
+
+    def claim(self, task_id: str, me: str, device: str, now: float) -> ClusterRecord | None:
+        self._call("claim", task_id)
+        self.waiting_tasks = [c for c in self.waiting_tasks if c.task_id != task_id]
+        return self.records.get(task_id)
+
+    def heartbeat(self, me: str, held: list[Held]) -> tuple[list[str], list[str]]:
+        self._call("heartbeat", sorted(h.task_id for h in held))
+        return [t for t in self.lost if any(h.task_id == t for h in held)], list(self.cancelled)
+
+    def update(self, me: str, writes: list[tuple[Held, dict[str, str]]]) -> list[bool]:
+        self._call("update", [h.task_id for h, _ in writes])
+        return [h.task_id not in self.lost for h, _ in writes]
+
+    def finish(self, me: str, held: Held, fields: dict[str, str]) -> bool:
+        self._call("finish", (held.task_id, fields["state"], fields.get("failure", "")))
+        return True
+
+    def release(self, me: str, held: Held, fields: dict[str, str]) -> bool:
+        self._call("release", (held.task_id, fields["reason"]))
+        return True
+
+    def sweep(self, me: str, lease_ms: int, every_ms: int, now: float) -> int:
+        self._call("sweep")
+        return 0
+
+    def retire(self, me: str) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def _record(task_id: str, memory_mib: int = 100, **sub: Any) -> ClusterRecord:
+    base: dict[str, Any] = {"target": "m:C", "args_json": "{}", "memory_bytes": memory_mib * MiB}
+    base.update(sub)
+    return ClusterRecord(task_id, Submission(**base), seq=1, state="CLAIMED", owner="me", epoch=1, entry="1-0",
+                         checkpoint_step=5, progress=6.0, restarts=1, step_p95_ms=2.5)
+
+
+def _status(task_id: str, state: str = "PARKED") -> TaskStatus:
+    return TaskStatus(task_id, state, 10, 10.0, "steps", 8, f"/ck/{task_id}/ckpt-8.pt", 0, 1.0, 0.1)
+
+
+def _agent(queue: FakeQueue, loop: FakeLoop, **kw: Any) -> QueueAgent:
+    options: dict[str, Any] = {"lease_ms": 900, "poll_ms": 50.0}
+    options.update(kw)
+    config = QueueConfig(parse_queue_url("unix:///nowhere/redis.sock"), Path("/ckpt"), **options)
+    agent = QueueAgent(loop, config, "cpu:0", "n1", queue_factory=lambda url: queue)
+    agent._connect()
+    return agent
+
+
+def _names(queue: FakeQueue) -> list[str]:
+    return [name for name, _ in queue.calls]
+
+
+def test_it_claims_what_fits_and_posts_it_to_the_loop_with_its_record() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("big-q1", 4096 * MiB, 5, 1), Candidate("ok-q2", 100 * MiB, 0, 2)],
+                      records={"ok-q2": _record("ok-q2")})
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    agent._poll()
+    claims = [c for c in loop.posted if isinstance(c, ClaimedTask)]
+    assert [c.task_id for c in claims] == ["ok-q2"]  # the urgent one does not fit: never claimed
+    assert (claims[0].checkpoint_step, claims[0].restarts, claims[0].step_p95_ms) == (5, 1, 2.5)
+    assert ("claim", "big-q1") not in queue.calls
+
+
+def test_it_claims_nothing_while_a_task_here_waits_for_memory() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("ok-q2", 100 * MiB, 0, 2)])
+    loop = FakeLoop(QueueView(Capacity(1024 * MiB, 50 * MS, 0, waiting=1)))
+    _agent(queue, loop)._poll()
+    assert "claim" not in _names(queue) and "waiting" not in _names(queue)
+
+
+def test_a_spec_that_does_not_validate_fails_in_the_queue_and_never_reaches_the_loop() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("bad-q1", MiB, 0, 1)],
+                      records={"bad-q1": _record("bad-q1", args_json='{"x": NaN}')})
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    agent._poll()
+    agent._poll()  # the failure is written at the next poll's first step
+    assert not [p for p in loop.posted if isinstance(p, ClaimedTask)]
+    [(task_id, state, failure)] = [arg for name, arg in queue.calls if name == "finish"]
+    assert (task_id, state, json.loads(failure)["kind"]) == ("bad-q1", "FAILED", "INVALID")
+
+
+def test_notes_from_the_loop_become_an_end_or_a_hand_back() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1), Candidate("b-q2", MiB, 0, 2)],
+                      records={"a-q1": _record("a-q1"), "b-q2": _record("b-q2")})
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    agent._poll()
+    assert {c.task_id for c in loop.posted if isinstance(c, ClaimedTask)} == {"a-q1", "b-q2"}
+    loop.queue_notes(QueueNote("ended", _status("a-q1", "FINISHED"), "done"))
+    loop.queue_notes(QueueNote("left", _status("b-q2", "EVICTED"), "evict"))
+    queue.calls.clear()
+    agent._poll()
+    assert ("finish", ("a-q1", "FINISHED", "")) in queue.calls
+    assert ("release", ("b-q2", "left n1/cpu:0: evict")) in queue.calls
+    assert agent._held == {}
+
+
+def test_a_lost_lease_kills_the_copy_here_and_a_queue_cancel_cancels_it() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1), Candidate("b-q2", MiB, 0, 2)],
+                      records={"a-q1": _record("a-q1"), "b-q2": _record("b-q2")})
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    agent._poll()
+    queue.lost, queue.cancelled = ["a-q1"], ["b-q2"]
+    agent._next_heartbeat = 0.0
+    loop.view = QueueView(ROOM, (_status("a-q1"), _status("b-q2")))
+    agent._poll()
+    assert C.ReleaseRequested("a-q1", "lease lost to another manager", checkpoint=False) in loop.posted
+    assert C.CancelRequested("b-q2") in loop.posted
+
+
+def test_a_claimed_task_still_waiting_for_memory_is_handed_back() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1)], records={"a-q1": _record("a-q1")})
+    loop = FakeLoop()
+    agent = _agent(queue, loop, hold_ms=0.001)
+    agent._poll()
+    loop.view = QueueView(Capacity(0, 50 * MS, 0, waiting=1), (_status("a-q1", "SUBMITTED"),))
+    agent._poll()  # first seen waiting
+    agent._poll()  # still waiting after hold_ms
+    assert C.ReleaseRequested("a-q1", "waited for memory here", checkpoint=True) in loop.posted
+
+
+def test_an_unreachable_queue_never_raises_out_of_the_agent() -> None:
+    queue = FakeQueue(down=True)
+    loop = FakeLoop()
+    config = QueueConfig(parse_queue_url("unix:///nowhere/redis.sock"), Path("/ckpt"), lease_ms=300, poll_ms=10.0,
+                         backoff_max_ms=20.0, flush_timeout_ms=50.0)
+    agent = QueueAgent(loop, config, "cpu:0", "n1", queue_factory=lambda url: queue)
+    agent.check_credentials()  # an outage at start is logged, not raised
+    agent.start()
+    wait_for(lambda: agent.counters["errors"] >= 3, 10)
+    assert not agent.connected and "cannot reach the queue" in agent.last_error
+    agent.close()
+    assert loop.posted == []
