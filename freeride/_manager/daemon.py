@@ -166,14 +166,14 @@ class Manager:
     def _serve(self) -> None:
         if self.agent is not None:
             self.agent.check_credentials()  # refused credentials stop the start; an outage does not
-        if self.metrics is not None:
-            self.metrics.start()  # first: a busy metrics port fails before the gRPC endpoint is bound
-        # The device's first reading goes into the loop's inbox before any request can arrive: a new
-        # manager then answers with a memory budget. Bounded: a device that does not answer yet is
-        # reported as such by the poller, and serving does not wait on it.
+        # The device's first reading goes into the loop's inbox before any request (a scrape included)
+        # can arrive: a new manager then answers with a memory budget. Bounded: a device that does not
+        # answer yet is reported as such by the poller, and serving does not wait on it.
         self.loop.poller.start()
         self.loop.poller.first_reading.wait(FIRST_READING_TIMEOUT_S)
         try:
+            if self.metrics is not None:
+                self.metrics.start()  # a busy metrics port fails before the gRPC endpoint is bound
             self._bind()
         except BaseException:
             self.loop.poller.stop()
