@@ -2,7 +2,7 @@
 
 Every case starts a fresh ``freeride manager`` process with its own state directory, a healthy
 *witness* task (a 1 ms counter that checkpoints every 0.2 s) and a trainer stand-in that reports
-bubbles through a real :class:`~freeride.reporter.BubbleReporter` (100 ms bubbles, 10 ms gaps),
+bubbles through a real :class:`~freeride.training.reporter.BubbleReporter` (100 ms bubbles, 10 ms gaps),
 injects one fault, and records:
 
 * ``survived``: the manager answers health (SERVING) and List after the fault;
@@ -40,7 +40,7 @@ from freeride._wire.client import BubbleStream, ControlClient, health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import FreerideError, ManagerUnavailable
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, TaskInfo, TaskSpec
-from freeride.reporter import BubbleReporter
+from freeride.training.reporter import BubbleReporter
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = REPO / "tests"  # the misbehaving tasks of the end-to-end tests

@@ -42,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from freeride.predictor import percentile  # noqa: E402
+from freeride.training.predictor import percentile  # noqa: E402
 
 
 def machine_info() -> dict[str, Any]:
@@ -83,7 +83,7 @@ def run_trainer(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, An
     driver = work / "driver.py"
     trainer = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()), "-m", "freeride.trainer", "--schedule", args.schedule,
+        "--master-port", str(_free_port()), "-m", "freeride.workload", "--schedule", args.schedule,
         "--microbatches", str(args.microbatches), "--iterations", str(args.iterations),
         "--ab-block", str(args.ab_block), "--warmup", str(args.warmup), "--report",
         "--iteration-log", str(log), "--seed", str(args.seed),
@@ -216,9 +216,9 @@ def analyse_prediction(records: list[dict[str, Any]], warmup: int) -> dict[str, 
 def hot_path_cost(microbatches: int, work: Path, iterations: int = 20000) -> dict[str, Any]:
     """Training-thread ns per iteration added by instrumentation + reporting (fake, empty compute)."""
     from freeride.endpoints import Endpoint
-    from freeride.pipelining import InstrumentedSchedule
-    from freeride.reporter import BubbleReporter
-    from freeride.schedules import build_schedule
+    from freeride.training.instrument import InstrumentedSchedule
+    from freeride.training.reporter import BubbleReporter
+    from freeride.training.schedules import build_schedule
 
     class Stage:
         def __init__(self, index: int) -> None:

@@ -6,7 +6,7 @@ Everything runs against real ``freeride manager`` subprocesses on ``cpu:0``, dri
 process, whose main thread plays the training thread of one pipeline stage:
 
 1. **Saturation** (``--seconds``, a fresh manager). A real :class:`~freeride.BubbleReporter` is fed
-   the idle slots of one stage of a 1F1B schedule (``freeride.schedules``: slot indices, kinds and
+   the idle slots of one stage of a 1F1B schedule (``freeride.training.schedules``: slot indices, kinds and
    predicted lengths as a trainer would report them; start and end stamped with the real time) as
    fast as it takes them: the producer tops the reporter's queue up to ``--backlog`` events and
    never lets it overflow. Reported: events/s sent by the reporter and accepted by the manager (the
@@ -59,8 +59,8 @@ from bench.machine import machine_info
 from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint
 from freeride.messages import TaskSpec
-from freeride.reporter import BubbleReporter
-from freeride.schedules import build_schedule
+from freeride.training.reporter import BubbleReporter
+from freeride.training.schedules import build_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 MS = 1_000_000

@@ -154,7 +154,7 @@ def managers(run_dir: Path, sock_dir: Path, policy: str, profile: Path | None) -
 
 def trainer_argv(iterations: int, warmup: int, log: Path, extra: list[str], endpoint_template: str | None) -> list[str]:
     if SINGLE_STAGE is not None:
-        from freeride.trainer.single_stage import single_stage_command
+        from freeride.workload.single_stage import single_stage_command
 
         index, stages, microbatches = SINGLE_STAGE
         endpoint = endpoint_template.replace("{slug}", DEVICES[0].replace(":", "-")) if endpoint_template else None
@@ -162,7 +162,7 @@ def trainer_argv(iterations: int, warmup: int, log: Path, extra: list[str], endp
                                     log=log.with_name(f"{log.stem}.rank0{log.suffix}"), report=bool(endpoint),
                                     endpoint=endpoint, extra=["--warmup", str(warmup), *extra])
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "freeride.trainer", "--stages", "2", "--schedule", "1f1b", "--iterations", str(iterations),
+            "-m", "freeride.workload", "--stages", "2", "--schedule", "1f1b", "--iterations", str(iterations),
             "--warmup", str(warmup), "--iteration-log", str(log), *extra]
     if endpoint_template:
         argv += ["--report", "--endpoint-template", endpoint_template]
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the per-run directories (logs, traces)")
     p.add_argument("--single-stage", metavar="DEVICE", default=None,
                    help="one real stage on DEVICE (cuda:0, cpu:0), its neighbours emulated by timed waits "
-                   "(freeride.trainer.single_stage); --trainer-args then go to that trainer")
+                   "(freeride.workload.single_stage); --trainer-args then go to that trainer")
     p.add_argument("--stage", default="1/4/8",
                    help="with --single-stage: INDEX/STAGES/MICROBATCHES (default %(default)s)")
     args = p.parse_args(argv)

@@ -1,28 +1,28 @@
 """Validation of ``freeride plan``'s model against measured runs of the reference trainer.
 
-For a few pipeline configurations the reference trainer (``python -m freeride.trainer`` under
+For a few pipeline configurations the reference trainer (``python -m freeride.workload`` under
 torchrun; on CPU one gloo rank per core, on GPU one NCCL rank per GPU) runs with ``--memory-probe``:
 every iteration logs each stage's measured bubbles (slot, length), the time of every compute action,
 and the memory the stage holds after every action, at every bubble start and after the schedule's
-step (see :mod:`freeride.trainer.memory_probe` for how memory is counted and why).
+step (see :mod:`freeride.workload.memory_probe` for how memory is counted and why).
 
 The model is then fed only with what the planner would be given -- the trainer's model dimensions
-(:func:`freeride.memory.transformer_chunks`) and the measured action times -- and compared:
+(:func:`freeride.training.memory.transformer_chunks`) and the measured action times -- and compared:
 
 * **the model's inputs**: each model stage's median forward and backward time, plus the runtime's
   median work between two actions where no wait is expected (posting and completing transfers,
   the schedule's own Python: measured in the gaps outside the trainer's slots, added to every
   action's cost, since the simulator has free transfers); the model's iteration is the simulated
-  makespan (:func:`freeride.schedules.schedule_from_orders`) plus the first stage's median time
+  makespan (:func:`freeride.training.schedules.schedule_from_orders`) plus the first stage's median time
   outside the schedule (zeroing, optimizer step: that stage ends the iteration last in these
   schedules, so its optimizer step is on the critical path).
 * **slot lengths**: each slot the trainer reports (its layout is the schedule simulated at the
   reference 1 : 2 cost ratio; a slot is identified by the actions around it), its median measured
   length against the length of the same gap in the model fed with the measured costs
-  (:func:`freeride.pipelining.gap_length`).
+  (:func:`freeride.training.instrument.gap_length`).
 * **bubble fraction per stage**: those slots' total over the iteration time (measured: the
   trainer's logged bubbles, per iteration, median).
-* **memory held between actions** (:func:`freeride.memory.rank_memory`, runtime ``torch``): after
+* **memory held between actions** (:func:`freeride.training.memory.rank_memory`, runtime ``torch``): after
   every action (the median over iterations of each position), in every slot (the sample at its
   start; the ``boundary`` slot, which spans the optimizer step, is compared at the step's end, the
   larger of the two states the model takes), and each stage's peak over the iteration.
@@ -60,9 +60,9 @@ from typing import Any
 
 from bench.machine import machine_info
 from freeride.measure import percentile
-from freeride.memory import PRECISIONS, RUNTIMES, TransformerDims, rank_memory, transformer_chunks
-from freeride.pipelining import gap_length
-from freeride.schedules import BOUNDARY, FORWARD, Schedule, build_schedule, schedule_from_orders
+from freeride.training.instrument import gap_length
+from freeride.training.memory import PRECISIONS, RUNTIMES, TransformerDims, rank_memory, transformer_chunks
+from freeride.training.schedules import BOUNDARY, FORWARD, Schedule, build_schedule, schedule_from_orders
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ MODEL = {"vocab": 256, "d_model": 128, "heads": 4, "layers": 4, "seq_len": 64, "
 
 def trainer_argv(cfg: RunConfig, stages: int, device: str, iterations: int, warmup: int, log: Path) -> list[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
-            "-m", "freeride.trainer", "--stages", str(stages), "--schedule", cfg.schedule,
+            "-m", "freeride.workload", "--stages", str(stages), "--schedule", cfg.schedule,
             "--microbatches", str(cfg.microbatches), "--iterations", str(iterations), "--warmup", str(warmup),
             "--device", device, "--memory-probe", "--iteration-log", str(log)]
     if cfg.virtual > 1:

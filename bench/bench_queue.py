@@ -46,7 +46,7 @@ from freeride._manager.validation import Submission
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import FreerideError
-from freeride.reporter import BubbleReporter
+from freeride.training.reporter import BubbleReporter
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))

@@ -1,7 +1,7 @@
 """``freeride launch``: managers up, the training command run, managers down, its exit code kept.
 
     freeride launch --devices cpu:0,cpu:1 [--state-dir DIR] -- torchrun --nproc-per-node 2 \\
-        -m freeride.trainer --report
+        -m freeride.workload --report
     srun --ntasks-per-node=1 freeride launch --queue redis://head:6379/0 --checkpoint-dir /shared/ckpt \\
         -- torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint head:29500 train.py
 

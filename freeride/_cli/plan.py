@@ -13,10 +13,10 @@ with ``--device-memory``, what is free in each slot; with ``--task`` where each 
 
 ``--sweep`` evaluates every schedule x micro-batches x virtual stages combination for the given
 stages and prints one line each, with the Pareto-optimal ones marked (``*``): bubble fraction and
-peak memory per stage minimised, harvest capacity maximised (see :mod:`freeride.planner`).
+peak memory per stage minimised, harvest capacity maximised (see :mod:`freeride.training.planner`).
 ``--plot FILE`` draws the frontier; ``--json`` prints everything as one JSON document.
 
-The core is :mod:`freeride.planner` and :mod:`freeride.memory`; this module parses, prints and draws.
+The core is :mod:`freeride.training.planner` and :mod:`freeride.training.memory`; this module parses, prints and draws.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride.errors import ConfigError
-from freeride.memory import (
+from freeride.training.memory import (
     OPTIMIZER_STATES,
     PRECISIONS,
     RUNTIMES,
@@ -37,7 +37,7 @@ from freeride.memory import (
     MeasuredStages,
     TransformerDims,
 )
-from freeride.planner import (
+from freeride.training.planner import (
     DEFAULT_HEADROOM_BYTES,
     DEFAULT_MARGIN_MS,
     Candidate,
@@ -51,7 +51,7 @@ from freeride.planner import (
     plan_config,
     sweep,
 )
-from freeride.schedules import SCHEDULE_NAMES, IdleSlot, Schedule, draw_grid
+from freeride.training.schedules import SCHEDULE_NAMES, IdleSlot, Schedule, draw_grid
 from freeride.units import format_size, parse_size
 
 _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from freeride.planner import ConfigPlan, SweepResult
+from freeride.training.planner import ConfigPlan, SweepResult
 
 _GIB = 2**30
 _STYLE = {

@@ -138,7 +138,7 @@ def trainer_argv(config: DemoConfig, log_path: Path, endpoint_template: str | No
     """The torchrun command line of one training run (reporting when an endpoint template is given)."""
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(STAGES),
-        "-m", "freeride.trainer", "--stages", str(STAGES), "--schedule", "1f1b",
+        "-m", "freeride.workload", "--stages", str(STAGES), "--schedule", "1f1b",
         "--iterations", str(config.iterations), "--warmup", str(config.warmup_iterations),
         "--device", config.device_kind, "--iteration-log", str(log_path), *config.trainer_args,
     ]  # fmt: skip

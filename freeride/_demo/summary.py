@@ -1,7 +1,7 @@
 """The demo's figures, their consistency checks and their rendering: pure functions on plain data.
 
 Inputs are what the demo's processes left behind: the trainer's iteration logs (one JSON line per
-iteration and rank, see :mod:`freeride.trainer.run`) of the baseline run and of the run with side
+iteration and rank, see :mod:`freeride.workload.run`) of the baseline run and of the run with side
 tasks, each manager's :class:`~freeride.messages.ManagerStats` and task list taken when training
 ended, and each side task's standalone throughput. The arithmetic is :mod:`freeride.measure`'s:
 

@@ -1,17 +1,14 @@
-"""The reference instrumented trainer: a small GPT split into pipeline stages.
+"""Deprecated: the reference trainer is :mod:`freeride.workload` (``python -m freeride.workload``).
 
-Run one process per stage under ``torchrun`` (gloo on CPU, each rank pinned to core ==
-local rank; NCCL on GPU)::
-
-    torchrun --nproc-per-node 2 -m freeride.trainer --microbatches 4 --iterations 20 \\
-        --schedule 1f1b --report --device cpu --iteration-log /tmp/train.jsonl
-
-With ``--report`` every rank streams its bubbles to the manager of its own device
-(``cpu:<local_rank>`` or ``cuda:<local_rank>``) at the default endpoint or ``--endpoint-template``.
-Each rank writes one JSON line per iteration (time, loss, measured bubbles) to its log file.
-It is the demo's main job and the benchmarks' workload.
+Importing ``freeride.trainer`` warns and gives its public names; its submodules are aliases of
+``freeride.workload``'s.
 """
 
-from freeride.trainer.run import TrainerConfig, main, train
+import warnings
+
+from freeride.workload.run import TrainerConfig, main, train
+
+warnings.warn("freeride.trainer is now freeride.workload (the reference workload); import it from there "
+              "(this alias goes away in a later release)", DeprecationWarning, stacklevel=2)
 
 __all__ = ["TrainerConfig", "main", "train"]

@@ -1,16 +1,8 @@
-"""``python -m freeride.trainer``: see :mod:`freeride.trainer.run`.
+"""Deprecated: ``python -m freeride.trainer`` is ``python -m freeride.workload``; this still runs it."""
 
-``python -m freeride.trainer --single-stage ...`` runs :mod:`freeride.trainer.single_stage` instead
-(one real stage on one device, its neighbours emulated; no torchrun).
-"""
-
+import runpy
 import sys
 
-if "--single-stage" in sys.argv[1:]:
-    from freeride.trainer.single_stage import main as single_stage_main
-
-    sys.exit(single_stage_main([a for a in sys.argv[1:] if a != "--single-stage"]))
-
-from freeride.trainer.run import main
-
-sys.exit(main())
+print("freeride: `python -m freeride.trainer` is now `python -m freeride.workload`; running that",
+      file=sys.stderr)
+runpy.run_module("freeride.workload", run_name="__main__", alter_sys=True)

@@ -15,7 +15,7 @@ from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import BubbleStream, bubble_message_to_pb
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
-from freeride.reporter import MAX_BATCH_EVENTS, BubbleReporter
+from freeride.training.reporter import MAX_BATCH_EVENTS, BubbleReporter
 
 MS = 1_000_000
 

@@ -7,7 +7,7 @@ from conftest import ManagerHarness, now_ns, wait_for
 
 from freeride._wire.client import BubbleStream
 from freeride.messages import BubbleEnd, BubbleStart, TrainerLayout
-from freeride.reporter import BubbleReporter
+from freeride.training.reporter import BubbleReporter
 
 MS = 1_000_000
 

@@ -16,7 +16,7 @@ from freeride._manager import daemon
 from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
-from freeride.reporter import BubbleReporter
+from freeride.training.reporter import BubbleReporter
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import cpu_devices, wait_for
 
-from freeride.schedules import build_schedule
+from freeride.training.schedules import build_schedule
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -114,7 +114,7 @@ def test_trainer_under_launch_reports_the_modelled_bubbles_to_each_manager(runti
         from freeride._wire.client import ControlClient
         from freeride.endpoints import default_endpoint
         rc = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "freeride.trainer",
+            "-m", "freeride.workload",
             "--schedule", "1f1b", "--microbatches", "{microbatches}", "--iterations", "{iterations}",
             "--layers", "2", "--d-model", "32", "--seq-len", "16", "--vocab", "64", "--report"])
         # Each manager folds the last events into its statistics shortly after the trainer exits: wait

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from freeride.memory import PRECISIONS, RUNTIMES, TransformerDims, rank_memory, transformer_chunks
-from freeride.pipelining import InstrumentedSchedule
-from freeride.schedules import build_schedule
-from freeride.trainer.memory_probe import MemoryProbe, heap_reader
+from freeride.training.instrument import InstrumentedSchedule
+from freeride.training.memory import PRECISIONS, RUNTIMES, TransformerDims, rank_memory, transformer_chunks
+from freeride.training.schedules import build_schedule
+from freeride.workload.memory_probe import MemoryProbe, heap_reader
 
 torch = pytest.importorskip("torch")
 
@@ -98,7 +98,7 @@ def test_trainer_memory_probe_agrees_with_the_memory_model(tmp_path: Path) -> No
     log = tmp_path / "it.jsonl"
     model = {"vocab": 256, "d_model": 128, "heads": 4, "layers": 2, "seq_len": 64, "microbatch_size": 4}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "freeride.trainer", "--schedule", "1f1b", "--microbatches", "4", "--iterations", "4",
+           "-m", "freeride.workload", "--schedule", "1f1b", "--microbatches", "4", "--iterations", "4",
            "--warmup", "2", "--memory-probe", "--iteration-log", str(log)]
     cmd += [arg for k, v in model.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
     env = dict(os.environ, FREERIDE_LOG_LEVEL="WARNING", OMP_NUM_THREADS="1")

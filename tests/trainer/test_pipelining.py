@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from freeride.pipelining import InstrumentedSchedule, PipeliningInternalsChanged
-from freeride.schedules import build_schedule
+from freeride.training.instrument import InstrumentedSchedule, PipeliningInternalsChanged
+from freeride.training.schedules import build_schedule
 
 
 class FakeStage:
@@ -84,7 +84,7 @@ def test_every_modelled_slot_is_reported_once_per_iteration(p: int, m: int) -> N
 def test_order_mismatch_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     stage = FakeStage(0, 2)
     inst = InstrumentedSchedule(Schedule1F1B(stage, 2, order=["F1", "F0", "B0", "B1"]), sink=RecordingSink())
-    with caplog.at_level(logging.WARNING, logger="freeride.pipelining"):
+    with caplog.at_level(logging.WARNING, logger="freeride.training.instrument"):
         inst.step()
         inst.step()
     assert sum("misattributed" in r.message for r in caplog.records) == 1

@@ -13,8 +13,8 @@ from conftest import now_ns, wait_for
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary
-from freeride.predictor import BubblePredictor, ComputeProfile, percentile
-from freeride.reporter import MAX_BATCH_EVENTS, BubbleReporter
+from freeride.training.predictor import BubblePredictor, ComputeProfile, percentile
+from freeride.training.reporter import MAX_BATCH_EVENTS, BubbleReporter
 
 MS = 1_000_000
 

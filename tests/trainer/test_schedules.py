@@ -9,7 +9,7 @@ import pytest
 
 from freeride._cli import plan as plan_cli
 from freeride.errors import ConfigError
-from freeride.schedules import (
+from freeride.training.schedules import (
     BOUNDARY,
     DRAIN,
     TAIL,

@@ -20,8 +20,8 @@ import pytest
 from conftest import cpu_devices, wait_for
 
 from freeride.errors import ConfigError
-from freeride.schedules import BACKWARD, FORWARD, Action, build_schedule
-from freeride.trainer.single_stage import (
+from freeride.training.schedules import BACKWARD, FORWARD, Action, build_schedule
+from freeride.workload.single_stage import (
     ActionCosts,
     EmulatedPeers,
     SingleStageConfig,
@@ -194,7 +194,7 @@ def test_an_unknown_schedule_is_refused_by_the_parser() -> None:
 
 
 @pytest.mark.parametrize(
-    "entry", [["-m", "freeride.trainer.single_stage"], ["-m", "freeride.trainer", "--single-stage"]]
+    "entry", [["-m", "freeride.workload.single_stage"], ["-m", "freeride.workload", "--single-stage"]]
 )
 def test_both_command_lines_exit_2_on_a_bad_stage_index(entry: list[str]) -> None:
     proc = subprocess.run([sys.executable, *entry, "--stages", "2", "--stage-index", "2"],
@@ -206,7 +206,7 @@ def test_both_command_lines_exit_2_on_a_bad_stage_index(entry: list[str]) -> Non
 def test_the_bench_command_parses_back_to_the_same_run() -> None:
     argv = single_stage_command("cpu:1", 2, 4, 8, 30, log=Path("/tmp/x.jsonl"), report=True,
                                 endpoint="unix:/tmp/m.sock", extra=["--schedule", "gpipe", "--jitter-pct", "5"])
-    assert argv[:3] == [sys.executable, "-m", "freeride.trainer.single_stage"]
+    assert argv[:3] == [sys.executable, "-m", "freeride.workload.single_stage"]
     cfg = parse_args(argv[3:])
     assert (cfg.device, cfg.stage_index, cfg.stages, cfg.microbatches, cfg.iterations) == ("cpu:1", 2, 4, 8, 30)
     assert (cfg.log, cfg.report, cfg.endpoint, cfg.schedule, cfg.jitter_pct) == (

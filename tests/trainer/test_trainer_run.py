@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from freeride.schedules import build_schedule
+from freeride.training.schedules import build_schedule
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def _run_trainer(tmp_path: Path, schedule: str, *extra: str) -> dict[int, list[d
     cmd = [
         # --standalone: the rendezvous picks its own port; a test never picks one and binds it later.
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "freeride.trainer", "--schedule", schedule, "--microbatches", str(MICROBATCHES),
+        "-m", "freeride.workload", "--schedule", schedule, "--microbatches", str(MICROBATCHES),
         "--iterations", str(ITERATIONS), "--layers", "2", "--d-model", "32", "--seq-len", "16",
         "--vocab", "64", "--iteration-log", str(log), *extra,
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freeride.errors import ConfigError
-from freeride.memory import (
+from freeride.training.memory import (
     PRECISIONS,
     RUNTIMES,
     ChunkMemory,
@@ -17,7 +17,7 @@ from freeride.memory import (
     rank_memory,
     transformer_chunks,
 )
-from freeride.schedules import BOUNDARY, Action, build_schedule
+from freeride.training.schedules import BOUNDARY, Action, build_schedule
 
 FP32 = PRECISIONS["fp32"]
 
@@ -83,7 +83,7 @@ def test_parameter_counts_of_the_reference_gpt_by_hand() -> None:
 
 def test_parameter_counts_match_the_reference_models_modules() -> None:
     pytest.importorskip("torch")
-    from freeride.trainer.model import GPTConfig, build_chunk
+    from freeride.workload.model import GPTConfig, build_chunk
 
     dims = TransformerDims(layers=5, hidden=64, heads=4, seq_len=32, microbatch_size=2, vocab=96)
     cfg = GPTConfig(vocab=96, d_model=64, heads=4, layers=5, seq_len=32)
@@ -127,7 +127,7 @@ def test_plain_attention_adds_the_softmax_matrix() -> None:
 
 def test_formula_matches_what_autograd_saves_in_the_reference_model() -> None:
     torch = pytest.importorskip("torch")
-    from freeride.trainer.model import GPTConfig, build_chunk, lm_loss
+    from freeride.workload.model import GPTConfig, build_chunk, lm_loss
 
     cfg = GPTConfig(vocab=96, d_model=64, heads=4, layers=4, seq_len=32)
     dims = TransformerDims(layers=4, hidden=64, heads=4, seq_len=32, microbatch_size=3, vocab=96)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from freeride.errors import ConfigError
-from freeride.memory import PRECISIONS, RUNTIMES, MeasuredStages, TransformerDims
-from freeride.planner import (
+from freeride.training.memory import PRECISIONS, RUNTIMES, MeasuredStages, TransformerDims
+from freeride.training.planner import (
     Candidate,
     Costs,
     MemoryInputs,

@@ -1,0 +1,158 @@
+"""Bubble length prediction: start from the model, then learn from what the trainer measures.
+
+:class:`BubblePredictor` keeps, for every ``(stage, slot)``, the recent measured lengths of that
+bubble. Until ``warmup`` measurements exist it predicts from the analytical model
+(:mod:`freeride.training.schedules`) evaluated with online-profiled forward and backward times
+(:class:`ComputeProfile`: an EWMA of measured compute durations). After that it predicts the
+median of the last ``window`` measurements: a bubble repeats every iteration at the same place, so
+its recent median is both accurate and robust to the odd outlier (a page fault, a GC pause, a noisy
+neighbour) that would drag a mean or an EWMA.
+
+Every prediction that is later measured is scored (``|predicted - measured| / measured``); the
+errors after warm-up are what ``prediction_error()`` summarises and what the benchmark reports.
+All methods are plain data operations, cheap enough for the training thread (a sort of ``window``
+numbers at each bubble end, done after the wait is over).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freeride.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ErrorSummary:
+    """Relative prediction error over scored bubbles (fractions: 0.05 is 5%)."""
+
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]) of a non-empty list; 0.0 for an empty one."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def summarize(errors: list[float]) -> ErrorSummary:
+    return ErrorSummary(
+        count=len(errors),
+        p50=percentile(errors, 50),
+        p90=percentile(errors, 90),
+        p99=percentile(errors, 99),
+        max=max(errors) if errors else 0.0,
+    )
+
+
+class ComputeProfile:
+    """EWMA of measured action durations per kind (``F``, ``B``, ``I``, ``W``), in nanoseconds."""
+
+    def __init__(self, alpha: float = 0.2, defaults_ns: dict[str, float] | None = None) -> None:
+        if not 0 < alpha <= 1:
+            raise ConfigError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._mean: dict[str, float] = dict(defaults_ns or {})
+        self._seen: dict[str, int] = {}
+
+    def observe(self, kind: str, duration_ns: int) -> None:
+        if duration_ns <= 0:
+            return
+        n = self._seen.get(kind, 0)
+        old = self._mean.get(kind)
+        self._mean[kind] = float(duration_ns) if n == 0 or old is None else old + self.alpha * (duration_ns - old)
+        self._seen[kind] = n + 1
+
+    def mean_ns(self, kind: str, default: float = 0.0) -> float:
+        return self._mean.get(kind, default)
+
+    def samples(self, kind: str) -> int:
+        return self._seen.get(kind, 0)
+
+
+SlotKey = tuple[int, int]  # (stage, slot)
+
+
+class BubblePredictor:
+    """Per-(stage, slot) bubble length prediction, seeded by a model and learned online.
+
+    ``model`` maps a slot key to its modelled length in nanoseconds (or None when unknown); it is
+    consulted only while a slot has fewer than ``warmup`` measurements. Errors are scored for
+    every measurement, and kept apart for predictions made after warm-up.
+    """
+
+    def __init__(
+        self,
+        model: Callable[[int, int], float | None] | None = None,
+        window: int = 9,
+        warmup: int = 3,
+        fallback_ns: int = 1_000_000,
+        max_errors: int = 100_000,
+    ) -> None:
+        if window < 1 or warmup < 0:
+            raise ConfigError(f"window must be >= 1 and warmup >= 0, got {window}, {warmup}")
+        self._model = model
+        self.window = window
+        self.warmup = warmup
+        self.fallback_ns = fallback_ns
+        self._history: dict[SlotKey, deque[int]] = {}
+        self._count: dict[SlotKey, int] = {}
+        self._errors: deque[float] = deque(maxlen=max_errors)
+        self._errors_warm: deque[float] = deque(maxlen=max_errors)
+        self._errors_by_slot: dict[SlotKey, deque[float]] = {}
+
+    def set_model(self, model: Callable[[int, int], float | None] | None) -> None:
+        self._model = model
+
+    def measurements(self, stage: int, slot: int) -> int:
+        return self._count.get((stage, slot), 0)
+
+    def predict_ns(self, stage: int, slot: int) -> int:
+        """The expected length of this slot's next occurrence (>= 1 ns)."""
+        key = (stage, slot)
+        history = self._history.get(key)
+        if history and self._count.get(key, 0) >= self.warmup:
+            ordered = sorted(history)
+            mid = len(ordered) // 2
+            value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            return max(1, int(value))
+        modelled = self._model(stage, slot) if self._model is not None else None
+        if modelled is not None and modelled > 0:
+            return max(1, int(modelled))
+        if history:
+            return max(1, int(history[-1]))
+        return self.fallback_ns
+
+    def observe(self, stage: int, slot: int, measured_ns: int, predicted_ns: int | None = None) -> None:
+        """Learn a measured length; score ``predicted_ns`` (what was announced) against it."""
+        if measured_ns <= 0:
+            return
+        key = (stage, slot)
+        warm = self._count.get(key, 0) >= self.warmup
+        if predicted_ns is not None and predicted_ns > 0:
+            error = abs(predicted_ns - measured_ns) / measured_ns
+            self._errors.append(error)
+            if warm:
+                self._errors_warm.append(error)
+                self._errors_by_slot.setdefault(key, deque(maxlen=1000)).append(error)
+        history = self._history.get(key)
+        if history is None:
+            history = self._history[key] = deque(maxlen=self.window)
+        history.append(int(measured_ns))
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def prediction_error(self, after_warmup: bool = True) -> ErrorSummary:
+        """Relative error of the predictions scored so far (by default only after warm-up)."""
+        return summarize(list(self._errors_warm if after_warmup else self._errors))
+
+    def slot_error(self, stage: int, slot: int) -> ErrorSummary:
+        return summarize(list(self._errors_by_slot.get((stage, slot), ())))

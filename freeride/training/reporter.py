@@ -1,0 +1,390 @@
+"""The trainer's side of the bubble protocol: report bubbles without ever slowing training.
+
+:class:`BubbleReporter` is what an instrumented schedule calls at the start and end of every idle
+slot. The two calls only put a tuple on a bounded queue (a C ``SimpleQueue``: no lock the training
+thread can contend on for long, no allocation beyond the tuple) and return in about a microsecond;
+when the queue is full the event is dropped and counted. Nothing on those calls can raise.
+
+A daemon thread owns the connection. It opens one ``Trainer.StreamBubbles`` call
+(:class:`freeride._wire.client.BubbleStream`) fed by a generator that reads the queue, so events go
+out as soon as gRPC's sender thread picks them up. Each time the sender thread asks for a message,
+the generator takes everything queued by then (up to ``MAX_BATCH_EVENTS``) and sends it as one
+batch: it never waits to fill a batch, so a lone event goes out at once, on its own, and batches
+only form while the sender is busy with the previous message. When the manager is absent, refuses,
+or dies, the call ends; the thread then waits with exponential backoff (``backoff_initial_s`` doubling up to
+``backoff_max_s``, reset after a connection that carried events) and reconnects. Events queued
+while no manager listens are discarded (counted in ``dropped``): a bubble is only useful live.
+
+Sending costs CPU: about a hundred microseconds per *message* in gRPC's Python streaming path
+(measured in ``bench/bench_instrumentation.py``), plus a few microseconds per event to convert it.
+Batching is what lets a stream go past ~7,000 events/s (``bench/bench_load.py``): under load the
+per-message cost is shared by the whole batch. A trainer pinned to one core passes
+``cpu_affinity`` (for example the cores it was given before pinning) so that the sender thread and
+the gRPC thread it starts are not confined to the training thread's core.
+
+Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
+the manager compares them with its own clock directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from freeride.devices import parse_device_name
+from freeride.endpoints import Endpoint, resolve_endpoint
+from freeride.messages import (
+    UNKNOWN_MEMORY,
+    BubbleEnd,
+    BubbleStart,
+    StreamSummary,
+    TrainerEvent,
+    TrainerLayout,
+)
+
+if TYPE_CHECKING:
+    from freeride._wire.client import BubbleStream
+
+log = logging.getLogger(__name__)
+
+#: Default bound of the event queue: ~minutes of events of a fast schedule, a few hundred KiB.
+DEFAULT_QUEUE_SIZE = 4096
+#: Most events in one message (~50 bytes each on the wire, far below the message size limit).
+MAX_BATCH_EVENTS = 512
+
+_STOP = object()
+_START = 0
+_END = 1
+_LAYOUT = 2
+
+
+@dataclass(frozen=True)
+class ReporterCounters:
+    """What a reporter did so far: events handed to gRPC, dropped, and connections opened.
+
+    ``messages`` is how many stream messages carried the ``sent`` events. ``accepted``,
+    ``rejected`` and ``manager_dropped`` add up the manager's summaries of the streams closed so far
+    (a stream is summarised only when it closes; a manager that died sends none);
+    ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
+    """
+
+    enqueued: int
+    sent: int
+    dropped: int
+    connects: int
+    reconnects: int
+    connected: bool
+    messages: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    manager_dropped: int = 0
+
+
+class BubbleReporter:
+    """Streams one trainer rank's bubble events to the manager of its device.
+
+    ``device`` names the device this rank trains on (``cuda:0``, ``cpu:1``); its manager is found
+    at ``endpoint`` if given, else ``$FREERIDE_ENDPOINT``, else the device's default socket.
+    ``stage`` and ``rank`` are the pipeline stage and global rank stamped on every event.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        stage: int,
+        rank: int,
+        endpoint: str | Endpoint | None = None,
+        token: str | None = None,
+        *,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        start: bool = True,
+        cpu_affinity: set[int] | None = None,
+    ) -> None:
+        parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
+        self.device = device
+        self.stage = int(stage)
+        self.rank = int(rank)
+        self.endpoint = endpoint if isinstance(endpoint, Endpoint) else resolve_endpoint(endpoint, device)
+        self._token = token
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue_size = int(queue_size)
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._cpu_affinity = set(cpu_affinity) if cpu_affinity else None
+        self._closed = threading.Event()
+        self._connected = False
+        # Counters: each is written by one thread only, so plain ints are race-free under the GIL.
+        self._enqueued = 0
+        self._dropped_hot = 0
+        self._dropped_bg = 0
+        self._sent = 0
+        self._messages = 0
+        self._connects = 0
+        self._accepted = self._rejected = self._manager_dropped = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"freeride-reporter-{self.stage}", daemon=True
+        )
+        if start:
+            self._thread.start()
+
+    # ---------------------------------------------------------------- hot path (training thread)
+
+    def bubble_start(
+        self,
+        iteration: int,
+        slot: int,
+        kind: str,
+        predicted_ns: int,
+        free_memory_bytes: int = UNKNOWN_MEMORY,
+        start_ns: int | None = None,
+    ) -> None:
+        """Report that this stage starts waiting now (or at ``start_ns``). Never blocks or raises."""
+        try:
+            if start_ns is None:
+                start_ns = time.monotonic_ns()
+            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+                self._dropped_hot += 1
+                return
+            self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes))
+            self._enqueued += 1
+        except Exception:  # noqa: BLE001 - the training thread must never see our failures
+            self._dropped_hot += 1
+
+    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
+        """Report that the wait is over now (or at ``end_ns``). Never blocks or raises."""
+        try:
+            if end_ns is None:
+                end_ns = time.monotonic_ns()
+            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+                self._dropped_hot += 1
+                return
+            self._queue.put((_END, iteration, slot, end_ns))
+            self._enqueued += 1
+        except Exception:  # noqa: BLE001
+            self._dropped_hot += 1
+
+    def report_layout(
+        self,
+        schedule: str,
+        stages: int,
+        microbatches: int,
+        stage_devices: tuple[str, ...] | list[str] = (),
+        free_memory_bytes: int = UNKNOWN_MEMORY,
+        at_ns: int | None = None,
+    ) -> None:
+        """Report that the job's pipeline layout changed (elastic training). Never blocks or raises.
+
+        Call it after re-sharding and before the first step of the new layout: it travels on the
+        bubble stream, in order. ``stage_devices[i]`` is where stage ``i`` runs (``cuda:0`` or
+        ``node/cuda:0``; empty if this rank does not know the whole map); ``free_memory_bytes`` is
+        this device's free memory under the new layout, when known. The manager drops its bubble
+        statistics and re-learns them; tasks that no longer fit its memory budget are evicted (and,
+        from a cluster queue, placed again elsewhere). Reporting the same layout again changes nothing.
+        """
+        try:
+            if at_ns is None:
+                at_ns = time.monotonic_ns()
+            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+                self._dropped_hot += 1
+                return
+            self._queue.put((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes))
+            self._enqueued += 1
+        except Exception:  # noqa: BLE001
+            self._dropped_hot += 1
+
+    # ---------------------------------------------------------------- counters and lifecycle
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_hot + self._dropped_bg
+
+    @property
+    def reconnects(self) -> int:
+        return max(0, self._connects - 1)
+
+    def counters(self) -> ReporterCounters:
+        return ReporterCounters(
+            enqueued=self._enqueued,
+            sent=self._sent,
+            dropped=self.dropped,
+            connects=self._connects,
+            reconnects=self.reconnects,
+            connected=self._connected,
+            messages=self._messages,
+            accepted=self._accepted,
+            rejected=self._rejected,
+            manager_dropped=self._manager_dropped,
+        )
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Flush what is queued (up to ``timeout_s``) and stop the background thread."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._queue.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        log.debug("[%s stage=%d] reporter closed: %s", self.device, self.stage, self.counters())
+
+    def __enter__(self) -> BubbleReporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- background thread
+
+    def _to_event(self, item: tuple[object, ...]) -> TrainerEvent:
+        if item[0] == _LAYOUT:
+            _, schedule, stages, microbatches, devices, at_ns, free = item
+            return TrainerLayout(
+                schedule=str(schedule),
+                stages=int(stages),  # type: ignore[call-overload]
+                microbatches=int(microbatches),  # type: ignore[call-overload]
+                stage_devices=tuple(str(d) for d in devices),  # type: ignore[attr-defined]
+                at_ns=int(at_ns),  # type: ignore[call-overload]
+                free_memory_bytes=int(free),  # type: ignore[call-overload]
+            )
+        if item[0] == _START:
+            _, iteration, slot, kind, start_ns, predicted_ns, free = item
+            return BubbleStart(
+                stage=self.stage,
+                rank=self.rank,
+                iteration=int(iteration),  # type: ignore[call-overload]
+                slot=int(slot),  # type: ignore[call-overload]
+                kind=str(kind),
+                start_ns=int(start_ns),  # type: ignore[call-overload]
+                predicted_ns=max(1, int(predicted_ns)),  # type: ignore[call-overload]
+                free_memory_bytes=int(free),  # type: ignore[call-overload]
+            )
+        _, iteration, slot, end_ns = item
+        return BubbleEnd(self.stage, self.rank, int(iteration), int(slot), int(end_ns))  # type: ignore[call-overload]
+
+    def _batches(self, alive: threading.Event) -> Iterator[list[TrainerEvent]]:
+        """The request iterator of one call: runs on gRPC's sender thread until the call ends.
+
+        Blocks for the first event, then takes whatever else is queued without waiting, so each
+        message carries everything that piled up while the previous one was being sent.
+        """
+        q = self._queue
+        while alive.is_set():
+            try:
+                item = q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch: list[TrainerEvent] = []
+            stop = False
+            while True:
+                if item is _STOP:
+                    stop = True
+                    break
+                try:
+                    batch.append(self._to_event(item))  # type: ignore[arg-type]
+                except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
+                    self._dropped_bg += 1
+                if len(batch) >= MAX_BATCH_EVENTS:
+                    break
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+            if not alive.is_set():
+                # This call ended while we waited; the events would go nowhere. Count them.
+                self._dropped_bg += len(batch)
+                batch = []
+            if batch:
+                self._sent += len(batch)
+                self._messages += 1
+                yield batch
+            if stop:
+                q.put(_STOP)  # let the supervisor see it too
+                return
+            if not alive.is_set():
+                return
+
+    def _discard_queued(self) -> bool:
+        """Drop what piled up while disconnected; True if close() was requested meanwhile."""
+        stop = False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return stop
+            if item is _STOP:
+                stop = True
+            else:
+                self._dropped_bg += 1
+
+    def _run(self) -> None:
+        if self._cpu_affinity:
+            # Linux affinity is per thread and inherited by the threads this one starts (gRPC's
+            # request-consumer thread): a trainer pinned to one core keeps the sends off that core.
+            try:
+                os.sched_setaffinity(0, self._cpu_affinity)
+            except OSError as exc:
+                log.debug("reporter thread affinity %s not applied: %s", self._cpu_affinity, exc)
+        backoff = self._backoff_initial_s
+        while not self._closed.is_set():
+            alive = threading.Event()
+            alive.set()
+            sent_before = self._sent
+            stream = None
+            try:
+                stream = self._open_stream(alive)
+                self._connects += 1
+                self._connected = True
+                while not stream.done():
+                    if self._closed.is_set():
+                        break
+                    time.sleep(0.05)
+                if self._closed.is_set():
+                    try:
+                        self._add_summary(stream.summary(timeout_s=2.0))
+                    except Exception:  # noqa: BLE001 - closing: the outcome no longer matters
+                        pass
+                    break
+                summary = stream.summary(timeout_s=0)
+                self._add_summary(summary)
+                if summary.rejected:
+                    log.warning("[%s stage=%d] manager rejected %d bubble events, last: %s", self.device,
+                                self.stage, summary.rejected, summary.last_error)
+            except Exception as exc:  # noqa: BLE001 - any failure means: back off and retry
+                if self._sent > sent_before or self._connects <= 1:
+                    log.info("[%s stage=%d] bubble stream to %s ended: %s", self.device, self.stage,
+                             self.endpoint, exc)
+            finally:
+                alive.clear()
+                self._connected = False
+                if stream is not None:
+                    stream.close()
+            if self._sent > sent_before:
+                backoff = self._backoff_initial_s
+            if self._closed.wait(backoff) or self._discard_queued():
+                break
+            backoff = min(self._backoff_max_s, backoff * 2)
+        self._discard_queued()
+
+    def _add_summary(self, summary: StreamSummary) -> None:
+        self._accepted += summary.accepted
+        self._rejected += summary.rejected
+        self._manager_dropped += summary.dropped
+        if summary.dropped:
+            log.info("[%s stage=%d] the manager stopped before handling %d bubble events", self.device, self.stage,
+                     summary.dropped)
+
+    def _open_stream(self, alive: threading.Event) -> BubbleStream:
+        from freeride._wire.client import BubbleStream
+
+        return BubbleStream(self.endpoint, self._batches(alive), token=self._token)
