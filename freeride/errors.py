@@ -18,6 +18,8 @@ whether the caller can do something about it:
   queue's Redis refused the URL's credentials.
 * :class:`QueueUnavailable` -- the cluster queue's Redis cannot be reached (down, wrong host, timed
   out); recoverable by waiting for it. A manager never stops for it; commands exit 3.
+* :class:`DrainIncomplete` -- a drain was still under way when its timeout came (tasks still
+  stopping); recoverable by asking again, which waits on (a drain is idempotent). Commands exit 1.
 
 gRPC status codes are mapped to this tree in exactly one place, ``freeride._wire.client.map_rpc_errors``;
 Redis errors in one other, ``freeride._cluster.redis_queue.redis_errors``.
@@ -63,6 +65,10 @@ class Unauthenticated(FreerideError):
 
 class QueueUnavailable(FreerideError):
     """The cluster queue's Redis does not answer (not started, unreachable, or too slow)."""
+
+
+class DrainIncomplete(FreerideError):
+    """A drain did not finish within its timeout: some tasks are still stopping."""
 
 
 class TaskLoadError(ConfigError):

@@ -167,3 +167,17 @@ class UnpicklableState(Counter):
         self.mark_fault()
         return {"count": self.count, "lock": threading.Lock()}
 
+
+
+class SlowCheckpoint(Counter):
+    """Its ``state_dict`` says it began (``work/checkpointing``), then waits for ``work/release``.
+
+    Holds a drain open for as long as a test likes, with the checkpoint still to be written.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        with open(os.path.join(self.work_dir, "checkpointing"), "w"):
+            pass
+        while not os.path.exists(os.path.join(self.work_dir, "release")):
+            time.sleep(0.005)
+        return super().state_dict()

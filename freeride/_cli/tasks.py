@@ -136,7 +136,9 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
     """Reword "no manager" with the command that starts one for this device and endpoint."""
     try:
         yield
-    except ManagerUnavailable:
+    except ManagerUnavailable as exc:
+        if not str(exc).startswith("no manager answers"):
+            raise  # a manager answered: it is stopping, or its loop is stuck; it says which
         start = f"freeride manager --device {args.device}" + (f" --endpoint {endpoint}" if args.endpoint else "")
         raise ManagerUnavailable(f"no manager answers at {endpoint}; start one with `{start}`") from None
 

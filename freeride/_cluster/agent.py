@@ -59,7 +59,7 @@ from freeride._cluster.records import (
 from freeride._cluster.url import QueueURL, parse_queue_url
 from freeride._manager import core as C
 from freeride._manager.validation import validate_submission
-from freeride.errors import ConfigError, FreerideError, RequestRejected, Unauthenticated
+from freeride.errors import ConfigError, FreerideError, ManagerUnavailable, RequestRejected, Unauthenticated
 from freeride.messages import FailureRecord
 
 log = logging.getLogger(__name__)
@@ -283,6 +283,8 @@ class QueueAgent:
                 except FutureTimeout:
                     if self._stopping.is_set() or time.monotonic() > deadline:
                         return None  # the loop is busy or stopped: no decisions on stale figures
+        except ManagerUnavailable:  # the loop has stopped
+            return None
         except Exception:  # noqa: BLE001 - the loop's answer failed; try again at the next poll
             log.exception("[%s] the loop did not give its queue view", self.where)
             return None

@@ -844,7 +844,15 @@ class SchedulerCore:
         self._transition(task, TaskState.CANCELLED, "cancelled by user", out)
 
     def _on_DrainRequested(self, event: DrainRequested, now_ns: int, out: list[Action]) -> None:
+        """Stop every resident task with a checkpoint; idempotent.
+
+        Each request is answered: DrainComplete comes once nothing is resident, at once for a request
+        that finds the device drained already (a second ``freeride drain``, or SIGTERM after a drain).
+        Announcing it only once left every later waiter without an answer, and a manager that could not
+        be stopped by SIGTERM after a drain.
+        """
         self.draining = True
+        self._drain_announced = False
         for task in list(self.tasks.values()):
             if task.state.is_resident and not task.stopping:
                 self._stop(task, "drain", now_ns, out, checkpoint=task.state != TaskState.STARTING)

@@ -61,7 +61,7 @@ from freeride._manager.store import StoredTask, TaskStore
 from freeride._manager.trace import TraceWriter
 from freeride.devices import Device
 from freeride.devices.cuda import MIN_ALLOCATOR_BYTES
-from freeride.errors import ConfigError, RequestRejected, StateNotWritable, TaskNotFound
+from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
     BubbleSlotStats,
     BubbleStart,
@@ -204,6 +204,9 @@ class ManagerLoop:
         self._pending_events = 0  # bubble events posted and not yet taken by the loop
         self._room = threading.Condition()  # guards _pending_events; notified when the loop takes some
         self._stopped = threading.Event()
+        # Guards the check "stopped?" and the posting of a request, so that a request is either
+        # answered by the loop, or failed by _close, or refused at once: never left unanswered.
+        self._call_lock = threading.Lock()
         self.on_draining: Callable[[], None] = lambda: None
         #: Called on the loop thread with the device's problem when it stops answering, "" when it answers
         #: again (the daemon turns it into the health status).
@@ -297,9 +300,17 @@ class ManagerLoop:
         return self.call_async(request).result(timeout=timeout_s)
 
     def call_async(self, request: Request) -> Future[Any]:
-        """Enqueue a request; the loop completes the returned future (a caller may stop waiting)."""
+        """Enqueue a request; the loop completes the returned future (a caller may stop waiting).
+
+        Once the loop has stopped, the future fails at once with :class:`ManagerUnavailable`
+        ("the manager is stopping"); requests still queued when it stopped fail the same way.
+        """
         future: Future[Any] = Future()
-        self.post((request, future))
+        with self._call_lock:
+            if self._stopped.is_set():
+                future.set_exception(ManagerUnavailable("the manager is stopping"))
+                return future
+            self.post((request, future))
         return future
 
     def subscribe(self) -> queue.Queue[TaskEvent | None]:
@@ -314,10 +325,16 @@ class ManagerLoop:
                 self._subscribers.remove(q)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT only enqueue a shutdown; a second one stops at once."""
+        """SIGTERM/SIGINT only enqueue a shutdown: drain (every task checkpointed), then stop.
+
+        SIGTERM always stops this way, however often it comes (service managers, Slurm and
+        Kubernetes may repeat it): a drain is idempotent, and tasks that ignore their stop are
+        killed after the stop timeout. Only a second SIGINT (Ctrl-C twice at a terminal) stops at
+        once, killing the workers without checkpoints.
+        """
 
         def handler(signum: int, frame: object) -> None:
-            self.post(Shutdown(immediate=self._stop_after_drain))
+            self.post(Shutdown(immediate=signum == signal.SIGINT and self._stop_after_drain))
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
@@ -1101,6 +1118,18 @@ class ManagerLoop:
             ))
 
     def _close(self) -> None:
+        with self._call_lock, self._room:
+            # From now on call_async refuses at once, and streams waiting for room give up.
+            self._stopped.set()
+        stopping = ManagerUnavailable("the manager is stopping")
+        for item in self._inbox:
+            if isinstance(item, tuple) and not item[1].done():
+                item[1].set_exception(stopping)
+        self._inbox.clear()
+        for future in self._drain_waiters:
+            if not future.done():
+                future.set_exception(stopping)
+        self._drain_waiters.clear()
         self.poller.stop()
         for handle in list(self._workers.values()):
             self._signal(handle, signal.SIGKILL)
@@ -1116,7 +1145,6 @@ class ManagerLoop:
                 except queue.Full:
                     pass
         with self._room:
-            self._stopped.set()  # streams waiting for room in the inbox give up
             self.events_dropped += sum(len(chunk) for chunk in self._bubbles)
             self._bubbles.clear()
             self._room.notify_all()
@@ -1145,8 +1173,19 @@ class _Deferred(Exception):
 
 
 def _chain(future: Future[Any], parked: int) -> Future[Any]:
+    """A drain waiter: completing it answers ``future`` with the counts, or with its error."""
     inner: Future[Any] = Future()
-    inner.add_done_callback(lambda f: future.set_result((parked, parked)) if not future.done() else None)
+
+    def done(f: Future[Any]) -> None:
+        if future.done():
+            return
+        error = f.exception()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result((parked, parked))
+
+    inner.add_done_callback(done)
     return inner
 
 

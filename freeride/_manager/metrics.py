@@ -145,6 +145,8 @@ class ManagerCollector:
                             self._loop.device, self._timeout_s)
                 return None
             self._pending = None  # answered (or failed): the next scrape asks afresh
+            if stats_future.exception() is not None or tasks_future.exception() is not None:
+                return None  # the loop has stopped: serve what needs no loop
             snapshot = Snapshot(stats_future.result(), tasks_future.result(), asked_at)
             self._cached = snapshot
             return snapshot

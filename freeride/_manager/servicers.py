@@ -34,7 +34,7 @@ from freeride._manager.validation import (  # noqa: F401 - re-exported limits
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES
-from freeride.errors import ConfigError, RequestRejected, StateNotWritable, TaskNotFound
+from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
     BubbleEnd,
     BubbleEvent,
@@ -60,6 +60,11 @@ MAX_TASK_ID_CHARS = 128
 #: takes. A time further ahead (another host's clock, a unit mistake) would otherwise hold a side
 #: task's grant or delay its freeze until that time.
 MAX_CLOCK_AHEAD_NS = 10**9
+#: How long a control call waits for the loop at most, when the caller's deadline allows that much.
+CALL_LIMIT_S = 10.0
+#: A call is answered this long before the caller's deadline: a refusal that says why, rather than
+#: the client's own DEADLINE_EXCEEDED, which reads as "no manager answers".
+ANSWER_MARGIN_S = 0.2
 
 
 # ------------------------------------------------------------------ validation
@@ -223,9 +228,25 @@ def _event_to_pb(event: TaskEvent) -> _pb.ManagerEvent:
 # ------------------------------------------------------------------ servicers
 
 
-def _call(loop: L.ManagerLoop, context: grpc.ServicerContext, request: L.Request, timeout_s: float = 10.0) -> Any:
+def _wait_s(context: grpc.ServicerContext, limit_s: float) -> float:
+    """How long a call may wait for the loop: ``limit_s``, less when the caller's deadline is nearer."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return limit_s
+    return max(0.0, min(limit_s, remaining - ANSWER_MARGIN_S))
+
+
+def _call(loop: L.ManagerLoop, context: grpc.ServicerContext, request: L.Request,
+          limit_s: float = CALL_LIMIT_S) -> Any:
+    """Run ``request`` on the loop and return its answer, or abort with the status that says why.
+
+    Every state answers before the caller's deadline: serving, draining, drained (the loop answers)
+    and stopping (:meth:`~freeride._manager.loop.ManagerLoop.call_async` refuses at once).
+    """
     try:
-        return loop.call(request, timeout_s)
+        return loop.call(request, _wait_s(context, limit_s))
+    except ManagerUnavailable as exc:  # the loop has stopped
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     except StateNotWritable as exc:  # the state directory refused the write: retry when space returns
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     except RequestRejected as exc:
@@ -328,8 +349,19 @@ class ControlServicer(_pb_grpc.ControlServicer):
         return _pb.BubblesResponse(slots=[slot_to_pb(s) for s in _call(self._loop, context, L.GetBubbles())])
 
     def Drain(self, request: _pb.DrainRequest, context: grpc.ServicerContext) -> Any:
+        """Drain, waiting up to the request's timeout; a drain still under way is answered ``timed_out``.
+
+        Idempotent: on a drained manager it answers at once. Its timeout is the drain's own, not
+        the loop's: when it runs out the answer says so, rather than "the manager did not answer".
+        """
         timeout = request.timeout_s if 0 < request.timeout_s <= 3600 else 60.0
-        parked, checkpointed = _call(self._loop, context, L.Drain(), timeout_s=timeout)
+        future = self._loop.call_async(L.Drain())
+        try:
+            parked, checkpointed = future.result(_wait_s(context, timeout))
+        except FutureTimeout:
+            return _pb.DrainResponse(timed_out=True)
+        except ManagerUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return _pb.DrainResponse(parked=parked, checkpointed=checkpointed)
 
     def Watch(self, request: _pb.WatchRequest, context: grpc.ServicerContext) -> Any:

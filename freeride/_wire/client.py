@@ -18,6 +18,7 @@ from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint
 from freeride.errors import (
+    DrainIncomplete,
     FreerideError,
     ManagerUnavailable,
     RequestRejected,
@@ -58,6 +59,11 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"bearer {token}"),) if token else ()
 
 
+#: How a manager's own UNAVAILABLE details begin ("the manager is stopping", "the manager loop did not
+#: answer in time"): shown as given, where a transport failure (nobody listens) gets the generic hint.
+MANAGER_UNAVAILABLE_PREFIX = "the manager "
+
+
 @contextlib.contextmanager
 def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
     """Translate :class:`grpc.RpcError` into the freeride error tree."""
@@ -66,6 +72,8 @@ def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         details = (exc.details() if hasattr(exc, "details") else None) or str(code)
+        if code == grpc.StatusCode.UNAVAILABLE and details.startswith(MANAGER_UNAVAILABLE_PREFIX):
+            raise ManagerUnavailable(f"{details} (at {endpoint})") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise ManagerUnavailable(
                 f"no manager answers at {endpoint} (start one with `freeride manager --device ...`)"
@@ -288,7 +296,17 @@ class ControlClient:
         return [_slot_from_pb(s) for s in self._call(self._stub.Bubbles, _pb.BubblesRequest()).slots]
 
     def drain(self, timeout_s: float = 30.0) -> tuple[int, int]:
+        """Drain and wait up to ``timeout_s``: (tasks parked, checkpointed), or :class:`DrainIncomplete`.
+
+        Idempotent: on a drained manager it returns at once.
+        """
         reply = self._call(self._stub.Drain, _pb.DrainRequest(timeout_s=timeout_s), timeout_s + 5)
+        if reply.timed_out:
+            raise DrainIncomplete(
+                f"the drain of the manager at {self.endpoint} did not finish within {timeout_s:g} s: tasks are "
+                "still stopping (one that ignores its stop is killed after the manager's --stop-timeout-s); "
+                "run drain again to wait on"
+            )
         return int(reply.parked), int(reply.checkpointed)
 
     def watch(self) -> Iterator[TaskEvent]:

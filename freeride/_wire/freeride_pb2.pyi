@@ -332,9 +332,11 @@ class DrainRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("parked", "checkpointed")
+    __slots__ = ("parked", "checkpointed", "timed_out")
     PARKED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     parked: int
     checkpointed: int
-    def __init__(self, parked: _Optional[int] = ..., checkpointed: _Optional[int] = ...) -> None: ...
+    timed_out: bool
+    def __init__(self, parked: _Optional[int] = ..., checkpointed: _Optional[int] = ..., timed_out: _Optional[bool] = ...) -> None: ...

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MS, TESTS_DIR, BubbleFeeder, wait_for
+from conftest import MS, TESTS_DIR, BubbleFeeder, holds_for, wait_for
 from daemons import alive, health, socket_path, start_daemon
 
 from freeride._wire.client import ControlClient
@@ -129,3 +129,56 @@ def test_sigterm_mid_step_drains_within_the_stop_timeout_and_health_says_not_ser
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(30)
 
+
+
+def test_drain_twice_then_sigterm_stops_the_daemon_and_repeated_sigterm_keeps_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Regressions (issue 13): a second `freeride drain` waited out its timeout and exited 3 while the
+    # manager ran; after a drain SIGTERM no longer stopped the manager; a second SIGTERM killed the
+    # workers without their checkpoints.
+    from freeride.cli import EXIT_OK, main
+
+    sock = socket_path("drain2")
+    state = tmp_path / "state"
+    daemon = start_daemon(sock, state, "--stop-timeout-s", "120")
+    endpoint = Endpoint("unix", str(sock))
+    try:
+        with ControlClient(endpoint) as client:
+            task = client.submit(TaskSpec(target="sample_tasks:SlowCheckpoint", memory_bytes=2**28,
+                                          working_dir=str(TESTS_DIR)))
+            feeder = BubbleFeeder(endpoint)
+            feeder.run_until(lambda: client.get(task.task_id).steps >= 3, length_ms=LONG_MS, timeout_s=60)
+            feeder.close()
+            work = state / "tasks" / task.task_id / "work"
+            (work / "release").touch()
+            for _ in range(2):
+                capsys.readouterr()
+                assert main(["drain", "--endpoint", f"unix:{sock}", "--timeout-s", "30"]) == EXIT_OK
+                assert capsys.readouterr().out.startswith("drained: ")
+            steps = client.get(task.task_id).steps
+            assert client.get(task.task_id).checkpoint_step == steps
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0
+
+        # SIGTERM, twice, while a task is writing its checkpoint: the manager waits for it.
+        daemon = start_daemon(sock, state, "--stop-timeout-s", "120")
+        (work / "release").unlink()
+        (work / "checkpointing").unlink()
+        with ControlClient(endpoint) as client:
+            feeder = BubbleFeeder(endpoint)
+            feeder.run_until(lambda: client.get(task.task_id).steps >= steps + 3, length_ms=LONG_MS, timeout_s=60)
+            feeder.close()
+            steps = client.get(task.task_id).steps
+        daemon.send_signal(signal.SIGTERM)
+        wait_for(lambda: (work / "checkpointing").exists(), what="the drain to begin the task's checkpoint")
+        daemon.send_signal(signal.SIGTERM)
+        holds_for(lambda: daemon.poll() is None, 0.5, "the manager waits for the checkpoint")
+        (work / "release").touch()
+        assert daemon.wait(30) == 0
+        daemon = start_daemon(sock, state)
+        with ControlClient(endpoint) as client:
+            assert client.get(task.task_id).checkpoint_step == steps
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)

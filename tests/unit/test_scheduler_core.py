@@ -1113,6 +1113,27 @@ def test_drain_with_nothing_resident_completes_at_once() -> None:
     assert sim.send(DrainRequested()) == [DrainComplete()]
 
 
+def test_a_second_drain_is_answered_at_once_once_nothing_is_resident() -> None:
+    # Regression (issue 13): DrainComplete was announced once, so a second drain (or SIGTERM after a
+    # drain) never got an answer and the manager could no longer be stopped.
+    sim = Sim()
+    sim.resident("a")
+    sim.send(DrainRequested())
+    assert of(sim.exited("a", exit_code=0), DrainComplete) == [DrainComplete()]
+    assert sim.send(DrainRequested()) == [DrainComplete()]
+    assert sim.send(DrainRequested()) == [DrainComplete()]
+    assert of(sim.tick(), DrainComplete) == []
+
+
+def test_a_drain_asked_again_while_under_way_completes_once_for_both() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.send(DrainRequested())
+    again = sim.send(DrainRequested())
+    assert of(again, DrainComplete) == [] and of(again, Stop) == []  # nothing new to stop
+    assert of(sim.exited("a", exit_code=0), DrainComplete) == [DrainComplete()]
+
+
 def test_no_grants_or_spawns_while_draining() -> None:
     sim = Sim()
     sim.resident("a")
