@@ -22,7 +22,13 @@ process, whose main thread plays the training thread of one pipeline stage:
    must still be listed, SUBMITTED.
 3. **Paced** (``--paced-rate`` events/s for ``--paced-seconds``, a fresh manager): the event delay at
    the target rate, below saturation, where it is not dominated by the producer's backlog.
-4. **Before/after** (only with ``--baseline-src``, a checkout of the code before batching, e.g.
+4. **Garbage** (``--garbage-requests``, a fresh manager): that many requests whose bytes do not parse
+   as their RPC's message, round-robin over every method of Trainer, Control and health, from
+   ``--garbage-threads`` client threads. Reported: the status codes and details they got (all
+   INVALID_ARGUMENT), requests/s, and the manager's RSS before, every 10% of the way, and after.
+   grpcio's own deserialisation failure path kept each such call's state for good (RSS 48 -> 141
+   MiB over ~2,700 of them); see ``freeride._manager.servicers.add_raw_service``.
+5. **Before/after** (only with ``--baseline-src``, a checkout of the code before batching, e.g.
    ``git archive <commit> | tar -x -C DIR``): saturation floods without tasks
    (``--compare-seconds`` each), alternating old and new code, ``--rounds`` times; and
    ``bench_control_plane``'s lone-event latency (bubble start -> first step) for both.
@@ -38,6 +44,7 @@ Results: ``<out>/load.json`` and ``<out>/load.md`` with the machine, versions an
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -52,10 +59,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
+from grpc_health.v1 import health_pb2
 
 from bench.bench_control_plane import start_manager
 from bench.machine import machine_info
+from freeride._wire import freeride_pb2
 from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint
 from freeride.messages import TaskSpec
@@ -343,6 +353,103 @@ def paced(ns: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+#: Bytes that parse as no message: tags and varints that never end.
+GARBAGE = b"\xff" * 16
+
+
+def garbage_methods() -> list[tuple[str, bool, bool]]:
+    """(path, client streaming, server streaming) of every method the manager serves."""
+    return [
+        (f"/{service.full_name}/{method.name}", method.client_streaming, method.server_streaming)
+        for module, name in ((freeride_pb2, "Trainer"), (freeride_pb2, "Control"), (health_pb2, "Health"))
+        for service in (module.DESCRIPTOR.services_by_name[name],)
+        for method in service.methods
+    ]
+
+
+def garbage(ns: argparse.Namespace) -> dict[str, Any]:
+    """``--garbage-requests`` undecodable requests: their answers, and the manager's RSS throughout."""
+    manager = launch("garbage")
+    methods = garbage_methods()
+    outcomes: collections.Counter[str] = collections.Counter()
+    details: dict[str, str] = {}
+    rss: list[tuple[int, float]] = []
+    lock = threading.Lock()
+    sent = 0
+
+    def one(channel: grpc.Channel, index: int) -> None:
+        path, client_streaming, server_streaming = methods[index % len(methods)]
+        try:
+            if client_streaming:
+                channel.stream_unary(path, request_serializer=None, response_deserializer=None)(iter([GARBAGE]),
+                                                                                               timeout=10)
+            elif server_streaming:
+                list(channel.unary_stream(path, request_serializer=None, response_deserializer=None)(GARBAGE,
+                                                                                                    timeout=10))
+            else:
+                channel.unary_unary(path, request_serializer=None, response_deserializer=None)(GARBAGE, timeout=10)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name if exc.code() else "UNKNOWN"
+            with lock:
+                details.setdefault(f"{path} {code}", (exc.details() or "")[:200])
+        with lock:
+            outcomes[code] += 1
+
+    def worker(first: int, count: int, step: int) -> None:
+        nonlocal sent
+        with grpc.insecure_channel(manager.endpoint.grpc_target) as channel:
+            for k in range(count):
+                one(channel, first + k * step)
+                with lock:
+                    sent += 1
+
+    def rss_mib() -> float:
+        return round(manager.ps.memory_info().rss / MiB, 3)
+
+    try:
+        warm = max(len(methods) * 20, 1000)
+        worker(0, warm, 1)  # every path once and again: first-call allocations are not growth
+        outcomes.clear()
+        before = rss_mib()
+        sent = 0
+        total, threads = ns.garbage_requests, max(1, ns.garbage_threads)
+        pool = [threading.Thread(target=worker, args=(i, total // threads + (i < total % threads), threads),
+                                 daemon=True) for i in range(threads)]
+        t0 = time.monotonic()
+        for thread in pool:
+            thread.start()
+        mark = 0
+        while any(t.is_alive() for t in pool):
+            time.sleep(0.2)
+            if sent >= mark:
+                rss.append((sent, rss_mib()))
+                mark += max(1, total // 10)
+        wall = time.monotonic() - t0
+        time.sleep(1.0)
+        after = rss_mib()
+        with ControlClient(manager.endpoint) as client:
+            stats = client.stats()
+    finally:
+        manager.stop()
+    return {
+        "requests": sum(outcomes.values()),
+        "threads": threads,
+        "methods": [m[0] for m in methods],
+        "bytes": GARBAGE.hex(),
+        "outcomes": dict(outcomes),
+        "details": details,
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(sum(outcomes.values()) / wall),
+        "rss_before_mib": before,
+        "rss_after_mib": after,
+        "rss_growth_mib": round(after - before, 3),
+        "rss_series": rss,
+        "bytes_per_request": round((after - before) * MiB / max(1, sum(outcomes.values())), 2),
+        "events_received": stats.events_received,
+    }
+
+
 def flood_only(ns: argparse.Namespace) -> int:
     """One saturation flood without tasks, for ``--baseline-src`` comparisons (old code may run it)."""
     manager = launch("cmp")
@@ -485,6 +592,31 @@ def render(results: dict[str, Any]) -> str:
             f"Lone-event latency from `bench.bench_control_plane --bubbles {lb['bubbles']}` run on each tree.",
             "",
         ]
+    gar = results.get("garbage")
+    if gar:
+        codes = ", ".join(f"{k} {v}" for k, v in sorted(gar["outcomes"].items()))
+        example = next(iter(gar["details"].values()), "")
+        lines += [
+            "## Undecodable requests (fresh manager)",
+            "",
+            f"{gar['requests']} requests whose bytes (`{gar['bytes']}`) parse as no message, round-robin over "
+            f"the {len(gar['methods'])} methods of Trainer, Control and health, from {gar['threads']} client "
+            f"thread(s), after a warm-up of every path.",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| answers | {codes} |",
+            f"| an answer's details | `{example}` |",
+            f"| requests/s | {gar['requests_per_s']} ({gar['wall_s']} s) |",
+            f"| manager RSS before / after (MiB) | {gar['rss_before_mib']:.1f} / {gar['rss_after_mib']:.1f} |",
+            f"| growth per request | {gar['bytes_per_request']:+.2f} bytes |",
+            f"| RSS along the way (requests: MiB) | "
+            f"{', '.join(f'{n}: {v:.1f}' for n, v in gar['rss_series'])} |",
+            "",
+            "Before (grpcio's own deserializer): INTERNAL \"Exception deserializing request!\", and 4-19 KiB kept "
+            "per request for good (RSS 48 -> 141 MiB over ~2,700 of them).",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -503,6 +635,9 @@ def main() -> int:
     parser.add_argument("--compare-seconds", type=float, default=15.0, help="length of each comparison flood")
     parser.add_argument("--rounds", type=int, default=2, help="comparison floods per side")
     parser.add_argument("--latency-bubbles", type=int, default=1000, help="bubbles of the lone-event latency run")
+    parser.add_argument("--garbage-requests", type=int, default=100_000,
+                        help="undecodable requests of the garbage phase (0: skip)")
+    parser.add_argument("--garbage-threads", type=int, default=2, help="client threads of the garbage phase")
     parser.add_argument("--note", default="", help="free text for the report (e.g. the machine was shared)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     parser.add_argument("--flood-only", action="store_true", help=argparse.SUPPRESS)
@@ -521,6 +656,7 @@ def main() -> int:
         results["compare"] = compare(ns)
     results["saturation"] = saturation_with_tasks(ns)
     results["paced"] = paced(ns) if ns.paced_seconds > 0 else None
+    results["garbage"] = garbage(ns) if ns.garbage_requests > 0 else None
     results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "load.json").write_text(json.dumps(results, indent=2) + "\n")

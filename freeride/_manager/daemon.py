@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
-from freeride._manager.servicers import TokenInterceptor, add_servicers
+from freeride._manager.servicers import TokenInterceptor, add_raw_service, add_servicers
 from freeride.devices import Device, open_device
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
 from freeride.errors import ConfigError
@@ -124,7 +124,7 @@ class Manager:
         )
         add_servicers(self.server, self.loop)
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        add_raw_service(self.server, health_pb2, "Health", self.health)
         self.loop.on_draining = self._update_health
         self.loop.on_device_state = lambda problem: self._update_health()
         self._thread: threading.Thread | None = None

@@ -316,17 +316,18 @@ def test_trainer_that_hangs_up_mid_stream_costs_nothing(trainer_side: ManagerHar
     b"\xff\xff\xff\xff",  # not protobuf at all
     b"\x0a\x80",  # a length that runs past the end
 ])))
-def test_undecodable_bubble_messages_are_refused_by_grpc_not_fatal(trainer_side: ManagerHarness, raw: bytes) -> None:
-    # Bytes that are not a BubbleEvent (bad wire format, strings that are not UTF-8) never reach
-    # the servicer: gRPC's deserializer refuses the call with INTERNAL. Bytes that do parse are an
-    # ordinary event, valid or not, and counted as such.
+def test_undecodable_bubble_messages_are_invalid_argument_not_fatal(trainer_side: ManagerHarness, raw: bytes) -> None:
+    # Bytes that are not a BubbleEvent (bad wire format, strings that are not UTF-8) end the stream
+    # with INVALID_ARGUMENT naming the message. Bytes that do parse are an ordinary event, valid or
+    # not, and counted as such.
     with grpc.insecure_channel(trainer_side.endpoint.grpc_target) as channel:
         stream = channel.stream_unary("/freeride.v1.Trainer/StreamBubbles", request_serializer=lambda b: b,
                                       response_deserializer=pb.StreamSummary.FromString)
         try:
             summary = stream(iter([raw]), timeout=10)
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.INTERNAL, exc
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+            assert "message 0 of the stream is not a valid freeride.v1.BubbleEvent" in (exc.details() or "")
         else:
             assert summary.accepted + summary.rejected == 1
     TRIED["raw bubble messages"] += 1

@@ -6,12 +6,14 @@ generated stubs (the friendly client refuses most of these inputs before they ar
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
 import grpc
 import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
+from grpc_health.v1 import health_pb2
 
 from freeride._manager import loop as L
 from freeride._manager.servicers import MAX_ARGS_JSON_BYTES
@@ -165,3 +167,57 @@ def test_bubbles_of_ever_new_slots_do_not_grow_the_slot_table(make_manager: obje
     assert _stream(h.endpoint, events).accepted == 40
     wait_for(lambda: h.client.stats().bubbles == 40)
     assert len(h.client.bubbles()) == 16
+
+
+#: Every method the manager serves, with whether it streams requests and responses.
+_METHODS = [
+    (f"/{service.full_name}/{method.name}", method.client_streaming, method.server_streaming)
+    for module, name in ((pb, "Trainer"), (pb, "Control"), (health_pb2, "Health"))
+    for service in (module.DESCRIPTOR.services_by_name[name],)
+    for method in service.methods
+]
+
+
+def _raw_call(channel: grpc.Channel, path: str, client_streaming: bool, server_streaming: bool,
+              raw: bytes) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        if client_streaming:
+            stream_unary = channel.stream_unary(path, request_serializer=None, response_deserializer=None)
+            stream_unary(iter([raw]), timeout=10)
+        elif server_streaming:
+            list(channel.unary_stream(path, request_serializer=None, response_deserializer=None)(raw, timeout=10))
+        else:
+            channel.unary_unary(path, request_serializer=None, response_deserializer=None)(raw, timeout=10)
+    return info.value
+
+
+@pytest.mark.parametrize(("path", "client_streaming", "server_streaming"), _METHODS)
+def test_undecodable_request_is_invalid_argument_not_internal(
+    harness: ManagerHarness, path: str, client_streaming: bool, server_streaming: bool,
+) -> None:
+    # gRPC's own deserialiser answered INTERNAL "Exception deserializing request!" (issue 13).
+    with grpc.insecure_channel(harness.endpoint.grpc_target) as channel:
+        # Not protobuf at all; a length that runs past the end; 100 KB of an endless varint.
+        for raw in (b"\xff\xff\xff\xff", b"\x0a\xff\xff\x03" + b"x" * 10, b"\xff" * 100_000):
+            error = _raw_call(channel, path, client_streaming, server_streaming, raw)
+            _assert_rejected(error, "is not a valid", f"({len(raw)} bytes)")
+
+
+def test_undecodable_requests_leave_no_call_state_behind(harness: ManagerHarness) -> None:
+    # Each undecodable request left its call's state in gRPC for good (4-19 KiB): any client could grow
+    # the manager without bound (issue 13). Counted as objects, not as RSS: exact, and timing-free.
+    from grpc._server import _RPCState
+
+    def call_states() -> int:
+        gc.collect()
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, _RPCState))
+
+    with grpc.insecure_channel(harness.endpoint.grpc_target) as channel:
+        for path, client_streaming, server_streaming in _METHODS * 2:  # warm every path first
+            _raw_call(channel, path, client_streaming, server_streaming, b"\xff\xff")
+        before = call_states()
+        for _ in range(10):
+            for path, client_streaming, server_streaming in _METHODS:
+                _raw_call(channel, path, client_streaming, server_streaming, b"\xff\xff")
+        wait_for(lambda: call_states() <= before + 2, timeout_s=10, what="the refused calls' state to be freed")
+    assert harness.client.stats().events_received == 0  # and the bytes never reached the loop
