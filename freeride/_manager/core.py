@@ -792,8 +792,10 @@ class SchedulerCore:
             bubble.running = ""
             if bubble is self._closing:
                 self._closing = None
-            else:
-                self.bubble = None  # the trainer never sent this bubble's end
+            # An open bubble whose end has not come stays open: its end may still arrive (late: a
+            # trainer that reports ends after its next compute action, a delayed stream), and is then
+            # measured like any other. Closing it here counted that end as rejected and lost the
+            # bubble from the slot statistics. Its time is past, so nothing is granted in it.
             out.append(Freeze(task.task_id))
             self._transition(task, TaskState.FROZEN, "overran the bubble", out)
             if task.stuck_ns >= self.config.step_timeout_ns:

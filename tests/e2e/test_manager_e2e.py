@@ -223,3 +223,18 @@ def test_drain_checkpoints_every_task_and_they_resume_on_a_new_manager(make_mana
     assert info.checkpoint_step == info.steps >= 20
     assert h.client.stats().draining
     os.environ.pop("FREERIDE_ENDPOINT", None)
+
+
+def test_ends_that_arrive_after_a_freeze_are_measured_and_every_bubble_is_counted(harness: ManagerHarness) -> None:
+    # Issue 13: a step that overran its bubble's predicted end was frozen and the bubble closed with
+    # it, so the trainer's real end, coming later, was counted as rejected and the bubble went missing
+    # from `freeride bubbles`.
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 60.0})
+    harness.wait_state(task.task_id, "PARKED")
+    feeder = harness.feeder()
+    feeder.run(6, length_ms=80, predicted_ms=5, gap_ms=10)  # its first step (a probe) overruns 5 ms
+    assert feeder.close() == (12, 0)
+    stats = harness.client.stats()
+    assert stats.events_rejected == 0
+    assert sum(slot.count for slot in harness.client.bubbles()) == 6
+    assert stats.overruns >= 1

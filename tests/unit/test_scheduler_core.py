@@ -843,10 +843,35 @@ def test_no_end_event_at_all_freezes_at_the_predicted_end_plus_grace() -> None:
     actions = sim.tick()
     assert non_state(actions) == [Freeze("a")]
     assert sim.state("a") == S.FROZEN
-    assert sim.core.bubble is None  # the lost bubble is closed
     assert sim.core.next_timer_ns() is None
     sim.advance_ms(5)
+    assert of(sim.start(predicted_ms=10), Grant)[0].thaw is True  # the lost end's bubble is closed by this start
+
+
+def test_regression_an_end_after_the_freeze_is_measured_not_rejected() -> None:
+    # Issue 13: the freeze closed the bubble, so its end, arriving later, was counted as rejected and
+    # the bubble was missing from the slot statistics (149 of 150 shown).
+    sim = Sim(grace_ns=MS)
+    sim.resident("a")
+    for _ in range(3):
+        sim.start(predicted_ms=10)
+        sim.advance_ms(10)
+        sim.end()
+        sim.parked("a", [9.0], reason="park")
+        sim.advance_ms(5)
+    sim.start(predicted_ms=10)
+    sim.advance_ms(11)
+    assert of(sim.tick(), Freeze) == [Freeze("a")]
+    sim.advance_ms(4)
+    assert sim.end() == []  # 15 ms: the real end, late
+    stats = sim.core.slot_stats()
+    assert [s.count for s in stats] == [4]
+    assert stats[0].length_ms.max == pytest.approx(15.0)
+    assert sim.core.stats.ignored_events == 0 and sim.core.stats.anomalies == 0
+    assert sim.core.stats.bubble_ns == (3 * 10 + 15) * MS
+    sim.advance_ms(5)
     assert of(sim.start(predicted_ms=10), Grant)[0].thaw is True
+    assert sim.core.stats.anomalies == 0
 
 
 def test_regression_freeze_while_a_new_bubble_is_open_grants_that_bubble() -> None:
