@@ -46,7 +46,10 @@ def load_task_class(target: str, search_path: str = "") -> type[SideTask]:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise TaskLoadError(f"unknown module {module_name!r} in {target!r}") from None
         raise TaskLoadError(f"module {module_name!r} failed to import: {exc}") from None
-    except Exception as exc:
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        # SystemExit and KeyboardInterrupt too: a module that calls sys.exit() at import must not end
+        # the importing process (the CLI exited with the module's code and said nothing; a worker
+        # died without a record). GeneratorExit cannot come from an import.
         last = traceback.extract_tb(exc.__traceback__)[-1]
         raise TaskLoadError(
             f"module {module_name!r} failed to import: {type(exc).__name__}: {exc} "

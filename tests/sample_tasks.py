@@ -107,17 +107,24 @@ class Hanger(Counter):
 
 
 class MemoryHog(Counter):
-    """Allocates ``mib_per_step`` MiB per step and keeps it."""
+    """Allocates ``mib_per_step`` MiB per step and keeps it; with ``hold_at``, only in that step, which
+    then never returns (so the step it is killed in is known)."""
 
-    def __init__(self, mib_per_step: int = 64, **kw: Any) -> None:
+    def __init__(self, mib_per_step: int = 64, hold_at: int = -1, **kw: Any) -> None:
         super().__init__(**kw)
         self.mib = mib_per_step
-        self.hoard: list[bytearray] = []
+        self.hold_at = hold_at
+        self.hoard: list[bytes] = []
 
     def step(self) -> None:
+        if self.hold_at >= 0 and self.count != self.hold_at:
+            super().step()
+            return
         if not self.hoard:
             self.mark_fault()
         self.hoard.append(b"\x01" * (self.mib * 2**20))  # touched pages: resident at once
+        while self.hold_at >= 0:
+            time.sleep(0.001)
         super().step()
 
 
@@ -181,3 +188,22 @@ class SlowCheckpoint(Counter):
         while not os.path.exists(os.path.join(self.work_dir, "release")):
             time.sleep(0.005)
         return super().state_dict()
+
+
+class Printer(Counter):
+    """Prints ``kib_per_step`` KiB of numbered lines each step; at step ``crash_at`` it says its last words
+    and dies from SIGSEGV (so its failure record quotes the log's tail)."""
+
+    def __init__(self, kib_per_step: int = 1024, crash_at: int = -1, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.line = "x" * 63
+        self.lines_per_step = kib_per_step * 1024 // 64
+        self.crash_at = crash_at
+
+    def step(self) -> None:
+        if self.count == self.crash_at:
+            print(f"last words at step {self.count}", flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        sys.stdout.write((self.line + "\n") * self.lines_per_step)
+        sys.stdout.flush()
+        super().step()

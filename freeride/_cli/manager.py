@@ -115,6 +115,16 @@ def register(subparsers: Any) -> None:
         help="CUDA with MPS: the share of the GPU's SMs a side task's kernels may occupy (default %(default)s)",
     )
     parser.add_argument(
+        "--worker-log-max", default="8MiB",
+        help="a task's log (its worker's stdout and stderr) is rotated when it would pass this size "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--worker-log-backups", type=int, default=1,
+        help="rotated logs kept per task, as worker.log.1 ... (default %(default)s): a task's logs take at "
+        "most (backups + 1) x --worker-log-max",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -264,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_address=args.metrics_address or DEFAULT_ADDRESS,
             queue=queue,
             node=args.node,
+            worker_log_max_bytes=parse_size(args.worker_log_max),
+            worker_log_backups=args.worker_log_backups,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         device.close()

@@ -220,6 +220,8 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
             estimate = cls.estimate_memory(**task_args)
         except TypeError as exc:
             raise ConfigError(f"arguments do not fit {target}: {exc}") from None
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
+            raise ConfigError(f"{target}.estimate_memory raised {type(exc).__name__}: {exc}") from None
     if args.memory is not None:
         memory_bytes = parse_size(args.memory)
     elif estimate:

@@ -79,9 +79,13 @@ class Manager:
         metrics_address: str = DEFAULT_ADDRESS,
         queue: QueueConfig | None = None,
         node: str | None = None,
+        worker_log_max_bytes: int = 8 * 2**20,
+        worker_log_backups: int = 1,
     ) -> None:
         """``metrics_port``: None serves no metrics; 0 serves them on a free port (see ``metrics.port``).
-        ``queue``: join the cluster queue; ``node``: this host's name there (default: the host name)."""
+        ``queue``: join the cluster queue; ``node``: this host's name there (default: the host name).
+        ``worker_log_max_bytes``, ``worker_log_backups``: each task's log is rotated at that size, and
+        that many older logs are kept."""
         self.device = open_device(device) if isinstance(device, str) else device
         self.endpoint = endpoint or default_endpoint(self.device.name)
         if self.endpoint.kind == "tcp" and not token:
@@ -100,6 +104,8 @@ class Manager:
                 trace_path=trace_path,
                 node=self.node,
                 checkpoint_root=queue.checkpoint_dir if queue is not None else None,
+                worker_log_max_bytes=worker_log_max_bytes,
+                worker_log_backups=worker_log_backups,
             ),
         )
         self.agent: QueueAgent | None = None

@@ -17,8 +17,9 @@ worker messages, timers and control calls still get a turn every few millisecond
 
 Workers: ``python -m freeride._worker`` in a new session (so one ``killpg`` reaches the worker and
 whatever it spawned), with one end of a SEQPACKET socketpair, ``PR_SET_PDEATHSIG`` and the
-channel's end-of-file tying its life to the manager's. Their output goes to
-``<state>/tasks/<id>/worker.log``, whose tail becomes part of a failure record. A worker's process
+channel's end-of-file tying its life to the manager's. Their output goes to a pipe that the loop
+drains into ``<state>/tasks/<id>/worker.log``, bounded in size and rotated
+(:mod:`freeride._manager.worker_log`); its tail becomes part of a failure record. A worker's process
 group dies with it (whatever it spawned is killed when it is reaped), and processes that a killed
 manager's workers left behind are killed by the next manager (:mod:`freeride._manager.orphans`).
 
@@ -59,6 +60,7 @@ from freeride._manager.device_poller import DevicePoller
 from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.store import StoredTask, TaskStore
 from freeride._manager.trace import TraceWriter
+from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, check_limits, read_tail_bytes
 from freeride.devices import Device
 from freeride.devices.cuda import MIN_ALLOCATOR_BYTES
 from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
@@ -109,11 +111,15 @@ class LoopConfig:
     #: Where cluster tasks checkpoint (``--checkpoint-dir``, shared by every node): ``<dir>/<task id>/``,
     #: so that a task reclaimed elsewhere resumes from the newest checkpoint its last holder wrote.
     checkpoint_root: Path | None = None
+    #: A worker's log is rotated when it would grow past this; ``worker_log_backups`` older ones are kept.
+    worker_log_max_bytes: int = 8 * 2**20
+    worker_log_backups: int = 1
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        check_limits(self.worker_log_max_bytes, self.worker_log_backups)
 
 
 # ---------------------------------------------------------------- requests (call)
@@ -175,7 +181,8 @@ class WorkerHandle:
     proc: subprocess.Popen[bytes]
     channel: Channel
     pidfd: int
-    log_path: Path
+    log: WorkerLog
+    log_fd: int  # the read end of the worker's output pipe; -1 once closed
     extra_pgids: list[int] = field(default_factory=list)
     closed: bool = False
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
@@ -355,6 +362,8 @@ class ManagerLoop:
                         pass
                 elif kind == "chan":
                     self._read_channel(handle)
+                elif kind == "log":
+                    self._read_log(handle)
                 elif kind == "exit":
                     self._reap(handle)
             self._drain_inbox()
@@ -473,6 +482,7 @@ class ManagerLoop:
                             FailureRecord(
                                 kind="PROTOCOL",
                                 message="the worker closed its channel but kept running",
+                                step=self._board_step(handle.task_id),
                                 at_unix_s=time.time(),
                             ),
                         )
@@ -564,8 +574,16 @@ class ManagerLoop:
     def _persist_state(self, action: C.StateChanged) -> None:
         task = self.core.tasks.get(action.task_id)
         if action.failure is not None and not action.failure.at_unix_s:
-            # The pure core has no wall clock: failures it decides (memory, timeouts) are stamped here.
-            stamped = dataclasses.replace(action.failure, at_unix_s=time.time())
+            # The pure core has no wall clock and cannot see the worker's step board or log: failures
+            # it decides (memory, timeouts, exits) are completed here with the time, the step the
+            # worker was in (its board: the core's own count is only updated when the worker parks,
+            # so a task that died in its third step of a grant read "step 0"), and the log's tail.
+            failure = action.failure
+            step = self._board_step(action.task_id)
+            stamped = dataclasses.replace(
+                failure, at_unix_s=time.time(), step=step if step >= 0 else failure.step,
+                log_tail=failure.log_tail or self._log_tail(action.task_id),
+            )
             action = dataclasses.replace(action, failure=stamped)
             if task is not None and task.failure is not None:
                 task.failure = stamped
@@ -673,7 +691,13 @@ class ManagerLoop:
         except OSError as exc:  # a full or read-only state directory: say so rather than stay STARTING
             self._spawn_failed(action.task_id, f"cannot prepare the task directory {task_dir}: {exc}")
             return
-        log_path = task_dir / "worker.log"
+        try:
+            log_fd, out_fd = os.pipe2(os.O_CLOEXEC)
+        except OSError as exc:
+            self._spawn_failed(action.task_id, f"cannot make the worker's output pipe: {exc}")
+            return
+        worker_log = WorkerLog(task_dir / "worker.log", self.config.worker_log_max_bytes,
+                               self.config.worker_log_backups)
         parent_sock, child_sock = socketpair()
         env = dict(os.environ)
         env.update(self.device.worker_env(action.memory_bytes))
@@ -685,31 +709,36 @@ class ManagerLoop:
         argv = [sys.executable, "-m", "freeride._worker", "--fd", str(child_sock.fileno()),
                 "--parent-pid", str(os.getpid())]
         try:
-            with open(log_path, "ab") as log_file:
-                proc = subprocess.Popen(
-                    argv,
-                    pass_fds=(child_sock.fileno(),),
-                    start_new_session=True,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    cwd=cwd,
-                    env=env,
-                )
+            proc = subprocess.Popen(
+                argv,
+                pass_fds=(child_sock.fileno(),),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=env,
+            )
         except OSError as exc:
             parent_sock.close()
             child_sock.close()
+            os.close(log_fd)
+            os.close(out_fd)
+            worker_log.close()
             self._spawn_failed(action.task_id, f"cannot start the worker: {exc}")
             return
         child_sock.close()
+        os.close(out_fd)
+        os.set_blocking(log_fd, False)
         orphans.record(task_dir, proc.pid)
         parent_sock.setblocking(False)
         channel = Channel(parent_sock)
         pidfd = os.pidfd_open(proc.pid)
-        handle = WorkerHandle(action.task_id, proc, channel, pidfd, log_path)
+        handle = WorkerHandle(action.task_id, proc, channel, pidfd, worker_log, log_fd)
         self._workers[action.task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, ("chan", handle))
         self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
+        self._selector.register(log_fd, selectors.EVENT_READ, ("log", handle))
         self.poller.watch(action.task_id, [proc.pid])
         init: dict[str, Any] = {
             "t": "init",
@@ -754,7 +783,8 @@ class ManagerLoop:
                 return
             except ProtocolError as exc:
                 self._feed(C.WorkerFailed(handle.task_id, FailureRecord(
-                    kind="PROTOCOL", message=f"the worker sent a malformed message: {exc}", at_unix_s=time.time())))
+                    kind="PROTOCOL", message=f"the worker sent a malformed message: {exc}",
+                    step=self._board_step(handle.task_id), at_unix_s=time.time())))
                 self._signal(handle, signal.SIGKILL)
                 return
             if msg is None:
@@ -764,7 +794,7 @@ class ManagerLoop:
             except (KeyError, TypeError, ValueError) as exc:
                 self._feed(C.WorkerFailed(handle.task_id, FailureRecord(
                     kind="PROTOCOL", message=f"the worker sent a malformed {msg.get('t')!r}: {exc}",
-                    at_unix_s=time.time())))
+                    step=self._board_step(handle.task_id), at_unix_s=time.time())))
                 self._signal(handle, signal.SIGKILL)
                 return
 
@@ -815,6 +845,30 @@ class ManagerLoop:
         else:
             raise ValueError(f"unknown message type {kind!r}")
 
+    def _read_log(self, handle: WorkerHandle, chunks: int = 1) -> None:
+        """Move up to ``chunks`` chunks of the worker's output from its pipe to its log (one per wake-up:
+        a task that prints without pause costs each turn of the loop one read and one write)."""
+        for _ in range(chunks):
+            if handle.log_fd < 0:
+                return
+            try:
+                data = os.read(handle.log_fd, CHUNK_BYTES)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # every writer is gone
+                self._close_log(handle)
+                return
+            handle.log.write(data)
+
+    def _close_log(self, handle: WorkerHandle) -> None:
+        if handle.log_fd >= 0:
+            self._selector.unregister(handle.log_fd)
+            os.close(handle.log_fd)
+            handle.log_fd = -1
+        handle.log.close()
+
     def _channel_eof(self, handle: WorkerHandle) -> None:
         if handle.closed:
             return
@@ -835,6 +889,11 @@ class ManagerLoop:
         except (ProcessLookupError, PermissionError):
             pass
         returncode = handle.proc.wait()
+        # What the worker wrote last (a crash's last words) is still in the pipe: log it before the
+        # tail is read. Bounded: a process the task left behind may still be writing.
+        self._read_log(handle, chunks=64)
+        tail = handle.log.tail(LOG_TAIL_BYTES)
+        self._close_log(handle)
         orphans.forget(self.task_dir(handle.task_id))
         self._selector.unregister(handle.pidfd)
         os.close(handle.pidfd)
@@ -847,10 +906,20 @@ class ManagerLoop:
                 pass
         sig = -returncode if returncode < 0 else 0
         code = returncode if returncode >= 0 else None
+        self._feed(C.WorkerExited(handle.task_id, code, sig, tail, self._board_step(handle.task_id)))
+
+    def _board_step(self, task_id: str) -> int:
+        """The step a task's worker last began, from its step board; -1 when it began none."""
         from freeride._worker.runtime import read_step_board
 
-        step = read_step_board(self.task_dir(handle.task_id) / "current_step")
-        self._feed(C.WorkerExited(handle.task_id, code, sig, _tail(handle.log_path), step))
+        return read_step_board(self.task_dir(task_id) / "current_step")
+
+    def _log_tail(self, task_id: str) -> str:
+        handle = self._workers.get(task_id)
+        if handle is not None:
+            self._read_log(handle, chunks=64)
+            return handle.log.tail(LOG_TAIL_BYTES)
+        return read_tail_bytes(self.task_dir(task_id) / "worker.log", LOG_TAIL_BYTES).decode(errors="replace")
 
     # ------------------------------------------------------------------ requests
 
@@ -1134,6 +1203,8 @@ class ManagerLoop:
         for handle in list(self._workers.values()):
             self._signal(handle, signal.SIGKILL)
             handle.proc.wait()
+            self._read_log(handle, chunks=64)
+            self._close_log(handle)
             orphans.forget(self.task_dir(handle.task_id))
         if self._pending_writes and not self._flush_writes():
             log.error("[%s] stopping with %d task record(s) not saved (%s): those tasks come back in their last "
@@ -1203,13 +1274,3 @@ def _pct(values: Any) -> Percentiles:
 def _step_of(checkpoint: Path) -> int:
     return int(checkpoint.stem.split("-", 1)[1])
 
-
-def _tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - LOG_TAIL_BYTES))
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""

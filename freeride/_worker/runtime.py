@@ -60,6 +60,10 @@ CHECKPOINTS_KEPT = 2
 CHECKPOINT_OVERDUE_INTERVALS = 2
 EXIT_FAILED = 1
 EXIT_SETUP_FAILED = 2
+#: What task code may raise that becomes the task's failure record. SystemExit and KeyboardInterrupt
+#: too: a task (or a module it imports) that calls ``sys.exit(7)`` must not end the worker without a
+#: record, nor make its exit code look like the runtime's.
+_TASK_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 
 
 class _TaskError(Exception):
@@ -316,7 +320,7 @@ class WorkerRuntime:
 
                 cls = load_task_class(str(self.init["target"]), str(self.init.get("working_dir") or ""))
                 self.task = cls(**args)
-        except Exception as exc:
+        except _TASK_ERRORS as exc:
             kind = "IMPORT" if type(exc).__name__ == "TaskLoadError" else "CONFIG"
             raise _TaskError(kind, "loading the task", exc) from exc
 
@@ -327,7 +331,7 @@ class WorkerRuntime:
         assert self.task is not None
         try:
             value = self.task.progress()
-        except Exception as exc:
+        except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "progress()", exc) from exc
         return float(self.steps if value is None else value)
 
@@ -401,7 +405,7 @@ class WorkerRuntime:
                 # Device time: the step is over when the device has done its work, not when its
                 # kernels are queued (a fault in them surfaces here too, as this step's).
                 self.device.synchronize()
-            except Exception as exc:
+            except _TASK_ERRORS as exc:
                 raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", f"step {self.steps}", exc) from exc
             end = time.monotonic_ns()
             self.steps += 1
@@ -434,7 +438,7 @@ class WorkerRuntime:
         assert self.task is not None
         try:
             return bool(self.task.done())
-        except Exception as exc:
+        except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "done()", exc) from exc
 
     def _send_parked(
@@ -483,7 +487,7 @@ class WorkerRuntime:
         try:
             self.task.setup(ctx)
             self.device.synchronize()
-        except Exception as exc:
+        except _TASK_ERRORS as exc:
             raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", "setup", exc) from exc
         self.setup_done = True
         proc = getattr(self.task, "proc", None)
@@ -508,7 +512,7 @@ class WorkerRuntime:
                 self.task.load_state_dict(blob["state"])
             except FileNotFoundError:
                 continue
-            except Exception as exc:  # a torn or corrupt file: try the one before it
+            except _TASK_ERRORS as exc:  # a torn or corrupt file: try the one before it
                 errors.append(f"{path.name}: {type(exc).__name__}: {exc}")
                 log.warning("[task=%s] cannot restore %s: %s", self.task_id, path, exc)
                 continue
@@ -538,7 +542,7 @@ class WorkerRuntime:
         assert self.task is not None
         try:
             state = self.task.state_dict()
-        except Exception as exc:
+        except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "state_dict()", exc) from exc
         path = self.checkpoint_dir / f"ckpt-{self.steps}.pt"
         tmp = path.with_suffix(".tmp")
@@ -558,7 +562,7 @@ class WorkerRuntime:
             log.warning("[task=%s] checkpoint at step %d not written: %s", self.task_id, self.steps, exc)
             self.chan.send({"t": "checkpoint_failed", "step": self.steps, "error": str(exc)})
             return False
-        except Exception as exc:  # the state does not serialise (a lambda, a lock, an open file)
+        except _TASK_ERRORS as exc:  # the state does not serialise (a lambda, a lock, an open file)
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise _TaskError("CHECKPOINT", f"saving the checkpoint of step {self.steps}", exc) from exc
@@ -579,7 +583,7 @@ class WorkerRuntime:
         if self.task is not None:
             try:
                 self.task.close()
-            except Exception:
+            except _TASK_ERRORS:
                 log.exception("[task=%s] close() raised", self.task_id)
 
     def _report_failure(self, err: _TaskError) -> None:

@@ -259,6 +259,21 @@ def test_bad_input_exits_2_with_one_line(
     assert len(lines) == 1 and lines[0].startswith("freeride: error: ") and needle in lines[0], err
 
 
+@pytest.mark.parametrize(("interrupt", "needle"), [("", "SystemExit: 7"), ("1", "KeyboardInterrupt")])
+def test_submit_of_a_module_that_exits_at_import_exits_2_saying_so(
+    interrupt: str, needle: str, short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 13: `freeride submit` exited 7 (the module's own code) with nothing on stderr.
+    monkeypatch.setenv("FR_TEST_INTERRUPT", interrupt)
+    monkeypatch.delitem(sys.modules, "exits_at_import", raising=False)
+    code, out, err = run_cli(capsys, "submit", "exits_at_import:Task", "--memory", "1MiB",
+                             "--endpoint", f"unix:{short_dir}/none.sock")
+    assert code == EXIT_BAD_INPUT and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "failed to import" in lines[0] and needle in lines[0], err
+
+
 def test_manager_unknown_device_exits_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(
         capsys,

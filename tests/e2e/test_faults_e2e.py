@@ -60,17 +60,22 @@ class Fault:
     memory_mib: int = 512
     core: dict[str, Any] = field(default_factory=dict)
     spec: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None  # the step its failure record must name, where the fault fixes it
 
 
 FAULTS = [
-    Fault("segfault", "sample_tasks:Segfaulter", kind="SIGNAL", says="SIGSEGV"),
+    Fault("segfault", "sample_tasks:Segfaulter", kind="SIGNAL", says="SIGSEGV", step=2),
     Fault("raises-in-setup", "sample_tasks:SetupCrasher", kind="EXCEPTION", says="cannot set up"),
-    Fault("raises-in-step", "sample_tasks:Crasher", {"crash_at": 5}, kind="EXCEPTION", says="boom at step 5"),
+    Fault("raises-in-step", "sample_tasks:Crasher", {"crash_at": 5}, kind="EXCEPTION", says="boom at step 5",
+          step=5),
     Fault("busy-loop-ignoring-deadlines", "sample_tasks:Hanger", {"hang_at": 2}, kind="STEP_TIMEOUT",
-          says="without finishing", core={"step_timeout_ns": 400 * MS}),
+          says="without finishing", core={"step_timeout_ns": 400 * MS}, step=2),
     Fault("allocates-past-its-cap", "sample_tasks:MemoryHog", {"mib_per_step": 256}, kind="MEMORY_LIMIT",
           says="over its cap of 200 MiB", memory_mib=200),
-    Fault("closes-its-channel", "sample_tasks:ChannelCloser", kind="PROTOCOL", says="closed its channel"),
+    # Issue 13: a task killed over its cap in its third step was said to have died in step 0.
+    Fault("allocates-past-its-cap-in-step-2", "sample_tasks:MemoryHog", {"mib_per_step": 256, "hold_at": 2},
+          kind="MEMORY_LIMIT", says="over its cap of 200 MiB", memory_mib=200, step=2),
+    Fault("closes-its-channel", "sample_tasks:ChannelCloser", kind="PROTOCOL", says="closed its channel", step=1),
     Fault("unserialisable-checkpoint", "sample_tasks:UnpicklableState", kind="CHECKPOINT", says="cannot pickle",
           spec={"checkpoint_interval_s": 0.05}),
     Fault("crashes-with-a-child-running", "sample_tasks:SpawnThenCrash", {"crash_at": 5}, kind="EXCEPTION",
@@ -129,6 +134,8 @@ def _assert_clear_failure(info: TaskInfo, fault: Fault) -> None:
     assert failure.at_unix_s > 0
     if fault.kind in ("SIGNAL", "EXCEPTION", "CHECKPOINT"):
         assert failure.step >= 0  # which step it died in
+    if fault.step is not None:
+        assert failure.step == fault.step, failure
 
 
 # ====================================================================== trainer faults

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ManagerHarness, holds_for, read_steps, wait_for
+from conftest import TESTS_DIR, ManagerHarness, holds_for, read_steps, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +74,14 @@ def test_unknown_class_fails_at_load_with_import_record(harness: ManagerHarness)
     info = harness.wait_state(task.task_id, "FAILED")
     assert info.failure is not None and info.failure.kind == "IMPORT"
     assert "NoSuchTask" in info.failure.message
+
+
+def test_module_that_exits_at_import_is_an_import_record(harness: ManagerHarness) -> None:
+    # Issue 13: SystemExit at import ended the worker without a record (and the CLI with the module's code).
+    task = harness.submit("exits_at_import:Task")
+    info = harness.wait_state(task.task_id, "FAILED")
+    assert info.failure is not None and info.failure.kind == "IMPORT", info.failure
+    assert "SystemExit: 7" in info.failure.message
 
 
 def test_segfault_is_recorded_with_signal_and_log_tail(harness: ManagerHarness) -> None:
@@ -238,3 +246,36 @@ def test_ends_that_arrive_after_a_freeze_are_measured_and_every_bubble_is_counte
     assert stats.events_rejected == 0
     assert sum(slot.count for slot in harness.client.bubbles()) == 6
     assert stats.overruns >= 1
+
+
+def test_a_task_that_prints_without_end_keeps_a_bounded_log_and_its_last_words(tmp_path: Path) -> None:
+    # Issue 13: a task that printed 50 MB left a 50 MB log. Now the log is rotated at its limit, and a
+    # failure record still quotes the last lines before the crash.
+    from conftest import cpu_devices
+
+    from freeride._manager.daemon import Manager
+    from freeride._wire.client import ControlClient
+    from freeride.endpoints import Endpoint
+    from freeride.messages import TaskSpec
+
+    limit = 512 * 1024
+    sock = Path(f"/tmp/fr-log-{os.getpid()}.sock")
+    manager = Manager(cpu_devices(1)[0], endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "state",
+                      worker_log_max_bytes=limit, worker_log_backups=1)
+    manager.start()
+    h = ManagerHarness(manager, ControlClient(manager.endpoint), tmp_path)
+    try:
+        task = h.client.submit(TaskSpec(target="sample_tasks:Printer", args={"kib_per_step": 1024, "crash_at": 24},
+                                        memory_bytes=2**28, working_dir=str(TESTS_DIR)))
+        feeder = h.feeder()
+        feeder.run_until(lambda: h.client.get(task.task_id).state == "FAILED", length_ms=100, timeout_s=60)
+        feeder.close()
+        failure = h.client.get(task.task_id).failure
+        assert failure is not None and failure.kind == "SIGNAL" and failure.step == 24
+        assert failure.log_tail.rstrip().endswith("last words at step 24"), failure.log_tail[-300:]
+        logs = sorted(manager.loop.task_dir(task.task_id).glob("worker.log*"))
+        assert [p.name for p in logs] == ["worker.log", "worker.log.1"]
+        assert all(p.stat().st_size <= limit for p in logs), [p.stat().st_size for p in logs]
+    finally:
+        h.client.close()
+        manager.stop()
