@@ -306,6 +306,8 @@ class ManagerStats:
     #: Trainer layouts adopted, and the current one in short form ("" before any was reported).
     layout_changes: int = 0
     layout: str = ""
+    #: A bubble end received -> the running worker's ended-grant word set (it reads it before each step).
+    end_to_worker_ms: Percentiles = field(default_factory=Percentiles)
 
 
 @dataclass(frozen=True)

@@ -450,6 +450,7 @@ def render_stats(s: ManagerStats) -> str:
         ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}"),
         ("grant lat.", _pct_line(s.grant_latency_ms)),
         ("park lat.", _pct_line(s.park_latency_ms)),
+        ("end->worker", _pct_line(s.end_to_worker_ms)),
         ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),
         ("tasks", by_state),
         ("events", f"{s.events_received} received, {s.events_rejected} rejected"

@@ -20,7 +20,10 @@ Policy, in one place:
   known yet (one probe), then the best fit of its high-percentile step time to the time left, then
   FIFO. When a worker parks early and time remains, the rest of the bubble goes to the next task.
   A task whose step (plus margin) fits no bubble seen so far is never granted and says why.
-* **Ends.** The real bubble end parks the running worker after its current step. A step still
+* **Ends.** The real bubble end parks the running worker after its current step (the loop sets the
+  worker's ended-grant word before it sends the park; the worker reads it before each step). Where
+  the trainer shares the host, the worker may stop on the trainer's own end before the manager learns
+  of it (it parks with reason ``ended``): that bubble gets no more grants. A step still
   running ``grace`` past the real end (or past the predicted end, when no end has come) has the
   worker frozen with SIGSTOP until its next grant; each such overrun doubles that task's margin up
   to a bound. A step that holds grants for longer than ``step_timeout`` in total fails the task.
@@ -190,6 +193,9 @@ class WorkerParked:
     warmup_steps: int = 0
     #: Device memory the worker holds by its own measure (0: it leaves that to the device's figure).
     device_bytes: int = 0
+    #: The bubble's real end as the worker saw it on a board (the trainer's end board, or its ended word
+    #: set on a servicer thread), maybe before the loop handed that end to this core; 0: none seen.
+    seen_end_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -285,12 +291,22 @@ class Grant:
     margin_ns: int
     thaw: bool
     probe: bool = False  # run one step whatever the estimate, and learn the step time afresh
+    #: The bubble's trainer rank and start time (its identity on the trainer's end board) and key.
+    rank: int = -1
+    bubble_start_ns: int = 0
+    bubble_key: tuple[int, int, int, int] = (-1, -1, -1, -1)
+    #: The worker may stop on the trainer's own end of this bubble (never under the reference policy).
+    trainer_ends: bool = False
 
 
 @dataclass(frozen=True)
 class Park:
     task_id: str
     grant_id: int
+    #: When the manager received the end that causes this park, and that end (0: a park of the
+    #: reference policy's poll, or of a bubble whose end was lost).
+    end_received_ns: int = 0
+    end_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -407,6 +423,9 @@ class OpenBubble:
     #: ``paper`` policy: the predicted end that stands, whatever the real end says.
     fixed_deadline_ns: int = 0
     park_sent: bool = False
+    #: The real end, as a worker saw it on a board before the end reached this core: the bubble is
+    #: over, so nothing more is granted in it.
+    seen_end_ns: int = 0
 
     @property
     def deadline_ns(self) -> int:
@@ -597,7 +616,8 @@ class SchedulerCore:
         if bubble.running:
             task = self.tasks[bubble.running]
             if task.state == TaskState.RUNNING and not self._paper:  # the reference never sees real ends
-                out.append(Park(task.task_id, task.grant_id))
+                out.append(Park(task.task_id, task.grant_id, bubble.end_received_ns if measured else 0,
+                                end_ns if measured else 0))
                 # Grace counts from when the manager learns of the end: it cannot act before. The
                 # overrun itself is still measured from the trainer's real end.
                 self._freeze_at_ns = max(end_ns, now_ns) + self.config.grace_ns
@@ -613,7 +633,7 @@ class SchedulerCore:
 
     def _grant_next(self, now_ns: int, out: list[Action]) -> None:
         bubble = self.bubble
-        if bubble is None or bubble.running or self.draining:
+        if bubble is None or bubble.running or self.draining or bubble.seen_end_ns:
             return
         if self._closing is not None and self._closing.running:
             return  # the last bubble's worker is finishing its step: one task at a time
@@ -669,7 +689,9 @@ class SchedulerCore:
         bubble.running = task.task_id
         self._transition(task, TaskState.RUNNING, "granted", out)
         margin_ns = 0 if self._paper else self.config.margin_ns + task.margin_ns
-        out.append(Grant(task.task_id, task.grant_id, bubble.deadline_ns, margin_ns, thaw, probe))
+        out.append(Grant(task.task_id, task.grant_id, bubble.deadline_ns, margin_ns, thaw, probe,
+                         rank=bubble.event.rank, bubble_start_ns=bubble.event.start_ns, bubble_key=bubble.event.key,
+                         trainer_ends=not self._paper))
         if self._paper:
             return  # the reference never interrupts a running step
         if self._freeze_at_ns == 0 or self._freeze_at_ns < now_ns:
@@ -696,10 +718,16 @@ class SchedulerCore:
         bubble = self._bubble_of(task)
         self.stats.granted_ns += max(0, event.parked_ns - task.granted_at_ns)
         if bubble is not None:
+            if (event.seen_end_ns and not bubble.end_ns and not self._paper
+                    and bubble.event.start_ns <= event.seen_end_ns <= now_ns):
+                # The worker saw the end on a board before the end reached this core: the bubble is over.
+                # Its end event still comes, and is measured then; no backfill meanwhile.
+                bubble.seen_end_ns = event.seen_end_ns
             # Only a bubble's first grant measures "bubble start received -> first step".
             if event.first_step_ns and len(bubble.granted) == 1:
                 self.stats.grant_latency_ms.append((event.first_step_ns - bubble.received_ns) / MS)
-            overrun = event.last_end_ns - bubble.end_ns if bubble.end_ns and event.steps else 0
+            real_end = bubble.end_ns or bubble.seen_end_ns
+            overrun = event.last_end_ns - real_end if real_end and event.steps else 0
             if overrun > 0:
                 self._record_overrun(task, overrun)
             else:

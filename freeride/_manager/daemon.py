@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from freeride._boards import EndBoard, end_board_path
 from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
@@ -94,6 +95,9 @@ class Manager:
         self.node = node or socket.gethostname()
         if queue is not None:
             _prepare_checkpoint_dir(queue.checkpoint_dir)
+        #: Where a trainer on this host (as this user: the socket's directory is owner-only) writes its
+        #: bubble ends for the workers to read at once (:mod:`freeride._boards`). TCP: none.
+        self.end_board = end_board_path(self.endpoint.address) if self.endpoint.kind == "unix" else None
         self.loop = ManagerLoop(
             self.device,
             LoopConfig(
@@ -106,6 +110,7 @@ class Manager:
                 checkpoint_root=queue.checkpoint_dir if queue is not None else None,
                 worker_log_max_bytes=worker_log_max_bytes,
                 worker_log_backups=worker_log_backups,
+                end_board_path=self.end_board,
             ),
         )
         self.agent: QueueAgent | None = None
@@ -156,6 +161,13 @@ class Manager:
                 if _socket_in_use(path):
                     raise ConfigError(f"a manager is already listening at {self.endpoint}")
                 os.unlink(path)  # left behind by a manager that was killed
+            if self.end_board is not None:
+                try:
+                    EndBoard.create(self.end_board)  # after the check: a running manager's board stays
+                except OSError as exc:
+                    log.warning("[%s] no end board at %s (%s): bubble ends reach workers through the manager "
+                                "only", self.device, self.end_board, exc)
+                    self.end_board = None
             old = os.umask(0o177)
             try:
                 self.port = self.server.add_insecure_port(self.endpoint.grpc_target)
@@ -244,7 +256,9 @@ class Manager:
             self.loop.release()
             self.device.close()
         if self.endpoint.kind == "unix":
-            try:
-                os.unlink(self.endpoint.address)
-            except FileNotFoundError:
-                pass
+            for path in (self.endpoint.address, self.end_board):
+                try:
+                    if path is not None:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    pass

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from freeride._boards import WorkerBoard, read_step
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._cluster.placement import Capacity
 from freeride._cluster.records import ClaimedTask, QueueNote, QueueView, TaskStatus, is_cluster_id
@@ -65,6 +66,7 @@ from freeride.devices import Device
 from freeride.devices.cuda import MIN_ALLOCATOR_BYTES
 from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
 from freeride.messages import (
+    BubbleEnd,
     BubbleSlotStats,
     BubbleStart,
     FailureRecord,
@@ -94,6 +96,16 @@ _TrainerInput = C.BubbleStarted | C.BubbleEnded | C.LayoutChanged
 
 
 @dataclass(frozen=True)
+class _HotGrant:
+    """The grant a trainer's end may end before the loop sees that end (see ``post_bubbles``)."""
+
+    grant_id: int
+    bubble_key: tuple[int, int, int, int]
+    start_ns: int
+    board: WorkerBoard
+
+
+@dataclass(frozen=True)
 class LoopConfig:
     state_dir: Path
     core: C.CoreConfig = field(default_factory=C.CoreConfig)
@@ -114,6 +126,9 @@ class LoopConfig:
     #: A worker's log is rotated when it would grow past this; ``worker_log_backups`` older ones are kept.
     worker_log_max_bytes: int = 8 * 2**20
     worker_log_backups: int = 1
+    #: The trainer's end board (:class:`freeride._boards.EndBoard`), made by the daemon next to its unix
+    #: socket; workers read it. None: ends reach workers through the manager only.
+    end_board_path: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
@@ -183,6 +198,7 @@ class WorkerHandle:
     pidfd: int
     log: WorkerLog
     log_fd: int  # the read end of the worker's output pipe; -1 once closed
+    board: WorkerBoard | None  # its step and ended-grant words (None: the state directory refused it)
     extra_pgids: list[int] = field(default_factory=list)
     closed: bool = False
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
@@ -208,6 +224,12 @@ class ManagerLoop:
         self.messages_dropped = 0
         #: Trainer timestamp -> handed to the core, for every bubble event (loop thread only).
         self.event_delay = LatencyHistogram()
+        #: A bubble end received (the servicer's stamp) -> the running worker's ended-grant word set.
+        #: Recorded by servicer threads and the loop thread: under its lock.
+        self.end_to_worker = LatencyHistogram()
+        self._end_lock = threading.Lock()
+        #: Published by the loop thread at each grant that follows real ends, read by servicer threads.
+        self._hot: _HotGrant | None = None
         self._pending_events = 0  # bubble events posted and not yet taken by the loop
         self._room = threading.Condition()  # guards _pending_events; notified when the loop takes some
         self._stopped = threading.Event()
@@ -277,6 +299,7 @@ class ManagerLoop:
         those still waiting for room when the loop stopped. They, and the events the stopped loop
         left in its inbox, are counted in ``events_dropped``.
         """
+        self._end_hot_grant(events, received_ns)
         limit = self.config.max_pending_events
         size = min(limit, BUBBLES_PER_TURN)
         with self._room:
@@ -294,6 +317,30 @@ class ManagerLoop:
             self._bubbles.append(chunk)
             self._wake()
         return 0
+
+    def _end_hot_grant(self, events: Sequence[TrainerEvent], received_ns: int) -> None:
+        """Set the ended-grant word of the worker that holds a bubble as soon as its end arrives.
+
+        Runs on the stream's servicer thread, before the end even waits in the inbox: the loop's turn
+        (a thread hand-off, the GIL, a busy loop) would otherwise stand between the manager receiving
+        an end and the worker learning of it. It decides nothing the core would not: the loop publishes
+        the grant (``_hot``) only under a policy that parks at real ends, and an end with that grant's
+        bubble key, at or after its start, is what makes the core park it (the core still does, and
+        the loop's write of the same word is then a no-op). A stale publication is harmless: grant ids
+        only grow, and saying that an ended bubble ended changes nothing.
+        """
+        hot = self._hot
+        if hot is None:
+            return
+        for event in events:
+            if isinstance(event, BubbleEnd) and event.key == hot.bubble_key and event.end_ns >= hot.start_ns:
+                try:
+                    if hot.board.end_grant(hot.grant_id, event.end_ns):
+                        with self._end_lock:
+                            self.end_to_worker.record(self.now_ns() - received_ns)
+                except ValueError:  # the worker was reaped and its board closed meanwhile
+                    pass
+                return
 
     def _trainer_event(self, event: TrainerEvent, received_ns: int) -> _TrainerInput:
         if isinstance(event, BubbleStart):
@@ -505,13 +552,24 @@ class ManagerLoop:
             handle = self._workers.get(action.task_id)
             if handle is None:
                 return
+            # The grant goes out before a frozen worker is thawed: its interrupted step then ends with
+            # the new grant waiting, rather than with the old grant's ended word alone.
+            self._send(handle, {"t": "grant", "g": action.grant_id, "deadline_ns": action.deadline_ns,
+                                "margin_ns": action.margin_ns, "probe": action.probe, "rank": action.rank,
+                                "bubble_start_ns": action.bubble_start_ns, "trainer_ends": action.trainer_ends})
             if action.thaw:
                 self._signal(handle, signal.SIGCONT)
-            self._send(handle, {"t": "grant", "g": action.grant_id, "deadline_ns": action.deadline_ns,
-                                "margin_ns": action.margin_ns, "probe": action.probe})
+            if action.trainer_ends and handle.board is not None:
+                self._hot = _HotGrant(action.grant_id, action.bubble_key, action.bubble_start_ns, handle.board)
         elif isinstance(action, C.Park):
             handle = self._workers.get(action.task_id)
             if handle is not None:
+                # The word first: the worker reads it before every step, whether or not it has read
+                # its channel (or the channel was full). The message only wakes a worker that waits.
+                if handle.board is not None and handle.board.end_grant(action.grant_id, action.end_ns) \
+                        and action.end_received_ns:
+                    with self._end_lock:
+                        self.end_to_worker.record(self.now_ns() - action.end_received_ns)
                 self._send(handle, {"t": "park", "g": action.grant_id})
         elif isinstance(action, C.Freeze):
             handle = self._workers.get(action.task_id)
@@ -686,11 +744,15 @@ class ManagerLoop:
         checkpoint_dir = self.checkpoint_dir(action.task_id)
         try:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (task_dir / "current_step").unlink(missing_ok=True)
             (task_dir / "work").mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a full or read-only state directory: say so rather than stay STARTING
             self._spawn_failed(action.task_id, f"cannot prepare the task directory {task_dir}: {exc}")
             return
+        board: WorkerBoard | None = None
+        try:
+            board = WorkerBoard.create(task_dir / "board")
+        except OSError as exc:  # the worker then learns of ends by its channel only
+            log.warning("[%s task=%s] no board for the worker: %s", self.device, action.task_id, exc)
         try:
             log_fd, out_fd = os.pipe2(os.O_CLOEXEC)
         except OSError as exc:
@@ -725,6 +787,8 @@ class ManagerLoop:
             os.close(log_fd)
             os.close(out_fd)
             worker_log.close()
+            if board is not None:
+                board.close()
             self._spawn_failed(action.task_id, f"cannot start the worker: {exc}")
             return
         child_sock.close()
@@ -734,7 +798,7 @@ class ManagerLoop:
         parent_sock.setblocking(False)
         channel = Channel(parent_sock)
         pidfd = os.pidfd_open(proc.pid)
-        handle = WorkerHandle(action.task_id, proc, channel, pidfd, worker_log, log_fd)
+        handle = WorkerHandle(action.task_id, proc, channel, pidfd, worker_log, log_fd, board)
         self._workers[action.task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, ("chan", handle))
         self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
@@ -755,7 +819,8 @@ class ManagerLoop:
             "checkpoint_interval_s": spec.checkpoint_interval_s
             or self.config.core.default_checkpoint_interval_s,
             "step_time_hint_ms": spec.step_time_hint_ms,
-            "step_file": str(task_dir / "current_step"),
+            "board_file": str(task_dir / "board") if board is not None else "",
+            "end_board": str(self.config.end_board_path or ""),
             "admission": self.config.core.policy,
         }
         try:
@@ -802,6 +867,9 @@ class ManagerLoop:
         kind = msg["t"]
         tid = handle.task_id
         if kind == "parked":
+            hot = self._hot
+            if hot is not None and hot.grant_id == int(msg["g"]):
+                self._hot = None  # its bubble is no longer held: an end for it times no worker
             if self._trace is not None:
                 # A worker of an older version sends no starts: its grant then has no spans.
                 starts = msg.get("starts_ns") or []
@@ -812,7 +880,7 @@ class ManagerLoop:
                 tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
                 int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),
                 float(msg["progress"]), int(msg["total_steps"]), int(msg.get("warmup_steps", 0)),
-                _byte_count(msg.get("device_bytes", 0))))
+                _byte_count(msg.get("device_bytes", 0)), int(msg.get("end_ns", 0))))
         elif kind == "ready":
             self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps")),
                                      _byte_count(msg.get("context_bytes", 0))))
@@ -894,6 +962,8 @@ class ManagerLoop:
         self._read_log(handle, chunks=64)
         tail = handle.log.tail(LOG_TAIL_BYTES)
         self._close_log(handle)
+        if handle.board is not None:
+            handle.board.close()
         orphans.forget(self.task_dir(handle.task_id))
         self._selector.unregister(handle.pidfd)
         os.close(handle.pidfd)
@@ -909,10 +979,8 @@ class ManagerLoop:
         self._feed(C.WorkerExited(handle.task_id, code, sig, tail, self._board_step(handle.task_id)))
 
     def _board_step(self, task_id: str) -> int:
-        """The step a task's worker last began, from its step board; -1 when it began none."""
-        from freeride._worker.runtime import read_step_board
-
-        return read_step_board(self.task_dir(task_id) / "current_step")
+        """The step a task's worker last began, from its board (the file outlives the worker); -1: none."""
+        return read_step(self.task_dir(task_id) / "board")
 
     def _log_tail(self, task_id: str) -> str:
         handle = self._workers.get(task_id)
@@ -1134,6 +1202,7 @@ class ManagerLoop:
             draining=self.core.draining,
             messages_dropped=self.messages_dropped,
             event_delay_ms=self.event_delay.percentiles(),
+            end_to_worker_ms=self._end_to_worker_ms(),
             events_dropped=self.events_dropped,
             device_info=self.device.describe(),
             device_problem=self.core.device_problem,
@@ -1143,6 +1212,10 @@ class ManagerLoop:
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         return self.core.slot_stats()
+
+    def _end_to_worker_ms(self) -> Percentiles:
+        with self._end_lock:
+            return self.end_to_worker.percentiles()
 
     # ------------------------------------------------------------------ startup and shutdown
 
@@ -1205,6 +1278,8 @@ class ManagerLoop:
             handle.proc.wait()
             self._read_log(handle, chunks=64)
             self._close_log(handle)
+            if handle.board is not None:
+                handle.board.close()
             orphans.forget(self.task_dir(handle.task_id))
         if self._pending_writes and not self._flush_writes():
             log.error("[%s] stopping with %d task record(s) not saved (%s): those tasks come back in their last "

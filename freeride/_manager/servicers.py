@@ -190,6 +190,7 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         device_problem=s.device_problem,
         layout_changes=s.layout_changes,
         layout=s.layout,
+        end_to_worker_ms=_pct_pb(s.end_to_worker_ms),
     )
 
 

@@ -229,6 +229,7 @@ def _stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         device_problem=msg.device_problem,
         layout_changes=msg.layout_changes,
         layout=msg.layout,
+        end_to_worker_ms=_percentiles(msg.end_to_worker_ms),
     )
 
 

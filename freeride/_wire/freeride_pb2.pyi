@@ -225,7 +225,7 @@ class Percentiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ..., p999: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout")
+    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout", "end_to_worker_ms")
     class TasksByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class StatsResponse(_message.Message):
     DEVICE_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    END_TO_WORKER_MS_FIELD_NUMBER: _ClassVar[int]
     device: str
     uptime_s: float
     bubbles: int
@@ -275,7 +276,8 @@ class StatsResponse(_message.Message):
     device_problem: str
     layout_changes: int
     layout: str
-    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    end_to_worker_ms: Percentiles
+    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ..., end_to_worker_ms: _Optional[_Union[Percentiles, _Mapping]] = ...) -> None: ...
 
 class BubblesRequest(_message.Message):
     __slots__ = ()

@@ -13,9 +13,13 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
    the runtime waits for the device (:meth:`WorkerDevice.synchronize`) before it stops the step's
    clock and decides on the next one; the time is then what the GPU spent, and no step is admitted
    on the strength of a launch time. Between steps, read the channel without blocking: a ``park``
-   for this grant (the real bubble end came early) stops the loop after the current step. Then
-   report ``parked`` with the step durations and the device memory the worker holds, and go back
-   to waiting. Nothing runs outside grants.
+   for this grant (the real bubble end came early) stops the loop after the current step. And right
+   before each step, read the boards (:mod:`freeride._boards`; two memory loads): the manager's
+   ended-grant word, which it sets before it sends a park, and the trainer's end of this grant's
+   bubble, which the trainer writes before its end even reaches the wire. Either stops the loop, so
+   no step starts after an end the worker could know of. Then report ``parked`` with the step
+   durations and the device memory the worker holds, and go back to waiting. Nothing runs outside
+   grants.
 4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
    ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
    ever sees whole files, and the last two are kept. A checkpoint the disk refuses (full,
@@ -31,12 +35,10 @@ import argparse
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -44,6 +46,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from freeride._boards import EndBoard, WorkerBoard
 from freeride._channel import Channel, ChannelClosed
 from freeride._manager.estimator import StepEstimator
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
@@ -147,35 +150,6 @@ def _load_checkpoint(path: Path) -> dict[str, Any]:
     return blob
 
 
-class _StepBoard:
-    """The current step index in an 8-byte shared file: one memory store per step, no syscall.
-
-    If the worker dies from a signal mid-step, the manager reads it to say which step that was.
-    """
-
-    def __init__(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            # Written, not truncated to size: a sparse page would be allocated on the first store,
-            # and a full disk then answers with SIGBUS instead of an error here.
-            os.pwrite(fd, struct.pack("q", -1), 0)
-            self._mm = mmap.mmap(fd, 8)
-        finally:
-            os.close(fd)
-
-    def publish(self, step: int) -> None:
-        struct.pack_into("q", self._mm, 0, step)
-
-
-def read_step_board(path: Path) -> int:
-    """The step a worker last published, or -1."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return -1
-    return int(struct.unpack("q", data[:8])[0]) if len(data) >= 8 else -1
-
-
 #: The reference system's task loop (REFERENCE.md): a step runs only if the time left exceeds
 #: 1.2 x its median step time rounded up to 10 ms, and every step is followed by a 5 ms sleep.
 PAPER_ADMISSION_FACTOR = 1.2
@@ -259,12 +233,21 @@ class WorkerRuntime:
         self.steps = 0
         self.last_checkpoint_ns = time.monotonic_ns()
         self.checkpointed_steps = -1
-        self._step_board: _StepBoard | None = None
-        if init.get("step_file"):
+        #: The step and ended-grant words the manager shares with this worker (:mod:`freeride._boards`).
+        self._board: WorkerBoard | None = None
+        if init.get("board_file"):
             try:
-                self._step_board = _StepBoard(Path(init["step_file"]))
-            except OSError as exc:  # only a diagnostic: a failure record then says less about the step
-                log.warning("[task=%s] no step board (%s)", self.task_id, exc)
+                self._board = WorkerBoard.attach(Path(init["board_file"]))
+            except OSError as exc:  # ends then arrive by the channel only; a failure says less about the step
+                log.warning("[task=%s] no board (%s)", self.task_id, exc)
+        #: Where the trainer writes its bubble ends, when it runs on this host as this user.
+        self._end_board: EndBoard | None = None
+        if init.get("end_board"):
+            try:
+                self._end_board = EndBoard.open(Path(init["end_board"]), writable=False)
+            except OSError as exc:
+                log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
+                            self.task_id, exc)
         self.thaws = _ThawCounter()
 
     # ------------------------------------------------------------------ main loop
@@ -337,12 +320,35 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ grants
 
+    def _ended(self, grant_id: int, bubble: tuple[int, int] | None) -> tuple[str, int] | None:
+        """Whether the bubble of this grant has ended, by the boards: ``("park", end_ns)`` when the manager
+        said so, ``("ended", end_ns)`` when the trainer did (``bubble``: its rank and start time; None
+        when the grant does not follow the trainer's ends), else None. Two memory loads, no syscall:
+        checked right before each step, so that no step starts after an end the worker could know of.
+        """
+        if self._board is not None and self._board.ended_grant() >= grant_id:
+            return ("park", self._board.ended_at_ns())
+        if bubble is not None and self._end_board is not None:
+            end_ns = self._end_board.ended_ns(*bubble)
+            if end_ns:
+                return ("ended", end_ns)
+        return None
+
+    @staticmethod
+    def _bubble_of(grant: dict[str, Any]) -> tuple[int, int] | None:
+        """(rank, start time) of a grant's bubble, when the grant follows the trainer's own ends."""
+        if not grant.get("trainer_ends"):
+            return None
+        return int(grant.get("rank", -1)), int(grant.get("bubble_start_ns", 0))
+
     def _run_grant(self, grant: dict[str, Any]) -> bool:
         """Step inside one grant (and any that supersede it); True when the task finished."""
         assert self.task is not None
         grant_id = int(grant["g"])
         deadline = int(grant["deadline_ns"])
         margin = int(grant["margin_ns"])
+        bubble = self._bubble_of(grant)
+        seen_end_ns = 0
         if grant.get("probe"):
             # The manager suspects a stale estimate: forget it and run at least one step.
             self.estimator = StepEstimator(hint_ns=0)
@@ -360,7 +366,7 @@ class WorkerRuntime:
         while True:
             if self._done():
                 self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                  last_end_ns, "done")
+                                  last_end_ns, "done", seen_end_ns)
                 self.chan.send({"t": "finished", "total_steps": self.steps, "progress": self._progress()})
                 self._close_task()
                 return True
@@ -375,6 +381,7 @@ class WorkerRuntime:
                     grant_id = int(msg["g"])
                     deadline = int(msg["deadline_ns"])
                     margin = int(msg["margin_ns"])
+                    bubble = self._bubble_of(msg)
                     reason = "deadline"
                     stop_now = False
                     # Steps of the earlier grant would be reported under this one: its latency
@@ -382,7 +389,7 @@ class WorkerRuntime:
                     first_step_ns = min(first_step_ns, 1)
                 elif kind == "stop":
                     self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                      last_end_ns, "stop")
+                                      last_end_ns, "stop", seen_end_ns)
                     self._stop(bool(msg.get("checkpoint")))
                     return True
                 msg = self.chan.recv_nowait()
@@ -395,8 +402,12 @@ class WorkerRuntime:
                     break
             elif now + (est or 0) + margin > deadline:
                 break
-            if self._step_board is not None:
-                self._step_board.publish(self.steps)
+            ended = self._ended(grant_id, bubble)
+            if ended is not None:
+                reason, seen_end_ns = ended
+                break
+            if self._board is not None:
+                self._board.publish_step(self.steps)
             thaws = self.thaws.count
             step_deadline = deadline
             cpu_start = time.process_time_ns()
@@ -431,7 +442,8 @@ class WorkerRuntime:
             last_end_ns = end
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)
-        self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns, last_end_ns, reason)
+        self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns, last_end_ns, reason,
+                          seen_end_ns)
         return False
 
     def _done(self) -> bool:
@@ -451,6 +463,7 @@ class WorkerRuntime:
         first: int,
         last: int,
         reason: str,
+        end_ns: int = 0,
     ) -> None:
         self.chan.send(
             {
@@ -464,6 +477,9 @@ class WorkerRuntime:
                 "last_end_ns": last,
                 "parked_ns": time.monotonic_ns(),
                 "reason": reason,
+                # "ended": the trainer's end of this bubble, read on the end board before the manager
+                # knew of it (the manager then neither parks nor backfills this bubble).
+                "end_ns": end_ns,
                 "progress": self._progress(),
                 "total_steps": self.steps,
                 # What the device holds for this worker, as the worker itself measures it: the manager's

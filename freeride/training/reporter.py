@@ -22,6 +22,15 @@ per-message cost is shared by the whole batch. A trainer pinned to one core pass
 ``cpu_affinity`` (for example the cores it was given before pinning) so that the sender thread and
 the gRPC thread it starts are not confined to the training thread's core.
 
+**Ends reach side tasks before they reach the wire.** A manager on a unix socket keeps an *end
+board* beside it (:mod:`freeride._boards`): a small shared file in the socket's owner-only directory.
+The reporter maps it each time it connects, and :meth:`BubbleReporter.bubble_end` writes the ended
+bubble's start and end time into this rank's record (two memory stores, no system call) before it
+queues the end; the side task granted that bubble reads the record before each step and stops at
+once. The end still travels the wire to the manager, which parks, measures and learns from it as
+before: the board only removes the wire's latency (~0.3 ms, more under load) from the moment a side
+task stops starting steps. Over TCP (another user, another host) there is no board.
+
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
 """
@@ -37,6 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from freeride._boards import EndBoard, end_board_path
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, resolve_endpoint
 from freeride.messages import (
@@ -92,6 +102,8 @@ class BubbleReporter:
     ``device`` names the device this rank trains on (``cuda:0``, ``cpu:1``); its manager is found
     at ``endpoint`` if given, else ``$FREERIDE_ENDPOINT``, else the device's default socket.
     ``stage`` and ``rank`` are the pipeline stage and global rank stamped on every event.
+    ``end_board=False`` leaves the manager's end board alone: ends then reach side tasks over the wire
+    only (a measurement of what the board saves).
     """
 
     def __init__(
@@ -107,6 +119,7 @@ class BubbleReporter:
         backoff_max_s: float = 2.0,
         start: bool = True,
         cpu_affinity: set[int] | None = None,
+        end_board: bool = True,
     ) -> None:
         parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
         self.device = device
@@ -119,8 +132,15 @@ class BubbleReporter:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._cpu_affinity = set(cpu_affinity) if cpu_affinity else None
+        self._use_end_board = end_board  # False: ends reach side tasks over the wire only (measurements)
         self._closed = threading.Event()
         self._connected = False
+        #: The manager's end board, mapped at each connection (a restarted manager makes a new one); the
+        #: training thread writes to whichever mapping it reads here. A replaced mapping is not closed
+        #: (the training thread may be writing to it), only dropped.
+        self._end_board: EndBoard | None = None
+        #: (iteration, slot, start_ns) of the last bubble started: the identity an end writes on the board.
+        self._last_start: tuple[int, int, int] | None = None
         # Counters: each is written by one thread only, so plain ints are race-free under the GIL.
         self._enqueued = 0
         self._dropped_hot = 0
@@ -150,6 +170,7 @@ class BubbleReporter:
         try:
             if start_ns is None:
                 start_ns = time.monotonic_ns()
+            self._last_start = (iteration, slot, start_ns)
             if self._queue.qsize() >= self._queue_size or self._closed.is_set():
                 self._dropped_hot += 1
                 return
@@ -159,7 +180,19 @@ class BubbleReporter:
             self._dropped_hot += 1
 
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
-        """Report that the wait is over now (or at ``end_ns``). Never blocks or raises."""
+        """Report that the wait is over now (or at ``end_ns``). Never blocks or raises.
+
+        A side task in this bubble learns of the end from the end board at once (see the module
+        docstring), then the manager from the wire.
+        """
+        try:
+            if end_ns is None:
+                end_ns = time.monotonic_ns()
+            board, last = self._end_board, self._last_start
+            if board is not None and last is not None and last[0] == iteration and last[1] == slot:
+                board.record_end(self.rank, last[2], end_ns)
+        except Exception:  # noqa: BLE001 - a board gone bad costs only its speed-up; the end still goes out
+            pass
         try:
             if end_ns is None:
                 end_ns = time.monotonic_ns()
@@ -343,6 +376,7 @@ class BubbleReporter:
             stream = None
             try:
                 stream = self._open_stream(alive)
+                self._end_board = self._open_end_board()
                 self._connects += 1
                 self._connected = True
                 while not stream.done():
@@ -375,6 +409,16 @@ class BubbleReporter:
                 break
             backoff = min(self._backoff_max_s, backoff * 2)
         self._discard_queued()
+
+    def _open_end_board(self) -> EndBoard | None:
+        """The manager's end board, when it listens on a unix socket and keeps one (else None)."""
+        if self.endpoint.kind != "unix" or not self._use_end_board:
+            return None
+        try:
+            return EndBoard.open(end_board_path(self.endpoint.address), writable=True)
+        except (OSError, ValueError) as exc:  # an older manager, or one that could not make it
+            log.debug("[%s stage=%d] no end board beside %s: %s", self.device, self.stage, self.endpoint, exc)
+            return None
 
     def _add_summary(self, summary: StreamSummary) -> None:
         self._accepted += summary.accepted

@@ -279,3 +279,38 @@ def test_a_task_that_prints_without_end_keeps_a_bounded_log_and_its_last_words(t
     finally:
         h.client.close()
         manager.stop()
+
+
+def test_no_step_starts_after_the_trainers_end_even_when_the_end_reaches_the_manager_late(
+    harness: ManagerHarness,
+) -> None:
+    # Issue 13: a worker learned of a bubble's end only from the manager's park message, so it kept
+    # starting steps for as long as the end took to reach it. The trainer's end board stops it at once:
+    # here each end reaches the manager 40 ms after the real end, and still at most the one step that
+    # was deciding to start as the end was written begins after it.
+    from freeride._boards import EndBoard, end_board_path
+    from freeride.messages import BubbleEnd, BubbleStart
+
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 0.5})
+    harness.wait_state(task.task_id, "PARKED")
+    ends = EndBoard.open(end_board_path(harness.endpoint.address), writable=True)
+    feeder = harness.feeder()
+    bubbles = []
+    for it in range(30):
+        start = time.monotonic_ns()
+        feeder.send(BubbleStart(0, 0, it, 0, "test", start, 100 * 1_000_000, 8 * 2**30))
+        time.sleep(0.02)
+        end = time.monotonic_ns()
+        ends.record_end(0, start, end)
+        time.sleep(0.04)
+        feeder.send(BubbleEnd(0, 0, it, 0, end))
+        bubbles.append((start, end))
+        time.sleep(0.005)
+    assert feeder.close() == (60, 0)
+    steps = read_steps(work_dir(harness, task.task_id))
+    assert len(steps) > 30
+    nexts = [start for start, _ in bubbles[1:]] + [time.monotonic_ns()]
+    late = [sum(1 for s, _ in steps if end < s < following)
+            for (_, end), following in zip(bubbles, nexts, strict=True)]
+    assert max(late) <= 1, late
+    assert harness.client.stats().events_rejected == 0

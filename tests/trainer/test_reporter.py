@@ -252,3 +252,25 @@ def test_compute_profile_ewma_and_percentile() -> None:
     assert prof.mean_ns("F") == 150.0 and prof.samples("F") == 2
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([], 90) == 0.0
+
+
+def test_an_end_is_on_the_managers_end_board_before_it_is_queued(tmp_path: Path) -> None:
+    # A side task in the bubble reads the board before each step: it learns of the end without waiting
+    # for the wire (issue 13). The board is found beside the manager's unix socket at each connection.
+    from freeride._boards import EndBoard, end_board_path
+
+    endpoint = Endpoint("unix", str(tmp_path / "m.sock"))
+    EndBoard.create(end_board_path(endpoint.address))
+    board = EndBoard.open(end_board_path(endpoint.address), writable=False)
+    reporter = BubbleReporter("cpu:0", stage=1, rank=5, endpoint=endpoint, backoff_initial_s=0.01)
+    try:
+        wait_for(lambda: reporter._end_board is not None, 5, what="the reporter to map the end board")
+        start = now_ns()
+        reporter.bubble_start(3, 2, "drain", predicted_ns=MS, start_ns=start)
+        assert board.ended_ns(5, start) == 0
+        reporter.bubble_end(3, 2, end_ns=start + 700)
+        assert board.ended_ns(5, start) == start + 700
+        reporter.bubble_end(4, 2, end_ns=start + 900)  # not the bubble that started: the board keeps its record
+        assert board.ended_ns(5, start) == start + 700
+    finally:
+        reporter.close()

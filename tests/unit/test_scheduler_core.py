@@ -451,7 +451,9 @@ def test_bubble_start_grants_the_parked_task_until_the_predicted_end() -> None:
     sim = Sim(margin_ns=MS // 5)
     sim.resident("a")
     actions = sim.start(predicted_ms=10)
-    assert of(actions, Grant) == [Grant("a", 1, T0 + 10 * MS, MS // 5, False)]
+    assert sim.open is not None
+    assert of(actions, Grant) == [Grant("a", 1, T0 + 10 * MS, MS // 5, False, rank=0, bubble_start_ns=T0,
+                                        bubble_key=sim.open.key, trainer_ends=True)]
     assert StateChanged("a", S.PARKED, S.RUNNING, "granted") in actions
     assert sim.state("a") == S.RUNNING
 
@@ -593,7 +595,9 @@ def test_task_that_becomes_ready_inside_a_bubble_is_granted_the_rest_of_it() -> 
     sim.start(predicted_ms=10)
     sim.advance_ms(2)
     actions = sim.ready("a")
-    assert of(actions, Grant) == [Grant("a", 1, T0 + 10 * MS, sim.core.config.margin_ns, False)]
+    assert of(actions, Grant) == [Grant("a", 1, T0 + 10 * MS, sim.core.config.margin_ns, False, rank=0,
+                                        bubble_start_ns=T0, bubble_key=sim.open.key,  # type: ignore[union-attr]
+                                        trainer_ends=True)]
 
 
 def test_no_grant_when_the_time_left_is_within_the_margin() -> None:
@@ -614,7 +618,7 @@ def test_bubble_end_while_running_emits_park() -> None:
     grant = of(sim.start(predicted_ms=10), Grant)[0]
     sim.advance_ms(8)
     actions = sim.end()
-    assert actions == [Park("a", grant.grant_id)]
+    assert actions == [Park("a", grant.grant_id, end_received_ns=sim.now, end_ns=sim.now)]
     assert sim.state("a") == S.RUNNING  # until the worker says it parked
 
 
@@ -650,7 +654,9 @@ def test_worker_parking_early_lets_another_task_use_the_rest_of_the_bubble() -> 
     assert grants(sim.start(predicted_ms=10)) == ["a"]
     sim.advance_ms(3)
     actions = sim.parked("a", [1.0, 1.0], reason="deadline")
-    assert of(actions, Grant) == [Grant("b", 2, T0 + 10 * MS, sim.core.config.margin_ns, False)]
+    assert of(actions, Grant) == [Grant("b", 2, T0 + 10 * MS, sim.core.config.margin_ns, False, rank=0,
+                                        bubble_start_ns=T0, bubble_key=sim.open.key,  # type: ignore[union-attr]
+                                        trainer_ends=True)]
     assert sim.state("a") == S.PARKED
     assert sim.state("b") == S.RUNNING
 
@@ -1254,6 +1260,40 @@ def test_repeated_end_of_the_same_bubble_is_an_anomaly() -> None:
     sim.end()
     assert sim.end() == []
     assert sim.core.stats.anomalies == 1
+
+
+def test_grants_name_their_bubble_for_the_trainers_end_board_except_under_the_reference_policy() -> None:
+    sim = Sim()
+    sim.resident("a")
+    grant = of(sim.start(predicted_ms=10, rank=2), Grant)[0]
+    assert (grant.rank, grant.bubble_start_ns, grant.trainer_ends) == (2, sim.now, True)
+    paper = paper_sim()
+    paper.tick()
+    paper.start(predicted_ms=30)
+    paper.advance_ms(10)
+    assert [g.trainer_ends for g in of(paper.tick(), Grant)] == [False]
+
+
+def test_a_worker_that_stopped_on_the_trainers_end_closes_its_bubble_to_grants() -> None:
+    # The worker read the trainer's end on the end board before the end reached the manager: nothing
+    # may be granted in the rest of that bubble, and the end, when it comes, is measured as usual.
+    sim = Sim()
+    sim.resident("a", "b")
+    sim.start(predicted_ms=10)
+    assert sim.state("a") == S.RUNNING
+    trainer_end = sim.now + 6 * MS
+    sim.advance_ms(6.3)
+    task = sim.core.tasks["a"]
+    actions = sim.send(WorkerParked("a", task.grant_id, 1, (int(6.2 * MS),), task.granted_at_ns + 1000,
+                                    trainer_end + MS // 10, sim.now, "ended", 0.0, 1, seen_end_ns=trainer_end))
+    assert grants(actions) == []  # no backfill of an ended bubble
+    assert sim.state("a") == S.PARKED
+    assert list(sim.core.stats.overrun_ms) == [pytest.approx(0.1)]  # measured from the trainer's end
+    sim.advance_ms(0.3)
+    assert sim.end(end_ns=trainer_end) == []  # no park: nobody runs
+    assert [s.count for s in sim.core.slot_stats()] == [1] and sim.core.stats.ignored_events == 0
+    sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10)) == ["b"]  # the next bubble is granted as usual
 
 
 def test_start_while_another_bubble_is_open_closes_the_lost_one_and_parks_its_worker() -> None:

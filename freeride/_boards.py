@@ -1,0 +1,172 @@
+"""Shared-memory words between the processes of one host: what must arrive before a message could.
+
+Two boards, each a small file mapped into every process that uses it, read and written with one
+memory access, no system call:
+
+* :class:`WorkerBoard`, one per worker (``<task dir>/board``), made by the manager before it spawns the
+  worker. Word 0, the **step**: the worker publishes the index of each step before running it, so a
+  worker killed by a signal (or by the manager, over its memory cap or past its step timeout) still
+  says which step it was in. Word 1, the **ended grant**: the manager writes the id of a grant whose
+  bubble has ended at the moment it decides to park the worker, before the park message; the worker
+  reads it before each step and starts none for a grant at or below it. Grant ids only grow, so a
+  grant for a newer bubble is never taken for an ended one, and a late write for an old grant is
+  harmless. Word 2: that bubble's real end (the trainer's ``CLOCK_MONOTONIC`` ns; 0 when unknown),
+  which the worker reports, so that the manager knows the bubble is over even if the worker's report
+  overtakes the end on its way to the scheduler.
+* :class:`EndBoard`, one per manager on a unix socket (``<socket>.ends``, in the socket's owner-only
+  directory), written by the trainer: when a rank's bubble ends, its reporter writes the bubble's
+  start time (its identity) and its end time into the record of that rank, from the training thread,
+  before the end is even queued for the wire. A worker granted that bubble reads the record before
+  each step and stops at once: the end reaches it in about a microsecond instead of the ~0.3 ms (p99
+  ~0.6 ms, more under load) that the reporter, gRPC and the manager's loop take. The manager still
+  learns every end over the wire (statistics, parks, freezes); the board only lets a worker stop
+  before the manager knows. The reference policy's emulation never reads it (it ignores real ends).
+  A trainer that is another user, or on another host, reaches the manager over TCP and has no board:
+  its ends travel over the wire only.
+
+Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
+the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
+Each record's identity word is written last and read first; a stale companion word (an end time)
+could only skew a measurement, never a decision.
+
+Files are written whole when made (``pwrite`` of zeros, not ``ftruncate``): a sparse page would be
+allocated on the first store, and a full disk then answers with SIGBUS instead of an error here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+_WORD = struct.Struct("<q")
+_RECORD = struct.Struct("<qq")
+
+#: Records in an end board: one per rank, by ``rank % END_BOARD_RANKS`` (a device hosts a few ranks at most).
+END_BOARD_RANKS = 64
+END_BOARD_BYTES = END_BOARD_RANKS * _RECORD.size
+WORKER_BOARD_BYTES = 64
+
+_STEP, _ENDED_GRANT, _ENDED_AT = 0, 8, 16
+
+
+def _make(path: Path, size: int, initial: bytes = b"") -> None:
+    """Create (or reset) ``path`` with ``size`` bytes written: ``initial`` then zeros; owner-only."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwrite(fd, initial.ljust(size, b"\0"), 0)
+    finally:
+        os.close(fd)
+
+
+def _map(path: Path, size: int, writable: bool) -> mmap.mmap:
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise OSError(f"{path} is shorter than a board ({size} bytes)")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
+
+
+class WorkerBoard:
+    """A worker's step and ended-grant words (see the module docstring)."""
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._mm = mapping
+
+    @classmethod
+    def create(cls, path: Path) -> WorkerBoard:
+        """The manager's side: a fresh board (step -1, no grant ended), mapped."""
+        _make(path, WORKER_BOARD_BYTES, _WORD.pack(-1))
+        return cls(_map(path, WORKER_BOARD_BYTES, writable=True))
+
+    @classmethod
+    def attach(cls, path: Path) -> WorkerBoard:
+        """The worker's side: the board its manager made."""
+        return cls(_map(path, WORKER_BOARD_BYTES, writable=True))
+
+    def publish_step(self, step: int) -> None:
+        _WORD.pack_into(self._mm, _STEP, step)
+
+    def step(self) -> int:
+        return int(_WORD.unpack_from(self._mm, _STEP)[0])
+
+    def end_grant(self, grant_id: int, end_ns: int) -> bool:
+        """Say that ``grant_id``'s bubble ended at ``end_ns`` (the end first: the grant id is what the
+        worker acts on). False when that grant (or a newer one) was said to have ended already.
+
+        Two threads of a manager may call it for one grant (a servicer thread as the end arrives, the
+        loop as it parks the worker): both write the same values, so the order does not matter.
+        """
+        if grant_id <= self.ended_grant():
+            return False
+        _WORD.pack_into(self._mm, _ENDED_AT, end_ns)
+        _WORD.pack_into(self._mm, _ENDED_GRANT, grant_id)
+        return True
+
+    def ended_grant(self) -> int:
+        return int(_WORD.unpack_from(self._mm, _ENDED_GRANT)[0])
+
+    def ended_at_ns(self) -> int:
+        """The real end of the last ended grant's bubble (0: unknown)."""
+        return int(_WORD.unpack_from(self._mm, _ENDED_AT)[0])
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):  # still exported, or closed already
+            pass
+
+
+def read_step(path: Path) -> int:
+    """The step a worker last began, from its board file (also after the worker is gone); -1 if none."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(_WORD.size)
+    except OSError:
+        return -1
+    return int(_WORD.unpack(data)[0]) if len(data) == _WORD.size else -1
+
+
+def end_board_path(socket_path: str) -> Path:
+    """Where the manager listening on the unix socket ``socket_path`` keeps its end board."""
+    return Path(socket_path + ".ends")
+
+
+class EndBoard:
+    """The trainer-written record of each rank's last ended bubble (see the module docstring)."""
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._mm = mapping
+
+    @staticmethod
+    def create(path: Path) -> None:
+        """The manager's side: make (or reset) the board before anyone maps it; it never reads it."""
+        _make(path, END_BOARD_BYTES)
+
+    @classmethod
+    def open(cls, path: Path, writable: bool) -> EndBoard:
+        """The trainer maps it writable, workers read-only. Raises OSError when there is none."""
+        return cls(_map(path, END_BOARD_BYTES, writable))
+
+    def record_end(self, rank: int, start_ns: int, end_ns: int) -> None:
+        """The bubble of ``rank`` that started at ``start_ns`` ended at ``end_ns``."""
+        offset = (rank % END_BOARD_RANKS) * _RECORD.size
+        _WORD.pack_into(self._mm, offset + 8, end_ns)
+        _WORD.pack_into(self._mm, offset, start_ns)  # the identity last
+
+    def ended_ns(self, rank: int, start_ns: int) -> int:
+        """When the bubble of ``rank`` that started at ``start_ns`` ended, or 0 if it has not (yet)."""
+        offset = (rank % END_BOARD_RANKS) * _RECORD.size
+        if int(_WORD.unpack_from(self._mm, offset)[0]) != start_ns:
+            return 0
+        return int(_WORD.unpack_from(self._mm, offset + 8)[0]) or 1
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass

@@ -1,0 +1,137 @@
+"""A bubble's end stops new steps at once: the worker reads its boards before every step.
+
+The worker runs in this process with a real channel and real board files; the "manager" and the
+"trainer" are this test, writing the boards from inside a step, exactly between two steps of the
+worker. Issue 13: the worker learned of an end only from the park message, read between steps, so
+it kept starting steps until that message came (about 1% of steps began after the real end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cpu_devices
+from sample_tasks import Counter
+
+from freeride._boards import EndBoard, WorkerBoard
+from freeride._channel import Channel, socketpair
+from freeride._worker.runtime import WorkerRuntime
+
+DEVICE = cpu_devices(1)[0]
+S = 10**9
+RANK = 3
+
+
+class CallsBack(Counter):
+    """Runs ``hook(step index)`` inside each step."""
+
+    def __init__(self, hook: Callable[[int], None]) -> None:
+        super().__init__(step_ms=0.05, log_steps=False)
+        self.hook = hook
+
+    def step(self) -> None:
+        self.hook(self.count)
+        super().step()
+
+
+@pytest.fixture
+def channels() -> Iterator[tuple[Channel, Channel]]:
+    ours, theirs = socketpair()
+    manager, worker = Channel(ours), Channel(theirs)
+    yield manager, worker
+    manager.close()
+    worker.close()
+
+
+def worker(tmp_path: Path, channel: Channel, task: Counter) -> tuple[WorkerRuntime, WorkerBoard, EndBoard]:
+    board = WorkerBoard.create(tmp_path / "board")
+    EndBoard.create(tmp_path / "ends")
+    rt = WorkerRuntime(channel, {
+        "task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(tmp_path / "work"),
+        "checkpoint_dir": str(tmp_path / "ckpt"), "device": DEVICE, "board_file": str(tmp_path / "board"),
+        "end_board": str(tmp_path / "ends"),
+    })
+    rt.task = task
+    rt.setup_done = True
+    rt._warmup_pending = False
+    return rt, board, EndBoard.open(tmp_path / "ends", writable=True)
+
+
+def grant(grant_id: int, start_ns: int, seconds: float = 5.0, trainer_ends: bool = True) -> dict[str, Any]:
+    return {"t": "grant", "g": grant_id, "deadline_ns": time.monotonic_ns() + int(seconds * S), "margin_ns": 0,
+            "rank": RANK, "bubble_start_ns": start_ns, "trainer_ends": trainer_ends}
+
+
+def parked(manager: Channel) -> dict[str, Any]:
+    msg = manager.recv(timeout_s=5)
+    assert msg is not None and msg["t"] == "parked", msg
+    return msg
+
+
+def test_the_managers_end_word_stops_the_next_step(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    box: dict[str, WorkerBoard] = {}
+    rt, board, _ = worker(tmp_path, channel, CallsBack(lambda i: box["b"].end_grant(7, 1) if i == 3 else None))
+    box["b"] = board
+    assert rt._run_grant(grant(7, start_ns=100)) is False
+    msg = parked(manager)
+    # Step 3 learned of the end while it ran; no step began after it, and no park message was needed.
+    assert (msg["steps"], msg["reason"], msg["end_ns"]) == (4, "park", 1)
+    assert board.step() == 3
+
+
+def test_the_trainers_end_stops_the_next_step_and_is_reported(tmp_path: Path,
+                                                               channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    box: dict[str, EndBoard] = {}
+
+    def hook(i: int) -> None:
+        if i == 2:
+            box["ends"].record_end(RANK, 100, 12345)
+
+    rt, _, ends = worker(tmp_path, channel, CallsBack(hook))
+    box["ends"] = ends
+    rt._run_grant(grant(7, start_ns=100))
+    msg = parked(manager)
+    assert (msg["steps"], msg["reason"], msg["end_ns"]) == (3, "ended", 12345)
+
+
+def test_an_end_of_another_bubble_or_rank_stops_nothing(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    box: dict[str, Any] = {}
+
+    def hook(i: int) -> None:
+        if i == 1:
+            box["ends"].record_end(RANK, 99, 5)  # the bubble before this one
+            box["ends"].record_end(RANK + 1, 100, 5)  # another rank's
+            box["board"].end_grant(6, 1)  # an older grant's
+        if i == 4:
+            box["ends"].record_end(RANK, 100, 5)
+
+    rt, board, ends = worker(tmp_path, channel, CallsBack(hook))
+    box.update(ends=ends, board=board)
+    rt._run_grant(grant(7, start_ns=100))
+    assert parked(manager)["steps"] == 5
+
+
+def test_a_grant_whose_bubble_already_ended_runs_no_step(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    rt, _, ends = worker(tmp_path, channel, CallsBack(lambda i: None))
+    ends.record_end(RANK, 100, 42)
+    rt._run_grant(grant(7, start_ns=100))
+    msg = parked(manager)
+    assert (msg["steps"], msg["reason"], msg["end_ns"]) == (0, "ended", 42)
+
+
+def test_the_reference_policy_ignores_the_trainers_ends(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # Its emulation must stay faithful: the reference system never sees a real end.
+    manager, channel = channels
+    rt, _, ends = worker(tmp_path, channel, CallsBack(lambda i: None))
+    ends.record_end(RANK, 100, 42)
+    rt._run_grant(grant(7, start_ns=100, seconds=0.02, trainer_ends=False))
+    msg = parked(manager)
+    assert msg["reason"] == "deadline" and msg["steps"] > 0
