@@ -24,3 +24,12 @@ fi
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# On an NVIDIA machine (or with FREERIDE_GPU=1): CuPy built for the CUDA major version that torch uses.
+if [ "${FREERIDE_GPU:-}" = 1 ] || { [ "${FREERIDE_GPU:-}" != 0 ] && command -v nvidia-smi >/dev/null 2>&1; }; then
+    cuda_major=$(python -c "import torch; print((torch.version.cuda or '').split('.')[0])")
+    case $cuda_major in
+        12|13) python -m pip install -q -e ".[test,cuda$cuda_major]" \
+                   || echo "setup: could not install CuPy for CUDA $cuda_major (freeride[cuda$cuda_major])" >&2 ;;
+        *) echo "setup: torch has no CUDA ${cuda_major:+($cuda_major) }that CuPy is built for; no CuPy" >&2 ;;
+    esac
+fi

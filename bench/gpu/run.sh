@@ -6,7 +6,8 @@
 #
 # Steps: deps (install what is missing from .whl/, see fetch_wheels.sh), tests (pytest -m gpu), caps,
 # timing (step time against CUDA events), park (park and SIGSTOP tails), park-mps (the same as MPS
-# clients, where an MPS daemon can be started). Each step is bounded to under 10 minutes. Results go to
+# clients, where an MPS daemon can be started), bubbles (device-timed bubbles against the profiler, and
+# their cost), backends (CuPy against torch per bundled task), demo (freeride demo --quick on this GPU). Each step is bounded to under 10 minutes. Results go to
 # bench/results/gpu-<model>/ with the machine, driver, CUDA and torch versions; where $OUT is set (the
 # device tool), they are also packed into $OUT/gpu-results.tgz.
 set -uo pipefail
@@ -15,7 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEP_LIMIT_S=${STEP_LIMIT_S:-570}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(deps tests caps timing park park-mps)
+[ ${#steps[@]} -eq 0 ] && steps=(deps tests caps timing park park-mps bubbles backends demo)
 
 if ! deps=$($PY bench/gpu/ensure_deps.py); then
     echo "missing dependencies and no wheels to install them from: see bench/gpu/fetch_wheels.sh" >&2
@@ -61,6 +62,9 @@ for step in "${steps[@]}"; do
                 status+=("park-mps=unavailable")
             fi
             unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+        bubbles) run_step bubbles $PY -m bench.gpu.bubble_timing ;;
+        backends) run_step backends $PY -m bench.gpu.backends ;;
+        demo) run_step demo $PY -m freeride.cli demo --device cuda --quick --out "$results/demo" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

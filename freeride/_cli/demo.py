@@ -1,9 +1,11 @@
 """``freeride demo``: the whole system on this machine in a few minutes, with a summary and pictures.
 
-    freeride demo [--device cpu|cuda] [--iterations N] [--out DIR] [--quick] [--json]
+    freeride demo [--device auto|cpu|cuda] [--iterations N] [--out DIR] [--quick] [--json]
 
 Trains the reference GPT as a 2-stage 1F1B pipeline twice -- once alone (the baseline), once with
-a manager per device and three side tasks (graph, image, training) harvesting its bubbles -- and
+a manager per device and three side tasks (graph, image, training) harvesting its bubbles -- on
+GPUs where there are any (one GPU: stage 0 for real, its neighbour emulated), else on two CPU cores,
+and
 prints the bubble fraction of each stage, the harvest and its efficiency per device, the training
 overhead and each task's progress (see :mod:`freeride._demo.run` for the steps). Progress lines go
 to stderr, the summary to stdout (``--json``: the ``summary.json`` document). Writes
@@ -11,7 +13,8 @@ to stderr, the summary to stdout (``--json``: the ``summary.json`` document). Wr
 
 Exit codes: 0 the run completed and its figures are consistent; 1 a step failed, or the summary is
 inconsistent (harvested more than the bubble time, a task without progress or failed); 2 bad
-input, or this machine lacks the two devices (``--device cuda`` needs 2 GPUs); 128+N on signal N.
+input, or this machine lacks the devices (two CPU cores, or a GPU for ``--device cuda``); 128+N on
+signal N.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from freeride._demo.plan import DEVICE_KINDS, FULL_ITERATIONS, QUICK_ITERATIONS, DemoConfig
+from freeride._demo.plan import DEVICE_CHOICES, FULL_ITERATIONS, QUICK_ITERATIONS, DemoConfig
 
 
 def register(subparsers: Any) -> None:
@@ -32,8 +35,10 @@ def register(subparsers: Any) -> None:
         "and a graph, an image and a training side task; print bubble fractions, harvest efficiency, "
         "training overhead and task progress; write summary.json, timeline.png and trace.json (Perfetto).",
     )
-    parser.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
-                        help="cpu: stage k on CPU core k (default); cuda: stage k on GPU k (needs 2 GPUs)")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="auto (default): cuda where there is a GPU, else cpu. cpu: stage k on CPU core k. "
+                        "cuda: stage k on GPU k over NCCL with 2 or more GPUs; with one, stage 0 on cuda:0 "
+                        "and its neighbour emulated")
     parser.add_argument("--iterations", type=int, default=None,
                         help=f"training iterations per run (default {FULL_ITERATIONS}, {QUICK_ITERATIONS} "
                         "with --quick)")

@@ -18,8 +18,12 @@ PageRank, a long image stream, many training steps): a finished task would stop 
 understate the harvest efficiency. Memory caps count the worker's whole resident set on CPU, torch
 included (about 250-350 MiB).
 
-The CUDA plan follows the same layout with a larger trainer (so that GPU bubbles last
-milliseconds) and larger side tasks; it has not been run on this project's CI, which has no GPU.
+**On GPUs** (the default where there is one): with two or more GPUs the same 2-stage pipeline runs
+for real over NCCL, stage k on GPU k; with one GPU, stage 0 runs for real on ``cuda:0`` and its
+neighbour is emulated by timed waits (:mod:`freeride.workload.single_stage`), and the three tasks
+share that GPU. The trainer is larger (so that GPU bubbles last milliseconds) and so are the side
+tasks, whose caps (2 GiB) cover a CUDA context as well as their data. The GPU plan has not run on this
+project's CI, which has no GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from typing import Any
 from freeride.errors import ConfigError
 
 DEVICE_KINDS = ("cpu", "cuda")
+#: What ``freeride demo --device`` accepts: ``auto`` is cuda where torch sees a GPU, cpu otherwise.
+DEVICE_CHOICES = ("auto", *DEVICE_KINDS)
 #: Iterations of a full run: about 60 s of training per run on two CPU cores, 2-4 min in all.
 FULL_ITERATIONS = 250
 #: Iterations of a ``--quick`` run (CI): a few seconds of bubble time per device.
@@ -68,6 +74,7 @@ class DemoConfig:
 
     Attributes:
         device_kind: ``cpu`` (stage k on a CPU core) or ``cuda`` (stage k on GPU k).
+        single_stage: one device: stage 0 runs for real on it and its neighbour is emulated (one GPU).
         iterations: training iterations of the baseline run and of the run with side tasks.
         warmup_iterations: leading iterations left out of bubble fractions and overhead.
         out_dir: where every output goes (see :func:`freeride._demo.run.run_demo`).
@@ -88,6 +95,7 @@ class DemoConfig:
     stop_timeout_s: float = 30.0
     progress_interval_s: float = 2.0
     trainer_args: tuple[str, ...] = field(default=())
+    single_stage: bool = False
 
     def __post_init__(self) -> None:
         if self.device_kind not in DEVICE_KINDS:
@@ -106,8 +114,15 @@ class DemoConfig:
                 raise ConfigError(f"{name} must be a finite number > 0, got {value}")
 
     @classmethod
-    def make(cls, device_kind: str, iterations: int | None, out_dir: Path, quick: bool) -> DemoConfig:
-        """The configuration for the command line's choices (sizes from ``quick`` and the device)."""
+    def make(cls, device_kind: str, iterations: int | None, out_dir: Path, quick: bool,
+             cuda_count: Callable[[], int] | None = None) -> DemoConfig:
+        """The configuration for the command line's choices (sizes from ``quick`` and the device).
+
+        ``device_kind`` ``auto`` picks cuda where there is a GPU; one GPU means the single-stage mode.
+        """
+        count = (cuda_count or _cuda_device_count)() if device_kind in ("auto", "cuda") else 0
+        if device_kind == "auto":
+            device_kind = "cuda" if count >= 1 else "cpu"
         if iterations is None:
             iterations = QUICK_ITERATIONS if quick else FULL_ITERATIONS
         return cls(
@@ -117,6 +132,7 @@ class DemoConfig:
             quick=quick,
             standalone_s=QUICK_STANDALONE_S if quick else FULL_STANDALONE_S,
             trainer_args=trainer_model_args(device_kind),
+            single_stage=device_kind == "cuda" and count == 1,
         )
 
 
@@ -133,16 +149,17 @@ def trainer_model_args(device_kind: str) -> tuple[str, ...]:
     return ("--d-model", "256")
 
 
-def plan_tasks(device_kind: str) -> tuple[TaskPlan, ...]:
-    """The three side tasks and their device (see the module docstring for the choices)."""
+def plan_tasks(device_kind: str, devices: int = 2) -> tuple[TaskPlan, ...]:
+    """The three side tasks and their device, of ``devices`` (see the module docstring for the choices)."""
     if device_kind == "cuda":
+        second = 1 if devices > 1 else 0
         return (
             TaskPlan("lstm", "side_tasks.training:LSTMLanguageModelTraining",
                      {"seq_len": 64, "batch_size": 16, "hidden": 128, "max_steps": _ENDLESS}, 2 * _GIB, 0),
             TaskPlan("pagerank", "side_tasks.graphs:PageRank",
-                     {"graph": "rmat:18", "tol": 0.0, "max_iterations": _ENDLESS}, 2 * _GIB, 1),
+                     {"graph": "rmat:18", "tol": 0.0, "max_iterations": _ENDLESS}, 2 * _GIB, second),
             TaskPlan("watermark", "side_tasks.images:ImageWatermark",
-                     {"max_side": 512, "batch_size": 1, "repeat": _ENDLESS}, 2 * _GIB, 1),
+                     {"max_side": 512, "batch_size": 1, "repeat": _ENDLESS}, 2 * _GIB, second),
         )  # fmt: skip
     if device_kind != "cpu":
         raise ConfigError(f"unknown device kind {device_kind!r}")
@@ -172,22 +189,19 @@ def demo_devices(
     device_kind: str,
     cpu_affinity: Iterable[int] | None = None,
     cuda_count: Callable[[], int] | None = None,
-) -> tuple[str, str]:
-    """The two devices the pipeline's stages run on, or :class:`ConfigError` if there are not two.
+) -> tuple[str, ...]:
+    """The devices the pipeline's real stages run on, or :class:`ConfigError` if there are too few.
 
-    CPU: stage k runs on core k when this process may use it, else on the k-th core it may use
-    (the trainer's own rule), so the managers sit on the very cores the stages are pinned to.
-    CUDA: stage k runs on GPU k.
+    CPU: stage k runs on the k-th core this process may use (the trainer's own rule), so the managers
+    sit on the very cores the stages are pinned to. CUDA: stage k on GPU k with two or more GPUs; with
+    one, stage 0 alone on ``cuda:0`` (its neighbour emulated).
     """
     if device_kind == "cuda":
         count = (cuda_count or _cuda_device_count)()
-        if count < 2:
-            found = "no CUDA device is available" if count == 0 else "only 1 CUDA device is available"
-            raise ConfigError(
-                f"freeride demo --device cuda needs 2 GPUs (one per pipeline stage), but {found}; "
-                "run the CPU demo with --device cpu"
-            )
-        return ("cuda:0", "cuda:1")
+        if count == 0:
+            raise ConfigError("freeride demo --device cuda needs a GPU, but no CUDA device is available; "
+                              "run the CPU demo with --device cpu")
+        return ("cuda:0", "cuda:1") if count >= 2 else ("cuda:0",)
     if device_kind != "cpu":
         raise ConfigError(f"--device must be one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
     cores = sorted(set(cpu_affinity if cpu_affinity is not None else os.sched_getaffinity(0)))
@@ -195,10 +209,4 @@ def demo_devices(
         raise ConfigError(
             f"freeride demo needs 2 CPU cores (one per pipeline stage); this process may use {len(cores)}"
         )
-    chosen = [k if k in cores else cores[k % len(cores)] for k in (0, 1)]
-    if chosen[0] == chosen[1]:
-        raise ConfigError(
-            f"the trainer would pin both stages to core {chosen[0]} (stage k goes to core k when this process "
-            f"may use it; allowed: {', '.join(map(str, cores))}): run the demo with cores 0 and 1 allowed"
-        )
-    return (f"cpu:{chosen[0]}", f"cpu:{chosen[1]}")
+    return (f"cpu:{cores[0]}", f"cpu:{cores[1]}")

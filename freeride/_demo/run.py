@@ -51,10 +51,12 @@ from freeride.endpoints import Endpoint, runtime_dir
 from freeride.errors import FreerideError
 from freeride.messages import ManagerStats, TaskInfo, TaskSpec
 from freeride.states import TaskState
+from freeride.workload.single_stage import single_stage_command
 
 log = logging.getLogger(__name__)
 
 STAGES = 2
+DEMO_MICROBATCHES = 4
 #: Unix socket paths longer than this risk the kernel's limit (108 bytes with the terminator).
 _MAX_SOCKET_PATH = 100
 
@@ -134,11 +136,22 @@ def _child_env(device_kind: str) -> dict[str, str]:
     return env
 
 
-def trainer_argv(config: DemoConfig, log_path: Path, endpoint_template: str | None) -> list[str]:
-    """The torchrun command line of one training run (reporting when an endpoint template is given)."""
+def trainer_argv(config: DemoConfig, log_path: Path, endpoint_template: str | None,
+                 devices: Sequence[str] = ()) -> list[str]:
+    """The command line of one training run (reporting when an endpoint template is given): torchrun
+    over the stages, or on one GPU the single-stage trainer of stage 0 with its neighbour emulated."""
+    if config.single_stage:
+        device = devices[0] if devices else "cuda:0"
+        endpoint = endpoint_template.format(slug=parse_device_name(device).slug) if endpoint_template else None
+        return single_stage_command(
+            device, 0, STAGES, DEMO_MICROBATCHES, config.iterations, log=_rank_log(log_path, 0),
+            report=endpoint is not None, endpoint=endpoint,
+            extra=["--schedule", "1f1b", "--warmup", str(config.warmup_iterations), *config.trainer_args],
+        )
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(STAGES),
         "-m", "freeride.workload", "--stages", str(STAGES), "--schedule", "1f1b",
+        "--microbatches", str(DEMO_MICROBATCHES),
         "--iterations", str(config.iterations), "--warmup", str(config.warmup_iterations),
         "--device", config.device_kind, "--iteration-log", str(log_path), *config.trainer_args,
     ]  # fmt: skip
@@ -175,7 +188,8 @@ class Demo:
         self.config = config
         self.progress = progress
         self.devices = demo_devices(config.device_kind)
-        self.plans = plan_tasks(config.device_kind)
+        self.plans = plan_tasks(config.device_kind, len(self.devices))
+        self.ranks = (0,) if config.single_stage else tuple(range(STAGES))
         self.layout = Layout(config.out_dir.resolve())
         self.signals = Signals()
         self.children = Children(self.signals)
@@ -205,14 +219,14 @@ class Demo:
               on_tick: Callable[[int], None]) -> dict[int, list[Iteration]]:  # fmt: skip
         """One torchrun training run; its iteration logs per stage."""
         log_path = directory / "iterations.jsonl"
-        child = self.children.start(label, trainer_argv(self.config, log_path, endpoint_template),
+        child = self.children.start(label, trainer_argv(self.config, log_path, endpoint_template, self.devices),
                                     directory / "trainer.log", env=_child_env(self.config.device_kind))
-        last_rank = _rank_log(log_path, STAGES - 1)
+        last_rank = _rank_log(log_path, self.ranks[-1])
         code = self.children.wait(child, on_tick=lambda: on_tick(_count_iterations(last_rank)),
                                   tick_s=self.config.progress_interval_s)
         if code != 0:
             raise DemoError(f"the {label} exited with code {code}; {child.log_path} ends with:\n{child.log_tail()}")
-        return {rank: read_iteration_log(_rank_log(log_path, rank)) for rank in range(STAGES)}
+        return {rank: read_iteration_log(_rank_log(log_path, rank)) for rank in self.ranks}
 
     def measure_standalone(self) -> dict[str, float | None]:
         """Each task's standalone throughput on its device (devices in parallel, tasks in turn)."""
@@ -326,7 +340,9 @@ class Demo:
             self.signals.sleep(0.2)
 
     def iteration_text(self, iteration: int) -> str:
-        return f"iteration {iteration}/{self.config.iterations}" if iteration else "starting torchrun (2 ranks)"
+        if iteration:
+            return f"iteration {iteration}/{self.config.iterations}"
+        return "starting the single-stage trainer" if self.config.single_stage else "starting torchrun (2 ranks)"
 
     def progress_line(self, iteration: int) -> None:
         parts = [self.iteration_text(iteration)]
@@ -373,7 +389,9 @@ class Demo:
         with self.signals:
             try:
                 self.say(f"freeride demo on {', '.join(self.devices)}; output in {self.layout.out}")
-                self.say(f"1/5 baseline: {config.iterations} iterations of a 2-stage 1F1B GPT, no side tasks")
+                what = ("stage 0 of a 2-stage 1F1B GPT (its neighbour emulated)" if config.single_stage
+                        else "a 2-stage 1F1B GPT")
+                self.say(f"1/5 baseline: {config.iterations} iterations of {what}, no side tasks")
                 baseline = self.train("baseline trainer", self.layout.baseline, None,
                                       lambda i: self.say(f"  {self.iteration_text(i)}"))
                 self.say(f"2/5 standalone: each side task alone on its device for {config.standalone_s:g} s")

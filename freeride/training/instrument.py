@@ -36,9 +36,16 @@ median of that slot's measured lengths. **Free memory** is sampled once per iter
 does not synchronise the device) and adjusted per bubble by the caching allocator's host-side
 ``memory_reserved`` counter. Nothing here calls ``torch.cuda.synchronize``.
 
-On CUDA the timestamps are host times: compute entry points return once kernels are queued, so
-a host-side bubble start leads the device's. The model and the predictor are unaffected (they learn
-what the host sees); the CPU device measures real idleness.
+**Device time on CUDA.** Compute entry points return once kernels are queued, and with NCCL the
+receive wait makes the stream wait, not the host, so host timestamps around actions would measure
+launch overhead, not the idle GPU. On CUDA every hook therefore records a CUDA event on the stage's
+stream instead of reading the host clock (:mod:`freeride.training.device_clock`); a thread resolves
+the events in order to host ``CLOCK_MONOTONIC`` times and reports each bubble's start and end as soon
+as the device reaches them. The predictor and the compute profile learn these device times; the
+results of an iteration (its bubbles for the predictor, ``on_iteration``, :attr:`last_bubbles`) are
+delivered on the training thread at the next :meth:`InstrumentedSchedule.step` (or :meth:`flush`)
+after the device finished them: the training thread never waits for the device. On ``cpu:N`` the host
+clock is the device's and everything is delivered as it happens.
 
 **Internals relied upon** (checked at construction; :class:`PipeliningInternalsChanged` names what
 is missing): ``schedule._stage`` (single-stage schedules) or ``schedule._stages``, ``.rank``,
@@ -49,6 +56,8 @@ the micro-batch index and ``full_backward`` the third of ``backward_one_chunk``.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -57,6 +66,7 @@ from typing import Any, Protocol
 
 from freeride.errors import FreerideError
 from freeride.messages import UNKNOWN_MEMORY
+from freeride.training.device_clock import CudaEventClock, HostClock, MarkClock
 from freeride.training.predictor import BubblePredictor, ComputeProfile
 from freeride.training.schedules import (
     BACKWARD,
@@ -250,7 +260,9 @@ class InstrumentedSchedule:
     ratio of the slot layout (any unit); ``on_iteration`` is called after each :meth:`step` with the
     iteration's measured bubbles; ``on_action_end`` (kind, model stage, micro-batch) at the end of
     every compute action, on the training thread, before the bubble it may open starts (a measuring
-    hook such as the trainer's memory probe: it must return in microseconds).
+    hook such as the trainer's memory probe: it must return in microseconds). ``clock`` makes the clock
+    that stamps the hooks from the consumer it must deliver to (default: CUDA events on ``cuda:N``, the
+    host clock otherwise; see the module doc).
     """
 
     def __init__(
@@ -266,6 +278,7 @@ class InstrumentedSchedule:
         on_iteration: Callable[[int, list[MeasuredBubble]], None] | None = None,
         remodel_iterations: int = 5,
         on_action_end: Callable[[str, int, int], None] | None = None,
+        clock: Callable[[Callable[[Any, int], None]], MarkClock] | None = None,
     ) -> None:
         self.schedule = schedule
         self.sink = sink
@@ -299,15 +312,13 @@ class InstrumentedSchedule:
         self.predictor.set_model(lambda stage, slot: self._model_ns.get(slot))
         self._remodel(default_ns=True)
 
-        # Per-iteration state (training thread only).
-        self._open: tuple[IdleSlot, int, int, int] | None = None  # slot, start, predicted, free
-        self._cursor = 0
+        # What the hooks stamp and the clock delivers, in order (the timeline's own thread on CUDA).
+        self._timeline = _Timeline(self)
+        self._cursor = 0  # position in the schedule's order (training thread)
         self._order_warned = False
-        self._last_end_ns: int | None = None
-        self._bubbles: list[MeasuredBubble] = []
-        self._actions: list[tuple[str, int, int, int, int]] = []  # MeasuredAction fields; tuples are cheaper
-        self.unplanned_waits = 0
-        self.unplanned_wait_ns = 0
+        self._bubbles: list[MeasuredBubble] = []  # of the last delivered iteration
+        self._actions: list[MeasuredAction] = []
+        self.clock: MarkClock = (clock or functools.partial(_default_clock, device))(self._timeline.handle)
         self._restore: list[tuple[object, str]] = []
         self.attach()
 
@@ -351,27 +362,27 @@ class InstrumentedSchedule:
         enter, leave = self._enter, self._leave
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            t = enter(FORWARD, index, fwd_chunk_id)
+            enter(FORWARD, index, fwd_chunk_id)
             try:
                 return fwd(fwd_chunk_id, *args, **kwargs)
             finally:
-                leave(FORWARD, index, fwd_chunk_id, t)
+                leave(FORWARD, index, fwd_chunk_id)
 
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
             kind = BACKWARD if full else BACKWARD_INPUT
-            t = enter(kind, index, bwd_chunk_id)
+            enter(kind, index, bwd_chunk_id)
             try:
                 return bwd(bwd_chunk_id, *args, **kwargs)
             finally:
-                leave(kind, index, bwd_chunk_id, t)
+                leave(kind, index, bwd_chunk_id)
 
         def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            t = enter(BACKWARD_WEIGHT, index, bwd_chunk_id)
+            enter(BACKWARD_WEIGHT, index, bwd_chunk_id)
             try:
                 return wgt(bwd_chunk_id, *args, **kwargs)
             finally:
-                leave(BACKWARD_WEIGHT, index, bwd_chunk_id, t)
+                leave(BACKWARD_WEIGHT, index, bwd_chunk_id)
 
         for attr, fn in (
             ("forward_one_chunk", forward_one_chunk),
@@ -406,7 +417,10 @@ class InstrumentedSchedule:
         self._restore.clear()
 
     def close(self) -> None:
-        """Restore the stages' own methods (the schedule keeps working, uninstrumented)."""
+        """Deliver what the device clock still holds, stop it, and restore the stages' own methods (the
+        schedule keeps working, uninstrumented). On CUDA this waits for the device's pending work."""
+        self.flush()
+        self.clock.close()
         self.detach()
 
     # ---------------------------------------------------------------- model
@@ -435,47 +449,23 @@ class InstrumentedSchedule:
             factor = 1.0
         self._model_ns = {s.index: gap_length(model, self.rank, s) * factor for s in self.slots}
 
-    # ---------------------------------------------------------------- hot path
+    # ---------------------------------------------------------------- hot path (training thread)
 
-    def _enter(self, kind: str, stage: int, microbatch: int) -> int:
-        now = time.monotonic_ns()
-        opened = self._open
-        if opened is not None:
-            slot, start, predicted, free = opened
-            self._open = None
-            if self.sink is not None:
-                self.sink.bubble_end(self.iteration, slot.index, now)
-            self._bubbles.append(
-                MeasuredBubble(self.iteration, slot.index, slot.kind, start, now, predicted, free)
-            )
-        elif self._last_end_ns is not None:
-            self.unplanned_waits += 1
-            self.unplanned_wait_ns += now - self._last_end_ns
+    def _enter(self, kind: str, stage: int, microbatch: int) -> None:
         key = (kind, stage, microbatch)
         if self._cursor < len(self._order_keys) and self._order_keys[self._cursor] != key:
             self._order_mismatch(key)
         self._cursor += 1
-        return now
+        self.clock.mark((_ENTER, key, None))
 
-    def _leave(self, kind: str, stage: int, microbatch: int, entered_ns: int) -> None:
-        now = time.monotonic_ns()
-        self.profile.observe(kind, now - entered_ns)
-        self._actions.append((kind, stage, microbatch, entered_ns, now))
+    def _leave(self, kind: str, stage: int, microbatch: int) -> None:
         if self.on_action_end is not None:
             self.on_action_end(kind, stage, microbatch)
-        slot = self._opens.get((kind, stage, microbatch))
-        if slot is not None:
-            self._start_bubble(slot, now)
-            self._last_end_ns = None
-        else:
-            self._last_end_ns = now
-
-    def _start_bubble(self, slot: IdleSlot, now: int) -> None:
-        predicted = self.predictor.predict_ns(self.rank, slot.index)
-        free = self.memory.free_bytes()
-        self._open = (slot, now, predicted, free)
-        if self.sink is not None:
-            self.sink.bubble_start(self.iteration, slot.index, slot.kind, predicted, free, now)
+        key = (kind, stage, microbatch)
+        slot = self._opens.get(key)
+        opens = None if slot is None else (slot, self.predictor.predict_ns(self.rank, slot.index),
+                                           self.memory.free_bytes())
+        self.clock.mark((_LEAVE, key, opens))
 
     def _order_mismatch(self, key: _ActionKey) -> None:
         if not self._order_warned:
@@ -490,47 +480,148 @@ class InstrumentedSchedule:
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Run one iteration of the wrapped schedule (same arguments as its ``step``)."""
+        self._deliver()
         if not self._restore:  # detached: the bare schedule, nothing measured or reported
             self._bubbles = []
             self._actions = []
             return self.schedule.step(*args, **kwargs)
         self.memory.refresh()
         self._cursor = 0
-        self._last_end_ns = None
-        self._bubbles = []
-        self._actions = []
+        boundary = None
         if self._boundary is not None:
-            self._start_bubble(self._boundary, time.monotonic_ns())
+            boundary = (self._boundary, self.predictor.predict_ns(self.rank, self._boundary.index),
+                        self.memory.free_bytes())
+        self.clock.mark((_BEGIN, self.iteration, boundary))
         try:
             return self.schedule.step(*args, **kwargs)
         finally:
-            self._finish_iteration()
+            self.clock.mark((_FINISH, self.iteration, None))
+            self.iteration += 1
+            if self.clock.synchronous:
+                self._deliver()
 
-    def _finish_iteration(self) -> None:
-        if self._open is not None:  # the schedule ended inside a slot (an exception, or an odd order)
-            slot, start, predicted, free = self._open
-            now = time.monotonic_ns()
-            if self.sink is not None:
-                self.sink.bubble_end(self.iteration, slot.index, now)
-            self._bubbles.append(MeasuredBubble(self.iteration, slot.index, slot.kind, start, now, predicted, free))
-            self._open = None
-        for b in self._bubbles:
-            self.predictor.observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
-        if self._remodel_left > 0 and self.profile.samples(FORWARD):
-            self._remodel_left -= 1
-            self._remodel()
-        if self.on_iteration is not None:
+    def _deliver(self) -> None:
+        """Learn from, and hand out, every iteration the clock has finished (training thread)."""
+        while True:
             try:
-                self.on_iteration(self.iteration, list(self._bubbles))
-            except Exception:  # noqa: BLE001 - a logging callback must not break training
-                log.exception("on_iteration callback failed")
-        self.iteration += 1
+                iteration, bubbles, actions = self._timeline.done.popleft()
+            except IndexError:
+                return
+            for b in bubbles:
+                self.predictor.observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
+            for a in actions:
+                self.profile.observe(a.kind, a.length_ns)
+            if self._remodel_left > 0 and self.profile.samples(FORWARD):
+                self._remodel_left -= 1
+                self._remodel()
+            self._bubbles, self._actions = bubbles, actions
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration(iteration, list(bubbles))
+                except Exception:  # noqa: BLE001 - a logging callback must not break training
+                    log.exception("on_iteration callback failed")
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the device clock to resolve every mark, then deliver (off the training path: at the
+        end of training, or in a test). True when everything was delivered."""
+        done = self.clock.flush(timeout_s)
+        self._deliver()
+        return done
+
+    @property
+    def unplanned_waits(self) -> int:
+        """Gaps between compute actions that no modelled slot names (see the module doc)."""
+        return self._timeline.unplanned_waits
+
+    @property
+    def unplanned_wait_ns(self) -> int:
+        return self._timeline.unplanned_wait_ns
 
     @property
     def last_bubbles(self) -> list[MeasuredBubble]:
+        """The bubbles of the last iteration delivered (on CUDA, the last the device finished)."""
         return list(self._bubbles)
 
     @property
     def last_actions(self) -> list[MeasuredAction]:
-        """The compute actions of the last iteration, timed (host clock, as the bubbles)."""
-        return [MeasuredAction(*a) for a in self._actions]
+        """The compute actions of the last iteration delivered, timed as the bubbles are."""
+        return list(self._actions)
+
+
+_BEGIN, _ENTER, _LEAVE, _FINISH = "begin", "enter", "leave", "finish"
+_Opens = tuple[IdleSlot, int, int] | None  # slot, predicted ns, free bytes
+
+
+def _default_clock(device: str | None, consumer: Callable[[Any, int], None]) -> MarkClock:
+    """CUDA events on a CUDA device that torch can use; the host clock everywhere else."""
+    if device and device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return CudaEventClock(consumer, int(device.split(":", 1)[1]) if ":" in device else 0)
+    return HostClock(consumer)
+
+
+class _Timeline:
+    """Turns the stamped hooks of one stage, in order, into bubbles, actions and unplanned waits.
+
+    Runs wherever the clock delivers (the training thread on CPU, the device clock's thread on CUDA);
+    it reports to the sink as it goes and queues each finished iteration for the training thread.
+    """
+
+    def __init__(self, owner: InstrumentedSchedule) -> None:
+        self._owner = owner
+        self.done: collections.deque[tuple[int, list[MeasuredBubble], list[MeasuredAction]]] = collections.deque()
+        self.unplanned_waits = 0
+        self.unplanned_wait_ns = 0
+        self._iteration = 0
+        self._open: tuple[IdleSlot, int, int, int] | None = None  # slot, start, predicted, free
+        self._last_end_ns: int | None = None
+        self._entered: dict[_ActionKey, int] = {}
+        self._bubbles: list[MeasuredBubble] = []
+        self._actions: list[MeasuredAction] = []
+
+    def handle(self, payload: tuple[str, Any, Any], at_ns: int) -> None:
+        what, key, opens = payload
+        if what == _ENTER:
+            self._close(at_ns, unplanned=True)
+            self._entered[key] = at_ns
+        elif what == _LEAVE:
+            begin = self._entered.pop(key, at_ns)
+            self._actions.append(MeasuredAction(key[0], key[1], key[2], begin, at_ns))
+            if opens is not None:
+                self._start(opens, at_ns)
+                self._last_end_ns = None
+            else:
+                self._last_end_ns = at_ns
+        elif what == _BEGIN:
+            self._iteration, self._bubbles, self._actions = key, [], []
+            self._last_end_ns = None
+            self._entered.clear()
+            if opens is not None:
+                self._start(opens, at_ns)
+        else:  # _FINISH: the schedule ended (inside a slot only on an exception or an odd order)
+            self._close(at_ns, unplanned=False)
+            self.done.append((key, self._bubbles, self._actions))
+            self._bubbles, self._actions = [], []
+
+    def _start(self, opens: tuple[IdleSlot, int, int], at_ns: int) -> None:
+        slot, predicted, free = opens
+        self._open = (slot, at_ns, predicted, free)
+        sink = self._owner.sink
+        if sink is not None:
+            sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
+
+    def _close(self, at_ns: int, unplanned: bool) -> None:
+        opened = self._open
+        if opened is not None:
+            slot, start, predicted, free = opened
+            self._open = None
+            sink = self._owner.sink
+            if sink is not None:
+                sink.bubble_end(self._iteration, slot.index, at_ns)
+            self._bubbles.append(MeasuredBubble(self._iteration, slot.index, slot.kind, start, at_ns, predicted, free))
+        elif unplanned and self._last_end_ns is not None:
+            self.unplanned_waits += 1
+            self.unplanned_wait_ns += at_ns - self._last_end_ns
+            self._last_end_ns = None

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from freeride.devices import parse_device_name
 from freeride.endpoints import default_endpoint, parse_endpoint, read_token
@@ -153,6 +153,27 @@ def _ab_modes(iterations: int, block: int, seed: int) -> list[bool]:
     return modes[:iterations]
 
 
+def _write_complete(pending: list[tuple[dict[str, Any], int]],
+                    delivered: dict[int, tuple[list[MeasuredBubble], list[Any]]], out: IO[str] | None,
+                    wait: bool) -> None:
+    """Write the records at the head of ``pending`` whose bubbles were delivered (all of them unless
+    ``wait``): iteration records go out in order, each with its own iteration's device times."""
+    while pending:
+        record, t0 = pending[0]
+        found = delivered.pop(record["iteration"], None)
+        if found is None and wait and record.get("instrumented"):
+            return
+        bubbles, actions = found or ([], [])
+        record["bubbles"] = [bubble_record(b) for b in bubbles]
+        if actions:
+            record["actions"] = [[a.kind, a.stage, a.microbatch, (a.start_ns - t0) / 1e6, a.length_ns / 1e6]
+                                 for a in actions]
+        pending.pop(0)
+        if out is not None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+
 def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     """Run the training loop in this process (a torchrun rank); returns the iteration records."""
     import torch
@@ -220,6 +241,11 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     reporter = None
     runner: Any = schedule
     instrumented = None
+    # Bubbles and actions per iteration, as the instrumentation delivers them: at once on CPU; on CUDA
+    # once the device has finished the iteration (an iteration or so later), so a record is written
+    # when its iteration's device times are known.
+    delivered: dict[int, tuple[list[MeasuredBubble], list[Any]]] = {}
+    pending: list[tuple[dict[str, Any], int]] = []
     if cfg.report or cfg.measure or probe is not None:
         if cfg.report:
             token = read_token(cfg.token_file or None)
@@ -231,7 +257,9 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             probe.inner = reporter
             sink = probe
         instrumented = InstrumentedSchedule(schedule, sink=sink, device=device_name,
-                                            on_action_end=probe.action_end if probe is not None else None)
+                                            on_action_end=probe.action_end if probe is not None else None,
+                                            on_iteration=lambda it, bubbles: delivered.__setitem__(
+                                                it, (bubbles, instrumented.last_actions if instrumented else [])))
         runner = instrumented
 
     out = None
@@ -274,7 +302,6 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             # launch queue within an iteration but not across many (the pipeline's receives and the
             # last stage's loss readout below hold the host back), so means over iterations hold.
             elapsed = time.monotonic_ns() - t0
-            bubbles: list[MeasuredBubble] = instrumented.last_bubbles if instrumented else []
             record: dict[str, Any] = {
                 "iteration": it,
                 "rank": rank,
@@ -286,23 +313,23 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
                 "time_ms": elapsed / 1e6,
                 "end_ns": t0 + elapsed,
                 "loss": float(torch.stack([x.detach() for x in losses]).mean()) if losses else None,
-                "bubbles": [bubble_record(b) for b in bubbles],
+                "bubbles": [],
             }
             if instrumented is not None and instrumented.attached:
                 record["schedule_ms"] = schedule_ns / 1e6
-                record["actions"] = [[a.kind, a.stage, a.microbatch, (a.start_ns - t0) / 1e6, a.length_ns / 1e6]
-                                     for a in instrumented.last_actions]
             if probe is not None:
                 slot_samples, action_samples = probe.take()
                 record["memory"] = {"slots": {str(k): v for k, v in sorted(slot_samples.items())},
                                     "after_actions": action_samples, "after_step": held_after_step,
                                     "after_optimizer": probe.sample()}
             records.append(record)
-            if out is not None:
-                out.write(json.dumps(record) + "\n")
-                out.flush()
+            pending.append((record, t0))
+            _write_complete(pending, delivered, out, instrumented is not None)
             log.info("[rank %d] iteration %d: %.1f ms%s", rank, it, elapsed / 1e6,
                      f", loss {record['loss']:.4f}" if record["loss"] is not None else "")
+        if instrumented is not None:
+            instrumented.flush()  # the device's last iterations (CUDA); at once on CPU
+        _write_complete(pending, delivered, out, False)
         summary: dict[str, Any] = {"summary": True, "rank": rank, "config": asdict(cfg)}
         if instrumented is not None:
             err = instrumented.predictor.prediction_error()

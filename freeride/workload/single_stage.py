@@ -44,8 +44,9 @@ target and spins the rest.
 
 Reporting (``--report``) goes through :class:`freeride.training.reporter.BubbleReporter` to the device's
 manager (``--endpoint``, else ``$FREERIDE_ENDPOINT``, else the device's default socket), with free
-memory from :mod:`freeride.devices` (on CUDA the driver's figure, which counts this trainer's own
-allocation as used). ``--iteration-log`` writes the reference trainer's JSON-lines record shape,
+memory from the host (CPU) or ``torch.cuda.mem_get_info`` (CUDA: the driver's figure for the whole GPU,
+which counts this trainer's own allocation as used; no NVML on the training path).
+``--iteration-log`` writes the reference trainer's JSON-lines record shape,
 plus ``model`` (the costs and bubble fraction the predictions used) and a final summary.
 :func:`single_stage_command` gives the bench the command line.
 """
@@ -64,7 +65,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from freeride.devices import Device, open_device, parse_device_name
+from freeride.devices import parse_device_name
+from freeride.devices.cpu import check_cpu_device
 from freeride.endpoints import parse_endpoint, read_token
 from freeride.errors import ConfigError
 from freeride.messages import UNKNOWN_MEMORY
@@ -526,12 +528,13 @@ class _CudaClock:
 class _FreeMemory:
     """Free memory of the device for bubble reports, never raising.
 
-    CPU: host RAM, re-sampled at most every 0.5 s (it is shared and moves slowly). CUDA: sampled at
-    every bubble, after the synchronize, when the trainer's own allocation is what it will be.
+    CPU: host RAM, re-sampled at most every 0.5 s (it is shared and moves slowly). CUDA:
+    ``torch.cuda.mem_get_info``, sampled at every bubble, after the synchronize, when the trainer's own
+    allocation is what it will be.
     """
 
-    def __init__(self, device: Device, refresh_interval_s: float) -> None:
-        self._device = device
+    def __init__(self, read: Callable[[], int], refresh_interval_s: float) -> None:
+        self._read = read
         self._interval_ns = int(refresh_interval_s * 1e9)
         self._at_ns = 0
         self._free = UNKNOWN_MEMORY
@@ -541,7 +544,7 @@ class _FreeMemory:
         if self._free < 0 or now - self._at_ns >= self._interval_ns:
             self._at_ns = now
             try:
-                self._free = int(self._device.free_memory_bytes())
+                self._free = int(self._read())
             except Exception:  # noqa: BLE001 - an unknown figure is reported as such, never raised
                 self._free = UNKNOWN_MEMORY
         return self._free
@@ -579,9 +582,8 @@ class _CostLearner:
 class _SingleStage:
     """One real stage and its emulated neighbours; :meth:`run` trains and returns the records."""
 
-    def __init__(self, cfg: SingleStageConfig, device: Device, sink: BubbleSink | None) -> None:
+    def __init__(self, cfg: SingleStageConfig, sink: BubbleSink | None) -> None:
         self.cfg = cfg
-        self.device = device
         self.sink = sink
         self.model = build_schedule(cfg.schedule, cfg.stages, cfg.microbatches)
         self.order = self.model.orders[cfg.stage_index]
@@ -694,11 +696,13 @@ class _SingleStage:
             torch.cuda.set_device(name.index)
             torch_device = torch.device("cuda", name.index)
             clock: _HostClock | _CudaClock = _CudaClock(name.index)
-            memory = _FreeMemory(self.device, 0.0)
+            memory = _FreeMemory(lambda: torch.cuda.mem_get_info(name.index)[0], 0.0)
         else:
+            import psutil
+
             torch_device = torch.device("cpu")
             clock = _HostClock()
-            memory = _FreeMemory(self.device, 0.5)
+            memory = _FreeMemory(lambda: psutil.virtual_memory().available, 0.5)
 
         r, m, mb = cfg.stage_index, cfg.microbatches, cfg.microbatch_size
         first, last = r == 0, r == cfg.stages - 1
@@ -831,24 +835,30 @@ def run(cfg: SingleStageConfig, sink: BubbleSink | None = None) -> tuple[list[di
     and torch to one thread for the run; both are restored afterwards.
     """
     cfg.validate()
-    device = open_device(cfg.device)
+    device = parse_device_name(cfg.device)
     token = read_token(cfg.token_file or None) if cfg.report and sink is None else None
     import torch
+
+    if device.kind == "cpu":
+        check_cpu_device(device)
+    elif not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(f"unknown device {device}: this process sees {count} GPU(s)")
 
     given_cores = set(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     reporter = None
     out_file = None
     try:
-        if device.name.kind == "cpu":
+        if device.kind == "cpu":
             # One core per stage: the waits are then real idle time of that core (the device cpu:N).
-            os.sched_setaffinity(0, {device.name.index})
+            os.sched_setaffinity(0, {device.index})
             torch.set_num_threads(1)
         if sink is None and cfg.report:
             from freeride.training.reporter import BubbleReporter
 
             # Keep the sender thread (and gRPC's) off the stage's core when there is another one.
-            others = given_cores - {device.name.index} if device.name.kind == "cpu" else given_cores
+            others = given_cores - {device.index} if device.kind == "cpu" else given_cores
             reporter = BubbleReporter(cfg.device, stage=cfg.stage_index, rank=cfg.stage_index,
                                       endpoint=cfg.endpoint or None, token=token,
                                       cpu_affinity=others or given_cores)
@@ -857,7 +867,7 @@ def run(cfg: SingleStageConfig, sink: BubbleSink | None = None) -> tuple[list[di
             path = Path(cfg.log.format(rank=cfg.stage_index, stage=cfg.stage_index))
             path.parent.mkdir(parents=True, exist_ok=True)
             out_file = path.open("w")
-        stage = _SingleStage(cfg, device, sink)
+        stage = _SingleStage(cfg, sink)
         records = stage.run(out_file)
         summary = stage.summary
         if reporter is not None:
@@ -871,7 +881,7 @@ def run(cfg: SingleStageConfig, sink: BubbleSink | None = None) -> tuple[list[di
             out_file.close()
         if reporter is not None:
             reporter.close()
-        if device.name.kind == "cpu":
+        if device.kind == "cpu":
             os.sched_setaffinity(0, given_cores)
             torch.set_num_threads(threads)
 

@@ -86,6 +86,9 @@ class GraphTask(SideTask):
     """
 
     progress_unit: ClassVar[str] = "iterations"
+    # Device arrays: torch tensors or NumPy/CuPy arrays, by backend.
+    src: Any
+    dst: Any
     #: Per-vertex float64/int64 device arrays each kernel keeps (state, next state, degree...).
     _vertex_arrays: ClassVar[int] = 4
     #: Per-edge 8-byte device arrays: source, target and one per-edge temporary.
@@ -312,6 +315,8 @@ class BFS(GraphTask):
 
     progress_unit: ClassVar[str] = "levels"
     memory_estimate_bytes: ClassVar[int | None] = 512 << 20
+    distance: Any
+    frontier: Any
 
     def __init__(self, graph: str, source: int = 0, format: str = "auto", directed: bool = True, seed: int = 0,
                  backend: str = "torch") -> None:
@@ -377,6 +382,7 @@ class ConnectedComponents(GraphTask):
     """
 
     memory_estimate_bytes: ClassVar[int | None] = 512 << 20
+    labels: Any
 
     def __init__(self, graph: str, format: str = "auto", directed: bool = True, seed: int = 0,
                  backend: str = "torch") -> None:

@@ -31,6 +31,9 @@ BUNDLED = [
     ("side_tasks.graphs:BFS", {"graph": "rmat:16"}),
     ("side_tasks.graphs:ConnectedComponents", {"graph": "rmat:16"}),
     ("side_tasks.images:ImageWatermark", {"repeat": 50}),
+    ("side_tasks.graphs:PageRank", {"graph": "rmat:16", "backend": "array"}),
+    ("side_tasks.graphs:ConnectedComponents", {"graph": "rmat:16", "backend": "array"}),
+    ("side_tasks.images:ImageWatermark", {"repeat": 50, "backend": "array", "codec": "nvjpeg"}),
     ("side_tasks.training:ResNet18Training", {"batch_size": 64}),
     ("side_tasks.training:LSTMLanguageModelTraining", {}),
 ]
@@ -42,7 +45,10 @@ def submit(h: ManagerHarness, target: str, args: dict[str, object], memory: int 
     return h.client.submit(spec).task_id
 
 
-@pytest.mark.parametrize(("target", "args"), BUNDLED, ids=[t.split(":")[1] for t, _ in BUNDLED])
+BUNDLED_IDS = [t.split(":")[1] + ("-" + str(a["backend"]) if "backend" in a else "") for t, a in BUNDLED]
+
+
+@pytest.mark.parametrize(("target", "args"), BUNDLED, ids=BUNDLED_IDS)
 def test_every_bundled_task_steps_on_the_gpu_inside_bubbles(
     make_manager: Callable[..., ManagerHarness], target: str, args: dict[str, object]
 ) -> None:

@@ -1,4 +1,5 @@
-"""Image task: output matches a Pillow reference, exactly-once atomic output across resumes."""
+"""Image task: output matches a Pillow reference on both backends (torch; NumPy/SciPy, the logic CuPy runs
+on a GPU), exactly-once atomic output across resumes, the codec choice."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from PIL import Image, ImageFilter
 from side_task_helpers import make_ctx, run_interrupted, run_to_end
 
+from freeride.errors import ConfigError
 from side_tasks.errors import DataFormatError, TaskTooLarge
-from side_tasks.images import SAMPLE_PHOTOS_DIR, ImageWatermark
+from side_tasks.images import SAMPLE_PHOTOS_DIR, ImageWatermark, pick_codec, resample_matrix
 
 
 def _make_inputs(directory: Path, count: int = 5) -> Path:
@@ -32,7 +34,8 @@ def _outputs(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_output_matches_pillow_resize_and_alpha_composite(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "array"])
+def test_output_matches_pillow_resize_and_alpha_composite(tmp_path: Path, backend: str) -> None:
     source = np.random.default_rng(1).integers(0, 256, (48, 64, 3), dtype=np.uint8)
     source = np.asarray(Image.fromarray(source).filter(ImageFilter.SMOOTH))
     mark = np.zeros((24, 48, 4), dtype=np.uint8)
@@ -43,7 +46,7 @@ def test_output_matches_pillow_resize_and_alpha_composite(tmp_path: Path) -> Non
     Image.fromarray(mark, "RGBA").save(tmp_path / "mark.png")
     task = ImageWatermark(
         str(tmp_path / "in"), max_side=96, watermark=str(tmp_path / "mark.png"),
-        opacity=0.75, watermark_scale=0.5, format="png",
+        opacity=0.75, watermark_scale=0.5, format="png", backend=backend,
     )  # fmt: skip
     task.setup(make_ctx(tmp_path / "w"))
     run_to_end(task)
@@ -191,3 +194,54 @@ def test_exif_orientation_is_applied_before_resizing(tmp_path: Path) -> None:
     task.setup(make_ctx(tmp_path / "w"))
     run_to_end(task)
     assert Image.open(tmp_path / "w" / "out" / "p.jpg").size == (10, 20)
+
+
+def test_the_array_backend_renders_what_the_torch_backend_renders(tmp_path: Path) -> None:
+    pixels = np.asarray(Image.fromarray(np.random.default_rng(3).integers(0, 256, (123, 211, 3), dtype=np.uint8))
+                        .filter(ImageFilter.SMOOTH))
+    outputs = []
+    for backend in ("torch", "array"):
+        task = ImageWatermark(str(SAMPLE_PHOTOS_DIR), max_side=97, backend=backend)
+        task.setup(make_ctx(tmp_path / backend))
+        out = task.render(torch.from_numpy(pixels.copy())) if backend == "torch" else task.render_array(pixels)
+        outputs.append(np.asarray(out, dtype=float))
+    assert outputs[0].shape == outputs[1].shape == (57, 97, 3)
+    assert np.abs(outputs[0] - outputs[1]).max() <= 2 and np.abs(outputs[0] - outputs[1]).mean() < 0.5
+
+
+@pytest.mark.parametrize(("size_in", "size_out"), [(100, 37), (37, 100), (64, 64), (5, 1)])
+def test_resample_rows_are_normalised_tent_weights(size_in: int, size_out: int) -> None:
+    rows, cols, weights = resample_matrix(size_in, size_out)
+    dense = np.zeros((size_out, size_in))
+    np.add.at(dense, (rows, cols), weights)
+    assert np.allclose(dense.sum(axis=1), 1.0, atol=1e-6)
+    assert (weights > 0).all() and cols.min() >= 0 and cols.max() < size_in
+    ramp = np.arange(size_in, dtype=float)  # a linear ramp stays linear (away from the edges)
+    mid = slice(size_out // 4, max(size_out // 4 + 1, 3 * size_out // 4))
+    centres = (np.arange(size_out) + 0.5) * size_in / size_out - 0.5
+    assert np.allclose((dense @ ramp)[mid], centres[mid], atol=0.51)
+
+
+def test_resumed_task_on_the_array_backend_neither_loses_nor_duplicates_images(tmp_path: Path) -> None:
+    inputs = _make_inputs(tmp_path / "in", count=7)
+
+    def factory() -> ImageWatermark:
+        return ImageWatermark(str(inputs), max_side=24, batch_size=2, format="png", backend="array")
+
+    whole = factory()
+    whole.setup(make_ctx(tmp_path / "whole"))
+    run_to_end(whole)
+    resumed = run_interrupted(factory, tmp_path / "resumed", stop_after=2)
+    assert resumed.done()
+    assert _outputs(tmp_path / "whole" / "out") == _outputs(tmp_path / "resumed" / "out")
+
+
+def test_the_codec_is_nvjpeg_only_on_a_gpu_that_offers_it() -> None:
+    assert pick_codec("auto", "cpu") == "pillow"
+    assert pick_codec("auto", "cuda:0", available=True) == "nvjpeg"
+    assert pick_codec("auto", "cuda:0", available=False) == "pillow"
+    assert pick_codec("pillow", "cuda:0", available=True) == "pillow"
+    with pytest.raises(ConfigError, match="codec nvjpeg needs a GPU"):
+        pick_codec("nvjpeg", "cpu")
+    with pytest.raises(ConfigError, match="codec must be"):
+        ImageWatermark(codec="gif")

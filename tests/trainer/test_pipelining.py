@@ -114,3 +114,74 @@ def test_predictions_learn_the_measured_lengths() -> None:
     err = inst.predictor.prediction_error()
     assert err.count > 0
     assert inst.predictor.measurements(0, 0) == 12
+
+
+class DeferredDeviceClock:
+    """Stands in for the CUDA event clock: marks wait until the test says when the device reached them."""
+
+    synchronous = False
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.pending: list[Any] = []
+        self.closed = False
+
+    def mark(self, payload: Any) -> None:
+        self.pending.append(payload)
+
+    def resolve(self, times_ns: list[int]) -> None:
+        """Deliver the pending marks at these device times (in host clock), in order."""
+        for payload, at in zip(self.pending, times_ns, strict=True):
+            self.consumer(payload, at)
+        self.pending.clear()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return not self.pending
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_on_a_gpu_bubbles_are_reported_at_the_device_times_and_training_never_waits_for_them() -> None:
+    stage = FakeStage(0, 2)
+    sink = RecordingSink()
+    clocks: list[DeferredDeviceClock] = []
+    seen: list[tuple[int, list[int]]] = []
+
+    def make_clock(consumer: Any) -> DeferredDeviceClock:
+        clocks.append(DeferredDeviceClock(consumer))
+        return clocks[-1]
+
+    inst = InstrumentedSchedule(Schedule1F1B(stage, 2), sink=sink, clock=make_clock,
+                                on_iteration=lambda it, bubbles: seen.append((it, [b.length_ns for b in bubbles])))
+    clock = clocks[0]
+    inst.step()  # returns with nothing resolved: the training thread never waited for the device
+    assert sink.events == [] and seen == [] and len(clock.pending) == 2 + 2 * 4  # begin, finish, 4 actions
+    # The device ran each action for 10 ms and idled between them as the receives dictated.
+    ms, t0 = 1_000_000, 10**9
+    order = [a.label() for a in build_schedule("1f1b", 2, 2).orders[0]]
+    idle_before = {"F0": 4 * ms, "F1": 0, "B0": 7 * ms, "B1": 2 * ms}
+    times, marks, t = {}, [t0], t0
+    for label in order:
+        t += idle_before[label]
+        times[label] = (t, t + 10 * ms)
+        marks += [t, t + 10 * ms]
+        t += 10 * ms
+    clock.resolve([*marks, t])
+    slots = build_schedule("1f1b", 2, 2).cyclic_slots(0)
+    reported = {e[2]: [e[6]] for e in sink.events if e[0] == "start"}
+    for e in sink.events:
+        if e[0] == "end":
+            reported[e[2]].append(e[3])
+    for slot in slots:  # each bubble at the device's times: one action's end to the next one's start
+        start = t0 if slot.after is None or slot.kind == "boundary" else times[slot.after.label()][1]
+        assert reported[slot.index] == [start, times[slot.before.label()][0]], slot
+    # Learned on the training thread, at the next step: the predictor and the profile see device time.
+    assert seen == []
+    inst.step()
+    assert [it for it, _ in seen] == [0]
+    assert sorted(seen[0][1]) == sorted(reported[s.index][1] - reported[s.index][0] for s in slots)
+    assert all(inst.predictor.measurements(0, s.index) == 1 for s in slots)
+    assert [a.length_ns for a in inst.last_actions] == [10 * ms] * 4
+    inst.close()
+    assert clock.closed and "forward_one_chunk" not in vars(stage)

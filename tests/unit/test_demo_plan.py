@@ -50,25 +50,41 @@ def test_cpu_stages_go_to_the_cores_the_trainer_pins_them_to() -> None:
     assert demo_devices("cpu", cpu_affinity={0, 5}) == ("cpu:0", "cpu:5")
 
 
-def test_machines_without_two_separate_cores_are_refused() -> None:
+def test_machines_without_two_cores_are_refused() -> None:
     with pytest.raises(ConfigError, match="needs 2 CPU cores"):
         demo_devices("cpu", cpu_affinity={0})
-    # Stage 0 would go to the first allowed core (1) and stage 1 to core 1 as well.
-    with pytest.raises(ConfigError, match="both stages to core 1"):
-        demo_devices("cpu", cpu_affinity={1, 2})
+    # The k-th allowed core, as the trainer pins local rank k: cores {1, 2} are fine.
+    assert demo_devices("cpu", cpu_affinity={1, 2}) == ("cpu:1", "cpu:2")
 
 
-def test_the_cuda_demo_needs_two_gpus() -> None:
+def test_the_cuda_demo_runs_a_real_pipeline_on_two_gpus_and_one_emulated_neighbour_on_one() -> None:
     assert demo_devices("cuda", cuda_count=lambda: 2) == ("cuda:0", "cuda:1")
-    with pytest.raises(ConfigError, match="needs 2 GPUs .* only 1 CUDA device"):
-        demo_devices("cuda", cuda_count=lambda: 1)
+    assert demo_devices("cuda", cuda_count=lambda: 8) == ("cuda:0", "cuda:1")
+    assert demo_devices("cuda", cuda_count=lambda: 1) == ("cuda:0",)
     with pytest.raises(ConfigError, match="no CUDA device is available"):
         demo_devices("cuda", cuda_count=lambda: 0)
 
 
+def test_the_demo_runs_on_gpus_by_default_where_there_are_any(tmp_path: Path) -> None:
+    cpu = DemoConfig.make("auto", None, tmp_path, quick=True, cuda_count=lambda: 0)
+    assert (cpu.device_kind, cpu.single_stage) == ("cpu", False)
+    one = DemoConfig.make("auto", None, tmp_path, quick=True, cuda_count=lambda: 1)
+    assert (one.device_kind, one.single_stage) == ("cuda", True)
+    two = DemoConfig.make("auto", None, tmp_path, quick=True, cuda_count=lambda: 2)
+    assert (two.device_kind, two.single_stage) == ("cuda", False)
+    assert DemoConfig.make("cpu", None, tmp_path, quick=True, cuda_count=lambda: 4).device_kind == "cpu"
+    # One GPU: the single-stage trainer of stage 0, reporting to cuda:0's manager; all tasks on cuda:0.
+    argv = trainer_argv(one, tmp_path / "iterations.jsonl", "unix:/run/x/{slug}.sock", ("cuda:0",))
+    assert argv[1:3] == ["-m", "freeride.workload.single_stage"]
+    assert argv[argv.index("--endpoint") + 1] == "unix:/run/x/cuda-0.sock" and "--report" in argv
+    assert argv[argv.index("--iteration-log") + 1].endswith("iterations.rank0.jsonl")
+    assert {p.device_index for p in plan_tasks("cuda", 1)} == {0}
+    assert "torch.distributed.run" in trainer_argv(two, tmp_path / "i.jsonl", None)
+
+
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
 def test_every_planned_task_takes_its_arguments_and_fits_its_own_memory_estimate(kind: str) -> None:
-    plans = plan_tasks(kind)
+    plans = plan_tasks(kind, 2)
     assert {p.device_index for p in plans} == {0, 1}
     assert {p.name for p in plans} == {"lstm", "pagerank", "watermark"}
     for plan in plans:
@@ -118,4 +134,4 @@ def test_the_cuda_demo_is_refused_here_with_exit_code_2(
 
     monkeypatch.setattr(plan, "_cuda_device_count", lambda: 0)  # whatever this machine has
     assert main(["demo", "--device", "cuda", "--quick", "--out", str(tmp_path)]) == EXIT_BAD_INPUT
-    assert "needs 2 GPUs" in capsys.readouterr().err
+    assert "needs a GPU, but no CUDA device is available" in capsys.readouterr().err

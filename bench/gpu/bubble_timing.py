@@ -1,0 +1,188 @@
+"""Device-timed bubbles on a GPU: their error against the torch profiler's kernel timeline, and their cost.
+
+One GPU, one stage, the exact device behaviour of a pipeline receive: compute actions launch matrix
+products on the current stream; before each action that needs a neighbour's output, a "receive" makes
+the stream (not the host) wait for an event recorded on a communication stream behind a timed sleep
+kernel, as NCCL's receive wait does. The host runs ahead; only the device idles. The stage runs under
+:class:`InstrumentedSchedule` (CUDA events, resolved off the training thread) and under the torch
+profiler. For every reported bubble the error is taken against the profiler's gap between the compute
+kernels around it, both relative to the iteration's first compute kernel (the two have different clock
+bases), for the start and the end. The mechanism's cost is the training thread's time per iteration
+with the instrumentation attached against detached, interleaved.
+
+    python -m bench.gpu.bubble_timing [--iterations 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from bench.gpu.common import pct, write_results
+from freeride.training.instrument import InstrumentedSchedule
+from freeride.training.schedules import build_schedule
+
+MS = 1_000_000
+
+
+class GpuStage:
+    """A pipeline stage whose actions are matrix products on the current stream."""
+
+    def __init__(self, torch: Any, stage_index: int, num_stages: int, size: int, kernels: int) -> None:
+        self.torch = torch
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+        self.kernels = kernels
+
+    def _work(self, n: int) -> None:
+        for _ in range(n):
+            self.torch.matmul(self.a, self.a, out=self.c)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: Any = None, kwargs: Any = None) -> None:
+        self._work(self.kernels)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        self._work(2 * self.kernels)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        self._work(self.kernels)
+
+
+class Schedule1F1B:
+    """Stage ``stage_index`` of a 1F1B pipeline; each receive is a stream wait behind a sleep kernel."""
+
+    def __init__(self, stage: GpuStage, n_microbatches: int, wait_cycles: int) -> None:
+        self._stage = stage
+        self._n_microbatches = n_microbatches
+        self.model = build_schedule("1f1b", stage.num_stages, n_microbatches)
+        self.order = self.model.orders[stage.stage_index]
+        self.waits_before = {s.before for s in self.model.cyclic_slots(stage.stage_index)}
+        self.comm = stage.torch.cuda.Stream()
+        self.wait_cycles = wait_cycles
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        torch = self._stage.torch
+        for action in self.order:
+            if action in self.waits_before:
+                with torch.cuda.stream(self.comm):
+                    torch.cuda._sleep(self.wait_cycles)  # the neighbour's send, still in flight
+                    arrived = torch.cuda.Event()
+                    arrived.record(self.comm)
+                torch.cuda.current_stream().wait_event(arrived)  # the receive: the stream waits, not the host
+            if action.kind == "F":
+                self._stage.forward_one_chunk(action.microbatch, (), {})
+            else:
+                self._stage.backward_one_chunk(action.microbatch, loss=None, full_backward=True)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.starts: dict[tuple[int, int], int] = {}
+        self.ends: dict[tuple[int, int], int] = {}
+
+    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
+                     start_ns: int | None = None) -> None:
+        self.starts[(iteration, slot)] = int(start_ns or 0)
+
+    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
+        self.ends[(iteration, slot)] = int(end_ns or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=60)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--kernels", type=int, default=4)
+    ap.add_argument("--wait-ms", type=float, default=3.0)
+    ns = ap.parse_args(argv)
+    torch.cuda.init()
+    stage = GpuStage(torch, 0, 4, ns.size, ns.kernels)
+    # _sleep spins for a number of GPU clock cycles: calibrate cycles per ms on this GPU.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    schedule = Schedule1F1B(stage, 8, int(ns.wait_ms * cycles_per_ms))
+    sink = Sink()
+    inst = InstrumentedSchedule(schedule, sink=sink, device="cuda:0")
+    actions: dict[int, list[Any]] = {}
+    inst.on_iteration = lambda it, bubbles: actions.__setitem__(it, inst.last_actions)
+
+    # Cost: training-thread time per iteration, attached against detached, interleaved.
+    host = {"attached": [], "detached": []}  # type: dict[str, list[float]]
+    for i in range(ns.iterations):
+        attached = i % 2 == 0
+        (inst.attach if attached else inst.detach)()
+        t0 = time.perf_counter_ns()
+        inst.step()
+        host["attached" if attached else "detached"].append((time.perf_counter_ns() - t0) / 1e6)
+        torch.cuda.synchronize()  # between iterations only: each one starts on an idle GPU
+    inst.attach()
+    inst.flush()
+
+    # Error against the profiler: profile a few iterations, compare relative times.
+    sink.starts.clear()
+    sink.ends.clear()
+    first_it = inst.iteration
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            inst.step()
+            torch.cuda.synchronize()
+    inst.flush()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if str(getattr(e, "device_type", "")).endswith("CUDA") and "sleep" not in e.name.lower()
+                     and e.time_range.end > e.time_range.start)
+    start_err, end_err = [], []
+    order = schedule.order
+    counts = [ns.kernels if a.kind == "F" else 2 * ns.kernels for a in order]
+    per_iteration = sum(counts)
+    slots = schedule.model.cyclic_slots(0)
+    for k in range(10):
+        it = first_it + k
+        ks = kernels[k * per_iteration:(k + 1) * per_iteration]
+        if len(ks) < per_iteration or it not in actions:
+            continue
+        bounds, i = [], 0  # (first kernel start, last kernel end) of each action, in us
+        for c in counts:
+            bounds.append((ks[i][0], ks[i + c - 1][1]))
+            i += c
+        base_prof = bounds[0][0]
+        base_ours = actions[it][0].start_ns
+        pos = {a: j for j, a in enumerate(order)}
+        for slot in slots:
+            key = (it, slot.index)
+            if key not in sink.starts or key not in sink.ends or slot.after is None or slot.before is None:
+                continue
+            prof_start = (bounds[pos[slot.after]][1] - base_prof) * 1000
+            prof_end = (bounds[pos[slot.before]][0] - base_prof) * 1000
+            start_err.append(abs((sink.starts[key] - base_ours) - prof_start) / 1000)
+            end_err.append(abs((sink.ends[key] - base_ours) - prof_end) / 1000)
+    cost_ms = [a - d for a, d in zip(host["attached"], host["detached"], strict=False)]
+    data = {"start_error_us": pct(start_err), "end_error_us": pct(end_err),
+            "host_ms_attached": pct(host["attached"]), "host_ms_detached": pct(host["detached"]),
+            "host_cost_ms_per_iteration": pct(cost_ms), "marks_dropped": getattr(inst.clock, "dropped", 0),
+            "wait_ms": ns.wait_ms, "kernels": ns.kernels, "size": ns.size}
+    table = "\n".join([
+        "| figure | p50 | p99 | max | count |", "|---|---|---|---|---|",
+        *(f"| {name} | {v['p50']:.2f} | {v['p99']:.2f} | {v['max']:.2f} | {v['count']} |"
+          for name, v in (("bubble start error vs profiler (us)", data["start_error_us"]),
+                          ("bubble end error vs profiler (us)", data["end_error_us"]),
+                          ("training-thread ms per iteration, instrumented", data["host_ms_attached"]),
+                          ("training-thread ms per iteration, bare", data["host_ms_detached"]))),
+    ])
+    write_results("bubble_timing", data, table, "python -m bench.gpu.bubble_timing " + " ".join(sys.argv[1:]))
+    inst.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
