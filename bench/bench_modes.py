@@ -99,6 +99,7 @@ class RunResult:
     iterations: int
     stage_bubble_fraction: list[float] = field(default_factory=list)
     bubble_s: float = 0.0
+    learned_bubble_s: float = 0.0  # of bubble_s: learned slots (waits the schedule model does not list)
     harvested_s: float = 0.0
     work_s: float = 0.0
     progress: dict[str, float] = field(default_factory=dict)
@@ -240,6 +241,7 @@ class WindowFigures:
     """What a manager's trace says about the measurement window (after the trainer's warm-up)."""
 
     bubble_s: float = 0.0
+    learned_bubble_s: float = 0.0  # of bubble_s: learned slots
     harvested_s: float = 0.0
     steps: dict[str, int] = field(default_factory=dict)  # task id -> steps that started in the window
     overruns_ms: list[float] = field(default_factory=list)  # per granted bubble, zeros included
@@ -259,6 +261,8 @@ def window_figures(records: list[dict[str, Any]], start_ns: int, end_ns: int) ->
         b_end = ends.get((b["stage"], b["rank"], b["iteration"], b["slot"]))
         if b_end is not None and start_ns <= b_start < end_ns:
             fig.bubble_s += max(0, b_end - b_start) / 1e9
+            if b.get("learned"):
+                fig.learned_bubble_s += max(0, b_end - b_start) / 1e9
     last_end: dict[int, int] = {}
     for r in records:
         if r["ev"] != "steps" or not r["spans"]:
@@ -376,6 +380,7 @@ def run_once(mode: str, task_set: str, trial: int, args: argparse.Namespace, roo
             trace = run_dir / f"trace-{dev.replace(':', '-')}.jsonl"
             fig = window_figures(read_trace(trace), w_start, w_end)
             result.bubble_s += fig.bubble_s
+            result.learned_bubble_s += fig.learned_bubble_s
             result.harvested_s += fig.harvested_s
             result.overruns_ms += fig.overruns_ms
             for task_id, (name, info) in infos.items():
@@ -443,6 +448,7 @@ def summarize(runs: list[RunResult], task_sets: list[str], devices: int = len(DE
             "iteration_ms": mean_ci95([r.iteration_ms for r in rs])[0],
             "overhead": oh[0], "overhead_ci95": oh[1],
             "bubble_s": mean_ci95([r.bubble_s for r in rs])[0],
+            "learned_bubble_s": mean_ci95([r.learned_bubble_s for r in rs])[0],
             "harvested_s": mean_ci95([r.harvested_s for r in rs])[0],
             "work_s": mean_ci95([r.work_s for r in rs])[0],
             "harvest_efficiency": mean_ci95(eff)[0] if eff else None,
@@ -488,7 +494,8 @@ def write_markdown(path: Path, meta: dict[str, Any], table: dict[str, dict[str, 
     ]
     for task_set in dict.fromkeys(row["task_set"] for row in table.values()):
         lines += [f"## {task_set}", "",
-                  "| mode | iteration ms | overhead | bubble s | harvested s | work s | H | overrun p50/p99/max ms "
+                  "| mode | iteration ms | overhead | bubble s (learned) | harvested s | work s | H | "
+                  "overrun p50/p99/max ms "
                   "| overrun share | grant p99 ms | park p99 ms | saving 1x / 5.5x / 22x |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode in MODES:
@@ -499,7 +506,8 @@ def write_markdown(path: Path, meta: dict[str, Any], table: dict[str, dict[str, 
             sv = row["saving"]
             lines.append(
                 f"| {mode} | {_fmt(row['iteration_ms'])} | {_fmt(row['overhead'], pct=True)} "
-                f"+- {_fmt(row['overhead_ci95'] * 100)}% | {_fmt(row['bubble_s'])} | {_fmt(row['harvested_s'])} "
+                f"+- {_fmt(row['overhead_ci95'] * 100)}% | {_fmt(row['bubble_s'])} "
+                f"({_fmt(row.get('learned_bubble_s', 0.0))}) | {_fmt(row['harvested_s'])} "
                 f"| {_fmt(row['work_s'])} | {_fmt(row['harvest_efficiency'], pct=False)} "
                 f"| {_fmt(o['p50'])}/{_fmt(o['p99'])}/{_fmt(o['max'])} | {_fmt(o['overrun_share'])} "
                 f"| {_fmt(row['grant_latency_p99_ms']) if mode.startswith('freeride') else '-'} "

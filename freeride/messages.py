@@ -28,6 +28,8 @@ class BubbleStart:
     start_ns: int
     predicted_ns: int
     free_memory_bytes: int = UNKNOWN_MEMORY
+    #: A slot the trainer learned from recurring waits, not one its schedule model lists.
+    learned: bool = False
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -331,6 +333,8 @@ class BubbleSlotStats:
     predicted_ms: Percentiles
     abs_error_pct: Percentiles
     min_free_memory_bytes: int
+    #: Its bubbles were reported as a learned slot (a recurring wait the schedule model does not list).
+    learned: bool = False
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class Sink:
         self.ends: dict[tuple[int, int], int] = {}
 
     def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
-                     start_ns: int | None = None) -> None:
+                     start_ns: int | None = None, learned: bool = False) -> None:
         self.starts[(iteration, slot)] = int(start_ns or 0)
 
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:

@@ -2,11 +2,14 @@
 
     freeride bubbles [--devices cpu:0,cpu:1 | --endpoint unix:/p.sock] [--json]
 
-One row per (device, stage, slot): how many times the bubble occurred, its measured length
-(p50 / p90 / p99 / max), the trainer's predicted length, the prediction error (|predicted - real|
-/ real, p50 / p90) and the least free device memory reported in it. A footer per device sums the
-median bubble time per iteration. Without ``--devices`` or ``--endpoint`` it asks every manager
-whose socket is in the per-user runtime directory.
+One row per (device, stage, slot): whether the schedule model lists the slot (``model``) or the
+trainer learned it from waits that recur where the model has none (``learned``: stage imbalance,
+communication; see ``freeride.training.learned_slots``), how many times the bubble occurred, its
+measured length (p50 / p90 / p99 / max), the trainer's predicted length, the prediction error
+(|predicted - real| / real, p50 / p90) and the least free device memory reported in it. A footer per
+device sums the median bubble time per iteration and stage, modelled and learned apart. Without
+``--devices`` or ``--endpoint`` it asks every manager whose socket is in the per-user runtime
+directory.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def _pct(value: float) -> str:
 def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str]) -> str:
     """The human table."""
     header = (
-        f"{'device':<8} {'stage':>5} {'rank':>4} {'slot':>4} {'kind':<10} {'count':>6} "
+        f"{'device':<8} {'stage':>5} {'rank':>4} {'slot':>6} {'source':<7} {'kind':<10} {'count':>6} "
         f"{'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'pred ms':>8} "
         f"{'err p50':>7} {'err p90':>7} {'min free':>9}"
     )
@@ -102,15 +105,20 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str]) -> s
         for s in slots:
             free = format_size(s.min_free_memory_bytes) if s.min_free_memory_bytes >= 0 else "?"
             lines.append(
-                f"{device:<8} {s.stage:>5} {s.rank:>4} {s.slot:>4} {s.kind:<10} {s.count:>6} "
+                f"{device:<8} {s.stage:>5} {s.rank:>4} {s.slot:>6} {'learned' if s.learned else 'model':<7} "
+                f"{s.kind:<10} {s.count:>6} "
                 f"{_ms(s.length_ms.p50):>8} {_ms(s.length_ms.p90):>8} {_ms(s.length_ms.p99):>8} "
                 f"{_ms(s.length_ms.max):>8} {_ms(s.predicted_ms.p50):>8} "
                 f"{_pct(s.abs_error_pct.p50):>7} {_pct(s.abs_error_pct.p90):>7} {free:>9}"
             )
-        per_stage: dict[int, float] = {}
+        per_stage: dict[int, list[float]] = {}
         for s in slots:
-            per_stage[s.stage] = per_stage.get(s.stage, 0.0) + s.length_ms.p50
-        summary = ", ".join(f"stage {k}: {_ms(v)} ms" for k, v in sorted(per_stage.items()))
+            sums = per_stage.setdefault(s.stage, [0.0, 0.0])
+            sums[1 if s.learned else 0] += s.length_ms.p50
+        summary = ", ".join(
+            f"stage {k}: {_ms(m)} ms" + (f" + {_ms(learned)} ms learned" if learned else "")
+            for k, (m, learned) in sorted(per_stage.items())
+        )
         lines.append(f"{'':<8} median bubble time per iteration: {summary}")
     for device, message in errors.items():
         lines.append(f"{device:<8} unavailable: {message}")

@@ -6,7 +6,9 @@ tasks, each manager's :class:`~freeride.messages.ManagerStats` and task list tak
 ended, and each side task's standalone throughput. The arithmetic is :mod:`freeride.measure`'s:
 
 * **bubble fraction** of a stage: its measured bubble time over its training time, both summed
-  over the iterations after the warm-up;
+  over the iterations after the warm-up; learned slots (recurring waits the schedule model does not
+  list, which the instrumentation learned and reports as slots of their own) count in it and are
+  shown apart ("of it learned");
 * **training time** ``T`` of a run: the slowest stage's summed iteration time after the warm-up
   (the stages of a pipeline finish an iteration together, so they differ by noise only), and the
   **overhead** ``T_with / T_base - 1``;
@@ -34,6 +36,7 @@ from freeride import measure
 from freeride.errors import FreerideError
 from freeride.messages import ManagerStats, TaskInfo
 from freeride.states import TaskState
+from freeride.training.learned_slots import LEARNED_KIND
 
 #: Slack for comparing two sums of float milliseconds (harvested vs bubble time).
 _EPSILON_S = 1e-6
@@ -131,6 +134,8 @@ class StageFigures:
     bubble_s: float  # summed bubble time after the warm-up
     bubble_fraction: float
     run_bubble_s: float  # summed bubble time of every iteration: what side tasks could harvest
+    #: Of ``bubble_s``: learned slots (recurring waits the schedule model does not list), over train_s.
+    learned_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,8 @@ def stage_figures(iterations: Sequence[Iteration]) -> StageFigures:
         bubble_s=bubble_s,
         bubble_fraction=measure.bubble_fraction(bubble_s, train_s) if train_s > 0 else 0.0,
         run_bubble_s=sum(b.length_ms for it in iterations for b in it.bubbles) / 1e3,
+        learned_fraction=(sum(b.length_ms for it in after for b in it.bubbles if b.kind == LEARNED_KIND) / 1e3
+                          / train_s) if train_s > 0 else 0.0,
     )
 
 
@@ -405,10 +412,10 @@ def render_summary(summary: DemoSummary) -> str:
         "",
         "training (after the warm-up)",
     ]
-    rows = [["stage", "device", "iteration p50", "bubbles/iter", "bubble p50", "bubble fraction"]]
+    rows = [["stage", "device", "iteration p50", "bubbles/iter", "bubble p50", "bubble fraction", "of it learned"]]
     for st in summary.stages:
         rows.append([str(st.stage), st.device, f"{st.iteration_ms_p50:.1f} ms", f"{st.bubbles_per_iteration:g}",
-                     f"{st.bubble_ms_p50:.1f} ms", _pct(st.bubble_fraction)])
+                     f"{st.bubble_ms_p50:.1f} ms", _pct(st.bubble_fraction), _pct(st.learned_fraction)])
     lines += _table(rows)
     lines += [
         f"  training time: {summary.baseline_s:.2f} s without side tasks, {summary.with_tasks_s:.2f} s with "

@@ -437,6 +437,7 @@ class OpenBubble:
 @dataclass
 class SlotStats:
     kind: str
+    learned: bool = False
     lengths_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
     predicted_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
     abs_error_pct: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -576,6 +577,7 @@ class SchedulerCore:
             slot = self.slots[(b.stage, b.rank, b.slot)] = SlotStats(kind=b.kind)
         if slot is not None:
             slot.kind = b.kind
+            slot.learned = b.learned
             if b.free_memory_bytes >= 0:
                 slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
         self.bubble = OpenBubble(event=b, received_ns=event.received_ns)
@@ -1236,6 +1238,7 @@ class SchedulerCore:
                     predicted_ms=_pct([v / MS for v in s.predicted_ns]),
                     abs_error_pct=_pct(list(s.abs_error_pct)),
                     min_free_memory_bytes=s.min_free,
+                    learned=s.learned,
                 )
             )
         return out

@@ -492,7 +492,7 @@ class ManagerLoop:
             b = event.bubble
             self._trace.write("bubble_start", stage=b.stage, rank=b.rank, iteration=b.iteration, slot=b.slot,
                               kind=b.kind, start_ns=b.start_ns, predicted_ns=b.predicted_ns,
-                              received_ns=event.received_ns)
+                              received_ns=event.received_ns, **({"learned": True} if b.learned else {}))
         elif isinstance(event, C.BubbleEnded):
             e = event.bubble
             self._trace.write("bubble_end", stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot,

@@ -106,7 +106,7 @@ def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> Trai
     if which == "start":
         s = msg.start
         event: BubbleEvent = BubbleStart(
-            s.stage, s.rank, s.iteration, s.slot, s.kind, s.start_ns, s.predicted_ns, s.free_memory_bytes
+            s.stage, s.rank, s.iteration, s.slot, s.kind, s.start_ns, s.predicted_ns, s.free_memory_bytes, s.learned
         )
     elif which == "end":
         e = msg.end
@@ -205,6 +205,7 @@ def slot_to_pb(s: BubbleSlotStats) -> _pb.BubbleSlotStats:
         predicted_ms=_pct_pb(s.predicted_ms),
         abs_error_pct=_pct_pb(s.abs_error_pct),
         min_free_memory_bytes=s.min_free_memory_bytes,
+        learned=s.learned,
     )
 
 
@@ -216,7 +217,8 @@ def _event_to_pb(event: TaskEvent) -> _pb.ManagerEvent:
         b = event.bubble
         msg.bubble_start.CopyFrom(
             _pb.BubbleStart(stage=b.stage, rank=b.rank, iteration=b.iteration, slot=b.slot, kind=b.kind,
-                            start_ns=b.start_ns, predicted_ns=b.predicted_ns, free_memory_bytes=b.free_memory_bytes)
+                            start_ns=b.start_ns, predicted_ns=b.predicted_ns, free_memory_bytes=b.free_memory_bytes,
+                            learned=b.learned)
         )
     elif isinstance(event.bubble, BubbleEnd):
         e = event.bubble

@@ -5,7 +5,8 @@ One JSON object per line, written by the loop thread only, times in CLOCK_MONOTO
 laid beside the trainer's iteration logs. The demo turns it into a timeline picture and a
 Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
 
-* ``bubble_start``: ``stage, rank, iteration, slot, kind, start_ns, predicted_ns, received_ns``
+* ``bubble_start``: ``stage, rank, iteration, slot, kind, start_ns, predicted_ns, received_ns`` (and
+  ``learned: true`` for a learned slot: a recurring wait the trainer's schedule model does not list)
 * ``bubble_end``: ``stage, rank, iteration, slot, end_ns, received_ns``
 * ``grant``: ``task, grant, deadline_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
 * ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)

@@ -115,6 +115,7 @@ def bubble_event_to_pb(event: TrainerEvent) -> _pb.BubbleEvent:
                 start_ns=event.start_ns,
                 predicted_ns=event.predicted_ns,
                 free_memory_bytes=event.free_memory_bytes,
+                learned=event.learned,
             )
         )
     return _pb.BubbleEvent(
@@ -140,7 +141,7 @@ def _bubble_from_pb(msg: Any) -> BubbleEvent:
     if isinstance(msg, _pb.BubbleStart):
         return BubbleStart(
             msg.stage, msg.rank, msg.iteration, msg.slot, msg.kind, msg.start_ns, msg.predicted_ns,
-            msg.free_memory_bytes,
+            msg.free_memory_bytes, msg.learned,
         )
     return BubbleEnd(msg.stage, msg.rank, msg.iteration, msg.slot, msg.end_ns)
 
@@ -244,6 +245,7 @@ def _slot_from_pb(msg: _pb.BubbleSlotStats) -> BubbleSlotStats:
         predicted_ms=_percentiles(msg.predicted_ms),
         abs_error_pct=_percentiles(msg.abs_error_pct),
         min_free_memory_bytes=msg.min_free_memory_bytes,
+        learned=msg.learned,
     )
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BubbleStart(_message.Message):
-    __slots__ = ("stage", "rank", "iteration", "slot", "kind", "start_ns", "predicted_ns", "free_memory_bytes")
+    __slots__ = ("stage", "rank", "iteration", "slot", "kind", "start_ns", "predicted_ns", "free_memory_bytes", "learned")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class BubbleStart(_message.Message):
     START_NS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_NS_FIELD_NUMBER: _ClassVar[int]
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
     stage: int
     rank: int
     iteration: int
@@ -24,7 +25,8 @@ class BubbleStart(_message.Message):
     start_ns: int
     predicted_ns: int
     free_memory_bytes: int
-    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., start_ns: _Optional[int] = ..., predicted_ns: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
+    learned: bool
+    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., iteration: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., start_ns: _Optional[int] = ..., predicted_ns: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., learned: _Optional[bool] = ...) -> None: ...
 
 class BubbleEnd(_message.Message):
     __slots__ = ("stage", "rank", "iteration", "slot", "end_ns")
@@ -284,7 +286,7 @@ class BubblesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BubbleSlotStats(_message.Message):
-    __slots__ = ("stage", "rank", "slot", "kind", "count", "length_ms", "predicted_ms", "abs_error_pct", "min_free_memory_bytes")
+    __slots__ = ("stage", "rank", "slot", "kind", "count", "length_ms", "predicted_ms", "abs_error_pct", "min_free_memory_bytes", "learned")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +296,7 @@ class BubbleSlotStats(_message.Message):
     PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
     ABS_ERROR_PCT_FIELD_NUMBER: _ClassVar[int]
     MIN_FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
     stage: int
     rank: int
     slot: int
@@ -303,7 +306,8 @@ class BubbleSlotStats(_message.Message):
     predicted_ms: Percentiles
     abs_error_pct: Percentiles
     min_free_memory_bytes: int
-    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., length_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., predicted_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., abs_error_pct: _Optional[_Union[Percentiles, _Mapping]] = ..., min_free_memory_bytes: _Optional[int] = ...) -> None: ...
+    learned: bool
+    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., length_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., predicted_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., abs_error_pct: _Optional[_Union[Percentiles, _Mapping]] = ..., min_free_memory_bytes: _Optional[int] = ..., learned: _Optional[bool] = ...) -> None: ...
 
 class BubblesResponse(_message.Message):
     __slots__ = ("slots",)

@@ -26,8 +26,10 @@ runtime schedules (interleaved, zero-bubble, any ``_PipelineScheduleRuntime``), 
 drawing only, and in torch 2.13 misnumbers the last rank's forwards) -- is simulated with the model's
 reference cost ratio (``t_forward : t_backward``, default 1 : 2) to find each rank's idle slots in
 the cyclic layout. Those slots are reported, with the slot's index as its stable identity. Any other
-gap (communication latency where the model has none) is measured and counted as *unplanned*, not
-reported: ``unplanned_waits`` shows whether it matters.
+gap (stage imbalance, communication latency where the model has none) is measured per position in
+the order and counted as *unplanned* (``unplanned_waits``); one that recurs with a stable length
+becomes a *learned* slot and is reported from then on, with an id of its own and ``learned=True``
+(:mod:`freeride.training.learned_slots`).
 
 **Predicted lengths** come from :class:`freeride.training.predictor.BubblePredictor`: the model evaluated
 with online-profiled action times until a slot has been measured a few times, then the recent
@@ -67,6 +69,7 @@ from typing import Any, Protocol
 from freeride.errors import FreerideError
 from freeride.messages import UNKNOWN_MEMORY
 from freeride.training.device_clock import CudaEventClock, HostClock, MarkClock
+from freeride.training.learned_slots import LEARNED_KIND, LearningConfig, WaitLearner
 from freeride.training.predictor import BubblePredictor, ComputeProfile
 from freeride.training.schedules import (
     BACKWARD,
@@ -101,6 +104,7 @@ class BubbleSink(Protocol):
         predicted_ns: int,
         free_memory_bytes: int = UNKNOWN_MEMORY,
         start_ns: int | None = None,
+        learned: bool = False,  # passed (True) only for a learned slot: a sink of modelled slots may omit it
     ) -> None: ...
 
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None: ...
@@ -279,6 +283,7 @@ class InstrumentedSchedule:
         remodel_iterations: int = 5,
         on_action_end: Callable[[str, int, int], None] | None = None,
         clock: Callable[[Callable[[Any, int], None]], MarkClock] | None = None,
+        learning: LearningConfig | None = None,
     ) -> None:
         self.schedule = schedule
         self.sink = sink
@@ -311,6 +316,8 @@ class InstrumentedSchedule:
         self.predictor = predictor or BubblePredictor()
         self.predictor.set_model(lambda stage, slot: self._model_ns.get(slot))
         self._remodel(default_ns=True)
+        #: Recurring waits the model does not list, learned into slots (``learning``; max_slots=0: off).
+        self.learned = WaitLearner(self.rank, self._order_keys, learning)
 
         # What the hooks stamp and the clock delivers, in order (the timeline's own thread on CUDA).
         self._timeline = _Timeline(self)
@@ -462,7 +469,7 @@ class InstrumentedSchedule:
         if self.on_action_end is not None:
             self.on_action_end(kind, stage, microbatch)
         key = (kind, stage, microbatch)
-        slot = self._opens.get(key)
+        slot = self._opens.get(key) or self.learned.opens.get(key)
         opens = None if slot is None else (slot, self.predictor.predict_ns(self.rank, slot.index),
                                            self.memory.free_bytes())
         self.clock.mark((_LEAVE, key, opens))
@@ -504,11 +511,12 @@ class InstrumentedSchedule:
         """Learn from, and hand out, every iteration the clock has finished (training thread)."""
         while True:
             try:
-                iteration, bubbles, actions = self._timeline.done.popleft()
+                iteration, bubbles, actions, gaps = self._timeline.done.popleft()
             except IndexError:
                 return
             for b in bubbles:
                 self.predictor.observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
+            self._learn(gaps, bubbles)
             for a in actions:
                 self.profile.observe(a.kind, a.length_ns)
             if self._remodel_left > 0 and self.profile.samples(FORWARD):
@@ -520,6 +528,16 @@ class InstrumentedSchedule:
                     self.on_iteration(iteration, list(bubbles))
                 except Exception:  # noqa: BLE001 - a logging callback must not break training
                     log.exception("on_iteration callback failed")
+
+    def _learn(self, gaps: list[tuple[_ActionKey, int]], bubbles: list[MeasuredBubble]) -> None:
+        learned = [(b.slot, b.length_ns) for b in bubbles if b.kind == LEARNED_KIND]
+        for slot in self.learned.observe(gaps, learned):
+            assert slot.after is not None
+            for length in self.learned.lengths((slot.after.kind, slot.after.stage, slot.after.microbatch)):
+                self.predictor.observe(self.rank, slot.index, length)  # its first prediction: what recurred
+            log.info("[rank %d] a wait after %s%d of micro-batch %d recurs (%.2f ms): learned slot %d",
+                     self.rank, slot.after.kind, slot.after.stage, slot.after.microbatch, slot.length / 1e6,
+                     slot.index)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for the device clock to resolve every mark, then deliver (off the training path: at the
@@ -571,9 +589,13 @@ class _Timeline:
 
     def __init__(self, owner: InstrumentedSchedule) -> None:
         self._owner = owner
-        self.done: collections.deque[tuple[int, list[MeasuredBubble], list[MeasuredAction]]] = collections.deque()
+        self.done: collections.deque[
+            tuple[int, list[MeasuredBubble], list[MeasuredAction], list[tuple[_ActionKey, int]]]
+        ] = collections.deque()
         self.unplanned_waits = 0
         self.unplanned_wait_ns = 0
+        self._gaps: list[tuple[_ActionKey, int]] = []  # unplanned waits of this iteration, by opening action
+        self._last_key: _ActionKey | None = None
         self._iteration = 0
         self._open: tuple[IdleSlot, int, int, int] | None = None  # slot, start, predicted, free
         self._last_end_ns: int | None = None
@@ -594,23 +616,27 @@ class _Timeline:
                 self._last_end_ns = None
             else:
                 self._last_end_ns = at_ns
+                self._last_key = key
         elif what == _BEGIN:
-            self._iteration, self._bubbles, self._actions = key, [], []
+            self._iteration, self._bubbles, self._actions, self._gaps = key, [], [], []
             self._last_end_ns = None
             self._entered.clear()
             if opens is not None:
                 self._start(opens, at_ns)
         else:  # _FINISH: the schedule ended (inside a slot only on an exception or an odd order)
             self._close(at_ns, unplanned=False)
-            self.done.append((key, self._bubbles, self._actions))
-            self._bubbles, self._actions = [], []
+            self.done.append((key, self._bubbles, self._actions, self._gaps))
+            self._bubbles, self._actions, self._gaps = [], [], []
 
     def _start(self, opens: tuple[IdleSlot, int, int], at_ns: int) -> None:
         slot, predicted, free = opens
         self._open = (slot, at_ns, predicted, free)
         sink = self._owner.sink
         if sink is not None:
-            sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
+            if slot.kind == LEARNED_KIND:
+                sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns, learned=True)
+            else:
+                sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
 
     def _close(self, at_ns: int, unplanned: bool) -> None:
         opened = self._open
@@ -624,4 +650,6 @@ class _Timeline:
         elif unplanned and self._last_end_ns is not None:
             self.unplanned_waits += 1
             self.unplanned_wait_ns += at_ns - self._last_end_ns
+            if self._last_key is not None:
+                self._gaps.append((self._last_key, at_ns - self._last_end_ns))
             self._last_end_ns = None

@@ -165,8 +165,13 @@ class BubbleReporter:
         predicted_ns: int,
         free_memory_bytes: int = UNKNOWN_MEMORY,
         start_ns: int | None = None,
+        learned: bool = False,
     ) -> None:
-        """Report that this stage starts waiting now (or at ``start_ns``). Never blocks or raises."""
+        """Report that this stage starts waiting now (or at ``start_ns``). Never blocks or raises.
+
+        ``learned``: the slot is one the instrumentation learned from recurring waits, not one the
+        schedule model lists (:mod:`freeride.training.learned_slots`); managers show them apart.
+        """
         try:
             if start_ns is None:
                 start_ns = time.monotonic_ns()
@@ -174,7 +179,7 @@ class BubbleReporter:
             if self._queue.qsize() >= self._queue_size or self._closed.is_set():
                 self._dropped_hot += 1
                 return
-            self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes))
+            self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned))
             self._enqueued += 1
         except Exception:  # noqa: BLE001 - the training thread must never see our failures
             self._dropped_hot += 1
@@ -291,7 +296,7 @@ class BubbleReporter:
                 free_memory_bytes=int(free),  # type: ignore[call-overload]
             )
         if item[0] == _START:
-            _, iteration, slot, kind, start_ns, predicted_ns, free = item
+            _, iteration, slot, kind, start_ns, predicted_ns, free, learned = item
             return BubbleStart(
                 stage=self.stage,
                 rank=self.rank,
@@ -301,6 +306,7 @@ class BubbleReporter:
                 start_ns=int(start_ns),  # type: ignore[call-overload]
                 predicted_ns=max(1, int(predicted_ns)),  # type: ignore[call-overload]
                 free_memory_bytes=int(free),  # type: ignore[call-overload]
+                learned=bool(learned),
             )
         _, iteration, slot, end_ns = item
         return BubbleEnd(self.stage, self.rank, int(iteration), int(slot), int(end_ns))  # type: ignore[call-overload]

@@ -109,12 +109,15 @@ class MemoryProbe:
         return None if self._read is None else self._read() - self.baseline_bytes
 
     def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int,
-                     free_memory_bytes: int = -1, start_ns: int | None = None) -> None:
+                     free_memory_bytes: int = -1, start_ns: int | None = None, learned: bool = False) -> None:
         held = self.sample()
         if held is not None:
             self._slots[slot] = held
         if self.inner is not None:
-            self.inner.bubble_start(iteration, slot, kind, predicted_ns, free_memory_bytes, start_ns)
+            if learned:
+                self.inner.bubble_start(iteration, slot, kind, predicted_ns, free_memory_bytes, start_ns, learned=True)
+            else:
+                self.inner.bubble_start(iteration, slot, kind, predicted_ns, free_memory_bytes, start_ns)
 
     def action_end(self, kind: str, stage: int, microbatch: int) -> None:
         held = self.sample()

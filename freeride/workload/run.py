@@ -335,6 +335,8 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             err = instrumented.predictor.prediction_error()
             summary.update(
                 slots=[{"slot": s.index, "kind": s.kind} for s in instrumented.slots],
+                learned_slots=[{"slot": s.index, "after": s.after.label() if s.after else None,
+                                "length_ms": s.length / 1e6} for s in instrumented.learned.opens.values()],
                 unplanned_waits=instrumented.unplanned_waits,
                 unplanned_wait_ms=instrumented.unplanned_wait_ns / 1e6,
                 prediction_error={"count": err.count, "p50": err.p50, "p90": err.p90, "max": err.max},

@@ -120,3 +120,30 @@ def test_reporter_reconnects_after_the_manager_restarts(tmp_path: Path, endpoint
 def test_bubbles_cli_without_manager_is_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ManagerUnavailable):
         _cli(["--endpoint", f"unix:{tmp_path}/none.sock", "--timeout-s", "1"], capsys)
+
+
+def test_learned_slots_reach_the_manager_flagged_and_the_cli_shows_them_apart(
+    manager: Any, endpoint: Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 13: waits the schedule model does not list were never reported at all; now a learned slot
+    # travels with learned=True and every view keeps it apart from the modelled ones.
+    from freeride.training.learned_slots import LEARNED_SLOT_BASE
+
+    learned_id = LEARNED_SLOT_BASE + 5
+    with BubbleReporter(DEVICE, stage=0, rank=0, endpoint=endpoint) as reporter:
+        for it in range(3):
+            t = now_ns() - 20 * MS
+            reporter.bubble_start(it, 0, "turnaround", predicted_ns=4 * MS, start_ns=t)
+            reporter.bubble_end(it, 0, end_ns=t + 4 * MS)
+            reporter.bubble_start(it, learned_id, "learned", predicted_ns=2 * MS, start_ns=t + 8 * MS, learned=True)
+            reporter.bubble_end(it, learned_id, end_ns=t + 10 * MS)
+        slots = _wait_count(endpoint, 6)
+    assert {(s.slot, s.learned) for s in slots} == {(0, False), (learned_id, True)}
+    code, out = _cli(["--endpoint", str(endpoint)], capsys)
+    rows = {cells[3]: cells[4] for cells in map(str.split, out.splitlines()[1:])
+            if len(cells) > 5 and cells[4] in ("model", "learned")}
+    assert rows == {"0": "model", str(learned_id): "learned"}
+    assert "stage 0: 4.00 ms + 2.00 ms learned" in out
+    code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
+    (rows_json,) = json.loads(out)["devices"].values()
+    assert sorted((r["slot"], r["learned"]) for r in rows_json) == [(0, False), (learned_id, True)]

@@ -49,7 +49,7 @@ class RecordingSink:
         self.events: list[tuple[Any, ...]] = []
 
     def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int,
-                     free_memory_bytes: int = -1, start_ns: int | None = None) -> None:
+                     free_memory_bytes: int = -1, start_ns: int | None = None, learned: bool = False) -> None:
         self.events.append(("start", iteration, slot, kind, predicted_ns, free_memory_bytes, start_ns))
 
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:

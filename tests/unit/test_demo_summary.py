@@ -58,6 +58,17 @@ def test_stage_figures_leave_the_warmup_out_of_the_bubble_fraction() -> None:
     assert fig.run_bubble_s == pytest.approx(10 * 0.030)
 
 
+def test_stage_figures_show_the_learned_slots_apart() -> None:
+    import dataclasses
+
+    its = iterations(0, count=10, warmup=2, bubble_ms=(20.0, 10.0))
+    its = [dataclasses.replace(it, bubbles=(it.bubbles[0], dataclasses.replace(it.bubbles[1], kind="learned")))
+           for it in its]
+    fig = stage_figures(its)
+    assert fig.bubble_fraction == pytest.approx(0.3)  # learned slots are bubbles too
+    assert fig.learned_fraction == pytest.approx(0.1)
+
+
 def test_training_time_is_the_slowest_stage_after_the_warmup() -> None:
     by_stage = {0: iterations(0, iteration_ms=100.0), 1: iterations(1, iteration_ms=110.0)}
     assert training_time_s(by_stage) == pytest.approx(8 * 0.110)
