@@ -368,9 +368,13 @@ class ManagerLoop:
         return future
 
     def subscribe(self) -> queue.Queue[TaskEvent | None]:
+        """A live-view queue; it ends (None) when the loop stops, at once if it has stopped already."""
         q: queue.Queue[TaskEvent | None] = queue.Queue(maxsize=10_000)
         with self._sub_lock:
-            self._subscribers.append(q)
+            if self._stopped.is_set():
+                q.put_nowait(None)
+            else:
+                self._subscribers.append(q)
         return q
 
     def unsubscribe(self, q: queue.Queue[TaskEvent | None]) -> None:

@@ -79,4 +79,5 @@ def test_every_call_answers_while_serving_draining_drained_and_stopping(harness:
     for call in (client.stats, client.list, client.bubbles, lambda: client.get(task.task_id),
                  lambda: client.drain(timeout_s=CLIENT_TIMEOUT_S / 2)):
         assert "the manager is stopping" in stopping(call)
+    assert list(client.watch()) == []  # a live view of a stopped manager ends at once
     client.close()
