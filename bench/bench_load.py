@@ -1,6 +1,7 @@
 """Sustained load on one manager daemon: a saturating bubble stream for a minute, hundreds of queued tasks.
 
     python -m bench.bench_load [--seconds 60] [--tasks 300] [--baseline-src DIR] [--out bench/results/cpu]
+    python -m bench.bench_load --garbage-only [--garbage-requests 100000]   # phase 4 alone: load_garbage.*
 
 Everything runs against real ``freeride manager`` subprocesses on ``cpu:0``, driven from this
 process, whose main thread plays the training thread of one pipeline stage:
@@ -450,6 +451,33 @@ def garbage(ns: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def garbage_only(ns: argparse.Namespace) -> int:
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "command": " ".join(["python -m bench.bench_load", *sys.argv[1:]]),
+        "note": ns.note,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+    results["garbage"] = garbage(ns)
+    results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "load_garbage.json").write_text(json.dumps(results, indent=2) + "\n")
+    m = results["machine"]
+    text = "\n".join([
+        "# Undecodable requests against one manager",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, grpcio {m['versions']['grpcio']}, "
+        f"protobuf {m['versions']['protobuf']}. Load average at start {results['loadavg_start']}, at end "
+        f"{results['loadavg_end']} (the machine is shared: re-run on a quiet one for figures to quote). "
+        f"{results['note']} Command: `{results['command']}`.",
+        "",
+        *render_garbage(results["garbage"])[2:],
+    ])
+    (ns.out / "load_garbage.md").write_text(text)
+    print(text)
+    return 0
+
+
 def flood_only(ns: argparse.Namespace) -> int:
     """One saturation flood without tasks, for ``--baseline-src`` comparisons (old code may run it)."""
     manager = launch("cmp")
@@ -594,30 +622,34 @@ def render(results: dict[str, Any]) -> str:
         ]
     gar = results.get("garbage")
     if gar:
-        codes = ", ".join(f"{k} {v}" for k, v in sorted(gar["outcomes"].items()))
-        example = next(iter(gar["details"].values()), "")
-        lines += [
-            "## Undecodable requests (fresh manager)",
-            "",
-            f"{gar['requests']} requests whose bytes (`{gar['bytes']}`) parse as no message, round-robin over "
-            f"the {len(gar['methods'])} methods of Trainer, Control and health, from {gar['threads']} client "
-            f"thread(s), after a warm-up of every path.",
-            "",
-            "| figure | value |",
-            "|---|---|",
-            f"| answers | {codes} |",
-            f"| an answer's details | `{example}` |",
-            f"| requests/s | {gar['requests_per_s']} ({gar['wall_s']} s) |",
-            f"| manager RSS before / after (MiB) | {gar['rss_before_mib']:.1f} / {gar['rss_after_mib']:.1f} |",
-            f"| growth per request | {gar['bytes_per_request']:+.2f} bytes |",
-            f"| RSS along the way (requests: MiB) | "
-            f"{', '.join(f'{n}: {v:.1f}' for n, v in gar['rss_series'])} |",
-            "",
-            "Before (grpcio's own deserializer): INTERNAL \"Exception deserializing request!\", and 4-19 KiB kept "
-            "per request for good (RSS 48 -> 141 MiB over ~2,700 of them).",
-            "",
-        ]
+        lines += render_garbage(gar)
     return "\n".join(lines)
+
+
+def render_garbage(gar: dict[str, Any]) -> list[str]:
+    codes = ", ".join(f"{k} {v}" for k, v in sorted(gar["outcomes"].items()))
+    example = next(iter(gar["details"].values()), "")
+    return [
+        "## Undecodable requests (fresh manager)",
+        "",
+        f"{gar['requests']} requests whose bytes (`{gar['bytes']}`) parse as no message, round-robin over "
+        f"the {len(gar['methods'])} methods of Trainer, Control and health, from {gar['threads']} client "
+        f"thread(s), after a warm-up of every path.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| answers | {codes} |",
+        f"| an answer's details | `{example}` |",
+        f"| requests/s | {gar['requests_per_s']} ({gar['wall_s']} s) |",
+        f"| manager RSS before / after (MiB) | {gar['rss_before_mib']:.1f} / {gar['rss_after_mib']:.1f} |",
+        f"| growth per request | {gar['bytes_per_request']:+.2f} bytes |",
+        f"| RSS along the way (requests: MiB) | "
+        f"{', '.join(f'{n}: {v:.1f}' for n, v in gar['rss_series'])} |",
+        "",
+        "Before (grpcio's own deserializer): INTERNAL \"Exception deserializing request!\", and 4-19 KiB kept "
+        "per request for good (RSS 48 -> 141 MiB over ~2,700 of them).",
+        "",
+    ]
 
 
 def main() -> int:
@@ -638,6 +670,8 @@ def main() -> int:
     parser.add_argument("--garbage-requests", type=int, default=100_000,
                         help="undecodable requests of the garbage phase (0: skip)")
     parser.add_argument("--garbage-threads", type=int, default=2, help="client threads of the garbage phase")
+    parser.add_argument("--garbage-only", action="store_true",
+                        help="run the garbage phase alone; results in load_garbage.json and load_garbage.md")
     parser.add_argument("--note", default="", help="free text for the report (e.g. the machine was shared)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     parser.add_argument("--flood-only", action="store_true", help=argparse.SUPPRESS)
@@ -645,6 +679,8 @@ def main() -> int:
     ns = parser.parse_args()
     if ns.flood_only:
         return flood_only(ns)
+    if ns.garbage_only:
+        return garbage_only(ns)
     results: dict[str, Any] = {
         "machine": machine_info(),
         "command": " ".join(["python -m bench.bench_load", *sys.argv[1:]]),
