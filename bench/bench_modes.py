@@ -54,7 +54,7 @@ from freeride._manager.trace import read_trace
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
-from freeride.measure import PRICE_RATIOS, CostInputs, cost_saving, mean_ci95, overhead, percentile
+from freeride.measure import PRICE_RATIOS, CostInputs, cost_saving, overhead, percentile, t_interval
 from freeride.messages import TaskSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -409,6 +409,12 @@ def _wait_resident(client: ControlClient, task_ids: list[str], timeout_s: float 
 
 
 # ---------------------------------------------------------------- aggregate and report
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """The mean and its Student-t 95% half-width (0 for one value)."""
+    iv = t_interval(values)
+    return iv.estimate, iv.half_width if iv.n > 1 else 0.0
 
 
 def summarize(runs: list[RunResult], task_sets: list[str], devices: int = len(DEVICES)) -> dict[str, Any]:
