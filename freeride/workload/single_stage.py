@@ -67,6 +67,7 @@ from typing import IO, Any
 from freeride.devices import Device, open_device, parse_device_name
 from freeride.endpoints import parse_endpoint, read_token
 from freeride.errors import ConfigError
+from freeride.measure import median
 from freeride.messages import UNKNOWN_MEMORY
 from freeride.training.instrument import BubbleSink, MeasuredBubble
 from freeride.training.predictor import summarize
@@ -553,7 +554,7 @@ class _FreeMemory:
 class _CostLearner:
     """This stage's forward, backward and between-iteration times over the learning iterations.
 
-    The estimate of each is the median of its samples, leaving out iteration 0 (first-call costs:
+    The estimate of each is the median (``freeride.measure``) of its samples, leaving out iteration 0 (first-call costs:
     allocator growth, kernel selection) once later iterations have given some.
     """
 
@@ -566,11 +567,8 @@ class _CostLearner:
 
     def estimate(self, what: str) -> float | None:
         samples = self._samples.get(what, [])
-        values = sorted(v for it, v in samples if it > 0) or sorted(v for _, v in samples)
-        if not values:
-            return None
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        values = [v for it, v in samples if it > 0] or [v for _, v in samples]
+        return median(values) if values else None
 
 
 # ------------------------------------------------------------------ the run
