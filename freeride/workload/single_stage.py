@@ -46,7 +46,9 @@ Reporting (``--report``) goes through :class:`freeride.training.reporter.BubbleR
 manager (``--endpoint``, else ``$FREERIDE_ENDPOINT``, else the device's default socket), with free
 memory from :mod:`freeride.devices` (on CUDA the driver's figure, which counts this trainer's own
 allocation as used). ``--iteration-log`` writes the reference trainer's JSON-lines record shape,
-plus ``model`` (the costs and bubble fraction the predictions used) and a final summary.
+plus ``model`` (the costs and bubble fraction the predictions used), ``compute_ms`` (the stage's own
+forward and backward time of the iteration, where known without a synchronize: the bench's measure of
+how much side tasks slow the stage itself) and a final summary.
 :func:`single_stage_command` gives the bench the command line.
 """
 
@@ -670,6 +672,18 @@ class _SingleStage:
         if ready is not None and marks is not None and ready.ns is not None and marks[1].ns is not None:
             self.learner.observe("overhead", iteration - 1, ready.ns - marks[1].ns)
 
+    def _compute_ms(self, iteration: int) -> float | None:
+        """This stage's own forward and backward time in ``iteration`` (its actions only: no waits,
+        no optimizer step), when every mark is already resolved (always on CPU; on CUDA the marks
+        after the last wait are not, and resolving them here would synchronize the stream)."""
+        total = 0
+        for action in self.order:
+            marks = self.marks.get((iteration, action))
+            if marks is None or marks[0].ns is None or marks[1].ns is None:
+                return None
+            total += marks[1].ns - marks[0].ns
+        return total / 1e6
+
     def _model_record(self) -> dict[str, float]:
         own, peers = self.own_costs(), self.peer_costs()
         return {"forward_ms": own.forward / 1e6, "backward_ms": own.backward / 1e6,
@@ -791,6 +805,9 @@ class _SingleStage:
                 "bubble_fraction": bubble_ms / (elapsed / 1e6) if elapsed > 0 else 0.0,
                 "model": model_record,
             }
+            compute_ms = self._compute_ms(it)
+            if compute_ms is not None:
+                record["compute_ms"] = compute_ms
             records.append(record)
             if out_file is not None:
                 out_file.write(json.dumps(record) + "\n")
