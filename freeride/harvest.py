@@ -23,7 +23,8 @@ so the categories of a bubble, and of a run, sum to 100% of its bubble time:
     trainer's compute, a shared memory bus). Negative when they ran faster than the standalone
     yardstick (measured on a busier machine).
 ``probe``
-    the first grant of a task (setup, the first steps that learn its step time), beyond its work.
+    a task's first grants (setup, which may span several bubbles, frozen between them, and the
+    steps of its first stepping grant, which learn its step time), beyond their work.
     Re-probes (one grant per 200 bubbles that fit none of a task's steps) are not marked in the
     trace and count with the other steps.
 ``delivery``
@@ -118,7 +119,7 @@ class TraceGrant:
     spans: tuple[tuple[int, int], ...] = ()  # the listed steps, in order
     count: int = 0  # steps run in the grant (>= len(spans))
     thaw: bool = False
-    first_of_task: bool = False
+    first_of_task: bool = False  # a grant before the task's first step, or the one that ran it
 
 
 def bubbles_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceBubble]:
@@ -157,14 +158,16 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
         elif ev == "steps":
             steps[(str(r["task"]), int(r["grant"]))] = r
     out = []
-    seen: set[str] = set()
+    stepped: set[str] = set()  # tasks that have run a step: their probe grants are over
     for key, g in sorted(grants.items(), key=lambda kv: (int(kv[1]["at_ns"]), kv[0][1])):
         s = steps.get(key, {})
         spans = tuple(sorted((int(a), max(int(a), int(z))) for a, z in s.get("spans") or ()))
+        count = max(len(spans), int(s.get("count", len(spans))))
         out.append(TraceGrant(task=key[0], grant=key[1], at_ns=int(g["at_ns"]), deadline_ns=int(g["deadline_ns"]),
-                              spans=spans, count=max(len(spans), int(s.get("count", len(spans)))),
-                              thaw=bool(g.get("thaw", False)), first_of_task=key[0] not in seen))
-        seen.add(key[0])
+                              spans=spans, count=count, thaw=bool(g.get("thaw", False)),
+                              first_of_task=key[0] not in stepped))
+        if count:
+            stepped.add(key[0])
     return out
 
 
@@ -255,6 +258,9 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
                 last_step_end = until if last_step_end is None else max(last_step_end, until)
         elif g.spans:
             sweep.add("probe" if g.first_of_task else "wakeup", g.at_ns, g.spans[0][0])
+        elif g.first_of_task:
+            # Setup (or a first step) that has not finished: it runs to the bubble's end and is frozen there.
+            sweep.add("probe", g.at_ns, bubble.end_ns)
         previous_step_end: int | None = None
         for a, z in g.spans:
             if previous_step_end is not None:

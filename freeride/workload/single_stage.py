@@ -48,7 +48,9 @@ memory from :mod:`freeride.devices` (on CUDA the driver's figure, which counts t
 allocation as used). ``--iteration-log`` writes the reference trainer's JSON-lines record shape,
 plus ``model`` (the costs and bubble fraction the predictions used), ``compute_ms`` (the stage's own
 forward and backward time of the iteration, where known without a synchronize: the bench's measure of
-how much side tasks slow the stage itself) and a final summary.
+how much side tasks slow the stage itself), ``runqueue_wait_ms`` (how long the training thread waited,
+runnable, for its CPU in the iteration: time something else held the stage's core) and a final
+summary.
 :func:`single_stage_command` gives the bench the command line.
 """
 
@@ -526,6 +528,17 @@ class _CudaClock:
         return time.monotonic_ns()
 
 
+def _runqueue_wait_ns() -> int | None:
+    """How long this thread has waited, runnable, for a CPU (``/proc/thread-self/schedstat``, Linux);
+    None where the kernel does not say. On ``cpu:N`` that is time something else held the stage's
+    core: a side task not yet parked, or another program."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            return int(fh.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _FreeMemory:
     """Free memory of the device for bubble reports, never raising.
 
@@ -760,6 +773,7 @@ class _SingleStage:
             losses.clear()
             bubbles: list[MeasuredBubble] = []
             model_record = self._model_record()
+            waited0 = _runqueue_wait_ns()
             t0 = time.monotonic_ns()
             optimizer.zero_grad(set_to_none=True)
             self.ready[it] = clock.mark()
@@ -782,6 +796,7 @@ class _SingleStage:
                 self.marks[(it, action)] = (begin, clock.mark())
             optimizer.step()
             elapsed = time.monotonic_ns() - t0
+            waited1 = _runqueue_wait_ns()
             if it > 0:
                 self._observe_between(it)
             if it < self.learn_iterations:
@@ -808,6 +823,8 @@ class _SingleStage:
             compute_ms = self._compute_ms(it)
             if compute_ms is not None:
                 record["compute_ms"] = compute_ms
+            if waited0 is not None and waited1 is not None:
+                record["runqueue_wait_ms"] = (waited1 - waited0) / 1e6
             records.append(record)
             if out_file is not None:
                 out_file.write(json.dumps(record) + "\n")

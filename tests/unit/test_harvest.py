@@ -163,3 +163,17 @@ def test_measurement_window_starts_after_the_last_warmup_iteration_of_any_rank(t
         path.write_text("\n".join(lines + ['{"summary": true}']) + "\n")
         logs.append(path)
     assert measurement_window(logs) == (110, 310)
+
+
+def test_setup_spanning_bubbles_counts_as_probe_until_the_first_stepping_grant() -> None:
+    records = _trace_records(
+        [(0, 10 * MS), (20 * MS, 30 * MS), (40 * MS, 50 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "grant", "task": "a", "grant": 2, "at_ns": 21 * MS, "deadline_ns": 30 * MS, "thaw": True},
+         {"ev": "steps", "task": "a", "grant": 2, "count": 1, "spans": [[25 * MS, 27 * MS]]},
+         {"ev": "grant", "task": "a", "grant": 3, "at_ns": 41 * MS, "deadline_ns": 50 * MS},
+         {"ev": "steps", "task": "a", "grant": 3, "count": 1, "spans": [[42 * MS, 44 * MS]]}])
+    setup, first_step, steady = account_trace(records, {"a": 0.001})
+    assert ms(setup.seconds) == {"decision": 1.0, "probe": 9.0}  # setup ran on, frozen at the end
+    assert ms(first_step.seconds) == {"decision": 1.0, "probe": 4.0 + 1.0, "work": 1.0, "margin": 3.0}
+    assert ms(steady.seconds) == {"decision": 1.0, "wakeup": 1.0, "work": 1.0, "slower": 1.0, "margin": 6.0}
