@@ -391,16 +391,16 @@ def standalone_step_s(progress: float, steps: int, standalone_progress_per_s: fl
     return progress / steps / standalone_progress_per_s
 
 
-def measurement_window(rank_logs: Iterable[Path]) -> tuple[int, int]:
-    """From the end of the last warm-up iteration (of the latest rank) to the end of the last iteration.
+def window_of(ranks: Iterable[Iterable[Mapping[str, Any]]]) -> tuple[int, int]:
+    """The measurement window of a run: from the end of the last warm-up iteration (of the latest rank)
+    to the end of the last iteration of any rank.
 
-    ``rank_logs`` are the trainer's iteration logs, one per rank (JSON lines; records without
-    ``iteration``, such as the closing summary, are skipped). A run without warm-up starts at its
-    first iteration's start.
+    ``ranks`` are each rank's iteration records (``iteration``, ``warmup``, ``end_ns``, ``time_ms``;
+    records without ``iteration``, such as a log's closing summary, are skipped). A run without
+    warm-up starts at its first iteration's start.
     """
     start = end = 0
-    for path in rank_logs:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for records in ranks:
         its = [r for r in records if "iteration" in r]
         if not its:
             continue
@@ -409,3 +409,9 @@ def measurement_window(rank_logs: Iterable[Path]) -> tuple[int, int]:
         start = max(start, max(warm) if warm else first)
         end = max(end, max(int(r["end_ns"]) for r in its))
     return start, end
+
+
+def measurement_window(rank_logs: Iterable[Path]) -> tuple[int, int]:
+    """:func:`window_of` the trainer's iteration logs (JSON lines, one file per rank)."""
+    return window_of([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                     for path in rank_logs)
