@@ -270,7 +270,7 @@ def hot_path_cost(microbatches: int, work: Path, iterations: int = 40000) -> dic
             enqueued = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=offline, device="cpu:0")
             batches: dict[str, list[float]] = {"bare": [], "measured": [], "enqueued": []}
             for _ in range(iterations // 1000):  # interleaved batches of 1000, in a fresh order each time
-                order = [("bare", bare), ("measured", measured), ("enqueued", enqueued)]
+                order: list[tuple[str, Any]] = [("bare", bare), ("measured", measured), ("enqueued", enqueued)]
                 random.shuffle(order)
                 for name, sched in order:
                     t0 = time.perf_counter_ns()

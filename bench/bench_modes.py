@@ -68,6 +68,7 @@ from bench.modes_report import (
     MODES,
     RunResult,
     gated_intervals,
+    interfered,
     loadavg_summary,
     plot,
     readme_block,
@@ -81,7 +82,7 @@ from freeride._wire.client import ControlClient, health_status
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
-from freeride.harvest import harvest, measurement_window, standalone_step_s
+from freeride.harvest import harvest, measurement_window, standalone_step_s, steady_window
 from freeride.measure import StopDecision, StopRule, stop_decision
 from freeride.messages import TaskSpec
 
@@ -506,8 +507,9 @@ def _managed(mode: str, tasks: Sequence[str], settings: Settings, run_dir: Path,
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
     # The managers have stopped and flushed their traces: account for the bubbles after warm-up.
-    window = measurement_window(layout.rank_logs(log))
     traces = [read_trace(run_dir / f"trace-{_slug(dev)}.jsonl") for dev in layout.devices]
+    window = steady_window(traces, measurement_window(layout.rank_logs(log)))
+    result.harvest_window_s = (window[1] - window[0]) / 1e9
     h = harvest(traces, step_s, window)
     longest = max((step_s[t] for t in step_s), default=0.0)
     fit = harvest(traces, step_s, window, min_bubble_s=10 * longest) if longest > 0 else None
@@ -640,8 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-stage", metavar="DEVICE", default=None,
                    help="the single-stage layout on DEVICE (cuda:0, or a chosen cpu:K)")
     p.add_argument("--stage", default="1/4/8", help="single-stage: INDEX/STAGES/MICROBATCHES (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=28)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--task-sets", default=",".join(TASK_SETS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--trainer-args", default="--d-model 256")
@@ -712,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             "tasks": {k: {"target": v.target, "args": v.args, "memory_bytes": v.memory_bytes}
                       for k, v in TASKS.items()},
             "fit_note": "bubbles long enough that the task set's slowest step, alone, is at most a tenth of them",
-            "method": method_notes(layout), "standalone_rates": all_rates, "paper_profile_ns": profile}
+            "method": method_notes(layout), "standalone_rates": all_rates, "paper_profile_ns": profile,
+            "interfered": interfered(runs)}
     doc = {"meta": meta, "summary": table, "runs": [dataclasses.asdict(r) for r in runs]}
     (out / "modes.json").write_text(json.dumps(doc, indent=1, default=str))
     render(out, doc, readme)

@@ -66,6 +66,7 @@ class RunResult:
     work_s: float = 0.0
     harvest: dict[str, Any] = field(default_factory=dict)  # freeride.harvest.Harvest.to_json()
     harvest_fit: dict[str, Any] = field(default_factory=dict)  # the same on bubbles >= 10 x the longest step
+    harvest_window_s: float | None = None  # how long the steady-state window of H was
     progress: dict[str, float] = field(default_factory=dict)
     overruns_ms: list[float] = field(default_factory=list)
     grant_latency_ms: dict[str, float] = field(default_factory=dict)
@@ -182,6 +183,23 @@ def _mean_share(runs: Sequence[RunResult]) -> float | None:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+#: A run whose stage thread waited, runnable, for its core more than this share of its iteration time
+#: is flagged: something else held the stage's core (a side task not parked in time, or, in ``none``
+#: and ``instrumented`` where nothing of freeride runs there, another program on a shared machine).
+INTERFERENCE_SHARE = 0.10
+
+
+def interfered(runs: Iterable[RunResult], share: float = INTERFERENCE_SHARE) -> list[str]:
+    """The runs whose stage waited for its core more than ``share`` of the time, in words. They stay
+    in every figure (leaving them out would hide a freeride run that failed to yield the core)."""
+    out = []
+    for r in runs:
+        if r.runqueue_wait_ms is not None and r.iteration_ms > 0 and r.runqueue_wait_ms / r.iteration_ms > share:
+            out.append(f"trial {r.trial} {r.mode}{'' if r.task_set == '-' else ' ' + r.task_set}: "
+                       f"{100 * r.runqueue_wait_ms / r.iteration_ms:.0f}% of {r.iteration_ms:.0f} ms")
+    return out
 
 
 def gated_intervals(runs: Sequence[RunResult], task_sets: Sequence[str]) -> dict[str, Interval]:
@@ -372,6 +390,13 @@ def write_markdown(path: Path, meta: Mapping[str, Any], table: Mapping[str, Mapp
         if failures:
             lines += ["", "Failures: " + "; ".join(failures)]
         lines.append("")
+    flagged = meta.get("interfered") or []
+    lines += ["## Runs whose stage waited for its core", "",
+              f"Runs in which the stage's training thread waited, runnable, for its core more than "
+              f"{100 * INTERFERENCE_SHARE:.0f}% of its iteration time (`/proc/thread-self/schedstat`); in `none` and "
+              "`instrumented` nothing of freeride runs on that core, so there it is another program. They are "
+              "kept in every figure above.", "",
+              *([f"- {line}" for line in flagged] or ["- none"]), ""]
     lines += ["## Targets", "", *[f"- {t}" for t in targets(table)], ""]
     lines += ["## Method", "", *meta.get("method", []), ""]
     path.write_text("\n".join(lines))

@@ -1,6 +1,7 @@
 """Where bubble time goes: harvest efficiency and its breakdown, from a manager's trace.
 
-One function computes harvest efficiency for the demo and for the bench (:func:`harvest`), so the
+One function computes harvest efficiency for the demo and for the bench (:func:`harvest`), over one
+window rule (:func:`steady_window`: after the trainer's warm-up and every task's first step), so the
 two cannot disagree by definition. Its inputs are a manager's trace (``freeride manager --trace``,
 see :mod:`freeride._manager.trace`), a measurement window, and each task's **standalone seconds
 per step**: the progress one of its steps makes, divided by its standalone throughput on the same
@@ -380,6 +381,22 @@ def harvest(traces: Iterable[Iterable[Mapping[str, Any]]], step_s: Mapping[str, 
     for records in traces:
         accounts += account_trace(records, step_s, window)
     return summarize(accounts, min_bubble_s)
+
+
+def steady_window(traces: Iterable[Iterable[Mapping[str, Any]]], window: tuple[int, int]) -> tuple[int, int]:
+    """``window`` started no earlier than the first step of every task in the traces (steady state).
+
+    A task's first grants run its ``setup`` (building a graph, a model), only inside bubbles and frozen
+    between them, so it can take many iterations; that one-off cost is the ``probe`` category, not the
+    steady harvest a long training job sees. Both the demo and the bench measure H from here on.
+    """
+    first: dict[str, int] = {}
+    for records in traces:
+        for g in grants_from_trace(records):
+            if g.spans:
+                first[g.task] = min(first.get(g.task, g.spans[0][0]), g.spans[0][0])
+    start = max([window[0], *first.values()])
+    return (min(start, window[1]), window[1])
 
 
 def standalone_step_s(progress: float, steps: int, standalone_progress_per_s: float) -> float:

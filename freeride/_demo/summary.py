@@ -12,7 +12,8 @@ taken when training ended, and each side task's standalone throughput. The arith
   (the stages of a pipeline finish an iteration together, so they differ by noise only), and the
   **overhead** ``T_with / T_base - 1``;
 * **harvest efficiency** of a device: :func:`freeride.harvest.harvest` on its manager's trace, over
-  the bubbles after the warm-up (the window the bench uses): the steps of those bubbles' grants, each
+  the bubbles after the warm-up and after every task's first step (:func:`freeride.harvest.steady_window`,
+  the window the bench uses): the steps of those bubbles' grants, each
   worth its task's standalone seconds per step, over their bubble time; with the breakdown of that
   bubble time (work, slower steps, grant latency, margins...). The bench computes H with the same
   function, the same window and the same yardstick (:mod:`freeride._demo.probe`, one device at a
@@ -335,7 +336,7 @@ def summarize(
                         f"{', '.join(stage_of) or 'nothing'})")
     task_figs: list[TaskFigures] = []
     dev_figs: list[DeviceFigures] = []
-    window = measurement_window(run)
+    window = harvest_mod.steady_window([records for records in (traces or {}).values()], measurement_window(run))
     for device in devices:
         stage = stage_of[device]
         infos = list(tasks.get(device, ()))

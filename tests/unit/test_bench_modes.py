@@ -24,6 +24,7 @@ from bench.modes_report import (
     RunResult,
     gated_intervals,
     headline,
+    interfered,
     readme_block,
     summarize,
     targets,
@@ -173,3 +174,9 @@ def test_the_readme_block_is_generated_from_the_results_and_replaced_in_place(tm
     assert "old" not in text and "- other result" in text and text.count(README_BEGIN) == 1
     (tmp_path / "plain.md").write_text("no markers")
     assert not update_readme(tmp_path / "plain.md", block)
+
+
+def test_runs_whose_stage_waited_for_its_core_are_flagged_not_dropped() -> None:
+    quiet = run("none", 0, 100.0)  # 1 ms of 100 ms
+    busy = RunResult("instrumented", "-", 0, 200.0, 10, runqueue_wait_ms=80.0)
+    assert interfered([quiet, busy]) == ["trial 0 instrumented: 40% of 200 ms"]

@@ -18,6 +18,7 @@ from freeride.harvest import (
     harvest,
     measurement_window,
     standalone_step_s,
+    steady_window,
     summarize,
 )
 
@@ -177,3 +178,15 @@ def test_setup_spanning_bubbles_counts_as_probe_until_the_first_stepping_grant()
     assert ms(setup.seconds) == {"decision": 1.0, "probe": 9.0}  # setup ran on, frozen at the end
     assert ms(first_step.seconds) == {"decision": 1.0, "probe": 4.0 + 1.0, "work": 1.0, "margin": 3.0}
     assert ms(steady.seconds) == {"decision": 1.0, "wakeup": 1.0, "work": 1.0, "slower": 1.0, "margin": 6.0}
+
+
+def test_the_steady_window_starts_after_every_tasks_first_step() -> None:
+    records = _trace_records(
+        [(0, 10 * MS), (20 * MS, 30 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "steps", "task": "a", "grant": 1, "count": 1, "spans": [[2 * MS, 3 * MS]]},
+         {"ev": "grant", "task": "b", "grant": 1, "at_ns": 21 * MS, "deadline_ns": 30 * MS},
+         {"ev": "steps", "task": "b", "grant": 1, "count": 1, "spans": [[22 * MS, 23 * MS]]}])
+    assert steady_window([records], (0, 100 * MS)) == (22 * MS, 100 * MS)
+    assert steady_window([records], (50 * MS, 100 * MS)) == (50 * MS, 100 * MS)
+    assert steady_window([[]], (5, 9)) == (5, 9)
