@@ -624,15 +624,22 @@ def make_layout(args: argparse.Namespace, p: argparse.ArgumentParser) -> Layout:
     return single_stage_cpu(cores, (index, stages, microbatches))
 
 
-def render(out: Path, doc: Mapping[str, Any], readme: Path | None) -> None:
-    """Write ``modes.md`` and ``modes.png`` from a results document; rewrite the README block if asked."""
-    meta, table = doc["meta"], doc["summary"]
+def render(out: Path, doc: Mapping[str, Any], readme: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write ``modes.md`` and ``modes.png`` from a results document; rewrite the README block if asked.
+
+    The summary is computed afresh from the document's runs, so a re-render (``--render-only``) shows
+    what the report code says of them now."""
+    runs = [RunResult.from_json(r) for r in doc["runs"]]
+    task_sets = list(dict.fromkeys(r.task_set for r in runs if r.task_set != "-"))
+    meta = {**doc["meta"], "interfered": interfered(runs)}
+    table = summarize(runs, task_sets, devices=len(meta["devices"]))
     write_markdown(out / "modes.md", meta, table)
     plot(out, table)
     if readme is not None:
         link = os.path.relpath(out / "modes.md", readme.parent)
         if not update_readme(readme, readme_block(meta, table, link)):
             print(f"bench: {readme} has no generated block to update (markers missing)", file=sys.stderr)
+    return meta, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -662,7 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     readme = Path(args.update_readme) if args.update_readme else None
     if args.render_only:
-        render(out, json.loads((out / "modes.json").read_text()), readme)
+        doc = json.loads((out / "modes.json").read_text())
+        doc["meta"], doc["summary"] = render(out, doc, readme)
+        (out / "modes.json").write_text(json.dumps(doc, indent=1, default=str))
         return 0
     layout = make_layout(args, p)
     task_sets = [s for s in args.task_sets.split(",") if s]

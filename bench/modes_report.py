@@ -192,10 +192,13 @@ INTERFERENCE_SHARE = 0.10
 
 
 def interfered(runs: Iterable[RunResult], share: float = INTERFERENCE_SHARE) -> list[str]:
-    """The runs whose stage waited for its core more than ``share`` of the time, in words. They stay
-    in every figure (leaving them out would hide a freeride run that failed to yield the core)."""
+    """The runs whose stage waited for its core more than ``share`` of the time, in words (``naive``
+    runs, whose tasks compete for the core by design, are not listed). They stay in every figure:
+    leaving them out would hide a freeride run that failed to yield the core."""
     out = []
     for r in runs:
+        if r.mode == "naive":  # its tasks share the stage's core at the same priority: waiting is the point
+            continue
         if r.runqueue_wait_ms is not None and r.iteration_ms > 0 and r.runqueue_wait_ms / r.iteration_ms > share:
             out.append(f"trial {r.trial} {r.mode}{'' if r.task_set == '-' else ' ' + r.task_set}: "
                        f"{100 * r.runqueue_wait_ms / r.iteration_ms:.0f}% of {r.iteration_ms:.0f} ms")
@@ -282,12 +285,11 @@ def headline(meta: Mapping[str, Any], table: Mapping[str, Mapping[str, Any]]) ->
 
 def readme_block(meta: Mapping[str, Any], table: Mapping[str, Mapping[str, Any]], results_link: str) -> str:
     """The README's results bullet for this bench, generated from its results."""
-    kind = "validation run" if meta.get("label") else "run"
     load = meta.get("loadavg", {})
+    label = f"{meta['label']}; " if meta.get("label") else ""
     head = (f"- **freeride vs the reference policy vs co-location** ([modes.md]({results_link})): layout "
             f"*{meta['layout']['name']}*{' (stress case)' if meta['layout'].get('stress') else ''}, "
-            f"{meta['trials']} paired interleaved trials ({kind}"
-            f"{', ' + meta['label'] if meta.get('label') else ''}; load average "
+            f"{meta['trials']} paired interleaved trials ({label}load average "
             f"{_fmt(load.get('min'), digits=1)}-{_fmt(load.get('max'), digits=1)}); means with 95% t intervals over "
             f"trials. Stop: {meta['stop']['reason']}.")
     body = [f"  - {line}" for line in headline(meta, table)]
@@ -393,9 +395,10 @@ def write_markdown(path: Path, meta: Mapping[str, Any], table: Mapping[str, Mapp
     flagged = meta.get("interfered") or []
     lines += ["## Runs whose stage waited for its core", "",
               f"Runs in which the stage's training thread waited, runnable, for its core more than "
-              f"{100 * INTERFERENCE_SHARE:.0f}% of its iteration time (`/proc/thread-self/schedstat`); in `none` and "
-              "`instrumented` nothing of freeride runs on that core, so there it is another program. They are "
-              "kept in every figure above.", "",
+              f"{100 * INTERFERENCE_SHARE:.0f}% of its iteration time (`/proc/thread-self/schedstat`; `naive` runs, "
+              "whose tasks compete for the core by design, are not listed). In `none` and `instrumented` nothing of "
+              "freeride runs on that core, so there it is another program; in the freeride modes it may be a side "
+              "task that did not yield in time, or another program. They are kept in every figure above.", "",
               *([f"- {line}" for line in flagged] or ["- none"]), ""]
     lines += ["## Targets", "", *[f"- {t}" for t in targets(table)], ""]
     lines += ["## Method", "", *meta.get("method", []), ""]
@@ -449,34 +452,39 @@ def plot(out: Path, table: Mapping[str, Mapping[str, Any]]) -> list[str]:
     sets = list(dict.fromkeys(row["task_set"] for row in table.values()))
     modes = [m for m in MODES if m != "none"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
-    width = 0.8 / len(modes)
 
-    def bar(ax: Any, key: str, scale: float) -> None:
+    def bar(ax: Any, key: str, scale: float, modes: Sequence[str] = modes) -> None:
+        width = 0.8 / len(modes)
         for i, mode in enumerate(modes):
             rows = [table.get(f"{s}/{mode}") for s in sets]
             ivs = [r.get(key) if r else None for r in rows]
             est = [scale * iv["estimate"] if iv else 0.0 for iv in ivs]
             err = [[scale * (iv["estimate"] - iv["low"]) if iv and iv.get("low") is not None else 0.0 for iv in ivs],
                    [scale * (iv["high"] - iv["estimate"]) if iv and iv.get("high") is not None else 0.0 for iv in ivs]]
-            ax.bar([j + i * width for j in range(len(sets))], est, width, yerr=err, label=mode, capsize=2)
+            ax.bar([j + i * width for j in range(len(sets))], est, width, yerr=err, label=mode, capsize=2,
+                   color=f"C{MODES.index(mode)}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
         ax.axhline(0, color="black", linewidth=0.5)
 
     bar(axes[0], "overhead", 100.0)
     axes[0].set_title("iteration-time overhead vs none (%), 95% CI")
     axes[0].set_yscale("symlog", linthresh=2)
-    bar(axes[1], "harvest_efficiency", 1.0)
-    axes[1].set_title("harvest efficiency H, 95% CI")
+    # naive's "H" (co-location work over the bubble time, several times 1) would hide the others.
+    bar(axes[1], "harvest_efficiency", 1.0, ("freeride-paper", "freeride"))
+    axes[1].set_title("harvest efficiency H, 95% CI (target 0.8)")
     axes[1].axhline(0.8, color="grey", linestyle="--", linewidth=0.8)
     axes[1].legend(fontsize=7)
     cols = [(s, m) for s in sets for m in ("freeride-paper", "freeride")
             if (table.get(f"{s}/{m}") or {}).get("breakdown")]
-    bottom = [0.0] * len(cols)
+    up, down = [0.0] * len(cols), [0.0] * len(cols)  # a negative share (steps faster than alone) goes below 0
     cmap = plt.get_cmap("tab20")
     for k, c in enumerate(CATEGORIES):
         vals = [100 * table[f"{s}/{m}"]["breakdown"]["shares"][c] for s, m in cols]
-        axes[2].bar(range(len(cols)), vals, 0.7, bottom=bottom, label=CATEGORY_TEXT[c], color=cmap(k))
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        bottoms = [u if v >= 0 else d for v, u, d in zip(vals, up, down, strict=True)]
+        axes[2].bar(range(len(cols)), vals, 0.7, bottom=bottoms, label=CATEGORY_TEXT[c], color=cmap(k))
+        up = [u + max(v, 0.0) for u, v in zip(up, vals, strict=True)]
+        down = [d + min(v, 0.0) for d, v in zip(down, vals, strict=True)]
+    axes[2].axhline(0, color="black", linewidth=0.5)
     axes[2].set_xticks(range(len(cols)), [f"{s}\n{'paper' if m == 'freeride-paper' else m}" for s, m in cols],
                        fontsize=7)
     axes[2].set_title("where the bubble time goes (%)")
