@@ -8,12 +8,17 @@ What it measures, all in one run:
    runs the reference trainer (2 stages, gloo, one core per stage) under torchrun with ``--report``
    and ``--ab-block B``: blocks of B iterations alternate between *instrumented + reporting* and
    *bare* (hooks detached), the order within each pair of blocks drawn at random. Overhead =
-   mean instrumented iteration time / mean bare iteration time - 1, over pairs of blocks, with a
-   bootstrap 95% interval. The first iteration of every block and the warm-up are left out.
+   mean instrumented iteration time / mean bare iteration time - 1, over pairs of blocks, with
+   Student-t and BCa-bootstrap 95% intervals (``freeride.measure``). The first iteration of every
+   block and the warm-up are left out. Both stages and the managers share the two cores here: the
+   stress layout; ``bench/bench_modes.py``'s ``instrumented`` mode measures the same end to end in
+   the layout that mirrors a GPU host (the stage on a core of its own).
 2. **Hot-path cost.** The same instrumentation driven by fake stages whose compute is empty, with a
    reporter streaming to an in-process manager: the training-thread time the instrumentation
    adds per iteration, free of the machine's noise. Divided by the measured iteration time it is
-   the overhead's deterministic part.
+   the overhead's deterministic part. Two layouts: on a GPU host (and in the single-stage CPU layout)
+   the reporter's sender thread has a core of its own, so only the training thread's own work is on
+   the critical path; where the sender shares the stage's core, each bubble-end send is too.
 3. **Prediction error** of bubble lengths after warm-up: ``|predicted - measured| / measured`` of
    every reported bubble, from the trainer's own log and from the managers' Bubbles statistics.
 
@@ -42,7 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from freeride.training.predictor import percentile  # noqa: E402
+from freeride.measure import bootstrap_interval, median, percentile, t_interval  # noqa: E402
 
 
 def machine_info() -> dict[str, Any]:
@@ -117,12 +122,6 @@ def run_trainer(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, An
     return records, json.loads(dump.read_text())
 
 
-def bootstrap_ci(values: list[float], rounds: int = 2000, seed: int = 1) -> tuple[float, float]:
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
-
-
 def analyse_overhead(records: list[dict[str, Any]], block: int, warmup: int) -> dict[str, Any]:
     per_iter: dict[int, dict[str, Any]] = {}
     for r in records:
@@ -149,17 +148,19 @@ def analyse_overhead(records: list[dict[str, Any]], block: int, warmup: int) -> 
     ratios = [a / b - 1 for a, b in pairs]
     all_on = [times[it] for it in times if on[it] and it >= warmup and it % block]
     all_off = [times[it] for it in times if not on[it] and it >= warmup and it % block]
-    lo, hi = bootstrap_ci(ratios) if ratios else (0.0, 0.0)
+    boot = bootstrap_interval(ratios) if ratios else None
+    t = t_interval(ratios) if ratios else None
     return {
         "pairs": len(pairs),
         "iteration_ms_instrumented_mean": statistics.fmean(all_on),
         "iteration_ms_bare_mean": statistics.fmean(all_off),
-        "iteration_ms_instrumented_median": statistics.median(all_on),
-        "iteration_ms_bare_median": statistics.median(all_off),
+        "iteration_ms_instrumented_median": median(all_on),
+        "iteration_ms_bare_median": median(all_off),
         "iteration_ms_bare_stdev": statistics.stdev(all_off),
         "overhead_mean_of_pairs": statistics.fmean(ratios) if ratios else 0.0,
-        "overhead_median_of_pairs": statistics.median(ratios) if ratios else 0.0,
-        "overhead_ci95": [lo, hi],
+        "overhead_median_of_pairs": median(ratios) if ratios else 0.0,
+        "overhead_ci95": [boot.low, boot.high] if boot else [0.0, 0.0],
+        "overhead_ci95_t": [t.low, t.high] if t else [0.0, 0.0],
         "overhead_ratio_of_means": statistics.fmean(all_on) / statistics.fmean(all_off) - 1,
     }
 
@@ -184,7 +185,7 @@ def analyse_prediction(records: list[dict[str, Any]], warmup: int) -> dict[str, 
     floor: list[float] = []
     floor_by_slot: dict[str, list[float]] = {}
     for k, v in lengths.items():
-        med = statistics.median(v)
+        med = median(v)
         errs = [abs(med - x) / x for x in v]
         floor += errs
         floor_by_slot[k] = errs
@@ -213,7 +214,7 @@ def analyse_prediction(records: list[dict[str, Any]], warmup: int) -> dict[str, 
 # ---------------------------------------------------------------- 2: hot-path cost
 
 
-def hot_path_cost(microbatches: int, work: Path, iterations: int = 20000) -> dict[str, Any]:
+def hot_path_cost(microbatches: int, work: Path, iterations: int = 40000) -> dict[str, Any]:
     """Training-thread ns per iteration added by instrumentation + reporting (fake, empty compute)."""
     from freeride.endpoints import Endpoint
     from freeride.training.instrument import InstrumentedSchedule
@@ -267,16 +268,22 @@ def hot_path_cost(microbatches: int, work: Path, iterations: int = 20000) -> dic
             bare = Schedule1F1B(Stage(rank))
             measured = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=None, device="cpu:0")
             enqueued = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=offline, device="cpu:0")
-            totals = {"bare": 0, "measured": 0, "enqueued": 0}
-            for _ in range(iterations // 1000):  # interleaved batches of 1000
-                for name, sched in (("bare", bare), ("measured", measured), ("enqueued", enqueued)):
+            batches: dict[str, list[float]] = {"bare": [], "measured": [], "enqueued": []}
+            for _ in range(iterations // 1000):  # interleaved batches of 1000, in a fresh order each time
+                order: list[tuple[str, Any]] = [("bare", bare), ("measured", measured), ("enqueued", enqueued)]
+                random.shuffle(order)
+                for name, sched in order:
                     t0 = time.perf_counter_ns()
                     for _ in range(1000):
                         sched.step()
-                    totals[name] += time.perf_counter_ns() - t0
+                    batches[name].append((time.perf_counter_ns() - t0) / 1000)
+            # Paired per batch, then the median over batches: a burst of other load on a shared machine
+            # lands in a few batches and moves a median of differences far less than a difference of sums.
+            own = [m - b for m, b in zip(batches["measured"], batches["bare"], strict=True)]
+            enq = [e - m for e, m in zip(batches["enqueued"], batches["measured"], strict=True)]
             out[f"stage{rank}"] = {
-                "instrumentation_ns_per_iteration": (totals["measured"] - totals["bare"]) / iterations,
-                "enqueue_ns_per_iteration": (totals["enqueued"] - totals["measured"]) / iterations,
+                "instrumentation_ns_per_iteration": median(own),
+                "enqueue_ns_per_iteration": median(enq),
                 "bubbles_per_iteration": len(measured.slots),
             }
         # (b) the sender thread's CPU per event (gRPC serialisation and write), paced like a trainer.
@@ -287,11 +294,11 @@ def hot_path_cost(microbatches: int, work: Path, iterations: int = 20000) -> dic
         events = 2000
         # Pinned like a CPU stage: process CPU time then counts every thread's share on that core.
         idle_cpu = time.process_time()
-        t0 = time.monotonic()
+        wall0 = time.monotonic()
         for _ in range(events):
             time.sleep(0.0005)
         idle_cpu = time.process_time() - idle_cpu
-        idle_wall = time.monotonic() - t0
+        idle_wall = time.monotonic() - wall0
         cpu0 = time.process_time()
         for i in range(events // 2):
             reporter.bubble_start(i, 0, "x", 1_000_000)
@@ -309,6 +316,7 @@ def hot_path_cost(microbatches: int, work: Path, iterations: int = 20000) -> dic
         for rank in (0, 1):
             st = out[f"stage{rank}"]
             own = st["instrumentation_ns_per_iteration"] + st["enqueue_ns_per_iteration"]
+            st["own_ns_per_iteration"] = own  # the sender on a core of its own (a GPU host)
             st["critical_path_ns_per_iteration"] = own + st["bubbles_per_iteration"] * out["sender_cpu_ns_per_event"]
             st["upper_bound_ns_per_iteration"] = own + 2 * st["bubbles_per_iteration"] * out["sender_cpu_ns_per_event"]
     finally:
@@ -335,6 +343,7 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
     cfg = doc["config"]
     it_ms = o["iteration_ms_bare_mean"]
     crit_ns = max(h[s]["critical_path_ns_per_iteration"] for s in ("stage0", "stage1"))
+    own_ns = max(h[s]["own_ns_per_iteration"] for s in ("stage0", "stage1"))
     upper_ns = max(h[s]["upper_bound_ns_per_iteration"] for s in ("stage0", "stage1"))
     lines = [
         "# Instrumentation overhead and bubble prediction error (CPU)",
@@ -357,7 +366,8 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
         f"| iteration time, instrumented (mean / median) | {o['iteration_ms_instrumented_mean']:.2f} / "
         f"{o['iteration_ms_instrumented_median']:.2f} ms |",
         f"| overhead, mean of pair ratios | {o['overhead_mean_of_pairs']:+.3%} "
-        f"(95% CI {o['overhead_ci95'][0]:+.3%} .. {o['overhead_ci95'][1]:+.3%}) |",
+        f"(95% t interval {o['overhead_ci95_t'][0]:+.3%} .. {o['overhead_ci95_t'][1]:+.3%}; BCa bootstrap "
+        f"{o['overhead_ci95'][0]:+.3%} .. {o['overhead_ci95'][1]:+.3%}) |",
         f"| overhead, median of pair ratios | {o['overhead_median_of_pairs']:+.3%} |",
         f"| training-thread cost per iteration, stage 0 / stage 1: hooks + bookkeeping | "
         f"{h['stage0']['instrumentation_ns_per_iteration'] / 1e3:.1f} / "
@@ -365,21 +375,24 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
         f"| ... + enqueue of the events | {h['stage0']['enqueue_ns_per_iteration'] / 1e3:.1f} / "
         f"{h['stage1']['enqueue_ns_per_iteration'] / 1e3:.1f} us |",
         f"| sender thread CPU per event (gRPC stream write) | {h['sender_cpu_ns_per_event'] / 1e3:.1f} us |",
+        f"| **sender on a core of its own (GPU host, single-stage layout): training-thread cost / bare "
+        f"iteration time (target <= 0.2%)** | **{own_ns / 1e6 / it_ms:.3%}** |",
         f"| critical-path cost per iteration (own + bubble-end sends on the shared core) | "
         f"{h['stage0']['critical_path_ns_per_iteration'] / 1e3:.1f} / "
         f"{h['stage1']['critical_path_ns_per_iteration'] / 1e3:.1f} us |",
-        f"| critical-path cost / bare iteration time (target <= 0.2%) | "
+        f"| sender sharing the stage's core (this stress layout): critical-path cost / bare iteration time | "
         f"{crit_ns / 1e6 / it_ms:.3%} |",
         f"| upper bound (every send on the critical path) / iteration time | "
         f"{upper_ns / 1e6 / it_ms:.3%} |",
         "",
-        f"Reading: the end-to-end A/B interval is {o['overhead_ci95'][1] - o['overhead_ci95'][0]:.1%} wide "
+        f"Reading: the end-to-end A/B interval is {o['overhead_ci95_t'][1] - o['overhead_ci95_t'][0]:.1%} wide "
         f"(bare iterations vary by {o['iteration_ms_bare_stdev'] / it_ms:.0%}, load average "
         f"{m['loadavg_at_start'][0]:.1f} on {m['cores_usable']} cores), so on this machine it bounds the "
         "overhead only coarsely; the hot-path rows are the precise figure. Of those, the training "
         "thread's own work (hooks, bookkeeping, enqueue) is tens of microseconds; the rest is gRPC's "
         "per-message CPU in the sender thread, which only costs training time where it shares the "
-        "stage's core (the CPU device; the trainer lets it float to other cores).",
+        "stage's core (the CPU device here; on a GPU host, and in bench_modes' single-stage layout, it runs on a "
+        "core of its own and only the training thread's work counts).",
         "",
         "## Bubble length prediction error after warm-up (|predicted - measured| / measured)",
         "",

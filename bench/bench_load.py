@@ -69,6 +69,7 @@ from bench.machine import machine_info
 from freeride._wire import freeride_pb2
 from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint
+from freeride.measure import median, percentiles
 from freeride.messages import TaskSpec
 from freeride.training.reporter import BubbleReporter
 from freeride.training.schedules import build_schedule
@@ -138,13 +139,9 @@ def produce(
 def pct(values: list[float]) -> dict[str, float]:
     if not values:
         return {"count": 0}
-    ordered = sorted(values)
-    n = len(ordered)
-
-    def q(p: float) -> float:
-        return round(ordered[min(n - 1, int(p * n))], 3)
-
-    return {"count": n, "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": round(ordered[-1], 3)}
+    p50, p90, p99, top = percentiles(values, (50, 90, 99, 100))  # the project's one definition
+    return {"count": len(values), "p50": round(p50, 3), "p90": round(p90, 3), "p99": round(p99, 3),
+            "max": round(top, 3)}
 
 
 def slope_per_min(points: list[tuple[float, float]]) -> float:
@@ -255,7 +252,7 @@ def stream(
         "events_handed_to_reporter": handed,
         "events_sent": counters.sent,
         "events_per_s_sent": round(sent_at_deadline / wall),
-        "per_second_sent": {"min": min(per_second, default=0), "median": statistics.median(per_second or [0])},
+        "per_second_sent": {"min": min(per_second, default=0), "median": median(per_second or [0])},
         "reporter_dropped": counters.dropped,
         "messages": getattr(counters, "messages", None),
         "accepted": getattr(counters, "accepted", None),
@@ -514,9 +511,9 @@ def compare(ns: argparse.Namespace) -> dict[str, Any]:
     for label, runs in floods.items():
         rates = [r["events_per_s_sent"] for r in runs]
         summary[label] = {
-            "events_per_s": {"best": max(rates), "median": statistics.median(rates), "runs": rates},
-            "client_cpu_us_per_event": statistics.median(r["client_cpu_us_per_event"] for r in runs),
-            "manager_cpu_us_per_event": statistics.median(r["manager_cpu_us_per_event"] for r in runs),
+            "events_per_s": {"best": max(rates), "median": median(rates), "runs": rates},
+            "client_cpu_us_per_event": median(r["client_cpu_us_per_event"] for r in runs),
+            "manager_cpu_us_per_event": median(r["manager_cpu_us_per_event"] for r in runs),
         }
     return {"baseline_src": str(sources["before"]), "floods": summary, "flood_runs": floods,
             "lone_event_latency": latency}

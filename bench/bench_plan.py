@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine_info
-from freeride.measure import percentile
+from freeride.measure import median, percentile
 from freeride.training.instrument import gap_length
 from freeride.training.memory import PRECISIONS, RUNTIMES, TransformerDims, rank_memory, transformer_chunks
 from freeride.training.schedules import BOUNDARY, FORWARD, Schedule, build_schedule, schedule_from_orders
@@ -120,7 +120,7 @@ def run_config(cfg: RunConfig, stages: int, device: str, iterations: int, warmup
 
 
 def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
+    return median(values)
 
 
 def measured_costs(

@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from freeride._manager.validation import Submission
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import FreerideError
+from freeride.measure import median
 from freeride.training.reporter import BubbleReporter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         "claims": claims,
         "replacement": {
             "trials": trials,
-            "median_claimed_ms": round(statistics.median(t["kill_to_claimed_ms"] for t in trials), 1),
-            "median_first_step_ms": round(statistics.median(t["kill_to_first_step_ms"] for t in trials), 1),
+            "median_claimed_ms": round(median(t["kill_to_claimed_ms"] for t in trials), 1),
+            "median_first_step_ms": round(median(t["kill_to_first_step_ms"] for t in trials), 1),
         },
     }
     out = Path(args.out)

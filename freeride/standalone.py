@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from freeride import measure
 from freeride._loading import check_target_syntax, load_task_class
 from freeride.devices import Device, WorkerDevice, WorkerSetupError, open_device, parse_device_name, worker_device
 from freeride.errors import ConfigError, FreerideError
@@ -100,12 +101,8 @@ class StandaloneReport:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of ``values`` (0 for an empty list)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
+    """:func:`freeride.measure.percentile` (nearest rank), but 0 for an empty list."""
+    return measure.percentile(values, q) if values else 0.0
 
 
 class _MemoryProbe:

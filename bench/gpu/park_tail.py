@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.common import REPO, GiB, Trainer, client, gpu_manager, pct, wait_until, write_results
+from freeride.measure import median
 from freeride.messages import TaskSpec
 
 TASKS: list[tuple[str, str, dict[str, Any]]] = [
@@ -46,7 +47,7 @@ class Probe:
         self.stream = torch.cuda.Stream(priority=-1)  # the trainer's kernels come first where they can
         for _ in range(20):
             self.once()
-        self.idle_s = sorted(self.once() for _ in range(200))[100]
+        self.idle_s = median(self.once() for _ in range(200))
 
     def once(self) -> float:
         t0 = time.perf_counter()

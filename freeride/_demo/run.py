@@ -5,7 +5,7 @@ Steps (each announced on the progress stream):
 1. **Baseline**: the reference trainer under torchrun, 2 stages, 1F1B, without reporting and
    without side tasks; its iteration logs give ``T_base``.
 2. **Standalone**: each side task alone on its device for a few seconds (one probe process per
-   device, the devices in parallel): the throughput that harvest efficiency divides by.
+   device, one device after the other): the throughput that harvest efficiency divides by.
 3. **Managers**: one ``freeride manager`` per device on the demo's own unix sockets (a private
    directory in the per-user runtime directory, so that a manager already serving the default
    endpoint is never touched and socket paths stay short), each with ``--trace``; the side tasks
@@ -229,10 +229,15 @@ class Demo:
         return {rank: read_iteration_log(_rank_log(log_path, rank)) for rank in self.ranks}
 
     def measure_standalone(self) -> dict[str, float | None]:
-        """Each task's standalone throughput on its device (devices in parallel, tasks in turn)."""
+        """Each task's standalone throughput on its device, one device after the other (tasks in turn).
+
+        One device at a time, as the bench does: probes running at once on two cores of one machine share
+        its memory bus and caches, which slows the yardstick and inflates the efficiency.
+        """
         scratch = self.layout.out / "standalone"
         shutil.rmtree(scratch, ignore_errors=True)
-        probes: list[tuple[Child, Path]] = []
+        rates: dict[str, float | None] = {}
+        reports: list[dict[str, Any]] = []
         for device in self.devices:
             plans = [p for p in self.plans if self.device_of(p) == device]
             if not plans:
@@ -249,12 +254,7 @@ class Demo:
             argv = [sys.executable, "-m", "freeride._demo.probe", str(request), str(result)]
             child = self.children.start(f"standalone probe on {device}", argv, scratch / f"{slug}.log",
                                         env=_child_env(self.config.device_kind))
-            probes.append((child, result))
-        budget = 120.0 + 2 * len(self.plans) * self.config.standalone_s
-        rates: dict[str, float | None] = {}
-        reports: list[dict[str, Any]] = []
-        for child, result in probes:
-            code = self.children.wait(child, timeout_s=budget)
+            code = self.children.wait(child, timeout_s=120.0 + 2 * len(plans) * self.config.standalone_s)
             try:
                 entries = json.loads(result.read_text())
             except (OSError, json.JSONDecodeError):
@@ -411,12 +411,13 @@ class Demo:
                 self.children.stop_all(config.stop_timeout_s)
                 self.children.sweep()
                 shutil.rmtree(socket_dir, ignore_errors=True)
+        traces = self.read_traces()
         summary = summarize(
             device_kind=config.device_kind, devices=self.devices, iterations=config.iterations,
             warmup_iterations=config.warmup_iterations, baseline=baseline, run=run, manager_stats=stats,
-            tasks=tasks, standalone_per_s=rates,
+            tasks=tasks, standalone_per_s=rates, traces=traces,
         )  # fmt: skip
-        files, notes = self.write_pictures(run)
+        files, notes = self.write_pictures(run, traces)
         processes = {c.name: c.pid for c in self.children.started}
         processes.update({f"worker {self.task_ids[t.task_id]}": t.pid for ts in tasks.values() for t in ts if t.pid})
         files = {"summary": str(self.layout.summary), **files}
@@ -425,22 +426,31 @@ class Demo:
         self.layout.summary.write_text(summary_json(summary) + "\n")
         return summary
 
-    def write_pictures(self, run: Mapping[int, Sequence[Iteration]]) -> tuple[dict[str, str], list[str]]:
+    def read_traces(self) -> dict[str, list[dict[str, Any]]]:
+        """Each manager's trace (the managers have stopped and flushed them); a missing one is left out."""
+        traces: dict[str, list[dict[str, Any]]] = {}
+        for device in self.devices:
+            try:
+                traces[device] = read_trace(self.layout.manager_trace(device))
+            except OSError:
+                continue
+        return traces
+
+    def write_pictures(self, run: Mapping[int, Sequence[Iteration]],
+                       traces: Mapping[str, list[dict[str, Any]]]) -> tuple[dict[str, str], list[str]]:
         """``timeline.png`` and ``trace.json`` from the iteration logs and the managers' traces.
 
         A manager that was killed leaves no (or a torn) trace: the pictures are drawn without its
-        side-task steps, and a note says so.
+        side-task steps, and a note says so (its device then has no harvest efficiency either).
         """
         grants: dict[str, list[Grant]] = {}
         instants: dict[str, list[Instant]] = {}
         notes = []
         for device in self.devices:
-            path = self.layout.manager_trace(device)
-            try:
-                records = read_trace(path)
-            except OSError as exc:
-                notes.append(f"no trace from the manager of {device} ({exc.strerror or exc}): the pictures show "
-                             "no side-task steps there")  # fmt: skip
+            records = traces.get(device)
+            if records is None:
+                notes.append(f"no trace from the manager of {device}: the pictures show no side-task steps there, "
+                             "and its harvest efficiency is unknown")
                 records = []
             grants[device] = grants_from_trace(records)
             instants[device] = instants_from_trace(records)

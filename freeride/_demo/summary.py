@@ -2,8 +2,9 @@
 
 Inputs are what the demo's processes left behind: the trainer's iteration logs (one JSON line per
 iteration and rank, see :mod:`freeride.workload.run`) of the baseline run and of the run with side
-tasks, each manager's :class:`~freeride.messages.ManagerStats` and task list taken when training
-ended, and each side task's standalone throughput. The arithmetic is :mod:`freeride.measure`'s:
+tasks, each manager's :class:`~freeride.messages.ManagerStats`, task list and trace (``--trace``)
+taken when training ended, and each side task's standalone throughput. The arithmetic is
+:mod:`freeride.measure`'s and :mod:`freeride.harvest`'s:
 
 * **bubble fraction** of a stage: its measured bubble time over its training time, both summed
   over the iterations after the warm-up; learned slots (recurring waits the schedule model does not
@@ -12,10 +13,14 @@ ended, and each side task's standalone throughput. The arithmetic is :mod:`freer
 * **training time** ``T`` of a run: the slowest stage's summed iteration time after the warm-up
   (the stages of a pipeline finish an iteration together, so they differ by noise only), and the
   **overhead** ``T_with / T_base - 1``;
-* **harvest efficiency** of a device: its side tasks' progress, each converted to seconds of
-  standalone work on the same device, over the device's bubble time during the whole run (the
-  side tasks harvest from the first iteration on, warm-up included);
-* **harvested** time: the step time the manager counted inside grants (its own statistics).
+* **harvest efficiency** of a device: :func:`freeride.harvest.harvest` on its manager's trace, over
+  the bubbles after the warm-up and after every task's first step (:func:`freeride.harvest.steady_window`,
+  the window the bench uses): the steps of those bubbles' grants, each
+  worth its task's standalone seconds per step, over their bubble time; with the breakdown of that
+  bubble time (work, slower steps, grant latency, margins...). The bench computes H with the same
+  function, the same window and the same yardstick (:mod:`freeride._demo.probe`, one device at a
+  time), so the two differ only by what they run (layout, tasks per device, run length);
+* **harvested** time: the step time the manager counted inside grants (its own statistics, whole run).
 
 Consistency checks (:func:`check_consistency`) are the invariants a correct run satisfies whatever
 the machine's load: a device never harvests more than its bubble time, every side task made
@@ -32,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from freeride import harvest as harvest_mod
 from freeride import measure
 from freeride.errors import FreerideError
 from freeride.messages import ManagerStats, TaskInfo
@@ -153,8 +159,8 @@ class TaskFigures:
     harvested_s: float
     step_p95_ms: float
     standalone_per_s: float | None  # progress per second alone on the same device
-    work_s: float | None  # progress as seconds of standalone work
-    efficiency: float | None  # work_s over the device's bubble time
+    work_s: float | None  # progress after the warm-up as seconds of standalone work
+    efficiency: float | None  # work_s over the device's bubble time after the warm-up
     failure: dict[str, Any] | None = None
 
 
@@ -164,7 +170,7 @@ class DeviceFigures:
 
     device: str
     stage: int
-    bubble_s: float  # the trainer's measured bubble time, whole run
+    bubble_s: float  # bubble time after the warm-up, from the manager's trace (the window of the efficiency)
     manager_bubbles: int
     manager_bubble_s: float  # the manager's own sum of the bubbles it was told about
     harvested_s: float
@@ -174,6 +180,7 @@ class DeviceFigures:
     overruns: int
     grant_latency_p99_ms: float
     park_latency_p99_ms: float
+    breakdown: dict[str, float] | None = None  # share of bubble_s per freeride.harvest category
 
 
 @dataclass(frozen=True)
@@ -248,12 +255,14 @@ def training_time_s(by_stage: Mapping[int, Sequence[Iteration]]) -> float:
     return max(sum(it.time_ms for it in measured(its)) / 1e3 for its in by_stage.values())
 
 
-def task_figures(info: TaskInfo, device: str, standalone_per_s: float | None, device_bubble_s: float) -> TaskFigures:
-    """One task's figures; its efficiency is its share of the device's bubble time turned into work."""
+def task_figures(info: TaskInfo, device: str, standalone_per_s: float | None,
+                 window_steps: int | None, device_bubble_s: float) -> TaskFigures:
+    """One task's figures: ``window_steps`` of its steps ran in the bubbles after the warm-up (None:
+    unknown, no trace); its efficiency is their standalone work over the device's bubble time there."""
     work_s = efficiency = None
-    if standalone_per_s is not None and standalone_per_s > 0 and math.isfinite(info.progress):
-        work_s = measure.work_seconds(max(0.0, info.progress), standalone_per_s)
-        efficiency = measure.harvest_efficiency(max(0.0, info.progress), standalone_per_s, device_bubble_s)
+    if standalone_per_s is not None and standalone_per_s > 0 and window_steps is not None:
+        work_s = window_steps * harvest_mod.standalone_step_s(max(0.0, info.progress), info.steps, standalone_per_s)
+        efficiency = work_s / device_bubble_s if device_bubble_s > 0 else 0.0
     failure = info.failure.to_json() if info.failure is not None else None
     return TaskFigures(
         task_id=info.task_id,
@@ -273,24 +282,34 @@ def task_figures(info: TaskInfo, device: str, standalone_per_s: float | None, de
     )
 
 
-def device_figures(
-    device: str, stage: StageFigures, stats: ManagerStats, tasks: Sequence[TaskFigures]
-) -> DeviceFigures:
+def device_figures(device: str, stage: StageFigures, stats: ManagerStats, tasks: Sequence[TaskFigures],
+                   harvest: harvest_mod.Harvest | None) -> DeviceFigures:
     works = [t.work_s for t in tasks]
     work_s = sum(w for w in works if w is not None) if tasks and None not in works else None
+    bubble_s = harvest.bubble_s if harvest is not None else 0.0
     return DeviceFigures(
         device=device,
         stage=stage.stage,
-        bubble_s=stage.run_bubble_s,
+        bubble_s=bubble_s,
         manager_bubbles=stats.bubbles,
         manager_bubble_s=stats.bubble_time_s,
         harvested_s=stats.harvested_s,
         harvested_share=stats.harvested_s / stats.bubble_time_s if stats.bubble_time_s > 0 else None,
         work_s=work_s,
-        efficiency=work_s / stage.run_bubble_s if work_s is not None and stage.run_bubble_s > 0 else None,
+        efficiency=work_s / bubble_s if work_s is not None and bubble_s > 0 else None,
         overruns=stats.overruns,
         grant_latency_p99_ms=stats.grant_latency_ms.p99,
         park_latency_p99_ms=stats.park_latency_ms.p99,
+        breakdown=harvest.shares() if harvest is not None and harvest.bubble_s > 0 else None,
+    )
+
+
+def measurement_window(run: Mapping[int, Sequence[Iteration]]) -> tuple[int, int]:
+    """The bench's window (:func:`freeride.harvest.measurement_window`) on parsed iterations: from the
+    end of the last warm-up iteration of any stage to the end of the last iteration."""
+    return harvest_mod.window_of(
+        [{"iteration": it.iteration, "warmup": it.warmup, "end_ns": it.end_ns, "time_ms": it.time_ms} for it in its]
+        for its in run.values()
     )
 
 
@@ -305,6 +324,7 @@ def summarize(
     manager_stats: Mapping[str, ManagerStats],
     tasks: Mapping[str, Sequence[TaskInfo]],
     standalone_per_s: Mapping[str, float | None],
+    traces: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> DemoSummary:
     """The demo's figures and their consistency checks.
 
@@ -313,6 +333,7 @@ def summarize(
         manager_stats: per device, its manager's statistics when training ended.
         tasks: per device, its manager's tasks when training ended.
         standalone_per_s: per task name, its standalone throughput on its device (None: unknown).
+        traces: per device, its manager's trace records; a device without one has no efficiency.
     """
     stages = tuple(stage_figures(run[s]) for s in sorted(run))
     stage_of = {st.device: st for st in stages}
@@ -322,15 +343,28 @@ def summarize(
                         f"{', '.join(stage_of) or 'nothing'})")
     task_figs: list[TaskFigures] = []
     dev_figs: list[DeviceFigures] = []
+    window = harvest_mod.steady_window([records for records in (traces or {}).values()], measurement_window(run))
     for device in devices:
         stage = stage_of[device]
+        infos = list(tasks.get(device, ()))
+        records = (traces or {}).get(device)
+        harvested: harvest_mod.Harvest | None = None
+        if records:
+            step_s = {}
+            for info in infos:
+                rate = standalone_per_s.get(info.spec.display_name)
+                if rate is not None and rate > 0 and math.isfinite(info.progress):
+                    step_s[info.task_id] = harvest_mod.standalone_step_s(max(0.0, info.progress), info.steps, rate)
+            harvested = harvest_mod.harvest([records], step_s, window)
         figs = [
-            task_figures(info, device, standalone_per_s.get(info.spec.display_name), stage.run_bubble_s)
-            for info in tasks.get(device, ())
+            task_figures(info, device, standalone_per_s.get(info.spec.display_name),
+                         harvested.steps.get(info.task_id, 0) if harvested is not None else None,
+                         harvested.bubble_s if harvested is not None else 0.0)
+            for info in infos
         ]
         task_figs += figs
         if device in manager_stats:
-            dev_figs.append(device_figures(device, stage, manager_stats[device], figs))
+            dev_figs.append(device_figures(device, stage, manager_stats[device], figs, harvested))
     t_base = training_time_s(baseline)
     t_with = training_time_s(run)
     summary = DemoSummary(
@@ -423,10 +457,10 @@ def render_summary(summary: DemoSummary) -> str:
         "  (one baseline run against one run on a possibly busy machine: indicative only; the bench "
         "measures overhead with interleaved trials)",
         "",
-        "harvest (whole run)",
+        "harvest (bubbles after the warm-up, from the managers' traces)",
     ]
-    rows = [["device", "bubble time", "harvested (manager)", "standalone work", "efficiency", "overruns",
-             "grant p99", "park p99"]]
+    rows = [["device", "bubble time", "harvested (manager, whole run)", "standalone work", "efficiency",
+             "overruns", "grant p99", "park p99"]]
     for dev in summary.device_figures:
         work = "-" if dev.work_s is None else f"{dev.work_s:.2f} s"
         rows.append([dev.device, f"{dev.bubble_s:.2f} s",
@@ -434,7 +468,19 @@ def render_summary(summary: DemoSummary) -> str:
                      str(dev.overruns), f"{dev.grant_latency_p99_ms:.2f} ms", f"{dev.park_latency_p99_ms:.2f} ms"])
     lines += _table(rows)
     lines += [
-        "  efficiency = side-task progress / standalone throughput on the same device / bubble time",
+        "  efficiency = side-task steps x their standalone seconds per step / bubble time (freeride.harvest,",
+        "  the bench's function)",
+    ]
+    with_breakdown = [dev for dev in summary.device_figures if dev.breakdown]
+    if with_breakdown:
+        lines += ["", "where the bubble time went"]
+        rows = [["", *(dev.device for dev in with_breakdown)]]
+        for category in harvest_mod.CATEGORIES:
+            if any(abs((dev.breakdown or {}).get(category, 0.0)) >= 0.0005 for dev in with_breakdown):
+                rows.append([harvest_mod.CATEGORY_TEXT[category],
+                             *(_pct((dev.breakdown or {}).get(category, 0.0)) for dev in with_breakdown)])
+        lines += _table(rows)
+    lines += [
         "",
         "side tasks",
     ]

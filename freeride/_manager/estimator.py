@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from freeride.measure import percentiles as _percentiles
+from freeride.measure import rank_index
+
 
 class StepEstimator:
-    """A high percentile of the most recent step durations.
+    """A high percentile (nearest rank, ``freeride.measure``) of the most recent step durations.
 
     The worker admits a step only while ``now + estimate + margin <= deadline``; a high percentile
     (p95 of the last ``window`` steps) rather than the mean keeps overruns rare when step times
@@ -39,25 +42,19 @@ class StepEstimator:
             return self._hint_ns or None
         if self._cached is None:
             ordered = sorted(self._samples)
-            index = min(len(ordered) - 1, int(self._quantile * len(ordered)))
-            self._cached = ordered[index]
+            self._cached = ordered[rank_index(len(ordered), 100 * self._quantile)]
         return self._cached
 
     def median_ns(self) -> int | None:
         if not self._samples:
             return None
         ordered = sorted(self._samples)
-        return ordered[len(ordered) // 2]
+        return ordered[rank_index(len(ordered), 50)]
 
 
 def percentiles(values: list[float] | deque[float]) -> tuple[int, float, float, float, float]:
-    """(count, p50, p90, p99, max) of a sample; zeros when empty."""
+    """(count, p50, p90, p99, max) of a sample, nearest rank (``freeride.measure``); zeros when empty."""
     if not values:
         return (0, 0.0, 0.0, 0.0, 0.0)
-    ordered = sorted(values)
-    n = len(ordered)
-
-    def q(p: float) -> float:
-        return float(ordered[min(n - 1, int(p * n))])
-
-    return (n, q(0.50), q(0.90), q(0.99), float(ordered[-1]))
+    p50, p90, p99, top = _percentiles(values, (50, 90, 99, 100))
+    return (len(values), p50, p90, p99, top)

@@ -7,10 +7,16 @@ constant memory (a few hundred integers), a few integer operations per record, a
 the whole run with a relative error of at most 1/32 (each power of two is split into 16 buckets,
 and a percentile reports its bucket's midpoint). Values below 32 ns are exact. The maximum is
 kept exactly.
+
+A percentile here has the project's one definition (nearest rank, :mod:`freeride.measure`): the
+record of rank ``ceil(q * count)`` is found exactly, and only its value is approximated by its
+bucket's midpoint (capped at the maximum). So the histogram's p99 is the sampled p99 to within
+1/32 of its value, never a different rank.
 """
 
 from __future__ import annotations
 
+from freeride.measure import rank_index
 from freeride.messages import Percentiles
 
 _SUB_BITS = 4
@@ -61,10 +67,10 @@ class LatencyHistogram:
             self.max = value
 
     def quantile(self, q: float) -> float:
-        """The value below which a fraction ``q`` of the records lie (bucket midpoint); 0 when empty."""
+        """The nearest-rank ``q`` quantile (``q`` in [0, 1]) as its bucket's midpoint; 0 when empty."""
         if not self.count:
             return 0.0
-        rank = max(1, min(self.count, int(q * self.count + 0.999999)))
+        rank = rank_index(self.count, 100 * q) + 1
         seen = 0
         for index, n in enumerate(self._counts):
             seen += n

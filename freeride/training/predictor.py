@@ -16,11 +16,11 @@ numbers at each bubble end, done after the wait is over).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from freeride import measure
 from freeride.errors import ConfigError
 
 
@@ -36,12 +36,8 @@ class ErrorSummary:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 100]) of a non-empty list; 0.0 for an empty one."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
+    """:func:`freeride.measure.percentile` (nearest rank), but 0.0 for an empty list."""
+    return measure.percentile(values, q) if values else 0.0
 
 
 def summarize(errors: list[float]) -> ErrorSummary:
@@ -121,10 +117,7 @@ class BubblePredictor:
         key = (stage, slot)
         history = self._history.get(key)
         if history and self._count.get(key, 0) >= self.warmup:
-            ordered = sorted(history)
-            mid = len(ordered) // 2
-            value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-            return max(1, int(value))
+            return max(1, int(measure.median(history)))
         modelled = self._model(stage, slot) if self._model is not None else None
         if modelled is not None and modelled > 0:
             return max(1, int(modelled))

@@ -46,8 +46,11 @@ Reporting (``--report``) goes through :class:`freeride.training.reporter.BubbleR
 manager (``--endpoint``, else ``$FREERIDE_ENDPOINT``, else the device's default socket), with free
 memory from the host (CPU) or ``torch.cuda.mem_get_info`` (CUDA: the driver's figure for the whole GPU,
 which counts this trainer's own allocation as used; no NVML on the training path).
-``--iteration-log`` writes the reference trainer's JSON-lines record shape,
-plus ``model`` (the costs and bubble fraction the predictions used) and a final summary.
+``--iteration-log`` writes the reference trainer's JSON-lines record shape, plus ``model`` (the costs
+and bubble fraction the predictions used), ``compute_ms`` (the stage's own forward and backward time of
+the iteration, where known without a synchronize: the bench's measure of how much side tasks slow the
+stage itself), ``runqueue_wait_ms`` (how long the training thread waited, runnable, for its CPU in the
+iteration: time something else held the stage's core) and a final summary.
 :func:`single_stage_command` gives the bench the command line.
 """
 
@@ -69,6 +72,7 @@ from freeride.devices import parse_device_name
 from freeride.devices.cpu import check_cpu_device
 from freeride.endpoints import parse_endpoint, read_token
 from freeride.errors import ConfigError
+from freeride.measure import median
 from freeride.messages import UNKNOWN_MEMORY
 from freeride.training.instrument import BubbleSink, MeasuredBubble
 from freeride.training.predictor import summarize
@@ -525,6 +529,17 @@ class _CudaClock:
         return time.monotonic_ns()
 
 
+def _runqueue_wait_ns() -> int | None:
+    """How long this thread has waited, runnable, for a CPU (``/proc/thread-self/schedstat``, Linux);
+    None where the kernel does not say. On ``cpu:N`` that is time something else held the stage's
+    core: a side task not yet parked, or another program."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            return int(fh.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _FreeMemory:
     """Free memory of the device for bubble reports, never raising.
 
@@ -556,7 +571,7 @@ class _FreeMemory:
 class _CostLearner:
     """This stage's forward, backward and between-iteration times over the learning iterations.
 
-    The estimate of each is the median of its samples, leaving out iteration 0 (first-call costs:
+    The estimate of each is the median (``freeride.measure``) of its samples, leaving out iteration 0 (first-call costs:
     allocator growth, kernel selection) once later iterations have given some.
     """
 
@@ -569,11 +584,8 @@ class _CostLearner:
 
     def estimate(self, what: str) -> float | None:
         samples = self._samples.get(what, [])
-        values = sorted(v for it, v in samples if it > 0) or sorted(v for _, v in samples)
-        if not values:
-            return None
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        values = [v for it, v in samples if it > 0] or [v for _, v in samples]
+        return median(values) if values else None
 
 
 # ------------------------------------------------------------------ the run
@@ -674,6 +686,18 @@ class _SingleStage:
         if ready is not None and marks is not None and ready.ns is not None and marks[1].ns is not None:
             self.learner.observe("overhead", iteration - 1, ready.ns - marks[1].ns)
 
+    def _compute_ms(self, iteration: int) -> float | None:
+        """This stage's own forward and backward time in ``iteration`` (its actions only: no waits,
+        no optimizer step), when every mark is already resolved (always on CPU; on CUDA the marks
+        after the last wait are not, and resolving them here would synchronize the stream)."""
+        total = 0
+        for action in self.order:
+            marks = self.marks.get((iteration, action))
+            if marks is None or marks[0].ns is None or marks[1].ns is None:
+                return None
+            total += marks[1].ns - marks[0].ns
+        return total / 1e6
+
     def _model_record(self) -> dict[str, float]:
         own, peers = self.own_costs(), self.peer_costs()
         return {"forward_ms": own.forward / 1e6, "backward_ms": own.backward / 1e6,
@@ -752,6 +776,7 @@ class _SingleStage:
             losses.clear()
             bubbles: list[MeasuredBubble] = []
             model_record = self._model_record()
+            waited0 = _runqueue_wait_ns()
             t0 = time.monotonic_ns()
             optimizer.zero_grad(set_to_none=True)
             self.ready[it] = clock.mark()
@@ -774,6 +799,7 @@ class _SingleStage:
                 self.marks[(it, action)] = (begin, clock.mark())
             optimizer.step()
             elapsed = time.monotonic_ns() - t0
+            waited1 = _runqueue_wait_ns()
             if it > 0:
                 self._observe_between(it)
             if it < self.learn_iterations:
@@ -797,6 +823,11 @@ class _SingleStage:
                 "bubble_fraction": bubble_ms / (elapsed / 1e6) if elapsed > 0 else 0.0,
                 "model": model_record,
             }
+            compute_ms = self._compute_ms(it)
+            if compute_ms is not None:
+                record["compute_ms"] = compute_ms
+            if waited0 is not None and waited1 is not None:
+                record["runqueue_wait_ms"] = (waited1 - waited0) / 1e6
             records.append(record)
             if out_file is not None:
                 out_file.write(json.dumps(record) + "\n")

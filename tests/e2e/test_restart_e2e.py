@@ -67,7 +67,7 @@ def test_kill_9_mid_bubble_then_restart_loses_no_task_resumes_from_the_checkpoin
                          and client.get(counter.task_id).progress > checkpoint, length_ms=LONG_MS, timeout_s=60)
         feeder.close()
         resumed = client.get(counter.task_id)
-        assert resumed.state in ("PARKED", "RUNNING")
+        assert resumed.state in ("PARKED", "RUNNING", "FROZEN")  # alive; a step may overrun the last bubble
         # The restored counter continued from its checkpoint rather than from zero.
         assert resumed.progress >= checkpoint
     finally:

@@ -73,3 +73,35 @@ def trace(device: str, task_id: str, bubbles: list[tuple[int, int]]) -> list[dic
         ]  # fmt: skip
     records.append({"ev": "freeze", "device": device, "task": task_id, "at_ns": bubbles[-1][1] + MS})
     return records
+
+
+def run_traces(by_stage: dict[int, list[Iteration]], tasks: dict[str, list[str]]) -> dict[str, list[dict[str, Any]]]:
+    """Per device, a manager trace of ``by_stage``'s bubbles: each bubble granted to the device's tasks in
+    turn (``tasks``: device -> task ids), two 2 ms steps per grant as in :func:`trace`."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for its in by_stage.values():
+        device = its[0].device
+        ids = tasks.get(device, [])
+        records: list[dict[str, Any]] = []
+        grants: dict[str, int] = {}
+        bubble_number = 0
+        for it in its:
+            for b in it.bubbles:
+                bubble_number += 1
+                start, end = b.start_ns, b.start_ns + round(b.length_ms * MS)
+                key = {"device": device, "stage": it.stage, "rank": it.stage, "iteration": it.iteration, "slot": b.slot}
+                records += [{"ev": "bubble_start", **key, "kind": b.kind, "start_ns": start,
+                             "predicted_ns": end - start, "received_ns": start + 1000},
+                            {"ev": "bubble_end", **key, "end_ns": end, "received_ns": end + 1000}]
+                if not ids:
+                    continue
+                task_id = ids[(bubble_number - 1) % len(ids)]
+                grants[task_id] = grant = grants.get(task_id, 0) + 1
+                at = start + MS // 2
+                spans = [[at + MS // 10, at + MS // 10 + 2 * MS], [at + 3 * MS, at + 5 * MS]]
+                records += [{"ev": "grant", "device": device, "task": task_id, "grant": grant, "deadline_ns": end,
+                             "thaw": False, "at_ns": at},
+                            {"ev": "steps", "device": device, "task": task_id, "grant": grant, "reason": "deadline",
+                             "count": 2, "spans": spans}]
+        out[device] = records
+    return out

@@ -1,74 +1,182 @@
-"""The bench's bookkeeping on fixed inputs: measurement windows, traces, per-trial overheads."""
+"""The modes bench's bookkeeping on fixed inputs: layouts, trial plans, paired statistics, reports."""
 
 from __future__ import annotations
 
-import json
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_devices
 
-from bench.bench_modes import RunResult, measurement_window, summarize, targets, window_figures
-
-MS = 1_000_000
-
-
-def bubble(start_ms: float, end_ms: float, iteration: int) -> list[dict]:
-    key = {"stage": 0, "rank": 0, "iteration": iteration, "slot": 0}
-    return [{"ev": "bubble_start", **key, "start_ns": int(start_ms * MS), "predicted_ns": 1},
-            {"ev": "bubble_end", **key, "end_ns": int(end_ms * MS)}]
-
-
-def steps(task: str, *spans_ms: tuple[float, float], count: int | None = None) -> dict:
-    spans = [[int(a * MS), int(b * MS)] for a, b in spans_ms]
-    return {"ev": "steps", "task": task, "grant": 1, "reason": "park", "count": count or len(spans), "spans": spans}
-
-
-def test_window_counts_only_bubbles_and_steps_that_start_inside_it() -> None:
-    records = [*bubble(0, 10, 0), steps("a", (1, 4), (4, 7)),
-               *bubble(20, 30, 1), steps("a", (21, 24), (24, 29)),
-               *bubble(40, 50, 2), steps("a", (41, 52))]
-    fig = window_figures(records, start_ns=15 * MS, end_ns=60 * MS)
-    assert fig.bubble_s == pytest.approx(0.020)
-    assert fig.steps == {"a": 3}
-    assert fig.harvested_s == pytest.approx((3 + 5 + 11) / 1e3)
-    # The 20-30 bubble's last step ended at 29 (no overrun); the 40-50 bubble's at 52.
-    assert sorted(fig.overruns_ms) == [pytest.approx(0.0), pytest.approx(2.0)]
+from bench.bench_modes import (
+    SingleStageLayout,
+    pin_threads,
+    single_stage_cpu,
+    single_stage_device,
+    trial_plan,
+    two_stage_cpu,
+)
+from bench.modes_report import (
+    README_BEGIN,
+    README_END,
+    RunResult,
+    gated_intervals,
+    headline,
+    interfered,
+    readme_block,
+    summarize,
+    targets,
+    update_readme,
+)
+from freeride.harvest import CATEGORIES
+from freeride.measure import t_quantile
 
 
-def test_window_uses_the_grants_step_count_when_spans_were_truncated() -> None:
-    records = [*bubble(0, 10, 0), steps("a", (1, 2), count=500)]
-    assert window_figures(records, 0, 100 * MS).steps == {"a": 500}
+def test_the_single_stage_cpu_layout_gives_the_stage_the_last_core_and_the_host_the_others() -> None:
+    layout = single_stage_cpu([5, 2, 9])
+    assert layout.devices == ("cpu:9",)
+    assert layout.host_cores == frozenset({2, 5})
+    assert not layout.stress
+    with pytest.raises(SystemExit, match="2 cores"):
+        single_stage_cpu([3])
 
 
-def test_measurement_window_starts_after_the_last_warmup_iteration_of_any_rank(tmp_path: Path) -> None:
-    log = tmp_path / "it.jsonl"
-    for rank, ends in ((0, [100, 200, 300]), (1, [110, 210, 310])):
-        lines = [json.dumps({"iteration": i, "warmup": i == 0, "time_ms": 1.0, "end_ns": e})
-                 for i, e in enumerate(ends)]
-        (tmp_path / f"it.rank{rank}.jsonl").write_text("\n".join(lines + ['{"summary": true}']) + "\n")
-    assert measurement_window(log) == (110, 310)
+def test_the_two_stage_layout_is_the_stress_case_on_the_first_two_cores() -> None:
+    layout = two_stage_cpu([4, 1, 7])
+    assert layout.devices == ("cpu:1", "cpu:4")
+    assert layout.stress and not layout.host_cores
+    argv = layout.trainer_argv(10, 2, Path("/tmp/it.jsonl"), [], "unix:/x/{slug}.sock")
+    assert "--report" in argv and "--nproc-per-node" in argv
+
+
+def test_a_gpu_single_stage_layout_pins_nothing() -> None:
+    layout = single_stage_device("cuda:0", (1, 4, 8), [0, 1])
+    assert layout.name == "single-stage cuda" and layout.devices == ("cuda:0",)
+    assert layout.host_cores == frozenset()
+
+
+def test_calibration_fixes_the_emulated_neighbours_for_every_run() -> None:
+    layout = single_stage_cpu([0, 1])
+    records = {0: [{"iteration": 5, "model": {"forward_ms": 6.5, "backward_ms": 13.25}}]}
+    calibrated = layout.calibrated(records)
+    assert isinstance(calibrated, SingleStageLayout)
+    argv = calibrated.trainer_argv(20, 4, Path("/tmp/it.jsonl"), ["--d-model", "256"], None)
+    assert argv[argv.index("--peer-forward-ms") + 1] == "6.5000"
+    assert argv[argv.index("--peer-backward-ms") + 1] == "13.2500"
+    assert argv[argv.index("--device") + 1] == "cpu:1"
+    assert "--report" not in argv
+    assert layout.calibrated({0: []}) is layout
+
+
+def test_pinned_threads_of_a_child_stay_on_the_given_cores() -> None:
+    core = int(cpu_devices(1)[0].split(":")[1])
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert pin_threads(child.pid, frozenset({core})) >= 1
+        import os
+
+        assert os.sched_getaffinity(child.pid) == {core}
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(30)
+
+
+def test_a_trial_runs_every_mode_once_and_naive_after_instrumented_when_it_needs_its_bubbles() -> None:
+    modes = ["none", "instrumented", "naive", "freeride-paper", "freeride"]
+    for seed in range(20):
+        plan = trial_plan(modes, ["pagerank", "mix"], random.Random(seed), naive_needs_instrumented=True)
+        assert sorted(plan) == sorted([("none", "-"), ("instrumented", "-")] +
+                                      [(m, s) for s in ("pagerank", "mix") for m in modes[2:]])
+        first_naive = min(i for i, (m, _) in enumerate(plan) if m == "naive")
+        assert plan.index(("instrumented", "-")) < first_naive
+    orders = {tuple(trial_plan(modes, ["pagerank"], random.Random(s), False)) for s in range(20)}
+    assert len(orders) > 1  # a fresh order per trial
+
+
+def breakdown(bubble_s: float, work_s: float) -> dict:
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    seconds["work"] = work_s
+    seconds["idle"] = bubble_s - work_s
+    return {"bubbles": 10, "bubble_s": bubble_s, "work_s": work_s, "efficiency": work_s / bubble_s,
+            "seconds": seconds, "work_past_end_s": 0.0, "overrun_s": 0.0, "overruns_ms": [0.0], "steps": {}}
 
 
 def run(mode: str, trial: int, iteration_ms: float, task_set: str = "-", work_s: float = 0.0,
-        bubble_s: float = 0.0) -> RunResult:
-    return RunResult(mode, task_set, trial, iteration_ms, iterations=10, bubble_s=bubble_s, work_s=work_s)
+        bubble_s: float = 0.0, compute_ms: float | None = None) -> RunResult:
+    return RunResult(mode, task_set, trial, iteration_ms, iterations=10, bubble_s=bubble_s, work_s=work_s,
+                     compute_ms=compute_ms, runqueue_wait_ms=1.0,
+                     harvest=breakdown(bubble_s, work_s) if mode.startswith("freeride") else {})
 
 
-def test_overhead_is_taken_against_none_of_the_same_trial() -> None:
-    runs = [run("none", 0, 100.0), run("none", 1, 200.0),
-            run("freeride", 0, 101.0, "pagerank", work_s=0.8, bubble_s=1.0),
-            run("freeride", 1, 202.0, "pagerank", work_s=0.9, bubble_s=1.0),
-            run("freeride-paper", 0, 100.0, "pagerank", work_s=0.4, bubble_s=1.0),
-            run("freeride-paper", 1, 200.0, "pagerank", work_s=0.5, bubble_s=1.0)]
-    table = summarize(runs, ["pagerank"])
+RUNS = [run("none", 0, 100.0, compute_ms=50.0), run("none", 1, 200.0, compute_ms=100.0),
+        run("none", 2, 100.0, compute_ms=50.0),
+        run("instrumented", 0, 100.0), run("instrumented", 1, 202.0), run("instrumented", 2, 99.0),
+        run("freeride", 0, 101.0, "pagerank", work_s=0.8, bubble_s=1.0, compute_ms=51.0),
+        run("freeride", 1, 206.0, "pagerank", work_s=0.9, bubble_s=1.0, compute_ms=102.0),
+        run("freeride", 2, 99.0, "pagerank", work_s=0.7, bubble_s=1.0, compute_ms=50.0),
+        run("freeride-paper", 0, 100.0, "pagerank", work_s=0.4, bubble_s=1.0),
+        run("freeride-paper", 1, 200.0, "pagerank", work_s=0.45, bubble_s=1.0),
+        run("freeride-paper", 2, 100.0, "pagerank", work_s=0.35, bubble_s=1.0)]
+
+
+def test_overhead_is_the_mean_per_trial_ratio_with_a_t_interval() -> None:
+    table = summarize(RUNS, ["pagerank"], devices=1)
     row = table["pagerank/freeride"]
-    assert row["overhead"] == pytest.approx(0.01)
-    assert row["harvest_efficiency"] == pytest.approx(0.85)
-    assert table["pagerank/none"]["overhead"] == pytest.approx(0.0)
-    # Saving at 1x: (W - n dT) / (n T_base) per trial, then the mean.
-    t0 = (0.8 - 2 * 0.01) / (2 * 1.0)
-    t1 = (0.9 - 2 * 0.02) / (2 * 2.0)
-    assert row["saving"]["1x"] == pytest.approx((t0 + t1) / 2)
+    # Ratios 1.01, 1.03, 0.99: mean 1.01, s = 0.02, t(0.975, 2) = 4.303.
+    assert row["overhead"]["estimate"] == pytest.approx(0.01)
+    assert row["overhead"]["half_width"] == pytest.approx(t_quantile(0.95, 2) * 0.02 / 3 ** 0.5)
+    assert row["compute_overhead"]["estimate"] == pytest.approx((0.02 + 0.02 + 0.0) / 3)
+    assert row["harvest_efficiency"]["estimate"] == pytest.approx(0.8)
+    assert row["runqueue_wait_share"] == pytest.approx((1 / 101 + 1 / 206 + 1 / 99) / 3)
+    assert row["vs_paper"]["estimate"] == pytest.approx(2.0)  # 0.8 / 0.4, 0.9 / 0.45, 0.7 / 0.35
+    assert table["pagerank/none"]["overhead"]["estimate"] == 0.0
+    shares = row["breakdown"]["shares"]
+    assert sum(shares.values()) == pytest.approx(1.0) and shares["work"] == pytest.approx(0.8)
+    # Saving at 1x: (W - n dT) / (n T_base) per trial, then the mean (T = 10 iterations x iteration time).
+    per_trial = [(0.8 - 0.01) / 1.0, (0.9 - 0.06) / 2.0, (0.7 + 0.01) / 1.0]
+    assert row["saving"]["1x"] == pytest.approx(sum(per_trial) / 3)
+
+
+def test_the_stopping_rule_watches_instrumented_and_freeride_per_task_set() -> None:
+    intervals = gated_intervals(RUNS, ["pagerank"])
+    assert set(intervals) == {"instrumented", "pagerank/freeride"}
+    assert intervals["instrumented"].n == 3
+
+
+def test_targets_say_when_an_interval_straddles_the_target() -> None:
+    table = summarize(RUNS, ["pagerank"], devices=1)
     lines = targets(table)
-    assert any("harvest / paper harvest 1.89x" in line and "met" in line for line in lines)
-    assert any("overhead +1.00%" in line and "missed" in line for line in lines)
+    assert any("overhead" in line and "not resolved" in line for line in lines)  # -4% .. +6% holds 0.5%
+    assert any("harvest / paper harvest" in line and ": met" in line for line in lines)
+    assert any("H 0.80" in line for line in lines)
+
+
+def meta() -> dict:
+    return {"label": "validation run", "loadavg": {"min": 0.5, "median": 1.0, "max": 2.0}, "trials": 3,
+            "layout": {"name": "single-stage cpu", "stress": False},
+            "stop": {"reason": "not resolved: stopped at the trial limit (3)"}}
+
+
+def test_the_readme_block_is_generated_from_the_results_and_replaced_in_place(tmp_path: Path) -> None:
+    table = summarize(RUNS, ["pagerank"], devices=1)
+    lines = headline(meta(), table)
+    assert any(line.startswith("managers up and reporting") for line in lines)
+    block = readme_block(meta(), table, "bench/results/cpu/modes.md")
+    assert block.startswith(README_BEGIN) and block.endswith(README_END)
+    assert "validation run" in block and "+1.00%" in block
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n\n{README_BEGIN}\nold\n{README_END}\n- other result\n")
+    assert update_readme(readme, block)
+    text = readme.read_text()
+    assert "old" not in text and "- other result" in text and text.count(README_BEGIN) == 1
+    (tmp_path / "plain.md").write_text("no markers")
+    assert not update_readme(tmp_path / "plain.md", block)
+
+
+def test_runs_whose_stage_waited_for_its_core_are_flagged_not_dropped() -> None:
+    quiet = run("none", 0, 100.0)  # 1 ms of 100 ms
+    busy = RunResult("instrumented", "-", 0, 200.0, 10, runqueue_wait_ms=80.0)
+    assert interfered([quiet, busy]) == ["trial 0 instrumented: 40% of 200 ms"]

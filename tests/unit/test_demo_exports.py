@@ -168,7 +168,7 @@ def test_pictures_are_drawn_without_a_killed_managers_trace_and_a_note_says_so(t
         for record in trace("cpu:1", "pagerank-1", _bubbles_of(r[1])):
             fh.write(json.dumps(record) + "\n")
         fh.write('{"ev": "steps", "device": "cpu:1", "ta')  # torn by a kill
-    files, notes = demo.write_pictures(r)
+    files, notes = demo.write_pictures(r, demo.read_traces())
     assert notes and "cpu:0" in notes[0]
     assert Path(files["timeline"]).read_bytes()[:4] == b"\x89PNG"
     events = json.loads(Path(files["trace"]).read_text())["traceEvents"]

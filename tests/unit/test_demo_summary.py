@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from demo_data import ITERATION_MS, iterations, run, stats, task
+from demo_data import ITERATION_MS, iterations, run, run_traces, stats, task
 
 from freeride._demo.summary import (
     DemoError,
@@ -39,10 +39,12 @@ def _summary(
                  "cpu:1": [task("pagerank-1", "pagerank", 30.0), task("watermark-2", "watermark", 10.0)]}  # fmt: skip
     if rates is None:
         rates = {"lstm": 2000.0, "pagerank": 200.0, "watermark": 100.0}
+    with_tasks = run(count, iteration_ms=run_ms)
+    traces = run_traces(with_tasks, {d: [t.task_id for t in ts] for d, ts in tasks.items()})
     return summarize(
         device_kind="cpu", devices=DEVICES, iterations=iterations_expected, warmup_iterations=2,
-        baseline=run(count, iteration_ms=baseline_ms), run=run(count, iteration_ms=run_ms), manager_stats=manager_stats,
-        tasks=tasks, standalone_per_s=rates,
+        baseline=run(count, iteration_ms=baseline_ms), run=with_tasks, manager_stats=manager_stats,
+        tasks=tasks, standalone_per_s=rates, traces=traces,
     )  # fmt: skip
 
 
@@ -81,21 +83,51 @@ def test_overhead_compares_the_run_with_side_tasks_to_the_baseline() -> None:
     assert summary.overhead == pytest.approx(0.02)
 
 
-def test_harvest_efficiency_is_standalone_seconds_of_progress_over_the_device_bubble_time() -> None:
+def test_harvest_efficiency_is_the_harvest_of_the_traces_after_the_warmup() -> None:
     summary = _summary()
     by_name = {t.name: t for t in summary.tasks}
-    # cpu:0's bubble time over the whole run: 10 iterations x (20 + 10) ms = 0.3 s.
+    # cpu:0 after the 2 warm-up iterations: 8 x (20 + 10) ms of bubbles, each granted to the LSTM for two
+    # steps; a step is 400 samples / 400 steps = 1 sample, 0.5 ms of standalone work at 2000 samples/s.
+    cpu0 = next(d for d in summary.device_figures if d.device == "cpu:0")
+    assert cpu0.bubble_s == pytest.approx(0.24)
     lstm = by_name["lstm"]
-    assert lstm.work_s == pytest.approx(400.0 / 2000.0)
-    assert lstm.efficiency == pytest.approx(0.2 / 0.3)
-    # cpu:1: 10 x 25 ms = 0.25 s, shared by two tasks whose efficiencies add up.
+    assert lstm.work_s == pytest.approx(16 * 2 * 0.0005)
+    assert lstm.efficiency == pytest.approx(0.016 / 0.24)
+    assert cpu0.efficiency == pytest.approx(lstm.efficiency)
+    # cpu:1: 8 x 25 ms, its bubbles granted in turn to PageRank (5 ms a step alone) and the watermark (10 ms).
     cpu1 = next(d for d in summary.device_figures if d.device == "cpu:1")
-    assert cpu1.bubble_s == pytest.approx(0.25)
-    assert cpu1.work_s == pytest.approx(30 / 200 + 10 / 100)
-    assert cpu1.efficiency == pytest.approx((30 / 200 + 10 / 100) / 0.25)
+    assert cpu1.bubble_s == pytest.approx(0.2)
+    assert cpu1.work_s == pytest.approx(8 * 0.005 + 8 * 0.010)
+    assert cpu1.efficiency == pytest.approx(0.12 / 0.2)
     shares = [by_name[n].efficiency for n in ("pagerank", "watermark")]
     assert cpu1.efficiency == pytest.approx(sum(s for s in shares if s is not None))
     assert cpu1.harvested_share == pytest.approx(0.2 / 0.25)
+    assert cpu1.breakdown is not None and sum(cpu1.breakdown.values()) == pytest.approx(1.0)
+
+
+def test_the_demo_and_the_bench_compute_harvest_efficiency_with_one_function() -> None:
+    # The bench's H for the same trace, window and yardstick is the demo's, by construction.
+    from freeride._demo.summary import measurement_window
+    from freeride.harvest import harvest, standalone_step_s
+
+    with_tasks = run()
+    traces = run_traces(with_tasks, {"cpu:0": ["lstm-1"]})
+    summary = _summary()
+    cpu0 = next(d for d in summary.device_figures if d.device == "cpu:0")
+    bench = harvest([traces["cpu:0"]], {"lstm-1": standalone_step_s(400.0, 400, 2000.0)},
+                    measurement_window(with_tasks))
+    assert cpu0.efficiency == pytest.approx(bench.efficiency)
+
+
+def test_a_device_without_a_trace_has_no_efficiency() -> None:
+    with_tasks = run()
+    tasks = {"cpu:0": [task("lstm-1", "lstm", 400.0)], "cpu:1": [task("pagerank-1", "pagerank", 30.0)]}
+    summary = summarize(device_kind="cpu", devices=DEVICES, iterations=10, warmup_iterations=2, baseline=run(),
+                        run=with_tasks, manager_stats={"cpu:0": stats("cpu:0", 0.3, 0.2),
+                                                       "cpu:1": stats("cpu:1", 0.25, 0.2)},
+                        tasks=tasks, standalone_per_s={"lstm": 2000.0, "pagerank": 200.0}, traces={})
+    assert all(d.efficiency is None and d.breakdown is None for d in summary.device_figures)
+    assert all(t.efficiency is None for t in summary.tasks)
 
 
 def test_a_consistent_run_reports_no_problem() -> None:

@@ -1,0 +1,192 @@
+"""Harvest efficiency and its breakdown on fixed traces: the pieces of every bubble sum to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from demo_data import MS, T0, trace
+
+from freeride.harvest import (
+    CATEGORIES,
+    TraceBubble,
+    TraceGrant,
+    account_bubble,
+    account_trace,
+    harvest,
+    measurement_window,
+    standalone_step_s,
+    steady_window,
+    summarize,
+)
+
+US = 1_000
+
+
+def bubble(start_ms: float, end_ms: float, received_ms: float | None = None, iteration: int = 0) -> TraceBubble:
+    return TraceBubble(0, 0, iteration, 0, int(start_ms * MS), int(end_ms * MS), 0,
+                       None if received_ms is None else int(received_ms * MS))
+
+
+def grant(task: str, at_ms: float, deadline_ms: float, *spans_ms: tuple[float, float], count: int | None = None,
+          first: bool = False, number: int = 1) -> TraceGrant:
+    spans = tuple((int(a * MS), int(z * MS)) for a, z in spans_ms)
+    return TraceGrant(task, number, int(at_ms * MS), int(deadline_ms * MS), spans,
+                      len(spans) if count is None else count, first_of_task=first)
+
+
+def ms(seconds: dict[str, float]) -> dict[str, float]:
+    return {k: round(v * 1e3, 6) for k, v in seconds.items() if abs(v) > 1e-12}
+
+
+def test_the_demo_trace_bubble_is_cut_into_latency_steps_gaps_and_margin() -> None:
+    # demo_data.trace: bubble [0, 20) ms, report received at +1 us, grant at +0.5 ms, steps of 2 ms at
+    # +0.6 and +3.5 ms, deadline at the end. Standalone, a step takes 1 ms: the rest is "slower".
+    start = T0
+    records = trace("cpu:0", "t-1", [(start, start + 20 * MS), (start + 100 * MS, start + 120 * MS)])
+    second = account_trace(records, {"t-1": 0.001})[1]
+    assert ms(second.seconds) == {"delivery": 0.001, "decision": 0.499, "wakeup": 0.1, "work": 2.0, "slower": 2.0,
+                                  "between": 0.9, "margin": 14.5}
+    assert sum(second.seconds.values()) == pytest.approx(0.020)
+    assert second.steps == {"t-1": 2}
+    assert second.overrun_ms == 0.0
+    # The task's first grant is its probe: setup and first steps count there, beyond their work.
+    first = account_trace(records, {"t-1": 0.001})[0]
+    assert ms(first.seconds)["probe"] == pytest.approx(2.1)
+    assert "slower" not in ms(first.seconds) and "wakeup" not in ms(first.seconds)
+
+
+def test_every_bubble_sums_to_its_length_and_h_is_work_over_bubble_time() -> None:
+    start = T0
+    records = trace("cpu:0", "t-1", [(start + k * 50 * MS, start + k * 50 * MS + 20 * MS) for k in range(5)])
+    accounts = account_trace(records, {"t-1": 0.0015})
+    for acc in accounts:
+        assert sum(acc.seconds.values()) == pytest.approx(acc.bubble.length_s)
+    h = summarize(accounts)
+    assert h.bubble_s == pytest.approx(0.1)
+    assert sum(h.seconds.values()) == pytest.approx(h.bubble_s)
+    assert sum(h.shares().values()) == pytest.approx(1.0)
+    # H as DESIGN section 6 defines it: progress (10 steps) / standalone throughput / B.
+    assert h.efficiency == pytest.approx(10 * 0.0015 / 0.1)
+    assert h.steps == {"t-1": 10}
+
+
+def test_a_step_past_the_real_end_is_overrun_and_its_work_counts_outside_the_bubble() -> None:
+    acc = account_bubble(bubble(0, 10, 0.1), [grant("a", 0.5, 10, (1, 5), (5, 13))], {"a": 0.004})
+    assert ms(acc.seconds) == {"delivery": 0.1, "decision": 0.4, "wakeup": 0.5, "work": 4.0 + 0.004e3 * 5 / 8,
+                               "slower": 5 - 0.004e3 * 5 / 8}
+    assert acc.overrun_s == pytest.approx(0.003)
+    assert acc.overrun_ms == pytest.approx(3.0)
+    assert acc.work_past_end_s == pytest.approx(0.004 * 3 / 8)
+    assert acc.work_s == pytest.approx(0.008)  # both steps' standalone work
+
+
+def test_the_tail_splits_at_the_predicted_end() -> None:
+    # Predicted end 8 ms, real end 12 ms: the worker stopped at 6 ms (next step would not fit by 8 ms).
+    acc = account_bubble(bubble(0, 12, 0.0), [grant("a", 0.0, 8, (0, 2), (2, 6))], {"a": 0.002})
+    assert ms(acc.seconds) == {"work": 6.0 - 2.0, "slower": 2.0, "margin": 2.0, "past_predicted": 4.0}
+
+
+def test_two_tasks_share_a_bubble_with_a_handoff_between() -> None:
+    grants = [grant("a", 1, 20, (1.2, 5), number=1), grant("b", 6, 20, (6.5, 9), (9.1, 12), number=2)]
+    acc = account_bubble(bubble(0, 20, 0.5), grants, {"a": 0.0038, "b": 0.0025})
+    # a's step and b's first ran at their standalone speed; b's second took 2.9 ms for 2.5 ms of work.
+    assert ms(acc.seconds) == pytest.approx({"delivery": 0.5, "decision": 0.5, "wakeup": 0.2 + 0.5,
+                                             "work": 3.8 + 2 * 2.5, "slower": 0.4, "handoff": 1.0, "between": 0.1,
+                                             "margin": 8.0})
+    assert acc.steps == {"a": 1, "b": 2}
+
+
+def test_steps_the_worker_did_not_list_fill_the_time_before_the_first_listed_one() -> None:
+    # 10 steps, 2 listed: 8 ran between the grant (1 ms) and the first listed span (9 ms), 1 ms each alone.
+    acc = account_bubble(bubble(0, 20, 0.5), [grant("a", 1, 20, (9, 10), (10, 11), count=10)], {"a": 0.001})
+    assert ms(acc.seconds) == {"delivery": 0.5, "decision": 0.5, "work": 10.0, "margin": 9.0}
+    assert acc.steps == {"a": 10}
+
+
+def test_bubbles_without_a_grant_are_idle_and_can_be_filtered_by_length() -> None:
+    short = account_bubble(bubble(0, 3), [], {"a": 0.001})
+    long = account_bubble(bubble(10, 40, 10.1), [grant("a", 10.2, 40, (10.3, 39.3))], {"a": 0.029})
+    assert ms(short.seconds) == {"idle": 3.0}
+    assert short.overrun_ms is None
+    both = summarize([short, long])
+    assert both.bubbles == 2 and both.bubble_s == pytest.approx(0.033)
+    assert both.overruns_ms == (0.0,)  # one per granted bubble
+    only_long = summarize([short, long], min_bubble_s=0.010)
+    assert only_long.bubbles == 1 and only_long.efficiency == pytest.approx(29 / 30)
+
+
+def test_a_grant_after_the_real_end_leaves_the_bubble_to_the_decision() -> None:
+    # The reference policy's 10 ms poll: the grant came after the 6 ms bubble had ended.
+    acc = account_bubble(bubble(0, 6, 0.2), [grant("a", 9, 12, (9.5, 11))], {"a": 0.0015})
+    assert ms(acc.seconds) == {"delivery": 0.2, "decision": 5.8}
+    assert acc.overrun_s == pytest.approx(0.0015)
+    assert acc.work_past_end_s == pytest.approx(0.0015)
+
+
+def _trace_records(bubbles: list[tuple[int, int]], grants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, (s, e) in enumerate(bubbles):
+        key = {"stage": 0, "rank": 0, "iteration": i, "slot": 0}
+        out += [{"ev": "bubble_start", **key, "start_ns": s, "predicted_ns": e - s, "received_ns": s},
+                {"ev": "bubble_end", **key, "end_ns": e}]
+    return out + grants
+
+
+def test_window_and_harvest_over_devices() -> None:
+    records = _trace_records(
+        [(0, 10 * MS), (20 * MS, 30 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 21 * MS, "deadline_ns": 30 * MS},
+         {"ev": "steps", "task": "a", "grant": 1, "count": 1, "spans": [[22 * MS, 27 * MS]]}])
+    h = harvest([records, records], {"a": 0.005}, window=(15 * MS, 100 * MS))
+    assert h.bubbles == 2 and h.bubble_s == pytest.approx(0.020)
+    assert h.efficiency == pytest.approx(0.5)
+    assert set(CATEGORIES) == set(h.seconds)
+    assert json.loads(json.dumps(h.to_json()))["efficiency"] == pytest.approx(0.5)
+
+
+def test_standalone_step_seconds() -> None:
+    # 300 images in 100 steps, 600 images/s alone: each step is 5 ms of standalone work.
+    assert standalone_step_s(300, 100, 600.0) == pytest.approx(0.005)
+    assert standalone_step_s(0, 0, 600.0) == 0.0
+    with pytest.raises(ValueError):
+        standalone_step_s(1, 1, 0.0)
+
+
+def test_measurement_window_starts_after_the_last_warmup_iteration_of_any_rank(tmp_path: Path) -> None:
+    logs = []
+    for rank, ends in ((0, [100, 200, 300]), (1, [110, 210, 310])):
+        lines = [json.dumps({"iteration": i, "warmup": i == 0, "time_ms": 1e-5, "end_ns": e})
+                 for i, e in enumerate(ends)]
+        path = tmp_path / f"it.rank{rank}.jsonl"
+        path.write_text("\n".join(lines + ['{"summary": true}']) + "\n")
+        logs.append(path)
+    assert measurement_window(logs) == (110, 310)
+
+
+def test_setup_spanning_bubbles_counts_as_probe_until_the_first_stepping_grant() -> None:
+    records = _trace_records(
+        [(0, 10 * MS), (20 * MS, 30 * MS), (40 * MS, 50 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "grant", "task": "a", "grant": 2, "at_ns": 21 * MS, "deadline_ns": 30 * MS, "thaw": True},
+         {"ev": "steps", "task": "a", "grant": 2, "count": 1, "spans": [[25 * MS, 27 * MS]]},
+         {"ev": "grant", "task": "a", "grant": 3, "at_ns": 41 * MS, "deadline_ns": 50 * MS},
+         {"ev": "steps", "task": "a", "grant": 3, "count": 1, "spans": [[42 * MS, 44 * MS]]}])
+    setup, first_step, steady = account_trace(records, {"a": 0.001})
+    assert ms(setup.seconds) == {"decision": 1.0, "probe": 9.0}  # setup ran on, frozen at the end
+    assert ms(first_step.seconds) == {"decision": 1.0, "probe": 4.0 + 1.0, "work": 1.0, "margin": 3.0}
+    assert ms(steady.seconds) == {"decision": 1.0, "wakeup": 1.0, "work": 1.0, "slower": 1.0, "margin": 6.0}
+
+
+def test_the_steady_window_starts_after_every_tasks_first_step() -> None:
+    records = _trace_records(
+        [(0, 10 * MS), (20 * MS, 30 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "steps", "task": "a", "grant": 1, "count": 1, "spans": [[2 * MS, 3 * MS]]},
+         {"ev": "grant", "task": "b", "grant": 1, "at_ns": 21 * MS, "deadline_ns": 30 * MS},
+         {"ev": "steps", "task": "b", "grant": 1, "count": 1, "spans": [[22 * MS, 23 * MS]]}])
+    assert steady_window([records], (0, 100 * MS)) == (22 * MS, 100 * MS)
+    assert steady_window([records], (50 * MS, 100 * MS)) == (50 * MS, 100 * MS)
+    assert steady_window([[]], (5, 9)) == (5, 9)
