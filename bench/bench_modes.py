@@ -76,7 +76,7 @@ from bench.modes_report import (
     update_readme,
     write_markdown,
 )
-from freeride._demo.plan import plan_tasks
+from freeride._demo.plan import plan_tasks, trainer_model_args
 from freeride._manager.trace import read_trace
 from freeride._wire.client import ControlClient, health_status
 from freeride.devices import parse_device_name
@@ -98,18 +98,21 @@ class SideTaskConfig:
     memory_bytes: int
 
 
-def _demo_sized(name: str, target: str) -> SideTaskConfig:
-    plan = {t.target: t for t in plan_tasks("cpu")}[target]
-    return SideTaskConfig(name, target, dict(plan.args), plan.memory_bytes)
+_KINDS = {"pagerank": "side_tasks.graphs:PageRank", "image": "side_tasks.images:ImageWatermark",
+          "training": "side_tasks.training:LSTMLanguageModelTraining"}
 
 
-#: The three kinds of side task, sized as in the demo (``freeride._demo.plan``) for CPU bubbles of
-#: tens of milliseconds: steps of a few milliseconds on one core.
-TASKS: dict[str, SideTaskConfig] = {
-    "pagerank": _demo_sized("pagerank", "side_tasks.graphs:PageRank"),
-    "image": _demo_sized("image", "side_tasks.images:ImageWatermark"),
-    "training": _demo_sized("training", "side_tasks.training:LSTMLanguageModelTraining"),
-}
+def task_plan(device_kind: str) -> dict[str, SideTaskConfig]:
+    """The three kinds of side task, sized as in the demo (``freeride._demo.plan``) for the device kind:
+    on CPU for bubbles of tens of milliseconds (steps of a few milliseconds on one core, caps of
+    640-768 MiB); on a GPU for millisecond bubbles, with caps (2 GiB) that hold a CUDA context too."""
+    plans = {t.target: t for t in plan_tasks(device_kind, 1)}
+    return {name: SideTaskConfig(name, target, dict(plans[target].args), plans[target].memory_bytes)
+            for name, target in _KINDS.items()}
+
+
+#: The plan in use: the CPU's unless the bench runs on a GPU (``main`` switches it).
+TASKS: dict[str, SideTaskConfig] = task_plan("cpu")
 TASK_SETS: dict[str, tuple[str, ...]] = {"pagerank": ("pagerank",), "image": ("image",),
                                          "training": ("training",), "mix": ("pagerank", "image", "training")}
 
@@ -653,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--task-sets", default=",".join(TASK_SETS))
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--trainer-args", default="--d-model 256")
+    p.add_argument("--trainer-args", default=None,
+                   help="model options for the trainer (default: the demo's for the device kind; CPU: --d-model 256)")
     p.add_argument("--standalone-s", type=float, default=2.0)
     p.add_argument("--min-trials", type=int, default=3)
     p.add_argument("--max-trials", type=int, default=40)
@@ -661,11 +665,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-pp", type=float, default=1.0, help="95%% half-width to reach, percentage points")
     p.add_argument("--label", default="", help="marks the results (e.g. 'validation run, shortened')")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu"))
+    p.add_argument("--out", default=None,
+                   help="results directory (default bench/results/cpu, or bench/results/gpu-<model> on a GPU)")
     p.add_argument("--update-readme", metavar="README", default=None, help="rewrite the README's generated block")
     p.add_argument("--render-only", action="store_true", help="re-render from --out/modes.json, run nothing")
     p.add_argument("--keep", action="store_true", help="keep the per-run directories (logs, traces)")
     args = p.parse_args(argv)
+    kind = "cuda" if (args.single_stage or "").startswith("cuda") else "cpu"
+    if args.out is None:
+        from bench.machine import gpu_info, gpu_slug
+
+        args.out = str(REPO / "bench" / "results" / (f"gpu-{gpu_slug(gpu_info())}" if kind == "cuda" else "cpu"))
+    if args.trainer_args is None:
+        args.trainer_args = " ".join(trainer_model_args(kind))
+    if kind == "cuda":  # the GPU plan: side tasks sized for GPU bubbles, caps that hold a context
+        TASKS.clear()
+        TASKS.update(task_plan("cuda"))
     out = Path(args.out)
     readme = Path(args.update_readme) if args.update_readme else None
     if args.render_only:

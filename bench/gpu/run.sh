@@ -7,7 +7,8 @@
 # Steps: deps (install what is missing from .whl/, see fetch_wheels.sh), tests (pytest -m gpu), caps,
 # timing (step time against CUDA events), park (park and SIGSTOP tails), park-mps (the same as MPS
 # clients, where an MPS daemon can be started), bubbles (device-timed bubbles against the profiler, and
-# their cost), backends (CuPy against torch per bundled task), demo (freeride demo --quick on this GPU). Each step is bounded to under 10 minutes. Results go to
+# their cost), backends (CuPy against torch per bundled task), demo (freeride demo --quick on this GPU),
+# modes (the bench's five modes on one real GPU stage, GPU-sized side tasks; a shortened run). Each step is bounded to under 10 minutes. Results go to
 # bench/results/gpu-<model>/ with the machine, driver, CUDA and torch versions; where $OUT is set (the
 # device tool), they are also packed into $OUT/gpu-results.tgz.
 set -uo pipefail
@@ -16,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 STEP_LIMIT_S=${STEP_LIMIT_S:-570}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(deps tests caps timing park park-mps bubbles backends demo)
+[ ${#steps[@]} -eq 0 ] && steps=(deps tests caps timing park park-mps bubbles backends demo modes)
 
 if ! deps=$($PY bench/gpu/ensure_deps.py); then
     echo "missing dependencies and no wheels to install them from: see bench/gpu/fetch_wheels.sh" >&2
@@ -65,6 +66,8 @@ for step in "${steps[@]}"; do
         bubbles) run_step bubbles $PY -m bench.gpu.bubble_timing ;;
         backends) run_step backends $PY -m bench.gpu.backends ;;
         demo) run_step demo $PY -m freeride.cli demo --device cuda --quick --out "$results/demo" ;;
+        modes) run_step modes $PY -m bench.bench_modes --single-stage cuda:0 --out "$results" --min-trials 2 \
+                   --budget-min 6 --standalone-s 1 --label "GPU run (shortened to fit a 10-minute step)" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

@@ -180,3 +180,13 @@ def test_runs_whose_stage_waited_for_its_core_are_flagged_not_dropped() -> None:
     quiet = run("none", 0, 100.0)  # 1 ms of 100 ms
     busy = RunResult("instrumented", "-", 0, 200.0, 10, runqueue_wait_ms=80.0)
     assert interfered([quiet, busy]) == ["trial 0 instrumented: 40% of 200 ms"]
+
+
+def test_the_gpu_bench_sizes_its_side_tasks_by_the_gpu_plan() -> None:
+    from bench.bench_modes import task_plan
+
+    cpu, gpu = task_plan("cpu"), task_plan("cuda")
+    assert set(cpu) == set(gpu) == {"pagerank", "image", "training"}
+    assert all(t.memory_bytes <= 768 * 2**20 for t in cpu.values())
+    assert all(t.memory_bytes >= 2 * 2**30 for t in gpu.values())  # a CUDA context and the data
+    assert gpu["pagerank"].args != cpu["pagerank"].args
