@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and measurement, in one command, on a machine with one NVIDIA GPU and no network:
 #
-#   bash bench/gpu/run.sh            # all steps, in order (about 20 minutes on one H100)
+#   bash bench/gpu/run.sh            # all steps, in order (estimated 20-25 minutes on one H100; not yet run)
 #   bash bench/gpu/run.sh tests caps # some of them
 #
 # Steps: deps (install what is missing from .whl/, see fetch_wheels.sh), tests (pytest -m gpu), caps,
@@ -48,14 +48,14 @@ for step in "${steps[@]}"; do
     case $step in
         deps) ;;  # done above, always
         tests) run_step tests $PY -m pytest -q -p no:cacheprovider -m gpu tests --timeout 300 -rs ;;
-        caps) run_step caps $PY -m bench.gpu.caps ;;
+        caps) run_step caps $PY -m bench.gpu.caps --seconds 10 ;;
         timing) run_step timing $PY -m bench.gpu.step_timing ;;
-        park) run_step park $PY -m bench.gpu.park_tail --mps off ;;
+        park) run_step park $PY -m bench.gpu.park_tail --mps off --trials 20 ;;
         park-mps)
             export CUDA_MPS_PIPE_DIRECTORY=/tmp/freeride-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/freeride-mps-log
             mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
             if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-                run_step park-mps $PY -m bench.gpu.park_tail --mps require
+                run_step park-mps $PY -m bench.gpu.park_tail --mps require --trials 20
                 echo quit | nvidia-cuda-mps-control
             else
                 echo "no MPS here: nvidia-cuda-mps-control is missing or did not start" \
@@ -64,10 +64,10 @@ for step in "${steps[@]}"; do
             fi
             unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
         bubbles) run_step bubbles $PY -m bench.gpu.bubble_timing ;;
-        backends) run_step backends $PY -m bench.gpu.backends ;;
+        backends) run_step backends $PY -m bench.gpu.backends --seconds 10 ;;
         demo) run_step demo $PY -m freeride.cli demo --device cuda --quick --out "$results/demo" ;;
         modes) run_step modes $PY -m bench.bench_modes --single-stage cuda:0 --out "$results" --min-trials 2 \
-                   --budget-min 6 --standalone-s 1 --label "GPU run (shortened to fit a 10-minute step)" ;;
+                   --budget-min 4 --standalone-s 1 --label "GPU run (shortened to fit a 10-minute step)" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done
