@@ -15,8 +15,12 @@ that step times are device times, not launch times, exactly as in a worker.
 Memory: on CUDA, the peak as the GPU counts it -- the CUDA context plus the most the allocator
 (torch's, which CuPy allocates through) reserved, or NVML's figure for this process where larger --
 so that a cap copied from the report holds in a worker, whose cap covers the same things. On CPU,
-the growth of the process's resident set over its size before ``setup``, sampled after setup and
-after every step (a short-lived spike inside a step can be missed).
+the growth of the process's resident set over its size once the task is constructed (what a
+worker's cap covers too: the interpreter and the task's libraries are the worker's baseline),
+sampled after setup and after every step (a short-lived spike inside a step can be missed). The
+limit is enforced as a worker's is: a run whose peak goes over it fails as the task would fail
+with MEMORY_LIMIT under the manager. There is no step timeout: a step that never returns holds
+the run until it is interrupted (Ctrl-C), where a manager would fail the task with STEP_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ from freeride.task import SideTask, TaskContext
 log = logging.getLogger(__name__)
 
 __all__ = ["StandaloneReport", "TaskRunError", "check_target_syntax", "load_task_class", "run_standalone"]
+
+
+class MemoryLimitExceeded(Exception):
+    """The task's peak memory went over its limit (a worker would fail with MEMORY_LIMIT)."""
 
 
 class TaskRunError(FreerideError):
@@ -127,6 +135,17 @@ class _MemoryProbe:
 
     def peak_bytes(self) -> int:
         return max(0, self.peak)
+
+
+def _check_limit(probe: _MemoryProbe, limit: int, target: str, phase: str, step: int) -> None:
+    peak = probe.peak_bytes()
+    if peak > limit:
+        what = "beyond its size once constructed" if probe.measure == "rss_growth" else "on the device"
+        exc = MemoryLimitExceeded(
+            f"used {peak / 2**20:.0f} MiB {what}, over its limit of {limit / 2**20:.0f} MiB "
+            "(a worker would fail with MEMORY_LIMIT); raise --memory or shrink the task"
+        )
+        raise TaskRunError(target, phase, step, exc)
 
 
 def _default_limit(cls: type[SideTask], args: dict[str, Any], device: Device) -> int:
@@ -235,6 +254,7 @@ def _run(
             raise TaskRunError(target, "setup", 0, exc) from None
         setup_s = time.perf_counter() - start
         probe.sample()
+        _check_limit(probe, limit, target, "setup", 0)
         loop_start = time.perf_counter()
         deadline = loop_start + seconds
         while not task.done() and time.perf_counter() < deadline:
@@ -248,6 +268,7 @@ def _run(
                 raise TaskRunError(target, "step", len(step_ms), exc) from None
             step_ms.append((time.perf_counter() - t0) * 1000.0)
             probe.sample()
+            _check_limit(probe, limit, target, "step", len(step_ms) - 1)
         elapsed = time.perf_counter() - loop_start
         reported = task.progress()
         progress = float(len(step_ms) if reported is None else reported)

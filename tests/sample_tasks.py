@@ -128,6 +128,25 @@ class MemoryHog(Counter):
         super().step()
 
 
+class TorchCounter(Counter):
+    """A Counter that imports torch (about 200 MiB of resident set) and keeps a small tensor."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        import torch
+
+        self.torch = torch
+        self.tensor: Any = None
+
+    def setup(self, ctx: TaskContext) -> None:
+        super().setup(ctx)
+        self.tensor = self.torch.ones(1 << 18)  # 1 MiB
+
+    def step(self) -> None:
+        self.tensor.mul_(1.0)
+        super().step()
+
+
 class ChannelCloser(Counter):
     """Closes every inherited socket (its channel to the manager) and keeps running."""
 

@@ -32,6 +32,16 @@ class EndlessTask(SideTask):
         self.count += 1
 
 
+class GrowsEachStep(SideTask):
+    """Keeps 4 MiB more (touched, so resident) after every step."""
+
+    def __init__(self) -> None:
+        self.hoard: list[bytes] = []
+
+    def step(self) -> None:
+        self.hoard.append(b"\x01" * (4 << 20))
+
+
 class FailsOnThirdStep(SideTask):
     progress_unit: ClassVar[str] = "widgets"
 
@@ -94,6 +104,13 @@ def test_failing_step_is_reported_with_its_index() -> None:
 def test_configuration_that_cannot_fit_the_memory_limit_is_refused() -> None:
     with pytest.raises(ConfigError, match="more than its memory limit of 1.0 MiB"):
         run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:12"}, DEVICE, 1.0, 1 << 20, None)
+
+
+def test_going_over_the_memory_limit_fails_the_run_as_a_worker_would() -> None:
+    limit_message = r"over its limit of 16 MiB \(a worker would fail with MEMORY_LIMIT\)"
+    with pytest.raises(TaskRunError, match=limit_message) as info:
+        run_standalone(f"{__name__}:GrowsEachStep", {}, DEVICE, 30.0, 16 << 20, None)
+    assert info.value.phase == "step" and 3 <= info.value.step <= 5
 
 
 def test_unknown_constructor_argument_is_a_config_error() -> None:

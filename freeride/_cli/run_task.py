@@ -8,7 +8,9 @@
 happens in this process, with the worker's device setup applied (core pinning and one thread on
 ``cpu:N``, the allocator cap on ``cuda:N``), so the numbers are the ones a worker would see. The
 current directory is searched first for the task's module, so ``freeride run-task
-my_task:MyTask`` works next to ``my_task.py``.
+my_task:MyTask`` works next to ``my_task.py``. The memory limit (``--memory``, else the task's
+estimate) is enforced as in a worker: going over it fails the run. There is no step timeout: a
+step that never returns holds the run until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def render(report: StandaloneReport) -> str:
     """The human-readable report."""
     status = "finished" if report.finished else "time limit reached"
     arguments = ", ".join(f"{k}={v!r}" for k, v in report.args.items()) or "(none)"
-    memory = ("RSS growth" if report.memory_measure == "rss_growth"
+    memory = ("resident-set growth after the task was constructed, as a worker's cap counts it"
+              if report.memory_measure == "rss_growth"
               else "as the GPU counts it: context + allocator; a cap of this size holds")
     return "\n".join([
         f"task        {report.target} on {report.device} ({status})",

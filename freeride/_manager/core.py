@@ -175,6 +175,8 @@ class WorkerReady:
     progress_unit: str = "steps"
     #: What the device's runtime took before the task allocated anything (a CUDA context); 0 on CPU.
     context_bytes: int = 0
+    #: The worker's footprint outside its cap (see :meth:`WorkerDevice.baseline_bytes`).
+    baseline_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -392,6 +394,7 @@ class TaskRuntime:
     probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
+    baseline_bytes: int = 0  # of used_bytes, what the cap does not cover (the worker's libraries on CPU)
     steps: int = 0
     progress: float = 0.0
     harvested_ns: int = 0
@@ -937,6 +940,7 @@ class SchedulerCore:
             return
         task.pid = event.pid
         task.progress_unit = event.progress_unit
+        task.baseline_bytes = event.baseline_bytes
         self.context_bytes = max(self.context_bytes, event.context_bytes)
         self._transition(task, TaskState.PARKED, "worker ready", out)
         if self.bubble is not None:
@@ -1017,15 +1021,24 @@ class SchedulerCore:
         self._check_cap(task, out)
 
     def _check_cap(self, task: TaskRuntime, out: list[Action]) -> bool:
-        """Fail a task whose usage (the device's figure or its own report) is over its cap; True if so."""
-        used = max(task.used_bytes, task.reported_bytes)
-        if used <= task.memory_bytes or task.stopping == "fail":
+        """Fail a task whose usage (the device's figure or its own report) is over its cap; True if so.
+
+        The cap covers what the task holds beyond its worker's baseline (reported with ``ready``:
+        on a CPU core the interpreter and the task's libraries, on a GPU nothing). While the worker
+        starts, that baseline is still being loaded and is not known: nothing runs then but imports
+        and the constructor, and the cap is checked from ``ready`` on.
+        """
+        if task.state == TaskState.STARTING or task.stopping == "fail":
             return False
+        used = max(task.used_bytes, task.reported_bytes) - task.baseline_bytes
+        if used <= task.memory_bytes:
+            return False
+        beyond = f" beyond its worker's {task.baseline_bytes / 2**20:.0f} MiB baseline" if task.baseline_bytes else ""
         self._fail(
             task,
             FailureRecord(
                 kind="MEMORY_LIMIT",
-                message=f"used {used / 2**20:.0f} MiB, over its cap of {task.memory_bytes / 2**20:.0f} MiB",
+                message=f"used {used / 2**20:.0f} MiB{beyond}, over its cap of {task.memory_bytes / 2**20:.0f} MiB",
                 step=task.steps,
             ),
             out,

@@ -887,7 +887,8 @@ class ManagerLoop:
                 _byte_count(msg.get("device_bytes", 0)), int(msg.get("end_ns", 0))))
         elif kind == "ready":
             self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps")),
-                                     _byte_count(msg.get("context_bytes", 0))))
+                                     _byte_count(msg.get("context_bytes", 0)),
+                                     _byte_count(msg.get("baseline_bytes", 0))))
         elif kind == "checkpoint":
             path = str(msg["path"])
             home = self.checkpoint_dir(tid) if tid in self._cluster else self.task_dir(tid)

@@ -6,7 +6,8 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
 2. Read ``init``; prepare the device (core pinning and low priority on CPU; on CUDA the context,
    one cap for context, torch and CuPy, low priority and few threads: see
    :mod:`freeride.devices.cuda`); import and construct the task. Report ``ready`` (with the CUDA
-   context's size), or ``failed`` and exit.
+   context's size, and the footprint the cap does not cover: on a CPU core the resident set of
+   the interpreter and the task's libraries), or ``failed`` and exit.
 3. Wait for a ``grant`` (deadline, margin). The first grant runs ``setup`` (and restores the last
    checkpoint); then, while ``now + p95 step time + margin <= deadline``, run ``step()``.
    **A step is timed in device time**: on CUDA ``step()`` returns once its kernels are queued, so
@@ -260,7 +261,7 @@ class WorkerRuntime:
             self._report_failure(err)
             return EXIT_SETUP_FAILED
         self.chan.send({"t": "ready", "pid": os.getpid(), "progress_unit": self._progress_unit(),
-                        "context_bytes": self.device.context_bytes})
+                        "context_bytes": self.device.context_bytes, "baseline_bytes": self.device.baseline_bytes()})
         try:
             while True:
                 msg = self.chan.recv()

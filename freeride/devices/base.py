@@ -156,6 +156,17 @@ class WorkerDevice(abc.ABC):
         """The most :meth:`used_bytes` has been since :meth:`prepare`, as far as it is known."""
         return self.used_bytes()
 
+    def baseline_bytes(self) -> int:
+        """What the manager's figure for this process holds that the task's cap does not cover.
+
+        Read once the task is imported and constructed, before ``setup``. On a GPU it is 0: the
+        device holds nothing for a worker but its context, which the cap covers (see
+        :mod:`freeride.devices.cuda`). On a CPU core the manager counts resident sets, and a worker
+        holds the interpreter, freeride and the task's libraries before the task allocates anything
+        (about 200 MiB once torch is imported): the cap covers the task's growth beyond that.
+        """
+        return 0
+
 
 def lower_autogroup_priority(niceness: int) -> bool:
     """Give this process's autogroup the niceness too; True when the kernel took it.

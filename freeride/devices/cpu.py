@@ -2,7 +2,10 @@
 
 A pipeline stage pinned to core N has real bubbles while it waits on its gloo receive, and side tasks
 pinned to the same core harvest them. Memory is the host's RAM; a task's cap is enforced by the
-manager's resident-set watchdog (so :meth:`CpuWorkerDevice.used_bytes` reports nothing of its own).
+manager's resident-set watchdog (so :meth:`CpuWorkerDevice.used_bytes` reports nothing of its own),
+over the worker's resident set once the task is imported and constructed
+(:meth:`CpuWorkerDevice.baseline_bytes`): a cap covers what ``setup`` and the steps add, not the
+interpreter and libraries every worker loads (torch alone is about 200 MiB of resident set).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ class CpuWorkerDevice(WorkerDevice):
         # time. OMP_NUM_THREADS from worker_env keeps torch to one thread when it loads.
         os.sched_setaffinity(0, {self.name.index})
         lower_priority()
+
+    def baseline_bytes(self) -> int:
+        return _rss(os.getpid())
 
 
 def check_cpu_device(name: DeviceName) -> None:

@@ -96,6 +96,16 @@ def test_segfault_is_recorded_with_signal_and_log_tail(harness: ManagerHarness) 
     assert failure.step == 2
 
 
+def test_small_cap_holds_a_task_that_imports_torch_on_a_cpu_core(harness: ManagerHarness) -> None:
+    # The worker's interpreter and torch (~200 MiB resident) are its baseline, outside the cap.
+    task = harness.submit("sample_tasks:TorchCounter", memory_mib=16, args={"step_ms": 1.0})
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(task.task_id).steps >= 50, length_ms=50, timeout_s=60)
+    feeder.close()
+    info = harness.client.get(task.task_id)
+    assert info.state != "FAILED", info.failure
+
+
 def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarness) -> None:
     hog = harness.submit("sample_tasks:MemoryHog", memory_mib=200, args={"mib_per_step": 16})
     other = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})

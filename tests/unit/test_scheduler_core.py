@@ -977,6 +977,31 @@ def test_task_memory_over_its_cap_fails_with_memory_limit_and_is_killed() -> Non
     assert sim.core.tasks["a"].failure is failure
 
 
+def test_cap_covers_what_a_task_holds_beyond_its_workers_reported_baseline() -> None:
+    sim = Sim()
+    sim.add("a", mem_mib=100)
+    sim.free(100_000)
+    # A CPU worker with torch imported holds ~200 MiB before setup: not the task's to pay.
+    sim.send(WorkerReady("a", pid=1001, baseline_bytes=220 * MiB))
+    assert sim.send(TaskMemorySampled("a", used_bytes=320 * MiB)) == []  # 100 MiB beyond: at the cap
+    actions = sim.send(TaskMemorySampled("a", used_bytes=330 * MiB))
+    assert of(actions, Kill) == [Kill("a")]
+    failure = sim.core.tasks["a"].failure
+    assert failure is not None and failure.kind == "MEMORY_LIMIT"
+    assert "used 110 MiB beyond its worker's 220 MiB baseline" in failure.message
+
+
+def test_starting_worker_is_not_held_to_its_cap_while_it_imports() -> None:
+    sim = Sim()
+    sim.add("a", mem_mib=50)
+    sim.free(100_000)
+    assert sim.state("a") == S.STARTING
+    assert sim.send(TaskMemorySampled("a", used_bytes=220 * MiB)) == []  # importing torch
+    assert sim.state("a") == S.STARTING
+    sim.send(WorkerReady("a", pid=1001, baseline_bytes=220 * MiB))
+    assert sim.state("a") == S.PARKED
+
+
 def test_crash_of_the_running_task_lets_another_task_use_the_rest_of_the_bubble() -> None:
     sim = Sim()
     sim.resident("crashy", "steady")
