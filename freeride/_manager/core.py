@@ -1226,9 +1226,11 @@ class SchedulerCore:
             est = task.known_step_ns
             margin = self.config.margin_ns + task.margin_ns
             if est is not None and self._longest_bubble_ns and est + margin > self._longest_bubble_ns:
+                left = max(0, self.config.reprobe_after_bubbles - task.unfit_bubbles)
+                again = "" if self._paper else f"; its step time is measured again in {left} more bubbles"
                 return (
                     f"its step ({est / MS:.1f} ms p95 + {margin / MS:.1f} ms margin) fits no bubble seen "
-                    f"(longest {self._longest_bubble_ns / MS:.1f} ms)"
+                    f"(longest {self._longest_bubble_ns / MS:.1f} ms){again}"
                 )
             if self._longest_bubble_ns == 0:
                 return "no bubble reported yet"

@@ -425,6 +425,12 @@ class WorkerRuntime:
             frozen = self.thaws.changed_since(thaws)
             ran = end - now
             if frozen:
+                # Frozen after its bubble's real end, which comes before the predicted deadline when
+                # the bubble ends early: bound the run by that end, or every early end would count
+                # the frozen time up to the deadline as step time (a p95 that fits no bubble).
+                known = self._ended(grant_id, bubble)
+                if known is not None and known[1] > 0:
+                    step_deadline = min(step_deadline, known[1])
                 ran = self.thaws.running_ns(now, end, step_deadline, time.process_time_ns() - cpu_start)
             if self._warmup_pending:
                 self._warmup_pending = False

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import cpu_devices
 
+from freeride._boards import WorkerBoard
 from freeride._worker.runtime import WorkerRuntime, _ThawCounter
 from freeride.task import SideTask, TaskContext
 
@@ -99,6 +100,34 @@ def test_a_frozen_step_counts_what_ran_before_its_deadline_and_after_the_thaw_no
     estimate = rt.estimator.estimate_ns()
     assert estimate is not None and estimate < 200 * MS
     assert parked["first_step_ns"] > 0  # the grant's first step was not the frozen one
+
+
+def test_a_step_frozen_after_an_early_bubble_end_is_bounded_by_that_end_not_the_predicted_deadline(
+    runtime: tuple[WorkerRuntime, _FakeChannel], tmp_path: Path,
+) -> None:
+    """Regression: the bound used the grant's predicted deadline, so each early end counted the frozen
+    time up to it as step time; under early-ending bubbles the p95 grew to fit no bubble."""
+    rt, chan = runtime
+    rt._board = WorkerBoard.create(tmp_path / "board")
+    ended = {"at": 0}
+
+    def ended_early_then_frozen_then_thawed() -> None:
+        time.sleep(0.02)
+        ended["at"] = time.monotonic_ns()
+        assert rt._board is not None
+        rt._board.end_grant(1, ended["at"])  # the real end, long before the predicted deadline
+        time.sleep(0.4)  # frozen until the next bubble
+        os.kill(os.getpid(), signal.SIGCONT)
+
+    rt.task = _Steps(ended_early_then_frozen_then_thawed)
+    rt.setup_done = True
+    deadline = time.monotonic_ns() + 60_000 * MS  # predicted: far beyond the real end
+    assert rt._run_grant({"t": "grant", "g": 1, "deadline_ns": deadline, "margin_ns": 0}) is False
+    parked = next(m for m in chan.sent if m["t"] == "parked")
+    assert parked["steps"] == 2 and parked["reason"] == "park"
+    frozen = parked["durations_ns"][1]
+    ran_before_end = ended["at"] - parked["starts_ns"][1]
+    assert ran_before_end <= frozen < ran_before_end + 100 * MS, "the frozen time was counted as step time"
 
 
 def test_running_time_of_a_frozen_step_is_its_cpu_time_or_its_runs_around_the_freezes_whichever_is_more() -> None:
