@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -198,6 +199,18 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
+def _check_constructor_takes(cls: type, target: str, task_args: dict[str, Any]) -> None:
+    """ConfigError unless ``cls(**task_args)`` binds: caught here, not as a worker's CONFIG failure."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # not introspectable (a C extension): the worker will tell
+        return
+    try:
+        signature.bind(**task_args)
+    except TypeError as exc:
+        raise ConfigError(f"arguments do not fit {target}{signature}: {exc}") from None
+
+
 def build_spec(args: argparse.Namespace) -> TaskSpec:
     """The submission, checked locally: the class loads, arguments parse, the memory cap is known."""
     task_args = parse_task_args(args.arg, args.args_json)
@@ -216,6 +229,7 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
             )
         target = args.words[0]
         cls = load_task_class(target, search_path=os.getcwd())
+        _check_constructor_takes(cls, target, task_args)
         try:
             estimate = cls.estimate_memory(**task_args)
         except TypeError as exc:

@@ -274,6 +274,19 @@ def test_submit_of_a_module_that_exits_at_import_exits_2_saying_so(
     assert len(lines) == 1 and "failed to import" in lines[0] and needle in lines[0], err
 
 
+@pytest.mark.parametrize("queue", [False, True], ids=["manager", "queue"])
+def test_submit_with_an_argument_the_constructor_does_not_take_exits_2_before_anything_is_sent(
+    queue: bool, short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Stranger trial: `submit ... --arg colour=1` was accepted, then failed in the worker as CONFIG.
+    where = ["--queue", "redis://127.0.0.1:1/0"] if queue else ["--endpoint", f"unix:{short_dir}/none.sock"]
+    code, out, err = run_cli(capsys, "submit", "sample_tasks:Counter", "--memory", "1MiB",
+                             "--arg", "colour=1", *where)
+    assert code == EXIT_BAD_INPUT and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "arguments do not fit sample_tasks:Counter(" in lines[0] and "colour" in lines[0], err
+
+
 def test_manager_unknown_device_exits_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(
         capsys,

@@ -39,3 +39,11 @@ def test_python_m_freeride_trainer_still_runs_the_reference_workload() -> None:
                          timeout=120)
     assert out.returncode == 0 and "--microbatches" in out.stdout
     assert "now `python -m freeride.workload`" in out.stderr
+
+
+def test_python_m_of_a_moved_module_runs_the_new_one_instead_of_doing_nothing() -> None:
+    # Stranger trial: `python -m freeride.trainer.single_stage` exited 0 having done nothing.
+    out = subprocess.run([sys.executable, "-m", "freeride.trainer.single_stage", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "usage: python -m freeride.workload.single_stage" in out.stdout
+    assert "now `python -m freeride.workload.single_stage`" in out.stderr
