@@ -18,10 +18,21 @@ from freeride.task import SideTask, TaskContext
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # ControlClient loads grpc: only when asked for, so that a worker importing SideTask does not.
+    if name == "ControlClient":
+        from freeride._wire.client import ControlClient
+
+        return ControlClient
+    raise AttributeError(f"module 'freeride' has no attribute {name!r}")
+
+
 __all__ = [
     "BubbleEnd",
     "BubbleStart",
     "ConfigError",
+    "ControlClient",
     "FailureRecord",
     "FreerideError",
     "ManagerUnavailable",

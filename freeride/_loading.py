@@ -24,7 +24,7 @@ def check_target_syntax(target: str) -> None:
         raise TaskLoadError(f"bad task reference: at most {MAX_TARGET_CHARS} characters, got {len(target)}")
     if not isinstance(target, str) or not _TARGET_RE.fullmatch(target):
         raise TaskLoadError(
-            f"bad task reference {target!r}: expected package.module:ClassName, e.g. side_tasks.graph:PageRank"
+            f"bad task reference {target!r}: expected package.module:ClassName, e.g. side_tasks.graphs:PageRank"
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -92,6 +93,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code_for(exc)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed it (``freeride top | head``): stop quietly, as a shell tool would.
+
+    Python would otherwise flush stdout again at exit and print a second BrokenPipeError; pointing
+    the descriptor at /dev/null makes that flush a no-op. Exit 141, the status of a process ended by
+    SIGPIPE, so a pipeline with ``pipefail`` still sees that output was cut short.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":

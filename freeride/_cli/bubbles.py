@@ -50,7 +50,8 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, Endpoint]]:
     if args.endpoint:
         if devices:
             raise ConfigError("give either --endpoint or --devices, not both")
-        return [(args.endpoint, parse_endpoint(args.endpoint))]
+        endpoint = parse_endpoint(args.endpoint)
+        return [(_endpoint_label(endpoint), endpoint)]
     if devices:
         return [(str(parse_device_name(d)), default_endpoint(d)) for d in devices]
     found = sorted(runtime_dir(create=False).glob("*.sock")) if runtime_dir(create=False).is_dir() else []
@@ -67,6 +68,11 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, Endpoint]]:
     return targets
 
 
+def _endpoint_label(endpoint: Endpoint) -> str:
+    """The label of a manager given by ``--endpoint``, until it says which device it manages."""
+    return f"<{endpoint}>"
+
+
 def collect(
     targets: list[tuple[str, Endpoint]], token: str | None, timeout_s: float
 ) -> tuple[dict[str, list[BubbleSlotStats]], dict[str, str]]:
@@ -76,7 +82,10 @@ def collect(
     for name, endpoint in targets:
         try:
             with ControlClient(endpoint, token=token, timeout_s=timeout_s) as client:
-                stats[name] = sorted(client.bubbles(), key=lambda s: (s.stage, s.rank, s.slot))
+                slots = sorted(client.bubbles(), key=lambda s: (s.stage, s.rank, s.slot))
+                if name == _endpoint_label(endpoint):  # named by its endpoint: show its device
+                    name = client.stats().device
+                stats[name] = slots
         except ManagerUnavailable as exc:
             errors[name] = str(exc)
     return stats, errors

@@ -224,7 +224,7 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
     else:
         if len(args.words) != 1:
             raise ConfigError(
-                "give one task class as MODULE:CLASS (e.g. side_tasks.graph:PageRank), "
+                "give one task class as MODULE:CLASS (e.g. side_tasks.graphs:PageRank), "
                 "or --command -- PROG ARGS for a program"
             )
         target = args.words[0]

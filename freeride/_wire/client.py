@@ -16,8 +16,10 @@ import grpc
 
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
-from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint
+from freeride.devices.base import parse_device_name
+from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint, parse_endpoint
 from freeride.errors import (
+    ConfigError,
     DrainIncomplete,
     FreerideError,
     ManagerUnavailable,
@@ -252,6 +254,14 @@ def _slot_from_pb(msg: _pb.BubbleSlotStats) -> BubbleSlotStats:
 # ------------------------------------------------------------------ clients
 
 
+def _endpoint_from_text(text: str) -> Endpoint:
+    try:
+        name = parse_device_name(text)
+    except ConfigError:
+        return parse_endpoint(text)
+    return default_endpoint(name)
+
+
 class ControlClient:
     """Blocking client of a manager's Control service; returns plain dataclasses.
 
@@ -259,7 +269,11 @@ class ControlClient:
     answers, :class:`RequestRejected` for invalid requests, :class:`TaskNotFound`, ...
     """
 
-    def __init__(self, endpoint: Endpoint, token: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: Endpoint | str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        """``endpoint``: an :class:`Endpoint`, or text: a device (``"cuda:0"``: the socket of its
+        manager on this host), ``unix:/path``, ``tcp://host:port``. ``token``: for TCP endpoints."""
+        if isinstance(endpoint, str):
+            endpoint = _endpoint_from_text(endpoint)
         self.endpoint = endpoint
         self._timeout_s = timeout_s
         self._metadata = auth_metadata(token)

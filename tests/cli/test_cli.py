@@ -460,3 +460,16 @@ def test_manager_daemon_serves_health_and_exits_0_on_sigterm(short_dir: Path) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly_with_the_sigpipe_status() -> None:
+    # Stranger trial: `freeride top | head` and `freeride bubbles --json | head` ended in a traceback.
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "freeride.cli", "plan", "--stages", "4", "--microbatches", "8"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr

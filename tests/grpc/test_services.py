@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -72,6 +74,21 @@ def test_submit_then_get_list_and_cancel_round_trip(harness: ManagerHarness) -> 
     assert harness.client.cancel("ticker-1").state == "CANCELLED"
     assert harness.client.list(include_finished=False) == []
     assert harness.client.stats().tasks_by_state == {"CANCELLED": 1}
+
+
+def test_the_package_exports_control_client_and_it_takes_an_endpoint_as_text(harness: ManagerHarness) -> None:
+    import freeride
+
+    with freeride.ControlClient(f"unix:{harness.endpoint.address}") as client:
+        assert client.stats().device == harness.client.stats().device
+    with pytest.raises(freeride.ConfigError, match="cannot parse endpoint"):
+        freeride.ControlClient("nowhere")
+
+
+def test_importing_freeride_for_a_side_task_does_not_load_grpc() -> None:
+    code = "import sys, freeride; from freeride import SideTask; print('grpc' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_unix_socket_is_owner_only_and_health_says_serving(harness: ManagerHarness) -> None:

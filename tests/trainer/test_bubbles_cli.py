@@ -90,6 +90,7 @@ def test_reported_bubbles_reach_the_manager_and_the_cli(
     assert "turnaround" in out and "drain" in out and "median bubble time per iteration" in out
     code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
     doc = json.loads(out)
+    assert list(doc["devices"]) == [DEVICE]  # the manager's device, not the endpoint it was reached by
     (rows,) = doc["devices"].values()
     assert sorted((r["slot"], r["count"]) for r in rows) == [(0, 6), (1, 6)]
 
