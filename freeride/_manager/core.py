@@ -219,6 +219,10 @@ class WorkerFinished:
 class WorkerFailed:
     task_id: str
     failure: FailureRecord
+    #: The steps of the grant it failed in (no park follows a failure): harvested time all the same.
+    durations_ns: tuple[int, ...] = ()
+    progress: float = -1.0  # -1: not reported
+    total_steps: int = -1
 
 
 @dataclass(frozen=True)
@@ -974,6 +978,13 @@ class SchedulerCore:
             return
         # The process exits right after this message; its exit record completes the failure.
         task.pending_failure = event.failure
+        harvested = sum(event.durations_ns)
+        task.harvested_ns += harvested
+        self.stats.harvested_ns += harvested
+        if event.total_steps >= 0:
+            task.steps = max(task.steps, event.total_steps)
+        if event.progress >= 0:
+            task.progress = event.progress
 
     def _on_WorkerExited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)

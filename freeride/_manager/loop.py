@@ -900,7 +900,9 @@ class ManagerLoop:
         elif kind == "failed":
             self._feed(C.WorkerFailed(tid, FailureRecord(
                 kind=str(msg["kind"]), message=str(msg["message"]), traceback=str(msg.get("traceback", "")),
-                step=int(msg.get("step", -1)), at_unix_s=time.time())))
+                step=int(msg.get("step", -1)), at_unix_s=time.time()),
+                tuple(int(d) for d in msg.get("durations_ns", ())), float(msg.get("progress", -1.0)),
+                int(msg.get("total_steps", -1))))
         elif kind == "checkpoint_failed":
             # The worker goes on and tries again later; the last acknowledged checkpoint stands.
             log.warning("[%s task=%s] checkpoint at step %s not written: %s", self.device, tid, msg.get("step"),

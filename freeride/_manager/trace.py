@@ -13,6 +13,9 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
 * ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are
   [start_ns, end_ns] of the most recent of them, at most 64, as the worker reported them)
 * ``state``: ``task, old, new, reason, at_ns``
+* ``opened``: ``pid, at_ns``: a manager began writing. The file is appended to, so a restarted
+  manager (``kill -9``, a supervisor's restart) adds its records after the earlier run's, and a
+  reader can tell the runs apart.
 
 Writes are buffered (the loop never waits on a disk for a trace) and flushed when the manager
 stops; a trace that cannot be written is logged once and switched off, never fatal.
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,7 +42,10 @@ class TraceWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.device = device
-        self._fh: IO[str] | None = path.open("w", buffering=BUFFER_BYTES)
+        self._fh: IO[str] | None = path.open("a", buffering=BUFFER_BYTES)
+        if self._fh.tell() > 0 and not _ends_with_newline(path):
+            self._fh.write("\n")  # after a torn last line (a killed manager): keep the next record whole
+        self.write("opened", pid=os.getpid(), at_ns=time.monotonic_ns())
 
     def write(self, ev: str, **fields: Any) -> None:
         if self._fh is None:
@@ -67,6 +75,12 @@ class TraceWriter:
                 fh.close()
             except OSError:
                 pass
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:

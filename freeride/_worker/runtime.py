@@ -250,6 +250,7 @@ class WorkerRuntime:
                 log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
                             self.task_id, exc)
         self.thaws = _ThawCounter()
+        self._grant_durations: list[int] = []
 
     # ------------------------------------------------------------------ main loop
 
@@ -358,6 +359,8 @@ class WorkerRuntime:
             self._setup()
         self._maybe_checkpoint(deadline, margin)
         durations: list[int] = []
+        #: This grant's step times so far: a failure report counts them (no park follows a failure).
+        self._grant_durations = durations
         starts: list[int] = []
         warmup_in_grant = False
         count = 0
@@ -472,6 +475,7 @@ class WorkerRuntime:
         reason: str,
         end_ns: int = 0,
     ) -> None:
+        self._grant_durations = []  # reported here: a later failure must not count them again
         self.chan.send(
             {
                 "t": "parked",
@@ -610,7 +614,13 @@ class WorkerRuntime:
                 log.exception("[task=%s] close() raised", self.task_id)
 
     def _report_failure(self, err: _TaskError) -> None:
+        """Say why the task failed, with the work of the grant it failed in (no ``parked`` follows)."""
         log.error("[task=%s] %s\n%s", self.task_id, err, err.tb)
+        progress = float(self.steps)
+        if self.task is not None and self.setup_done:
+            with contextlib.suppress(Exception):  # a broken task's progress() is no reason to lose the record
+                value = self.task.progress()
+                progress = float(self.steps if value is None else value)
         try:
             self.chan.send(
                 {
@@ -619,6 +629,9 @@ class WorkerRuntime:
                     "message": str(err)[:2000],
                     "traceback": err.tb[-8000:],
                     "step": self.steps,
+                    "total_steps": self.steps,
+                    "progress": progress,
+                    "durations_ns": list(self._grant_durations),
                 }
             )
         except ChannelClosed:

@@ -51,6 +51,7 @@ def test_crashing_task_fails_with_its_traceback_and_the_others_keep_running(harn
     assert failed.failure.kind == "EXCEPTION"
     assert failed.failure.step == 3
     assert "ValueError: boom at step 3" in failed.failure.traceback
+    assert failed.steps == 3 and failed.progress == 3.0  # the work of the grant it died in is counted
     before = harness.client.get(counter.task_id).steps
     # Progress, however long a loaded machine makes it take: a 1 ms step measured at tens of ms
     # (workers run at nice 19) fits only long bubbles, or waits for its re-probe.

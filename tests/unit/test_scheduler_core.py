@@ -924,6 +924,21 @@ def test_worker_failure_then_exit_is_failed_with_the_failure_record() -> None:
     assert recorded.log_tail == "last lines\n"
 
 
+def test_steps_of_the_grant_a_task_failed_in_count_as_harvested_work() -> None:
+    # No park follows a failure: the failure report carries that grant's steps.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    before = sim.core.stats.harvested_ns
+    failure = FailureRecord(kind="EXCEPTION", message="boom", step=3)
+    sim.send(WorkerFailed("a", failure, durations_ns=(2 * MS, 3 * MS, 4 * MS), progress=30.0, total_steps=3))
+    sim.exited("a", exit_code=1)
+    task = sim.core.tasks["a"]
+    assert task.state == S.FAILED
+    assert task.harvested_ns == 9 * MS and sim.core.stats.harvested_ns - before == 9 * MS
+    assert task.steps == 3 and task.progress == 30.0
+
+
 def test_worker_failure_keeps_its_own_log_tail() -> None:
     sim = Sim()
     sim.resident("a")
