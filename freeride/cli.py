@@ -8,12 +8,14 @@ Exit codes (documented in the README):
     0  success
     1  the operation failed (a task failed, a command's own failure)
     2  bad input: unparsable size, unknown device, unknown module or class (a module that fails to
-       import, ``sys.exit()`` at import included), bad arguments
+       import, ``sys.exit()`` at import included), bad arguments, a request the manager refuses
+       (a submit to a draining manager)
     3  no manager is running at the endpoint (or it died, or is stopping), or the cluster queue's Redis
        cannot be reached
     4  no such task
     5  the manager refused the credentials
   130  interrupted (Ctrl-C)
+  141  the reader of stdout went away (``freeride top | head``)
 """
 
 from __future__ import annotations

@@ -57,6 +57,10 @@ from freeride.units import format_size, parse_size
 _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
 
 
+#: Per-micro-batch times used when the user gives none: the shape of a schedule, not its timing.
+_ASSUMED_T_F = 1.0
+_ASSUMED_T_B = 2.0
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
@@ -73,8 +77,10 @@ def register(subparsers: Any) -> None:
                        help="micro-batches per iteration; with --sweep a comma list (default p,2p,4p,8p)")
     sched.add_argument("--virtual", default=None,
                        help="model chunks per stage (interleaved only); with --sweep a comma list (default 2,4)")
-    sched.add_argument("--t-forward", type=float, default=1.0, help="forward time of one micro-batch (ms)")
-    sched.add_argument("--t-backward", type=float, default=2.0, help="full backward time (ms)")
+    sched.add_argument("--t-forward", type=float, default=None,
+                       help=f"forward time of one micro-batch (ms; default {_ASSUMED_T_F:g}, a placeholder)")
+    sched.add_argument("--t-backward", type=float, default=None,
+                       help=f"full backward time (ms; default {_ASSUMED_T_B:g}, a placeholder)")
     sched.add_argument("--t-weight", type=float, default=None, help="weight-gradient time (zero-bubble; ms)")
     sched.add_argument("--t-step", type=float, default=0.0,
                        help="time per iteration outside the schedule: optimizer step etc. (ms)")
@@ -217,8 +223,23 @@ def _tasks(args: argparse.Namespace) -> tuple[SideTaskDemand, ...]:
     return tuple(tasks)
 
 
+def _assumed_times_note(args: argparse.Namespace) -> str:
+    """A line saying that t_f/t_b are placeholders, when the user gave neither; else empty."""
+    if args.t_forward_given or args.t_backward_given:
+        return ""
+    return (f"note: t_f={_ASSUMED_T_F:g} ms and t_b={_ASSUMED_T_B:g} ms are placeholders, not your model's: "
+            "pass --t-forward/--t-backward (measured per micro-batch) for real times; bubble fractions "
+            "and the ranking of configurations depend on their ratio only")
+
+
 def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     """The planner's inputs from the command line (ConfigError with the flag's name when bad)."""
+    args.t_forward_given = args.t_forward is not None
+    args.t_backward_given = args.t_backward is not None
+    if args.t_forward is None:
+        args.t_forward = _ASSUMED_T_F
+    if args.t_backward is None:
+        args.t_backward = _ASSUMED_T_B
     for flag in ("t_forward", "t_backward", "t_step", "margin_ms"):
         value = getattr(args, flag)
         if not math.isfinite(value):
@@ -518,6 +539,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         else:
             print(render_sweep(inputs, result))
+            if note := _assumed_times_note(args):
+                print("\n" + note)
             if args.plot:
                 print(f"\nfrontier drawn to {args.plot}")
         return 0
@@ -545,5 +568,7 @@ def run(args: argparse.Namespace) -> int:
         text += "\n\n" + render_memory(plan)
     if inputs.tasks:
         text += "\n\n" + render_fit(plan, inputs.margin_ms)
+    if note := _assumed_times_note(args):
+        text += "\n\n" + note
     print(text)
     return 0

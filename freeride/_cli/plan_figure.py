@@ -11,6 +11,7 @@ API (no pyplot, no display): the format follows the file's suffix.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from freeride.training.planner import ConfigPlan, SweepResult
 
@@ -26,6 +27,40 @@ _STYLE = {
 def _short(plan: ConfigPlan) -> str:
     c = plan.candidate
     return f"m={c.microbatches}" + (f" v={c.virtual}" if c.virtual > 1 else "")
+
+
+#: Where a point's label may go (points from the point), in order of preference.
+_OFFSETS = [(5, 4), (5, -11), (-6, 6), (-6, -13), (8, 14), (8, -20), (-8, 16), (-8, -24)]
+
+
+def _spread_labels(fig: Any, labels: list[Any]) -> None:
+    """Move each label to the first offset where it overlaps no label placed before it.
+
+    Pareto points of one sweep crowd together (m=32 of three schedules within a few GiB), and labels
+    at one fixed offset printed over each other. Placement is greedy, in drawing order, measured
+    with the Agg renderer, and also keeps off the labelled markers; a label with no free place keeps
+    its first one.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    placed: list[Any] = []  # the labelled markers first: a label must not cover another's point
+    for label in labels:
+        px, py = label.axes.transData.transform(label.xy)
+        placed.append(Bbox.from_extents(px - 5, py - 5, px + 5, py + 5))
+    for label in labels:
+        for dx, dy in _OFFSETS:
+            label.xyann = (dx, dy)
+            label.set_horizontalalignment("left" if dx >= 0 else "right")
+            box = label.get_window_extent(renderer).expanded(1.05, 1.15)
+            if not any(box.overlaps(other) for other in placed):
+                break
+        else:
+            label.xyann = _OFFSETS[0]
+            label.set_horizontalalignment("left")
+            box = label.get_window_extent(renderer)
+        placed.append(box)
 
 
 def draw_frontier(result: SweepResult, path: Path) -> None:
@@ -49,6 +84,7 @@ def draw_frontier(result: SweepResult, path: Path) -> None:
 
     fig = Figure(figsize=(6.0 * len(panels), 4.6), dpi=110)
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    labels: list[Any] = []
     for ax, (key, xlabel) in zip(axes, panels, strict=True):
         for plan in result.plans:
             colour, marker = _STYLE.get(plan.candidate.schedule, ("#8172b2", "o"))
@@ -57,7 +93,8 @@ def draw_frontier(result: SweepResult, path: Path) -> None:
                 ax.scatter([x], [y], marker="x", color="#999999", s=30, zorder=2)
             elif plan.pareto:
                 ax.scatter([x], [y], marker=marker, color=colour, edgecolors="black", linewidths=0.8, s=52, zorder=3)
-                ax.annotate(_short(plan), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                labels.append(ax.annotate(_short(plan), (x, y), textcoords="offset points", xytext=_OFFSETS[0],
+                                          fontsize=7))
             else:
                 ax.scatter([x], [y], marker=marker, facecolors="none", edgecolors=colour, s=40, zorder=2)
         ax.set_xlabel(xlabel, fontsize=9)
@@ -76,5 +113,6 @@ def draw_frontier(result: SweepResult, path: Path) -> None:
     stages = result.plans[0].schedule.ranks if result.plans else 0
     fig.suptitle(f"{stages}-stage pipeline: configurations swept, Pareto front filled", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    _spread_labels(fig, labels)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -493,9 +493,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
     if not math.isfinite(timeout_s) or not 0 < timeout_s <= 3600:
         raise ConfigError(f"--timeout-s must be in (0, 3600], got {timeout_s}")
     with _client(args) as client:
+        already = client.stats().draining
         parked, checkpointed = client.drain(timeout_s)
     if args.json:
-        _print_json({"parked": parked, "checkpointed": checkpointed})
+        _print_json({"parked": parked, "checkpointed": checkpointed, "already_draining": already})
+    elif already:
+        print("already drained by an earlier drain: its tasks are parked and checkpointed; the manager accepts "
+              "no new tasks")
     else:
         print(f"drained: {parked} task(s) parked, {checkpointed} checkpointed; the manager accepts no new tasks")
     return _EXIT_OK

@@ -446,9 +446,10 @@ def render_summary(summary: DemoSummary) -> str:
         "",
         "training (after the warm-up)",
     ]
-    rows = [["stage", "device", "iteration p50", "bubbles/iter", "bubble p50", "bubble fraction", "of it learned"]]
+    rows = [["stage", "device", "iteration p50", "bubbles/iter", "bubble p50", "bubble fraction",
+             "learned (of iteration)"]]
     for st in summary.stages:
-        rows.append([str(st.stage), st.device, f"{st.iteration_ms_p50:.1f} ms", f"{st.bubbles_per_iteration:g}",
+        rows.append([str(st.stage), st.device, f"{st.iteration_ms_p50:.1f} ms", f"{st.bubbles_per_iteration:.1f}",
                      f"{st.bubble_ms_p50:.1f} ms", _pct(st.bubble_fraction), _pct(st.learned_fraction)])
     lines += _table(rows)
     lines += [
@@ -459,7 +460,8 @@ def render_summary(summary: DemoSummary) -> str:
         "",
         "harvest (bubbles after the warm-up, from the managers' traces)",
     ]
-    rows = [["device", "bubble time", "harvested (manager, whole run)", "standalone work", "efficiency",
+    rows = [["device", "bubble time", "harvested (manager, whole run; % of its bubble time)", "standalone work",
+             "efficiency",
              "overruns", "grant p99", "park p99"]]
     for dev in summary.device_figures:
         work = "-" if dev.work_s is None else f"{dev.work_s:.2f} s"

@@ -78,7 +78,8 @@ def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
             raise ManagerUnavailable(f"{details} (at {endpoint})") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise ManagerUnavailable(
-                f"no manager answers at {endpoint} (start one with `freeride manager --device ...`)"
+                f"no manager answers at {endpoint}: none runs there, or it is stopping "
+                "(start one with `freeride manager --device ...`)"
             ) from None
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise RequestRejected(details) from None

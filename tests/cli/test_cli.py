@@ -231,6 +231,9 @@ def test_drain_stops_submissions_and_health_reports_it(
     assert code == EXIT_BAD_INPUT and "draining" in err
     code, out, _ = run_cli(capsys, "health", *ep)
     assert code == EXIT_FAILED and out.strip() == "NOT_SERVING"
+    code, out, err = run_cli(capsys, "drain", "--timeout-s", "10", *ep)  # a second drain says so
+    assert code == EXIT_OK, err
+    assert out.startswith("already drained by an earlier drain")
 
 
 # ------------------------------------------------------------------ exit codes

@@ -88,6 +88,15 @@ def test_tasks_come_from_a_json_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert json.loads(out)["plan"]["tasks"][0]["task"] == "img"
 
 
+def test_placeholder_times_are_flagged_until_the_user_gives_real_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(["--stages", "4", "--sweep"], capsys)
+    assert code == 0 and "t_f=1 ms and t_b=2 ms are placeholders" in out
+    code, out, _ = _run(["--stages", "4", "--microbatches", "8", "--no-grid"], capsys)
+    assert code == 0 and "are placeholders" in out
+    code, out, _ = _run(["--stages", "4", "--sweep", "--t-forward", "3", "--t-backward", "6"], capsys)
+    assert code == 0 and "placeholder" not in out and "t_f=3 ms" in out
+
+
 def test_plain_plan_json_is_unchanged_without_memory_or_tasks(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(["--stages", "4", "--microbatches", "4", "--schedule", "gpipe", "--json"], capsys)
     assert code == EXIT_OK
@@ -119,3 +128,22 @@ def test_bad_input_exits_2_with_a_clear_message(argv: list[str], message: str,
     code, _, err = _run(["--stages", "2", *argv], capsys)
     assert code == EXIT_BAD_INPUT
     assert message in err
+
+
+def test_frontier_labels_of_crowded_points_do_not_print_over_each_other() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from freeride._cli.plan_figure import _spread_labels
+
+    fig = Figure(figsize=(4, 3), dpi=100)
+    ax = fig.subplots()
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 100)
+    points = [(40, 50), (41, 50), (40, 51)]  # three schedules' m=32, a few GiB apart
+    labels = [ax.annotate("m=32 v=2", xy, textcoords="offset points", xytext=(5, 4), fontsize=7) for xy in points]
+    _spread_labels(fig, labels)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [label.get_window_extent(renderer) for label in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
