@@ -395,6 +395,7 @@ class TaskRuntime:
     grant_bubble: tuple[int, int, int, int] | None = None
     stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
     unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
+    passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
     probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
@@ -640,6 +641,14 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ grants
 
+    def _looks_hung(self, task: TaskRuntime) -> bool:
+        """A frozen step that has run more granted time than two of the longest bubbles seen.
+
+        It fits no bubble, so it is a step far longer than its estimate, or a hang. Not under the
+        reference policy, whose behaviour the bench compares against.
+        """
+        return not self._paper and self._longest_bubble_ns > 0 and task.stuck_ns > 2 * self._longest_bubble_ns
+
     def _grant_next(self, now_ns: int, out: list[Action]) -> None:
         bubble = self.bubble
         if bubble is None or bubble.running or self.draining or bubble.seen_end_ns:
@@ -658,6 +667,10 @@ class SchedulerCore:
             margin = self.config.margin_ns + task.margin_ns
             est = task.known_step_ns
             frozen = task.state == TaskState.FROZEN
+            # A frozen step is first to go on, unless it looks hung (see _looks_hung): then it gets
+            # every other bubble, so that it can still finish or reach its step timeout while the
+            # other tasks are not starved of every bubble until then.
+            thaw_rank = (0 if task.passed_over else 2) if frozen and self._looks_hung(task) else (0 if frozen else 1)
             if self._paper:
                 # The reference grants the highest priority, FIFO on ties; the task itself decides
                 # whether a step fits (1.2 x its median, see the worker runtime).
@@ -673,7 +686,7 @@ class SchedulerCore:
                 est = None  # a re-probe: ranked like a task whose step time is unknown
             key = (
                 -task.spec.priority,
-                0 if frozen else 1,
+                thaw_rank,
                 0 if est is None else 1,
                 remaining - (est or 0),
                 task.seq,
@@ -683,6 +696,11 @@ class SchedulerCore:
         if best is None:
             return
         task = best[1]
+        if not bubble.granted:
+            for other in self._in_states(TaskState.FROZEN):
+                if other is not task and not other.stopping and self._looks_hung(other):
+                    other.passed_over += 1
+        task.passed_over = 0
         thaw = task.state == TaskState.FROZEN
         probe = task.unfit_bubbles >= self.config.reprobe_after_bubbles and not self._paper
         task.unfit_bubbles = 0

@@ -822,6 +822,32 @@ def test_step_stuck_past_step_timeout_fails_the_task_with_step_timeout_and_kill(
     assert of(sim.exited("a", exit_code=None, sig=signal.SIGKILL), StateChanged) == []
 
 
+def test_a_step_that_looks_hung_gets_every_other_bubble_instead_of_all_of_them() -> None:
+    # Stranger trial: a hung step was thawed first in every bubble until its 60 s step timeout.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    for _ in range(2):
+        _overrun(sim)  # "a" goes first (older) and never finishes its step: 22 ms > 2 x 10 ms bubbles
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN
+    firsts = []
+    for _ in range(4):
+        first = grants(sim.start(predicted_ms=10))[0]
+        firsts.append(first)
+        if first == "b":
+            sim.advance_ms(9.9)
+            sim.parked("b", [2.0] * 4)  # too little of the bubble is left for "a" to be thawed in it
+            sim.advance_ms(0.1)
+            sim.end()
+        else:
+            sim.advance_ms(10)
+            sim.end()
+            sim.advance_ms(1)
+            sim.tick()  # frozen again, still inside its step
+        sim.advance_ms(5)
+    assert firsts == ["b", "a", "b", "a"]
+
+
 def test_a_finished_step_resets_the_step_timeout_clock() -> None:
     sim = Sim(step_timeout_ns=25 * MS, grace_ns=MS)
     sim.resident("a")
