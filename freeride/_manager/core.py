@@ -131,6 +131,9 @@ class TaskAdded:
     steps: int = 0
     progress: float = 0.0
     restarts: int = 0
+    #: What the task harvested and overran before a manager restart (from the store).
+    harvested_ns: int = 0
+    overruns: int = 0
     #: Claimed from the cluster queue: when it must leave this device (eviction, drain, a layout
     #: without a stage here) it goes back to the queue (:class:`Released`) instead of waiting here.
     from_queue: bool = False
@@ -884,6 +887,8 @@ class SchedulerCore:
             steps=event.steps,
             progress=event.progress,
             restarts=event.restarts,
+            harvested_ns=event.harvested_ns,
+            overruns=event.overruns,
             from_queue=event.from_queue,
         )
         self.tasks[task.task_id] = task

@@ -595,8 +595,10 @@ class ManagerLoop:
         elif isinstance(action, C.CheckpointRecorded):
             if action.task_id in self._cluster:
                 return  # the queue agent reads it from the core at its next poll
+            task = self.core.tasks.get(action.task_id)
+            harvested_s = task.harvested_ns / 1e9 if task is not None else 0.0
             self._durable(action.task_id, "checkpoint", functools.partial(
-                self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress))
+                self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress, harvested_s))
         elif isinstance(action, C.Released):
             self._released(action)
         elif isinstance(action, C.DrainComplete):
@@ -1262,7 +1264,7 @@ class ManagerLoop:
                 ck_path, ck_step = str(newest[0]), _step_of(newest[0])
             self._apply(self.core.on_event(
                 C.TaskAdded(stored.task_id, stored.spec, stored.seq, ck_path, ck_step, max(stored.steps, ck_step),
-                            stored.progress, restarts),
+                            stored.progress, restarts, int(stored.harvested_s * 1e9), stored.overruns),
                 self.now_ns(),
             ))
 

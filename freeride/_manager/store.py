@@ -186,12 +186,13 @@ class TaskStore:
                     (durable.value, time.time(), task_id),
                 )
 
-    def record_checkpoint(self, task_id: str, step: int, path: str, progress: float) -> None:
+    def record_checkpoint(self, task_id: str, step: int, path: str, progress: float, harvested_s: float = 0.0) -> None:
+        """A checkpoint, and the harvested time so far (so that it survives a ``kill -9`` of the manager)."""
         with self._writing() as db:
             db.execute(
                 "UPDATE tasks SET checkpoint_step = ?, checkpoint_path = ?, steps = MAX(steps, ?), progress = ?,"
-                " updated_unix = ? WHERE task_id = ?",
-                (step, path, step, progress, time.time(), task_id),
+                " harvested_s = MAX(harvested_s, ?), updated_unix = ? WHERE task_id = ?",
+                (step, path, step, progress, harvested_s, time.time(), task_id),
             )
 
     def record_progress(
