@@ -193,7 +193,7 @@ def test_cli_validates_a_queued_submission_exactly_as_submit_does(
                  "--name", "x" * 65])
     assert code == 2 and "a task name has at most 64 printable characters" in capsys.readouterr().err
     code = main(["submit", "sample_tasks:Counter", "--queue", redis_server.url, "--memory", "1MiB",
-                 "--args-json", '{"n": 1e999}'])
+                 "--args-json", '{"step_ms": 1e999}'])
     assert code == 2 and "must be standard JSON" in capsys.readouterr().err
     assert _queue(redis_server.url).records() == []  # nothing reached the queue
 
