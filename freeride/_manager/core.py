@@ -399,6 +399,7 @@ class TaskRuntime:
     stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
     unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
     passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
+    has_stepped: bool = False  # its current process finished a step (setup is over)
     probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
@@ -647,10 +648,14 @@ class SchedulerCore:
     def _looks_hung(self, task: TaskRuntime) -> bool:
         """A frozen step that has run more granted time than two of the longest bubbles seen.
 
-        It fits no bubble, so it is a step far longer than its estimate, or a hang. Not under the
-        reference policy, whose behaviour the bench compares against.
+        It fits no bubble, so it is a step far longer than its estimate, or a hang. Setup, the first
+        step of a process and a re-probe are expected to be long (a graph is generated, a model
+        built): they never look hung, and keep the first turn until they finish or time out. Not
+        under the reference policy, whose behaviour the bench compares against.
         """
-        return not self._paper and self._longest_bubble_ns > 0 and task.stuck_ns > 2 * self._longest_bubble_ns
+        if self._paper or not task.has_stepped or task.probing or self._longest_bubble_ns <= 0:
+            return False
+        return task.stuck_ns > 2 * self._longest_bubble_ns
 
     def _grant_next(self, now_ns: int, out: list[Action]) -> None:
         bubble = self.bubble
@@ -739,6 +744,7 @@ class SchedulerCore:
         task.steps = event.total_steps
         if event.steps:
             task.stuck_ns = 0
+            task.has_stepped = True
         if event.device_bytes:
             task.reported_bytes = event.device_bytes
             if task.state.is_resident and self._check_cap(task, out):
@@ -1191,6 +1197,7 @@ class SchedulerCore:
             if task.memory_bytes > budget:
                 continue
             budget -= task.memory_bytes
+            task.has_stepped = False
             self._transition(task, TaskState.STARTING, "memory fits", out)
             out.append(Spawn(task.task_id, task.spec, task.memory_bytes, task.checkpoint_path))
         self._admit_floor = (self._waiting_epoch, budget)

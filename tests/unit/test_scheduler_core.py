@@ -826,8 +826,10 @@ def test_a_step_that_looks_hung_gets_every_other_bubble_instead_of_all_of_them()
     # Stranger trial: a hung step was thawed first in every bubble until its 60 s step timeout.
     sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
     sim.resident("a", "b")
+    _steps_once(sim, "a")  # set up, with a step time known: its next step should fit a bubble
+    _steps_once(sim, "b")
     for _ in range(2):
-        _overrun(sim)  # "a" goes first (older) and never finishes its step: 22 ms > 2 x 10 ms bubbles
+        _overrun(sim)  # "a" goes first (its step fits) and never finishes it: 22 ms > 2 x 10 ms bubbles
         sim.advance_ms(5)
     assert sim.state("a") == S.FROZEN
     firsts = []
@@ -846,6 +848,26 @@ def test_a_step_that_looks_hung_gets_every_other_bubble_instead_of_all_of_them()
             sim.tick()  # frozen again, still inside its step
         sim.advance_ms(5)
     assert firsts == ["b", "a", "b", "a"]
+
+
+def _steps_once(sim: Sim, task_id: str) -> None:
+    """A bubble in which ``task_id`` goes first and parks after three 2 ms steps."""
+    assert grants(sim.start(predicted_ms=10))[0] == task_id
+    sim.advance_ms(7)
+    sim.parked(task_id, [2.0, 2.0, 2.0])
+    sim.advance_ms(3)
+    sim.end()
+    sim.advance_ms(5)
+
+
+def test_a_long_setup_keeps_the_first_turn_until_it_finishes() -> None:
+    # A graph generated in setup takes many bubbles; it is no hang (the quick demo's PageRank).
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    for _ in range(6):
+        _overrun(sim)  # "a" is granted first every time, inside its setup
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].stuck_ns > 6 * 10 * MS
 
 
 def test_a_finished_step_resets_the_step_timeout_clock() -> None:
