@@ -12,7 +12,9 @@ memory access, no system call:
   grant for a newer bubble is never taken for an ended one, and a late write for an old grant is
   harmless. Word 2: that bubble's real end (the trainer's ``CLOCK_MONOTONIC`` ns; 0 when unknown),
   which the worker reports, so that the manager knows the bubble is over even if the worker's report
-  overtakes the end on its way to the scheduler.
+  overtakes the end on its way to the scheduler. Word 3, **steps done**: how many steps this worker
+  process has finished, published after each; the manager reads it when it freezes the worker, to tell
+  a step that hangs after others from a setup or first step that is long by nature.
 * :class:`EndBoard`, one per manager on a unix socket (``<socket>.ends``, in the socket's owner-only
   directory), written by the trainer: when a rank's bubble ends, its reporter writes the bubble's
   start time (its identity) and its end time into the record of that rank, from the training thread,
@@ -48,7 +50,7 @@ END_BOARD_RANKS = 64
 END_BOARD_BYTES = END_BOARD_RANKS * _RECORD.size
 WORKER_BOARD_BYTES = 64
 
-_STEP, _ENDED_GRANT, _ENDED_AT = 0, 8, 16
+_STEP, _ENDED_GRANT, _ENDED_AT, _DONE = 0, 8, 16, 24
 
 
 def _make(path: Path, size: int, initial: bytes = b"") -> None:
@@ -93,6 +95,13 @@ class WorkerBoard:
 
     def step(self) -> int:
         return int(_WORD.unpack_from(self._mm, _STEP)[0])
+
+    def publish_done(self, steps: int) -> None:
+        """Steps this worker process has finished (the worker, after each)."""
+        _WORD.pack_into(self._mm, _DONE, steps)
+
+    def steps_done(self) -> int:
+        return int(_WORD.unpack_from(self._mm, _DONE)[0])
 
     def end_grant(self, grant_id: int, end_ns: int) -> bool:
         """Say that ``grant_id``'s bubble ended at ``end_ns`` (the end first: the grant id is what the

@@ -229,6 +229,14 @@ class WorkerFailed:
 
 
 @dataclass(frozen=True)
+class WorkerStepsSeen:
+    """Steps the worker's current process has finished, read from its board (when it was frozen)."""
+
+    task_id: str
+    steps_done: int
+
+
+@dataclass(frozen=True)
 class WorkerExited:
     task_id: str
     exit_code: int | None
@@ -267,6 +275,7 @@ Event = (
     | CancelRequested
     | DrainRequested
     | WorkerReady
+    | WorkerStepsSeen
     | WorkerParked
     | WorkerCheckpointed
     | WorkerFinished
@@ -648,12 +657,13 @@ class SchedulerCore:
     def _looks_hung(self, task: TaskRuntime) -> bool:
         """A frozen step that has run more granted time than two of the longest bubbles seen.
 
-        It fits no bubble, so it is a step far longer than its estimate, or a hang. Setup, the first
-        step of a process and a re-probe are expected to be long (a graph is generated, a model
-        built): they never look hung, and keep the first turn until they finish or time out. Not
-        under the reference policy, whose behaviour the bench compares against.
+        It fits no bubble, so it is a step far longer than its estimate, or a hang. Setup and the
+        first step of a process are expected to be long (a graph is generated, a model built): until
+        the worker has finished a step (its park reports, or its board read when it was frozen),
+        it never looks hung, and keeps the first turn until it finishes or times out. Not under the
+        reference policy, whose behaviour the bench compares against.
         """
-        if self._paper or not task.has_stepped or task.probing or self._longest_bubble_ns <= 0:
+        if self._paper or not task.has_stepped or self._longest_bubble_ns <= 0:
             return False
         return task.stuck_ns > 2 * self._longest_bubble_ns
 
@@ -1014,6 +1024,11 @@ class SchedulerCore:
             task.steps = max(task.steps, event.total_steps)
         if event.progress >= 0:
             task.progress = event.progress
+
+    def _on_WorkerStepsSeen(self, event: WorkerStepsSeen, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is not None and event.steps_done > 0 and task.state.is_resident:
+            task.has_stepped = True
 
     def _on_WorkerExited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)

@@ -94,6 +94,9 @@ IDLE_WAKE_NS = 1_000_000_000
 
 _TrainerInput = C.BubbleStarted | C.BubbleEnded | C.LayoutChanged
 
+#: How often the loop hands a ``--trace`` file's buffer to the kernel.
+TRACE_FLUSH_INTERVAL_NS = 1_000_000_000
+
 
 @dataclass(frozen=True)
 class _HotGrant:
@@ -258,6 +261,7 @@ class ManagerLoop:
         self._running = True
         self.poller = DevicePoller(device, self.post, config.memory_poll_ms, config.device_poll_ms)
         self._trace = TraceWriter(config.trace_path, str(device)) if config.trace_path else None
+        self._next_trace_flush_ns = 0
         # Store writes the state directory refused, oldest first, and why (empty: all written).
         self._pending_writes: dict[tuple[str, str], Callable[[], None]] = {}
         self.store_fault = ""
@@ -523,6 +527,11 @@ class ManagerLoop:
         now = self.now_ns()
         if self._pending_writes and now >= self._next_store_retry:
             self._flush_writes()
+        if self._trace is not None and now >= self._next_trace_flush_ns:
+            # Once a second: the trace can be followed while the manager runs, and a kill -9 loses
+            # at most that second (a write to the page cache, not an fsync).
+            self._next_trace_flush_ns = now + TRACE_FLUSH_INTERVAL_NS
+            self._trace.flush()
         for handle in list(self._workers.values()):
             if handle.eof_at_ns and now >= handle.eof_at_ns:
                 handle.eof_at_ns = 0
@@ -579,6 +588,9 @@ class ManagerLoop:
             handle = self._workers.get(action.task_id)
             if handle is not None:
                 self._signal(handle, signal.SIGSTOP)
+                if handle.board is not None and handle.board.steps_done() > 0:
+                    # Steps it finished inside the grant it is frozen in have not been reported yet.
+                    self._feed(C.WorkerStepsSeen(action.task_id, handle.board.steps_done()))
         elif isinstance(action, C.Spawn):
             self._spawn(action)
         elif isinstance(action, C.Stop):

@@ -17,8 +17,10 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
   manager (``kill -9``, a supervisor's restart) adds its records after the earlier run's, and a
   reader can tell the runs apart.
 
-Writes are buffered (the loop never waits on a disk for a trace) and flushed when the manager
-stops; a trace that cannot be written is logged once and switched off, never fatal.
+Writes are buffered and handed to the kernel once a second (the loop never waits on a disk for a
+trace: no fsync) and when the manager stops, so a trace can be followed while the manager runs and a
+``kill -9`` loses at most its last second; a trace that cannot be written is logged once and
+switched off, never fatal.
 """
 
 from __future__ import annotations

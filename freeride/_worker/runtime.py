@@ -251,6 +251,7 @@ class WorkerRuntime:
                             self.task_id, exc)
         self.thaws = _ThawCounter()
         self._grant_durations: list[int] = []
+        self._steps_in_process = 0
 
     # ------------------------------------------------------------------ main loop
 
@@ -425,6 +426,9 @@ class WorkerRuntime:
             end = time.monotonic_ns()
             self.steps += 1
             count += 1
+            self._steps_in_process += 1
+            if self._board is not None:
+                self._board.publish_done(self._steps_in_process)
             frozen = self.thaws.changed_since(thaws)
             ran = end - now
             if frozen:

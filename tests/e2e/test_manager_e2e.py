@@ -120,6 +120,21 @@ def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarnes
     feeder.close()
 
 
+def test_a_step_hung_in_its_first_grant_leaves_other_tasks_bubbles_before_its_step_timeout(
+    make_manager: object,
+) -> None:
+    # Stranger trial: steps 0-1 ran and step 2 hung inside one first grant; the hung task was
+    # thawed first in every bubble until its step timeout, and the others made no progress.
+    h: ManagerHarness = make_manager(step_timeout_ns=3_600 * 10**9)  # type: ignore[operator]
+    hanger = h.submit("sample_tasks:Hanger", args={"hang_at": 2, "step_ms": 0.5})
+    feeder = h.feeder()
+    feeder.run_until(lambda: h.client.get(hanger.task_id).state == "FROZEN", length_ms=20, gap_ms=10)
+    other = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    feeder.run_until(lambda: h.client.get(other.task_id).steps >= 20, length_ms=20, gap_ms=10, timeout_s=60)
+    feeder.close()
+    assert h.client.get(hanger.task_id).state in ("FROZEN", "RUNNING")  # still stuck, not failed
+
+
 def test_step_that_ignores_the_bubble_end_is_frozen_then_fails_on_step_timeout(
     make_manager: object,
 ) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ManagerHarness, cpu_devices, read_steps
+from conftest import ManagerHarness, cpu_devices, read_steps, wait_for
 
 from freeride._manager.trace import read_trace
 
@@ -45,6 +45,19 @@ def test_trace_records_every_bubble_and_each_grants_steps_inside_it(
     # The trace's spans are the worker's own steps (the task logs each step it takes).
     logged = {s for s, _ in read_steps(h.manager.loop.task_dir(task.task_id) / "work")}
     assert len(spans) <= len(logged)
+
+
+def test_the_trace_can_be_read_while_the_manager_runs(
+    make_manager: Callable[..., ManagerHarness], tmp_path: Path
+) -> None:
+    # Stranger trial: the file stayed empty until SIGTERM, and a kill -9 lost the whole run.
+    trace = tmp_path / "trace.jsonl"
+    h = make_manager(trace_path=trace)
+    feeder = h.feeder()
+    feeder.run(3, length_ms=5, gap_ms=5)
+    wait_for(lambda: sum(r["ev"] == "bubble_end" for r in read_trace(trace)) == 3, 10,
+             what="the running manager's trace to show the three bubbles")
+    feeder.close()
 
 
 def test_paper_policy_runs_steps_only_before_the_profiled_end_and_never_freezes(

@@ -39,6 +39,7 @@ from freeride._manager.core import (
     WorkerFinished,
     WorkerParked,
     WorkerReady,
+    WorkerStepsSeen,
 )
 from freeride.messages import UNKNOWN_MEMORY, BubbleEnd, BubbleStart, FailureRecord, TaskSpec
 from freeride.states import TaskState
@@ -858,6 +859,18 @@ def _steps_once(sim: Sim, task_id: str) -> None:
     sim.advance_ms(3)
     sim.end()
     sim.advance_ms(5)
+
+
+def test_a_step_that_hangs_in_the_first_grant_after_other_steps_looks_hung_once_the_board_shows_them() -> None:
+    # Stranger trial: steps 1-2 finished inside the first grant, step 3 hung; no park ever reported
+    # them, so the task kept every bubble until its step timeout.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    for _ in range(2):  # 22 ms of granted time in one step: more than two 10 ms bubbles
+        _overrun(sim)
+        sim.send(WorkerStepsSeen("a", steps_done=2))  # what the loop reads from the board at the freeze
+        sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10))[0] == "b"
 
 
 def test_a_long_setup_keeps_the_first_turn_until_it_finishes() -> None:
