@@ -16,9 +16,11 @@ Policy, in one place:
   only figure where the device cannot see the worker's processes); over its cap it fails
   MEMORY_LIMIT. While the device cannot be read (a lost GPU, NVML failing), nothing is admitted.
 * **Grants.** At each bubble one resident task is granted until the bubble's predicted end:
-  priority first, then a frozen task that must finish its step, then a task whose step time is not
-  known yet (one probe), then the best fit of its high-percentile step time to the time left, then
-  FIFO. When a worker parks early and time remains, the rest of the bubble goes to the next task.
+  priority first, then a frozen task that must finish its step (unless that step looks hung: then
+  every other bubble), then a task whose step time is not known yet (one probe), then the task
+  granted least recently among those whose step fits (round robin), then the best fit of its
+  high-percentile step time to the time left, then FIFO. When a worker parks early and time
+  remains, the rest of the bubble goes to the next task.
   A task whose step (plus margin) fits no bubble seen so far is never granted and says why.
 * **Ends.** The real bubble end parks the running worker after its current step (the loop sets the
   worker's ended-grant word before it sends the park; the worker reads it before each step). Where
@@ -676,7 +678,7 @@ class SchedulerCore:
         remaining = bubble.deadline_ns - now_ns
         if remaining <= (0 if self._paper else self.config.margin_ns):
             return
-        best: tuple[tuple[int, int, int, int, int], TaskRuntime] | None = None
+        best: tuple[tuple[int, ...], TaskRuntime] | None = None
         for task in self._in_states(TaskState.PARKED, TaskState.FROZEN):
             if task.state not in (TaskState.PARKED, TaskState.FROZEN) or task.stopping:
                 continue
@@ -706,6 +708,10 @@ class SchedulerCore:
                 -task.spec.priority,
                 thaw_rank,
                 0 if est is None else 1,
+                # Round robin among equal tasks whose step fits: the one granted least recently
+                # goes first. Best fit alone (below) let the task with the longer step win every
+                # bubble, and a shorter one at the same priority never ran.
+                task.granted_at_ns,
                 remaining - (est or 0),
                 task.seq,
             )
