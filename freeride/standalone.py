@@ -43,6 +43,7 @@ from freeride._loading import check_target_syntax, load_task_class
 from freeride.devices import Device, WorkerDevice, WorkerSetupError, open_device, parse_device_name, worker_device
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext
+from freeride.units import format_mib
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,12 @@ class _MemoryProbe:
 def _check_limit(probe: _MemoryProbe, limit: int, target: str, phase: str, step: int) -> None:
     peak = probe.peak_bytes()
     if peak > limit:
-        what = "beyond its size once constructed" if probe.measure == "rss_growth" else "on the device"
+        cpu = probe.measure == "rss_growth"
+        what = "beyond its size once constructed" if cpu else "on the device"
+        hint = " (libraries first imported in setup or a step count too: import them at module level)" if cpu else ""
         exc = MemoryLimitExceeded(
-            f"used {peak / 2**20:.0f} MiB {what}, over its limit of {limit / 2**20:.0f} MiB "
-            "(a worker would fail with MEMORY_LIMIT); raise --memory or shrink the task"
+            f"used {format_mib(peak)} {what}, over its limit of {format_mib(limit)} "
+            f"(a worker would fail with MEMORY_LIMIT){hint}; raise --memory or shrink the task"
         )
         raise TaskRunError(target, phase, step, exc)
 

@@ -64,3 +64,8 @@ def format_ms(value_ms: float) -> str:
     if value_ms < 1000:
         return f"{value_ms:.1f} ms"
     return f"{value_ms / 1000:.2f} s"
+
+
+def format_mib(num_bytes: int | float) -> str:
+    """Whole MiB (``"150 MiB"``), the unit of memory caps in messages; :func:`format_size` below 1 MiB."""
+    return f"{num_bytes / 2**20:.0f} MiB" if abs(num_bytes) >= 2**20 else format_size(num_bytes)

@@ -147,6 +147,14 @@ class TorchCounter(Counter):
         super().step()
 
 
+class SlowInit(Counter):
+    """Its constructor takes ``init_s`` seconds: the worker stays STARTING that long."""
+
+    def __init__(self, init_s: float = 30.0, **kw: Any) -> None:
+        super().__init__(**kw)
+        time.sleep(init_s)
+
+
 class ChannelCloser(Counter):
     """Closes every inherited socket (its channel to the manager) and keeps running."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import json
 import math
@@ -200,15 +201,40 @@ def _finite(name: str, value: float) -> float:
 
 
 def _check_constructor_takes(cls: type, target: str, task_args: dict[str, Any]) -> None:
-    """ConfigError unless ``cls(**task_args)`` binds: caught here, not as a worker's CONFIG failure."""
+    """ConfigError unless ``cls(**task_args)`` binds and constructs: caught here, at submit, rather than
+    as the worker's CONFIG failure later. The constructor is documented to be cheap and to refuse
+    bad values (``docs/writing-side-tasks.md``); the object is dropped unused."""
     try:
         signature = inspect.signature(cls)
     except (TypeError, ValueError):  # not introspectable (a C extension): the worker will tell
-        return
+        signature = None
+    if signature is not None:
+        problems = _argument_problems(signature, task_args)
+        if problems:
+            takes = ", ".join(name for name, p in signature.parameters.items()
+                              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
+            raise ConfigError(f"arguments do not fit {target}: {'; '.join(problems)} (it takes: {takes})")
     try:
-        signature.bind(**task_args)
-    except TypeError as exc:
-        raise ConfigError(f"arguments do not fit {target}{signature}: {exc}") from None
+        cls(**task_args)
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
+        raise ConfigError(f"{target} refused its arguments: {type(exc).__name__}: {exc}") from None
+
+
+def _argument_problems(signature: inspect.Signature, task_args: dict[str, Any]) -> list[str]:
+    """Every argument that does not fit, each named (with a close match for a misspelt one)."""
+    params = signature.parameters
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    problems = []
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        for key in task_args:
+            if key not in named:
+                close = difflib.get_close_matches(key, named, n=1)
+                problems.append(f"unknown argument {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    for name in named:
+        p = params[name]
+        if p.default is p.empty and name not in task_args:
+            problems.append(f"missing required argument {name!r}")
+    return problems
 
 
 def build_spec(args: argparse.Namespace) -> TaskSpec:

@@ -50,6 +50,7 @@ from freeride.messages import (
     TrainerLayout,
 )
 from freeride.states import TaskState, check_transition
+from freeride.units import format_mib
 
 log = logging.getLogger(__name__)
 
@@ -1094,12 +1095,15 @@ class SchedulerCore:
         used = max(task.used_bytes, task.reported_bytes) - task.baseline_bytes
         if used <= task.memory_bytes:
             return False
-        beyond = f" beyond its worker's {task.baseline_bytes / 2**20:.0f} MiB baseline" if task.baseline_bytes else ""
+        beyond = hint = ""
+        if task.baseline_bytes:
+            beyond = f" beyond its worker's {format_mib(task.baseline_bytes)} baseline"
+            hint = " (libraries first imported in setup or a step count too: import them at module level)"
         self._fail(
             task,
             FailureRecord(
                 kind="MEMORY_LIMIT",
-                message=f"used {used / 2**20:.0f} MiB{beyond}, over its cap of {task.memory_bytes / 2**20:.0f} MiB",
+                message=f"used {format_mib(used)}{beyond}, over its cap of {format_mib(task.memory_bytes)}{hint}",
                 step=task.steps,
             ),
             out,

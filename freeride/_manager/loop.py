@@ -1050,8 +1050,14 @@ class ManagerLoop:
         if isinstance(request, GetQueueView):
             return self._queue_view()
         if isinstance(request, Drain):
-            counts = sum(1 for t in self.core.tasks.values() if t.state.is_resident)
-            self._drain_waiters.append(_chain(future, counts))
+            stopping = [t.task_id for t in self.core.tasks.values() if t.state.is_resident]
+
+            def checkpointed() -> int:
+                # A task stopped in its setup has no checkpoint to claim (stranger trial: it was counted).
+                tasks = [self.core.tasks.get(tid) for tid in stopping]
+                return sum(1 for t in tasks if t is not None and t.checkpoint_path and t.checkpoint_step >= t.steps)
+
+            self._drain_waiters.append(_chain(future, len(stopping), checkpointed))
             self._start_drain()
             raise _Deferred()
         raise TypeError(f"unknown request {request!r}")
@@ -1339,8 +1345,9 @@ class _Deferred(Exception):
     """The request's future is completed later by the loop (drain)."""
 
 
-def _chain(future: Future[Any], parked: int) -> Future[Any]:
-    """A drain waiter: completing it answers ``future`` with the counts, or with its error."""
+def _chain(future: Future[Any], parked: int, checkpointed: Callable[[], int]) -> Future[Any]:
+    """A drain waiter: completing it answers ``future`` with (tasks parked, of them checkpointed at their
+    last step), or with its error. ``checkpointed`` is counted when the drain completes."""
     inner: Future[Any] = Future()
 
     def done(f: Future[Any]) -> None:
@@ -1350,7 +1357,7 @@ def _chain(future: Future[Any], parked: int) -> Future[Any]:
         if error is not None:
             future.set_exception(error)
         else:
-            future.set_result((parked, parked))
+            future.set_result((parked, checkpointed()))
 
     inner.add_done_callback(done)
     return inner

@@ -284,10 +284,23 @@ def test_submit_with_an_argument_the_constructor_does_not_take_exits_2_before_an
     # Stranger trial: `submit ... --arg colour=1` was accepted, then failed in the worker as CONFIG.
     where = ["--queue", "redis://127.0.0.1:1/0"] if queue else ["--endpoint", f"unix:{short_dir}/none.sock"]
     code, out, err = run_cli(capsys, "submit", "sample_tasks:Counter", "--memory", "1MiB",
-                             "--arg", "colour=1", *where)
+                             "--arg", "colour=1", "--arg", "step_m=2", *where)
     assert code == EXIT_BAD_INPUT and out == ""
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "arguments do not fit sample_tasks:Counter(" in lines[0] and "colour" in lines[0], err
+    assert len(lines) == 1 and "arguments do not fit sample_tasks:Counter: unknown argument 'colour'" in lines[0]
+    assert "unknown argument 'step_m' (did you mean 'step_ms'?)" in lines[0]  # every one named
+    assert "(it takes: step_ms, total, log_steps)" in lines[0]
+
+
+def test_submit_of_values_the_constructor_refuses_exits_2_before_anything_is_sent(
+    short_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Stranger trial: total_samples=0 was accepted and failed later in the worker as CONFIG.
+    monkeypatch.chdir(REPO_ROOT / "examples")
+    code, out, err = run_cli(capsys, "submit", "monte_carlo_pi:MonteCarloPi", "--arg", "total_samples=0",
+                             "--endpoint", f"unix:{short_dir}/none.sock")
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert "monte_carlo_pi:MonteCarloPi refused its arguments: ConfigError: total_samples and batch" in err
 
 
 def test_manager_unknown_device_exits_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -107,6 +107,16 @@ def test_small_cap_holds_a_task_that_imports_torch_on_a_cpu_core(harness: Manage
     assert info.state != "FAILED", info.failure
 
 
+def test_a_drain_counts_as_checkpointed_only_tasks_whose_checkpoint_holds_their_last_step(
+    harness: ManagerHarness,
+) -> None:
+    # Stranger trial: a task drained while starting was reported "1 checkpointed" with no checkpoint.
+    starting = harness.submit("sample_tasks:SlowInit", args={"init_s": 60.0})
+    harness.wait_state(starting.task_id, "STARTING")
+    assert harness.client.drain(timeout_s=30) == (1, 0)
+    assert harness.client.get(starting.task_id).checkpoint_step == -1
+
+
 def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarness) -> None:
     hog = harness.submit("sample_tasks:MemoryHog", memory_mib=200, args={"mib_per_step": 16})
     other = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})

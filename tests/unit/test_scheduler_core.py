@@ -1083,6 +1083,7 @@ def test_cap_covers_what_a_task_holds_beyond_its_workers_reported_baseline() -> 
     failure = sim.core.tasks["a"].failure
     assert failure is not None and failure.kind == "MEMORY_LIMIT"
     assert "used 110 MiB beyond its worker's 220 MiB baseline" in failure.message
+    assert "import them at module level" in failure.message  # the usual surprise: a lazy import of torch
 
 
 def test_starting_worker_is_not_held_to_its_cap_while_it_imports() -> None:
