@@ -10,6 +10,7 @@ API (no pyplot, no display): the format follows the file's suffix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +34,31 @@ def _short(plan: ConfigPlan) -> str:
 _OFFSETS = [(5, 4), (5, -11), (-6, 6), (-6, -13), (8, 14), (8, -20), (-8, 16), (-8, -24)]
 
 
-def _spread_labels(fig: Any, labels: list[Any]) -> None:
+def _spread_labels(fig: Any, labels: list[Any], markers: Sequence[tuple[Any, float, float]] = ()) -> None:
     """Move each label to the first offset where it overlaps no label placed before it.
 
     Pareto points of one sweep crowd together (m=32 of three schedules within a few GiB), and labels
     at one fixed offset printed over each other. Placement is greedy, in drawing order, measured
-    with the Agg renderer, and also keeps off the labelled markers; a label with no free place keeps
-    its first one.
+    with the Agg renderer; a label also keeps off every marker and inside its panel. A label with no
+    free place keeps its first one.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.transforms import Bbox
 
     renderer = FigureCanvasAgg(fig).get_renderer()
-    placed: list[Any] = []  # the labelled markers first: a label must not cover another's point
-    for label in labels:
-        px, py = label.axes.transData.transform(label.xy)
+    placed: list[Any] = []  # every marker first: a label must not cover a point
+    points = [(label.axes, *label.xy) for label in labels] + list(markers)
+    for ax, x, y in points:
+        px, py = ax.transData.transform((x, y))
         placed.append(Bbox.from_extents(px - 5, py - 5, px + 5, py + 5))
     for label in labels:
         for dx, dy in _OFFSETS:
             label.xyann = (dx, dy)
             label.set_horizontalalignment("left" if dx >= 0 else "right")
             box = label.get_window_extent(renderer).expanded(1.05, 1.15)
-            if not any(box.overlaps(other) for other in placed):
+            frame = label.axes.get_window_extent(renderer)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(other) for other in placed):
                 break
         else:
             label.xyann = _OFFSETS[0]
@@ -85,6 +89,7 @@ def draw_frontier(result: SweepResult, path: Path) -> None:
     fig = Figure(figsize=(6.0 * len(panels), 4.6), dpi=110)
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     labels: list[Any] = []
+    markers: list[tuple[Any, float, float]] = []
     for ax, (key, xlabel) in zip(axes, panels, strict=True):
         for plan in result.plans:
             colour, marker = _STYLE.get(plan.candidate.schedule, ("#8172b2", "o"))
@@ -96,7 +101,10 @@ def draw_frontier(result: SweepResult, path: Path) -> None:
                 labels.append(ax.annotate(_short(plan), (x, y), textcoords="offset points", xytext=_OFFSETS[0],
                                           fontsize=7))
             else:
-                ax.scatter([x], [y], marker=marker, facecolors="none", edgecolors=colour, s=40, zorder=2)
+                # GPipe's circle is drawn larger: it often has 1F1B's very point, and would hide under it.
+                size = 90 if plan.candidate.schedule == "gpipe" else 40
+                ax.scatter([x], [y], marker=marker, facecolors="none", edgecolors=colour, s=size, zorder=2)
+            markers.append((ax, x, y))
         ax.set_xlabel(xlabel, fontsize=9)
         ax.grid(color="#e4e4e4", linewidth=0.5)
         ax.set_axisbelow(True)
@@ -111,8 +119,11 @@ def draw_frontier(result: SweepResult, path: Path) -> None:
         handles.append(Line2D([], [], linestyle="none", marker="x", color="#999999", label="exceeds device memory"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
     stages = result.plans[0].schedule.ranks if result.plans else 0
-    fig.suptitle(f"{stages}-stage pipeline: configurations swept, Pareto front filled", fontsize=10)
+    names = {"bubble_fraction": "bubble fraction", "peak_bytes": "peak memory",
+             "harvest_rate_bytes": "harvest capacity"}
+    front_on = ", ".join(names.get(o, o) for o in result.objectives)
+    fig.suptitle(f"{stages}-stage pipeline: configurations swept; filled: Pareto-optimal on {front_on}", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 0.95))
-    _spread_labels(fig, labels)
+    _spread_labels(fig, labels, markers)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -54,13 +54,17 @@ def render(report: StandaloneReport) -> str:
     memory = ("resident-set growth after the task was constructed, as a worker's cap counts it"
               if report.memory_measure == "rss_growth"
               else "as the GPU counts it: context + allocator; a cap of this size holds")
+    ran = f"{report.steps} steps"
+    throughput = f"{report.steps_per_s:.3g} steps/s"
+    if report.progress_unit != "steps":  # a unit of its own: both, or "200 steps, 200 steps"
+        ran += f", {report.progress:g} {report.progress_unit}"
+        throughput = f"{report.progress_per_s:.3g} {report.progress_unit}/s, " + throughput
     return "\n".join([
         f"task        {report.target} on {report.device} ({status})",
         f"arguments   {arguments}",
         f"setup       {format_ms(report.setup_s * 1000)}",
-        f"ran         {report.steps} steps, {report.progress:g} {report.progress_unit} "
-        f"in {report.elapsed_s:.2f} s",
-        f"throughput  {report.progress_per_s:.3g} {report.progress_unit}/s, {report.steps_per_s:.3g} steps/s",
+        f"ran         {ran} in {report.elapsed_s:.2f} s",
+        f"throughput  {throughput}",
         f"step time   p50 {format_ms(report.step_ms_p50)}, p90 {format_ms(report.step_ms_p90)}, "
         f"p99 {format_ms(report.step_ms_p99)}",
         f"peak memory {format_size(report.peak_memory_bytes)} ({memory}; "

@@ -342,7 +342,9 @@ class Demo:
     def iteration_text(self, iteration: int) -> str:
         if iteration:
             return f"iteration {iteration}/{self.config.iterations}"
-        return "starting the single-stage trainer" if self.config.single_stage else "starting torchrun (2 ranks)"
+        # A status, repeated at every tick until the first iteration: not an action being repeated.
+        trainer = "the single-stage trainer" if self.config.single_stage else "torchrun, 2 ranks"
+        return f"waiting for the first iteration ({trainer})"
 
     def progress_line(self, iteration: int) -> None:
         parts = [self.iteration_text(iteration)]

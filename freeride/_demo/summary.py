@@ -460,18 +460,21 @@ def render_summary(summary: DemoSummary) -> str:
         "",
         "harvest (bubbles after the warm-up, from the managers' traces)",
     ]
-    rows = [["device", "bubble time", "harvested (manager, whole run; % of its bubble time)", "standalone work",
+    rows = [["device", "bubble time", "harvested of the manager's bubble time (whole run)", "standalone work",
              "efficiency",
              "overruns", "grant p99", "park p99"]]
     for dev in summary.device_figures:
         work = "-" if dev.work_s is None else f"{dev.work_s:.2f} s"
         rows.append([dev.device, f"{dev.bubble_s:.2f} s",
-                     f"{dev.harvested_s:.2f} s ({_pct(dev.harvested_share)})", work, _pct(dev.efficiency),
-                     str(dev.overruns), f"{dev.grant_latency_p99_ms:.2f} ms", f"{dev.park_latency_p99_ms:.2f} ms"])
+                     f"{dev.harvested_s:.2f} s of {dev.manager_bubble_s:.2f} s ({_pct(dev.harvested_share)})", work,
+                     _pct(dev.efficiency), str(dev.overruns), f"{dev.grant_latency_p99_ms:.2f} ms",
+                     f"{dev.park_latency_p99_ms:.2f} ms"])
     lines += _table(rows)
     lines += [
-        "  efficiency = side-task steps x their standalone seconds per step / bubble time (freeride.harvest,",
-        "  the bench's function)",
+        "  bubble time and efficiency: the bubbles after the warm-up; harvested: the manager's count over the",
+        "  whole run. efficiency = side-task steps x their standalone seconds per step / bubble time",
+        "  (freeride.harvest, the bench's function). park p99: from the manager receiving a bubble's end to",
+        "  the worker parked; 0 when the worker, reading the trainer's end board, parked before that",
     ]
     with_breakdown = [dev for dev in summary.device_figures if dev.breakdown]
     if with_breakdown:
