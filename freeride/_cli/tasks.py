@@ -94,7 +94,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--memory", default=None, help="memory cap, e.g. 2GiB (default: the class's estimate)")
     p.add_argument("--priority", type=int, default=0, help="higher is granted first (default 0)")
     p.add_argument("--name", default="", help="a display name")
-    p.add_argument("--checkpoint-interval-s", type=float, default=0.0, help="seconds between checkpoints")
+    p.add_argument("--checkpoint-interval-s", type=float, default=0.0,
+                   help="seconds between checkpoints (default 30; 0 means the default)")
     p.add_argument("--step-time-hint-ms", type=float, default=0.0, help="expected step time before one is measured")
     _queue_option(p, "put the task on")
     p.set_defaults(func=cmd_submit)
