@@ -18,7 +18,7 @@ Policy, in one place:
 * **Grants.** At each bubble one resident task is granted until the bubble's predicted end:
   priority first, then a frozen task that must finish its step (unless that step looks hung: then
   every other bubble), then a task whose step time is not known yet (one probe), then the task
-  granted least recently among those whose step fits (round robin), then the best fit of its
+  that has harvested least among those whose step fits (fair share), then the best fit of its
   high-percentile step time to the time left, then FIFO. When a worker parks early and time
   remains, the rest of the bubble goes to the next task.
   A task whose step (plus margin) fits no bubble seen so far is never granted and says why.
@@ -412,6 +412,9 @@ class TaskRuntime:
     unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
     passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
     has_stepped: bool = False  # its current process finished a step (setup is over)
+    #: Its share clock: step time harvested here, raised on joining to the least among the resident
+    #: tasks, so that a newcomer does not take every bubble until it has caught up (see _grant_next).
+    share_ns: int = 0
     probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
@@ -709,10 +712,11 @@ class SchedulerCore:
                 -task.spec.priority,
                 thaw_rank,
                 0 if est is None else 1,
-                # Round robin among equal tasks whose step fits: the one granted least recently
+                # Fair share among equal tasks whose step fits: the one that has harvested least
                 # goes first. Best fit alone (below) let the task with the longer step win every
-                # bubble, and a shorter one at the same priority never ran.
-                task.granted_at_ns,
+                # bubble, and a shorter one at the same priority never ran; taking turns by grant
+                # gave the shorter one the short bubbles and the other every long one.
+                task.share_ns,
                 remaining - (est or 0),
                 task.seq,
             )
@@ -756,6 +760,7 @@ class SchedulerCore:
         task.estimator.extend(list(event.durations_ns[event.warmup_steps:]))
         harvested = sum(event.durations_ns)
         task.harvested_ns += harvested
+        task.share_ns += harvested
         self.stats.harvested_ns += harvested
         task.progress = event.progress
         task.steps = event.total_steps
@@ -992,6 +997,8 @@ class SchedulerCore:
         task.progress_unit = event.progress_unit
         task.baseline_bytes = event.baseline_bytes
         self.context_bytes = max(self.context_bytes, event.context_bytes)
+        others = [t.share_ns for t in self._resident() if t is not task and t.state != TaskState.STARTING]
+        task.share_ns = max(task.share_ns, min(others, default=0))
         self._transition(task, TaskState.PARKED, "worker ready", out)
         if self.bubble is not None:
             self._grant_next(now_ns, out)

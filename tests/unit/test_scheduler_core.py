@@ -484,22 +484,43 @@ def test_higher_priority_task_is_granted_first() -> None:
     assert grants(sim.start(predicted_ms=10)) == ["high"]
 
 
-def test_equal_priority_tasks_whose_steps_fit_take_turns_least_recently_granted_first() -> None:
-    # Stranger trial: best fit alone gave every bubble to the longer step; the other never ran.
-    sim = Sim(margin_ns=0)
-    sim.resident("short")
-    sim.learn("short", step_ms=1)
-    sim.resident("long")
-    sim.learn("long", step_ms=8)
+def _first_grants(sim: Sim, bubbles: int, harvest_ms: float) -> list[str]:
+    """Who is granted first in each of ``bubbles`` 10 ms bubbles, each parking after ``harvest_ms`` of steps."""
     firsts = []
-    for _ in range(4):
+    for _ in range(bubbles):
         sim.advance_ms(5)
         first = grants(sim.start(predicted_ms=10))[0]
         firsts.append(first)
         sim.advance_ms(10)
         sim.end()
-        sim.parked(first, [1.0], reason="park")
-    assert firsts == ["short", "long", "short", "long"]
+        sim.parked(first, [harvest_ms], reason="park")
+    return firsts
+
+
+def test_equal_priority_tasks_whose_steps_fit_share_bubble_time_least_harvested_first() -> None:
+    # Stranger trial: best fit alone gave every bubble to the longer step; the other never ran.
+    sim = Sim(margin_ns=0)
+    sim.resident("short")
+    sim.learn("short", step_ms=1)  # 3 ms harvested
+    sim.resident("long")
+    sim.learn("long", step_ms=8)  # 24 ms harvested
+    firsts = _first_grants(sim, 8, harvest_ms=5)
+    # "short" catches up (3, 8, ... 23, 28 ms) before the two alternate.
+    assert firsts == ["short"] * 5 + ["long", "short", "long"]
+
+
+def test_a_task_that_joins_later_shares_from_then_on_instead_of_catching_up() -> None:
+    sim = Sim(margin_ns=0)
+    sim.resident("old")
+    sim.learn("old", step_ms=8)
+    _first_grants(sim, 10, harvest_ms=8)  # "old" alone: 104 ms harvested
+    sim.resident("new")
+    sim.learn("new", step_ms=8)
+    firsts = _first_grants(sim, 6, harvest_ms=8)
+    # Joined at the old task's share (104 ms), not at 0: no run of 10 bubbles to catch up.
+    assert firsts.count("old") >= 3 and "new" in firsts
+    old, new = sim.core.tasks["old"].share_ns, sim.core.tasks["new"].share_ns
+    assert abs(old - new) <= 8 * MS
 
 
 def test_equal_tasks_never_granted_start_with_the_step_time_that_best_fits_the_remaining_time() -> None:
