@@ -237,6 +237,7 @@ class WorkerStepsSeen:
 
     task_id: str
     steps_done: int
+    in_setup: bool = False  # it has begun no step yet: it is inside setup()
 
 
 @dataclass(frozen=True)
@@ -411,6 +412,8 @@ class TaskRuntime:
     stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
     unfit_bubbles: int = 0  # bubbles in a row whose time its step estimate did not fit
     passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
+    hung_since_ns: int = 0  # when its current step was first seen to look hung (0: it does not)
+    in_setup: bool = False  # its worker was frozen inside setup() (from its board)
     has_stepped: bool = False  # its current process finished a step (setup is over)
     #: Its share clock: step time harvested here, raised on joining to the least among the resident
     #: tasks, so that a newcomer does not take every bubble until it has caught up (see _grant_next).
@@ -673,6 +676,28 @@ class SchedulerCore:
             return False
         return task.stuck_ns > 2 * self._longest_bubble_ns
 
+    def _hung_too_long(self, task: TaskRuntime, now_ns: int, out: list[Action]) -> bool:
+        """Fail a step that has looked hung for ``step_timeout`` of wall time; True if it did.
+
+        Granted only every other whole bubble, a hung step would take many times its step timeout
+        of wall time to use up that much granted time (13 minutes for the default 60 s at a 20%
+        bubble fraction, with an overrun into training at each of its bubbles).
+        """
+        if not task.hung_since_ns:
+            task.hung_since_ns = now_ns
+            return False
+        if now_ns - task.hung_since_ns < self.config.step_timeout_ns:
+            return False
+        self._fail(task, FailureRecord(
+            kind="STEP_TIMEOUT",
+            message=(f"one step looked hung (more granted time than two of the longest bubbles) for "
+                     f"{(now_ns - task.hung_since_ns) / 1e9:.1f} s without finishing; it ran for "
+                     f"{task.stuck_ns / 1e9:.1f} s of granted time (limit {self.config.step_timeout_ns / 1e9:.1f} s "
+                     "of either)"),
+            step=task.steps,
+        ), out)
+        return True
+
     def _grant_next(self, now_ns: int, out: list[Action]) -> None:
         bubble = self.bubble
         if bubble is None or bubble.running or self.draining or bubble.seen_end_ns:
@@ -682,6 +707,10 @@ class SchedulerCore:
         remaining = bubble.deadline_ns - now_ns
         if remaining <= (0 if self._paper else self.config.margin_ns):
             return
+        if not bubble.granted:
+            for task in list(self._in_states(TaskState.FROZEN)):
+                if not task.stopping and self._looks_hung(task):
+                    self._hung_too_long(task, now_ns, out)
         best: tuple[tuple[int, ...], TaskRuntime] | None = None
         for task in self._in_states(TaskState.PARKED, TaskState.FROZEN):
             if task.state not in (TaskState.PARKED, TaskState.FROZEN) or task.stopping:
@@ -693,8 +722,12 @@ class SchedulerCore:
             frozen = task.state == TaskState.FROZEN
             # A frozen step is first to go on, unless it looks hung (see _looks_hung): then it gets
             # every other bubble, so that it can still finish or reach its step timeout while the
-            # other tasks are not starved of every bubble until then.
-            thaw_rank = (0 if task.passed_over else 2) if frozen and self._looks_hung(task) else (0 if frozen else 1)
+            # other tasks are not starved of every bubble until then; and only a whole bubble,
+            # never the tail others left (a thaw there only runs it past the end, into training).
+            hung = frozen and self._looks_hung(task)
+            if hung and bubble.granted:
+                continue
+            thaw_rank = (0 if task.passed_over else 2) if hung else (0 if frozen else 1)
             if self._paper:
                 # The reference grants the highest priority, FIFO on ties; the task itself decides
                 # whether a step fits (1.2 x its median, see the worker runtime).
@@ -766,7 +799,9 @@ class SchedulerCore:
         task.steps = event.total_steps
         if event.steps:
             task.stuck_ns = 0
+            task.hung_since_ns = 0
             task.has_stepped = True
+            task.in_setup = False
         if event.device_bytes:
             task.reported_bytes = event.device_bytes
             if task.state.is_resident and self._check_cap(task, out):
@@ -890,8 +925,8 @@ class SchedulerCore:
                     FailureRecord(
                         kind="STEP_TIMEOUT",
                         message=(
-                            f"one step ran for {task.stuck_ns / 1e9:.1f} s of granted time without finishing "
-                            f"(limit {self.config.step_timeout_ns / 1e9:.1f} s)"
+                            f"{'setup()' if task.in_setup else 'one step'} ran for {task.stuck_ns / 1e9:.1f} s "
+                            f"of granted time without finishing (limit {self.config.step_timeout_ns / 1e9:.1f} s)"
                         ),
                         step=task.steps,
                     ),
@@ -1041,7 +1076,10 @@ class SchedulerCore:
 
     def _on_WorkerStepsSeen(self, event: WorkerStepsSeen, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
-        if task is not None and event.steps_done > 0 and task.state.is_resident:
+        if task is None or not task.state.is_resident:
+            return
+        task.in_setup = event.in_setup
+        if event.steps_done > 0:
             task.has_stepped = True
 
     def _on_WorkerExited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
@@ -1229,7 +1267,8 @@ class SchedulerCore:
             if task.memory_bytes > budget:
                 continue
             budget -= task.memory_bytes
-            task.has_stepped = False
+            task.has_stepped = task.in_setup = False
+            task.hung_since_ns = 0
             self._transition(task, TaskState.STARTING, "memory fits", out)
             out.append(Spawn(task.task_id, task.spec, task.memory_bytes, task.checkpoint_path))
         self._admit_floor = (self._waiting_epoch, budget)
@@ -1309,6 +1348,11 @@ class SchedulerCore:
                 return "no bubble reported yet"
             return "waiting for a bubble"
         if task.state == TaskState.FROZEN:
+            if task.in_setup:
+                return "frozen in setup() after overrunning a bubble; resumes at its next grant"
+            if task.hung_since_ns:
+                return ("frozen in a step that looks hung (more granted time than two of the longest bubbles); "
+                        "thawed every other bubble until it finishes or reaches its step timeout")
             return "frozen mid-step after overrunning a bubble; resumes at its next grant"
         return ""
 

@@ -588,9 +588,10 @@ class ManagerLoop:
             handle = self._workers.get(action.task_id)
             if handle is not None:
                 self._signal(handle, signal.SIGSTOP)
-                if handle.board is not None and handle.board.steps_done() > 0:
-                    # Steps it finished inside the grant it is frozen in have not been reported yet.
-                    self._feed(C.WorkerStepsSeen(action.task_id, handle.board.steps_done()))
+                if handle.board is not None:
+                    # Steps it finished inside the grant it is frozen in have not been reported yet;
+                    # a step word still at -1 says it has begun none: it is inside setup().
+                    self._feed(C.WorkerStepsSeen(action.task_id, handle.board.steps_done(), handle.board.step() < 0))
         elif isinstance(action, C.Spawn):
             self._spawn(action)
         elif isinstance(action, C.Stop):

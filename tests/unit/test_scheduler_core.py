@@ -912,6 +912,68 @@ def test_a_step_that_hangs_in_the_first_grant_after_other_steps_looks_hung_once_
     assert grants(sim.start(predicted_ms=10))[0] == "b"
 
 
+def _hung_and_other(sim: Sim) -> None:
+    """ "a" learned (its step fits), then stuck in one step for 22 ms of granted time: it looks hung."""
+    sim.resident("a", "b")
+    _steps_once(sim, "a")
+    _steps_once(sim, "b")
+    for _ in range(2):
+        _overrun(sim)
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN
+
+
+def test_a_step_that_looks_hung_is_never_thawed_into_the_tail_another_task_left() -> None:
+    # Third trial: the hung task was thawed at 19.2 ms of 20 ms bubbles and overran every one.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    assert grants(sim.start(predicted_ms=10)) == ["b"]
+    sim.advance_ms(5)
+    assert grants(sim.parked("b", [1.0], reason="done")) == []  # 5 ms left, and "a" would need them all
+    assert sim.state("a") == S.FROZEN
+
+
+def test_a_step_that_looks_hung_fails_after_the_step_timeout_in_wall_time() -> None:
+    sim = Sim(step_timeout_ns=200 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    for _ in range(20):  # bubbles every 15 ms: 200 ms of wall time within 15 of them
+        if sim.state("a") == S.FAILED:
+            break
+        _steps_once_or_thaw(sim)
+    failed = sim.core.tasks["a"].failure
+    assert failed is not None and failed.kind == "STEP_TIMEOUT" and "looked hung" in failed.message
+    assert sim.core.tasks["a"].stuck_ns < 200 * MS  # far less granted time than the limit
+
+
+def _steps_once_or_thaw(sim: Sim) -> None:
+    """One 10 ms bubble: "b" steps and parks, or "a" is thawed and frozen again."""
+    granted = grants(sim.start(predicted_ms=10))
+    if granted and granted[0] == "b":
+        sim.advance_ms(9.9)
+        sim.parked("b", [2.0] * 4)
+        sim.advance_ms(0.1)
+        sim.end()
+    else:
+        sim.advance_ms(10)
+        sim.end()
+        sim.advance_ms(1)
+        sim.tick()
+    sim.advance_ms(5)
+
+
+def test_a_setup_past_its_step_timeout_says_setup_and_frozen_in_setup_says_so() -> None:
+    sim = Sim(step_timeout_ns=25 * MS, grace_ns=MS)
+    sim.resident("a")
+    _overrun(sim)
+    sim.send(WorkerStepsSeen("a", steps_done=0, in_setup=True))
+    assert "frozen in setup()" in sim.core.waiting_reason(sim.core.tasks["a"])
+    for _ in range(2):
+        sim.advance_ms(5)
+        _overrun(sim)
+    failure = sim.core.tasks["a"].failure
+    assert failure is not None and failure.kind == "STEP_TIMEOUT" and failure.message.startswith("setup() ran for")
+
+
 def test_a_long_setup_keeps_the_first_turn_until_it_finishes() -> None:
     # A graph generated in setup takes many bubbles; it is no hang (the quick demo's PageRank).
     sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
