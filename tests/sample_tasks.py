@@ -155,6 +155,44 @@ class SlowInit(Counter):
         time.sleep(init_s)
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str failed")
+
+
+class UnprintableRefusal(Counter):
+    """Its constructor raises an exception whose ``str()`` raises."""
+
+    def __init__(self, **kw: Any) -> None:
+        raise _Unprintable()
+
+
+class PrintsInConstructor(Counter):
+    """Its constructor prints to stdout (a submit must not mix that into the task id)."""
+
+    def __init__(self, **kw: Any) -> None:
+        print("HELLO FROM THE CONSTRUCTOR")
+        super().__init__(**kw)
+
+
+class PositionalOnly(Counter):
+    """A constructor that a submission (keyword arguments only) can never call."""
+
+    def __init__(self, step_ms: float, /, total: int = 0) -> None:
+        super().__init__(step_ms=step_ms, total=total)
+
+
+class SlowConstructor(Counter):
+    """Writes ``marker`` (when given), then takes ``secs`` seconds to construct."""
+
+    def __init__(self, secs: float = 60.0, marker: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        if marker:
+            with open(marker, "w") as fh:
+                fh.write("constructing")
+        time.sleep(secs)
+
+
 class ChannelCloser(Counter):
     """Closes every inherited socket (its channel to the manager) and keeps running."""
 

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -218,17 +219,61 @@ def _check_constructor_takes(cls: type, target: str, task_args: dict[str, Any]) 
     try:
         cls(**task_args)
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
-        raise ConfigError(f"{target} refused its arguments: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{target} refused its arguments: {_describe(exc)}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception from task code, whose ``str()`` may itself raise."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - task code: its __str__ is as untrusted as the rest
+        text = "<unprintable>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _TaskCode:
+    """Around task code run at submit (import, constructor, ``estimate_memory``): what it prints goes to
+    stderr, not into the id or JSON on stdout; and a Ctrl-C meanwhile is the user's (exit 130), not
+    the task's ``KeyboardInterrupt`` (bad input, exit 2), whatever the task code made of it."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self._previous: Any = None
+        self._redirect = contextlib.redirect_stdout(sys.stderr)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _TaskCode:
+        with contextlib.suppress(ValueError):  # not the main thread: Ctrl-C keeps its usual handler
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self._redirect.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._redirect.__exit__(None, None, None)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if self.interrupted:
+            raise KeyboardInterrupt
 
 
 def _argument_problems(signature: inspect.Signature, task_args: dict[str, Any]) -> list[str]:
     """Every argument that does not fit, each named (with a close match for a misspelt one)."""
     params = signature.parameters
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY]
     problems = []
+    for name in positional:
+        if params[name].default is params[name].empty:
+            problems.append(f"parameter {name!r} is positional-only, and a task is built with keyword arguments: "
+                            "this class cannot be submitted as it is")
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         for key in task_args:
-            if key not in named:
+            if key in positional:
+                problems.append(f"{key!r} is positional-only (a task is built with keyword arguments)")
+            elif key not in named:
                 close = difflib.get_close_matches(key, named, n=1)
                 problems.append(f"unknown argument {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     for name in named:
@@ -255,14 +300,15 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
                 "or --command -- PROG ARGS for a program"
             )
         target = args.words[0]
-        cls = load_task_class(target, search_path=os.getcwd())
-        _check_constructor_takes(cls, target, task_args)
-        try:
-            estimate = cls.estimate_memory(**task_args)
-        except TypeError as exc:
-            raise ConfigError(f"arguments do not fit {target}: {exc}") from None
-        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
-            raise ConfigError(f"{target}.estimate_memory raised {type(exc).__name__}: {exc}") from None
+        with _TaskCode():
+            cls = load_task_class(target, search_path=os.getcwd())
+            _check_constructor_takes(cls, target, task_args)
+            try:
+                estimate = cls.estimate_memory(**task_args)
+            except TypeError as exc:
+                raise ConfigError(f"arguments do not fit {target}: {_describe(exc)}") from None
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
+                raise ConfigError(f"{target}.estimate_memory raised {_describe(exc)}") from None
     if args.memory is not None:
         memory_bytes = parse_size(args.memory)
     elif estimate:

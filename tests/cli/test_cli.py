@@ -303,6 +303,49 @@ def test_submit_of_values_the_constructor_refuses_exits_2_before_anything_is_sen
     assert "monte_carlo_pi:MonteCarloPi refused its arguments: ConfigError: total_samples and batch" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["sample_tasks:UnprintableRefusal"], "refused its arguments: _Unprintable: <unprintable>"),
+        (["sample_tasks:PositionalOnly"], "parameter 'step_ms' is positional-only"),
+        (["sample_tasks:PositionalOnly", "--arg", "step_ms=1"], "'step_ms' is positional-only"),
+    ],
+    ids=["unprintable", "positional-only", "positional-only-given"],
+)
+def test_odd_constructors_are_refused_at_submit_with_exit_2_and_one_line(
+    argv: list[str], needle: str, short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(capsys, "submit", *argv, "--memory", "1MiB", "--endpoint", f"unix:{short_dir}/none.sock")
+    assert code == EXIT_BAD_INPUT and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_what_a_constructor_prints_at_submit_goes_to_stderr_not_into_the_output(
+    short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Third trial: `id=$(freeride submit ...)` and --json got the constructor's print first.
+    code, out, err = run_cli(capsys, "submit", "sample_tasks:PrintsInConstructor", "--memory", "1MiB",
+                             "--endpoint", f"unix:{short_dir}/none.sock")
+    assert code == 3  # no manager there: the check passed and the submission went out
+    assert "HELLO FROM THE CONSTRUCTOR" in err and "HELLO" not in out
+
+
+def test_ctrl_c_during_a_slow_constructor_at_submit_exits_130(short_dir: Path) -> None:
+    marker = short_dir / "constructing"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freeride.cli", "submit", "sample_tasks:SlowConstructor", "--arg",
+         f"marker={marker}", "--memory", "1MiB", "--endpoint", f"unix:{short_dir}/none.sock"],
+        cwd=TESTS_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(marker.exists, 60, what="the constructor to start")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+
+
 def test_manager_unknown_device_exits_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(
         capsys,
