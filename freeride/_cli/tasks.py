@@ -514,6 +514,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ stats, drain, health
 
 
+_PARK_NOTE = "  (end received -> parked; 0 when the worker saw the trainer's end first)"
+
+
 def _pct_line(p: Percentiles) -> str:
     if not p.count:
         return "-"
@@ -536,7 +539,7 @@ def render_stats(s: ManagerStats) -> str:
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
         ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}"),
         ("grant lat.", _pct_line(s.grant_latency_ms)),
-        ("park lat.", _pct_line(s.park_latency_ms)),
+        ("park lat.", _pct_line(s.park_latency_ms) + (_PARK_NOTE if s.park_latency_ms.count else "")),
         ("end->worker", _pct_line(s.end_to_worker_ms)),
         ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),
         ("tasks", by_state),

@@ -826,7 +826,10 @@ class SchedulerCore:
             else:
                 # A clean grant: let a margin widened by earlier overruns shrink back (1/8 a time).
                 task.margin_ns -= task.margin_ns // 8
-            if bubble.end_ns and event.reason == "park" and bubble.end_received_ns and not self._paper:
+            # Parked by the end: the manager's park, or the trainer's end board read by the worker
+            # (then usually before the end reached this core: 0). Without the second, a trainer on
+            # this host left the figure empty.
+            if bubble.end_ns and event.reason in ("park", "ended") and bubble.end_received_ns and not self._paper:
                 self.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
             bubble.running = ""
         self._transition(task, TaskState.PARKED, event.reason, out)

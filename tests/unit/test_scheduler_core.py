@@ -662,6 +662,19 @@ def test_bubble_end_while_running_emits_park() -> None:
     assert sim.state("a") == S.RUNNING  # until the worker says it parked
 
 
+def test_a_worker_that_stopped_on_the_trainers_end_board_records_a_park_latency_of_zero() -> None:
+    # Third trial: with the trainer on the manager's host, `stats` showed no park latency at all.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(8)
+    parked_at = sim.now  # the worker read the end board and parked before the end reached the core
+    sim.advance_ms(0.2)
+    sim.end(end_ns=parked_at - 1000)
+    sim.parked("a", [2.0, 2.0, 2.0], reason="ended", last_end_ns=parked_at - MS)
+    assert list(sim.core.stats.park_latency_ms) == [0.0]
+
+
 def test_worker_parked_returns_the_task_to_parked_and_records_park_latency() -> None:
     sim = Sim()
     sim.resident("a")
