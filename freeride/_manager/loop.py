@@ -79,6 +79,7 @@ from freeride.messages import (
     TrainerLayout,
 )
 from freeride.states import TaskState
+from freeride.units import format_mib
 
 log = logging.getLogger(__name__)
 
@@ -1017,6 +1018,12 @@ class ManagerLoop:
         if isinstance(request, SubmitTask):
             if self.core.draining:
                 raise RequestRejected("the manager is draining and accepts no new tasks")
+            total = self.device.total_memory_bytes()
+            if total and request.spec.memory_bytes > total:
+                raise RequestRejected(
+                    f"memory {format_mib(request.spec.memory_bytes)} is more than {self.device} has in all "
+                    f"({format_mib(total)}): the task could never be placed"
+                )
             context = self.core.context_bytes
             if context and request.spec.memory_bytes < context + MIN_ALLOCATOR_BYTES:
                 raise RequestRejected(

@@ -95,6 +95,10 @@ class Device(abc.ABC):
     def free_memory_bytes(self) -> int:
         """Free memory of the device now. Raises :class:`DeviceError` when it cannot be read."""
 
+    def total_memory_bytes(self) -> int | None:
+        """All the memory the device has (a cap above it can never be placed); None when unknown."""
+        return None
+
     @abc.abstractmethod
     def process_memory_bytes(self, pids: Sequence[int]) -> int:
         """Device memory these processes hold together (0 for those gone or not visible).

@@ -38,6 +38,9 @@ class CpuDevice(Device):
     def free_memory_bytes(self) -> int:
         return int(psutil.virtual_memory().available)
 
+    def total_memory_bytes(self) -> int | None:
+        return int(psutil.virtual_memory().total)
+
     def process_memory_bytes(self, pids: Sequence[int]) -> int:
         return sum(_rss(pid) for pid in pids)
 

@@ -203,6 +203,9 @@ class CudaDevice(Device):
     def free_memory_bytes(self) -> int:
         return int(self._guard("free memory", lambda: self._nvml.memory(self._handle)[1]))
 
+    def total_memory_bytes(self) -> int | None:
+        return int(self.total_bytes) or None
+
     def _processes(self) -> list[GpuProcess]:
         return list(self._guard("process list", lambda: self._nvml.processes(self._handle)
                                 + self._nvml.mps_processes(self._handle)))

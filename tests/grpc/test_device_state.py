@@ -66,3 +66,11 @@ def test_a_cap_below_the_measured_cuda_context_is_refused_at_submit_with_the_fig
         accepted = client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=564 * MiB,
                                           working_dir=str(TESTS_DIR)))
         assert accepted.state == "SUBMITTED"
+
+
+def test_a_cap_above_all_the_gpus_memory_is_refused_at_submit(gpu_manager: tuple[Manager, FakeNvml]) -> None:
+    manager, _ = gpu_manager
+    with ControlClient(manager.endpoint) as client, pytest.raises(
+            RequestRejected, match=r"memory 102400 MiB is more than cuda:0 has in all \(81920 MiB\)"):
+        client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=100 * 1024 * MiB,
+                               working_dir=str(TESTS_DIR)))

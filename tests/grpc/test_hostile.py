@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 from hypothesis import given, settings
@@ -52,6 +53,8 @@ TRIED: collections.Counter[str] = collections.Counter()
 
 S = 10**9
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+#: All the memory of this host: a cap above it is refused at submit (it could never be placed).
+HOST_MEMORY = int(psutil.virtual_memory().total)
 U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
 MAX_PREDICTED_NS = 3600 * S
 #: Error details must stay far below the 16 KiB a client accepts in trailers.
@@ -405,8 +408,10 @@ FIELDS: dict[str, tuple[st.SearchStrategy[object], st.SearchStrategy[object], st
         ),
         "task arguments",
     ),
-    "memory_bytes": (st.one_of(st.sampled_from([1, I64_MAX]), st.integers(1, I64_MAX)),
-                     st.one_of(st.sampled_from([0, -1, I64_MIN]), st.integers(I64_MIN, 0)), "memory"),
+    # A cap above all the host's memory is refused too ("memory ... is more than ... has in all").
+    "memory_bytes": (st.one_of(st.sampled_from([1, HOST_MEMORY]), st.integers(1, HOST_MEMORY)),
+                     st.one_of(st.sampled_from([0, -1, I64_MIN, HOST_MEMORY + 1, I64_MAX]), st.integers(I64_MIN, 0),
+                               st.integers(HOST_MEMORY + 1, I64_MAX)), "memory"),
     "priority": (
         st.one_of(st.sampled_from([0, 10**6, -(10**6)]), st.integers(-(10**6), 10**6)),
         st.one_of(st.sampled_from([I32_MIN, I32_MAX, 10**6 + 1, -(10**6) - 1]),

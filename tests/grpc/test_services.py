@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
@@ -20,6 +21,7 @@ from freeride.endpoints import Endpoint
 from freeride.errors import ConfigError, RequestRejected, TaskNotFound, Unauthenticated
 from freeride.messages import TaskSpec
 
+HOST_MEMORY = int(psutil.virtual_memory().total)
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
 
@@ -83,6 +85,14 @@ def test_the_package_exports_control_client_and_it_takes_an_endpoint_as_text(har
         assert client.stats().device == harness.client.stats().device
     with pytest.raises(freeride.ConfigError, match="cannot parse endpoint"):
         freeride.ControlClient("nowhere")
+
+
+def test_a_cap_above_all_the_hosts_memory_is_refused_at_submit_not_left_waiting(harness: ManagerHarness) -> None:
+    # Third trial: --memory 10TiB was accepted and waited forever for a budget it could never get.
+    with pytest.raises(RequestRejected, match=r"is more than cpu:\d+ has in all .* could never be placed"):
+        harness.client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=10 * 2**40,
+                                       working_dir=str(TESTS_DIR)))
+    assert harness.client.list() == []
 
 
 def test_importing_freeride_for_a_side_task_does_not_load_grpc() -> None:
@@ -175,10 +185,11 @@ def test_submitted_task_survives_a_manager_restart_with_the_same_state(tmp_path:
         try:
             with ControlClient(manager.endpoint) as client:
                 if round_ == 0:
-                    client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=2**40,
+                    # All of the host's memory: accepted, and never placed (the budget keeps a headroom).
+                    client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=HOST_MEMORY,
                                            working_dir=str(TESTS_DIR)))
                 tasks = client.list()
                 assert [(t.task_id, t.state) for t in tasks] == [("counter-1", "SUBMITTED")]
-                assert "needs 1048576 MiB" in tasks[0].waiting_reason
+                assert f"needs {HOST_MEMORY / 2**20:.0f} MiB" in tasks[0].waiting_reason
         finally:
             manager.stop()
