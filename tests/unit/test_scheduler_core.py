@@ -878,29 +878,8 @@ def test_step_stuck_past_step_timeout_fails_the_task_with_step_timeout_and_kill(
 def test_a_step_that_looks_hung_gets_every_other_bubble_instead_of_all_of_them() -> None:
     # Stranger trial: a hung step was thawed first in every bubble until its 60 s step timeout.
     sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
-    sim.resident("a", "b")
-    _steps_once(sim, "a")  # set up, with a step time known: its next step should fit a bubble
-    _steps_once(sim, "b")
-    for _ in range(2):
-        _overrun(sim)  # "a" goes first (its step fits) and never finishes it: 22 ms > 2 x 10 ms bubbles
-        sim.advance_ms(5)
-    assert sim.state("a") == S.FROZEN
-    firsts = []
-    for _ in range(4):
-        first = grants(sim.start(predicted_ms=10))[0]
-        firsts.append(first)
-        if first == "b":
-            sim.advance_ms(9.9)
-            sim.parked("b", [2.0] * 4)  # too little of the bubble is left for "a" to be thawed in it
-            sim.advance_ms(0.1)
-            sim.end()
-        else:
-            sim.advance_ms(10)
-            sim.end()
-            sim.advance_ms(1)
-            sim.tick()  # frozen again, still inside its step
-        sim.advance_ms(5)
-    assert firsts == ["b", "a", "b", "a"]
+    _hung_and_other(sim)
+    assert [_steps_once_or_thaw(sim) for _ in range(4)] == ["b", "a", "b", "a"]
 
 
 def _steps_once(sim: Sim, task_id: str) -> None:
@@ -958,20 +937,21 @@ def test_a_step_that_looks_hung_fails_after_the_step_timeout_in_wall_time() -> N
     assert sim.core.tasks["a"].stuck_ns < 200 * MS  # far less granted time than the limit
 
 
-def _steps_once_or_thaw(sim: Sim) -> None:
-    """One 10 ms bubble: "b" steps and parks, or "a" is thawed and frozen again."""
+def _steps_once_or_thaw(sim: Sim) -> str:
+    """One 10 ms bubble: "b" steps and parks, or "a" is thawed and frozen again; who went first."""
     granted = grants(sim.start(predicted_ms=10))
     if granted and granted[0] == "b":
         sim.advance_ms(9.9)
-        sim.parked("b", [2.0] * 4)
+        sim.parked("b", [2.0] * 4)  # too little of the bubble is left for "a" to be thawed in it
         sim.advance_ms(0.1)
         sim.end()
     else:
         sim.advance_ms(10)
         sim.end()
         sim.advance_ms(1)
-        sim.tick()
+        sim.tick()  # frozen again, still inside its step
     sim.advance_ms(5)
+    return granted[0] if granted else ""
 
 
 def test_a_setup_past_its_step_timeout_says_setup_and_frozen_in_setup_says_so() -> None:
