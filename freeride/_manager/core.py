@@ -183,6 +183,9 @@ class WorkerReady:
     context_bytes: int = 0
     #: The worker's footprint outside its cap (see :meth:`WorkerDevice.baseline_bytes`).
     baseline_bytes: int = 0
+    #: Where device memory is not host memory (a GPU): the worker's host footprint outside its cap
+    #: (see :meth:`WorkerDevice.host_baseline_bytes`); 0: no separate host cap.
+    host_baseline_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,8 @@ class WorkerExited:
 class TaskMemorySampled:
     task_id: str
     used_bytes: int
+    #: The task's resident set on the host where ``used_bytes`` is device memory (a GPU); -1: not read.
+    host_bytes: int = -1
 
 
 @dataclass(frozen=True)
@@ -422,6 +427,8 @@ class TaskRuntime:
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
     baseline_bytes: int = 0  # of used_bytes, what the cap does not cover (the worker's libraries on CPU)
+    host_bytes: int = 0  # on a GPU: the resident set of its processes on the host
+    host_baseline_bytes: int = 0  # of host_bytes, what the cap does not cover (0: no host cap)
     steps: int = 0
     progress: float = 0.0
     harvested_ns: int = 0
@@ -1034,6 +1041,7 @@ class SchedulerCore:
         task.pid = event.pid
         task.progress_unit = event.progress_unit
         task.baseline_bytes = event.baseline_bytes
+        task.host_baseline_bytes, task.host_bytes = event.host_baseline_bytes, 0
         self.context_bytes = max(self.context_bytes, event.context_bytes)
         others = [t.share_ns for t in self._resident() if t is not task and t.state != TaskState.STARTING]
         task.share_ns = max(task.share_ns, min(others, default=0))
@@ -1128,6 +1136,8 @@ class SchedulerCore:
         if task is None or not task.state.is_resident:
             return
         task.used_bytes = event.used_bytes
+        if event.host_bytes >= 0:
+            task.host_bytes = event.host_bytes
         self._check_cap(task, out)
 
     def _check_cap(self, task: TaskRuntime, out: list[Action]) -> bool:
@@ -1136,15 +1146,20 @@ class SchedulerCore:
         The cap covers what the task holds beyond its worker's baseline (reported with ``ready``:
         on a CPU core the interpreter and the task's libraries, on a GPU nothing). While the worker
         starts, that baseline is still being loaded and is not known: nothing runs then but imports
-        and the constructor, and the cap is checked from ``ready`` on.
+        and the constructor, and the cap is checked from ``ready`` on. On a GPU the same cap also
+        bounds the task's host memory, beyond its worker's host baseline, as on a CPU core.
         """
         if task.state == TaskState.STARTING or task.stopping == "fail":
             return False
         used = max(task.used_bytes, task.reported_bytes) - task.baseline_bytes
-        if used <= task.memory_bytes:
+        host = task.host_bytes - task.host_baseline_bytes if task.host_baseline_bytes else 0
+        if used <= task.memory_bytes and host <= task.memory_bytes:
             return False
         beyond = hint = ""
-        if task.baseline_bytes:
+        if used <= task.memory_bytes:  # its host memory, on a device whose own memory is capped apart
+            used = host
+            beyond = f" of host memory beyond its worker's {format_mib(task.host_baseline_bytes)} baseline"
+        elif task.baseline_bytes:
             beyond = f" beyond its worker's {format_mib(task.baseline_bytes)} baseline"
             hint = " (libraries first imported in setup or a step count too: import them at module level)"
         self._fail(

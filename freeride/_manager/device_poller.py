@@ -82,7 +82,7 @@ class DevicePoller:
             self.problem = ""
             self._post(C.DeviceStatusChanged(""))
         for task_id, used in sample.task_bytes.items():
-            self._post(C.TaskMemorySampled(task_id, used))
+            self._post(C.TaskMemorySampled(task_id, used, sample.host_bytes.get(task_id, -1)))
         if sample.free_bytes is not None:
             self._post(C.DeviceMemorySampled(sample.free_bytes))
 

@@ -904,7 +904,8 @@ class ManagerLoop:
         elif kind == "ready":
             self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps")),
                                      _byte_count(msg.get("context_bytes", 0)),
-                                     _byte_count(msg.get("baseline_bytes", 0))))
+                                     _byte_count(msg.get("baseline_bytes", 0)),
+                                     _byte_count(msg.get("host_baseline_bytes", 0))))
         elif kind == "checkpoint":
             path = str(msg["path"])
             home = self.checkpoint_dir(tid) if tid in self._cluster else self.task_dir(tid)

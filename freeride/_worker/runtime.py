@@ -263,7 +263,8 @@ class WorkerRuntime:
             self._report_failure(err)
             return EXIT_SETUP_FAILED
         self.chan.send({"t": "ready", "pid": os.getpid(), "progress_unit": self._progress_unit(),
-                        "context_bytes": self.device.context_bytes, "baseline_bytes": self.device.baseline_bytes()})
+                        "context_bytes": self.device.context_bytes, "baseline_bytes": self.device.baseline_bytes(),
+                        "host_baseline_bytes": self.device.host_baseline_bytes()})
         try:
             while True:
                 msg = self.chan.recv()

@@ -4,8 +4,10 @@ A device is named ``cuda:N`` (one GPU, as the training job numbers it) or ``cpu:
 that everything runs, is tested and is shown without a GPU). :func:`open_device` gives the manager's
 view (:class:`Device`: free memory, each task's usage, a worker's environment); :func:`worker_device`
 gives a worker's view (:class:`WorkerDevice`: prepare the process, wait for a step's device work,
-report its own usage). See :mod:`freeride.devices.cuda` for how GPUs are identified, accounted and
-capped, and :mod:`freeride.devices.mps` for MPS.
+report its own usage). See :mod:`freeride.devices.cuda` for how GPUs are identified and accounted,
+:mod:`freeride.devices.cuda_worker` for how a task's cap is split and enforced inside its worker,
+:mod:`freeride.devices.cuda_driver` for where CUDA may be initialised, and :mod:`freeride.devices.mps`
+for MPS.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from freeride.devices.base import (
     parse_device_name,
 )
 from freeride.devices.cpu import CpuDevice, CpuWorkerDevice, check_cpu_device
-from freeride.devices.cuda import CudaDevice, CudaDriver, CudaWorkerDevice, LibCuda, resolve_uuid
+from freeride.devices.cuda import CudaDevice, default_driver, resolve_uuid
+from freeride.devices.cuda_driver import CudaDriver, LibCuda, SubprocessCudaDriver
+from freeride.devices.cuda_worker import CudaWorkerDevice
 from freeride.devices.mps import DEFAULT_SM_PERCENT, MpsMode, MpsPlan, MpsStatus, plan_mps, probe_mps
 from freeride.devices.nvml import Nvml, NvmlError, PyNvml
 from freeride.errors import ConfigError
@@ -39,8 +43,10 @@ __all__ = [
     "DeviceError",
     "DeviceName",
     "DeviceSample",
+    "LibCuda",
     "MpsMode",
     "MpsPlan",
+    "SubprocessCudaDriver",
     "WorkerDevice",
     "WorkerSetupError",
     "lower_autogroup_priority",
@@ -63,7 +69,9 @@ def open_device(
     """The manager's :class:`Device` for a name, checking that it exists for this process.
 
     ``nvml``, ``driver``, ``env`` and ``mps_status`` replace the real NVML, libcuda, environment and MPS
-    probe (tests). Raises ConfigError for a device that is not there or cannot be read.
+    probe (tests). Raises ConfigError for a device that is not there or cannot be read, or (a GPU in
+    ``EXCLUSIVE_PROCESS`` or ``PROHIBITED`` compute mode) that side tasks could not use as planned.
+    This process never initialises CUDA (see :mod:`freeride.devices.cuda_driver`).
     """
     parsed = parse_device_name(name) if isinstance(name, str) else name
     if parsed.kind == "cpu":
@@ -75,15 +83,16 @@ def open_device(
         except NvmlError as exc:
             raise ConfigError(f"unknown device {parsed}: no NVIDIA driver is usable here ({exc})") from None
     if driver is None:
-        try:
-            driver = LibCuda()
-        except DeviceError:
-            driver = None  # CUDA_VISIBLE_DEVICES is read instead
+        driver = default_driver() if env is None else SubprocessCudaDriver(dict(env))
     try:
         uuid = resolve_uuid(parsed, nvml, driver, env)
         plan = plan_mps(mps, DEFAULT_SM_PERCENT if mps_sm_percent is None else mps_sm_percent,
                         mps_status or probe_mps(env))
-        return CudaDevice(parsed, uuid, nvml, plan)
+        try:
+            return CudaDevice(parsed, uuid, nvml, plan, env)
+        except ConfigError:
+            plan.release()
+            raise
     except NvmlError as exc:
         nvml.shutdown()
         raise ConfigError(f"unknown device {parsed}: NVML cannot list the GPUs ({exc})") from None

@@ -74,12 +74,14 @@ class DeviceSample:
     """One reading of a device: its free memory and what each side task holds on it.
 
     ``task_bytes`` has an entry for every task asked about: 0 when its processes hold nothing the
-    device can see. ``error`` is set instead when the device could not be read.
+    device can see. ``host_bytes``, where the device's memory is not the host's (a GPU), is each task's
+    resident set on the host. ``error`` is set instead when the device could not be read.
     """
 
     free_bytes: int | None
     task_bytes: Mapping[str, int] = field(default_factory=dict)
     error: str = ""
+    host_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 class Device(abc.ABC):
@@ -169,6 +171,13 @@ class WorkerDevice(abc.ABC):
         holds the interpreter, freeride and the task's libraries before the task allocates anything
         (about 200 MiB once torch is imported): the cap covers the task's growth beyond that.
         """
+        return 0
+
+    def host_baseline_bytes(self) -> int:
+        """Where the device's memory is not the host's (a GPU): this worker's resident set once the task
+        is imported and constructed, read with :meth:`baseline_bytes`; the manager caps the host
+        memory the task grows by beyond it. 0 where the device's memory is the host's (a CPU core:
+        :meth:`baseline_bytes` is that baseline already)."""
         return 0
 
 

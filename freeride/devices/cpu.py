@@ -23,7 +23,7 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 CPU_WORKER_THREADS = "1"
 
 
-def _rss(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
     """Resident set size from /proc/PID/statm: about 20 us, cheap enough to poll often."""
     try:
         with open(f"/proc/{pid}/statm", "rb") as fh:
@@ -42,7 +42,7 @@ class CpuDevice(Device):
         return int(psutil.virtual_memory().total)
 
     def process_memory_bytes(self, pids: Sequence[int]) -> int:
-        return sum(_rss(pid) for pid in pids)
+        return sum(rss_bytes(pid) for pid in pids)
 
     def worker_env(self, memory_limit_bytes: int, *, command: bool = False) -> dict[str, str]:
         return {name: CPU_WORKER_THREADS for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
@@ -62,7 +62,7 @@ class CpuWorkerDevice(WorkerDevice):
         lower_priority()
 
     def baseline_bytes(self) -> int:
-        return _rss(os.getpid())
+        return rss_bytes(os.getpid())
 
 
 def check_cpu_device(name: DeviceName) -> None:

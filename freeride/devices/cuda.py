@@ -1,111 +1,85 @@
-"""``cuda:N``: one NVIDIA GPU, named as the training job sees it, identified by its UUID.
+"""``cuda:N``: one NVIDIA GPU (or MIG slice), named as the training job sees it, identified by its UUID.
 
 **Identity.** CUDA numbers GPUs after ``CUDA_VISIBLE_DEVICES`` (and ``CUDA_DEVICE_ORDER``, fastest
 first by default); NVML numbers them by PCI bus. Under Slurm or Kubernetes the two differ, and
 reading NVML's GPU N would read another job's GPU. So ``cuda:N`` is resolved once, at start, to a
-UUID: through the CUDA driver itself where ``libcuda`` loads (``cuDeviceGetUuid`` on ordinal N, which
-applies both variables exactly as the job's processes do; ``cuInit`` creates no context and takes no
-GPU memory), else from ``CUDA_VISIBLE_DEVICES`` (UUIDs and UUID prefixes are exact; plain indices
-assume PCI order, which holds on GPUs of one model). Every NVML query then goes to that UUID's
-handle, and every worker is started with ``CUDA_VISIBLE_DEVICES=<UUID>``: it sees its GPU as
+UUID: through the CUDA driver where ``libcuda`` loads (``cuDeviceGetUuid_v2`` on ordinal N, which
+applies both variables exactly as the job's processes do, and gives a MIG slice's own ``MIG-`` UUID),
+asked by a child process so that the manager itself never initialises CUDA (see
+:mod:`freeride.devices.cuda_driver`: ``cuInit`` would make it an MPS client); else from
+``CUDA_VISIBLE_DEVICES`` (UUIDs and UUID prefixes are exact; plain indices assume PCI order, which
+holds on GPUs of one model, and are refused where MIG is on). Every NVML query then goes to that
+UUID's handle, and every worker is started with ``CUDA_VISIBLE_DEVICES=<UUID>``: it sees its GPU as
 ``cuda:0`` and no other, so no library it loads can open a context on another device.
+
+**Compute mode.** In ``EXCLUSIVE_PROCESS`` mode one process holds the GPU (the trainer, or the MPS
+server where one runs): side tasks can share it only as MPS clients, so a manager that would run
+them outside MPS there refuses to start, saying so, instead of failing every task. ``PROHIBITED``
+allows no context at all.
 
 **Accounting.** A side task's memory is what NVML lists for its processes: compute, graphics and
 MPS-client lists together (under MPS clients appear only in the last). In a container without the
 host's PID namespace NVML lists host PIDs that match none of the manager's: the worker's own report
-(:meth:`CudaWorkerDevice.used_bytes`, context plus allocator reservation) is then the figure.
+(:meth:`~freeride.devices.cuda_worker.CudaWorkerDevice.used_bytes`) is then the figure. Each
+worker's host memory is read too (its resident set, as on a CPU core): the core caps its growth
+beyond the worker's baseline. Readings run on a thread of their own with a deadline
+(:class:`~freeride.devices.nvml.Deadline`): a stuck NVML call turns the device NOT_SERVING.
 
-**One cap for everything a task holds** (see :class:`CudaWorkerDevice`): the CUDA context is
-created and measured first, the torch allocator gets the cap minus the context, and CuPy allocates
-through the torch allocator, so torch and CuPy share that one limit instead of each getting it whole.
+The worker's side (one cap for the context, torch and CuPy) is :mod:`freeride.devices.cuda_worker`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from freeride.devices.base import (
-    Device,
-    DeviceError,
-    DeviceName,
-    DeviceSample,
-    WorkerDevice,
-    WorkerSetupError,
-    lower_priority,
+from freeride.devices.base import Device, DeviceError, DeviceName, DeviceSample
+from freeride.devices.cpu import rss_bytes
+from freeride.devices.cuda_driver import (
+    GPU_WORKER_THREADS,
+    INHERITED_SETTINGS,
+    MIN_ALLOCATOR_BYTES,
+    UUID_ENV,
+    CudaDriver,
+    LibCuda,
+    SubprocessCudaDriver,
 )
 from freeride.devices.mps import MpsPlan
-from freeride.devices.nvml import GpuProcess, Nvml, NvmlError, usage_by_pid
+from freeride.devices.nvml import (
+    COMPUTE_MODE_EXCLUSIVE_PROCESS,
+    COMPUTE_MODE_NAMES,
+    COMPUTE_MODE_PROHIBITED,
+    Deadline,
+    GpuProcess,
+    Nvml,
+    NvmlError,
+    usage_by_pid,
+)
 from freeride.errors import ConfigError
+
+__all__ = [
+    "GPU_WORKER_THREADS",
+    "INHERITED_SETTINGS",
+    "MIN_ALLOCATOR_BYTES",
+    "UUID_ENV",
+    "CudaDevice",
+    "CudaDriver",
+    "LibCuda",
+    "SubprocessCudaDriver",
+    "format_uuid",
+    "resolve_uuid",
+    "uuids_from_visible_devices",
+]
 
 log = logging.getLogger(__name__)
 
-#: Set in every CUDA worker's environment: the UUID of its GPU (also its CUDA_VISIBLE_DEVICES).
-UUID_ENV = "FREERIDE_CUDA_UUID"
-#: Threads a GPU worker's CPU side may use: it launches kernels and waits; it must not take cores
-#: from the trainer's own launch thread.
-GPU_WORKER_THREADS = "2"
-#: The least the allocator must be left after the context for a task to be worth starting.
-MIN_ALLOCATOR_BYTES = 64 * 2**20
-MiB = 2**20
+#: How long one device reading may take before the device counts as unreadable.
+NVML_TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------------- identity
-
-
-class CudaDriver(Protocol):
-    """What freeride asks of the CUDA driver API (libcuda): no context is created by either call."""
-
-    def device_uuids(self) -> list[bytes]:
-        """The 16-byte UUID of each GPU this process sees, in CUDA's order."""
-        ...
-
-    def set_blocking_sync(self, ordinal: int) -> None:
-        """Make synchronisation on this GPU's primary context sleep, not spin (before it exists)."""
-        ...
-
-
-_CU_CTX_SCHED_BLOCKING_SYNC = 0x04
-
-
-class LibCuda:
-    """The CUDA driver API through ctypes. Raises DeviceError when libcuda cannot be loaded."""
-
-    def __init__(self) -> None:
-        try:
-            self._lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise DeviceError(f"libcuda cannot be loaded ({exc})") from None
-
-    def _check(self, what: str, rc: int) -> None:
-        if rc != 0:
-            raise DeviceError(f"{what} failed with CUDA error {rc}")
-
-    def _device(self, ordinal: int) -> ctypes.c_int:
-        self._check("cuInit", self._lib.cuInit(0))
-        dev = ctypes.c_int()
-        self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(dev), ordinal))
-        return dev
-
-    def device_uuids(self) -> list[bytes]:
-        self._check("cuInit", self._lib.cuInit(0))
-        count = ctypes.c_int()
-        self._check("cuDeviceGetCount", self._lib.cuDeviceGetCount(ctypes.byref(count)))
-        getter = getattr(self._lib, "cuDeviceGetUuid_v2", None) or self._lib.cuDeviceGetUuid
-        out = []
-        for ordinal in range(count.value):
-            raw = (ctypes.c_ubyte * 16)()
-            self._check("cuDeviceGetUuid", getter(raw, self._device(ordinal)))
-            out.append(bytes(raw))
-        return out
-
-    def set_blocking_sync(self, ordinal: int) -> None:
-        dev = self._device(ordinal)
-        self._check("cuDevicePrimaryCtxSetFlags",
-                    self._lib.cuDevicePrimaryCtxSetFlags(dev, _CU_CTX_SCHED_BLOCKING_SYNC))
 
 
 def format_uuid(raw: bytes) -> str:
@@ -114,8 +88,14 @@ def format_uuid(raw: bytes) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _nvml_uuids(nvml: Nvml) -> list[str]:
-    return [nvml.uuid(nvml.handle_by_index(i)) for i in range(nvml.device_count())]
+def _known_uuids(nvml: Nvml) -> tuple[list[str], list[str]]:
+    """(every physical GPU's UUID in PCI order, every MIG device's UUID under them)."""
+    gpus, migs = [], []
+    for i in range(nvml.device_count()):
+        handle = nvml.handle_by_index(i)
+        gpus.append(nvml.uuid(handle))
+        migs.extend(nvml.mig_uuids(handle))
+    return gpus, migs
 
 
 def _match_uuid(entry: str, known: list[str]) -> str | None:
@@ -127,19 +107,24 @@ def _match_uuid(entry: str, known: list[str]) -> str | None:
 def uuids_from_visible_devices(value: str | None, nvml: Nvml, order: str | None = None) -> list[str]:
     """The UUIDs a process sees under ``CUDA_VISIBLE_DEVICES=value``, as CUDA reads the list.
 
-    Unset: every GPU, in NVML's (PCI) order. Entries are indices or UUIDs (or unique UUID prefixes);
-    like CUDA, the list ends at the first entry that names no GPU. Indices count in PCI order, which
-    is CUDA's under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and on GPUs of one model; on mixed models with the
-    default fastest-first order they may not be, and a warning says so (the libcuda path is exact).
+    Unset: every GPU, in NVML's (PCI) order. Entries are indices or UUIDs (or unique UUID prefixes) of
+    GPUs or MIG devices; like CUDA, the list ends at the first entry that names no GPU. Indices count in
+    PCI order, which is CUDA's under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and on GPUs of one model; on mixed
+    models with the default fastest-first order they may not be, and a warning says so. With MIG on,
+    CUDA numbers MIG devices, not GPUs, in an order NVML does not give: indices are then refused
+    (the libcuda path is exact).
     """
-    known = _nvml_uuids(nvml)
-    entries = [str(i) for i in range(len(known))] if value is None else [e.strip() for e in value.split(",")]
-    if order != "PCI_BUS_ID" and any(e.isdigit() for e in entries) and len({_model(nvml, u) for u in known}) > 1:
+    gpus, migs = _known_uuids(nvml)
+    entries = [str(i) for i in range(len(gpus))] if value is None else [e.strip() for e in value.split(",")]
+    if migs and any(e.isdigit() for e in entries):
+        raise ConfigError("MIG is on here and libcuda cannot be asked: CUDA numbers MIG devices in its own order, "
+                          "so name the slice by its UUID in CUDA_VISIBLE_DEVICES (nvidia-smi -L lists them)")
+    if order != "PCI_BUS_ID" and any(e.isdigit() for e in entries) and len({_model(nvml, u) for u in gpus}) > 1:
         log.warning("CUDA_VISIBLE_DEVICES has indices and the GPUs differ in model: without CUDA_DEVICE_ORDER="
                     "PCI_BUS_ID, CUDA may number them differently from NVML; name GPUs by UUID to be exact")
     out: list[str] = []
     for entry in entries:
-        uuid = known[int(entry)] if entry.isdigit() and int(entry) < len(known) else _match_uuid(entry, known)
+        uuid = gpus[int(entry)] if entry.isdigit() and int(entry) < len(gpus) else _match_uuid(entry, gpus + migs)
         if uuid is None or uuid in out:
             break
         out.append(uuid)
@@ -148,6 +133,20 @@ def uuids_from_visible_devices(value: str | None, nvml: Nvml, order: str | None 
 
 def _model(nvml: Nvml, uuid: str) -> str:
     return nvml.name(nvml.handle_by_uuid(uuid))
+
+
+def _driver_uuids(raw: list[bytes], nvml: Nvml) -> list[str]:
+    """NVML's spelling (``GPU-``/``MIG-`` and case) of the UUIDs the driver gave, in the driver's order."""
+    gpus, migs = _known_uuids(nvml)
+    out = []
+    for r in raw:
+        text = format_uuid(r)
+        match = next((u for u in gpus + migs if u.lower().endswith(text)), None)
+        if match is None:
+            raise ConfigError(f"CUDA sees a device with UUID {text} that NVML does not list (GPUs: "
+                              f"{', '.join(gpus) or 'none'}; MIG devices: {', '.join(migs) or 'none'})")
+        out.append(match)
+    return out
 
 
 def resolve_uuid(name: DeviceName, nvml: Nvml, driver: CudaDriver | None,
@@ -159,14 +158,9 @@ def resolve_uuid(name: DeviceName, nvml: Nvml, driver: CudaDriver | None,
         try:
             raw = driver.device_uuids()
         except DeviceError as exc:
-            log.warning("CUDA driver query failed (%s); reading CUDA_VISIBLE_DEVICES instead", exc)
+            log.warning("the CUDA driver could not list the GPUs (%s); reading CUDA_VISIBLE_DEVICES instead", exc)
         else:
-            known = _nvml_uuids(nvml)
-            visible = []
-            for r in raw:
-                text = format_uuid(r)
-                match = next((u for u in known if u.lower().endswith(text)), None)
-                visible.append(match or f"GPU-{text}")
+            visible = _driver_uuids(raw, nvml)
     if visible is None:
         visible = uuids_from_visible_devices(env.get("CUDA_VISIBLE_DEVICES"), nvml, env.get("CUDA_DEVICE_ORDER"))
     if name.index >= len(visible):
@@ -180,49 +174,81 @@ def resolve_uuid(name: DeviceName, nvml: Nvml, driver: CudaDriver | None,
 
 
 class CudaDevice(Device):
-    """One GPU, by UUID, as its manager sees it; every query goes through NVML (see the module doc)."""
+    """One GPU or MIG slice, by UUID, as its manager sees it; every query goes through NVML (module doc).
 
-    def __init__(self, name: DeviceName, uuid: str, nvml: Nvml, mps: MpsPlan) -> None:
+    ``env`` is the manager's environment (its inherited CUDA settings are named once at start).
+    """
+
+    def __init__(self, name: DeviceName, uuid: str, nvml: Nvml, mps: MpsPlan,
+                 env: Mapping[str, str] | None = None, nvml_timeout_s: float = NVML_TIMEOUT_S) -> None:
         super().__init__(name)
         self.uuid = uuid
         self.mps = mps
         self._nvml = nvml
+        self._deadline = Deadline(nvml_timeout_s, name=f"nvml-{name.slug}")
         try:
             self._handle = nvml.handle_by_uuid(uuid)
             self.model = nvml.name(self._handle)
             self.total_bytes = nvml.memory(self._handle)[0]
+            self.compute_mode = nvml.compute_mode(self._handle)
         except NvmlError as exc:
             raise ConfigError(f"device {name} ({uuid}) cannot be read: {exc}") from None
+        self._check_compute_mode()
+        env = os.environ if env is None else env
+        inherited = [f"{k}={env[k]}" for k in INHERITED_SETTINGS if k in env]
+        if inherited:
+            log.warning("[%s] side tasks do not inherit %s from the manager's environment (set for the "
+                        "trainer?): their workers drop them before CUDA starts", name, ", ".join(inherited))
 
-    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _check_compute_mode(self) -> None:
+        mode = COMPUTE_MODE_NAMES.get(self.compute_mode, str(self.compute_mode))
+        if self.compute_mode == COMPUTE_MODE_PROHIBITED:
+            raise ConfigError(f"device {self.name} ({self.uuid}) is in compute mode PROHIBITED: no process may "
+                              "create a CUDA context on it, so no side task can run there")
+        if self.compute_mode == COMPUTE_MODE_EXCLUSIVE_PROCESS and not self.mps.use:
+            why = ("--mps off keeps side tasks out of the MPS daemon that runs" if self.mps.private_pipe_directory
+                   else f"no MPS daemon serves it ({self.mps.status.detail})")
+            raise ConfigError(
+                f"device {self.name} ({self.uuid}) is in compute mode {mode}: one process holds the GPU (the "
+                f"trainer, or an MPS server), so side tasks can share it only as MPS clients, and {why}. Start "
+                "an MPS daemon (nvidia-cuda-mps-control -d) and run the manager with --mps auto or require, or "
+                "set the GPU to DEFAULT mode"
+            )
+
+    def _read(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
-            return fn()
+            return self._deadline.call(what, fn)
         except NvmlError as exc:
             raise DeviceError(f"{self.name} ({self.uuid}): {what}: {exc}") from None
 
     def free_memory_bytes(self) -> int:
-        return int(self._guard("free memory", lambda: self._nvml.memory(self._handle)[1]))
+        return int(self._read("free memory", lambda: self._nvml.memory(self._handle)[1]))
 
     def total_memory_bytes(self) -> int | None:
         return int(self.total_bytes) or None
 
     def _processes(self) -> list[GpuProcess]:
-        return list(self._guard("process list", lambda: self._nvml.processes(self._handle)
-                                + self._nvml.mps_processes(self._handle)))
+        return self._nvml.processes(self._handle) + self._nvml.mps_processes(self._handle)
 
     def process_memory_bytes(self, pids: Sequence[int]) -> int:
-        usage = usage_by_pid(self._processes())
+        usage = usage_by_pid(self._read("process list", self._processes))
         return sum(usage.get(pid, 0) for pid in set(pids))
 
     def sample(self, task_pids: Mapping[str, Sequence[int]], *, free: bool = True) -> DeviceSample:
-        # One process listing for every task, rather than one per task as the default would make.
+        # One reading (free memory and one process listing for every task), under one deadline.
+        def read() -> tuple[int | None, dict[int, int]]:
+            free_bytes = int(self._nvml.memory(self._handle)[1]) if free else None
+            return free_bytes, (usage_by_pid(self._processes()) if task_pids else {})
+
         try:
-            free_bytes = self.free_memory_bytes() if free else None
-            usage = usage_by_pid(self._processes()) if task_pids else {}
+            free_bytes, usage = self._read("reading", read)
         except DeviceError as exc:
             return DeviceSample(None, {}, str(exc))
-        return DeviceSample(free_bytes, {task: sum(usage.get(p, 0) for p in set(pids))
-                                         for task, pids in task_pids.items()})
+        return DeviceSample(
+            free_bytes,
+            {task: sum(usage.get(p, 0) for p in set(pids)) for task, pids in task_pids.items()},
+            host_bytes={task: sum(rss_bytes(p) for p in set(pids)) for task, pids in task_pids.items()},
+        )
 
     def worker_env(self, memory_limit_bytes: int, *, command: bool = False) -> dict[str, str]:
         env = {
@@ -236,263 +262,16 @@ class CudaDevice(Device):
         return env
 
     def describe(self) -> str:
-        return f"{self.name} = {self.model} {self.uuid}, {self.total_bytes / 2**30:.1f} GiB; {self.mps.describe()}"
+        mode = "" if self.compute_mode in (0, -1) else f", compute mode {COMPUTE_MODE_NAMES.get(self.compute_mode)}"
+        return (f"{self.name} = {self.model} {self.uuid}, {self.total_bytes / 2**30:.1f} GiB{mode}; "
+                f"{self.mps.describe()}")
 
     def close(self) -> None:
         self._nvml.shutdown()
-        if self.mps.private_pipe_directory:
-            try:
-                os.rmdir(self.mps.private_pipe_directory)
-            except OSError:
-                pass
+        self.mps.release()
 
 
-# ---------------------------------------------------------------------- inside a worker
+def default_driver() -> CudaDriver:
+    """The manager's driver: a child process asks libcuda (see :mod:`freeride.devices.cuda_driver`)."""
+    return SubprocessCudaDriver()
 
-
-class CudaRuntime(Protocol):
-    """What a CUDA worker asks of torch.cuda (and NVML for itself). Real: :class:`TorchCudaRuntime`."""
-
-    def create_context(self, ordinal: int) -> None:
-        """Create the primary context on ``ordinal`` and the handles every task needs (cuBLAS)."""
-        ...
-
-    def total_bytes(self, ordinal: int) -> int: ...
-
-    def reserved_bytes(self, ordinal: int) -> int:
-        """What the torch allocator holds from the device now (CuPy's allocations included)."""
-        ...
-
-    def max_reserved_bytes(self, ordinal: int) -> int: ...
-
-    def set_allocator_limit(self, ordinal: int, limit_bytes: int) -> None: ...
-
-    def synchronize(self, ordinal: int) -> None: ...
-
-    def set_num_threads(self, threads: int) -> None: ...
-
-    def route_cupy(self, ordinal: int) -> bool:
-        """Make CuPy allocate through the torch allocator; False when CuPy is not installed."""
-        ...
-
-    def own_device_bytes(self) -> int | None:
-        """This process's memory on its GPU as NVML lists it, or None where NVML cannot see it."""
-        ...
-
-    def device_free_bytes(self) -> int | None:
-        """The GPU's free memory as NVML sees it (no context needed), or None."""
-        ...
-
-
-class CudaWorkerDevice(WorkerDevice):
-    """A GPU inside a worker: one cap for the context, torch's allocator and CuPy together.
-
-    :meth:`prepare` creates the context, measures it (NVML's figure for this process, else the drop
-    in the GPU's free memory while it was created, which another process allocating at the same time
-    can only make larger), refuses a cap that leaves the allocator less than ``MIN_ALLOCATOR_BYTES``,
-    gives torch's allocator the rest and routes CuPy through it. Kernels load lazily, so the context
-    grows as a task first uses new ones: :meth:`used_bytes` re-measures it where NVML can see this
-    process and lowers the allocator's limit by the growth, keeping context + allocator within the cap.
-    """
-
-    def __init__(self, name: DeviceName, runtime: CudaRuntime | None = None, driver: CudaDriver | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
-        super().__init__(name)
-        env = os.environ if env is None else env
-        self.uuid = env.get(UUID_ENV, "")
-        #: In a worker the manager narrowed CUDA_VISIBLE_DEVICES to this GPU: it is cuda:0 here.
-        self.ordinal = 0 if self.uuid else name.index
-        self._runtime = runtime
-        self._driver = driver
-        self.limit_bytes = 0
-        self.allocator_limit_bytes = 0
-        self.cupy_routed = False
-        self._peak = 0
-        #: A command task's worker holds no context: nothing of its own to wait for or to count.
-        self._command = False
-
-    @property
-    def torch_device(self) -> str:
-        return f"cuda:{self.ordinal}"
-
-    @property
-    def runtime(self) -> CudaRuntime:
-        if self._runtime is None:
-            self._runtime = TorchCudaRuntime(self.uuid)
-        return self._runtime
-
-    def prepare(self, memory_limit_bytes: int, *, command: bool = False) -> None:
-        lower_priority()
-        self.limit_bytes = memory_limit_bytes
-        self._command = command
-        if command:
-            # The command is the GPU user, in its own process: a context here would cost the cap for
-            # nothing. Its memory is what NVML lists for its process group (and MPS's pinned limit).
-            return
-        driver = self._driver
-        if driver is None:
-            try:
-                driver = LibCuda()
-            except DeviceError:
-                driver = None
-        if driver is not None:
-            try:
-                driver.set_blocking_sync(self.ordinal)  # a step's wait sleeps instead of spinning a core
-            except DeviceError as exc:
-                log.info("blocking synchronisation not set: %s", exc)
-        rt = self.runtime
-        rt.set_num_threads(int(GPU_WORKER_THREADS))
-        free_before = rt.device_free_bytes()
-        rt.create_context(self.ordinal)
-        reserved = rt.reserved_bytes(self.ordinal)
-        own = rt.own_device_bytes()
-        if own is not None:
-            context = own - reserved
-        else:
-            free_after = rt.device_free_bytes()
-            context = (free_before - free_after - reserved) if free_before is not None and free_after is not None else 0
-        self.context_bytes = max(0, context)
-        allocator = memory_limit_bytes - self.context_bytes - reserved
-        if allocator < MIN_ALLOCATOR_BYTES:
-            raise WorkerSetupError(
-                "MEMORY_LIMIT",
-                f"a cap of {memory_limit_bytes / MiB:.0f} MiB leaves too little after the CUDA context: the context "
-                f"takes {self.context_bytes / MiB:.0f} MiB on this GPU, so give at least "
-                f"{(self.context_bytes + reserved + MIN_ALLOCATOR_BYTES) / MiB:.0f} MiB",
-            )
-        self.allocator_limit_bytes = allocator + reserved
-        rt.set_allocator_limit(self.ordinal, self.allocator_limit_bytes)
-        self.cupy_routed = rt.route_cupy(self.ordinal)
-        self._peak = self.context_bytes + reserved
-
-    def synchronize(self) -> None:
-        if not self._command:
-            self.runtime.synchronize(self.ordinal)
-
-    def used_bytes(self) -> int:
-        if self._command:
-            return 0
-        rt = self.runtime
-        reserved = rt.reserved_bytes(self.ordinal)
-        own = rt.own_device_bytes()
-        if own is not None and self.allocator_limit_bytes and own - reserved > self.context_bytes:
-            growth = own - reserved - self.context_bytes
-            self.context_bytes += growth
-            # Never below what the allocator already holds: the watchdog judges the total.
-            self.allocator_limit_bytes = max(reserved, self.allocator_limit_bytes - growth)
-            rt.set_allocator_limit(self.ordinal, self.allocator_limit_bytes)
-            log.info("the CUDA context grew by %.0f MiB (kernels loaded on first use); the allocator may now "
-                     "hold %.0f MiB", growth / MiB, self.allocator_limit_bytes / MiB)
-        used = max(own or 0, self.context_bytes + reserved)
-        self._peak = max(self._peak, used, self.context_bytes + rt.max_reserved_bytes(self.ordinal))
-        return used
-
-    def peak_bytes(self) -> int:
-        self.used_bytes()
-        return self._peak
-
-
-class TorchCudaRuntime:
-    """:class:`CudaRuntime` on torch.cuda, CuPy and NVML (the real one; imported in GPU workers only)."""
-
-    def __init__(self, uuid: str = "") -> None:
-        import torch
-
-        self._torch = torch
-        self._uuid = uuid
-        self._nvml: Any = None
-        self._handle: Any = None
-
-    def _nvml_handle(self) -> Any:
-        if self._handle is None and self._uuid:
-            from freeride.devices.nvml import PyNvml
-
-            try:
-                self._nvml = PyNvml()
-                self._handle = self._nvml.handle_by_uuid(self._uuid)
-            except NvmlError:
-                self._uuid = ""  # no NVML here: fall back for good, do not retry every call
-        return self._handle
-
-    def create_context(self, ordinal: int) -> None:
-        torch = self._torch
-        torch.cuda.set_device(ordinal)
-        x = torch.ones(8, 8, device=f"cuda:{ordinal}")
-        (x @ x).sum().item()  # the context, the default stream and a cuBLAS handle, as a task will have them
-        del x
-        torch.cuda.empty_cache()
-
-    def total_bytes(self, ordinal: int) -> int:
-        return int(self._torch.cuda.get_device_properties(ordinal).total_memory)
-
-    def reserved_bytes(self, ordinal: int) -> int:
-        return int(self._torch.cuda.memory_reserved(ordinal))
-
-    def max_reserved_bytes(self, ordinal: int) -> int:
-        return int(self._torch.cuda.max_memory_reserved(ordinal))
-
-    def set_allocator_limit(self, ordinal: int, limit_bytes: int) -> None:
-        fraction = min(1.0, max(0.0, limit_bytes / self.total_bytes(ordinal)))
-        self._torch.cuda.set_per_process_memory_fraction(fraction, ordinal)
-
-    def synchronize(self, ordinal: int) -> None:
-        self._torch.cuda.synchronize(ordinal)
-
-    def set_num_threads(self, threads: int) -> None:
-        self._torch.set_num_threads(threads)
-
-    def route_cupy(self, ordinal: int) -> bool:
-        try:
-            import cupy
-        except ImportError:
-            return False
-        torch = self._torch
-        route_cupy_through(cupy, lambda size, stream: torch.cuda.caching_allocator_alloc(size, ordinal, stream),
-                           torch.cuda.caching_allocator_delete, ordinal)
-        return True
-
-    def own_device_bytes(self) -> int | None:
-        handle = self._nvml_handle()
-        if handle is None:
-            return None
-        try:
-            usage = usage_by_pid(self._nvml.processes(handle) + self._nvml.mps_processes(handle))
-        except NvmlError:
-            return None
-        return usage.get(os.getpid())  # absent: host PIDs in a container; the caller falls back
-
-    def device_free_bytes(self) -> int | None:
-        handle = self._nvml_handle()
-        if handle is None:
-            return None
-        try:
-            return int(self._nvml.memory(handle)[1])
-        except NvmlError:
-            return None
-
-
-def route_cupy_through(cupy: Any, alloc: Callable[[int, int], int], free: Callable[[int], None], ordinal: int) -> None:
-    """Make every CuPy device allocation come from ``alloc(size, stream) -> pointer`` and go back
-    through ``free(pointer)`` when CuPy lets go of it: one pool, so one cap, for torch and CuPy.
-
-    CuPy wraps the pointer as unowned memory whose owner frees it when the last array using it is
-    gone. The allocation is made on CuPy's current stream, so the torch allocator reuses it safely.
-    """
-    memory = cupy.cuda.memory
-
-    class _Owner:
-        __slots__ = ("ptr",)
-
-        def __init__(self, ptr: int) -> None:
-            self.ptr = ptr
-
-        def __del__(self) -> None:
-            free(self.ptr)
-
-    def allocate(size: int) -> Any:
-        if size == 0:
-            return memory.MemoryPointer(memory.UnownedMemory(0, 0, None, ordinal), 0)
-        ptr = alloc(size, cupy.cuda.get_current_stream().ptr)
-        return memory.MemoryPointer(memory.UnownedMemory(ptr, size, _Owner(ptr), ordinal), 0)
-
-    cupy.cuda.set_allocator(allocate)

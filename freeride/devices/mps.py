@@ -8,14 +8,21 @@ fault in one MPS client (an illegal address, say) can take down every client of 
 trainer included. Without MPS each process has its own context and a faulting side task dies alone.
 The README states this trade-off; ``freeride manager --mps`` chooses.
 
-A daemon is *live* when its pid file in the pipe directory names a running
-``nvidia-cuda-mps-control``: a pipe directory left behind by a daemon that died does not count.
+A daemon is *live* when something serves its control pipe: the control daemon holds it open (a
+named pipe with a reader, or a unix socket that accepts). That is what a client's ``cuInit`` finds, so
+it is the test, whatever the pid file says: a daemon in another PID namespace (the host's, seen from
+a container that shares its pipe directory) has a pid this process cannot see, yet workers join it;
+a pipe directory left behind by a daemon that died has a control pipe that nobody serves. The pid file
+only adds detail.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import os
+import socket
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,23 +62,55 @@ def _process_name(pid: int) -> str | None:
         return None
 
 
+def control_served(control: Path) -> bool | None:
+    """Whether something serves the control pipe: True, False, or None when this user may not tell.
+
+    A named pipe is opened for writing without blocking: that fails with ENXIO when no process has
+    it open for reading. A unix socket is connected to. Nothing is written either way.
+    """
+    try:
+        mode = os.stat(control).st_mode
+    except OSError:
+        return False
+    try:
+        if stat.S_ISSOCK(mode):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(1.0)
+                sock.connect(str(control))
+            return True
+        fd = os.open(control, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return None
+        return False  # ENXIO (a pipe nobody reads), ECONNREFUSED (a socket nobody accepts on), ...
+    os.close(fd)
+    return True
+
+
 def probe_mps(env: Mapping[str, str] | None = None,
-              process_name: Callable[[int], str | None] = _process_name) -> MpsStatus:
-    """Is an MPS control daemon live for this environment's pipe directory?"""
+              process_name: Callable[[int], str | None] = _process_name,
+              served: Callable[[Path], bool | None] = control_served) -> MpsStatus:
+    """Is an MPS control daemon live for this environment's pipe directory? (See the module doc.)"""
     env = os.environ if env is None else env
     pipe = Path(env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
-    if not (pipe / "control").exists():
+    control = pipe / "control"
+    if not os.path.lexists(control):
         return MpsStatus(False, str(pipe), f"no MPS control pipe in {pipe}")
     try:
-        pid = int((pipe / PID_FILE).read_text().split()[0])
+        pid: int | None = int((pipe / PID_FILE).read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return MpsStatus(False, str(pipe), f"{pipe} has a control pipe but no readable {PID_FILE}")
-    name = process_name(pid)
-    if name is None:
-        return MpsStatus(False, str(pipe), f"the MPS control daemon of {pipe} (pid {pid}) is not running: a stale pipe")
-    if CONTROL_PROCESS not in name:
-        return MpsStatus(False, str(pipe), f"pid {pid} of {pipe}/{PID_FILE} is {name!r}, not the MPS control daemon")
-    return MpsStatus(True, str(pipe), f"MPS control daemon pid {pid} at {pipe}")
+        pid = None
+    name = process_name(pid) if pid is not None else None
+    who = f"pid {pid}" if pid is not None else f"no readable {PID_FILE}"
+    live = served(control)
+    if live is None:
+        return MpsStatus(False, str(pipe), f"{control} is not usable by this user ({who}): side tasks cannot join it")
+    if not live:
+        return MpsStatus(False, str(pipe), f"the MPS control pipe of {pipe} is not served ({who}): a stale pipe")
+    if name is not None and CONTROL_PROCESS in name:
+        return MpsStatus(True, str(pipe), f"MPS control daemon pid {pid} at {pipe}")
+    return MpsStatus(True, str(pipe), f"an MPS control daemon serves {pipe} ({who} is not visible here: "
+                                      "another PID namespace)")
 
 
 @dataclass(frozen=True)
@@ -90,6 +129,14 @@ class MpsPlan:
         if self.private_pipe_directory:
             return f"no MPS (a daemon runs, but --mps off keeps side tasks out of it; {self.status.detail})"
         return f"no MPS ({self.status.detail})"
+
+    def release(self) -> None:
+        """Remove the private pipe directory (``off`` with a live daemon), if this plan made one."""
+        if self.private_pipe_directory:
+            try:
+                os.rmdir(self.private_pipe_directory)
+            except OSError:
+                pass
 
     def worker_env(self, memory_limit_bytes: int) -> dict[str, str]:
         """Environment of a side-task process (with ``CUDA_VISIBLE_DEVICES`` naming its one GPU)."""

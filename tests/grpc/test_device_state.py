@@ -44,13 +44,13 @@ def test_an_nvml_failure_makes_the_manager_not_serving_with_the_reason_and_it_re
         stats = client.stats()
         assert gpu_uuid(1) in stats.device_info and stats.device_problem == ""  # cuda:0 of this job is GPU 1
         wait_for(lambda: health_status(manager.endpoint) == "SERVING", 10)
-        nvml.fail = "Driver/library version mismatch"
+        nvml.fail = 18  # NVML_ERROR_LIB_RM_VERSION_MISMATCH: "Driver/library version mismatch"
         wait_for(lambda: health_status(manager.endpoint) == "NOT_SERVING", 10)
         stats = client.stats()
         assert "version mismatch" in stats.device_problem
         task = client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=64 * MiB, working_dir=str(TESTS_DIR)))
         assert "the device cannot be read" in client.get(task.task_id).waiting_reason
-        nvml.fail = ""
+        nvml.fail = 0
         wait_for(lambda: health_status(manager.endpoint) == "SERVING", 10)
         assert client.stats().device_problem == ""
 
