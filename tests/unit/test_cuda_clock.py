@@ -1,0 +1,196 @@
+"""The CUDA event clock on a simulated GPU (``FakeTorchCuda``): CUDA graph capture, anchors behind a
+backlog, renewals, flush and close. The same clock on a real GPU: ``tests/gpu/test_device_clock.py``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import wait_for
+from gpu_fakes import FakeCudaError, FakeTorchCuda
+
+from freeride.training.device_clock import CudaEventClock
+
+MS = 1_000_000
+
+
+class Got:
+    """The consumer: every delivered (payload, host ns), in order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[object, int]] = []
+        self.lock = threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, payload: object, at_ns: int) -> None:
+        self.gate.wait()
+        with self.lock:
+            self.items.append((payload, at_ns))
+
+    def times(self) -> dict[object, int]:
+        with self.lock:
+            return dict(self.items)
+
+
+@pytest.fixture
+def clocks() -> Iterator[list[CudaEventClock]]:
+    made: list[CudaEventClock] = []
+    yield made
+    for clock in made:
+        clock.close(timeout_s=2)
+
+
+def make(clocks: list[CudaEventClock], gpu: FakeTorchCuda, got: Got, **kw: object) -> CudaEventClock:
+    clock = CudaEventClock(got, 0, device=gpu, **kw)  # type: ignore[arg-type]
+    clocks.append(clock)
+    return clock
+
+
+def test_marks_resolve_in_order_to_the_host_time_their_device_work_ended(clocks: list[CudaEventClock]) -> None:
+    gpu, got = FakeTorchCuda(drift_ppm=30), Got()
+    clock = make(clocks, gpu, got)
+    before = time.monotonic_ns()
+    clock.mark("a")
+    gpu.launch(20 * MS)  # the host runs ahead; the device works 20 ms
+    clock.mark("b")
+    marked = time.monotonic_ns()
+    assert clock.flush(10)
+    t = got.times()
+    assert [p for p, _ in got.items] == ["a", "b"]
+    assert before <= t["a"] <= marked  # a: right away; b: when the kernel ended, long after it was marked
+    assert t["b"] - t["a"] == pytest.approx(20 * MS, abs=2 * clock.anchor_window_ns + 1 * MS)
+    assert t["b"] > marked + 15 * MS
+    assert clock.dropped == clock.skipped_in_capture == 0
+
+
+def test_resolving_during_a_global_graph_capture_leaves_the_capture_intact(clocks: list[CudaEventClock]) -> None:
+    # pytorch/pytorch#104487: an event query from another thread during a capture in global mode breaks it.
+    gpu, got = FakeTorchCuda(), Got()
+    clock = make(clocks, gpu, got)
+    wait_for(lambda: clock.capture_safe, 10)
+    got.gate.clear()  # the resolver waits inside delivery, then resolves the rest during the capture
+    for i in range(5):
+        clock.mark(i)
+        gpu.launch(2 * MS)
+    with gpu.capture("global"):
+        got.gate.set()
+        wait_for(lambda: len(got.items) == 5, 10)  # events waited for and anchors taken meanwhile
+        gpu.launch(MS)
+    assert gpu.refused_calls == []
+
+
+def test_without_thread_local_mode_the_same_capture_is_invalidated(clocks: list[CudaEventClock]) -> None:
+    # The failure the fix prevents, shown on the same simulated device: the test above can fail.
+    gpu, got = FakeTorchCuda(thread_local_ok=False), Got()
+    clock = make(clocks, gpu, got)
+    got.gate.clear()
+    for i in range(3):
+        clock.mark(i)
+        gpu.launch(2 * MS)
+    with pytest.raises(FakeCudaError, match="capture was invalidated"), gpu.capture("global"):
+        got.gate.set()
+        wait_for(lambda: gpu.refused_calls, 10)
+    assert not clock.capture_safe
+
+
+def test_a_mark_inside_a_capture_is_not_recorded_and_is_counted(clocks: list[CudaEventClock]) -> None:
+    gpu, got = FakeTorchCuda(), Got()
+    clock = make(clocks, gpu, got)
+    clock.mark("before")
+    with gpu.capture("thread_local") as capture:
+        clock.mark("inside")
+        gpu.launch(MS)
+    clock.mark("after")
+    assert clock.flush(10)
+    assert [p for p, _ in got.items] == ["before", "after"]
+    assert clock.skipped_in_capture == 1 and capture.events == 0
+
+
+def backlogged_renewal(clocks: list[CudaEventClock], window_ns: int) -> tuple[CudaEventClock, int, int]:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1: an anchor recorded on any stream completes only after all work
+    queued before it. The renewal after mark x is recorded behind 60 ms of queued work; x itself
+    completed at once. Returns the clock, x's resolved time and the host time x was marked."""
+    gpu, got = FakeTorchCuda(max_connections=1), Got()
+    clock = make(clocks, gpu, got, anchor_interval_s=0.0, anchor_window_ns=window_ns)
+    clock.mark("warm")
+    assert clock.flush(10)  # the first anchor, on an idle device
+    got.gate.clear()
+    clock.mark("hold")  # the resolver waits inside its delivery while the host queues ahead
+    wait_for(lambda: clock.resolved == 2, 10)
+    marked = time.monotonic_ns()
+    clock.mark("x")
+    gpu.launch(60 * MS)
+    clock.mark("y")
+    got.gate.set()
+    assert clock.flush(10)
+    return clock, got.times()["x"], marked
+
+
+def test_an_anchor_queued_behind_a_backlog_is_refused_so_times_do_not_come_early(clocks: list[CudaEventClock]) -> None:
+    clock, x, marked = backlogged_renewal(clocks, window_ns=200_000)
+    assert clock.anchors_refused >= 1
+    assert abs(x - marked) <= 2 * MS  # converted with the last good anchor
+
+
+def test_with_no_bound_on_the_window_the_backlog_makes_times_early(clocks: list[CudaEventClock]) -> None:
+    # The same run with the window bound lifted: the error the bound prevents, so the test above can fail.
+    clock, x, marked = backlogged_renewal(clocks, window_ns=10**12)
+    assert clock.anchors_refused == 0
+    assert marked - x > 20 * MS  # early by about half the 60 ms the anchor waited
+
+
+def test_an_anchor_renewed_between_two_marks_keeps_their_interval(clocks: list[CudaEventClock]) -> None:
+    # 200 ppm of drift: without renewals the error would grow with time; with them it stays within the window.
+    gpu, got = FakeTorchCuda(drift_ppm=200), Got()
+    clock = make(clocks, gpu, got, anchor_interval_s=0.0)
+    clock.mark("a")
+    assert clock.flush(10)
+    anchors = clock.anchors
+    gpu.launch(30 * MS)
+    clock.mark("b")
+    assert clock.flush(10)
+    assert clock.anchors > anchors  # a new anchor between a and b
+    t = got.times()
+    device_gap = gpu.default_stream.busy_until - gpu.device_ns_of(t["a"])
+    assert t["b"] - t["a"] == pytest.approx(device_gap / (1 + gpu.drift), abs=2 * clock.anchor_window_ns + 0.2 * MS)
+
+
+def test_flush_returns_only_once_the_last_mark_is_delivered(clocks: list[CudaEventClock]) -> None:
+    gpu, got = FakeTorchCuda(), Got()
+    clock = make(clocks, gpu, got)
+    got.gate.clear()  # delivery of the first mark is held
+    clock.mark("a")
+    clock.mark("b")
+    assert not clock.flush(0.2)
+    got.gate.set()
+    assert clock.flush(10)
+    assert [p for p, _ in got.items] == ["a", "b"]
+
+
+def test_close_is_bounded_behind_an_event_that_never_completes(clocks: list[CudaEventClock],
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    gpu, got = FakeTorchCuda(), Got()
+    clock = CudaEventClock(got, 0, device=gpu)
+    clock.mark("done")
+    assert clock.flush(10)
+    gpu.launch(3600 * 10**9)  # a hung kernel, or a receive whose sender died
+    clock.mark("never")
+    caplog.set_level(logging.WARNING)
+    started = time.monotonic()
+    clock.close(timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    assert "not resolved" in caplog.text and "left behind" in caplog.text
+    assert gpu.released == []  # its stream is still waited on: not destroyed under the thread
+
+
+def test_close_releases_the_private_stream(clocks: list[CudaEventClock]) -> None:
+    gpu, got = FakeTorchCuda(), Got()
+    clock = CudaEventClock(got, 0, device=gpu)
+    clock.mark("a")
+    clock.close(timeout_s=5)
+    assert [p for p, _ in got.items] == ["a"]
+    assert gpu.released == gpu.private_streams and gpu.private_streams[0].private
