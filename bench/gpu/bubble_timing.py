@@ -5,10 +5,13 @@ products on the current stream; before each action that needs a neighbour's outp
 the stream (not the host) wait for an event recorded on a communication stream behind a timed sleep
 kernel, as NCCL's receive wait does. The host runs ahead; only the device idles. The stage runs under
 :class:`InstrumentedSchedule` (CUDA events, resolved off the training thread) and under the torch
-profiler. For every reported bubble the error is taken against the profiler's gap between the compute
-kernels around it, both relative to the iteration's first compute kernel (the two have different clock
-bases), for the start and the end. The mechanism's cost is the training thread's time per iteration
-with the instrumentation attached against detached, interleaved.
+profiler, each action bracketed by ``record_function`` with a label of its own; the profiler's device
+span of each action is the span of the kernels launched under its label (:func:`action_spans`), so no
+kernel's name matters (torch's sleep kernel is ``spin_kernel``, not "sleep"). For every reported bubble
+the error is taken against the profiler's gap between the actions around it, both relative to the
+iteration's first action (the two have different clock bases), for the start and the end. The
+mechanism's cost is the training thread's time per iteration with the instrumentation attached
+against detached, interleaved.
 
     python -m bench.gpu.bubble_timing [--iterations 60]
 """
@@ -64,20 +67,69 @@ class Schedule1F1B:
         self.waits_before = {s.before for s in self.model.cyclic_slots(stage.stage_index)}
         self.comm = stage.torch.cuda.Stream()
         self.wait_cycles = wait_cycles
+        self.iteration = 0
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         torch = self._stage.torch
-        for action in self.order:
+        it, self.iteration = self.iteration, self.iteration + 1
+        for j, action in enumerate(self.order):
             if action in self.waits_before:
                 with torch.cuda.stream(self.comm):
                     torch.cuda._sleep(self.wait_cycles)  # the neighbour's send, still in flight
                     arrived = torch.cuda.Event()
                     arrived.record(self.comm)
                 torch.cuda.current_stream().wait_event(arrived)  # the receive: the stream waits, not the host
-            if action.kind == "F":
-                self._stage.forward_one_chunk(action.microbatch, (), {})
-            else:
-                self._stage.backward_one_chunk(action.microbatch, loss=None, full_backward=True)
+            with torch.profiler.record_function(action_label(it, j)):
+                if action.kind == "F":
+                    self._stage.forward_one_chunk(action.microbatch, (), {})
+                else:
+                    self._stage.backward_one_chunk(action.microbatch, loss=None, full_backward=True)
+
+
+LABEL = "freeride.action:"
+
+
+def action_label(iteration: int, index: int) -> str:
+    return f"{LABEL}{iteration}:{index}"
+
+
+def _on_device(event: Any) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def action_spans(events: list[Any]) -> dict[str, tuple[float, float]]:
+    """Each labelled action's device span (first kernel start, last kernel end; the profiler's us).
+
+    Where the profiler records GPU-side annotations (a device event carrying the label), those are the
+    spans. Otherwise each label's span is that of the device kernels launched by the CPU-side annotation
+    or anything under it (a kernel's ``linked_correlation_id`` names the CPU op that launched it).
+    """
+    spans: dict[str, tuple[float, float]] = {}
+
+    def widen(label: str, start: float, end: float) -> None:
+        old = spans.get(label)
+        spans[label] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+
+    for e in events:
+        if _on_device(e) and e.name.startswith(LABEL) and e.time_range.end > e.time_range.start:
+            widen(e.name, e.time_range.start, e.time_range.end)
+    if spans:
+        return spans
+    kernels: dict[int, list[Any]] = {}
+    for e in events:
+        if _on_device(e) and getattr(e, "linked_correlation_id", 0) > 0:
+            kernels.setdefault(e.linked_correlation_id, []).append(e)
+    for e in events:
+        if _on_device(e) or not e.name.startswith(LABEL):
+            continue
+        stack, ids = [e], set()
+        while stack:
+            op = stack.pop()
+            ids.add(op.id)
+            stack.extend(getattr(op, "cpu_children", []))
+        for k in (k for i in ids for k in kernels.get(i, [])):
+            widen(e.name, k.time_range.start, k.time_range.end)
+    return spans
 
 
 class Sink:
@@ -91,6 +143,35 @@ class Sink:
 
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
         self.ends[(iteration, slot)] = int(end_ns or 0)
+
+
+def bubble_errors(spans: dict[str, tuple[float, float]], actions: dict[int, list[Any]], sink: Sink,
+                  schedule: Schedule1F1B, first_it: int, labelled_from: int,
+                  iterations: int) -> tuple[list[float], list[float]]:
+    """|ours - profiler's| for each bubble's start and end (us), both relative to the iteration's first action.
+
+    ``actions``: our measured actions per iteration (their ``start_ns``); ``sink``: the bubbles we reported;
+    the instrumentation's iteration ``first_it + k`` is the schedule's labelled iteration ``labelled_from + k``.
+    """
+    start_err: list[float] = []
+    end_err: list[float] = []
+    pos = {a: j for j, a in enumerate(schedule.order)}
+    for k in range(iterations):
+        it = first_it + k
+        labels = [action_label(labelled_from + k, j) for j in range(len(schedule.order))]
+        if it not in actions or not all(label in spans for label in labels):
+            continue
+        base_prof = spans[labels[0]][0]
+        base_ours = actions[it][0].start_ns
+        for slot in schedule.model.cyclic_slots(0):
+            key = (it, slot.index)
+            if key not in sink.starts or key not in sink.ends or slot.after is None or slot.before is None:
+                continue
+            prof_start = (spans[labels[pos[slot.after]]][1] - base_prof) * 1000
+            prof_end = (spans[labels[pos[slot.before]]][0] - base_prof) * 1000
+            start_err.append(abs((sink.starts[key] - base_ours) - prof_start) / 1000)
+            end_err.append(abs((sink.ends[key] - base_ours) - prof_end) / 1000)
+    return start_err, end_err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,43 +214,21 @@ def main(argv: list[str] | None = None) -> int:
     sink.starts.clear()
     sink.ends.clear()
     first_it = inst.iteration
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    labelled_from = schedule.iteration
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]  # CPU: the labels
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(10):
             inst.step()
             torch.cuda.synchronize()
     inst.flush()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if str(getattr(e, "device_type", "")).endswith("CUDA") and "sleep" not in e.name.lower()
-                     and e.time_range.end > e.time_range.start)
-    start_err, end_err = [], []
-    order = schedule.order
-    counts = [ns.kernels if a.kind == "F" else 2 * ns.kernels for a in order]
-    per_iteration = sum(counts)
-    slots = schedule.model.cyclic_slots(0)
-    for k in range(10):
-        it = first_it + k
-        ks = kernels[k * per_iteration:(k + 1) * per_iteration]
-        if len(ks) < per_iteration or it not in actions:
-            continue
-        bounds, i = [], 0  # (first kernel start, last kernel end) of each action, in us
-        for c in counts:
-            bounds.append((ks[i][0], ks[i + c - 1][1]))
-            i += c
-        base_prof = bounds[0][0]
-        base_ours = actions[it][0].start_ns
-        pos = {a: j for j, a in enumerate(order)}
-        for slot in slots:
-            key = (it, slot.index)
-            if key not in sink.starts or key not in sink.ends or slot.after is None or slot.before is None:
-                continue
-            prof_start = (bounds[pos[slot.after]][1] - base_prof) * 1000
-            prof_end = (bounds[pos[slot.before]][0] - base_prof) * 1000
-            start_err.append(abs((sink.starts[key] - base_ours) - prof_start) / 1000)
-            end_err.append(abs((sink.ends[key] - base_ours) - prof_end) / 1000)
+    spans = action_spans(list(prof.events()))
+    start_err, end_err = bubble_errors(spans, actions, sink, schedule, first_it, labelled_from, 10)
     cost_ms = [a - d for a, d in zip(host["attached"], host["detached"], strict=False)]
     data = {"start_error_us": pct(start_err), "end_error_us": pct(end_err),
             "host_ms_attached": pct(host["attached"]), "host_ms_detached": pct(host["detached"]),
             "host_cost_ms_per_iteration": pct(cost_ms), "marks_dropped": getattr(inst.clock, "dropped", 0),
+            "anchor_window_us": getattr(inst.clock, "anchor_window_ns", 0) / 1000,
+            "anchors_refused": getattr(inst.clock, "anchors_refused", 0),
             "wait_ms": ns.wait_ms, "kernels": ns.kernels, "size": ns.size}
     table = "\n".join([
         "| figure | p50 | p99 | max | count |", "|---|---|---|---|---|",

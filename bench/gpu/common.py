@@ -2,12 +2,20 @@
 
 Results go to ``bench/results/gpu-<model>/`` (``<model>`` from NVML, e.g. ``h100-80gb-hbm3``), each as
 ``NAME.json`` (every sample and the machine) and ``NAME.md`` (the table a reader wants).
+
+A manager is either in this process (:func:`gpu_manager`: the measurement process then holds no CUDA
+context of its own) or a real ``freeride manager`` process (:class:`ManagerProcess`), for measurements
+whose own process plays the trainer on the same GPU: the manager's threads must not share the
+trainer's interpreter.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,9 +25,10 @@ from typing import Any
 
 from bench.machine import gpu_info, gpu_slug, machine_info
 from freeride._manager.daemon import Manager
-from freeride._wire.client import BubbleStream, ControlClient
+from freeride._wire.client import BubbleStream, ControlClient, health_status
 from freeride.devices import open_device
 from freeride.endpoints import Endpoint
+from freeride.errors import ManagerUnavailable
 from freeride.measure import percentile
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
 
@@ -66,6 +75,69 @@ def gpu_manager(tmp: Path, mps: str = "auto", **kw: Any) -> Iterator[Manager]:
         yield manager
     finally:
         manager.stop()
+
+
+class ManagerProcess:
+    """``freeride manager --device cuda:0`` in a process of its own, on a private socket; a context manager
+    that returns once it is SERVING and stops it (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, state_dir: Path, *options: str, env: dict[str, str] | None = None,
+                 log_path: Path | None = None) -> None:
+        self.endpoint = Endpoint("unix", f"/tmp/fr-gpubench-{os.getpid()}-{time.monotonic_ns() % 10**6}.sock")
+        self.argv = [sys.executable, "-m", "freeride.cli", "manager", "--device", "cuda:0", "--endpoint",
+                     f"unix:{self.endpoint.address}", "--state-dir", str(state_dir), *options]
+        self.env = env
+        self.log_path = log_path or state_dir.parent / "manager.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ManagerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it for its whole life
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"freeride manager exited {self.proc.returncode}: see {self.log_path}")
+            try:
+                if health_status(self.endpoint) == "SERVING":
+                    return self
+            except ManagerUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise TimeoutError(f"freeride manager not SERVING within 60 s: see {self.log_path}")
+            time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def fresh_cuda_memory() -> None:
+    """Give back what this process's allocators cache and start their peak figures anew (between runs
+    of one process, so that one run's peak is not the one before's)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        import cupy
+    except ImportError:
+        return
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
 class Trainer:

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Download, where there is a network, the wheels a GPU machine without one may lack: the gRPC stack at
-# the versions the generated code needs, for CPython 3.12 on x86-64 Linux (the lent GPU machines'
-# Python). They land in .whl/ (git-ignored); bench/gpu/ensure_deps.py installs the ones it lacks.
+# Download, where there is a network, the wheels the lent GPU machine may lack: exactly those pinned in
+# bench/gpu/wheels.txt, built for ITS Python (CPython 3.12 on x86-64 Linux; PY_VERSION overrides),
+# whatever Python runs here. They land in .whl/ (git-ignored; carry it with the device tool's `carry`);
+# bench/gpu/ensure_deps.py installs there only the ones whose requirement is unmet. Never commit them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PY_VERSION:-3.12}
+PY_VERSION=${PY_VERSION:-3.12}
+PIP=${PIP:-python3 -m pip}
+mapfile -t pins < <(grep -v '^\s*#' bench/gpu/wheels.txt | grep -v '^\s*$')
 mkdir -p .whl
-want=()
-for pkg in grpcio grpcio-health-checking protobuf; do
-    want+=("$pkg==$(python3 -c "from importlib.metadata import version; print(version('$pkg'))")")
-done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
+rm -f .whl/*.whl
+# shellcheck disable=SC2086
+$PIP download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "${want[@]}"
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}"
 ls -l .whl

@@ -3,10 +3,11 @@ idle latency again, for each bundled task and a kernel-heavy synthetic one; with
 
 This process plays the trainer: it owns a CUDA context and, right after sending a bubble's end (or
 freezing the worker with SIGSTOP, which leaves its queued kernels running), launches tiny probe kernels
-back to back. The GPU counts as free of side-task kernels at the first of three consecutive probes that
-complete within twice the idle latency (measured first, with the GPU to itself). Under MPS the probe can
-run beside side-task kernels, so the figure is what matters to training either way: how long its kernels
-are held back.
+back to back. The GPU counts as free of side-task kernels at the first of three consecutive probes
+that complete within twice the idle latency (measured first, with the GPU to itself). Under MPS the
+probe can run beside side-task kernels, so the figure is what matters to training either way: how
+long its kernels are held back. The manager is a real ``freeride manager`` process, as in use: its
+threads do not share the trainer's interpreter, and it holds no CUDA context.
 
     python -m bench.gpu.park_tail [--trials 30] [--mps off|require]
 """
@@ -22,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.common import REPO, GiB, Trainer, client, gpu_manager, pct, wait_until, write_results
+from bench.gpu.common import REPO, GiB, ManagerProcess, Trainer, pct, results_dir, wait_until, write_results
+from freeride._wire.client import ControlClient
 from freeride.measure import median
 from freeride.messages import TaskSpec
 
@@ -58,21 +60,39 @@ class Probe:
 
     def until_free(self, since: float, timeout_s: float = 10.0) -> float:
         """Seconds from ``since`` (perf_counter) to the first of FREE_RUN fast probes in a row."""
-        run_start, run = 0.0, 0
+        run = FreeRun(self.idle_s)
         while time.perf_counter() - since < timeout_s:
             t0 = time.perf_counter()
-            if self.once() <= 2 * self.idle_s:
-                run_start, run = (t0, run + 1) if run else (t0, 1)
-                if run >= FREE_RUN:
-                    return run_start - since
-            else:
-                run = 0
+            if run.add(t0, self.once()):
+                return run.start - since
         return float("inf")
+
+
+class FreeRun:
+    """Probes in a row that took at most twice the idle latency; ``start`` is when the first of them began."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.start = 0.0
+        self.count = 0
+
+    def add(self, began: float, took: float) -> bool:
+        """One probe; True once FREE_RUN fast ones came in a row."""
+        if took > 2 * self.idle_s:
+            self.count = 0
+            return False
+        if self.count == 0:
+            self.start = began
+        self.count += 1
+        return self.count >= FREE_RUN
 
 
 def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Probe, mps: str) -> dict[str, Any]:
     park, stop = [], []
-    with tempfile.TemporaryDirectory() as tmp, gpu_manager(Path(tmp), mps=mps) as manager, client(manager) as c:
+    log = results_dir() / f"park_tail-{'mps' if mps == 'require' else 'no-mps'}-manager.log"
+    with tempfile.TemporaryDirectory() as tmp, \
+            ManagerProcess(Path(tmp) / "state", "--mps", mps, "--memory-poll-ms", "10", log_path=log) as manager, \
+            ControlClient(manager.endpoint) as c:
         task = c.submit(TaskSpec(target=target, args=args, memory_bytes=8 * GiB, working_dir=str(REPO))).task_id
         trainer = Trainer(manager.endpoint)
         wait_until(lambda: c.get(task).state == "PARKED", 120, f"{name} ready")
@@ -97,6 +117,8 @@ def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Pr
         trainer.close()
         stats = c.stats()
     ms = 1000.0
+    if mps == "require" and "MPS client" not in stats.device_info:
+        raise RuntimeError(f"the manager does not run its tasks as MPS clients: {stats.device_info}")
     return {"task": name, "park_ms": pct([v * ms for v in park]), "sigstop_ms": pct([v * ms for v in stop]),
             "manager_park_latency_ms": stats.park_latency_ms.__dict__, "samples_ms": {
                 "park": [v * ms for v in park], "sigstop": [v * ms for v in stop]}}

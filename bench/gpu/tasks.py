@@ -3,8 +3,11 @@
 * :class:`KernelStorm` queues ``kernels`` matrix products of ``size`` x ``size`` per step and returns at
   once, as CUDA code does: the kernel-heavy case for park tails and step-time accuracy.
 * :class:`CudaHog` holds ``mib_per_step`` more memory after every step, through torch's allocator
-  (``via="torch"``: the allocator cap stops it) or around it (``via="raw"``: a bare ``cudaMalloc``
-  through CuPy's runtime, which only the manager's watchdog sees).
+  (``via="torch"``: the allocator cap stops it), around it (``via="raw"``: a bare ``cudaMalloc``
+  through CuPy's runtime, which only the manager's watchdog sees), or on the host (``via="host"``:
+  the manager's resident-set watchdog caps a GPU worker's host memory too).
+* :class:`InheritedSettings` fails its step if its worker kept a CUDA setting of the manager's
+  environment that workers must drop (``CUDA_LAUNCH_BLOCKING``, allocator settings).
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ class CudaHog(SideTask):
     progress_unit = "MiB"
 
     def __init__(self, mib_per_step: int = 256, via: str = "torch") -> None:
-        if via not in ("torch", "raw"):
-            raise ValueError("via must be torch or raw")
+        if via not in ("torch", "raw", "host"):
+            raise ValueError("via must be torch, raw or host")
         self.mib = int(mib_per_step)
         self.via = via
         self.held: list[Any] = []
@@ -70,13 +73,35 @@ class CudaHog(SideTask):
             block = torch.empty(size, dtype=torch.uint8, device=self.device)
             block.fill_(1)
             self.held.append(block)
-        else:
+        elif self.via == "raw":
             import cupy
 
             self.held.append(cupy.cuda.runtime.malloc(size))  # around every pool: only NVML sees it
+        else:
+            page = bytearray(size)
+            page[::4096] = b"\x01" * len(page[::4096])  # touched: resident, not only reserved
+            self.held.append(page)
 
     def done(self) -> bool:
         return False
 
     def progress(self) -> float:
         return float(len(self.held) * self.mib)
+
+
+class InheritedSettings(SideTask):
+    """Fails if its worker still has a CUDA setting the manager's environment carried."""
+
+    def setup(self, ctx: TaskContext) -> None:
+        import os
+
+        from freeride.devices.cuda_driver import INHERITED_SETTINGS
+
+        self.kept = {k: os.environ[k] for k in INHERITED_SETTINGS if k in os.environ}
+
+    def step(self) -> None:
+        if self.kept:
+            raise RuntimeError(f"the worker kept {self.kept}")
+
+    def done(self) -> bool:
+        return False

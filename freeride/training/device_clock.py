@@ -126,6 +126,7 @@ ANCHOR_WINDOW_NS = 200_000
 _ANCHOR_SPIN_NS = 2_000_000
 #: After a refused anchor, the next is tried no sooner than this.
 _ANCHOR_RETRY_NS = 20_000_000
+_FIRST_ANCHOR_TRIES = 5
 
 
 class CudaEventClock:
@@ -229,6 +230,17 @@ class CudaEventClock:
         if not self.capture_safe:
             log.warning("device clock: this thread cannot leave global stream-capture mode: a CUDA graph "
                         "captured while it waits for an event may be invalidated")
+        # The first anchor at once, before the trainer queues work (the device is likely idle now): a
+        # first anchor taken behind a backlog would stand until a short one replaces it.
+        for _ in range(_FIRST_ANCHOR_TRIES):
+            try:
+                if self._take_anchor():
+                    break
+            except Exception:  # noqa: BLE001 - retried at the first mark
+                log.exception("device clock: no anchor yet")
+                break
+        self._next_anchor_ns = time.monotonic_ns() + (self._anchor_interval_ns if self.anchors_refused == 0
+                                                      else _ANCHOR_RETRY_NS)
         while True:
             try:
                 item = self._queue.get(timeout=0.05)

@@ -169,3 +169,60 @@ def test_nvml_sees_each_worker_within_its_cap(make_manager: Callable[..., Manage
     if pid not in used:
         pytest.skip("NVML does not list this container's PIDs (no host PID namespace): the worker's own report counts")
     assert 0 < used[pid] <= cap
+
+
+def test_a_gpu_tasks_host_memory_over_its_cap_fails_memory_limit(make_manager: Callable[..., ManagerHarness]) -> None:
+    h = make_manager(device="cuda:0")
+    task = submit(h, "bench.gpu.tasks:CudaHog", {"mib_per_step": 256, "via": "host"}, memory=1536 * MiB)
+    feeder = h.feeder(free_memory_bytes=40 * GiB)
+    feeder.run_until(lambda: h.client.get(task).state == "FAILED", length_ms=100, timeout_s=120)
+    feeder.close()
+    failure = h.client.get(task).failure
+    assert failure is not None and failure.kind == "MEMORY_LIMIT" and "of host memory" in failure.message, failure
+
+
+def _nvml_pids() -> set[int] | None:
+    """Every PID NVML lists on GPU 0 (compute, graphics, MPS clients); None without NVML."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pids = set()
+        for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+                   "nvmlDeviceGetMPSComputeRunningProcesses"):
+            try:
+                pids |= {p.pid for p in getattr(pynvml, fn)(handle)}
+            except pynvml.NVMLError:
+                pass
+        return pids
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def test_the_manager_holds_no_cuda_context_and_its_workers_drop_inherited_cuda_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuInit would make the manager an MPS client; CUDA_LAUNCH_BLOCKING from a trainer's job script would
+    # reach every side task.
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    sock, state = socket_path("gpu-noctx"), tmp_path / "state"
+    daemon = start_daemon(sock, state, "--memory-poll-ms", "10", device="cuda:0")
+    endpoint = Endpoint("unix", str(sock))
+    try:
+        with ControlClient(endpoint) as client:
+            task = client.submit(TaskSpec(target="bench.gpu.tasks:InheritedSettings", memory_bytes=2 * GiB,
+                                          working_dir=str(REPO))).task_id
+            feeder = BubbleFeeder(endpoint, free_memory_bytes=40 * GiB)
+            feeder.run_until(lambda: client.get(task).steps >= 2 or client.get(task).state == "FAILED",
+                             length_ms=100, timeout_s=120)
+            info = client.get(task)
+            pids = _nvml_pids()
+            feeder.close()
+        assert info.state != "FAILED", info.failure
+        if pids is not None and info.pid in pids:  # NVML sees this namespace's PIDs: the manager is not there
+            assert daemon.pid not in pids
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
