@@ -7,7 +7,7 @@ it. What the two libraries spell differently lives here and only here (:meth:`Ar
 CuPy is the logic they check.
 
 In a freeride worker CuPy allocates through torch's allocator, so a task's one memory cap covers
-both (see :mod:`freeride.devices.cuda`).
+both (see :mod:`freeride.devices.cuda_worker`).
 """
 
 from __future__ import annotations

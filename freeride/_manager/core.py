@@ -1159,6 +1159,7 @@ class SchedulerCore:
         if used <= task.memory_bytes:  # its host memory, on a device whose own memory is capped apart
             used = host
             beyond = f" of host memory beyond its worker's {format_mib(task.host_baseline_bytes)} baseline"
+            hint = " (libraries loaded in setup or a step count too)"
         elif task.baseline_bytes:
             beyond = f" beyond its worker's {format_mib(task.baseline_bytes)} baseline"
             hint = " (libraries first imported in setup or a step count too: import them at module level)"

@@ -5,9 +5,10 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
 1. Arrange to die with the manager (``PR_SET_PDEATHSIG``, and end-of-file on the channel).
 2. Read ``init``; prepare the device (core pinning and low priority on CPU; on CUDA the context,
    one cap for context, torch and CuPy, low priority and few threads: see
-   :mod:`freeride.devices.cuda`); import and construct the task. Report ``ready`` (with the CUDA
+   :mod:`freeride.devices.cuda_worker`); import and construct the task. Report ``ready`` (with the CUDA
    context's size, and the footprint the cap does not cover: on a CPU core the resident set of
-   the interpreter and the task's libraries), or ``failed`` and exit.
+   the interpreter and the task's libraries, on a GPU that resident set as the host baseline), or
+   ``failed`` and exit.
 3. Wait for a ``grant`` (deadline, margin). The first grant runs ``setup`` (and restores the last
    checkpoint); then, while ``now + p95 step time + margin <= deadline``, run ``step()``.
    **A step is timed in device time**: on CUDA ``step()`` returns once its kernels are queued, so

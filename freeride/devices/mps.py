@@ -13,7 +13,8 @@ named pipe with a reader, or a unix socket that accepts). That is what a client'
 it is the test, whatever the pid file says: a daemon in another PID namespace (the host's, seen from
 a container that shares its pipe directory) has a pid this process cannot see, yet workers join it;
 a pipe directory left behind by a daemon that died has a control pipe that nobody serves. The pid file
-only adds detail.
+only adds detail. Current daemons serve a unix socket: the probe connects and closes without a word,
+which the daemon logs as a connection without credentials and otherwise ignores.
 """
 
 from __future__ import annotations

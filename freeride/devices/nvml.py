@@ -183,8 +183,8 @@ class PyNvml:
         try:
             current = self._call("nvmlDeviceGetMigMode", self._nvml.nvmlDeviceGetMigMode, gpu)[0]
         except NvmlError as exc:
-            if exc.code in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND):
-                return []  # a GPU without MIG, or a driver from before it
+            if exc.code in (*_UNLISTABLE, NVML_ERROR_FUNCTION_NOT_FOUND):
+                return []  # a GPU without MIG, a driver from before it, or a mode this user may not read
             raise
         if current != _MIG_ENABLED:
             return []

@@ -1,6 +1,6 @@
 """The worker runtime on a GPU, with a fake device: steps in device time, one cap, resume from the CPU.
 
-The fake device stands for :class:`freeride.devices.cuda.CudaWorkerDevice`; what it records is what
+The fake device stands for :class:`freeride.devices.cuda_worker.CudaWorkerDevice`; what it records is what
 a real GPU worker would have asked of torch.cuda. A real GPU runs the same paths in ``tests/gpu/``.
 """
 
