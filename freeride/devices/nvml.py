@@ -286,6 +286,7 @@ class Deadline:
         self.timeout_s = timeout_s
         self._name = name
         self._cond = threading.Condition()
+        self._callers = threading.Lock()
         self._job: Callable[[], Any] | None = None
         self._result: tuple[bool, Any] | None = None
         self._busy_since = 0.0
@@ -308,6 +309,15 @@ class Deadline:
                 self._cond.notify_all()
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
+        # One reading at a time: a second caller waits its turn (at most the deadline), it is not "stuck".
+        if not self._callers.acquire(timeout=self.timeout_s):
+            raise NvmlError(f"NVML {what} waited {self.timeout_s:.0f} s behind another reading (a GPU in trouble?)")
+        try:
+            return self._call(what, fn)
+        finally:
+            self._callers.release()
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
         with self._cond:
             if self._job is not None:  # the last reading is still stuck
                 stuck_s = time.monotonic() - self._busy_since
