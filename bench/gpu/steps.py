@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None, *, check_gpu: bool = True) -> int:
     except LookupError as exc:
         print(f"missing here, with no carried wheel for: {exc} (bench/gpu/fetch_wheels.sh, then carry .whl/); the "
               "steps that need them are skipped", file=sys.stderr)
+    except subprocess.CalledProcessError as exc:
+        print(f"installing the carried wheels failed ({exc}); the steps that need them are skipped", file=sys.stderr)
     else:
         if wheels:
             print(f"installed from .whl/: {', '.join(w.name for w in wheels)}", flush=True)
