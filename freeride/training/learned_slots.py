@@ -1,20 +1,20 @@
 """Learned slots: waits the schedule model does not list, offered as bubbles once they recur.
 
-The schedule model (:mod:`freeride.training.schedules`) lists the idle slots that the action order
-implies at its reference cost ratio. Real pipelines wait in other places too: a stage slower than
-its neighbour (stage imbalance), communication latency, a cost ratio unlike the model's. In a 2-stage
-GPipe job with 8 micro-batches those waits took about a quarter of the ranks' time, counted as
-"unplanned" and never offered to side tasks.
+The schedule's action order says where a rank can wait: before an action that needs another rank's
+output (:mod:`freeride.training.rank_slots`); those are the modelled slots. A framework can wait in
+other places too: a blocking send, a collective after the schedule (DeepSpeed's loss broadcast), a
+second wait in one gap. Such a wait is still idle time, and it recurs at the same place.
 
-:class:`WaitLearner` watches every gap between two compute actions that no slot names, keyed by the
-action whose end opens it (its position in the rank's order is stable from one iteration to the
-next). A gap that recurs in ``recur_iterations`` consecutive iterations, each time at least
-``min_length_ns`` long and within ``max_spread`` of their median, becomes a **learned slot**: the
-instrumentation then reports it like a modelled slot (a bubble start when that action ends, an end
-when the next one begins), with the id ``LEARNED_SLOT_BASE + position`` (apart from every modelled
-id, which counts the modelled slots from 0) and ``learned=True`` on the wire, and a predicted length
-from what it measured (the predictor is seeded with those lengths). A learned slot that is missing or
-shorter than ``min_length_ns / 2`` in ``drop_after`` consecutive iterations is dropped again.
+:class:`WaitLearner` watches every wait that no slot names, keyed by its *site*: ``(position,
+ordinal)``, the position in the rank's order of the action the wait comes before (the order's length
+for a wait after the last action) and which wait of that gap it is (0 for the first). A site is
+stable from one iteration to the next. A wait that recurs in ``recur_iterations`` consecutive
+iterations, each time at least ``min_length_ns`` long and within ``max_spread`` of their median,
+becomes a **learned slot**: the tracker then reports it like a modelled slot, with the id
+``LEARNED_SLOT_BASE + position * WAITS_PER_GAP + ordinal`` (apart from every modelled id, which is a
+position) and ``learned=True`` on the wire, and a predicted length from what it measured (the
+predictor is seeded with those lengths). A learned slot that is missing or shorter than
+``min_length_ns / 2`` in ``drop_after`` consecutive iterations is dropped again.
 
 Pure: plain data in (each finished iteration's gaps and learned bubbles), the current slots out;
 called on the training thread when an iteration is delivered, so it costs nothing inside a step.
@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from freeride.errors import ConfigError
 from freeride.training.schedules import Action, IdleSlot
 
-#: Learned slot ids start here: a schedule never has this many modelled slots per rank.
+#: Learned slot ids start here: a rank's order never has this many actions.
 LEARNED_SLOT_BASE = 1 << 16
+#: Waits per gap a learned slot can name (a later one in the same gap stays unplanned).
+WAITS_PER_GAP = 8
 #: The kind a learned slot is reported with.
 LEARNED_KIND = "learned"
 
-ActionKey = tuple[str, int, int]  # (kind, stage index, micro-batch)
+Site = tuple[int, int]  # (position in the rank's order, ordinal of the wait in that gap)
 
 
 def is_learned(slot: int) -> bool:
@@ -61,28 +63,31 @@ class LearningConfig:
 class WaitLearner:
     """Learns one rank's recurring unmodelled waits (see the module docstring)."""
 
-    def __init__(self, rank: int, order: Sequence[ActionKey], config: LearningConfig | None = None) -> None:
+    def __init__(self, rank: int, order: Sequence[Action], config: LearningConfig | None = None) -> None:
         self.rank = rank
         self.config = config or LearningConfig()
-        self._position = {key: i for i, key in enumerate(order)}
-        self._history: dict[ActionKey, deque[int]] = {}
-        self._short: dict[ActionKey, int] = {}
-        #: The action whose end opens each learned slot -> that slot (replaced whole, never mutated:
-        #: the training thread's hook reads it without a lock).
-        self.opens: dict[ActionKey, IdleSlot] = {}
+        self._order = tuple(order)
+        self._history: dict[Site, deque[int]] = {}
+        self._short: dict[Site, int] = {}
+        #: Each learned slot by its site (replaced whole, never mutated: the training thread's hook
+        #: reads it without a lock).
+        self.opens: dict[Site, IdleSlot] = {}
 
-    def slot_id(self, key: ActionKey) -> int | None:
-        position = self._position.get(key)
-        return None if position is None else LEARNED_SLOT_BASE + position
+    def slot_id(self, site: Site) -> int | None:
+        """The learned slot id of a site, or None for a site no learned slot can name."""
+        position, ordinal = site
+        if not 0 <= position <= len(self._order) or not 0 <= ordinal < WAITS_PER_GAP:
+            return None
+        return LEARNED_SLOT_BASE + position * WAITS_PER_GAP + ordinal
 
-    def observe(self, gaps: Iterable[tuple[ActionKey, int]], learned: Iterable[tuple[int, int]]) -> list[IdleSlot]:
-        """Learn from one finished iteration: its unmodelled ``gaps`` (action that opened it, length) and
-        its ``learned`` slots' bubbles (slot id, length). Returns the slots learned by this iteration
+    def observe(self, gaps: Iterable[tuple[Site, int]], learned: Iterable[tuple[int, int]]) -> list[IdleSlot]:
+        """Learn from one finished iteration: its unplanned waits (``gaps``: site, length) and its
+        ``learned`` slots' bubbles (slot id, length). Returns the slots learned by this iteration
         (the caller seeds its predictor with :meth:`lengths`)."""
         cfg = self.config
-        seen: dict[ActionKey, int] = {}
+        seen: dict[Site, int] = {}
         for key, length in gaps:
-            if key in self._position:
+            if self.slot_id(key) is not None:
                 seen[key] = seen.get(key, 0) + length
         by_id = {slot.index: key for key, slot in self.opens.items()}
         for slot_id, length in learned:
@@ -113,7 +118,7 @@ class WaitLearner:
         self.opens = opens
         return new
 
-    def lengths(self, key: ActionKey) -> list[int]:
+    def lengths(self, key: Site) -> list[int]:
         """The lengths measured for ``key`` over the last iterations (what made it a slot)."""
         return list(self._history.get(key, ()))
 
@@ -125,9 +130,11 @@ class WaitLearner:
         median = ordered[len(ordered) // 2]
         return ordered[0] >= (1 - cfg.max_spread) * median and ordered[-1] <= (1 + cfg.max_spread) * median
 
-    def _slot(self, key: ActionKey, history: deque[int]) -> IdleSlot:
+    def _slot(self, key: Site, history: deque[int]) -> IdleSlot:
         ordered = sorted(history)
         slot_id = self.slot_id(key)
         assert slot_id is not None
+        position, order = key[0], self._order
         return IdleSlot(rank=self.rank, index=slot_id, start=0.0, length=float(ordered[len(ordered) // 2]),
-                        kind=LEARNED_KIND, before=None, after=Action(*key))
+                        kind=LEARNED_KIND, before=order[position] if position < len(order) else None,
+                        after=order[position - 1] if position else None)

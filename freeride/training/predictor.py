@@ -3,10 +3,15 @@
 :class:`BubblePredictor` keeps, for every ``(stage, slot)``, the recent measured lengths of that
 bubble. Until ``warmup`` measurements exist it predicts from the analytical model
 (:mod:`freeride.training.schedules`) evaluated with online-profiled forward and backward times
-(:class:`ComputeProfile`: an EWMA of measured compute durations). After that it predicts the
-median of the last ``window`` measurements: a bubble repeats every iteration at the same place, so
-its recent median is both accurate and robust to the odd outlier (a page fault, a GC pause, a noisy
-neighbour) that would drag a mean or an EWMA.
+(:class:`ComputeProfile`: an EWMA of measured compute durations). After that it predicts a
+quantile of the last ``window`` measurements: a bubble repeats every iteration at the same place, so
+its recent lengths say what the next one will be, robust to the odd outlier (a page fault, a GC
+pause, a noisy neighbour) that would drag a mean or an EWMA. The median (``quantile=0.5``, the
+default) is the most accurate single figure; a prediction that a side task's grant is cut to should
+rather be conservative where a slot's length varies, so that the grant rarely outlives the real
+wait: :class:`freeride.training.tracker.RankTracker` predicts the 10th percentile. Warm predictions
+are cached per slot until its next measurement, so the training thread's per-bubble cost is a dict
+lookup.
 
 Every prediction that is later measured is scored (``|predicted - measured| / measured``); the
 errors after warm-up are what ``prediction_error()`` summarises and what the benchmark reports.
@@ -82,8 +87,9 @@ class BubblePredictor:
     """Per-(stage, slot) bubble length prediction, seeded by a model and learned online.
 
     ``model`` maps a slot key to its modelled length in nanoseconds (or None when unknown); it is
-    consulted only while a slot has fewer than ``warmup`` measurements. Errors are scored for
-    every measurement, and kept apart for predictions made after warm-up.
+    consulted only while a slot has fewer than ``warmup`` measurements. ``quantile`` (a fraction)
+    is what a warm slot predicts of its recent lengths (module doc). Errors are scored for every
+    measurement, and kept apart for predictions made after warm-up.
     """
 
     def __init__(
@@ -93,13 +99,18 @@ class BubblePredictor:
         warmup: int = 3,
         fallback_ns: int = 1_000_000,
         max_errors: int = 100_000,
+        quantile: float = 0.5,
     ) -> None:
         if window < 1 or warmup < 0:
             raise ConfigError(f"window must be >= 1 and warmup >= 0, got {window}, {warmup}")
+        if not 0 <= quantile <= 1:
+            raise ConfigError(f"quantile must be in [0, 1], got {quantile}")
         self._model = model
         self.window = window
         self.warmup = warmup
         self.fallback_ns = fallback_ns
+        self.quantile = quantile
+        self._warm: dict[SlotKey, int] = {}  # cached warm predictions, dropped at the slot's next measurement
         self._history: dict[SlotKey, deque[int]] = {}
         self._count: dict[SlotKey, int] = {}
         self._errors: deque[float] = deque(maxlen=max_errors)
@@ -115,9 +126,13 @@ class BubblePredictor:
     def predict_ns(self, stage: int, slot: int) -> int:
         """The expected length of this slot's next occurrence (>= 1 ns)."""
         key = (stage, slot)
+        cached = self._warm.get(key)
+        if cached is not None:
+            return cached
         history = self._history.get(key)
         if history and self._count.get(key, 0) >= self.warmup:
-            return max(1, int(measure.median(history)))
+            cached = self._warm[key] = max(1, int(measure.percentile(history, 100 * self.quantile)))
+            return cached
         modelled = self._model(stage, slot) if self._model is not None else None
         if modelled is not None and modelled > 0:
             return max(1, int(modelled))
@@ -142,6 +157,12 @@ class BubblePredictor:
             history = self._history[key] = deque(maxlen=self.window)
         history.append(int(measured_ns))
         self._count[key] = self._count.get(key, 0) + 1
+        self._warm.pop(key, None)
+
+    def recent_ns(self, stage: int, slot: int, quantile: float) -> int | None:
+        """A quantile (a fraction) of the slot's recent measured lengths; None before any."""
+        history = self._history.get((stage, slot))
+        return int(measure.percentile(history, 100 * quantile)) if history else None
 
     def prediction_error(self, after_warmup: bool = True) -> ErrorSummary:
         """Relative error of the predictions scored so far (by default only after warm-up)."""

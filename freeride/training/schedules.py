@@ -110,9 +110,14 @@ class TimedAction:
 class IdleSlot:
     """One bubble of one rank per iteration.
 
-    ``start`` is the offset from the iteration's start (negative for a cyclic ``boundary`` slot,
-    which begins in the previous iteration); ``before`` is the action that ends the wait (None for a
-    ``tail``), ``after`` the action whose end begins it (None for a ``warmup``).
+    ``index`` is the slot's identity: the position, in the rank's action order, of the action that
+    ends the wait (0 for the ``warmup`` or the cyclic ``boundary``; the order's length for a ``tail``).
+    It does not depend on the action costs, so a slot keeps its id when the profiled costs change
+    which gaps the model finds, and every layout (this model, the trainer's instrumentation, the
+    planner) names a slot alike. ``start`` is the offset from the iteration's start (negative for a
+    cyclic ``boundary`` slot, which begins in the previous iteration); ``before`` is the action that
+    ends the wait (None for a ``tail``), ``after`` the action whose end begins it (None for a
+    ``warmup``).
     """
 
     rank: int
@@ -372,7 +377,8 @@ def _check_stage_costs(
     return checked
 
 
-def _dependency(action: Action, num_stages: int) -> Action | None:
+def input_dependency(action: Action, num_stages: int) -> Action | None:
+    """The action whose output ``action`` consumes, or None (a first stage's forward, a weight pass)."""
     if action.kind == FORWARD:
         return Action(FORWARD, action.stage - 1, action.microbatch) if action.stage > 0 else None
     if action.kind == BACKWARD_WEIGHT:
@@ -406,7 +412,7 @@ def simulate(
         for r, order in orders.items():
             while cursor[r] < len(order):
                 action = order[cursor[r]]
-                dep = _dependency(action, num_stages)
+                dep = input_dependency(action, num_stages)
                 ready = 0.0
                 if dep is not None:
                     done = ends.get(dep)
@@ -431,7 +437,8 @@ def simulate(
     return {r: tuple(t) for r, t in placed.items()}, makespan
 
 
-def _gap_kind(prev: Action | None, nxt: Action | None, first_backward: Action | None) -> str:
+def gap_kind(prev: Action | None, nxt: Action | None, first_backward: Action | None) -> str:
+    """The kind of the wait between ``prev`` and ``nxt`` (None: the iteration's start or end)."""
     if prev is None:
         return WARMUP
     if nxt is None:
@@ -447,21 +454,22 @@ def _find_slots(
     rank: int, timeline: Sequence[TimedAction], makespan: float, eps: float
 ) -> tuple[tuple[IdleSlot, ...], tuple[IdleSlot, ...]]:
     first_backward = next((t.action for t in timeline if t.action.is_backward), None)
-    gaps: list[tuple[float, float, Action | None, Action | None]] = []
+    # (start, length, position of the action that ends the gap, that action, the one before it)
+    gaps: list[tuple[float, float, int, Action | None, Action | None]] = []
     prev_end, prev = 0.0, None
-    for t in timeline:
+    for position, t in enumerate(timeline):
         if t.start - prev_end > eps:
-            gaps.append((prev_end, t.start - prev_end, t.action, prev))
+            gaps.append((prev_end, t.start - prev_end, position, t.action, prev))
         prev_end, prev = t.end, t.action
     tail = makespan - prev_end
     if tail > eps:
-        gaps.append((prev_end, tail, None, prev))
+        gaps.append((prev_end, tail, len(timeline), None, prev))
 
     slots = tuple(
-        IdleSlot(rank, i, start, length, _gap_kind(after, before, first_backward), before, after)
-        for i, (start, length, before, after) in enumerate(gaps)
+        IdleSlot(rank, position, start, length, gap_kind(after, before, first_backward), before, after)
+        for start, length, position, before, after in gaps
     )
-    # Cyclic layout: the tail joins the next iteration's warm-up into one boundary wait.
+    # Cyclic layout: the tail joins the next iteration's warm-up into one boundary wait (position 0).
     inner = [s for s in slots if s.kind not in (WARMUP, TAIL)]
     lead = next((s for s in slots if s.kind == WARMUP), None)
     end = next((s for s in slots if s.kind == TAIL), None)
@@ -471,10 +479,7 @@ def _find_slots(
         first = timeline[0].action if timeline else None
         last = timeline[-1].action if timeline else None
         cyclic.append(IdleSlot(rank, 0, -end.length if end else 0.0, length, BOUNDARY, first, last))
-    offset = len(cyclic)
-    cyclic.extend(
-        IdleSlot(rank, offset + i, s.start, s.length, s.kind, s.before, s.after) for i, s in enumerate(inner)
-    )
+    cyclic.extend(inner)
     return slots, tuple(cyclic)
 
 

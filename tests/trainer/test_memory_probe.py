@@ -49,7 +49,7 @@ def test_cpu_probe_counts_a_tensors_bytes_and_forwards_bubbles() -> None:
 
 
 class _Stage:
-    """Just what InstrumentedSchedule hooks: the three compute entry points of a PipelineStage."""
+    """Just what InstrumentedSchedule hooks: a PipelineStage's three compute entry points and its receives."""
 
     def __init__(self, stage_index: int, num_stages: int) -> None:
         self.stage_index = stage_index
@@ -63,6 +63,12 @@ class _Stage:
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        return []
 
 
 class Schedule1F1B:  # named like torch's: the instrumentation models it as 1f1b

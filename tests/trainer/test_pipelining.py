@@ -1,4 +1,4 @@
-"""InstrumentedSchedule on fake stages: slot mapping, sink calls, restore, and changed internals."""
+"""InstrumentedSchedule on fake stages: where torch waits, slot mapping, sink calls, restore, changed internals."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from freeride.training.instrument import InstrumentedSchedule, PipeliningInternalsChanged
+from freeride.training.rank_slots import RankPlan
 from freeride.training.schedules import build_schedule
 
 
@@ -27,6 +28,13 @@ class FakeStage:
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         self.calls.append(f"W{bwd_chunk_id}")
 
+    # Like torch's: a receive's ops, empty where there is no neighbour to receive from.
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[str]:
+        return [f"recv F{fwd_chunk_id}"] if self.stage_index > 0 else []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[str]:
+        return [f"recv B{bwd_chunk_id}"] if self.stage_index < self.num_stages - 1 else []
+
 
 class Schedule1F1B:  # named like torch's: the instrumentation models it as 1f1b
     def __init__(self, stage: FakeStage, n_microbatches: int, order: list[str] | None = None) -> None:
@@ -36,11 +44,13 @@ class Schedule1F1B:  # named like torch's: the instrumentation models it as 1f1b
         self.order = order or [a.label() for a in model.orders[stage.stage_index]]
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        for label in self.order:
+        for label in self.order:  # each receive's ops are made, then waited for, then the compute runs
             mb = int(label[1:])
             if label[0] == "F":
+                self._stage.get_fwd_recv_ops(mb)
                 self._stage.forward_one_chunk(mb, (), {})
             else:
+                self._stage.get_bwd_recv_ops(mb)
                 self._stage.backward_one_chunk(mb, loss=None, full_backward=True)
 
 
@@ -57,7 +67,7 @@ class RecordingSink:
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (3, 7)])
-def test_every_modelled_slot_is_reported_once_per_iteration(p: int, m: int) -> None:
+def test_every_wait_position_is_reported_once_per_iteration(p: int, m: int) -> None:
     model = build_schedule("1f1b", p, m)
     for rank in range(p):
         stage = FakeStage(rank, p)
@@ -65,7 +75,11 @@ def test_every_modelled_slot_is_reported_once_per_iteration(p: int, m: int) -> N
         inst = InstrumentedSchedule(Schedule1F1B(stage, m), sink=sink, device="cpu:0")
         for _ in range(3):
             inst.step()
-        want = [(s.index, s.kind) for s in model.cyclic_slots(rank)]
+        plan = RankPlan.from_orders(model.orders, rank)
+        # Every receive's wait, and the tail where the last backward sends to the previous rank.
+        assert plan.positions[-1] == (len(plan.order) if rank > 0 else len(plan.order) - 1)
+        want = [(k, plan.kind(k)) for k in plan.positions]
+        assert {s.index for s in model.cyclic_slots(rank)} <= set(plan.positions)
         for it in range(3):
             starts = [(e[2], e[3]) for e in sink.events if e[0] == "start" and e[1] == it]
             ends = [e[2] for e in sink.events if e[0] == "end" and e[1] == it]
@@ -113,7 +127,8 @@ def test_predictions_learn_the_measured_lengths() -> None:
         inst.step()
     err = inst.predictor.prediction_error()
     assert err.count > 0
-    assert inst.predictor.measurements(0, 0) == 12
+    first_backward = [a.kind for a in inst.tracker.plan.order].index("B")
+    assert inst.predictor.measurements(0, first_backward) == 12
 
 
 class DeferredDeviceClock:
@@ -156,32 +171,35 @@ def test_on_a_gpu_bubbles_are_reported_at_the_device_times_and_training_never_wa
                                 on_iteration=lambda it, bubbles: seen.append((it, [b.length_ns for b in bubbles])))
     clock = clocks[0]
     inst.step()  # returns with nothing resolved: the training thread never waited for the device
-    assert sink.events == [] and seen == [] and len(clock.pending) == 2 + 2 * 4  # begin, finish, 4 actions
-    # The device ran each action for 10 ms and idled between them as the receives dictated.
+    # begin, finish, 4 actions, and the waits for the two gradients
+    assert sink.events == [] and seen == [] and len(clock.pending) == 2 + 2 * 4 + 2
+    # The device ran each action for 10 ms and idled before each backward as the receives dictated.
     ms, t0 = 1_000_000, 10**9
     order = [a.label() for a in build_schedule("1f1b", 2, 2).orders[0]]
-    idle_before = {"F0": 4 * ms, "F1": 0, "B0": 7 * ms, "B1": 2 * ms}
+    idle_before = {"F0": 0, "F1": 0, "B0": 7 * ms, "B1": 2 * ms}
     times, marks, t = {}, [t0], t0
     for label in order:
+        if label[0] == "B":
+            marks.append(t)  # the wait's start: where the previous action's work ended
         t += idle_before[label]
         times[label] = (t, t + 10 * ms)
         marks += [t, t + 10 * ms]
         t += 10 * ms
     clock.resolve([*marks, t])
-    slots = build_schedule("1f1b", 2, 2).cyclic_slots(0)
     reported = {e[2]: [e[6]] for e in sink.events if e[0] == "start"}
     for e in sink.events:
         if e[0] == "end":
             reported[e[2]].append(e[3])
-    for slot in slots:  # each bubble at the device's times: one action's end to the next one's start
-        start = t0 if slot.after is None or slot.kind == "boundary" else times[slot.after.label()][1]
-        assert reported[slot.index] == [start, times[slot.before.label()][0]], slot
+    plan = inst.tracker.plan
+    assert sorted(reported) == list(plan.positions) == [2, 3]
+    for k in plan.positions:  # each bubble at the device's times: one action's end to the next one's start
+        assert reported[k] == [times[order[k - 1]][1], times[order[k]][0]]
     # Learned on the training thread, at the next step: the predictor and the profile see device time.
     assert seen == []
     inst.step()
     assert [it for it, _ in seen] == [0]
-    assert sorted(seen[0][1]) == sorted(reported[s.index][1] - reported[s.index][0] for s in slots)
-    assert all(inst.predictor.measurements(0, s.index) == 1 for s in slots)
+    assert sorted(seen[0][1]) == [2 * ms, 7 * ms]
+    assert all(inst.predictor.measurements(0, k) == 1 for k in plan.positions)
     assert [a.length_ns for a in inst.last_actions] == [10 * ms] * 4
     inst.close()
     assert clock.closed and "forward_one_chunk" not in vars(stage)

@@ -80,9 +80,11 @@ def test_1f1b_layout_per_stage() -> None:
     }
     assert [x.length for x in s.slots(0)] == [6.0, 1.0, 1.0, 1.0]
     assert [x.length for x in s.slots(2)] == [2.0, 2.0, 1.0, 4.0]
-    # Slot indices are positions, and each slot is bounded by the actions around it.
+    # A slot's index is the position of the action that ends it (the order's length for a tail).
     for r in range(4):
-        assert [x.index for x in s.slots(r)] == list(range(len(s.slots(r))))
+        order = s.orders[r]
+        assert [x.index for x in s.slots(r)] == [order.index(x.before) if x.before else len(order)
+                                                 for x in s.slots(r)]
     first = s.slots(0)[0]
     assert first.after == Action("F", 0, 3) and first.before == Action("B", 0, 0)
 
@@ -96,7 +98,7 @@ def test_cyclic_layout_merges_tail_and_warmup() -> None:
         assert cyc[0].length == pytest.approx(per_iter[0].length + per_iter[-1].length)
         assert cyc[0].length == pytest.approx(r * 3.0)  # r (t_f + t_b)
         assert len(cyc) == len(per_iter) - 1
-        assert [x.index for x in cyc] == list(range(len(cyc)))
+        assert [x.index for x in cyc] == [0] + [s.orders[r].index(x.before) for x in cyc[1:] if x.before]
     assert s.cyclic_slots(0) == s.slots(0)
 
 

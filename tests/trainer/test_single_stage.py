@@ -71,8 +71,8 @@ def test_stage_1_of_4_in_1f1b_waits_where_simulate_puts_its_idle_slots() -> None
     # warm-up 1), 4 for the first gradient, then 1 before B2 and before B3.
     got = [(str(w.action), w.length, w.slot.kind if w.slot else None, w.slot.index if w.slot else None)
            for w in plan.waits]
-    assert got == [("1F0", 3.0, "boundary", 0), ("1B0", 4.0, "turnaround", 1),
-                   ("1B2", 1.0, "drain", 2), ("1B3", 1.0, "drain", 3)]
+    assert got == [("1F0", 3.0, "boundary", 0), ("1B0", 4.0, "turnaround", 3),
+                   ("1B2", 1.0, "drain", 6), ("1B3", 1.0, "drain", 7)]
     model = build_schedule("1f1b", 4, 4, 1, 2)
     assert [(s.before, s.length) for s in model.cyclic_slots(1)] == [(w.action, w.length) for w in plan.waits]
     assert plan.period == model.makespan == 21.0

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from freeride.training.learned_slots import LEARNED_SLOT_BASE
+from freeride.training.rank_slots import RankPlan
 from freeride.training.schedules import build_schedule
 
 pytestmark = pytest.mark.slow
@@ -53,13 +54,15 @@ def test_two_stage_cpu_run_reports_the_modelled_bubbles(tmp_path: Path, schedule
         iterations = [r for r in records[rank] if not r.get("summary")]
         summary = next(r for r in records[rank] if r.get("summary"))
         assert [r["iteration"] for r in iterations] == list(range(ITERATIONS))
-        want = [(s.index, s.kind) for s in model.cyclic_slots(rank)]
-        assert summary["slots"] == [{"slot": i, "kind": k} for i, k in want]
+        plan = RankPlan.from_orders(model.orders, rank)
+        modelled = [(k, plan.kind(k)) for k in plan.positions]  # every wait the order implies
+        assert summary["slots"] == [{"slot": i, "kind": k} for i, k in modelled]
+        long = {(s.index, s.kind) for s in model.cyclic_slots(rank)}  # the waits the model finds long
         for record in iterations:
-            # Every modelled slot, every iteration; learned slots (recurring waits the model does not
-            # list) may come on top, with ids of their own.
+            # The long waits every iteration; the others where they were long enough to report; learned
+            # slots (recurring waits the model does not list) may come on top, with ids of their own.
             got = [(b["slot"], b["kind"]) for b in record["bubbles"] if b["kind"] != "learned"]
-            assert got == want, f"rank {rank} iteration {record['iteration']}"
+            assert long <= set(got) and set(got) <= set(modelled), f"rank {rank} iteration {record['iteration']}"
             assert all(b["slot"] >= LEARNED_SLOT_BASE for b in record["bubbles"] if b["kind"] == "learned")
             for b in record["bubbles"]:
                 assert b["length_ms"] >= 0 and b["predicted_ms"] > 0
@@ -79,7 +82,11 @@ def test_interleaved_run_reports_a_stable_layout_read_off_torchs_order(tmp_path:
     records = _run_trainer(tmp_path, "interleaved-1f1b", "--measure", "--layers", "4", "--virtual-stages", "2")
     for rank in (0, 1):
         summary = next(r for r in records[rank] if r.get("summary"))
-        want = [(s["slot"], s["kind"]) for s in summary["slots"]]
-        assert want
+        modelled = [(s["slot"], s["kind"]) for s in summary["slots"]]
+        assert modelled
+        reported = set()
         for record in (r for r in records[rank] if not r.get("summary")):
-            assert [(b["slot"], b["kind"]) for b in record["bubbles"] if b["kind"] != "learned"] == want
+            got = [(b["slot"], b["kind"]) for b in record["bubbles"] if b["kind"] != "learned"]
+            assert set(got) <= set(modelled)
+            reported |= set(got)
+        assert reported

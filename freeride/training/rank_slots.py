@@ -1,0 +1,219 @@
+"""Where one pipeline rank waits, and for how long, from any schedule's action order.
+
+**Where.** A rank waits only before a compute action that needs another rank's output: a forward
+whose previous model stage is held by another rank (the activation), a backward (``B`` or ``I``)
+whose next model stage is (the gradient). Everything else a rank's order holds is local: the first
+stage's forwards, the loss on the last stage, a weight pass (``W``) after its own ``I``, and, in
+V-shaped placements (rank ``r`` holds stages ``r`` and ``2p-1-r``: ZBV, DualPipeV), the hand-over
+between a rank's two stages at the bottom of the V. One more wait follows the last action: a rank
+whose last action sends to another rank waits, before its iteration ends, for that send to be taken
+(gloo's sends complete once the receiver has posted its receive; DeepSpeed's are blocking). So the
+order alone gives the *wait positions*: position ``k`` is the gap before the rank's ``k``-th action,
+position 0 is the wait across the iteration boundary, and the order's length is the tail
+(:class:`RankPlan`). The model's transfers are free, so it gives the tail no length: its length is
+measured. The torch runtime lowers the same facts into its
+``pipeline_order_with_comms`` (a ``RECV_F``/``RECV_B`` for exactly these actions), which the tests
+check.
+
+**How long.** :func:`steady_state` simulates back-to-back iterations of all ranks' orders (list
+scheduling, as :func:`freeride.training.schedules.simulate`, with free transfers) from a cost per
+action and each rank's time between iterations (the optimizer step, the next batch), and returns
+every rank's gap before every position in the last, steady iteration. A running trainer sees this
+layout: its ranks do not start an iteration together; each starts when its own previous iteration
+and optimizer step are done. With equal costs everywhere and no time between iterations, GPipe's and
+1F1B's steady gaps are the one-iteration model's (``Schedule.cyclic_slots``; tested).
+
+**Slot ids** are the positions (as in :class:`freeride.training.schedules.IdleSlot`): the slot of
+the wait before the rank's ``k``-th action is ``k``. They do not depend on the costs.
+
+Pure: no torch, no clock. :class:`freeride.training.tracker.RankTracker` evaluates it with
+online-profiled costs to predict a slot's length until the slot has been measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from freeride.errors import ConfigError
+from freeride.training.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BOUNDARY,
+    FORWARD,
+    Action,
+    IdleSlot,
+    gap_kind,
+    input_dependency,
+)
+
+
+def stage_ranks(orders: Mapping[int, Sequence[Action]]) -> dict[int, int]:
+    """Which rank holds each model stage, read off the orders (ConfigError if two ranks run one stage)."""
+    owner: dict[int, int] = {}
+    for rank, order in orders.items():
+        for action in order:
+            held = owner.setdefault(action.stage, rank)
+            if held != rank:
+                raise ConfigError(f"model stage {action.stage} runs on ranks {held} and {rank}")
+    return owner
+
+
+def consumer_stage(action: Action, num_stages: int) -> int | None:
+    """The model stage that consumes ``action``'s output, or None (a last forward, a first backward, W)."""
+    if action.kind == FORWARD:
+        return action.stage + 1 if action.stage < num_stages - 1 else None
+    if action.kind in (BACKWARD, BACKWARD_INPUT):
+        return action.stage - 1 if action.stage > 0 else None
+    return None
+
+
+def wait_positions(orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int) -> tuple[int, ...]:
+    """Positions in ``rank``'s order where it may wait: before each action that needs another rank's
+    output, and the tail (the order's length) when its last action sends to another rank."""
+    owner = stage_ranks(orders)
+    order = orders[rank]
+    positions = []
+    for k, action in enumerate(order):
+        dep = input_dependency(action, num_stages)
+        if dep is not None and owner.get(dep.stage, rank) != rank:
+            positions.append(k)
+    if order:
+        consumer = consumer_stage(order[-1], num_stages)
+        if consumer is not None and owner.get(consumer, rank) != rank:
+            positions.append(len(order))
+    return tuple(positions)
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """Back-to-back iterations simulated: each rank's gap before each position in a steady iteration
+    (``gaps[r][0]`` is the wait across the boundary, after the rank's time between iterations), and
+    the iteration period."""
+
+    gaps: Mapping[int, tuple[float, ...]]
+    period: float
+
+
+def steady_state(
+    orders: Mapping[int, Sequence[Action]],
+    num_stages: int,
+    cost: Callable[[Action], float],
+    between: Mapping[int, float] | float = 0.0,
+    iterations: int = 3,
+) -> SteadyState:
+    """Simulate ``iterations`` back-to-back iterations (see the module doc); ConfigError on a deadlock.
+
+    ``cost(action)`` is an action's duration; ``between`` what each rank spends between two
+    iterations (one figure for all, or per rank). Three iterations reach the steady state of every
+    schedule torch offers (the warm-up of iteration ``k+1`` overlaps only the cool-down of ``k``).
+    """
+    if iterations < 2:
+        raise ConfigError("steady_state needs at least 2 iterations")
+    gap_of = {r: float(between) for r in orders} if isinstance(between, (int, float)) else dict(between)
+    ranks = list(orders)
+    length = {r: len(orders[r]) for r in ranks}
+    ends: dict[tuple[int, Action], float] = {}
+    starts: dict[tuple[int, int, int], float] = {}  # (rank, iteration, position) -> start
+    cursor = {r: 0 for r in ranks}  # over iterations * positions
+    free_at = {r: 0.0 for r in ranks}
+    total = sum(length.values()) * iterations
+    placed = 0
+    while placed < total:
+        progressed = False
+        for r in ranks:
+            order = orders[r]
+            while cursor[r] < length[r] * iterations:
+                it, k = divmod(cursor[r], length[r])
+                action = order[k]
+                ready = free_at[r] + (gap_of.get(r, 0.0) if k == 0 and it > 0 else 0.0)
+                dep = input_dependency(action, num_stages)
+                if dep is not None:
+                    done = ends.get((it, dep))
+                    if done is None and dep.kind in (BACKWARD, BACKWARD_INPUT):
+                        other = BACKWARD_INPUT if dep.kind == BACKWARD else BACKWARD
+                        done = ends.get((it, Action(other, dep.stage, dep.microbatch)))
+                    if done is None:
+                        break
+                    ready = max(ready, done)
+                starts[(r, it, k)] = ready
+                free_at[r] = ends[(it, action)] = ready + cost(action)
+                cursor[r] += 1
+                placed += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(orders[r][cursor[r] % length[r]]) for r in ranks if cursor[r] < length[r] * iterations}
+            raise ConfigError(f"schedule deadlocks: ranks wait on {stuck}")
+    last = iterations - 1
+    gaps: dict[int, tuple[float, ...]] = {}
+    for r in ranks:
+        order = orders[r]
+        row = []
+        for k in range(length[r]):
+            prev_end = ends[(last, order[k - 1])] if k else ends[(last - 1, order[-1])] + gap_of.get(r, 0.0)
+            row.append(max(0.0, starts[(r, last, k)] - prev_end))
+        gaps[r] = tuple(row)
+    first = next(r for r in ranks if length[r])
+    period = starts[(first, last, 0)] - starts[(first, last - 1, 0)]
+    return SteadyState(gaps, period)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's order and the positions where it may wait (module doc); pure data.
+
+    ``order`` is the rank's compute actions of one iteration, every model stage it holds merged in
+    the order it runs them; ``orders`` every rank's (the simulation needs them all).
+    """
+
+    rank: int
+    orders: Mapping[int, tuple[Action, ...]]
+    num_stages: int
+    positions: tuple[int, ...]
+
+    @classmethod
+    def from_orders(cls, orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int | None = None) -> RankPlan:
+        if rank not in orders or not orders[rank]:
+            raise ConfigError(f"rank {rank} has no actions in the schedule's order (ranks: {sorted(orders)})")
+        frozen = {int(r): tuple(o) for r, o in orders.items()}
+        stages = max(a.stage for o in frozen.values() for a in o) + 1
+        if num_stages is None:
+            num_stages = stages
+        elif num_stages < stages:
+            raise ConfigError(f"the orders name model stage {stages - 1} but num_stages is {num_stages}")
+        return cls(rank, frozen, num_stages, wait_positions(frozen, rank, num_stages))
+
+    @property
+    def order(self) -> tuple[Action, ...]:
+        return self.orders[self.rank]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The model stages this rank holds."""
+        return tuple(sorted({a.stage for a in self.order}))
+
+    def kind(self, position: int) -> str:
+        """The slot kind of the wait before ``position`` (``boundary`` at 0, ``tail`` past the end)."""
+        order = self.order
+        if position == 0:
+            return BOUNDARY
+        first_backward = next((a for a in order if a.is_backward), None)
+        return gap_kind(order[position - 1], order[position] if position < len(order) else None, first_backward)
+
+    def slot(self, position: int, length: float = 0.0, start: float = 0.0, kind: str | None = None) -> IdleSlot:
+        """The :class:`IdleSlot` of the wait before ``position`` (id ``position``)."""
+        order = self.order
+        before = order[position] if position < len(order) else None
+        after = order[position - 1] if position else order[-1]
+        return IdleSlot(self.rank, position, start, length, kind or self.kind(position), before, after)
+
+    def slots(self, lengths: Mapping[int, float] | None = None) -> tuple[IdleSlot, ...]:
+        """Every wait position's slot, with its modelled length where ``lengths`` has one."""
+        lengths = lengths or {}
+        return tuple(self.slot(k, lengths.get(k, 0.0)) for k in self.positions)
+
+    def modelled_lengths(self, cost: Callable[[Action], float], between: Mapping[int, float] | float = 0.0
+                         ) -> dict[int, float]:
+        """The steady-state gap before each wait position for these costs (see :func:`steady_state`)."""
+        gaps = steady_state(self.orders, self.num_stages, cost, between).gaps[self.rank]
+        return {k: gaps[k] if k < len(gaps) else 0.0 for k in self.positions}

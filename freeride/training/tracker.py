@@ -1,0 +1,516 @@
+"""One pipeline rank's bubbles, from marks a framework adapter makes: no framework, no torch.
+
+A :class:`RankTracker` turns where a rank computes and where it waits into reported bubbles. An
+adapter (torch pipelining's :class:`~freeride.training.instrument.InstrumentedSchedule`, and those
+for DeepSpeed, Megatron Core, torchtitan) hooks its framework and calls, on the training thread:
+
+=================================  ==================================================================
+``iteration_begin()``              an iteration (one ``step`` / ``train_batch``) starts
+``compute_begin(kind, stage, mb)`` a compute action starts: ``kind`` ``F``/``B``/``I``/``W``
+                                   (:mod:`freeride.training.schedules`) of micro-batch ``mb`` on model
+                                   stage ``stage``; it also ends a wait still open
+``compute_end(kind, stage, mb)``   that action ends
+``wait_begin()``                   the framework starts waiting for another rank (a receive's wait,
+                                   a blocking send, a collective): call it where the wait really
+                                   starts, after any local work of the gap (the loss, posting sends)
+``wait_end()``                     the wait is over (optional where the next compute begins at once)
+``iteration_end()``                the iteration's last mark (after the framework's last wait)
+=================================  ==================================================================
+
+Each mark costs a few microseconds and never blocks: nothing on the training thread waits for
+freeride or for the device.
+
+**Slots.** The tracker is given every rank's planned action order (each a list of
+:class:`~freeride.training.schedules.Action`, the model stages of a rank merged in the order it runs
+them: any schedule, V-shaped placements included). From it
+(:class:`~freeride.training.rank_slots.RankPlan`) it knows the *wait positions*: the gaps before the
+actions that need another rank's output. A wait's *site* is ``(position, ordinal)``: the position of
+the action it comes before (counted by ``compute_begin`` calls since ``iteration_begin``; the
+order's length after the last one) and which wait of that gap it is. The first wait at a wait
+position is that position's **modelled slot** (slot id = position; position 0 is the ``boundary``
+across iterations). Any other wait (a send that blocks, a collective after the schedule, a second wait
+in a gap) is *unplanned* until it recurs with a stable length: then it becomes a **learned slot**
+(:mod:`freeride.training.learned_slots`), the exception.
+
+**Predictions.** A slot's predicted length is, until it has been measured 3 times, the steady-state
+gap at its position from :func:`~freeride.training.rank_slots.steady_state` with the rank's
+online-profiled costs (per model stage and kind; stages of other ranks at this rank's mean per kind)
+and its measured time between iterations; then the 10th percentile of its last 16 lengths
+(:class:`~freeride.training.predictor.BubblePredictor`): conservative where a slot varies, so a grant
+cut to it rarely outlives the real wait. A modelled slot whose recent lengths are nearly all
+(90th percentile) under ``report_min_ns`` is measured but not reported (a bubble nothing fits in,
+sent every iteration, would only cost the reporter's thread); it is reported again as soon as it
+grows.
+
+**Device time.** ``device`` picks the clock: on ``cuda:N`` each mark records a CUDA event on the
+current stream, resolved off the training thread (:mod:`freeride.training.device_clock`; the only
+path that imports torch, when the tracker is made); elsewhere the host clock, inline. Bubbles are
+reported to the ``sink`` as the clock delivers them; what an iteration measured is learned on the
+training thread at the next ``iteration_begin`` (or :meth:`RankTracker.flush`) after the clock
+delivered it.
+
+Example: an adapter for a framework that runs one rank's actions in a loop::
+
+    tracker = RankTracker(orders, rank, sink=BubbleReporter("cuda:0", stage=rank, rank=rank),
+                          device="cuda:0")
+    tracker.iteration_begin()
+    for action in orders[rank]:
+        if needs_receive(action):
+            tracker.wait_begin()
+            work.wait()                       # the framework's own receive wait
+        tracker.compute_begin(action.kind, action.stage, action.microbatch)
+        run(action)
+        tracker.compute_end(action.kind, action.stage, action.microbatch)
+    tracker.iteration_end()
+    ...
+    tracker.close()                           # at the end of training
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from freeride.errors import ConfigError
+from freeride.messages import UNKNOWN_MEMORY
+from freeride.training.device_clock import HostClock, MarkClock
+from freeride.training.learned_slots import LEARNED_KIND, LearningConfig, Site, WaitLearner
+from freeride.training.predictor import BubblePredictor, ComputeProfile
+from freeride.training.rank_slots import RankPlan
+from freeride.training.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    Action,
+    IdleSlot,
+)
+
+log = logging.getLogger(__name__)
+
+ActionKey = tuple[str, int, int]  # (kind, model stage, micro-batch)
+
+#: Costs (ns) the model assumes before any action was measured: the reference 1 : 2 ratio.
+DEFAULT_COSTS_NS = {FORWARD: 1e6, BACKWARD: 2e6, BACKWARD_INPUT: 1e6, BACKWARD_WEIGHT: 1e6}
+
+
+class BubbleSink(Protocol):
+    """Where bubbles go: a :class:`freeride.training.reporter.BubbleReporter`, or a recorder in tests."""
+
+    def bubble_start(
+        self,
+        iteration: int,
+        slot: int,
+        kind: str,
+        predicted_ns: int,
+        free_memory_bytes: int = UNKNOWN_MEMORY,
+        start_ns: int | None = None,
+        learned: bool = False,  # passed (True) only for a learned slot: a sink of modelled slots may omit it
+    ) -> None: ...
+
+    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class MeasuredBubble:
+    """One wait at a slot, as the rank saw it; ``reported``: sent to the sink (module doc)."""
+
+    iteration: int
+    slot: int
+    kind: str
+    start_ns: int
+    end_ns: int
+    predicted_ns: int
+    free_memory_bytes: int
+    reported: bool = True
+
+    @property
+    def length_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True)
+class MeasuredAction:
+    """One compute action as the rank ran it: ``kind`` of ``microbatch`` on model stage ``stage``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start_ns: int
+    end_ns: int
+
+    @property
+    def length_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+class MemorySampler:
+    """Free device memory for bubble reports, never synchronising the device.
+
+    :meth:`refresh` (called between iterations) takes one real sample at most every
+    ``refresh_interval_s`` (a host memory query costs tens of microseconds, too much for every
+    iteration of a fast pipeline); :meth:`free_bytes` (called at each bubble start) adjusts the
+    sample by how much the caching allocator reserved since (CUDA), or returns it (CPU).
+    """
+
+    def __init__(self, device: str | None, refresh_interval_s: float = 0.5) -> None:
+        self._interval_ns = int(refresh_interval_s * 1e9)
+        self._last_ns = -self._interval_ns
+        self._cuda_index: int | None = None
+        if device and device.startswith("cuda"):
+            self._cuda_index = int(device.split(":", 1)[1]) if ":" in device else 0
+        self._free = UNKNOWN_MEMORY
+        self._reserved_at_sample = 0
+        self._enabled = device is not None
+
+    def refresh(self) -> None:
+        if not self._enabled:
+            return
+        now = time.monotonic_ns()
+        if now - self._last_ns < self._interval_ns and self._free >= 0:
+            return
+        self._last_ns = now
+        try:
+            if self._cuda_index is None:
+                import psutil
+
+                self._free = int(psutil.virtual_memory().available)
+            else:
+                import torch
+
+                self._free = int(torch.cuda.mem_get_info(self._cuda_index)[0])
+                self._reserved_at_sample = int(torch.cuda.memory_reserved(self._cuda_index))
+        except Exception:  # noqa: BLE001 - a missing figure is reported as unknown, never raised
+            self._free = UNKNOWN_MEMORY
+
+    def free_bytes(self) -> int:
+        if self._cuda_index is None or self._free < 0:
+            return self._free
+        try:
+            import torch
+
+            grown = int(torch.cuda.memory_reserved(self._cuda_index)) - self._reserved_at_sample
+        except Exception:  # noqa: BLE001
+            return self._free
+        return max(0, self._free - grown)
+
+
+def default_clock(device: str | None, consumer: Callable[[Any, int], None]) -> MarkClock:
+    """CUDA events on a CUDA device that torch can use; the host clock everywhere else."""
+    if device and device.startswith("cuda"):
+        import torch
+
+        from freeride.training.device_clock import CudaEventClock
+
+        if torch.cuda.is_available():
+            return CudaEventClock(consumer, int(device.split(":", 1)[1]) if ":" in device else 0)
+    return HostClock(consumer)
+
+
+class RankTracker:
+    """One rank's waits, mapped to slots, predicted, reported and learned (see the module doc).
+
+    ``orders`` maps every pipeline rank to its compute actions of one iteration; ``rank`` is this
+    one. ``sink`` receives the bubbles (None: measure only). ``device`` (``cpu:N``, ``cuda:N``) picks
+    the clock and the free-memory samples; ``clock`` overrides the clock (a factory taking the
+    consumer it must deliver to). ``on_iteration(iteration, bubbles)`` is called on the training
+    thread with each delivered iteration's reported bubbles; ``on_action_end(kind, stage, mb)`` at
+    every ``compute_end``, before its mark (a measuring hook: it must return in microseconds).
+    """
+
+    def __init__(
+        self,
+        orders: Mapping[int, Sequence[Action]],
+        rank: int,
+        sink: BubbleSink | None = None,
+        *,
+        num_stages: int | None = None,
+        device: str | None = None,
+        clock: Callable[[Callable[[Any, int], None]], MarkClock] | None = None,
+        predictor: BubblePredictor | None = None,
+        learning: LearningConfig | None = None,
+        on_iteration: Callable[[int, list[MeasuredBubble]], None] | None = None,
+        on_action_end: Callable[[str, int, int], None] | None = None,
+        report_min_ns: int = 200_000,
+        remodel_iterations: int = 5,
+    ) -> None:
+        if report_min_ns < 0:
+            raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
+        self.plan = RankPlan.from_orders(orders, rank, num_stages)
+        self.rank = rank
+        self.sink = sink
+        self.on_iteration = on_iteration
+        self.on_action_end = on_action_end
+        self.report_min_ns = report_min_ns
+        self.iteration = 0
+        self.profile = ComputeProfile()
+        self.memory = MemorySampler(device)
+        self.predictor = predictor or BubblePredictor(window=16, warmup=3, quantile=0.1)
+        self._model_ns: dict[int, float] = {}
+        self.predictor.set_model(lambda stage, slot: self._model_ns.get(slot))
+        self._remodel_left = remodel_iterations
+        self._between_ns: float | None = None  # EWMA of the rank's time between iterations
+        order = self.plan.order
+        self._keys: list[ActionKey] = [(a.kind, a.stage, a.microbatch) for a in order]
+        self._slots: dict[Site, IdleSlot] = {(k, 0): self.plan.slot(k) for k in self.plan.positions}
+        self._quiet: frozenset[int] = frozenset()  # modelled slots not reported (module doc)
+        self._remodel()
+        #: Recurring waits the model does not list, learned into slots (``learning``; max_slots=0: off).
+        self.learned = WaitLearner(rank, order, learning)
+        self._timeline = _Timeline(self)
+        self._cursor = 0  # compute actions begun in this iteration (training thread)
+        self._ordinal = 0  # waits begun in the current gap
+        self._order_warned = False
+        self._bubbles: list[MeasuredBubble] = []
+        self._actions: list[MeasuredAction] = []
+        self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(self._timeline.handle)
+
+    # ---------------------------------------------------------------- marks (training thread)
+
+    def iteration_begin(self) -> None:
+        self._deliver()
+        self.memory.refresh()
+        self._cursor = 0
+        self._ordinal = 0
+        self.clock.mark((_BEGIN, self.iteration, None))
+
+    def iteration_end(self) -> None:
+        self.clock.mark((_FINISH, self.iteration, None))
+        self.iteration += 1
+        if self.clock.synchronous:
+            self._deliver()
+
+    def compute_begin(self, kind: str, stage: int, microbatch: int) -> None:
+        key = (kind, stage, microbatch)
+        cursor = self._cursor
+        if cursor < len(self._keys) and self._keys[cursor] != key and not self._order_warned:
+            self._order_mismatch(key)
+        self._cursor = cursor + 1
+        self._ordinal = 0
+        self.clock.mark((_ENTER, key, None))
+
+    def compute_end(self, kind: str, stage: int, microbatch: int) -> None:
+        if self.on_action_end is not None:
+            self.on_action_end(kind, stage, microbatch)
+        self.clock.mark((_LEAVE, (kind, stage, microbatch), None))
+
+    def wait_begin(self) -> None:
+        site = (self._cursor, self._ordinal)
+        self._ordinal += 1
+        slot = self._slots.get(site) or self.learned.opens.get(site)
+        opens = None
+        if slot is not None:
+            index = slot.index
+            opens = (slot, self.predictor.predict_ns(self.rank, index), self.memory.free_bytes(),
+                     index not in self._quiet)
+        self.clock.mark((_WAIT, site, opens))
+
+    def wait_end(self) -> None:
+        self.clock.mark((_WAIT_END, None, None))
+
+    def _order_mismatch(self, key: ActionKey) -> None:
+        self._order_warned = True
+        kind, stage, mb = self._keys[self._cursor]
+        log.warning("[rank %d] the framework ran %s%s%d where the planned order has %s%s%d at position %d: "
+                    "bubble slots may be misattributed", self.rank, key[1], key[0], key[2], stage, kind, mb,
+                    self._cursor)
+
+    # ---------------------------------------------------------------- model
+
+    def cost_ns(self, action: Action) -> float:
+        """An action's cost for the model: profiled on its own stage, else this rank's mean of its kind
+        (a stage of another rank), else derived from the other kinds, else the reference default."""
+        profile = self.profile
+        for key in (f"{action.kind}{action.stage}", action.kind):
+            if profile.samples(key):
+                return profile.mean_ns(key)
+        b, i, w = (profile.mean_ns(k) if profile.samples(k) else 0.0
+                   for k in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        if action.kind == BACKWARD and i and w:
+            return i + w
+        if action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) and b:
+            return b / 2
+        return DEFAULT_COSTS_NS[action.kind]
+
+    def _remodel(self) -> None:
+        """Re-simulate the steady state with the profiled costs; refresh the modelled slot lengths."""
+        try:
+            self._model_ns = self.plan.modelled_lengths(self.cost_ns, self._between_ns or 0.0)
+        except ConfigError as exc:  # an order that deadlocks in the model: predictions fall back
+            log.warning("[rank %d] the schedule's order cannot be simulated: %s", self.rank, exc)
+            self._model_ns = {}
+
+    @property
+    def slots(self) -> tuple[IdleSlot, ...]:
+        """The modelled slots, with their current modelled lengths (ns)."""
+        return self.plan.slots(self._model_ns)
+
+    # ---------------------------------------------------------------- delivery (training thread)
+
+    def _deliver(self) -> None:
+        """Learn from, and hand out, every iteration the clock has finished (training thread)."""
+        while True:
+            try:
+                iteration, waits, actions, gaps, between_ns = self._timeline.done.popleft()
+            except IndexError:
+                return
+            observe = self.predictor.observe
+            for b in waits:
+                observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
+            for a in actions:
+                self.profile.observe(a.kind, a.length_ns)
+                self.profile.observe(f"{a.kind}{a.stage}", a.length_ns)
+            if between_ns is not None:
+                old = self._between_ns
+                self._between_ns = float(between_ns) if old is None else old + 0.2 * (between_ns - old)
+            self._learn(gaps, waits)
+            self._update_quiet(waits)
+            if self._remodel_left > 0 and actions:
+                self._remodel_left -= 1
+                self._remodel()
+            bubbles = [b for b in waits if b.reported]
+            self._bubbles, self._actions = bubbles, actions
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration(iteration, bubbles)
+                except Exception:  # noqa: BLE001 - a logging callback must not break training
+                    log.exception("on_iteration callback failed")
+
+    def _update_quiet(self, waits: list[MeasuredBubble]) -> None:
+        if not waits:
+            return
+        quiet = set(self._quiet)
+        for b in waits:
+            if b.kind == LEARNED_KIND or self.predictor.measurements(self.rank, b.slot) < self.predictor.warmup:
+                continue
+            high = self.predictor.recent_ns(self.rank, b.slot, 0.9) or 0
+            if high < self.report_min_ns:
+                quiet.add(b.slot)
+            else:
+                quiet.discard(b.slot)
+        if quiet != self._quiet:
+            self._quiet = frozenset(quiet)
+
+    def _learn(self, gaps: list[tuple[Site, int]], waits: list[MeasuredBubble]) -> None:
+        learned = [(b.slot, b.length_ns) for b in waits if b.kind == LEARNED_KIND]
+        for slot in self.learned.observe(gaps, learned):
+            site = next(s for s, x in self.learned.opens.items() if x.index == slot.index)
+            for length in self.learned.lengths(site):
+                self.predictor.observe(self.rank, slot.index, length)  # its first prediction: what recurred
+            log.info("[rank %d] a wait at position %d (wait %d of its gap) recurs (%.2f ms): learned slot %d",
+                     self.rank, site[0], site[1], slot.length / 1e6, slot.index)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the clock to resolve every mark, then deliver (off the training path: at the end of
+        training, or in a test). True when everything was delivered."""
+        done = self.clock.flush(timeout_s)
+        self._deliver()
+        return done
+
+    def close(self) -> None:
+        """Deliver what the clock still holds and stop it (on CUDA this waits for the device)."""
+        self.flush()
+        self.clock.close()
+
+    # ---------------------------------------------------------------- results
+
+    @property
+    def unplanned_waits(self) -> int:
+        """Waits at sites that no slot names (module doc)."""
+        return self._timeline.unplanned_waits
+
+    @property
+    def unplanned_wait_ns(self) -> int:
+        return self._timeline.unplanned_wait_ns
+
+    @property
+    def last_bubbles(self) -> list[MeasuredBubble]:
+        """The reported bubbles of the last iteration delivered (on CUDA, the last the device finished)."""
+        return list(self._bubbles)
+
+    @property
+    def last_actions(self) -> list[MeasuredAction]:
+        """The compute actions of the last iteration delivered, timed as the bubbles are."""
+        return list(self._actions)
+
+
+_BEGIN, _ENTER, _LEAVE, _WAIT, _WAIT_END, _FINISH = "begin", "enter", "leave", "wait", "wait-end", "finish"
+_Opens = tuple[IdleSlot, int, int, bool] | None  # slot, predicted ns, free bytes, reported
+
+
+class _Timeline:
+    """Turns the stamped marks of one rank, in order, into bubbles, actions and unplanned waits.
+
+    Runs wherever the clock delivers (the training thread on CPU, the device clock's thread on CUDA);
+    it reports to the sink as it goes and queues each finished iteration for the training thread.
+    """
+
+    def __init__(self, owner: RankTracker) -> None:
+        self._owner = owner
+        self.done: collections.deque[
+            tuple[int, list[MeasuredBubble], list[MeasuredAction], list[tuple[Site, int]], int | None]
+        ] = collections.deque()
+        self.unplanned_waits = 0
+        self.unplanned_wait_ns = 0
+        self._iteration = 0
+        self._open: tuple[Site, _Opens, int] | None = None  # site, what it opens, start
+        self._entered: dict[ActionKey, int] = {}
+        self._waits: list[MeasuredBubble] = []
+        self._actions: list[MeasuredAction] = []
+        self._gaps: list[tuple[Site, int]] = []
+        self._finished_ns: int | None = None
+        self._between_ns: int | None = None
+
+    def handle(self, payload: tuple[str, Any, Any], at_ns: int) -> None:
+        what, key, opens = payload
+        if what == _ENTER:
+            self._close(at_ns)
+            self._entered[key] = at_ns
+        elif what == _LEAVE:
+            begin = self._entered.pop(key, at_ns)
+            self._actions.append(MeasuredAction(key[0], key[1], key[2], begin, at_ns))
+        elif what == _WAIT:
+            self._close(at_ns)
+            self._open = (key, opens, at_ns)
+            if opens is not None and opens[3]:
+                sink = self._owner.sink
+                if sink is not None:
+                    slot, predicted, free, _ = opens
+                    if slot.kind == LEARNED_KIND:
+                        sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns, learned=True)
+                    else:
+                        sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
+        elif what == _WAIT_END:
+            self._close(at_ns)
+        elif what == _BEGIN:
+            self._iteration, self._waits, self._actions, self._gaps = key, [], [], []
+            self._entered.clear()
+            self._between_ns = None if self._finished_ns is None else at_ns - self._finished_ns
+        else:  # _FINISH
+            self._close(at_ns)
+            self._finished_ns = at_ns
+            self.done.append((key, self._waits, self._actions, self._gaps, self._between_ns))
+            self._waits, self._actions, self._gaps = [], [], []
+
+    def _close(self, at_ns: int) -> None:
+        opened = self._open
+        if opened is None:
+            return
+        self._open = None
+        site, opens, start = opened
+        if opens is None:
+            self.unplanned_waits += 1
+            self.unplanned_wait_ns += at_ns - start
+            self._gaps.append((site, at_ns - start))
+            return
+        slot, predicted, free, reported = opens
+        if reported:
+            sink = self._owner.sink
+            if sink is not None:
+                sink.bubble_end(self._iteration, slot.index, at_ns)
+        self._waits.append(MeasuredBubble(self._iteration, slot.index, slot.kind, start, at_ns, predicted, free,
+                                          reported))

@@ -1,0 +1,189 @@
+"""RankTracker on fakes: waits mapped to slots, predictions from the model then conservative, learned
+slots only where the model has none, quiet slots, and no torch on import.
+
+Every test drives the tracker's marks itself on a fake clock (the test says what time it is), the way
+an adapter would: so no test depends on real time.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from freeride.errors import ConfigError
+from freeride.training.learned_slots import LEARNED_KIND, LEARNED_SLOT_BASE, WAITS_PER_GAP, LearningConfig
+from freeride.training.schedules import BOUNDARY, Action, build_schedule
+from freeride.training.tracker import RankTracker
+
+MS = 1_000_000
+
+
+class FakeClock:
+    """The host clock's shape (every mark delivered at once), on the test's time."""
+
+    synchronous = True
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.now = 10**12
+
+    def mark(self, payload: Any) -> None:
+        self.consumer(payload, self.now)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, int, str, int, bool, int]] = []
+        self.ends: list[tuple[int, int, int]] = []
+
+    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
+                     start_ns: int | None = None, learned: bool = False) -> None:
+        self.starts.append((iteration, slot, kind, predicted_ns, learned, int(start_ns or 0)))
+
+    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
+        self.ends.append((iteration, slot, int(end_ns or 0)))
+
+
+def make(orders: dict[int, list[Action]] | Any, rank: int, **kwargs: Any) -> tuple[RankTracker, FakeClock, Sink]:
+    clocks: list[FakeClock] = []
+    sink = Sink()
+
+    def clock(consumer: Any) -> FakeClock:
+        clocks.append(FakeClock(consumer))
+        return clocks[-1]
+
+    tracker = RankTracker(orders, rank, sink, clock=clock, **kwargs)
+    return tracker, clocks[0], sink
+
+
+def run_iteration(tracker: RankTracker, clock: FakeClock, cost_ms: dict[str, float],
+                  waits_ms: dict[tuple[int, int], float], between_ms: float = 1.0) -> None:
+    """One iteration of the rank's order: action kinds cost ``cost_ms``; ``waits_ms[(position, ordinal)]``
+    is a marked wait of that length (0 ms: a wait marked but over at once)."""
+    tracker.iteration_begin()
+    order = tracker.plan.order
+    for k in range(len(order) + 1):
+        for ordinal in range(WAITS_PER_GAP):
+            if (k, ordinal) not in waits_ms:
+                break
+            tracker.wait_begin()
+            clock.now += int(waits_ms[(k, ordinal)] * MS)
+            tracker.wait_end()
+        if k == len(order):
+            break
+        a = order[k]
+        tracker.compute_begin(a.kind, a.stage, a.microbatch)
+        clock.now += int(cost_ms[a.kind] * MS)
+        tracker.compute_end(a.kind, a.stage, a.microbatch)
+    tracker.iteration_end()
+    clock.now += int(between_ms * MS)
+
+
+def test_importing_the_tracker_does_not_import_torch() -> None:
+    code = "import sys, freeride.training.tracker; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_wait_is_reported_as_the_slot_of_its_position_at_its_own_times() -> None:
+    orders = build_schedule("1f1b", 2, 4).orders  # rank 1: F0 B0 F1 B1 F2 B2 F3 B3, every one received
+    tracker, clock, sink = make(orders, 1)
+    assert tracker.plan.positions == (0, 2, 4, 6, 8)  # each forward's activation; the tail (B3's send)
+    run_iteration(tracker, clock, {"F": 1, "B": 2}, {(0, 0): 3, (2, 0): 0.5, (8, 0): 0.25})
+    assert [(s[1], s[2]) for s in sink.starts] == [(0, BOUNDARY), (2, "steady"), (8, "tail")]
+    t0 = sink.starts[0][5]
+    assert [(s[1], s[5] - t0) for s in sink.starts] == [(0, 0), (2, 6 * MS), (8, 15_500_000)]
+    assert [(e[1], e[2] - t0) for e in sink.ends] == [(0, 3 * MS), (2, 6_500_000), (8, 15_750_000)]
+    assert [b.length_ns for b in tracker.last_bubbles] == [3 * MS, MS // 2, MS // 4]
+    assert tracker.unplanned_waits == 0
+
+
+def test_cold_predictions_come_from_the_model_with_the_profiled_costs() -> None:
+    # GPipe, 2 ranks: rank 0 waits before its first backward for rank 1's forward and backward of
+    # micro-batch 3: (t_f + t_b) after its own last forward.
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)
+    assert tracker.plan.positions == (4, 5, 6, 7)
+    run_iteration(tracker, clock, {"F": 2, "B": 4}, {(k, 0): 6 for k in (4,)})
+    assert sink.starts[0][3] == 3 * MS  # before anything was measured: 1 ms forwards, 2 ms backwards
+    run_iteration(tracker, clock, {"F": 2, "B": 4}, {(k, 0): 6 for k in (4,)})
+    assert sink.starts[1][3] == 6 * MS  # the model with the profiled 2 ms and 4 ms
+    assert {s.index: s.length for s in tracker.slots}[4] == 6 * MS
+
+
+def test_warm_predictions_are_a_low_quantile_so_a_grant_rarely_outlives_the_wait() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)
+    lengths = [5.0, 9.0, 6.0, 8.0, 5.5, 7.0, 9.5, 6.5, 8.5, 5.2, 7.5, 6.2, 9.2, 5.8, 8.8, 7.2] * 3
+    for ms in lengths:
+        run_iteration(tracker, clock, {"F": 1, "B": 2}, {(4, 0): ms})
+    predicted = [s[3] for s in sink.starts][3:]  # warm from the fourth on
+    measured = [int(ms * MS) for ms in lengths][3:]
+    past_the_end = sum(p > m for p, m in zip(predicted, measured, strict=True))
+    assert past_the_end <= 0.1 * len(measured)
+    assert all(p >= 5 * MS for p in predicted)  # yet not below what the slot always gives
+
+
+def test_waits_where_the_order_has_no_receive_are_unplanned_until_they_recur_then_learned() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders  # rank 0's forwards need nothing from rank 1
+    tracker, clock, sink = make(orders, 0, learning=LearningConfig(recur_iterations=3, min_length_ns=MS))
+    learned_id = LEARNED_SLOT_BASE + 3 * WAITS_PER_GAP  # before F3 (say, a blocking send of F2)
+    for _ in range(3):
+        run_iteration(tracker, clock, {"F": 1, "B": 2}, {(3, 0): 2, (4, 0): 3})
+    assert [s for s in sink.starts if s[4]] == []
+    assert tracker.unplanned_wait_ns == 6 * MS
+    for _ in range(2):
+        run_iteration(tracker, clock, {"F": 1, "B": 2}, {(3, 0): 2, (4, 0): 3})
+    assert [(s[0], s[1], s[2], s[3]) for s in sink.starts if s[4]] == [(it, learned_id, LEARNED_KIND, 2 * MS)
+                                                                        for it in (3, 4)]
+    assert tracker.unplanned_wait_ns == 6 * MS  # no longer unplanned: reported
+    # The modelled slot's recurring wait never became a learned one.
+    assert {s[1] for s in sink.starts if not s[4]} == {4} and list(tracker.learned.opens) == [(3, 0)]
+
+
+def test_a_second_wait_in_a_gap_is_no_modelled_slot() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0, learning=LearningConfig(max_slots=0))
+    run_iteration(tracker, clock, {"F": 1, "B": 2}, {(4, 0): 3, (4, 1): 2})
+    assert [s[1] for s in sink.starts] == [4] and tracker.unplanned_wait_ns == 2 * MS
+
+
+def test_a_slot_that_stays_short_is_measured_but_not_reported_until_it_grows() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0, report_min_ns=MS // 2)
+    for _ in range(4):
+        run_iteration(tracker, clock, {"F": 1, "B": 2}, {(4, 0): 3, (5, 0): 0.1})
+    assert [s[1] for s in sink.starts if s[0] == 3] == [4]  # quiet once measured 3 times short
+    assert [b.slot for b in tracker.last_bubbles] == [4]
+    run_iteration(tracker, clock, {"F": 1, "B": 2}, {(4, 0): 3, (5, 0): 2})
+    run_iteration(tracker, clock, {"F": 1, "B": 2}, {(4, 0): 3, (5, 0): 2})
+    assert [s[1] for s in sink.starts if s[0] == 5] == [4, 5]  # it grew: reported again
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_a_framework_that_runs_another_order_is_logged_once_and_keeps_counting(
+        name: str, caplog: pytest.LogCaptureFixture) -> None:
+    orders = build_schedule(name, 2, 4).orders
+    tracker, clock, _ = make(orders, 1)
+    tracker.iteration_begin()
+    with caplog.at_level("WARNING", logger="freeride.training.tracker"):
+        tracker.compute_begin("W", 1, 3)
+        tracker.compute_begin("W", 1, 3)
+    assert sum("planned order" in r.message for r in caplog.records) == 1
+
+
+def test_orders_the_tracker_cannot_use_are_refused_clearly() -> None:
+    with pytest.raises(ConfigError, match="rank 2 has no actions"):
+        RankTracker({0: [Action("F", 0, 0)]}, 2)
+    with pytest.raises(ConfigError, match="runs on ranks"):
+        RankTracker({0: [Action("F", 0, 0)], 1: [Action("F", 0, 1)]}, 0)
+    with pytest.raises(ConfigError, match="report_min_ns"):
+        RankTracker({0: [Action("F", 0, 0)]}, 0, report_min_ns=-1)
