@@ -28,8 +28,11 @@ computes and where it waits, hooked on *instances* only (no class or module is p
 * **Waits, single-stage schedules** (``ScheduleGPipe``, ``Schedule1F1B``) and a bare
   ``PipelineScheduleMulti``: each receive's ops are made by ``stage.get_fwd_recv_ops(mb)`` /
   ``get_bwd_recv_ops(mb)`` and waited for at once (1F1B batches the previous send with it); a
-  non-empty list from those marks the wait's start. The sends 1F1B waits for after a compute are
-  not seen (with gloo they complete once the peer has posted its receive, normally at once).
+  non-empty list from those marks the wait's start. GPipe waits for all its forward sends after the
+  last forward (a gloo send completes only once the peer has posted its receive), so the wait starts
+  earlier: where ``schedule._maybe_compute_loss`` returns (after the forward's sends are posted and
+  its loss computed) at a position where the rank waits. The sends 1F1B waits for right after a
+  warm-up forward are not seen (the peer has normally posted that receive long before).
 * **The tail.** After a rank's last compute action, ``step`` waits for the sends still in flight;
   where that last action sends to another rank, the tail is a wait position of its own.
 
@@ -169,7 +172,8 @@ class InstrumentedSchedule:
     :meth:`step` with the iteration's reported bubbles; ``on_action_end`` (kind, model stage,
     micro-batch) at the end of every compute action, on the training thread (a measuring hook such as
     the trainer's memory probe: it must return in microseconds). ``clock``, ``predictor``,
-    ``learning``, ``report_min_ns`` and ``remodel_iterations`` are :class:`RankTracker`'s.
+    ``learning``, ``report_min_ns``, ``remodel_iterations`` and ``time_actions`` are
+    :class:`RankTracker`'s.
     """
 
     def __init__(
@@ -185,13 +189,14 @@ class InstrumentedSchedule:
         clock: Callable[[Callable[[Any, int], None]], MarkClock] | None = None,
         learning: LearningConfig | None = None,
         report_min_ns: int = 200_000,
+        time_actions: bool = False,
     ) -> None:
         self.schedule = schedule
         self._stages, rank, orders, num_stages, self._runtime = self._inspect(schedule)
         self.tracker = RankTracker(
             orders, rank, sink, num_stages=num_stages, device=device, clock=clock, predictor=predictor,
             learning=learning, on_iteration=on_iteration, on_action_end=on_action_end,
-            report_min_ns=report_min_ns, remodel_iterations=remodel_iterations,
+            report_min_ns=report_min_ns, remodel_iterations=remodel_iterations, time_actions=time_actions,
         )
         self.rank = rank
         self._restore: list[tuple[object, str, Any]] = []  # (object, attribute, its own value or _ABSENT)
@@ -295,6 +300,19 @@ class InstrumentedSchedule:
 
         return get_recv_ops
 
+    def _then_waiting(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+        """After a forward's loss (and its sends posted): a wait starts if the rank waits here."""
+        tracker = self.tracker
+        positions = frozenset(tracker.plan.positions)
+
+        def maybe_compute_loss(*args: Any, **kwargs: Any) -> Any:
+            result = compute_loss(*args, **kwargs)
+            if tracker.position in positions:
+                tracker.wait_begin()
+            return result
+
+        return maybe_compute_loss
+
     @property
     def _last_action(self) -> tuple[str, int, int] | None:
         """The rank's last action, when its tail is a wait position (its sends are waited for)."""
@@ -318,6 +336,8 @@ class InstrumentedSchedule:
             wait_begin = self.tracker.wait_begin
             for attr in ("fwd_recv_ops", "bwd_recv_ops"):
                 self._set(self.schedule, attr, _WaitingPops(getattr(self.schedule, attr), wait_begin))
+        elif hasattr(self.schedule, "_maybe_compute_loss"):
+            self._set(self.schedule, "_maybe_compute_loss", self._then_waiting(self.schedule._maybe_compute_loss))
 
     def detach(self) -> None:
         """Restore the stages' own methods: :meth:`step` then runs the bare schedule.

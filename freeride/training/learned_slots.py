@@ -73,6 +73,11 @@ class WaitLearner:
         #: reads it without a lock).
         self.opens: dict[Site, IdleSlot] = {}
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is being watched or learned (else an iteration with no gaps changes nothing)."""
+        return bool(self._history or self.opens)
+
     def slot_id(self, site: Site) -> int | None:
         """The learned slot id of a site, or None for a site no learned slot can name."""
         position, ordinal = site

@@ -111,6 +111,7 @@ class BubblePredictor:
         self.fallback_ns = fallback_ns
         self.quantile = quantile
         self._warm: dict[SlotKey, int] = {}  # cached warm predictions, dropped at the slot's next measurement
+        self._rank: dict[int, int] = {}  # the quantile's index in a sorted history of each length
         self._history: dict[SlotKey, deque[int]] = {}
         self._count: dict[SlotKey, int] = {}
         self._errors: deque[float] = deque(maxlen=max_errors)
@@ -131,7 +132,11 @@ class BubblePredictor:
             return cached
         history = self._history.get(key)
         if history and self._count.get(key, 0) >= self.warmup:
-            cached = self._warm[key] = max(1, int(measure.percentile(history, 100 * self.quantile)))
+            n = len(history)
+            index = self._rank.get(n)
+            if index is None:
+                index = self._rank[n] = measure.rank_index(n, 100 * self.quantile)
+            cached = self._warm[key] = max(1, sorted(history)[index])
             return cached
         modelled = self._model(stage, slot) if self._model is not None else None
         if modelled is not None and modelled > 0:
@@ -151,7 +156,10 @@ class BubblePredictor:
             self._errors.append(error)
             if warm:
                 self._errors_warm.append(error)
-                self._errors_by_slot.setdefault(key, deque(maxlen=1000)).append(error)
+                by_slot = self._errors_by_slot.get(key)
+                if by_slot is None:
+                    by_slot = self._errors_by_slot[key] = deque(maxlen=1000)
+                by_slot.append(error)
         history = self._history.get(key)
         if history is None:
             history = self._history[key] = deque(maxlen=self.window)
@@ -159,10 +167,10 @@ class BubblePredictor:
         self._count[key] = self._count.get(key, 0) + 1
         self._warm.pop(key, None)
 
-    def recent_ns(self, stage: int, slot: int, quantile: float) -> int | None:
-        """A quantile (a fraction) of the slot's recent measured lengths; None before any."""
+    def recent_max_ns(self, stage: int, slot: int) -> int:
+        """The longest of the slot's recent measured lengths (0 before any)."""
         history = self._history.get((stage, slot))
-        return int(measure.percentile(history, 100 * quantile)) if history else None
+        return max(history) if history else 0
 
     def prediction_error(self, after_warmup: bool = True) -> ErrorSummary:
         """Relative error of the predictions scored so far (by default only after warm-up)."""

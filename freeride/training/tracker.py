@@ -13,12 +13,15 @@ for DeepSpeed, Megatron Core, torchtitan) hooks its framework and calls, on the 
 ``wait_begin()``                   the framework starts waiting for another rank (a receive's wait,
                                    a blocking send, a collective): call it where the wait really
                                    starts, after any local work of the gap (the loss, posting sends)
-``wait_end()``                     the wait is over (optional where the next compute begins at once)
+``wait_end()``                     the wait is over (optional where the next compute begins at once);
+                                   a ``wait_begin`` while a wait is open continues that wait
 ``iteration_end()``                the iteration's last mark (after the framework's last wait)
 =================================  ==================================================================
 
-Each mark costs a few microseconds and never blocks: nothing on the training thread waits for
-freeride or for the device.
+Each mark costs a microsecond or two and never blocks: nothing on the training thread waits for
+freeride or for the device. Compute actions are stamped only while the model profiles them (the
+first ``remodel_iterations``) or with ``time_actions=True`` (:attr:`RankTracker.last_actions`);
+otherwise a ``compute_begin`` makes a mark only where it ends a wait, and ``compute_end`` none.
 
 **Slots.** The tracker is given every rank's planned action order (each a list of
 :class:`~freeride.training.schedules.Action`, the model stages of a rank merged in the order it runs
@@ -35,12 +38,13 @@ in a gap) is *unplanned* until it recurs with a stable length: then it becomes a
 **Predictions.** A slot's predicted length is, until it has been measured 3 times, the steady-state
 gap at its position from :func:`~freeride.training.rank_slots.steady_state` with the rank's
 online-profiled costs (per model stage and kind; stages of other ranks at this rank's mean per kind)
-and its measured time between iterations; then the 10th percentile of its last 16 lengths
-(:class:`~freeride.training.predictor.BubblePredictor`): conservative where a slot varies, so a grant
-cut to it rarely outlives the real wait. A modelled slot whose recent lengths are nearly all
-(90th percentile) under ``report_min_ns`` is measured but not reported (a bubble nothing fits in,
-sent every iteration, would only cost the reporter's thread); it is reported again as soon as it
-grows.
+and its measured time between iterations (profiled over the first ``remodel_iterations``: once a
+slot has been measured the model no longer speaks for it); then the 10th percentile of its last 16
+lengths (:class:`~freeride.training.predictor.BubblePredictor`): conservative where a slot varies, so
+a grant cut to it rarely outlives the real wait. A modelled slot none of whose recent lengths (at
+least 3 of them) reached ``report_min_ns`` is measured but not reported (a bubble nothing fits in,
+sent every iteration, would only cost the reporter's thread); it is reported again from its first
+wait that does.
 
 **Device time.** ``device`` picks the clock: on ``cuda:N`` each mark records a CUDA event on the
 current stream, resolved off the training thread (:mod:`freeride.training.device_clock`; the only
@@ -72,8 +76,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from freeride.errors import ConfigError
 from freeride.messages import UNKNOWN_MEMORY
@@ -115,8 +118,7 @@ class BubbleSink(Protocol):
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None: ...
 
 
-@dataclass(frozen=True)
-class MeasuredBubble:
+class MeasuredBubble(NamedTuple):
     """One wait at a slot, as the rank saw it; ``reported``: sent to the sink (module doc)."""
 
     iteration: int
@@ -133,8 +135,7 @@ class MeasuredBubble:
         return self.end_ns - self.start_ns
 
 
-@dataclass(frozen=True)
-class MeasuredAction:
+class MeasuredAction(NamedTuple):
     """One compute action as the rank ran it: ``kind`` of ``microbatch`` on model stage ``stage``."""
 
     kind: str
@@ -237,6 +238,7 @@ class RankTracker:
         on_action_end: Callable[[str, int, int], None] | None = None,
         report_min_ns: int = 200_000,
         remodel_iterations: int = 5,
+        time_actions: bool = False,
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
@@ -246,6 +248,7 @@ class RankTracker:
         self.on_iteration = on_iteration
         self.on_action_end = on_action_end
         self.report_min_ns = report_min_ns
+        self.time_actions = time_actions
         self.iteration = 0
         self.profile = ComputeProfile()
         self.memory = MemorySampler(device)
@@ -256,18 +259,26 @@ class RankTracker:
         self._between_ns: float | None = None  # EWMA of the rank's time between iterations
         order = self.plan.order
         self._keys: list[ActionKey] = [(a.kind, a.stage, a.microbatch) for a in order]
-        self._slots: dict[Site, IdleSlot] = {(k, 0): self.plan.slot(k) for k in self.plan.positions}
+        # The modelled slot of the first wait at each position (None where the rank has nothing to wait for).
+        self._modelled: list[IdleSlot | None] = [None] * (len(order) + 1)
+        for k in self.plan.positions:
+            self._modelled[k] = self.plan.slot(k)
         self._quiet: frozenset[int] = frozenset()  # modelled slots not reported (module doc)
         self._remodel()
         #: Recurring waits the model does not list, learned into slots (``learning``; max_slots=0: off).
         self.learned = WaitLearner(rank, order, learning)
-        self._timeline = _Timeline(self)
+        timeline = self._timeline = _Timeline(self)
+        self._on_enter, self._on_leave, self._on_wait = timeline.enter, timeline.leave, timeline.wait
+        self._on_wait_end = timeline.wait_end
+        self._timed = time_actions or remodel_iterations > 0  # compute actions stamped (module doc)
         self._cursor = 0  # compute actions begun in this iteration (training thread)
         self._ordinal = 0  # waits begun in the current gap
+        self._waiting = False  # a wait is open
         self._order_warned = False
         self._bubbles: list[MeasuredBubble] = []
-        self._actions: list[MeasuredAction] = []
-        self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(self._timeline.handle)
+        self._actions: list[tuple[str, int, int, int, int]] = []
+        self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(timeline.handle)
+        self._emit = _emitter(self.clock)
 
     # ---------------------------------------------------------------- marks (training thread)
 
@@ -276,41 +287,60 @@ class RankTracker:
         self.memory.refresh()
         self._cursor = 0
         self._ordinal = 0
-        self.clock.mark((_BEGIN, self.iteration, None))
+        self._waiting = False
+        self._emit(self._timeline.begin, self.iteration, None)
 
     def iteration_end(self) -> None:
-        self.clock.mark((_FINISH, self.iteration, None))
+        self._waiting = False
+        self._emit(self._timeline.finish, self.iteration, None)
         self.iteration += 1
         if self.clock.synchronous:
             self._deliver()
 
     def compute_begin(self, kind: str, stage: int, microbatch: int) -> None:
-        key = (kind, stage, microbatch)
         cursor = self._cursor
-        if cursor < len(self._keys) and self._keys[cursor] != key and not self._order_warned:
-            self._order_mismatch(key)
+        keys = self._keys
+        if cursor < len(keys) and keys[cursor] != (kind, stage, microbatch) and not self._order_warned:
+            self._order_mismatch((kind, stage, microbatch))
         self._cursor = cursor + 1
         self._ordinal = 0
-        self.clock.mark((_ENTER, key, None))
+        if self._timed:  # its start closes an open wait
+            self._emit(self._on_enter, (kind, stage, microbatch), None)
+        elif self._waiting:
+            self._emit(self._on_wait_end, None, None)
+        self._waiting = False
 
     def compute_end(self, kind: str, stage: int, microbatch: int) -> None:
         if self.on_action_end is not None:
             self.on_action_end(kind, stage, microbatch)
-        self.clock.mark((_LEAVE, (kind, stage, microbatch), None))
+        if self._timed:
+            self._emit(self._on_leave, (kind, stage, microbatch), None)
 
     def wait_begin(self) -> None:
-        site = (self._cursor, self._ordinal)
-        self._ordinal += 1
-        slot = self._slots.get(site) or self.learned.opens.get(site)
-        opens = None
-        if slot is not None:
-            index = slot.index
-            opens = (slot, self.predictor.predict_ns(self.rank, index), self.memory.free_bytes(),
-                     index not in self._quiet)
-        self.clock.mark((_WAIT, site, opens))
+        if self._waiting:
+            return  # still the same wait
+        self._waiting = True
+        cursor, ordinal = self._cursor, self._ordinal
+        self._ordinal = ordinal + 1
+        slot = self._modelled[cursor] if ordinal == 0 and cursor < len(self._modelled) else None
+        if slot is None and self.learned.opens:
+            slot = self.learned.opens.get((cursor, ordinal))
+        if slot is None:
+            self._emit(self._on_wait, (cursor, ordinal), None)
+            return
+        index = slot.index
+        opens = (slot, self.predictor.predict_ns(self.rank, index), self.memory.free_bytes(), index not in self._quiet)
+        self._emit(self._on_wait, (cursor, ordinal), opens)
 
     def wait_end(self) -> None:
-        self.clock.mark((_WAIT_END, None, None))
+        if self._waiting:
+            self._waiting = False
+            self._emit(self._on_wait_end, None, None)
+
+    @property
+    def position(self) -> int:
+        """The position of the gap the rank is in: compute actions begun since ``iteration_begin``."""
+        return self._cursor
 
     def _order_mismatch(self, key: ActionKey) -> None:
         self._order_warned = True
@@ -361,17 +391,19 @@ class RankTracker:
             observe = self.predictor.observe
             for b in waits:
                 observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
-            for a in actions:
-                self.profile.observe(a.kind, a.length_ns)
-                self.profile.observe(f"{a.kind}{a.stage}", a.length_ns)
-            if between_ns is not None:
-                old = self._between_ns
-                self._between_ns = float(between_ns) if old is None else old + 0.2 * (between_ns - old)
-            self._learn(gaps, waits)
-            self._update_quiet(waits)
             if self._remodel_left > 0 and actions:
+                for kind, stage, _mb, begin, end in actions:
+                    self.profile.observe(kind, end - begin)
+                    self.profile.observe(f"{kind}{stage}", end - begin)
+                if between_ns is not None:
+                    old = self._between_ns
+                    self._between_ns = float(between_ns) if old is None else old + 0.2 * (between_ns - old)
                 self._remodel_left -= 1
                 self._remodel()
+                self._timed = self.time_actions or self._remodel_left > 0
+            if gaps or self.learned.active:
+                self._learn(gaps, waits)
+            self._update_quiet(waits)
             bubbles = [b for b in waits if b.reported]
             self._bubbles, self._actions = bubbles, actions
             if self.on_iteration is not None:
@@ -381,19 +413,17 @@ class RankTracker:
                     log.exception("on_iteration callback failed")
 
     def _update_quiet(self, waits: list[MeasuredBubble]) -> None:
-        if not waits:
-            return
-        quiet = set(self._quiet)
+        quiet, least, predictor = self._quiet, self.report_min_ns, self.predictor
+        changed = set(quiet)
         for b in waits:
-            if b.kind == LEARNED_KIND or self.predictor.measurements(self.rank, b.slot) < self.predictor.warmup:
-                continue
-            high = self.predictor.recent_ns(self.rank, b.slot, 0.9) or 0
-            if high < self.report_min_ns:
-                quiet.add(b.slot)
-            else:
-                quiet.discard(b.slot)
-        if quiet != self._quiet:
-            self._quiet = frozenset(quiet)
+            if b.length_ns >= least:
+                changed.discard(b.slot)  # long enough (again): reported
+            elif (b.slot not in quiet and b.kind != LEARNED_KIND
+                  and predictor.measurements(self.rank, b.slot) >= predictor.warmup
+                  and predictor.recent_max_ns(self.rank, b.slot) < least):
+                changed.add(b.slot)
+        if changed != quiet:
+            self._quiet = frozenset(changed)
 
     def _learn(self, gaps: list[tuple[Site, int]], waits: list[MeasuredBubble]) -> None:
         learned = [(b.slot, b.length_ns) for b in waits if b.kind == LEARNED_KIND]
@@ -434,25 +464,47 @@ class RankTracker:
 
     @property
     def last_actions(self) -> list[MeasuredAction]:
-        """The compute actions of the last iteration delivered, timed as the bubbles are."""
-        return list(self._actions)
+        """The compute actions of the last iteration delivered, timed as the bubbles are (only while
+        the model profiles them, or with ``time_actions``: see the module doc)."""
+        return [MeasuredAction(*a) for a in self._actions]
 
 
-_BEGIN, _ENTER, _LEAVE, _WAIT, _WAIT_END, _FINISH = "begin", "enter", "leave", "wait", "wait-end", "finish"
 _Opens = tuple[IdleSlot, int, int, bool] | None  # slot, predicted ns, free bytes, reported
+_Handler = Callable[[Any, Any, int], None]
+
+
+def _emitter(clock: MarkClock) -> Callable[[_Handler, Any, Any], None]:
+    """How a mark reaches the timeline: through the clock (``(handler, a, b)`` stamped and delivered
+    by it), or, for the host clock, at once with the time read here (the same thing, one call less on
+    the training thread's path)."""
+    if isinstance(clock, HostClock):
+        now = time.monotonic_ns
+
+        def emit_now(handler: _Handler, a: Any, b: Any) -> None:
+            handler(a, b, now())
+
+        return emit_now
+    mark = clock.mark
+
+    def emit(handler: _Handler, a: Any, b: Any) -> None:
+        mark((handler, a, b))
+
+    return emit
+_Action = tuple[str, int, int, int, int]  # kind, stage, micro-batch, start ns, end ns
 
 
 class _Timeline:
     """Turns the stamped marks of one rank, in order, into bubbles, actions and unplanned waits.
 
-    Runs wherever the clock delivers (the training thread on CPU, the device clock's thread on CUDA);
-    it reports to the sink as it goes and queues each finished iteration for the training thread.
+    A mark's payload is ``(handler, a, b)``: :meth:`handle` calls ``handler(a, b, time)``. It runs
+    wherever the clock delivers (the training thread on CPU, the device clock's thread on CUDA); it
+    reports to the sink as it goes and queues each finished iteration for the training thread.
     """
 
     def __init__(self, owner: RankTracker) -> None:
         self._owner = owner
         self.done: collections.deque[
-            tuple[int, list[MeasuredBubble], list[MeasuredAction], list[tuple[Site, int]], int | None]
+            tuple[int, list[MeasuredBubble], list[_Action], list[tuple[Site, int]], int | None]
         ] = collections.deque()
         self.unplanned_waits = 0
         self.unplanned_wait_ns = 0
@@ -460,41 +512,52 @@ class _Timeline:
         self._open: tuple[Site, _Opens, int] | None = None  # site, what it opens, start
         self._entered: dict[ActionKey, int] = {}
         self._waits: list[MeasuredBubble] = []
-        self._actions: list[MeasuredAction] = []
+        self._actions: list[_Action] = []
         self._gaps: list[tuple[Site, int]] = []
         self._finished_ns: int | None = None
         self._between_ns: int | None = None
 
-    def handle(self, payload: tuple[str, Any, Any], at_ns: int) -> None:
-        what, key, opens = payload
-        if what == _ENTER:
+    @staticmethod
+    def handle(payload: tuple[Callable[[Any, Any, int], None], Any, Any], at_ns: int) -> None:
+        payload[0](payload[1], payload[2], at_ns)
+
+    def enter(self, key: ActionKey, _: None, at_ns: int) -> None:
+        if self._open is not None:
             self._close(at_ns)
-            self._entered[key] = at_ns
-        elif what == _LEAVE:
-            begin = self._entered.pop(key, at_ns)
-            self._actions.append(MeasuredAction(key[0], key[1], key[2], begin, at_ns))
-        elif what == _WAIT:
+        self._entered[key] = at_ns
+
+    def leave(self, key: ActionKey, _: None, at_ns: int) -> None:
+        begin = self._entered.pop(key, at_ns)
+        self._actions.append((key[0], key[1], key[2], begin, at_ns))
+
+    def wait(self, site: Site, opens: _Opens, at_ns: int) -> None:
+        if self._open is not None:
             self._close(at_ns)
-            self._open = (key, opens, at_ns)
-            if opens is not None and opens[3]:
-                sink = self._owner.sink
-                if sink is not None:
-                    slot, predicted, free, _ = opens
-                    if slot.kind == LEARNED_KIND:
-                        sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns, learned=True)
-                    else:
-                        sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
-        elif what == _WAIT_END:
+        self._open = (site, opens, at_ns)
+        if opens is not None and opens[3]:
+            sink = self._owner.sink
+            if sink is not None:
+                slot, predicted, free, _ = opens
+                if slot.kind == LEARNED_KIND:
+                    sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns, learned=True)
+                else:
+                    sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
+
+    def wait_end(self, _a: None, _b: None, at_ns: int) -> None:
+        if self._open is not None:
             self._close(at_ns)
-        elif what == _BEGIN:
-            self._iteration, self._waits, self._actions, self._gaps = key, [], [], []
-            self._entered.clear()
-            self._between_ns = None if self._finished_ns is None else at_ns - self._finished_ns
-        else:  # _FINISH
+
+    def begin(self, iteration: int, _: None, at_ns: int) -> None:
+        self._iteration, self._waits, self._actions, self._gaps = iteration, [], [], []
+        self._entered.clear()
+        self._between_ns = None if self._finished_ns is None else at_ns - self._finished_ns
+
+    def finish(self, iteration: int, _: None, at_ns: int) -> None:
+        if self._open is not None:
             self._close(at_ns)
-            self._finished_ns = at_ns
-            self.done.append((key, self._waits, self._actions, self._gaps, self._between_ns))
-            self._waits, self._actions, self._gaps = [], [], []
+        self._finished_ns = at_ns
+        self.done.append((iteration, self._waits, self._actions, self._gaps, self._between_ns))
+        self._waits, self._actions, self._gaps = [], [], []
 
     def _close(self, at_ns: int) -> None:
         opened = self._open

@@ -1,10 +1,13 @@
 """The training loop of the reference trainer (one process = one pipeline rank).
 
 Rank layout comes from torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``); the
-pipeline has one rank per process (``--stages`` must match the world size) and, for
-``interleaved-1f1b``, ``--virtual-stages`` model chunks per rank. Iteration time is measured on every
-rank around ``schedule.step`` and the optimizer step; the first ``--warmup`` iterations are marked
-in the log so that consumers can leave them out.
+pipeline has one rank per process (``--stages`` must match the world size) and, for multi-stage
+schedules, ``--virtual-stages`` model chunks per rank (every schedule torch offers:
+:mod:`freeride.workload.pipelines`). Iteration time is measured on every rank around
+``schedule.step`` and the optimizer step; the first ``--warmup`` iterations are marked in the log so
+that consumers can leave them out. ``--slow-stage``/``--slow-ms`` make one model chunk slower by a
+known amount; ``--idle-probe`` logs every idle gap between compute actions, measured apart from the
+instrumentation (:mod:`freeride.workload.idle_probe`), for the bench.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from typing import IO, Any
 from freeride.devices import parse_device_name
 from freeride.endpoints import default_endpoint, parse_endpoint, read_token
 from freeride.errors import ConfigError
-from freeride.training.instrument import MeasuredBubble
+from freeride.training.tracker import MeasuredBubble
+from freeride.workload import pipelines
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = pipelines.SCHEDULES
 
 
 @dataclass
@@ -53,6 +57,10 @@ class TrainerConfig:
     seed: int = 0
     lr: float = 1e-3
     ab_block: int = 0
+    schedule_csv: str = ""
+    slow_stage: int = -1
+    slow_ms: float = 0.0
+    idle_probe: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, world: int) -> None:
@@ -64,6 +72,10 @@ class TrainerConfig:
             raise ConfigError(f"--stages {self.stages} but torchrun started {world} processes (one per stage)")
         if self.schedule == "1f1b" and self.microbatches < world:
             raise ConfigError(f"1f1b needs --microbatches ({self.microbatches}) >= stages ({world})")
+        if (self.schedule == "csv") != bool(self.schedule_csv):
+            raise ConfigError("--schedule csv and --schedule-csv FILE go together")
+        if self.slow_ms < 0 or (self.slow_ms > 0 and self.slow_stage < 0):
+            raise ConfigError("--slow-ms must be >= 0, and needs --slow-stage (a model chunk index)")
         if self.iterations < 1 or self.microbatches < 1 or self.microbatch_size < 1:
             raise ConfigError("--iterations, --microbatches and --microbatch-size must be >= 1")
 
@@ -99,7 +111,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     # Option names must not be prefixes of torchrun's own (argparse rejects ambiguous prefixes).
     p.add_argument("--virtual-stages", dest="virtual", type=int, default=2,
-                   help="model chunks per stage (interleaved-1f1b)")
+                   help="model chunks per rank (looped multi-stage schedules; V-shaped ones hold 2)")
+    p.add_argument("--schedule-csv", default="", help="with --schedule csv: torch's compute-only schedule CSV")
+    p.add_argument("--slow-stage", type=int, default=-1, help="model chunk made slower by --slow-ms")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="busy milliseconds added to each of its forwards")
+    p.add_argument("--idle-probe", action=argparse.BooleanOptionalAction, default=False,
+                   help="log every idle gap between compute actions (the bench's yardstick)")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False,
                    help="stream bubbles to the device's freeride manager")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=False,
@@ -178,7 +195,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     """Run the training loop in this process (a torchrun rank); returns the iteration records."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
 
     from freeride.training.instrument import InstrumentedSchedule
     from freeride.training.reporter import BubbleReporter
@@ -223,18 +240,22 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
 
         baseline_rss = int(psutil.Process().memory_info().rss)
 
-    virtual = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
-    chunks = world * virtual
-    # Looped placement: rank r holds chunks r, r + world, ... (what torch's interleaved schedule expects).
-    local_chunks = [r for r in range(chunks) if r % world == rank]
+    virtual = pipelines.virtual_stages(cfg.schedule, cfg.virtual)
+    chunks = pipelines.total_chunks(cfg.schedule, world, virtual, cfg.schedule_csv)
+    local_chunks = pipelines.local_chunks(cfg.schedule, rank, world, virtual, cfg.schedule_csv)
     modules = [build_chunk(gpt, c, chunks).to(torch_device) for c in local_chunks]
+    for module, c in zip(modules, local_chunks, strict=True):
+        if c == cfg.slow_stage and cfg.slow_ms > 0:
+            pipelines.slow_down(module, cfg.slow_ms)
     stages = [PipelineStage(m, c, chunks, torch_device) for m, c in zip(modules, local_chunks, strict=True)]
-    if cfg.schedule == "gpipe":
-        schedule: Any = ScheduleGPipe(stages[0], cfg.microbatches, loss_fn=lm_loss)
-    elif cfg.schedule == "1f1b":
-        schedule = Schedule1F1B(stages[0], cfg.microbatches, loss_fn=lm_loss)
-    else:
-        schedule = ScheduleInterleaved1F1B(list(stages), cfg.microbatches, loss_fn=lm_loss)
+    idle_probe = None
+    if cfg.idle_probe:
+        from freeride.workload.idle_probe import IdleProbe
+
+        idle_probe = IdleProbe()
+        for stage in stages:  # before the instrumentation: its marks then count as the gaps' busy time
+            idle_probe.wrap(stage)
+    schedule = pipelines.make_schedule(cfg.schedule, stages, cfg.microbatches, lm_loss, cfg.schedule_csv)
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
 
@@ -256,7 +277,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
         if probe is not None:
             probe.inner = reporter
             sink = probe
-        instrumented = InstrumentedSchedule(schedule, sink=sink, device=device_name,
+        instrumented = InstrumentedSchedule(schedule, sink=sink, device=device_name, time_actions=bool(cfg.log),
                                             on_action_end=probe.action_end if probe is not None else None,
                                             on_iteration=lambda it, bubbles: delivered.__setitem__(
                                                 it, (bubbles, instrumented.last_actions if instrumented else [])))
@@ -317,6 +338,8 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             }
             if instrumented is not None and instrumented.attached:
                 record["schedule_ms"] = schedule_ns / 1e6
+            if idle_probe is not None:
+                record["idle_gaps"] = [[start - t0, idle] for start, idle in idle_probe.take()]
             if probe is not None:
                 slot_samples, action_samples = probe.take()
                 record["memory"] = {"slots": {str(k): v for k, v in sorted(slot_samples.items())},
