@@ -14,9 +14,12 @@ is made ``--slow-ms`` slower per forward (busy compute), so that the ranks wait 
 
 Per rank (the trainer's logs, iterations after the warm-up):
 
-* **reported / idle**: the bubbles the rank reported, over its idle time in gaps of 0.5 ms or more
-  as the idle probe measured it apart from the instrumentation (a gap between two compute actions:
-  wall time minus the thread's CPU time and its run delay; :mod:`freeride.workload.idle_probe`).
+* **reported / idle**: the share of the rank's idle time in gaps of 0.5 ms or more that its
+  reported bubbles cover. The idle probe measures each gap between two compute actions apart from
+  the instrumentation (wall time minus the thread's CPU time and its run delay:
+  :mod:`freeride.workload.idle_probe`); a gap counts as covered up to the bubbles reported inside it,
+  at most its idle time (a bubble also holds the wait for the core once the data is there, which the
+  probe does not count as idle).
 * **slots**: modelled slots reported at least once, and learned ones.
 * **predicted past the end**: the share of bubbles whose predicted length exceeded the real one.
 
@@ -40,6 +43,7 @@ load average before and after each schedule's run.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import random
@@ -156,19 +160,20 @@ def analyse_rank(records: list[dict[str, Any]]) -> dict[str, Any]:
     bubbles = [b for r in its for b in r["bubbles"]]
     reported = sum(b["length_ms"] for b in bubbles)
     learned = sum(b["length_ms"] for b in bubbles if b["kind"] == "learned")
-    idle_gaps = [g[1] / 1e6 for r in its for g in r.get("idle_gaps", [])]
-    idle = sum(g for g in idle_gaps if g * 1e6 >= GAP_NS)
+    gaps = [g for r in its for g in r.get("idle_gaps", []) if g[2] >= GAP_NS]
+    idle = sum(g[2] for g in gaps) / 1e6
+    covered = coverage(gaps, [b for r in records if not r.get("summary") for b in r["bubbles"]]) / 1e6
     past = [b for b in bubbles if b["predicted_ms"] > b["length_ms"]]
     n = max(1, len(its))
     return {
         "rank": summary["rank"],
         "iterations": len(its),
         "iteration_ms_p50": median([r["time_ms"] for r in its]) if its else 0.0,
-        "idle_ms_per_iteration": sum(idle_gaps) / n,
+        "idle_ms_per_iteration": sum(g[2] for r in its for g in r.get("idle_gaps", [])) / 1e6 / n,
         "idle_in_gaps_ms_per_iteration": idle / n,
         "reported_ms_per_iteration": reported / n,
         "learned_ms_per_iteration": learned / n,
-        "reported_over_idle": reported / idle if idle > 0 else None,
+        "reported_over_idle": covered / idle if idle > 0 else None,
         "bubbles_per_iteration": len(bubbles) / n,
         "wait_positions": len(summary.get("slots", [])),
         "modelled_slots_reported": len({b["slot"] for b in bubbles if b["kind"] != "learned"}),
@@ -178,6 +183,17 @@ def analyse_rank(records: list[dict[str, Any]]) -> dict[str, Any]:
         "bubble_ms_p50": median([b["length_ms"] for b in bubbles]) if bubbles else 0.0,
         "loss_last": next((r["loss"] for r in reversed(its) if r.get("loss") is not None), None),
     }
+
+
+def coverage(gaps: list[list[int]], bubbles: list[dict[str, Any]]) -> int:
+    """Idle ns of ``gaps`` ([start, wall, idle]) covered by the bubbles reported inside them."""
+    starts = sorted((b["start_ns"], b["length_ms"] * 1e6) for b in bubbles)
+    keys = [s for s, _ in starts]
+    total = 0
+    for start, wall, idle in gaps:
+        lo, hi = bisect.bisect_left(keys, start), bisect.bisect_left(keys, start + wall)
+        total += int(min(idle, sum(length for _, length in starts[lo:hi])))
+    return total
 
 
 def analyse_device(trace: list[dict[str, Any]], step_s: dict[str, float], window: tuple[int, int],

@@ -16,25 +16,26 @@ computes and where it waits, hooked on *instances* only (no class or module is p
 
 * **Compute.** ``forward_one_chunk``, ``backward_one_chunk`` (``full_backward=False`` is an ``I``)
   and ``backward_weight_one_chunk`` of every ``PipelineStage`` the schedule drives.
-* **Waits, runtime schedules** (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
-  ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, ``ScheduleLoopedBFS``, any
-  ``_PipelineScheduleRuntime`` with an order loaded from CSV). ``_step_microbatches`` walks
-  ``pipeline_order_with_comms``: ``RECV_F``/``RECV_B`` only post the receive; the wait is
+* **Waits.** From torch's source (``schedules.py``): a runtime schedule (``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``,
+  ``ScheduleLoopedBFS``, any ``_PipelineScheduleRuntime`` with an order loaded from CSV) walks
+  ``pipeline_order_with_comms``, where ``SEND_*``/``RECV_*`` only post the transfer; it waits in
   ``_wait_batch_p2p(self.fwd_recv_ops.pop((stage, mb)))`` (or ``bwd_recv_ops``) right before the
-  forward or backward that needs it. The schedule's two dicts are replaced by a dict whose ``pop``
-  marks the wait's start; the compute entry that follows marks its end. Sends are posted without a
-  wait; they are waited for at the end of ``step`` (``while send_ops: ...``), the rank's tail.
-  Actions the runtime hands to a ``register_custom_function`` bypass these hooks.
-* **Waits, single-stage schedules** (``ScheduleGPipe``, ``Schedule1F1B``) and a bare
-  ``PipelineScheduleMulti``: each receive's ops are made by ``stage.get_fwd_recv_ops(mb)`` /
-  ``get_bwd_recv_ops(mb)`` and waited for at once (1F1B batches the previous send with it); a
-  non-empty list from those marks the wait's start. GPipe waits for all its forward sends after the
-  last forward (a gloo send completes only once the peer has posted its receive), so the wait starts
-  earlier: where ``schedule._maybe_compute_loss`` returns (after the forward's sends are posted and
-  its loss computed) at a position where the rank waits. The sends 1F1B waits for right after a
-  warm-up forward are not seen (the peer has normally posted that receive long before).
-* **The tail.** After a rank's last compute action, ``step`` waits for the sends still in flight;
-  where that last action sends to another rank, the tail is a wait position of its own.
+  forward or backward that needs the data, and for every send at the end of ``step`` (``while
+  send_ops: ...``). ``ScheduleGPipe`` and ``Schedule1F1B`` make each receive's ops with
+  ``stage.get_fwd_recv_ops(mb)`` / ``get_bwd_recv_ops(mb)`` and wait for them at once (1F1B batches
+  a send with it); GPipe also waits for all its forward sends after the last forward (a gloo send
+  completes only once the peer has posted its receive). Between a compute action and such a wait
+  there is only the posting of transfers (and, after a last stage's forward, its loss), so the
+  rank's wait starts where the action before a wait position ends (the planned order says which:
+  :mod:`freeride.training.rank_slots`), or where ``schedule._maybe_compute_loss`` returns after a
+  last stage's forward; the compute entry that follows ends it. Posting is host work: on a GPU the
+  device is idle from the action's end, and on a loaded CPU a posting that blocks on gloo's lock is
+  idle too. The tail after a rank's last action is a wait where that action sends to another rank.
+  As a backstop a runtime schedule's ``fwd_recv_ops``/``bwd_recv_ops`` are replaced by a dict whose
+  ``pop`` starts a wait, and a single-stage schedule's ``get_*_recv_ops`` start one when they return
+  ops (both continue the wait already open). Actions the runtime hands to a
+  ``register_custom_function`` bypass these hooks.
 
 **The orders.** Every rank's compute actions come from the schedule itself: for runtime schedules
 ``pipeline_order_with_comms`` (what ``_step_microbatches`` runs; ``OVERLAP_F_B`` is its sub-actions
@@ -49,10 +50,10 @@ the order did not predict.
 
 **Internals relied upon** (checked at construction; :class:`PipeliningInternalsChanged` names what
 is missing): ``schedule._stage`` (single-stage schedules) or ``schedule._stages``, ``.rank`` and
-``.pipeline_order`` (multi-stage ones), ``.fwd_recv_ops``/``.bwd_recv_ops`` (runtime ones);
-``stage.stage_index``, ``stage.num_stages``, the three compute methods with their first argument the
-micro-batch index and ``full_backward`` the third of ``backward_one_chunk``, and
-``get_fwd_recv_ops``/``get_bwd_recv_ops`` (single-stage ones).
+``.pipeline_order`` (multi-stage ones), ``.fwd_recv_ops``/``.bwd_recv_ops`` (runtime ones), and
+``_maybe_compute_loss`` where present; ``stage.stage_index``, ``stage.num_stages``, the three compute
+methods with their first argument the micro-batch index and ``full_backward`` the third of
+``backward_one_chunk``, and ``get_fwd_recv_ops``/``get_bwd_recv_ops`` (single-stage ones).
 """
 
 from __future__ import annotations
@@ -251,7 +252,11 @@ class InstrumentedSchedule:
         bwd = stage.backward_one_chunk
         wgt = stage.backward_weight_one_chunk
         tracker = self.tracker
-        begin, end, last = tracker.compute_begin, tracker.compute_end, self._last_action
+        begin, end, wait_begin = tracker.compute_begin, tracker.compute_end, tracker.wait_begin
+        positions = frozenset(tracker.plan.positions)
+        # The last model stage's forward is followed by its loss, which is compute: the wait starts
+        # where _maybe_compute_loss returns instead.
+        loss_follows = index == tracker.plan.num_stages - 1
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             begin(FORWARD, index, fwd_chunk_id)
@@ -259,8 +264,8 @@ class InstrumentedSchedule:
                 return fwd(fwd_chunk_id, *args, **kwargs)
             finally:
                 end(FORWARD, index, fwd_chunk_id)
-                if last == (FORWARD, index, fwd_chunk_id):
-                    tracker.wait_begin()  # the tail: the sends still in flight (module doc)
+                if tracker.position in positions and not loss_follows:
+                    wait_begin()
 
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
@@ -270,8 +275,8 @@ class InstrumentedSchedule:
                 return bwd(bwd_chunk_id, *args, **kwargs)
             finally:
                 end(kind, index, bwd_chunk_id)
-                if last == (kind, index, bwd_chunk_id):
-                    tracker.wait_begin()
+                if tracker.position in positions:
+                    wait_begin()
 
         def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             begin(BACKWARD_WEIGHT, index, bwd_chunk_id)
@@ -279,8 +284,8 @@ class InstrumentedSchedule:
                 return wgt(bwd_chunk_id, *args, **kwargs)
             finally:
                 end(BACKWARD_WEIGHT, index, bwd_chunk_id)
-                if last == (BACKWARD_WEIGHT, index, bwd_chunk_id):
-                    tracker.wait_begin()
+                if tracker.position in positions:
+                    wait_begin()
 
         self._set(stage, "forward_one_chunk", forward_one_chunk)
         self._set(stage, "backward_one_chunk", backward_one_chunk)
@@ -314,15 +319,6 @@ class InstrumentedSchedule:
         return maybe_compute_loss
 
     @property
-    def _last_action(self) -> tuple[str, int, int] | None:
-        """The rank's last action, when its tail is a wait position (its sends are waited for)."""
-        plan = self.tracker.plan
-        if plan.positions and plan.positions[-1] == len(plan.order):
-            a = plan.order[-1]
-            return (a.kind, a.stage, a.microbatch)
-        return None
-
-    @property
     def attached(self) -> bool:
         return bool(self._restore)
 
@@ -336,7 +332,7 @@ class InstrumentedSchedule:
             wait_begin = self.tracker.wait_begin
             for attr in ("fwd_recv_ops", "bwd_recv_ops"):
                 self._set(self.schedule, attr, _WaitingPops(getattr(self.schedule, attr), wait_begin))
-        elif hasattr(self.schedule, "_maybe_compute_loss"):
+        if hasattr(self.schedule, "_maybe_compute_loss"):
             self._set(self.schedule, "_maybe_compute_loss", self._then_waiting(self.schedule._maybe_compute_loss))
 
     def detach(self) -> None:

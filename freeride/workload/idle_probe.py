@@ -11,8 +11,9 @@ on a loaded machine that is other processes' time, not the pipeline's): the time
 work in the gap (posting sends, the loss, the optimizer step between iterations, the
 instrumentation's marks) counts as busy. The gap across iterations runs
 from the last action of one iteration to the first of the next. ``python -m freeride.workload
---idle-probe`` logs the gaps of each iteration (``idle_gaps``: start and idle time, for gaps with at
-least ``min_gap_ns`` idle); the bench compares them with the bubbles the rank reported.
+--idle-probe`` logs the gaps that end in each iteration (``idle_gaps``: start, wall and idle time in
+ns, for gaps with at least ``min_gap_ns`` idle); the bench compares them with the bubbles the rank
+reported inside them.
 
 Costs three clock reads per action (a few microseconds): a bench instrument, not for production.
 """
@@ -33,7 +34,7 @@ class IdleProbe:
     def __init__(self, min_gap_ns: int = 100_000) -> None:
         self.min_gap_ns = min_gap_ns
         self._exit: tuple[int, int, int] | None = None  # (wall, thread CPU, run delay) at the last action's end
-        self._gaps: list[tuple[int, int]] = []
+        self._gaps: list[tuple[int, int, int]] = []
         try:  # this (the training) thread's scheduler statistics: CPU time, run delay, time slices
             self._schedstat: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         except OSError:
@@ -57,7 +58,7 @@ class IdleProbe:
             if last is not None:
                 idle = (now - last[0]) - (used - last[1]) - (delayed - last[2])
                 if idle >= self.min_gap_ns:
-                    self._gaps.append((last[0], idle))
+                    self._gaps.append((last[0], now - last[0], idle))
             try:
                 return method(*args, **kwargs)
             finally:
@@ -65,8 +66,8 @@ class IdleProbe:
 
         return timed
 
-    def take(self) -> list[tuple[int, int]]:
-        """The gaps (start ns, idle ns) since the last call."""
+    def take(self) -> list[tuple[int, int, int]]:
+        """The gaps (start, wall, idle; ns) that ended since the last call."""
         gaps, self._gaps = self._gaps, []
         return gaps
 

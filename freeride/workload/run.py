@@ -339,7 +339,7 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
             if instrumented is not None and instrumented.attached:
                 record["schedule_ms"] = schedule_ns / 1e6
             if idle_probe is not None:
-                record["idle_gaps"] = [[start - t0, idle] for start, idle in idle_probe.take()]
+                record["idle_gaps"] = [list(gap) for gap in idle_probe.take()]
             if probe is not None:
                 slot_samples, action_samples = probe.take()
                 record["memory"] = {"slots": {str(k): v for k, v in sorted(slot_samples.items())},

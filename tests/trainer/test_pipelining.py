@@ -203,3 +203,119 @@ def test_on_a_gpu_bubbles_are_reported_at_the_device_times_and_training_never_wa
     assert [a.length_ns for a in inst.last_actions] == [10 * ms] * 4
     inst.close()
     assert clock.closed and "forward_one_chunk" not in vars(stage)
+
+
+# ---------------------------------------------------------------- torch's runtime schedules
+
+
+class TimedStage:
+    """A stand-in PipelineStage on the test's clock: every compute action takes 1 ms."""
+
+    def __init__(self, index: int, stages: int, ranks: int, rank: int, clock: list[int]) -> None:
+        import torch
+
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, ranks, rank
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        self.submod = torch.nn.Linear(1, 1)
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.clock = clock
+
+    def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self.clock[0] += 1_000_000
+
+    def backward_one_chunk(self, mb: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        self.clock[0] += 1_000_000
+
+    def backward_weight_one_chunk(self, mb: int, last_backward: bool = False) -> None:
+        self.clock[0] += 1_000_000
+
+
+class RuntimeStep:
+    """Torch's real runtime schedule object, its ``step`` replaced by ``_step_microbatches``'s walk over
+    ``pipeline_order_with_comms`` (from torch 2.13's source): RECV_* posts (0.1 ms), a forward or backward
+    pops its receive and waits (``waits_ms`` of (kind, stage, mb)), the last stage's loss follows its
+    forward (0.2 ms)."""
+
+    def __init__(self, real: Any, clock: list[int], waits_ms: dict[tuple[str, int, int], float]) -> None:
+        self.real, self.clock, self.waits_ms = real, clock, waits_ms
+        self.stages = {s.stage_index: s for s in real._stages}
+
+    def step(self) -> None:
+        real = self.real
+        for action in real.pipeline_order_with_comms[real.rank]:
+            for a in action.sub_actions or (action,):
+                kind, key = a.computation_type.value, (a.stage_index, a.microbatch_index)
+                stage = self.stages.get(a.stage_index)
+                if kind in ("RECV_F", "RECV_B", "SEND_F", "SEND_B"):
+                    self.clock[0] += 100_000
+                    if kind == "RECV_F":
+                        real.fwd_recv_ops[key] = ["work"]
+                    elif kind == "RECV_B":
+                        real.bwd_recv_ops[key] = ["work"]
+                elif kind in ("F", "B", "I"):
+                    ops = real.fwd_recv_ops if kind == "F" else real.bwd_recv_ops
+                    if key in ops:
+                        ops.pop(key)
+                        self.clock[0] += int(self.waits_ms.get((kind, *key), 0.0) * 1e6)
+                    if kind == "F":
+                        stage.forward_one_chunk(a.microbatch_index)
+                        real._maybe_compute_loss(stage, None, None, a.microbatch_index)
+                    else:
+                        stage.backward_one_chunk(a.microbatch_index, None, kind == "B")
+                elif kind == "W":
+                    stage.backward_weight_one_chunk(a.microbatch_index)
+
+
+class StepClock:
+    """The host clock's shape on the test's time."""
+
+    synchronous = True
+
+    def __init__(self, consumer: Any, clock: list[int]) -> None:
+        self.consumer, self.clock = consumer, clock
+
+    def mark(self, payload: Any) -> None:
+        self.consumer(payload, self.clock[0])
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
+def test_a_runtime_schedules_waits_are_reported_from_the_end_of_the_action_before_them(name: str) -> None:
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    clock = [10**12]
+    rank, ranks = 0, 2
+    held = [0, 2] if name == "ScheduleInterleaved1F1B" else [0, 3]
+    real = getattr(torch_schedules, name)([TimedStage(s, 4, ranks, rank, clock) for s in held], 4)
+    real._maybe_compute_loss = lambda *args: clock.__setitem__(0, clock[0] + 200_000)
+    waits = {("F", held[1], mb): 3.0 for mb in range(4)}  # the peer's activations arrive 3 ms late
+    runner = RuntimeStep(real, clock, waits)
+    real.step = runner.step
+    sink = RecordingSink()
+    inst = InstrumentedSchedule(real, sink=sink, clock=lambda consumer: StepClock(consumer, clock))
+    plan = inst.tracker.plan
+    inst.step()
+    starts = {e[2]: e[6] for e in sink.events if e[0] == "start"}
+    ends = {e[2]: e[3] for e in sink.events if e[0] == "end"}
+    actions = inst.last_actions
+    assert set(starts) <= set(plan.positions) and set(starts) == set(ends)
+    for k, start in starts.items():
+        # From the end of the action before the wait (or its loss, on the last stage) to the next start.
+        before = actions[k - 1]
+        loss_ns = 200_000 if before.kind == "F" and before.stage == 3 else 0
+        assert start == before.end_ns + loss_ns
+        assert ends[k] == (actions[k].start_ns if k < len(actions) else ends[k])
+    waited = {k for k, a in enumerate(plan.order) if (a.kind, a.stage, a.microbatch) in waits}
+    lengths = {b.slot: b.length_ns for b in inst.last_bubbles}
+    assert waited <= set(lengths)  # the late activations' waits (plus the posting before them)
+    assert all(3_000_000 <= lengths[k] < 4_000_000 for k in waited)
+    assert all(lengths[k] < 1_000_000 for k in set(lengths) - waited)
+    inst.close()  # torch's own dicts and methods are back
+    assert type(real.fwd_recv_ops) is dict and type(real.bwd_recv_ops) is dict
+    assert "forward_one_chunk" not in vars(real._stages[0]) and "step" in vars(real)

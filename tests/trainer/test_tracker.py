@@ -149,6 +149,24 @@ def test_waits_where_the_order_has_no_receive_are_unplanned_until_they_recur_the
     assert {s[1] for s in sink.starts if not s[4]} == {4} and list(tracker.learned.opens) == [(3, 0)]
 
 
+def test_a_wait_begun_while_waiting_continues_the_same_wait() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)
+    tracker.iteration_begin()
+    for a in tracker.plan.order[:4]:
+        tracker.compute_begin(a.kind, a.stage, a.microbatch)
+        clock.now += MS
+        tracker.compute_end(a.kind, a.stage, a.microbatch)
+    tracker.wait_begin()  # the sends' wait after the last forward...
+    clock.now += MS
+    tracker.wait_begin()  # ...and the first gradient's: one wait, one bubble
+    clock.now += 2 * MS
+    tracker.compute_begin("B", 0, 0)
+    tracker.compute_end("B", 0, 0)
+    tracker.iteration_end()
+    assert [s[1] for s in sink.starts] == [4] and [b.length_ns for b in tracker.last_bubbles] == [3 * MS]
+
+
 def test_a_second_wait_in_a_gap_is_no_modelled_slot() -> None:
     orders = build_schedule("gpipe", 2, 4).orders
     tracker, clock, sink = make(orders, 0, learning=LearningConfig(max_slots=0))

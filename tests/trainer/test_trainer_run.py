@@ -74,19 +74,3 @@ def test_two_stage_cpu_run_reports_the_modelled_bubbles(tmp_path: Path, schedule
         assert counters["sent"] + counters["dropped"] == counters["enqueued"]
     loss = [r["loss"] for r in records[1] if not r.get("summary")]
     assert all(x is not None and x > 0 for x in loss)
-
-
-def test_interleaved_run_reports_a_stable_layout_read_off_torchs_order(tmp_path: Path) -> None:
-    # The slot layout comes from torch's own pipeline_order here: check that every iteration reports
-    # exactly that layout, and that the model found bubbles on both ranks.
-    records = _run_trainer(tmp_path, "interleaved-1f1b", "--measure", "--layers", "4", "--virtual-stages", "2")
-    for rank in (0, 1):
-        summary = next(r for r in records[rank] if r.get("summary"))
-        modelled = [(s["slot"], s["kind"]) for s in summary["slots"]]
-        assert modelled
-        reported = set()
-        for record in (r for r in records[rank] if not r.get("summary")):
-            got = [(b["slot"], b["kind"]) for b in record["bubbles"] if b["kind"] != "learned"]
-            assert set(got) <= set(modelled)
-            reported |= set(got)
-        assert reported
