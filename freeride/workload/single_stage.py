@@ -60,10 +60,9 @@ import argparse
 import json
 import logging
 import os
-import random
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -72,12 +71,12 @@ from freeride.devices import parse_device_name
 from freeride.devices.cpu import check_cpu_device
 from freeride.endpoints import parse_endpoint, read_token
 from freeride.errors import ConfigError
-from freeride.measure import median
-from freeride.messages import UNKNOWN_MEMORY
-from freeride.training.instrument import BubbleSink, MeasuredBubble
 from freeride.training.predictor import summarize
 from freeride.training.schedules import BACKWARD, FORWARD, Action, IdleSlot, build_schedule
+from freeride.training.tracker import BubbleSink, MeasuredBubble
+from freeride.workload.emulated_peers import ActionCosts, EmulatedPeers, WaitPlan, jittered, plan_waits, sleep_until
 from freeride.workload.run import TrainerConfig, add_model_arguments, bubble_record
+from freeride.workload.stage_clocks import CostLearner, CudaMarks, FreeMemory, HostMarks, Mark, runqueue_wait_ns
 
 log = logging.getLogger(__name__)
 
@@ -90,249 +89,8 @@ DEFAULT_BACKWARD_NS = 2_000_000.0
 
 _Key = tuple[int, Action]  # (iteration, action)
 
-
-# ------------------------------------------------------------------ the model: pure, no torch
-
-
-@dataclass(frozen=True)
-class ActionCosts:
-    """Cost of one micro-batch's forward and full backward through one stage (any unit)."""
-
-    forward: float
-    backward: float
-
-    def of(self, action: Action) -> float:
-        return self.forward if action.kind == FORWARD else self.backward
-
-
-def pipeline_dependency(action: Action, num_stages: int) -> Action | None:
-    """The action whose output ``action`` consumes, or None for the first stage's forwards.
-
-    A forward needs the previous stage's forward of its micro-batch; a backward needs the next
-    stage's backward, or on the last stage the micro-batch's own forward (the loss).
-    """
-    if action.kind == FORWARD:
-        return Action(FORWARD, action.stage - 1, action.microbatch) if action.stage > 0 else None
-    if action.stage == num_stages - 1:
-        return Action(FORWARD, action.stage, action.microbatch)
-    return Action(BACKWARD, action.stage + 1, action.microbatch)
-
-
-class EmulatedPeers:
-    """The other stages of the pipeline, simulated as they would run around the real one.
-
-    ``orders`` is every rank's action order of one iteration (repeated for every iteration);
-    ``rank`` is the real stage. A peer action starts when its rank has finished the previous action
-    (for a rank's first action of iteration ``k > 0``: its last action of ``k - 1`` plus
-    ``overhead(k - 1)``; of iteration 0: ``start``) and its input has arrived, and ends
-    ``peer_cost(iteration, rank, action)`` later. An input produced by the real stage arrives at
-    ``own_end(iteration, action)``, the real end time. Times are evaluated on demand and memoized,
-    so a query touches only what it depends on; a deadlock-free order never needs a real action
-    that has not run yet (it would deadlock a real pipeline too).
-    """
-
-    def __init__(
-        self,
-        orders: Mapping[int, Sequence[Action]],
-        num_stages: int,
-        rank: int,
-        *,
-        own_end: Callable[[int, Action], float | None],
-        peer_cost: Callable[[int, int, Action], float],
-        overhead: Callable[[int], float],
-        start: float,
-    ) -> None:
-        if rank not in orders:
-            raise ConfigError(f"stage {rank} is not in the {num_stages}-stage schedule")
-        self.rank = rank
-        self.num_stages = num_stages
-        self._orders = {q: tuple(o) for q, o in orders.items()}
-        self._position = {a: i for o in self._orders.values() for i, a in enumerate(o)}
-        self._own_end = own_end
-        self._peer_cost = peer_cost
-        self._overhead = overhead
-        self._start = start
-        self._ends: dict[_Key, float] = {}
-        self._horizon = 0  # iterations before this one are forgotten
-
-    def release_time(self, iteration: int, action: Action) -> float | None:
-        """When the input of the real stage's ``action`` arrives; None if no neighbour sends it."""
-        dep = pipeline_dependency(action, self.num_stages)
-        if dep is None or dep.stage == self.rank:
-            return None
-        return self._end((iteration, dep))
-
-    def forget_before(self, iteration: int) -> None:
-        """Drop the times of iterations before ``iteration`` (keep two back: a peer's first action
-        of an iteration depends on its last of the previous one)."""
-        if iteration > self._horizon:
-            self._horizon = iteration
-            self._ends = {k: v for k, v in self._ends.items() if k[0] >= iteration}
-
-    def _end(self, key: _Key) -> float:
-        stack = [key]
-        on_stack = {key}
-        while stack:
-            it, action = stack[-1]
-            if (it, action) in self._ends:
-                on_stack.discard(stack.pop())
-                continue
-            if it < self._horizon:
-                raise RuntimeError(f"emulated pipeline: iteration {it} is already forgotten (needed for {key})")
-            needed: _Key | None = None
-            ready: list[float] = []
-            order = self._orders[action.stage]
-            pos = self._position[action]
-            if pos > 0:
-                prev: _Key | None = (it, order[pos - 1])
-            elif it > 0:
-                prev = (it - 1, order[-1])
-            else:
-                prev = None
-                ready.append(self._start)
-            if prev is not None:
-                if prev in self._ends:
-                    ready.append(self._ends[prev] + (self._overhead(it - 1) if pos == 0 else 0.0))
-                else:
-                    needed = prev
-            dep = pipeline_dependency(action, self.num_stages)
-            if dep is not None and needed is None:
-                if dep.stage == self.rank:
-                    own = self._own_end(it, dep)
-                    if own is None:
-                        raise RuntimeError(
-                            f"emulated pipeline: stage {action.stage}'s {action.kind}{action.microbatch} of "
-                            f"iteration {it} needs the real stage's {dep.kind}{dep.microbatch}, which has not run"
-                        )
-                    ready.append(own)
-                elif (it, dep) in self._ends:
-                    ready.append(self._ends[(it, dep)])
-                else:
-                    needed = (it, dep)
-            if needed is not None:
-                if needed in on_stack:
-                    raise ConfigError(f"the schedule's orders deadlock at {needed[1]} of iteration {needed[0]}")
-                stack.append(needed)
-                on_stack.add(needed)
-                continue
-            self._ends[(it, action)] = max(ready) + self._peer_cost(it, action.stage, action)
-            on_stack.discard(stack.pop())
-        return self._ends[key]
-
-
-@dataclass(frozen=True)
-class PlannedWait:
-    """The real stage's wait before ``action`` in a steady iteration: ``length`` from ``start``
-    (offset from the end of the stage's previous iteration plus its overhead); ``slot`` is the
-    reference layout's slot ending there, or None for a wait the layout does not name."""
-
-    action: Action
-    start: float
-    length: float
-    slot: IdleSlot | None
-
-
-@dataclass(frozen=True)
-class WaitPlan:
-    """Where and how long the real stage waits in one steady (cyclic) iteration."""
-
-    slots: tuple[IdleSlot, ...]
-    waits: tuple[PlannedWait, ...]
-    period: float
-    busy: float
-
-    @property
-    def idle(self) -> float:
-        return sum(w.length for w in self.waits)
-
-    @property
-    def bubble_fraction(self) -> float:
-        return self.idle / self.period if self.period > 0 else 0.0
-
-    def slot_length(self, index: int) -> float:
-        return next((w.length for w in self.waits if w.slot is not None and w.slot.index == index), 0.0)
-
-    def wait_before(self, action: Action) -> PlannedWait | None:
-        return next((w for w in self.waits if w.action == action), None)
-
-
-def reference_layout(schedule: str, stages: int, microbatches: int, stage_index: int) -> tuple[IdleSlot, ...]:
-    """The stage's cyclic slots at the reference 1 : 2 cost ratio: the reference trainer's slot ids."""
-    return build_schedule(schedule, stages, microbatches).cyclic_slots(stage_index)
-
-
-def plan_waits(
-    schedule: str,
-    stages: int,
-    microbatches: int,
-    stage_index: int,
-    own: ActionCosts,
-    peers: ActionCosts,
-    overhead: float = 0.0,
-) -> WaitPlan:
-    """The real stage's waits in steady state, from the emulation run with fixed costs.
-
-    The stage itself costs ``own``, every peer ``peers``, and every stage spends ``overhead``
-    between iterations. Two iterations are emulated; the second is the steady one (in GPipe and
-    1F1B the first stage's last backward is the last action of an iteration, so iteration 1 is
-    iteration 0 shifted, plus the wait across the boundary). With ``own == peers`` the waits are
-    :meth:`freeride.training.schedules.Schedule.cyclic_slots` of ``simulate``. Every slot of the reference
-    layout is in ``waits`` (with length 0 if it closes), plus any other wait longer than zero.
-    """
-    model = build_schedule(schedule, stages, microbatches)
-    slots = model.cyclic_slots(stage_index)
-    by_action = {s.before: s for s in slots}
-    order = model.orders[stage_index]
-    own_ends: dict[_Key, float] = {}
-    engine = EmulatedPeers(
-        model.orders, stages, stage_index,
-        own_end=lambda it, a: own_ends.get((it, a)),
-        peer_cost=lambda it, q, a: peers.of(a),
-        overhead=lambda it: overhead,
-        start=0.0,
-    )
-    eps = 1e-9 * (own.forward + own.backward + peers.forward + peers.backward)
-    free = 0.0
-    waits: list[PlannedWait] = []
-    busy = 0.0
-    for it in (0, 1):
-        iteration_start = free
-        for action in order:
-            release = engine.release_time(it, action)
-            begin = free if release is None else max(free, release)
-            slot = by_action.get(action)
-            if it == 1 and (slot is not None or begin - free > eps):
-                waits.append(PlannedWait(action, free - iteration_start, begin - free, slot))
-            free = begin + own.of(action)
-            own_ends[(it, action)] = free
-            if it == 1:
-                busy += own.of(action)
-        free += overhead
-    busy += overhead
-    return WaitPlan(slots, tuple(waits), busy + sum(w.length for w in waits), busy)
-
-
-def jittered(cost: float, jitter_pct: float, seed: int, iteration: int, rank: int, action: Action) -> float:
-    """``cost`` times a factor drawn uniformly from ``1 +- jitter_pct/100``, the same for the same
-    (seed, iteration, rank, action) whatever order the emulation evaluates them in."""
-    if jitter_pct <= 0:
-        return cost
-    draw = random.Random(f"{seed}/{iteration}/{rank}/{action}").random()
-    return cost * (1.0 + jitter_pct / 100.0 * (2.0 * draw - 1.0))
-
-
-def sleep_until(target_ns: int, spin_ns: int) -> None:
-    """Block until ``time.monotonic_ns() >= target_ns``: sleep to ``spin_ns`` before it, then spin."""
-    while True:
-        left = target_ns - time.monotonic_ns()
-        if left <= 0:
-            return
-        if left > spin_ns:
-            time.sleep((left - spin_ns) / 1e9)
-        else:
-            while time.monotonic_ns() < target_ns:
-                pass
-            return
+__all__ = ["ActionCosts", "EmulatedPeers", "SingleStageConfig", "jittered", "main", "parse_args", "plan_waits",
+           "run", "single_stage_command", "sleep_until"]
 
 
 # ------------------------------------------------------------------ configuration and command line
@@ -452,142 +210,6 @@ def single_stage_command(
     return argv + list(extra)
 
 
-# ------------------------------------------------------------------ the device seam: clocks
-
-
-class _Mark:
-    """A point in the stage's compute stream: a host time, or a CUDA event until resolved."""
-
-    __slots__ = ("event", "ns")
-
-    def __init__(self, event: Any = None, ns: int | None = None) -> None:
-        self.event = event
-        self.ns = ns
-
-
-class _HostClock:
-    """CPU: compute is synchronous, so the host clock is the device's."""
-
-    check_every_action = True
-
-    def mark(self) -> _Mark:
-        return _Mark(ns=time.monotonic_ns())
-
-    def resolve(self, mark: _Mark) -> int:
-        assert mark.ns is not None  # host marks are born resolved
-        return mark.ns
-
-    def drain(self) -> int:
-        return time.monotonic_ns()
-
-
-class _CudaClock:
-    """CUDA: marks are events on the stage's stream, mapped to the host clock through an anchor.
-
-    The anchor is an event recorded on the idle stream at a known host time, taken at every
-    :meth:`drain` (the synchronize at the start of each wait); marks recorded before it are
-    resolved against the previous anchor at that moment, so every elapsed time is measured from an
-    anchor that precedes the mark. Resolving a mark that is still queued waits for that event only.
-    """
-
-    check_every_action = False
-
-    def __init__(self, index: int) -> None:
-        import torch
-
-        self._torch = torch
-        self._stream = torch.cuda.current_stream(index)
-        self._pending: list[_Mark] = []
-        self._anchor: Any = None
-        self._anchor_ns = 0
-        self.drain()
-
-    def mark(self) -> _Mark:
-        event = self._torch.cuda.Event(enable_timing=True)
-        event.record(self._stream)
-        mark = _Mark(event=event)
-        self._pending.append(mark)
-        return mark
-
-    def resolve(self, mark: _Mark) -> int:
-        if mark.ns is None:
-            mark.event.synchronize()
-            mark.ns = self._anchor_ns + round(self._anchor.elapsed_time(mark.event) * 1e6)
-            mark.event = None
-        return mark.ns
-
-    def drain(self) -> int:
-        self._stream.synchronize()
-        for mark in self._pending:
-            self.resolve(mark)
-        self._pending.clear()
-        anchor = self._torch.cuda.Event(enable_timing=True)
-        anchor.record(self._stream)
-        anchor_ns = time.monotonic_ns()
-        anchor.synchronize()
-        self._anchor, self._anchor_ns = anchor, anchor_ns
-        return time.monotonic_ns()
-
-
-def _runqueue_wait_ns() -> int | None:
-    """How long this thread has waited, runnable, for a CPU (``/proc/thread-self/schedstat``, Linux);
-    None where the kernel does not say. On ``cpu:N`` that is time something else held the stage's
-    core: a side task not yet parked, or another program."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as fh:
-            return int(fh.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class _FreeMemory:
-    """Free memory of the device for bubble reports, never raising.
-
-    CPU: host RAM, re-sampled at most every 0.5 s (it is shared and moves slowly). CUDA:
-    ``torch.cuda.mem_get_info``, sampled at every bubble, after the synchronize, when the trainer's own
-    allocation is what it will be.
-    """
-
-    def __init__(self, read: Callable[[], int], refresh_interval_s: float) -> None:
-        self._read = read
-        self._interval_ns = int(refresh_interval_s * 1e9)
-        self._at_ns = 0
-        self._free = UNKNOWN_MEMORY
-
-    def free_bytes(self) -> int:
-        now = time.monotonic_ns()
-        if self._free < 0 or now - self._at_ns >= self._interval_ns:
-            self._at_ns = now
-            try:
-                self._free = int(self._read())
-            except Exception:  # noqa: BLE001 - an unknown figure is reported as such, never raised
-                self._free = UNKNOWN_MEMORY
-        return self._free
-
-
-# ------------------------------------------------------------------ learning this stage's costs
-
-
-class _CostLearner:
-    """This stage's forward, backward and between-iteration times over the learning iterations.
-
-    The estimate of each is the median (``freeride.measure``) of its samples, leaving out iteration 0 (first-call costs:
-    allocator growth, kernel selection) once later iterations have given some.
-    """
-
-    def __init__(self) -> None:
-        self._samples: dict[str, list[tuple[int, float]]] = {}
-
-    def observe(self, what: str, iteration: int, value_ns: float) -> None:
-        if value_ns >= 0:
-            self._samples.setdefault(what, []).append((iteration, value_ns))
-
-    def estimate(self, what: str) -> float | None:
-        samples = self._samples.get(what, [])
-        values = [v for it, v in samples if it > 0] or [v for _, v in samples]
-        return median(values) if values else None
-
-
 # ------------------------------------------------------------------ the run
 
 
@@ -601,11 +223,11 @@ class _SingleStage:
         self.order = self.model.orders[cfg.stage_index]
         self.slots = self.model.cyclic_slots(cfg.stage_index)
         self.slot_before = {s.before: s for s in self.slots}
-        self.learner = _CostLearner()
+        self.learner = CostLearner()
         self.learn_iterations = max(1, cfg.warmup)
         self.spin_ns = int(cfg.spin_us * 1000)
-        self.marks: dict[_Key, tuple[_Mark, _Mark]] = {}
-        self.ready: dict[int, _Mark] = {}
+        self.marks: dict[_Key, tuple[Mark, Mark]] = {}
+        self.ready: dict[int, Mark] = {}
         self.unplanned_waits = 0
         self.unplanned_wait_ns = 0
         self.plan = self._plan()
@@ -636,7 +258,7 @@ class _SingleStage:
     # ---------------------------------------------------------------- waiting
 
     def _wait_slot(self, iteration: int, action: Action, slot: IdleSlot, engine: EmulatedPeers,
-                   clock: _HostClock | _CudaClock, memory: _FreeMemory) -> MeasuredBubble:
+                   clock: HostMarks | CudaMarks, memory: FreeMemory) -> MeasuredBubble:
         start = clock.drain()
         free = memory.free_bytes()
         predicted = max(1, round(self.plan.slot_length(slot.index)))
@@ -651,7 +273,7 @@ class _SingleStage:
         return MeasuredBubble(iteration, slot.index, slot.kind, start, end, predicted, free)
 
     def _wait_unplanned(self, iteration: int, action: Action, engine: EmulatedPeers,
-                        clock: _HostClock | _CudaClock) -> None:
+                        clock: HostMarks | CudaMarks) -> None:
         release = engine.release_time(iteration, action)
         if release is None or release <= time.monotonic_ns():
             return
@@ -663,14 +285,14 @@ class _SingleStage:
 
     # ---------------------------------------------------------------- learning
 
-    def _learn(self, iteration: int, clock: _HostClock | _CudaClock) -> None:
+    def _learn(self, iteration: int, clock: HostMarks | CudaMarks) -> None:
         clock.drain()
         for action in self.order:
             begin, end = self.marks[(iteration, action)]
             self.learner.observe(action.kind, iteration, clock.resolve(end) - clock.resolve(begin))
         self.plan = self._plan()
 
-    def _between(self, iteration: int, clock: _HostClock | _CudaClock) -> float:
+    def _between(self, iteration: int, clock: HostMarks | CudaMarks) -> float:
         """What this stage spent between the end of ``iteration`` and the start of the next: the
         time every emulated peer spends there too."""
         ready = self.ready.get(iteration + 1)
@@ -719,14 +341,14 @@ class _SingleStage:
         if name.kind == "cuda":
             torch.cuda.set_device(name.index)
             torch_device = torch.device("cuda", name.index)
-            clock: _HostClock | _CudaClock = _CudaClock(name.index)
-            memory = _FreeMemory(lambda: torch.cuda.mem_get_info(name.index)[0], 0.0)
+            clock: HostMarks | CudaMarks = CudaMarks(name.index)
+            memory = FreeMemory(lambda: torch.cuda.mem_get_info(name.index)[0], 0.0)
         else:
             import psutil
 
             torch_device = torch.device("cpu")
-            clock = _HostClock()
-            memory = _FreeMemory(lambda: psutil.virtual_memory().available, 0.5)
+            clock = HostMarks()
+            memory = FreeMemory(lambda: psutil.virtual_memory().available, 0.5)
 
         r, m, mb = cfg.stage_index, cfg.microbatches, cfg.microbatch_size
         first, last = r == 0, r == cfg.stages - 1
@@ -776,7 +398,7 @@ class _SingleStage:
             losses.clear()
             bubbles: list[MeasuredBubble] = []
             model_record = self._model_record()
-            waited0 = _runqueue_wait_ns()
+            waited0 = runqueue_wait_ns()
             t0 = time.monotonic_ns()
             optimizer.zero_grad(set_to_none=True)
             self.ready[it] = clock.mark()
@@ -799,7 +421,7 @@ class _SingleStage:
                 self.marks[(it, action)] = (begin, clock.mark())
             optimizer.step()
             elapsed = time.monotonic_ns() - t0
-            waited1 = _runqueue_wait_ns()
+            waited1 = runqueue_wait_ns()
             if it > 0:
                 self._observe_between(it)
             if it < self.learn_iterations:

@@ -19,7 +19,7 @@ from freeride._manager.estimator import StepEstimator, percentiles
 from freeride._manager.histogram import LatencyHistogram, _bucket
 from freeride.standalone import percentile as standalone_percentile
 from freeride.training.predictor import BubblePredictor, summarize
-from freeride.workload.single_stage import _CostLearner
+from freeride.workload.stage_clocks import CostLearner
 
 SAMPLES = [random.Random(7).randrange(1_000, 5_000_000) for _ in range(257)]
 EVEN = SAMPLES[:64]
@@ -65,7 +65,7 @@ def test_predictor_summaries_and_slot_medians_use_the_same_definition() -> None:
 def test_standalone_learner_and_bench_helpers_agree() -> None:
     ms = [v / 1e6 for v in SAMPLES]
     assert standalone_percentile(ms, 90) == measure.percentile(ms, 90)
-    learner = _CostLearner()
+    learner = CostLearner()
     for i, v in enumerate(EVEN):
         learner.observe("F", i + 1, float(v))
     assert learner.estimate("F") == measure.median(EVEN)
