@@ -30,8 +30,8 @@ real end p50/p99 (per granted bubble), the side task's step time against the typ
 
 **Instrumentation cost** per iteration on the training thread: the schedule's real action order
 (torch's ``pipeline_order_with_comms``) driven through :class:`InstrumentedSchedule` with empty
-compute, torch's calls emulated (a runtime schedule's receive pops, a single-stage schedule's
-receive ops and loss), a reporter that only enqueues; paired batches against the bare loop, the
+compute, torch's calls emulated (a runtime schedule's walk over its lowered order, a single-stage
+schedule's loop, the loss after each forward), a reporter that only enqueues; paired batches against the bare loop, the
 median difference, over the real run's median iteration time. That is the cost where the reporter's
 sender thread has a core of its own (a GPU host); on these two shared cores the sender also takes
 turns with the stages.
@@ -254,16 +254,10 @@ class _FakeStage:
     def backward_weight_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def get_fwd_recv_ops(self, mb: int) -> list[str]:
-        return ["recv"] if not self.is_first else []
-
-    def get_bwd_recv_ops(self, mb: int) -> list[str]:
-        return ["recv"] if not self.is_last else []
-
 
 class _RuntimeWalk:
     """A runtime schedule's ``_step_microbatches`` loop over the real ``pipeline_order_with_comms``,
-    communication replaced by dict entries (what InstrumentedSchedule hooks)."""
+    communication replaced by dict entries, the loss by a no-op."""
 
     def __init__(self, real: Any) -> None:
         self._stages, self.rank = real._stages, real.rank
@@ -271,6 +265,9 @@ class _RuntimeWalk:
         self.fwd_recv_ops: dict[tuple[int, int], list[Any]] = {}
         self.bwd_recv_ops: dict[tuple[int, int], list[Any]] = {}
         self._by_index = {s.stage_index: s for s in self._stages}
+
+    def _maybe_compute_loss(self, *args: Any) -> None:
+        pass
 
     def step(self) -> None:
         for action in self.pipeline_order_with_comms[self.rank]:
@@ -285,6 +282,7 @@ class _RuntimeWalk:
                     if key in self.fwd_recv_ops:
                         self.fwd_recv_ops.pop(key)
                     stage.forward_one_chunk(a.microbatch_index)
+                    self._maybe_compute_loss(stage, None, None, a.microbatch_index)
                 elif kind in ("B", "I"):
                     if key in self.bwd_recv_ops:
                         self.bwd_recv_ops.pop(key)
@@ -308,11 +306,9 @@ class _SingleWalk:
     def step(self) -> None:
         for a in self.order:
             if a.kind == "F":
-                self._stage.get_fwd_recv_ops(a.microbatch)
                 self._stage.forward_one_chunk(a.microbatch)
                 self._maybe_compute_loss()
             else:
-                self._stage.get_bwd_recv_ops(a.microbatch)
                 self._stage.backward_one_chunk(a.microbatch, None, True)
 
 

@@ -27,15 +27,15 @@ computes and where it waits, hooked on *instances* only (no class or module is p
   a send with it); GPipe also waits for all its forward sends after the last forward (a gloo send
   completes only once the peer has posted its receive). Between a compute action and such a wait
   there is only the posting of transfers (and, after a last stage's forward, its loss), so the
-  rank's wait starts where the action before a wait position ends (the planned order says which:
-  :mod:`freeride.training.rank_slots`), or where ``schedule._maybe_compute_loss`` returns after a
-  last stage's forward; the compute entry that follows ends it. Posting is host work: on a GPU the
-  device is idle from the action's end, and on a loaded CPU a posting that blocks on gloo's lock is
-  idle too. The tail after a rank's last action is a wait where that action sends to another rank.
-  As a backstop a runtime schedule's ``fwd_recv_ops``/``bwd_recv_ops`` are replaced by a dict whose
-  ``pop`` starts a wait, and a single-stage schedule's ``get_*_recv_ops`` start one when they return
-  ops (both continue the wait already open). Actions the runtime hands to a
-  ``register_custom_function`` bypass these hooks.
+  rank's waits start where the action before a wait position ends (the tracker's
+  ``waits_follow_compute``; the planned order says which positions:
+  :mod:`freeride.training.rank_slots`), after a last stage's forward where
+  ``schedule._maybe_compute_loss`` returns, and at :meth:`InstrumentedSchedule.step`'s entry for
+  the wait of the iteration's first action; the compute entry that follows ends each. Posting is
+  host work: on a GPU the device is idle from the action's end, and on a loaded CPU a posting that
+  blocks on gloo's lock is idle too. The tail after a rank's last action is a wait where that
+  action sends to another rank. Actions the runtime hands to a ``register_custom_function``
+  bypass these hooks.
 
 **The orders.** Every rank's compute actions come from the schedule itself: for runtime schedules
 ``pipeline_order_with_comms`` (what ``_step_microbatches`` runs; ``OVERLAP_F_B`` is its sub-actions
@@ -50,10 +50,10 @@ the order did not predict.
 
 **Internals relied upon** (checked at construction; :class:`PipeliningInternalsChanged` names what
 is missing): ``schedule._stage`` (single-stage schedules) or ``schedule._stages``, ``.rank`` and
-``.pipeline_order`` (multi-stage ones), ``.fwd_recv_ops``/``.bwd_recv_ops`` (runtime ones), and
-``_maybe_compute_loss`` where present; ``stage.stage_index``, ``stage.num_stages``, the three compute
-methods with their first argument the micro-batch index and ``full_backward`` the third of
-``backward_one_chunk``, and ``get_fwd_recv_ops``/``get_bwd_recv_ops`` (single-stage ones).
+``.pipeline_order`` or ``.pipeline_order_with_comms`` (multi-stage ones), and
+``_maybe_compute_loss`` on a rank holding the last stage; ``stage.stage_index``,
+``stage.num_stages``, and the three compute methods with their first argument the micro-batch index
+and ``full_backward`` the third of ``backward_one_chunk``.
 """
 
 from __future__ import annotations
@@ -152,19 +152,6 @@ def _single_schedule_name(schedule: object) -> str:
 _ABSENT = object()
 
 
-class _WaitingPops(dict[Any, Any]):
-    """A runtime schedule's ``fwd_recv_ops``/``bwd_recv_ops``: its ``pop`` is where torch starts the
-    receive's wait, so it marks the wait's start (the schedule pops only right before waiting)."""
-
-    def __init__(self, items: dict[Any, Any], on_pop: Callable[[], None]) -> None:
-        super().__init__(items)
-        self.on_pop = on_pop
-
-    def pop(self, *args: Any) -> Any:
-        self.on_pop()
-        return super().pop(*args)
-
-
 class InstrumentedSchedule:
     """A torch pipeline schedule whose waits are measured, predicted and reported.
 
@@ -193,11 +180,12 @@ class InstrumentedSchedule:
         time_actions: bool = False,
     ) -> None:
         self.schedule = schedule
-        self._stages, rank, orders, num_stages, self._runtime = self._inspect(schedule)
+        self._stages, rank, orders, num_stages = self._inspect(schedule)
         self.tracker = RankTracker(
             orders, rank, sink, num_stages=num_stages, device=device, clock=clock, predictor=predictor,
             learning=learning, on_iteration=on_iteration, on_action_end=on_action_end,
             report_min_ns=report_min_ns, remodel_iterations=remodel_iterations, time_actions=time_actions,
+            waits_follow_compute=True,
         )
         self.rank = rank
         self._restore: list[tuple[object, str, Any]] = []  # (object, attribute, its own value or _ABSENT)
@@ -206,7 +194,7 @@ class InstrumentedSchedule:
     # ---------------------------------------------------------------- construction
 
     @staticmethod
-    def _inspect(schedule: Any) -> tuple[list[Any], int, dict[int, list[Action]], int, bool]:
+    def _inspect(schedule: Any) -> tuple[list[Any], int, dict[int, list[Action]], int]:
         name = type(schedule).__name__
         if hasattr(schedule, "_stages"):
             stages = list(schedule._stages)
@@ -215,15 +203,11 @@ class InstrumentedSchedule:
             ir = schedule.pipeline_order_with_comms if runtime else _require(schedule, "pipeline_order", name)
             if not ir:
                 raise PipeliningInternalsChanged(f"{name} has no pipeline order (is its CSV loaded?)")
-            if runtime:
-                _require(schedule, "fwd_recv_ops", name)
-                _require(schedule, "bwd_recv_ops", name)
             orders = torch_orders(ir)
             num_stages = int(_require(stages[0], "num_stages", "PipelineStage"))
         else:
             stage = _require(schedule, "_stage", name)
             stages = [stage]
-            runtime = False
             num_stages = int(_require(stage, "num_stages", "PipelineStage"))
             rank = int(_require(stage, "stage_index", "PipelineStage"))
             microbatches = int(_require(schedule, "_n_microbatches", name))
@@ -232,13 +216,10 @@ class InstrumentedSchedule:
         for stage in stages:
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 _require(stage, method, "PipelineStage")
-            if not runtime:
-                _require(stage, "get_fwd_recv_ops", "PipelineStage")
-                _require(stage, "get_bwd_recv_ops", "PipelineStage")
             _require(stage, "stage_index", "PipelineStage")
         if rank not in orders or not orders[rank]:
             raise PipeliningInternalsChanged(f"rank {rank} has no actions in the schedule's order")
-        return stages, rank, orders, num_stages, runtime
+        return stages, rank, orders, num_stages
 
     def _set(self, obj: object, attr: str, value: Any) -> None:
         """Set an instance attribute, remembering what :meth:`detach` restores."""
@@ -251,12 +232,7 @@ class InstrumentedSchedule:
         fwd = stage.forward_one_chunk
         bwd = stage.backward_one_chunk
         wgt = stage.backward_weight_one_chunk
-        tracker = self.tracker
-        begin, end, wait_begin = tracker.compute_begin, tracker.compute_end, tracker.wait_begin
-        positions = frozenset(tracker.plan.positions)
-        # The last model stage's forward is followed by its loss, which is compute: the wait starts
-        # where _maybe_compute_loss returns instead.
-        loss_follows = index == tracker.plan.num_stages - 1
+        begin, end = self.tracker.compute_begin, self.tracker.compute_end
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             begin(FORWARD, index, fwd_chunk_id)
@@ -264,8 +240,6 @@ class InstrumentedSchedule:
                 return fwd(fwd_chunk_id, *args, **kwargs)
             finally:
                 end(FORWARD, index, fwd_chunk_id)
-                if tracker.position in positions and not loss_follows:
-                    wait_begin()
 
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
@@ -275,8 +249,6 @@ class InstrumentedSchedule:
                 return bwd(bwd_chunk_id, *args, **kwargs)
             finally:
                 end(kind, index, bwd_chunk_id)
-                if tracker.position in positions:
-                    wait_begin()
 
         def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             begin(BACKWARD_WEIGHT, index, bwd_chunk_id)
@@ -284,29 +256,13 @@ class InstrumentedSchedule:
                 return wgt(bwd_chunk_id, *args, **kwargs)
             finally:
                 end(BACKWARD_WEIGHT, index, bwd_chunk_id)
-                if tracker.position in positions:
-                    wait_begin()
 
         self._set(stage, "forward_one_chunk", forward_one_chunk)
         self._set(stage, "backward_one_chunk", backward_one_chunk)
         self._set(stage, "backward_weight_one_chunk", backward_weight_one_chunk)
-        if not self._runtime:
-            for attr in ("get_fwd_recv_ops", "get_bwd_recv_ops"):
-                self._set(stage, attr, self._receiving(getattr(stage, attr)))
-
-    def _receiving(self, get_ops: Callable[..., Any]) -> Callable[..., Any]:
-        wait_begin = self.tracker.wait_begin
-
-        def get_recv_ops(*args: Any, **kwargs: Any) -> Any:
-            ops = get_ops(*args, **kwargs)
-            if ops:  # the schedule waits for these at once; none: nothing to wait for (a first stage)
-                wait_begin()
-            return ops
-
-        return get_recv_ops
 
     def _then_waiting(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:
-        """After a forward's loss (and its sends posted): a wait starts if the rank waits here."""
+        """After a last stage's forward and its loss: a wait starts if the rank waits here."""
         tracker = self.tracker
         positions = frozenset(tracker.plan.positions)
 
@@ -328,12 +284,10 @@ class InstrumentedSchedule:
             return
         for stage in self._stages:
             self._wrap(stage)
-        if self._runtime:
-            wait_begin = self.tracker.wait_begin
-            for attr in ("fwd_recv_ops", "bwd_recv_ops"):
-                self._set(self.schedule, attr, _WaitingPops(getattr(self.schedule, attr), wait_begin))
-        if hasattr(self.schedule, "_maybe_compute_loss"):
-            self._set(self.schedule, "_maybe_compute_loss", self._then_waiting(self.schedule._maybe_compute_loss))
+        holds_last = any(int(stage.stage_index) == self.tracker.plan.num_stages - 1 for stage in self._stages)
+        if holds_last:  # the loss follows the last stage's forwards: the wait after one starts after it
+            compute_loss = _require(self.schedule, "_maybe_compute_loss", type(self.schedule).__name__)
+            self._set(self.schedule, "_maybe_compute_loss", self._then_waiting(compute_loss))
 
     def detach(self) -> None:
         """Restore the stages' own methods: :meth:`step` then runs the bare schedule.
@@ -341,10 +295,7 @@ class InstrumentedSchedule:
         Used by A/B measurements (instrumented and bare iterations interleaved in one run).
         """
         for obj, attr, saved in reversed(self._restore):
-            current = vars(obj).get(attr)
-            if isinstance(current, _WaitingPops):  # a plain dict again, with what torch put in it meanwhile
-                setattr(obj, attr, dict(current))
-            elif saved is not _ABSENT:
+            if saved is not _ABSENT:
                 setattr(obj, attr, saved)
             else:
                 vars(obj).pop(attr, None)

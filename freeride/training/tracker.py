@@ -18,6 +18,13 @@ for DeepSpeed, Megatron Core, torchtitan) hooks its framework and calls, on the 
 ``iteration_end()``                the iteration's last mark (after the framework's last wait)
 =================================  ==================================================================
 
+With ``waits_follow_compute=True`` the tracker starts the waits of the planned wait positions itself:
+at ``iteration_begin`` for position 0, and where the action before a wait position ends. That fits a
+framework that does only host work between an action and the wait that follows (posting transfers,
+as torch's schedules do: on a GPU the device is idle from the action's end), and saves the adapter a
+call per action. The one exception is a forward of the last model stage, whose loss the framework
+computes after it: the adapter calls ``wait_begin()`` once the loss is done.
+
 Each mark costs a microsecond or two and never blocks: nothing on the training thread waits for
 freeride or for the device. Compute actions are stamped only while the model profiles them (the
 first ``remodel_iterations``) or with ``time_actions=True`` (:attr:`RankTracker.last_actions`);
@@ -218,7 +225,8 @@ class RankTracker:
     ``orders`` maps every pipeline rank to its compute actions of one iteration; ``rank`` is this
     one. ``sink`` receives the bubbles (None: measure only). ``device`` (``cpu:N``, ``cuda:N``) picks
     the clock and the free-memory samples; ``clock`` overrides the clock (a factory taking the
-    consumer it must deliver to). ``on_iteration(iteration, bubbles)`` is called on the training
+    consumer it must deliver to). ``waits_follow_compute`` and ``time_actions``: see the module doc.
+    ``on_iteration(iteration, bubbles)`` is called on the training
     thread with each delivered iteration's reported bubbles; ``on_action_end(kind, stage, mb)`` at
     every ``compute_end``, before its mark (a measuring hook: it must return in microseconds).
     """
@@ -239,6 +247,7 @@ class RankTracker:
         report_min_ns: int = 200_000,
         remodel_iterations: int = 5,
         time_actions: bool = False,
+        waits_follow_compute: bool = False,
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
@@ -271,6 +280,13 @@ class RankTracker:
         self._on_enter, self._on_leave, self._on_wait = timeline.enter, timeline.leave, timeline.wait
         self._on_wait_end = timeline.wait_end
         self._timed = time_actions or remodel_iterations > 0  # compute actions stamped (module doc)
+        # Per position: whether its wait starts by itself where the action before it ends (module doc).
+        self._follows = [False] * (len(order) + 1)
+        if waits_follow_compute:
+            last_stage = self.plan.num_stages - 1
+            for k in self.plan.positions:
+                before = order[k - 1] if k else None
+                self._follows[k] = before is None or not (before.kind == FORWARD and before.stage == last_stage)
         self._cursor = 0  # compute actions begun in this iteration (training thread)
         self._ordinal = 0  # waits begun in the current gap
         self._waiting = False  # a wait is open
@@ -289,6 +305,8 @@ class RankTracker:
         self._ordinal = 0
         self._waiting = False
         self._emit(self._timeline.begin, self.iteration, None)
+        if self._follows[0]:
+            self.wait_begin()
 
     def iteration_end(self) -> None:
         self._waiting = False
@@ -315,6 +333,9 @@ class RankTracker:
             self.on_action_end(kind, stage, microbatch)
         if self._timed:
             self._emit(self._on_leave, (kind, stage, microbatch), None)
+        cursor = self._cursor
+        if cursor < len(self._follows) and self._follows[cursor]:
+            self.wait_begin()
 
     def wait_begin(self) -> None:
         if self._waiting:

@@ -28,12 +28,6 @@ class FakeStage:
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         self.calls.append(f"W{bwd_chunk_id}")
 
-    # Like torch's: a receive's ops, empty where there is no neighbour to receive from.
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[str]:
-        return [f"recv F{fwd_chunk_id}"] if self.stage_index > 0 else []
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[str]:
-        return [f"recv B{bwd_chunk_id}"] if self.stage_index < self.num_stages - 1 else []
 
 
 class Schedule1F1B:  # named like torch's: the instrumentation models it as 1f1b
@@ -43,14 +37,16 @@ class Schedule1F1B:  # named like torch's: the instrumentation models it as 1f1b
         model = build_schedule("1f1b", stage.num_stages, n_microbatches)
         self.order = order or [a.label() for a in model.orders[stage.stage_index]]
 
+    def _maybe_compute_loss(self, stage: FakeStage, output: Any, target_mbs: Any, mb_index: int) -> None:
+        self._stage.calls.append(f"loss{mb_index}")
+
     def step(self, *args: Any, **kwargs: Any) -> None:
-        for label in self.order:  # each receive's ops are made, then waited for, then the compute runs
+        for label in self.order:  # as torch's: each forward is followed by its loss (a no-op but last)
             mb = int(label[1:])
             if label[0] == "F":
-                self._stage.get_fwd_recv_ops(mb)
                 self._stage.forward_one_chunk(mb, (), {})
+                self._maybe_compute_loss(self._stage, None, None, mb)
             else:
-                self._stage.get_bwd_recv_ops(mb)
                 self._stage.backward_one_chunk(mb, loss=None, full_backward=True)
 
 
