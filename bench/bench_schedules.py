@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--slow-ms", type=float, default=2.0)
+    p.add_argument("--slow-ms", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     args = p.parse_args(argv)

@@ -109,3 +109,15 @@ def test_a_multi_stage_schedule_reports_its_waits_where_torch_waits_and_trains_a
         if rank == 0:  # it waits for rank 1, whose model stage 1 is slowed
             assert any(r["bubbles"] for r in iterations), "rank 0 reported no bubble"
     assert losses == pytest.approx(sequential_losses, rel=1e-4)
+
+
+def test_the_documented_torch_pipelining_snippet_runs(tmp_path: Path) -> None:
+    """docs/bubbles.md's snippet, as a user would copy it (no manager: the reporter drops its events)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "bubbles.md").read_text()
+    block = doc.split("```python\n# pp_demo.py")[1].split("```")[0]
+    script = tmp_path / "pp_demo.py"
+    script.write_text("# pp_demo.py" + block)
+    env = dict(os.environ, FREERIDE_LOG_LEVEL="WARNING", OMP_NUM_THREADS="1", XDG_RUNTIME_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
