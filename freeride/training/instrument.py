@@ -63,6 +63,7 @@ from typing import Any
 
 from freeride.errors import FreerideError
 from freeride.training.device_clock import MarkClock
+from freeride.training.free_memory import MemorySampler
 from freeride.training.learned_slots import LearningConfig, WaitLearner
 from freeride.training.predictor import BubblePredictor, ComputeProfile
 from freeride.training.schedules import (
@@ -74,13 +75,7 @@ from freeride.training.schedules import (
     IdleSlot,
     build_schedule,
 )
-from freeride.training.tracker import (
-    BubbleSink,
-    MeasuredAction,
-    MeasuredBubble,
-    MemorySampler,
-    RankTracker,
-)
+from freeride.training.tracker import BubbleSink, MeasuredAction, MeasuredBubble, RankTracker
 
 __all__ = [
     "BubbleSink",
