@@ -19,7 +19,7 @@ The model is then fed only with what the planner would be given -- the trainer's
 * **slot lengths**: each slot the trainer reports (its layout is the schedule simulated at the
   reference 1 : 2 cost ratio; a slot is identified by the actions around it), its median measured
   length against the length of the same gap in the model fed with the measured costs
-  (:func:`freeride.training.instrument.gap_length`).
+  (:func:`freeride.training.rank_slots.gap_length`).
 * **bubble fraction per stage**: those slots' total over the iteration time (measured: the
   trainer's logged bubbles, per iteration, median).
 * **memory held between actions** (:func:`freeride.training.memory.rank_memory`, runtime ``torch``): after
@@ -60,8 +60,8 @@ from typing import Any
 
 from bench.machine import machine_info
 from freeride.measure import median, percentile
-from freeride.training.instrument import gap_length
 from freeride.training.memory import PRECISIONS, RUNTIMES, TransformerDims, rank_memory, transformer_chunks
+from freeride.training.rank_slots import gap_length
 from freeride.training.schedules import BOUNDARY, FORWARD, Schedule, build_schedule, schedule_from_orders
 
 REPO = Path(__file__).resolve().parents[1]

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     cycles_per_ms = 10_000_000 / start.elapsed_time(end)
     schedule = Schedule1F1B(stage, 8, int(ns.wait_ms * cycles_per_ms))
     sink = Sink()
-    inst = InstrumentedSchedule(schedule, sink=sink, device="cuda:0")
+    inst = InstrumentedSchedule(schedule, sink=sink, device="cuda:0", time_actions=True)
     actions: dict[int, list[Any]] = {}
     inst.on_iteration = lambda it, bubbles: actions.__setitem__(it, inst.last_actions)
 

@@ -43,6 +43,7 @@ from freeride.training.schedules import (
     FORWARD,
     Action,
     IdleSlot,
+    Schedule,
     gap_kind,
     input_dependency,
 )
@@ -83,6 +84,18 @@ def wait_positions(orders: Mapping[int, Sequence[Action]], rank: int, num_stages
         if consumer is not None and owner.get(consumer, rank) != rank:
             positions.append(len(order))
     return tuple(positions)
+
+
+def gap_length(schedule: Schedule, rank: int, slot: IdleSlot) -> float:
+    """The length of the gap ``slot`` delimits in ``schedule``'s one-iteration timeline (a ``boundary``
+    slot: the rank's tail plus its warm-up). The planner's validation feeds it measured costs."""
+    timeline = schedule.timeline[rank]
+    if slot.kind == BOUNDARY:
+        return (schedule.makespan - timeline[-1].end) + timeline[0].start if timeline else 0.0
+    times = {t.action: t for t in timeline}
+    if slot.before not in times or slot.after not in times:
+        return 0.0
+    return max(0.0, times[slot.before].start - times[slot.after].end)
 
 
 @dataclass(frozen=True)

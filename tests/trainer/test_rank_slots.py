@@ -15,7 +15,7 @@ import pytest
 
 from freeride.errors import ConfigError
 from freeride.training.instrument import torch_orders
-from freeride.training.rank_slots import RankPlan, stage_ranks, steady_state, wait_positions
+from freeride.training.rank_slots import RankPlan, gap_length, stage_ranks, steady_state, wait_positions
 from freeride.training.schedules import BOUNDARY, Action, build_schedule
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -139,6 +139,13 @@ def test_slot_ids_kinds_and_neighbours_of_a_rank() -> None:
     tail = plan.slot(8)
     assert (tail.kind, tail.before, tail.after) == ("tail", None, Action("B", 1, 3))
     assert plan.kind(2) == "steady" and plan.stages == (1,)
+
+
+def test_gap_length_is_a_slots_length_in_the_simulated_timeline() -> None:
+    s = build_schedule("1f1b", 4, 8, 1.0, 2.0)
+    for r in range(4):
+        for slot in s.cyclic_slots(r):  # a boundary slot joins the tail and the warm-up
+            assert gap_length(s, r, slot) == pytest.approx(slot.length)
 
 
 def test_orders_that_cannot_be_modelled_are_refused() -> None:
