@@ -38,10 +38,43 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from freeride._manager.core.api import (
+    MS,
+    Action,
+    BubbleEnded,
+    BubbleStarted,
+    CancelRequested,
+    CheckpointRecorded,
+    CoreConfig,
+    DeviceMemorySampled,
+    DeviceStatusChanged,
+    DrainComplete,
+    DrainRequested,
+    Event,
+    Freeze,
+    Grant,
+    Kill,
+    LayoutChanged,
+    Park,
+    Released,
+    ReleaseRequested,
+    Spawn,
+    StateChanged,
+    Stop,
+    TaskAdded,
+    TaskMemorySampled,
+    Tick,
+    WorkerCheckpointed,
+    WorkerExited,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerParked,
+    WorkerReady,
+    WorkerStepsSeen,
+)
 from freeride._manager.estimator import StepEstimator, percentiles
 from freeride.errors import InvalidTransition
 from freeride.messages import (
-    BubbleEnd,
     BubbleSlotStats,
     BubbleStart,
     FailureRecord,
@@ -54,345 +87,8 @@ from freeride.units import format_mib
 
 log = logging.getLogger(__name__)
 
-MS = 1_000_000
+
 _RESIDENT_STATES = tuple(state for state in TaskState if state.is_resident)
-
-#: ``freeride``: this module's policy. ``paper``: an emulation of the reference system's policy
-#: (REFERENCE.md), so that the bench compares both inside one manager on one machine.
-POLICIES = ("freeride", "paper")
-
-
-# ====================================================================== config
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """Scheduling knobs; units are in the names."""
-
-    headroom_bytes: int = 256 * 2**20
-    grace_ns: int = MS // 2
-    margin_ns: int = MS // 5
-    max_margin_ns: int = 20 * MS
-    step_timeout_ns: int = 60_000 * MS
-    stop_timeout_ns: int = 10_000 * MS
-    memory_window_iterations: int = 8
-    default_checkpoint_interval_s: float = 30.0
-    #: A task whose step fitted no bubble for this many bubbles gets one probe grant: its estimate
-    #: may be stale (learned under contention), and without a probe it could never recover.
-    reprobe_after_bubbles: int = 200
-    policy: str = "freeride"
-    #: ``paper`` only: the scheduler polls on this period (the reference's 10 ms) ...
-    poll_interval_ns: int = 10 * MS
-    #: ... and predicts a bubble's end as start + the minimum profiled length of its (stage, slot);
-    #: a slot missing here falls back to the trainer's prediction.
-    paper_profile_ns: dict[tuple[int, int], int] = field(default_factory=dict)
-    #: Bubble statistics are kept for at most this many (stage, rank, slot) keys. A trainer that
-    #: reports ever new keys (a bug, or a hostile stream) must not grow the manager's memory and the
-    #: Bubbles reply without bound; bubbles of further keys are still scheduled, only not tracked.
-    max_slots: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.poll_interval_ns <= 0:
-            raise ValueError("poll_interval_ns must be > 0")
-        for name in ("headroom_bytes", "grace_ns", "margin_ns", "max_margin_ns"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("step_timeout_ns", "stop_timeout_ns", "memory_window_iterations", "reprobe_after_bubbles",
-                     "max_slots"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.max_margin_ns < self.margin_ns:
-            raise ValueError("max_margin_ns must be >= margin_ns")
-
-
-# ====================================================================== events
-
-
-@dataclass(frozen=True)
-class BubbleStarted:
-    bubble: BubbleStart
-    received_ns: int
-
-
-@dataclass(frozen=True)
-class BubbleEnded:
-    bubble: BubbleEnd
-    received_ns: int
-
-
-@dataclass(frozen=True)
-class TaskAdded:
-    """A new submission, or a task recovered from the store after a restart."""
-
-    task_id: str
-    spec: TaskSpec
-    seq: int
-    checkpoint_path: str = ""
-    checkpoint_step: int = -1
-    steps: int = 0
-    progress: float = 0.0
-    restarts: int = 0
-    #: What the task harvested and overran before a manager restart (from the store).
-    harvested_ns: int = 0
-    overruns: int = 0
-    #: Claimed from the cluster queue: when it must leave this device (eviction, drain, a layout
-    #: without a stage here) it goes back to the queue (:class:`Released`) instead of waiting here.
-    from_queue: bool = False
-    #: A step time learned on another device (the cluster record); 0: the spec's hint.
-    step_hint_ns: int = 0
-
-
-@dataclass(frozen=True)
-class ReleaseRequested:
-    """Give a cluster task up. With ``checkpoint`` it is stopped after a checkpoint and handed back to
-    the queue; without, another manager owns it now and this copy is killed without writing."""
-
-    task_id: str
-    reason: str
-    checkpoint: bool = True
-
-
-@dataclass(frozen=True)
-class LayoutChanged:
-    """The trainer's pipeline layout changed (elastic training): what was learned of the old bubbles
-    no longer holds. ``hosts_stage``: this device runs a stage under the new layout."""
-
-    layout: TrainerLayout
-    received_ns: int
-    hosts_stage: bool = True
-
-
-@dataclass(frozen=True)
-class CancelRequested:
-    task_id: str
-
-
-@dataclass(frozen=True)
-class DrainRequested:
-    pass
-
-
-@dataclass(frozen=True)
-class WorkerReady:
-    task_id: str
-    pid: int
-    progress_unit: str = "steps"
-    #: What the device's runtime took before the task allocated anything (a CUDA context); 0 on CPU.
-    context_bytes: int = 0
-    #: The worker's footprint outside its cap (see :meth:`WorkerDevice.baseline_bytes`).
-    baseline_bytes: int = 0
-    #: Where device memory is not host memory (a GPU): the worker's host footprint outside its cap
-    #: (see :meth:`WorkerDevice.host_baseline_bytes`); 0: no separate host cap.
-    host_baseline_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerParked:
-    task_id: str
-    grant_id: int
-    steps: int
-    durations_ns: tuple[int, ...]
-    first_step_ns: int  # 0: no step ran in this grant
-    last_end_ns: int
-    parked_ns: int
-    reason: str  # "deadline", "park", "stop"
-    progress: float
-    total_steps: int
-    #: Leading ``durations_ns`` that are a process's warm-up step: harvested work, no estimate sample.
-    warmup_steps: int = 0
-    #: Device memory the worker holds by its own measure (0: it leaves that to the device's figure).
-    device_bytes: int = 0
-    #: The bubble's real end as the worker saw it on a board (the trainer's end board, or its ended word
-    #: set on a servicer thread), maybe before the loop handed that end to this core; 0: none seen.
-    seen_end_ns: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerCheckpointed:
-    task_id: str
-    step: int
-    path: str
-    progress: float
-
-
-@dataclass(frozen=True)
-class WorkerFinished:
-    task_id: str
-    total_steps: int
-    progress: float
-
-
-@dataclass(frozen=True)
-class WorkerFailed:
-    task_id: str
-    failure: FailureRecord
-    #: The steps of the grant it failed in (no park follows a failure): harvested time all the same.
-    durations_ns: tuple[int, ...] = ()
-    progress: float = -1.0  # -1: not reported
-    total_steps: int = -1
-
-
-@dataclass(frozen=True)
-class WorkerStepsSeen:
-    """Steps the worker's current process has finished, read from its board (when it was frozen)."""
-
-    task_id: str
-    steps_done: int
-    in_setup: bool = False  # it has begun no step yet: it is inside setup()
-
-
-@dataclass(frozen=True)
-class WorkerExited:
-    task_id: str
-    exit_code: int | None
-    signal: int
-    log_tail: str = ""
-    step: int = -1  # the step the worker was in, when it published one
-
-
-@dataclass(frozen=True)
-class TaskMemorySampled:
-    task_id: str
-    used_bytes: int
-    #: The task's resident set on the host where ``used_bytes`` is device memory (a GPU); -1: not read.
-    host_bytes: int = -1
-
-
-@dataclass(frozen=True)
-class DeviceMemorySampled:
-    free_bytes: int
-
-
-@dataclass(frozen=True)
-class DeviceStatusChanged:
-    """The device became unreadable (``problem`` says why) or readable again (``problem`` empty)."""
-
-    problem: str
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Nothing happened; lets due timers fire."""
-
-
-Event = (
-    BubbleStarted
-    | BubbleEnded
-    | TaskAdded
-    | CancelRequested
-    | DrainRequested
-    | WorkerReady
-    | WorkerStepsSeen
-    | WorkerParked
-    | WorkerCheckpointed
-    | WorkerFinished
-    | WorkerFailed
-    | WorkerExited
-    | TaskMemorySampled
-    | DeviceMemorySampled
-    | DeviceStatusChanged
-    | ReleaseRequested
-    | LayoutChanged
-    | Tick
-)
-
-
-# ====================================================================== actions
-
-
-@dataclass(frozen=True)
-class Spawn:
-    task_id: str
-    spec: TaskSpec
-    memory_bytes: int
-    resume_path: str
-
-
-@dataclass(frozen=True)
-class Grant:
-    task_id: str
-    grant_id: int
-    deadline_ns: int
-    margin_ns: int
-    thaw: bool
-    probe: bool = False  # run one step whatever the estimate, and learn the step time afresh
-    #: The bubble's trainer rank and start time (its identity on the trainer's end board) and key.
-    rank: int = -1
-    bubble_start_ns: int = 0
-    bubble_key: tuple[int, int, int, int] = (-1, -1, -1, -1)
-    #: The worker may stop on the trainer's own end of this bubble (never under the reference policy).
-    trainer_ends: bool = False
-
-
-@dataclass(frozen=True)
-class Park:
-    task_id: str
-    grant_id: int
-    #: When the manager received the end that causes this park, and that end (0: a park of the
-    #: reference policy's poll, or of a bubble whose end was lost).
-    end_received_ns: int = 0
-    end_ns: int = 0
-
-
-@dataclass(frozen=True)
-class Freeze:
-    task_id: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Ask the worker to (optionally) checkpoint and exit; a Kill follows if it does not."""
-
-    task_id: str
-    checkpoint: bool
-
-
-@dataclass(frozen=True)
-class Kill:
-    task_id: str
-
-
-@dataclass(frozen=True)
-class StateChanged:
-    task_id: str
-    old: TaskState | None
-    new: TaskState
-    reason: str
-    failure: FailureRecord | None = None
-
-
-@dataclass(frozen=True)
-class CheckpointRecorded:
-    task_id: str
-    step: int
-    path: str
-    progress: float
-
-
-@dataclass(frozen=True)
-class DrainComplete:
-    pass
-
-
-@dataclass(frozen=True)
-class Released:
-    """A cluster task left this device, its process gone: the queue places it again (unless it was
-    lost to another manager). Its figures are the last this device knew."""
-
-    task_id: str
-    reason: str
-    checkpoint: bool
-    steps: int
-    progress: float
-    checkpoint_path: str
-    checkpoint_step: int
-    restarts: int
-    step_p95_ns: int | None
-
-
-Action = Spawn | Grant | Park | Freeze | Stop | Kill | StateChanged | CheckpointRecorded | DrainComplete | Released
 
 
 # ====================================================================== state
