@@ -622,6 +622,10 @@ class ManagerLoop:
             self._drain_waiters.clear()
             if self._stop_after_drain:
                 self._running = False
+        elif isinstance(action, C.Note):
+            # The core does no I/O: what it would log comes back as a note.
+            log.log(action.level, "[%s%s] %s", self.device, f" task={action.task_id}" if action.task_id else "",
+                    action.message)
 
     def _send(self, handle: WorkerHandle, message: dict[str, Any]) -> None:
         if handle.closed:

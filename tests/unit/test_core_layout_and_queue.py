@@ -3,7 +3,7 @@ and cluster tasks that leave a device (``Released``) instead of waiting on it.""
 
 from __future__ import annotations
 
-from test_scheduler_core import MS, MiB, S, Sim, of
+from core_sim import MS, MiB, S, Sim, of
 
 from freeride._manager.core import (
     CancelRequested,
@@ -19,6 +19,7 @@ from freeride._manager.core import (
     Stop,
     TaskAdded,
 )
+from freeride._manager.core.machines import StopPhase
 from freeride.messages import TaskSpec, TrainerLayout
 
 LAYOUT = TrainerLayout("1f1b", 4, 8, ("n1/cuda:0", "n1/cuda:1", "n2/cuda:0", "n2/cuda:1"), 0)
@@ -89,7 +90,7 @@ def test_a_layout_with_less_free_memory_evicts_the_tasks_that_no_longer_fit() ->
     actions = _layout(sim, free_mib=1000)  # the new sharding leaves this device 1000 MiB
     # Evicting the newer "small" first would not have been enough; evicting "big" alone is.
     assert [s.task_id for s in of(actions, Stop)] == ["big"]
-    assert sim.core.tasks["big"].stopping == "evict"
+    assert sim.core.tasks["big"].stop is StopPhase.EVICT
     sim.exited("big")
     assert sim.state("big") == S.SUBMITTED  # a local task waits here for memory
     assert sim.state("small") == S.PARKED

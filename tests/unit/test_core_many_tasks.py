@@ -134,7 +134,7 @@ def test_state_index_agrees_with_every_task_state_through_random_lifecycles() ->
     d.free(2000)
 
     def check() -> None:
-        for state, tasks in d.core._by_state.items():
+        for state, tasks in d.core._tasks.by_state.items():
             assert {t.task_id for t in tasks.values()} == {
                 t.task_id for t in d.core.tasks.values() if t.state == state
             }

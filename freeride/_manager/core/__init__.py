@@ -13,6 +13,7 @@ from freeride._manager.core.api import (
     CancelRequested,
     CheckpointRecorded,
     CoreConfig,
+    CoreStats,
     DeviceMemorySampled,
     DeviceStatusChanged,
     DrainComplete,
@@ -41,7 +42,8 @@ from freeride._manager.core.api import (
     WorkerReady,
     WorkerStepsSeen,
 )
-from freeride._manager.core.scheduler import SchedulerCore, TaskRuntime
+from freeride._manager.core.scheduler import SchedulerCore
+from freeride._manager.core.tasks import TaskRuntime
 from freeride._manager.estimator import percentiles
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "CancelRequested",
     "CheckpointRecorded",
     "CoreConfig",
+    "CoreStats",
     "DeviceMemorySampled",
     "DeviceStatusChanged",
     "DrainComplete",

@@ -13,6 +13,7 @@ core does no I/O of its own, logging included.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 
 from freeride.messages import (
@@ -395,3 +396,25 @@ Action = (
 )
 
 
+
+
+# ====================================================================== what the core counts
+
+
+@dataclass
+class CoreStats:
+    """The core's running totals and recent samples, read by the loop for ``freeride stats``."""
+
+    bubbles: int = 0
+    bubble_ns: int = 0
+    granted_ns: int = 0
+    harvested_ns: int = 0
+    overruns: int = 0
+    anomalies: int = 0
+    layout_changes: int = 0
+    #: Out-of-order events dropped: an end without its open start, an end before its start, a start
+    #: older than the open bubble's. Counted with the rejected events in the manager's stats.
+    ignored_events: int = 0
+    overrun_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    grant_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    park_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))

@@ -1,0 +1,168 @@
+"""The trainer's bubbles as the core sees them: the open one, the one closing, and what each slot was like.
+
+At most two bubbles are kept: the **open** one (started, its end not known) and the **closing** one (ended,
+or lost to a later start, while the worker it was granted to finishes its step: kept until that worker
+parks or is frozen, so that the step's overrun past the real end can be measured). Each bubble's phase
+(:class:`BubblePhase`) changes only through :meth:`OpenBubble.to`.
+
+Per (stage, rank, slot) the core keeps statistics (lengths, predictions, errors, the least free memory)
+for the Bubbles reply, for at most ``max_slots`` keys.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from freeride._manager.core.machines import BUBBLE, BubblePhase
+from freeride._manager.estimator import percentiles
+from freeride.messages import BubbleSlotStats, BubbleStart, Percentiles
+
+MS = 1_000_000
+
+
+@dataclass
+class OpenBubble:
+    event: BubbleStart
+    received_ns: int
+    phase: BubblePhase = BubblePhase.OPEN
+    end_ns: int = 0  # real end, once known
+    end_received_ns: int = 0
+    granted: set[str] = field(default_factory=set)
+    running: str = ""  # task id holding the bubble now
+    #: Set by a policy that predicts ends itself (the reference's): the deadline that stands, whatever
+    #: the real end says.
+    fixed_deadline_ns: int = 0
+    #: The reference policy's poll has asked its worker to park.
+    park_sent: bool = False
+    #: The real end, as a worker saw it on a board before the end reached this core.
+    seen_end_ns: int = 0
+
+    @property
+    def deadline_ns(self) -> int:
+        if self.fixed_deadline_ns:
+            return self.fixed_deadline_ns
+        return self.end_ns or self.event.predicted_end_ns
+
+    def to(self, phase: BubblePhase) -> None:
+        BUBBLE.check(self.phase, phase, str(self.event.key))
+        self.phase = phase
+
+
+@dataclass
+class SlotStats:
+    kind: str
+    learned: bool = False
+    lengths_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
+    predicted_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
+    abs_error_pct: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    count: int = 0
+    min_free: int = -1
+
+
+class Bubbles:
+    def __init__(self, max_slots: int) -> None:
+        self.open: OpenBubble | None = None
+        self.closing: OpenBubble | None = None
+        self.slots: dict[tuple[int, int, int], SlotStats] = {}
+        #: The longest bubble predicted since the start or the last layout change (0: none yet).
+        self.longest_ns = 0
+        self._max_slots = max_slots
+
+    def start(self, b: BubbleStart, received_ns: int) -> OpenBubble:
+        """Open ``b`` (the last open bubble was closed before) and note its slot."""
+        self.longest_ns = max(self.longest_ns, b.predicted_ns)
+        slot = self.slots.get((b.stage, b.rank, b.slot))
+        if slot is None and len(self.slots) < self._max_slots:
+            slot = self.slots[(b.stage, b.rank, b.slot)] = SlotStats(kind=b.kind)
+        if slot is not None:
+            slot.kind = b.kind
+            slot.learned = b.learned
+            if b.free_memory_bytes >= 0:
+                slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
+        self.open = OpenBubble(event=b, received_ns=received_ns)
+        return self.open
+
+    def measure_end(self, bubble: OpenBubble, end_ns: int, measured: bool) -> int:
+        """The bubble's length to ``end_ns``; a measured end also feeds its slot's statistics."""
+        start = bubble.event
+        length = max(0, end_ns - start.start_ns)
+        slot = self.slots.get((start.stage, start.rank, start.slot)) if measured else None
+        if slot is not None:
+            slot.count += 1
+            slot.lengths_ns.append(length)
+            slot.predicted_ns.append(start.predicted_ns)
+            if length > 0:
+                slot.abs_error_pct.append(abs(start.predicted_ns - length) * 100.0 / length)
+        return length
+
+    def close(self, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
+        """The open bubble is over. One still held by a worker is kept, closing, until that worker lets go."""
+        if bubble.running:
+            bubble.end_ns = end_ns
+            bubble.end_received_ns = bubble.end_received_ns or now_ns
+            bubble.to(BubblePhase.CLOSING)
+            self.closing = bubble
+        else:
+            bubble.to(BubblePhase.CLOSED)
+        self.open = None
+
+    def saw_end(self, bubble: OpenBubble, end_ns: int) -> None:
+        """A worker saw ``bubble``'s end on a board before its end event came: nothing more is granted in it."""
+        bubble.seen_end_ns = end_ns
+        if bubble.phase is BubblePhase.OPEN:
+            bubble.to(BubblePhase.SEEN_ENDED)
+
+    def let_go(self, bubble: OpenBubble) -> None:
+        """Its worker parked or was frozen: the bubble has no holder now (a closing one is done)."""
+        bubble.running = ""
+        if bubble is self.closing:
+            bubble.to(BubblePhase.CLOSED)
+            self.closing = None
+
+    def release(self, task_id: str) -> bool:
+        """``task_id`` lets go of whatever bubble it holds (it failed, finished, was cancelled or exited)."""
+        released = False
+        for bubble in (self.open, self.closing):
+            if bubble is not None and bubble.running == task_id:
+                bubble.running = ""
+                released = True
+        if self.closing is not None and not self.closing.running:
+            self.closing.to(BubblePhase.CLOSED)
+            self.closing = None
+        return released
+
+    def held_by(self, task_id: str) -> OpenBubble | None:
+        # Match on the holder, not the key: a duplicate start can open a bubble with the same key.
+        for bubble in (self.open, self.closing):
+            if bubble is not None and bubble.running == task_id:
+                return bubble
+        return None
+
+    def forget(self) -> None:
+        """A new trainer layout: what was learned of the old one's bubbles no longer holds."""
+        self.slots.clear()
+        self.longest_ns = 0
+
+    def slot_stats(self) -> list[BubbleSlotStats]:
+        out = []
+        for (stage, rank, slot), s in sorted(self.slots.items()):
+            out.append(
+                BubbleSlotStats(
+                    stage=stage,
+                    rank=rank,
+                    slot=slot,
+                    kind=s.kind,
+                    count=s.count,
+                    length_ms=_pct([v / MS for v in s.lengths_ns]),
+                    predicted_ms=_pct([v / MS for v in s.predicted_ns]),
+                    abs_error_pct=_pct(list(s.abs_error_pct)),
+                    min_free_memory_bytes=s.min_free,
+                    learned=s.learned,
+                )
+            )
+        return out
+
+
+def _pct(values: list[float]) -> Percentiles:
+    return Percentiles(*percentiles(values))

@@ -1,0 +1,65 @@
+"""Why a task is not running, in one line (``freeride list`` and ``show``): a pure function of what the core
+knows. Each reason names the rule that holds the task back, with the figures that rule compared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freeride._manager.core.tasks import TaskRuntime
+from freeride.states import TaskState
+
+MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Circumstances:
+    """What, besides the task itself, decides whether it waits."""
+
+    draining: bool
+    device_problem: str
+    budget_bytes: int | None
+    longest_bubble_ns: int
+    margin_ns: int
+    reprobe_after_bubbles: int
+    #: The policy measures a step that fits no bubble again after ``reprobe_after_bubbles`` (freeride's does).
+    reprobes: bool
+
+
+def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
+    """Why a non-running task is not running ("" for a running or finished one)."""
+    if task.state == TaskState.SUBMITTED:
+        budget = now.budget_bytes
+        if now.draining:
+            return "the manager is draining"
+        if now.device_problem:
+            return f"the device cannot be read: {now.device_problem}"
+        if budget is None:
+            return "waiting for the first free-memory figure from the trainer or device"
+        return (
+            f"needs {task.memory_bytes / 2**20:.0f} MiB; the device budget has "
+            f"{max(0, budget) / 2**20:.0f} MiB free"
+        )
+    if task.state == TaskState.PARKED:
+        est = task.known_step_ns
+        margin = now.margin_ns + task.margin_ns
+        longest = now.longest_bubble_ns
+        if est is not None and longest and est + margin > longest:
+            again = ""
+            if now.reprobes:
+                left = max(0, now.reprobe_after_bubbles - task.health.unfit_bubbles)
+                again = f"; its step time is measured again in {left} more bubbles"
+            return (
+                f"its step ({est / MS:.1f} ms p95 + {margin / MS:.1f} ms margin) fits no bubble seen "
+                f"(longest {longest / MS:.1f} ms){again}"
+            )
+        if longest == 0:
+            return "no bubble reported yet"
+        return "waiting for a bubble"
+    if task.state == TaskState.FROZEN:
+        if task.health.in_setup:
+            return "frozen in setup() after overrunning a bubble; resumes at its next grant"
+        if task.health.hung_since_ns:
+            return ("frozen in a step that looks hung (more granted time than two of the longest bubbles); "
+                    "thawed every other bubble until it finishes or reaches its step timeout")
+        return "frozen mid-step after overrunning a bubble; resumes at its next grant"
+    return ""

@@ -1,0 +1,101 @@
+"""Who gets a bubble: the grant rankings, as pure functions of the candidates and the time left.
+
+Each policy ranks with one of these (``policy.py``); the scheduler gives the bubble to the winner and
+applies the ranking's bookkeeping (:attr:`Ranking.unfit`). Candidates are the parked and frozen tasks
+that are not being stopped and have not had a grant in this bubble yet.
+
+**freeride** (:func:`rank`), most important first:
+
+1. priority;
+2. a frozen task, which must finish its step (unless that step looks hung: then it has the first turn
+   only every other whole bubble, and never the tail another task left: a thaw there only runs it past
+   the end, into training);
+3. a task whose step time is not known yet (one probe);
+4. fair share among tasks whose step fits: the one that has harvested least goes first (best fit alone
+   let the task with the longer step win every bubble, and a shorter one at the same priority never ran;
+   taking turns by grant gave the shorter one the short bubbles and the other every long one);
+5. the best fit of its high-percentile step time to the time left;
+6. FIFO.
+
+A task whose step (plus margin) does not fit the time left is not a candidate; after
+``reprobe_after_bubbles`` bubbles in a row of that, it is ranked once as a task whose step time is
+unknown (a re-probe: its estimate may be stale, learned under contention).
+
+**reference** (:func:`rank_reference`): the highest priority, FIFO on ties; the task itself decides
+whether a step fits (1.2 x its median, see the worker runtime).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from freeride._manager.core.tasks import TaskRuntime
+from freeride.states import TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    best: TaskRuntime | None
+    #: Candidates whose step did not fit the time left: at a bubble's first grant, each counts one more
+    #: unfit bubble.
+    unfit: tuple[TaskRuntime, ...] = ()
+    #: The winner's step time is measured afresh (it fitted no bubble for too long).
+    reprobe: bool = False
+
+
+NOBODY = Ranking(None)
+
+
+def rank(
+    candidates: Iterable[TaskRuntime],
+    first_grant: bool,
+    remaining_ns: int,
+    margin_ns: int,
+    reprobe_after: int,
+    longest_bubble_ns: int,
+) -> Ranking:
+    """The freeride ranking (see the module docstring) of ``candidates`` for ``remaining_ns`` of bubble."""
+    best: tuple[tuple[int, ...], TaskRuntime] | None = None
+    unfit: list[TaskRuntime] = []
+    seen_now = 1 if first_grant else 0
+    for task in candidates:
+        margin = margin_ns + task.margin_ns
+        est = task.known_step_ns
+        frozen = task.state is TaskState.FROZEN
+        health = task.health
+        hung = frozen and health.looks_hung(longest_bubble_ns)
+        if hung and not first_grant:
+            continue
+        thaw_rank = (0 if health.passed_over else 2) if hung else (0 if frozen else 1)
+        if not frozen and est is not None and est + margin > remaining_ns:
+            unfit.append(task)
+            if health.unfit_bubbles + seen_now < reprobe_after:
+                continue
+            est = None  # a re-probe: ranked like a task whose step time is unknown
+        key = (
+            -task.spec.priority,
+            thaw_rank,
+            0 if est is None else 1,
+            task.share_ns,
+            remaining_ns - (est or 0),
+            task.seq,
+        )
+        if best is None or key < best[0]:
+            best = (key, task)
+    if best is None:
+        return Ranking(None, tuple(unfit)) if unfit else NOBODY
+    winner = best[1]
+    counted = seen_now if any(task is winner for task in unfit) else 0
+    reprobe = winner.health.unfit_bubbles + counted >= reprobe_after
+    return Ranking(winner, tuple(unfit), reprobe)
+
+
+def rank_reference(candidates: Iterable[TaskRuntime]) -> Ranking:
+    """The reference system's ranking: the highest priority, FIFO on ties."""
+    best: tuple[tuple[int, int], TaskRuntime] | None = None
+    for task in candidates:
+        key = (-task.spec.priority, task.seq)
+        if best is None or key < best[0]:
+            best = (key, task)
+    return NOBODY if best is None else Ranking(best[1])

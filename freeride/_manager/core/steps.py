@@ -1,0 +1,106 @@
+"""A task's step health: where its current process is in its steps, and whether a step looks hung.
+
+The rule that calls a step hung (:meth:`StepHealth.looks_hung`) and what becomes of one (thawed only every
+other whole bubble, failed ``STEP_TIMEOUT`` after ``step_timeout`` of wall time looking hung: see the
+grant ranking and :meth:`StepHealth.hung_too_long`) are here and in ``grants.py``, nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freeride._manager.core.machines import STEP, StepPhase
+from freeride.messages import FailureRecord
+
+
+@dataclass
+class StepHealth:
+    phase: StepPhase = StepPhase.FRESH
+    stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
+    hung_since_ns: int = 0  # when the current step was first seen to look hung (phase HUNG; 0: not)
+    unfit_bubbles: int = 0  # bubbles in a row whose time the task's step estimate did not fit
+    passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
+
+    def _to(self, new: StepPhase) -> None:
+        STEP.check(self.phase, new)
+        self.phase = new
+
+    @property
+    def has_stepped(self) -> bool:
+        """The current process has finished a step (its setup is over)."""
+        return self.phase is StepPhase.STEPPED or self.phase is StepPhase.HUNG
+
+    @property
+    def in_setup(self) -> bool:
+        return self.phase is StepPhase.IN_SETUP
+
+    def new_process(self) -> None:
+        """Its process is (re)started: no step finished yet. The granted time of a stuck step is kept."""
+        self.hung_since_ns = 0
+        self._to(StepPhase.FRESH)
+
+    def finished_steps(self) -> None:
+        """A park reported finished steps: nothing is stuck."""
+        self.stuck_ns = 0
+        self.hung_since_ns = 0
+        self._to(StepPhase.STEPPED)
+
+    def seen_on_board(self, steps_done: int, in_setup: bool) -> None:
+        """What its board showed when it was frozen. Boards only move forward: a process that has finished
+        a step is past its setup, whatever else the board says."""
+        if steps_done > 0:
+            if not self.has_stepped:
+                self._to(StepPhase.STEPPED)
+        elif not self.has_stepped:
+            self._to(StepPhase.IN_SETUP if in_setup else StepPhase.FRESH)
+
+    def ran_past_end(self, granted_ns: int) -> None:
+        """It was frozen mid-step after ``granted_ns`` of its grant."""
+        self.stuck_ns += granted_ns
+
+    def looks_hung(self, longest_bubble_ns: int) -> bool:
+        """A step that has run more granted time than two of the longest bubbles seen.
+
+        It fits no bubble, so it is a step far longer than its estimate, or a hang. Setup and the first
+        step of a process are expected to be long (a graph is generated, a model built): until the worker
+        has finished a step (its park reports, or its board read when it was frozen), it never looks hung,
+        and keeps the first turn until it finishes or times out.
+        """
+        if not self.has_stepped or longest_bubble_ns <= 0:
+            return False
+        return self.stuck_ns > 2 * longest_bubble_ns
+
+    def hung_too_long(self, now_ns: int, step_timeout_ns: int) -> bool:
+        """Note that its step looks hung (from ``now_ns`` if it was not seen so before); True once it has
+        looked hung for ``step_timeout`` of wall time.
+
+        Granted only every other whole bubble, a hung step would take many times its step timeout of wall
+        time to use up that much granted time (13 minutes for the default 60 s at a 20% bubble fraction,
+        with an overrun into training at each of its bubbles).
+        """
+        if self.phase is not StepPhase.HUNG:
+            self.hung_since_ns = now_ns
+            self._to(StepPhase.HUNG)
+            return False
+        return now_ns - self.hung_since_ns >= step_timeout_ns
+
+    def hung_failure(self, now_ns: int, step_timeout_ns: int, step: int) -> FailureRecord:
+        return FailureRecord(
+            kind="STEP_TIMEOUT",
+            message=(f"one step looked hung (more granted time than two of the longest bubbles) for "
+                     f"{(now_ns - self.hung_since_ns) / 1e9:.1f} s without finishing; it ran for "
+                     f"{self.stuck_ns / 1e9:.1f} s of granted time (limit {step_timeout_ns / 1e9:.1f} s "
+                     "of either)"),
+            step=step,
+        )
+
+    def stuck_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
+        """The failure of a step (or setup) that ran ``step_timeout`` of granted time without finishing."""
+        return FailureRecord(
+            kind="STEP_TIMEOUT",
+            message=(
+                f"{'setup()' if self.in_setup else 'one step'} ran for {self.stuck_ns / 1e9:.1f} s "
+                f"of granted time without finishing (limit {step_timeout_ns / 1e9:.1f} s)"
+            ),
+            step=step,
+        )

@@ -1,0 +1,292 @@
+"""Bubbles (``core/bubbles.py``): ends park the running worker, early parks backfill, and malformed or
+out-of-order streams are counted and never raise."""
+
+from __future__ import annotations
+
+import pytest
+from core_sim import MS, T0, S, Sim, grants, non_state, of, paper_sim
+
+from freeride._manager.core import (
+    BubbleEnded,
+    BubbleStarted,
+    Freeze,
+    Grant,
+    Park,
+    StateChanged,
+    WorkerParked,
+)
+from freeride.messages import BubbleEnd, BubbleStart
+
+
+def test_bubble_end_while_running_emits_park() -> None:
+    sim = Sim()
+    sim.resident("a")
+    grant = of(sim.start(predicted_ms=10), Grant)[0]
+    sim.advance_ms(8)
+    actions = sim.end()
+    assert actions == [Park("a", grant.grant_id, end_received_ns=sim.now, end_ns=sim.now)]
+    assert sim.state("a") == S.RUNNING  # until the worker says it parked
+
+
+def test_a_worker_that_stopped_on_the_trainers_end_board_records_a_park_latency_of_zero() -> None:
+    # Third trial: with the trainer on the manager's host, `stats` showed no park latency at all.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(8)
+    parked_at = sim.now  # the worker read the end board and parked before the end reached the core
+    sim.advance_ms(0.2)
+    sim.end(end_ns=parked_at - 1000)
+    sim.parked("a", [2.0, 2.0, 2.0], reason="ended", last_end_ns=parked_at - MS)
+    assert list(sim.core.stats.park_latency_ms) == [0.0]
+
+
+def test_worker_parked_returns_the_task_to_parked_and_records_park_latency() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(8)
+    sim.end()
+    sim.advance_ms(0.3)
+    actions = sim.parked("a", [2.0, 2.0, 2.0], reason="park", last_end_ns=sim.now - MS)
+    assert StateChanged("a", S.RUNNING, S.PARKED, "park") in actions
+    assert list(sim.core.stats.park_latency_ms) == [pytest.approx(0.3)]
+    task = sim.core.tasks["a"]
+    assert task.known_step_ns == 2 * MS
+    assert task.harvested_ns == 6 * MS
+    assert task.steps == 3
+    assert sim.core.next_timer_ns() is None  # the freeze timer is cancelled
+
+
+def test_worker_parked_records_grant_latency_of_the_first_grant_of_a_bubble() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(5)
+    sim.parked("a", [1.0], reason="deadline")  # first step 1000 ns after the grant
+    assert list(sim.core.stats.grant_latency_ms) == [pytest.approx(0.001)]
+
+
+def test_worker_parking_early_lets_another_task_use_the_rest_of_the_bubble() -> None:
+    sim = Sim()
+    sim.resident("a", "b")
+    assert grants(sim.start(predicted_ms=10)) == ["a"]
+    sim.advance_ms(3)
+    actions = sim.parked("a", [1.0, 1.0], reason="deadline")
+    assert of(actions, Grant) == [Grant("b", 2, T0 + 10 * MS, sim.core.config.margin_ns, False, rank=0,
+                                        bubble_start_ns=T0, bubble_key=sim.open.key,  # type: ignore[union-attr]
+                                        trainer_ends=True)]
+    assert sim.state("a") == S.PARKED
+    assert sim.state("b") == S.RUNNING
+
+
+def test_a_task_is_not_granted_twice_in_the_same_bubble() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(3)
+    assert grants(sim.parked("a", [1.0], reason="deadline")) == []
+    assert sim.state("a") == S.PARKED
+
+
+def test_no_second_task_is_granted_while_the_first_is_running() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(1)
+    sim.add("b")
+    assert grants(sim.ready("b")) == []
+    assert sim.state("b") == S.PARKED
+
+
+def test_no_grant_in_a_new_bubble_while_the_last_bubbles_worker_finishes_its_step() -> None:
+    sim = Sim(grace_ns=5 * MS)
+    sim.resident("a", "b")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()  # "a" is told to park but is still inside a step
+    sim.advance_ms(1)
+    assert grants(sim.start(predicted_ms=10)) == []
+    sim.advance_ms(1)
+    # When "a" parks, the bubble that opened meanwhile goes to the next task.
+    actions = sim.parked("a", [11.0], reason="park")
+    assert grants(actions) == ["b"]
+
+
+def test_late_park_after_the_real_end_counts_an_overrun_without_freezing() -> None:
+    sim = Sim(grace_ns=5 * MS)
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()
+    end_ns = sim.now
+    sim.advance_ms(2)
+    actions = sim.parked("a", [12.0], reason="park", last_end_ns=end_ns + 2 * MS)
+    assert of(actions, Freeze) == []
+    assert sim.core.tasks["a"].overruns == 1
+    assert list(sim.core.stats.overrun_ms) == [pytest.approx(2.0)]
+
+
+def test_park_for_a_stale_grant_updates_stats_but_not_state() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    actions = sim.parked("a", [1.0], grant_id=999)
+    assert actions == []
+    assert sim.state("a") == S.RUNNING
+    assert sim.core.tasks["a"].harvested_ns == MS
+
+
+def test_bubble_end_without_a_start_is_an_anomaly_and_does_nothing() -> None:
+    sim = Sim()
+    sim.resident("a")
+    end = BubbleEnd(stage=0, rank=0, iteration=9, slot=0, end_ns=T0)
+    assert sim.send(BubbleEnded(bubble=end, received_ns=T0)) == []
+    assert sim.core.stats.anomalies == 1
+    assert sim.core.stats.bubbles == 0
+
+
+def test_bubble_end_for_another_bubble_is_an_anomaly_and_keeps_the_open_one() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    other = BubbleEnd(stage=0, rank=0, iteration=99, slot=0, end_ns=sim.now + MS)
+    assert sim.send(BubbleEnded(bubble=other, received_ns=sim.now)) == []
+    assert sim.core.stats.anomalies == 1
+    assert sim.state("a") == S.RUNNING
+    assert sim.core.bubble is not None
+
+
+def test_bubble_end_before_its_start_is_an_anomaly_and_does_nothing() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(5)
+    assert sim.end(end_ns=T0 - MS) == []
+    assert sim.core.stats.anomalies == 1
+    assert sim.state("a") == S.RUNNING
+
+
+def test_duplicate_bubble_start_is_an_anomaly_and_does_nothing_without_tasks() -> None:
+    sim = Sim()
+    sim.start(predicted_ms=10, iteration=1)
+    assert sim.start(predicted_ms=10, iteration=1) == []
+    assert sim.core.stats.anomalies == 1
+    assert sim.end() == []
+    assert sim.core.stats.anomalies == 1
+
+
+def test_repeated_end_of_the_same_bubble_is_an_anomaly() -> None:
+    sim = Sim()
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()
+    assert sim.end() == []
+    assert sim.core.stats.anomalies == 1
+
+
+def test_grants_name_their_bubble_for_the_trainers_end_board_except_under_the_reference_policy() -> None:
+    sim = Sim()
+    sim.resident("a")
+    grant = of(sim.start(predicted_ms=10, rank=2), Grant)[0]
+    assert (grant.rank, grant.bubble_start_ns, grant.trainer_ends) == (2, sim.now, True)
+    paper = paper_sim()
+    paper.tick()
+    paper.start(predicted_ms=30)
+    paper.advance_ms(10)
+    assert [g.trainer_ends for g in of(paper.tick(), Grant)] == [False]
+
+
+def test_a_worker_that_stopped_on_the_trainers_end_closes_its_bubble_to_grants() -> None:
+    # The worker read the trainer's end on the end board before the end reached the manager: nothing
+    # may be granted in the rest of that bubble, and the end, when it comes, is measured as usual.
+    sim = Sim()
+    sim.resident("a", "b")
+    sim.start(predicted_ms=10)
+    assert sim.state("a") == S.RUNNING
+    trainer_end = sim.now + 6 * MS
+    sim.advance_ms(6.3)
+    task = sim.core.tasks["a"]
+    actions = sim.send(WorkerParked("a", task.grant_id, 1, (int(6.2 * MS),), task.granted_at_ns + 1000,
+                                    trainer_end + MS // 10, sim.now, "ended", 0.0, 1, seen_end_ns=trainer_end))
+    assert grants(actions) == []  # no backfill of an ended bubble
+    assert sim.state("a") == S.PARKED
+    assert list(sim.core.stats.overrun_ms) == [pytest.approx(0.1)]  # measured from the trainer's end
+    sim.advance_ms(0.3)
+    assert sim.end(end_ns=trainer_end) == []  # no park: nobody runs
+    assert [s.count for s in sim.core.slot_stats()] == [1] and sim.core.stats.ignored_events == 0
+    sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10)) == ["b"]  # the next bubble is granted as usual
+
+
+def test_start_while_another_bubble_is_open_closes_the_lost_one_and_parks_its_worker() -> None:
+    sim = Sim()
+    sim.resident("a")
+    grant = of(sim.start(predicted_ms=10), Grant)[0]
+    sim.advance_ms(12)
+    actions = sim.start(predicted_ms=10)  # the first bubble's end was lost
+    assert sim.core.stats.anomalies == 1
+    assert non_state(actions) == [Park("a", grant.grant_id)]
+
+
+@pytest.mark.parametrize("same_key", [True, False])
+def test_regression_worker_parking_after_a_duplicate_start_does_not_wedge_grants(same_key: bool) -> None:
+    sim = Sim()
+    sim.resident("a", "b")
+    sim.start(predicted_ms=10, iteration=1)
+    sim.advance_ms(2)
+    sim.start(predicted_ms=10, iteration=1 if same_key else 2)  # duplicate / lost end
+    sim.advance_ms(1)
+    actions = sim.parked("a", [2.0], reason="park")
+    assert sim.state("a") == S.PARKED
+    assert grants(actions) == ["b"]  # the open bubble goes on being used
+    sim.advance_ms(10)
+    sim.end()
+    sim.parked("b", [5.0], reason="park")
+    sim.advance_ms(5)
+    assert len(grants(sim.start(predicted_ms=10, iteration=3))) == 1
+
+
+def test_stale_start_older_than_the_open_bubble_is_ignored_and_counted() -> None:
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10, iteration=5)
+    stale = BubbleStart(0, 0, 3, 0, "fwd", sim.now - 50 * MS, 10 * MS)  # an old iteration, delivered late
+    assert sim.send(BubbleStarted(stale, sim.now)) == []
+    assert sim.state("a") == S.RUNNING  # the open (newer) bubble keeps its worker
+    assert sim.core.stats.ignored_events == 1
+    assert sim.core.stats.bubbles == 1
+
+
+def test_out_of_order_ends_are_counted_as_ignored_events() -> None:
+    sim = Sim()
+    sim.send(BubbleEnded(BubbleEnd(0, 0, 9, 0, T0), T0))  # an end without its start
+    sim.start(predicted_ms=10)
+    sim.advance_ms(5)
+    sim.end(end_ns=T0 - MS)  # an end before its start
+    assert sim.core.stats.ignored_events == 2
+
+
+def test_duplicate_start_is_not_an_ignored_event() -> None:
+    sim = Sim()
+    sim.start(predicted_ms=10, iteration=1)
+    sim.start(predicted_ms=10, iteration=1)  # used: it closes the bubble whose end was lost
+    assert sim.core.stats.ignored_events == 0
+
+
+def test_malformed_streams_never_raise() -> None:
+    sim = Sim()
+    sim.resident("a", "b")
+    b1 = BubbleStart(0, 0, 1, 0, "fwd", T0, 10 * MS)
+    for event in (
+        BubbleEnded(BubbleEnd(0, 0, 1, 0, T0), T0),
+        BubbleStarted(b1, T0),
+        BubbleStarted(b1, T0),
+        BubbleEnded(BubbleEnd(0, 0, 1, 0, T0 - 5), T0),
+        BubbleEnded(BubbleEnd(0, 0, 1, 0, T0 + MS), T0 + MS),
+        BubbleEnded(BubbleEnd(0, 0, 1, 0, T0 + MS), T0 + MS),
+        BubbleStarted(BubbleStart(0, 0, 0, 0, "fwd", T0 + 2 * MS, 10 * MS), T0 + 2 * MS),
+    ):
+        sim.at(max(sim.now, event.received_ns))
+        sim.send(event)
+    assert sim.core.stats.anomalies >= 4

@@ -1,0 +1,323 @@
+"""Steps past a bubble's end (``core/overruns.py``, ``core/steps.py``): freezes, thaws, margins, steps that
+look hung, step timeouts."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from core_sim import MS, T0, S, Sim, grants, non_state, of
+
+from freeride._manager.core import (
+    Action,
+    BubbleEnded,
+    Freeze,
+    Grant,
+    Kill,
+    StateChanged,
+    WorkerStepsSeen,
+)
+from freeride.messages import BubbleEnd
+
+
+def _overrun(sim: Sim, task_id: str = "a") -> list[Action]:
+    """Grant a 10 ms bubble, end it, and let the grace period pass without a park."""
+    sim.start(predicted_ms=10)
+    assert sim.state(task_id) == S.RUNNING
+    sim.advance_ms(10)
+    sim.end()
+    end_ns = sim.now
+    assert sim.core.next_timer_ns() == end_ns + sim.core.config.grace_ns
+    sim.at(end_ns + sim.core.config.grace_ns)
+    return sim.tick()
+
+
+def test_no_park_by_real_end_plus_grace_freezes_the_worker() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    sim.resident("a")
+    actions = _overrun(sim)
+    assert non_state(actions) == [Freeze("a")]
+    assert StateChanged("a", S.RUNNING, S.FROZEN, "overran the bubble") in actions
+    assert sim.state("a") == S.FROZEN
+    assert sim.core.tasks["a"].overruns == 1
+    assert sim.core.stats.overruns == 1
+    assert "frozen" in sim.core.waiting_reason(sim.core.tasks["a"])
+
+
+def test_tick_before_the_grace_period_ends_does_nothing() -> None:
+    sim = Sim(grace_ns=MS)
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()
+    sim.advance_ms(0.9)
+    assert sim.tick() == []
+    assert sim.state("a") == S.RUNNING
+
+
+def test_overrun_widens_the_task_margin_up_to_the_bound() -> None:
+    sim = Sim(margin_ns=MS, max_margin_ns=5 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS] * 8)  # an estimate that then proves wrong
+    margins = []
+    for _ in range(5):
+        sim.advance_ms(5)
+        _overrun(sim)
+        margins.append(sim.core.config.margin_ns + sim.core.tasks["a"].margin_ns)
+    assert margins == [2 * MS, 3 * MS, 5 * MS, 5 * MS, 5 * MS]
+
+
+def test_frozen_task_is_thawed_by_the_grant_at_the_next_bubble() -> None:
+    sim = Sim(margin_ns=MS)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS] * 8)
+    _overrun(sim)
+    sim.advance_ms(5)
+    grant = of(sim.start(predicted_ms=10), Grant)
+    assert len(grant) == 1 and grant[0].thaw is True
+    assert grant[0].margin_ns == 2 * MS  # the widened margin goes to the worker
+    assert sim.state("a") == S.RUNNING
+    sim.advance_ms(4)
+    assert StateChanged("a", S.RUNNING, S.PARKED, "deadline") in sim.parked("a", [20.0])
+
+
+def test_frozen_task_is_thawed_before_other_tasks_of_equal_priority() -> None:
+    sim = Sim()
+    sim.resident("a")
+    _overrun(sim)
+    sim.resident("b")  # would otherwise win as a probe
+    sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10)) == ["a"]
+
+
+def test_frozen_task_is_thawed_even_if_its_step_is_longer_than_the_bubble() -> None:
+    sim = Sim(margin_ns=MS)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.add(50 * MS)
+    sim.start(predicted_ms=60)
+    sim.advance_ms(60)
+    sim.end()
+    sim.advance_ms(1)
+    sim.tick()
+    assert sim.state("a") == S.FROZEN
+    sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10)) == ["a"]
+
+
+def test_step_stuck_past_step_timeout_fails_the_task_with_step_timeout_and_kill() -> None:
+    sim = Sim(step_timeout_ns=25 * MS, grace_ns=MS)
+    sim.resident("a")
+    _overrun(sim)  # 11 ms of granted time in one step
+    sim.advance_ms(5)
+    _overrun(sim)  # 22 ms
+    assert sim.state("a") == S.FROZEN
+    sim.advance_ms(5)
+    actions = _overrun(sim)  # 33 ms > 25 ms
+    assert of(actions, Freeze) == [Freeze("a")]
+    assert of(actions, Kill) == [Kill("a")]
+    assert sim.state("a") == S.FAILED
+    failure = sim.core.tasks["a"].failure
+    assert failure is not None and failure.kind == "STEP_TIMEOUT"
+    assert of(sim.exited("a", exit_code=None, sig=signal.SIGKILL), StateChanged) == []
+
+
+def test_a_step_that_looks_hung_gets_every_other_bubble_instead_of_all_of_them() -> None:
+    # Stranger trial: a hung step was thawed first in every bubble until its 60 s step timeout.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    assert [_steps_once_or_thaw(sim) for _ in range(4)] == ["b", "a", "b", "a"]
+
+
+def _steps_once(sim: Sim, task_id: str) -> None:
+    """A bubble in which ``task_id`` goes first and parks after three 2 ms steps."""
+    assert grants(sim.start(predicted_ms=10))[0] == task_id
+    sim.advance_ms(7)
+    sim.parked(task_id, [2.0, 2.0, 2.0])
+    sim.advance_ms(3)
+    sim.end()
+    sim.advance_ms(5)
+
+
+def test_a_step_that_hangs_in_the_first_grant_after_other_steps_looks_hung_once_the_board_shows_them() -> None:
+    # Stranger trial: steps 1-2 finished inside the first grant, step 3 hung; no park ever reported
+    # them, so the task kept every bubble until its step timeout.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    for _ in range(2):  # 22 ms of granted time in one step: more than two 10 ms bubbles
+        _overrun(sim)
+        sim.send(WorkerStepsSeen("a", steps_done=2))  # what the loop reads from the board at the freeze
+        sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10))[0] == "b"
+
+
+def _hung_and_other(sim: Sim) -> None:
+    """ "a" learned (its step fits), then stuck in one step for 22 ms of granted time: it looks hung."""
+    sim.resident("a", "b")
+    _steps_once(sim, "a")
+    _steps_once(sim, "b")
+    for _ in range(2):
+        _overrun(sim)
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN
+
+
+def test_a_step_that_looks_hung_is_never_thawed_into_the_tail_another_task_left() -> None:
+    # Third trial: the hung task was thawed at 19.2 ms of 20 ms bubbles and overran every one.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    assert grants(sim.start(predicted_ms=10)) == ["b"]
+    sim.advance_ms(5)
+    assert grants(sim.parked("b", [1.0], reason="done")) == []  # 5 ms left, and "a" would need them all
+    assert sim.state("a") == S.FROZEN
+
+
+def test_a_step_that_looks_hung_fails_after_the_step_timeout_in_wall_time() -> None:
+    sim = Sim(step_timeout_ns=200 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    for _ in range(20):  # bubbles every 15 ms: 200 ms of wall time within 15 of them
+        if sim.state("a") == S.FAILED:
+            break
+        _steps_once_or_thaw(sim)
+    failed = sim.core.tasks["a"].failure
+    assert failed is not None and failed.kind == "STEP_TIMEOUT" and "looked hung" in failed.message
+    assert sim.core.tasks["a"].health.stuck_ns < 200 * MS  # far less granted time than the limit
+
+
+def _steps_once_or_thaw(sim: Sim) -> str:
+    """One 10 ms bubble: "b" steps and parks, or "a" is thawed and frozen again; who went first."""
+    granted = grants(sim.start(predicted_ms=10))
+    if granted and granted[0] == "b":
+        sim.advance_ms(9.9)
+        sim.parked("b", [2.0] * 4)  # too little of the bubble is left for "a" to be thawed in it
+        sim.advance_ms(0.1)
+        sim.end()
+    else:
+        sim.advance_ms(10)
+        sim.end()
+        sim.advance_ms(1)
+        sim.tick()  # frozen again, still inside its step
+    sim.advance_ms(5)
+    return granted[0] if granted else ""
+
+
+def test_a_setup_past_its_step_timeout_says_setup_and_frozen_in_setup_says_so() -> None:
+    sim = Sim(step_timeout_ns=25 * MS, grace_ns=MS)
+    sim.resident("a")
+    _overrun(sim)
+    sim.send(WorkerStepsSeen("a", steps_done=0, in_setup=True))
+    assert "frozen in setup()" in sim.core.waiting_reason(sim.core.tasks["a"])
+    for _ in range(2):
+        sim.advance_ms(5)
+        _overrun(sim)
+    failure = sim.core.tasks["a"].failure
+    assert failure is not None and failure.kind == "STEP_TIMEOUT" and failure.message.startswith("setup() ran for")
+
+
+def test_a_long_setup_keeps_the_first_turn_until_it_finishes() -> None:
+    # A graph generated in setup takes many bubbles; it is no hang (the quick demo's PageRank).
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    for _ in range(6):
+        _overrun(sim)  # "a" is granted first every time, inside its setup
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].health.stuck_ns > 6 * 10 * MS
+
+
+def test_a_finished_step_resets_the_step_timeout_clock() -> None:
+    sim = Sim(step_timeout_ns=25 * MS, grace_ns=MS)
+    sim.resident("a")
+    _overrun(sim)
+    sim.advance_ms(5)
+    sim.start(predicted_ms=10)  # thaw
+    sim.advance_ms(3)
+    sim.parked("a", [4.0])  # the stuck step finished
+    assert sim.core.tasks["a"].health.stuck_ns == 0
+    sim.end()
+    for _ in range(2):
+        sim.advance_ms(5)
+        _overrun(sim)
+    assert sim.state("a") == S.FROZEN  # 22 ms stuck, under the limit again
+
+
+def test_no_end_event_at_all_freezes_at_the_predicted_end_plus_grace() -> None:
+    sim = Sim(grace_ns=MS)
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    assert sim.core.next_timer_ns() == T0 + 11 * MS
+    sim.at(T0 + 10 * MS)
+    assert sim.tick() == []
+    sim.at(T0 + 11 * MS)
+    actions = sim.tick()
+    assert non_state(actions) == [Freeze("a")]
+    assert sim.state("a") == S.FROZEN
+    assert sim.core.next_timer_ns() is None
+    sim.advance_ms(5)
+    assert of(sim.start(predicted_ms=10), Grant)[0].thaw is True  # the lost end's bubble is closed by this start
+
+
+def test_regression_an_end_after_the_freeze_is_measured_not_rejected() -> None:
+    # Issue 13: the freeze closed the bubble, so its end, arriving later, was counted as rejected and
+    # the bubble was missing from the slot statistics (149 of 150 shown).
+    sim = Sim(grace_ns=MS)
+    sim.resident("a")
+    for _ in range(3):
+        sim.start(predicted_ms=10)
+        sim.advance_ms(10)
+        sim.end()
+        sim.parked("a", [9.0], reason="park")
+        sim.advance_ms(5)
+    sim.start(predicted_ms=10)
+    sim.advance_ms(11)
+    assert of(sim.tick(), Freeze) == [Freeze("a")]
+    sim.advance_ms(4)
+    assert sim.end() == []  # 15 ms: the real end, late
+    stats = sim.core.slot_stats()
+    assert [s.count for s in stats] == [4]
+    assert stats[0].length_ms.max == pytest.approx(15.0)
+    assert sim.core.stats.ignored_events == 0 and sim.core.stats.anomalies == 0
+    assert sim.core.stats.bubble_ns == (3 * 10 + 15) * MS
+    sim.advance_ms(5)
+    assert of(sim.start(predicted_ms=10), Grant)[0].thaw is True
+    assert sim.core.stats.anomalies == 0
+
+
+def test_regression_freeze_while_a_new_bubble_is_open_grants_that_bubble() -> None:
+    sim = Sim(grace_ns=2 * MS)
+    sim.resident("a", "b")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()
+    sim.advance_ms(1)
+    assert grants(sim.start(predicted_ms=20)) == []  # "a" still in its step
+    sim.advance_ms(1)
+    actions = sim.tick()  # grace over: "a" is frozen, the open bubble must not go to waste
+    assert of(actions, Freeze) == [Freeze("a")]
+    assert len(grants(actions)) == 1
+
+
+def test_next_timer_is_none_when_nothing_is_pending() -> None:
+    sim = Sim()
+    assert sim.core.next_timer_ns() is None
+    sim.resident("a")
+    assert sim.core.next_timer_ns() is None
+
+
+def test_overrun_of_a_first_step_or_probe_does_not_widen_the_margin() -> None:
+    sim = Sim(margin_ns=MS, grace_ns=MS // 2)
+    sim.resident("a")  # no estimate yet: its first grant learns the step time
+    _overrun(sim)
+    assert sim.core.tasks["a"].margin_ns == 0
+
+
+def test_clean_grants_shrink_a_widened_margin_back() -> None:
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    sim.core.tasks["a"].margin_ns = 8 * MS
+    for _ in range(10):
+        sim.advance_ms(5)
+        sim.start(predicted_ms=30)
+        sim.advance_ms(2)
+        sim.parked("a", [0.1])
+        sim.advance_ms(1)
+        sim.send(BubbleEnded(BubbleEnd(0, 0, sim.core.stats.bubbles - 1, 0, sim.now), sim.now))
+    assert sim.core.tasks["a"].margin_ns < 3 * MS
