@@ -24,6 +24,7 @@ from freeride._manager.core import (
     WorkerParked,
     WorkerReady,
 )
+from freeride._manager.core.machines import StopPhase
 from freeride.messages import UNKNOWN_MEMORY, BubbleEnd, BubbleStart, TaskSpec
 from freeride.states import TaskState
 
@@ -177,6 +178,29 @@ def paper_sim(profile_ms: float | None = None) -> Sim:
     sim = Sim(**config)
     sim.resident("a")
     return sim
+
+
+def assert_consistent(core: SchedulerCore, now_ns: int) -> None:
+    """What holds of the core after any event, whatever came before (see ``test_core_properties.py``)."""
+    indexed: dict[str, TaskState] = {}
+    for state, tasks in core._tasks.by_state.items():
+        for task_id, task in tasks.items():
+            assert task_id not in indexed, f"{task_id} indexed under {indexed[task_id]} and {state}"
+            assert task.state == state, f"{task_id} indexed under {state} is {task.state}"
+            indexed[task_id] = state
+    assert indexed == {task_id: task.state for task_id, task in core.tasks.items()}, "the state index is off"
+    bubbles = [b for b in (core.bubbles.open, core.bubbles.closing) if b is not None]
+    holders = [b.running for b in bubbles if b.running]
+    assert len(holders) <= 1, f"several tasks hold bubbles: {holders}"
+    for task_id in holders:
+        assert core.tasks[task_id].state == TaskState.RUNNING, f"{task_id} holds a bubble but is not running"
+    for task in core.tasks.values():
+        if task.state == TaskState.RUNNING:
+            assert task.stopping or task.task_id in holders, f"{task.task_id} runs without a bubble"
+        if not task.state.is_resident and not task.state.is_terminal:
+            assert task.stop is StopPhase.NONE and not task.stopping, f"{task.task_id} has no process to stop"
+    timer = core.next_timer_ns()
+    assert timer is None or timer > now_ns, f"a timer in the past: {timer} <= {now_ns}"
 
 
 def of(actions: Iterable[Action], kind: type) -> list:

@@ -45,7 +45,7 @@ class OpenBubble:
         return self.end_ns or self.event.predicted_end_ns
 
     def to(self, phase: BubblePhase) -> None:
-        BUBBLE.check(self.phase, phase, str(self.event.key))
+        BUBBLE.check(self.phase, phase, self.event.key)
         self.phase = phase
 
 

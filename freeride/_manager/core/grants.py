@@ -45,24 +45,29 @@ class Ranking:
 
 
 NOBODY = Ranking(None)
+_FROZEN = TaskState.FROZEN
 
 
 def rank(
-    candidates: Iterable[TaskRuntime],
-    first_grant: bool,
+    tasks: Iterable[TaskRuntime],
+    granted: set[str],
     remaining_ns: int,
     margin_ns: int,
     reprobe_after: int,
     longest_bubble_ns: int,
 ) -> Ranking:
-    """The freeride ranking (see the module docstring) of ``candidates`` for ``remaining_ns`` of bubble."""
+    """The freeride ranking (see the module docstring) for ``remaining_ns`` of bubble, of the candidates
+    among ``tasks`` (parked and frozen; ``granted``: the ids granted in this bubble already)."""
     best: tuple[tuple[int, ...], TaskRuntime] | None = None
     unfit: list[TaskRuntime] = []
+    first_grant = not granted
     seen_now = 1 if first_grant else 0
-    for task in candidates:
+    for task in tasks:
+        if task.stopping or task.task_id in granted:
+            continue
         margin = margin_ns + task.margin_ns
         est = task.known_step_ns
-        frozen = task.state is TaskState.FROZEN
+        frozen = task.state is _FROZEN
         health = task.health
         hung = frozen and health.looks_hung(longest_bubble_ns)
         if hung and not first_grant:
@@ -91,10 +96,12 @@ def rank(
     return Ranking(winner, tuple(unfit), reprobe)
 
 
-def rank_reference(candidates: Iterable[TaskRuntime]) -> Ranking:
-    """The reference system's ranking: the highest priority, FIFO on ties."""
+def rank_reference(tasks: Iterable[TaskRuntime], granted: set[str]) -> Ranking:
+    """The reference system's ranking of the candidates among ``tasks``: the highest priority, FIFO on ties."""
     best: tuple[tuple[int, int], TaskRuntime] | None = None
-    for task in candidates:
+    for task in tasks:
+        if task.stopping or task.task_id in granted:
+            continue
         key = (-task.spec.priority, task.seq)
         if best is None or key < best[0]:
             best = (key, task)

@@ -46,10 +46,11 @@ class Lifecycle(Generic[E]):
     def allows(self, old: E, new: E) -> bool:
         return old is new or new in self._allowed[old]
 
-    def check(self, old: E, new: E, subject: str = "") -> None:
-        """Raise :class:`InvalidTransition` unless ``old -> new`` is allowed."""
-        if not self.allows(old, new):
-            who = f" {subject}" if subject else ""
+    def check(self, old: E, new: E, subject: object = "") -> None:
+        """Raise :class:`InvalidTransition` unless ``old -> new`` is allowed (``subject``, formatted only
+        then, names whose state it is)."""
+        if old is not new and new not in self._allowed[old]:
+            who = f" {subject}" if subject != "" else ""
             raise InvalidTransition(f"{self.what}{who}: {old.name} -> {new.name} is not allowed")
 
 

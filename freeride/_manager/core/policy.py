@@ -61,9 +61,10 @@ class SchedulingPolicy(Protocol):
                      now_ns: int, out: list) -> None:
         """The open bubble ended at ``end_ns`` (``measured``: the trainer's end; else lost) while ``task`` held it."""
 
-    def rank(self, candidates: Iterable[TaskRuntime], first_grant: bool, remaining_ns: int,
+    def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
-        """Who of ``candidates`` gets the bubble (pure; see ``grants.py``)."""
+        """Who of the parked and frozen ``tasks`` gets the bubble, ``granted`` the tasks it was granted to
+        already (pure; see ``grants.py``)."""
 
     def grant(self, core: Scheduling, task: TaskRuntime, bubble: OpenBubble, thaw: bool, probe: bool,
               now_ns: int) -> Grant:
@@ -102,10 +103,10 @@ class FreeridePolicy:
                             end_ns if measured else 0))
             core.overruns.arm_at_end(end_ns, now_ns)
 
-    def rank(self, candidates: Iterable[TaskRuntime], first_grant: bool, remaining_ns: int,
+    def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
         config = self._config
-        return grants.rank(candidates, first_grant, remaining_ns, config.margin_ns, config.reprobe_after_bubbles,
+        return grants.rank(tasks, granted, remaining_ns, config.margin_ns, config.reprobe_after_bubbles,
                            longest_bubble_ns)
 
     def grant(self, core: Scheduling, task: TaskRuntime, bubble: OpenBubble, thaw: bool, probe: bool,
@@ -158,9 +159,9 @@ class ReferencePolicy:
                      now_ns: int, out: list) -> None:
         pass  # the reference never sees real ends: its poll parks at the predicted one
 
-    def rank(self, candidates: Iterable[TaskRuntime], first_grant: bool, remaining_ns: int,
+    def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
-        return grants.rank_reference(candidates)
+        return grants.rank_reference(tasks, granted)
 
     def grant(self, core: Scheduling, task: TaskRuntime, bubble: OpenBubble, thaw: bool, probe: bool,
               now_ns: int) -> Grant:

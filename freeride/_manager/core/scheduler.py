@@ -76,6 +76,7 @@ from freeride.states import TaskState
 
 MS = 1_000_000
 _PARKED, _RUNNING, _FROZEN = TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN
+_SERVING, _DRAINING = DrainPhase.SERVING, DrainPhase.DRAINING
 _LEAVING = (StopPhase.EVICT, StopPhase.DRAIN, StopPhase.RELEASE)  # stops after which a task is placed again
 
 
@@ -113,7 +114,7 @@ class SchedulerCore:
         handler(self, event, now_ns, out)
         self._fire_timers(now_ns, out)
         self._admit(out)
-        if self.drain is DrainPhase.DRAINING and not any(True for _ in self._tasks.resident()):
+        if self.drain is _DRAINING and not any(True for _ in self._tasks.resident()):
             self._to_drain(DrainPhase.DRAINED)
             out.append(DrainComplete())
         return out
@@ -132,7 +133,7 @@ class SchedulerCore:
 
     @property
     def draining(self) -> bool:
-        return self.drain is not DrainPhase.SERVING
+        return self.drain is not _SERVING
 
     @property
     def device_problem(self) -> str:
@@ -219,7 +220,7 @@ class SchedulerCore:
     def grant_next(self, now_ns: int, out: list[Action]) -> None:
         """Grant the open bubble to the best candidate (``grants.py``), if it has time left and nobody holds it."""
         bubble = self.bubbles.open
-        if bubble is None or bubble.running or self.drain is not DrainPhase.SERVING:
+        if bubble is None or bubble.running or self.drain is not _SERVING:
             return
         if bubble.phase is not BubblePhase.OPEN:
             return  # a worker saw its end on a board
@@ -234,10 +235,7 @@ class SchedulerCore:
         longest = self.bubbles.longest_ns
         if first:
             self._fail_hung_too_long(now_ns, out)
-        ranking = self.policy.rank(
-            (t for t in self._tasks.in_states(_PARKED, _FROZEN) if not t.stopping and t.task_id not in granted),
-            first, remaining, longest,
-        )
+        ranking = self.policy.rank(self._tasks.in_states(_PARKED, _FROZEN), granted, remaining, longest)
         if first:
             for unfit in ranking.unfit:
                 unfit.health.unfit_bubbles += 1
@@ -315,7 +313,8 @@ class SchedulerCore:
 
     def _fire_timers(self, now_ns: int, out: list[Action]) -> None:
         self.policy.poll(self, now_ns, out)
-        if self.overruns.due(now_ns):
+        freeze_at = self.overruns.freeze_at_ns
+        if freeze_at and now_ns >= freeze_at:
             self.overruns.disarm()
             self._freeze_running(now_ns, out)
             # A bubble that opened while the frozen worker overran is free now: use what is left.
@@ -557,11 +556,11 @@ class SchedulerCore:
         return True
 
     def _resident_usage(self) -> int:
-        return sum(t.usage_bytes() for t in self._tasks.resident())
+        return sum(max(t.used_bytes, t.reported_bytes) for t in self._tasks.resident())
 
     def _admit(self, out: list[Action]) -> None:
         waiting = self._tasks.by_state[TaskState.SUBMITTED]
-        if self.drain is not DrainPhase.SERVING or not waiting or self.memory.problem:
+        if self.drain is not _SERVING or not waiting or self.memory.problem:
             return
         budget = self.budget_bytes()
         if budget is None or self.memory.skip(self._tasks.waiting_epoch, budget):

@@ -55,6 +55,8 @@ class TaskRuntime:
     checkpoint_step: int = -1
     restarts: int = 0
     stop: StopPhase = StopPhase.NONE
+    #: ``stop`` is not NONE (kept by :meth:`stop_for`; read on every grant, so a field, not a property).
+    stopping: bool = False
     stop_deadline_ns: int = 0
     failure: FailureRecord | None = None
     pending_failure: FailureRecord | None = None
@@ -85,14 +87,11 @@ class TaskRuntime:
     def known_step_ns(self) -> int | None:
         return self.estimator.estimate_ns()
 
-    @property
-    def stopping(self) -> bool:
-        return self.stop is not StopPhase.NONE
-
     def stop_for(self, phase: StopPhase) -> None:
         """The one place its stop phase changes."""
         STOP.check(self.stop, phase, self.task_id)
         self.stop = phase
+        self.stopping = phase is not StopPhase.NONE
 
     def usage_bytes(self) -> int:
         """Its memory by the larger of the device's figure and its worker's own report."""
