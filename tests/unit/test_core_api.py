@@ -3,12 +3,16 @@ class of the policy protocol, and every event type has exactly one handler."""
 
 from __future__ import annotations
 
+import ast
 import logging
+import sys
 import typing
+from pathlib import Path
 
 import pytest
 from core_sim import MS, Sim
 
+from freeride._manager import core
 from freeride._manager.core import POLICIES, CoreConfig, Event, NoteLevel, Tick, scheduler
 from freeride._manager.core.policy import FreeridePolicy, ReferencePolicy, SchedulingPolicy, make_policy
 
@@ -69,3 +73,23 @@ def test_each_policy_class_has_every_member_of_the_protocol(policy: type) -> Non
 
 def test_note_levels_are_the_logging_levels_the_loop_logs_them_at() -> None:
     assert (NoteLevel.DEBUG, NoteLevel.INFO, NoteLevel.WARNING) == (logging.DEBUG, logging.INFO, logging.WARNING)
+
+
+#: What the core may import besides the standard library and itself (docs/architecture.md).
+CORE_MAY_IMPORT = {"freeride.states", "freeride.messages", "freeride.units", "freeride.errors",
+                   "freeride._manager.estimator"}
+
+
+def test_the_core_imports_only_the_standard_library_and_shared_leaves() -> None:
+    imported: set[str] = set()
+    for path in Path(core.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module)
+    outside = {
+        name for name in imported
+        if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("freeride._manager.core")
+    }
+    assert outside <= CORE_MAY_IMPORT, outside - CORE_MAY_IMPORT

@@ -201,6 +201,9 @@ class CoreMachine(RuleBasedStateMachine):
             self.iteration += 1
         start = BubbleStart(0, 0, self.iteration, slot, "fwd", self.now - int(lag_ms * MS), int(predicted_ms * MS),
                             -1 if free_mib < 0 else free_mib * MiB)
+        # A start sent again is a new bubble to the core, even after that bubble's end: it keeps no record of
+        # ended bubbles (the trainer's stream is ordered; only a faulty trainer repeats a start).
+        self.ended.discard((start.key, start.start_ns))
         self.send(BubbleStarted(start, self.now))
 
     @rule(predicted_ms=st.sampled_from([3, 10, 40]), free_mib=st.sampled_from([-1, 1000, 2000]),

@@ -1,7 +1,7 @@
-"""Steps that run past a bubble's end: the freeze timer, and what an overrun teaches a task's margin.
+"""Steps that run past a bubble's end: the freeze timer, the freeze, and what an overrun teaches a margin.
 
 A step still running ``grace`` past the bubble's real end (or past its predicted end, when no end has
-come) has its worker frozen with SIGSTOP until its next grant (the scheduler's ``_freeze_running``).
+come) has its worker frozen with SIGSTOP until its next grant (:meth:`Overruns.freeze_running`).
 Grace counts from when the manager learns of the end: it cannot act before; the overrun itself is
 measured from the trainer's real end. Each freeze of a step whose time was known (not a setup, a first
 step or a probe) doubles that task's extra margin, up to ``max_margin``; each clean grant lets it shrink
@@ -10,16 +10,21 @@ back by an eighth. One timer is enough: at most one worker holds a bubble at a t
 
 from __future__ import annotations
 
-from freeride._manager.core.api import MS, CoreConfig, CoreStats
-from freeride._manager.core.tasks import TaskRuntime
+from freeride._manager.core.api import MS, Action, CoreConfig, CoreStats, Freeze
+from freeride._manager.core.bubbles import Bubbles
+from freeride._manager.core.tasks import TaskRuntime, Tasks
+from freeride.states import TaskState
 
 
 class Overruns:
-    def __init__(self, config: CoreConfig, stats: CoreStats) -> None:
+    def __init__(self, config: CoreConfig, stats: CoreStats, tasks: Tasks, bubbles: Bubbles) -> None:
         self._grace_ns = config.grace_ns
         self._margin_ns = config.margin_ns
         self._max_margin_ns = config.max_margin_ns
+        self._step_timeout_ns = config.step_timeout_ns
         self._stats = stats
+        self._tasks = tasks
+        self._bubbles = bubbles
         #: When the worker holding a bubble is frozen if it has not parked (0: no freeze due).
         self.freeze_at_ns = 0
 
@@ -51,3 +56,33 @@ class Overruns:
         """Its step was frozen past the end: if its estimate was wrong (not a setup or a probe), widen its margin."""
         if task.known_step_ns is not None and not task.probing:
             task.margin_ns = min(self._max_margin_ns - self._margin_ns, max(task.margin_ns * 2, self._margin_ns))
+
+    def freeze_running(self, now_ns: int, out: list[Action]) -> list[TaskRuntime]:
+        """The freeze is due: freeze the worker still stepping past its bubble's end (+ grace) until its next
+        grant. Returns the frozen tasks whose step has now used up ``step_timeout`` of granted time."""
+        stuck = []
+        bubbles = self._bubbles
+        for bubble in (bubbles.closing, bubbles.open):
+            if bubble is None or not bubble.running:
+                continue
+            task = self._tasks.by_id[bubble.running]
+            if task.state != TaskState.RUNNING:
+                continue
+            if bubble is bubbles.open and now_ns < bubble.deadline_ns + self._grace_ns:
+                self.freeze_at_ns = bubble.deadline_ns + self._grace_ns
+                continue
+            end = bubble.end_ns or bubble.deadline_ns
+            self.record(task, max(0, now_ns - end))
+            task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))
+            self._stats.granted_ns += max(0, end - task.granted_at_ns)
+            self.frozen(task)
+            # An open bubble whose end has not come stays open: its end may still arrive (late: a trainer
+            # that reports ends after its next compute action, a delayed stream), and is then measured like
+            # any other. Closing it here counted that end as rejected and lost the bubble from the slot
+            # statistics. Its time is past, so nothing is granted in it.
+            bubbles.let_go(bubble)
+            out.append(Freeze(task.task_id))
+            self._tasks.move(task, TaskState.FROZEN, "overran the bubble", out)
+            if task.health.stuck_ns >= self._step_timeout_ns:
+                stuck.append(task)
+        return stuck

@@ -15,6 +15,7 @@ The rules live in the parts this module composes:
 * ``memory.py``: the device's budget, admission and eviction;
 * ``grants.py``: who gets a bubble (pure rankings); ``steps.py``: when a step looks hung;
 * ``overruns.py``: the freeze past a bubble's end and the margins overruns teach;
+* ``stopping.py``: stopping a task's process (why, its timeout) and what its exit completes;
 * ``policy.py``: what differs between the freeride policy and the reference system's;
 * ``explain.py``: why a task waits; ``machines.py``: every lifecycle, declared.
 
@@ -25,7 +26,6 @@ refused with a :class:`Note`.
 
 from __future__ import annotations
 
-import signal
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -44,15 +44,12 @@ from freeride._manager.core.api import (
     DrainComplete,
     DrainRequested,
     Event,
-    Freeze,
     Kill,
     LayoutChanged,
     Note,
     NoteLevel,
-    Released,
     ReleaseRequested,
     Spawn,
-    Stop,
     TaskAdded,
     TaskMemorySampled,
     Tick,
@@ -69,15 +66,15 @@ from freeride._manager.core.machines import DRAIN, BubblePhase, DrainPhase, Stop
 from freeride._manager.core.memory import MemoryBudget, admissions, over_cap, victims
 from freeride._manager.core.overruns import Overruns
 from freeride._manager.core.policy import make_policy
+from freeride._manager.core.stopping import Stopping
 from freeride._manager.core.tasks import TaskRuntime, Tasks
 from freeride._manager.estimator import StepEstimator
-from freeride.messages import BubbleSlotStats, FailureRecord, TrainerLayout
+from freeride.messages import BubbleSlotStats, TrainerLayout
 from freeride.states import TaskState
 
 MS = 1_000_000
 _PARKED, _RUNNING, _FROZEN = TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN
 _SERVING, _DRAINING = DrainPhase.SERVING, DrainPhase.DRAINING
-_LEAVING = (StopPhase.EVICT, StopPhase.DRAIN, StopPhase.RELEASE)  # stops after which a task is placed again
 
 
 class SchedulerCore:
@@ -92,16 +89,14 @@ class SchedulerCore:
         self.tasks: dict[str, TaskRuntime] = self._tasks.by_id
         self.bubbles = Bubbles(self.config.max_slots)
         self.memory = MemoryBudget(self.config.headroom_bytes, self.config.memory_window_iterations)
-        self.overruns = Overruns(self.config, self.stats)
+        self.overruns = Overruns(self.config, self.stats, self._tasks, self.bubbles)
         self.drain = DrainPhase.SERVING
         #: The largest device context a worker of this device reported: a cap must leave room past it.
         self.context_bytes = 0
         #: The trainer's current layout, once one was reported.
         self.layout: TrainerLayout | None = None
         self._grant_seq = 0
-        # Tasks given a stop deadline (only _stop sets one); those whose deadline was cleared since are
-        # pruned when the timers are next looked at.
-        self._stop_timers: dict[str, TaskRuntime] = {}
+        self.stopping = Stopping(self._tasks, self.bubbles, self.overruns, self.config.stop_timeout_ns)
 
     # ------------------------------------------------------------------ entry point
 
@@ -121,7 +116,10 @@ class SchedulerCore:
 
     def next_timer_ns(self) -> int | None:
         """The earliest time at which :meth:`on_event` with a :class:`Tick` has work to do."""
-        times = [t.stop_deadline_ns for t in self._stop_timers.values() if t.stop_deadline_ns]
+        times = []
+        stop = self.stopping.next_deadline_ns()
+        if stop is not None:
+            times.append(stop)
         if self.overruns.freeze_at_ns:
             times.append(self.overruns.freeze_at_ns)
         poll = self.policy.next_timer_ns()
@@ -270,7 +268,7 @@ class SchedulerCore:
             health = task.health
             if not task.stopping and health.looks_hung(self.bubbles.longest_ns) and health.hung_too_long(now_ns,
                                                                                                         timeout):
-                self._fail(task, health.hung_failure(now_ns, timeout, task.steps), out)
+                self.stopping.fail(task, health.hung_failure(now_ns, timeout, task.steps), out)
 
     def _on_worker_parked(self, event: WorkerParked, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
@@ -316,44 +314,11 @@ class SchedulerCore:
         freeze_at = self.overruns.freeze_at_ns
         if freeze_at and now_ns >= freeze_at:
             self.overruns.disarm()
-            self._freeze_running(now_ns, out)
+            for stuck in self.overruns.freeze_running(now_ns, out):
+                self.stopping.fail(stuck, stuck.health.stuck_failure(self.config.step_timeout_ns, stuck.steps), out)
             # A bubble that opened while the frozen worker overran is free now: use what is left.
             self.grant_next(now_ns, out)
-        for task in list(self._stop_timers.values()):
-            if not task.stop_deadline_ns:
-                del self._stop_timers[task.task_id]
-            elif now_ns >= task.stop_deadline_ns:
-                task.stop_deadline_ns = 0
-                del self._stop_timers[task.task_id]
-                out.append(Note(NoteLevel.WARNING, "did not stop in time; killing it", task.task_id))
-                out.append(Kill(task.task_id))
-
-    def _freeze_running(self, now_ns: int, out: list[Action]) -> None:
-        """A worker is still stepping past the end (+ grace): stop it until its next grant (``overruns.py``)."""
-        grace = self.config.grace_ns
-        for bubble in (self.bubbles.closing, self.bubbles.open):
-            if bubble is None or not bubble.running:
-                continue
-            task = self.tasks[bubble.running]
-            if task.state != _RUNNING:
-                continue
-            if bubble is self.bubbles.open and now_ns < bubble.deadline_ns + grace:
-                self.overruns.freeze_at_ns = bubble.deadline_ns + grace
-                continue
-            end = bubble.end_ns or bubble.deadline_ns
-            self.overruns.record(task, max(0, now_ns - end))
-            task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))
-            self.stats.granted_ns += max(0, end - task.granted_at_ns)
-            self.overruns.frozen(task)
-            # An open bubble whose end has not come stays open: its end may still arrive (late: a trainer
-            # that reports ends after its next compute action, a delayed stream), and is then measured like
-            # any other. Closing it here counted that end as rejected and lost the bubble from the slot
-            # statistics. Its time is past, so nothing is granted in it.
-            self.bubbles.let_go(bubble)
-            out.append(Freeze(task.task_id))
-            self._tasks.move(task, _FROZEN, "overran the bubble", out)
-            if task.health.stuck_ns >= self.config.step_timeout_ns:
-                self._fail(task, task.health.stuck_failure(self.config.step_timeout_ns, task.steps), out)
+        self.stopping.fire(now_ns, out)
 
     # ------------------------------------------------------------------ requests
 
@@ -368,7 +333,7 @@ class SchedulerCore:
         if task is None or task.state.is_terminal:
             return
         if task.state.is_resident:
-            self._let_go(task)
+            self.stopping.let_go(task)
             out.append(Kill(task.task_id))
         self._tasks.move(task, TaskState.CANCELLED, "cancelled by user", out)
 
@@ -383,15 +348,15 @@ class SchedulerCore:
         self._to_drain(DrainPhase.DRAINING)
         for task in list(self.tasks.values()):
             if task.state.is_resident and not task.stopping:
-                self._stop(task, StopPhase.DRAIN, now_ns, out, checkpoint=task.state != TaskState.STARTING)
+                self.stopping.stop(task, StopPhase.DRAIN, now_ns, out, checkpoint=task.state != TaskState.STARTING)
             elif task.from_queue and task.state == TaskState.SUBMITTED:
-                self._leave(task, "the manager is draining", out)
+                self.stopping.leave(task, "the manager is draining", out)
 
     def _on_release_requested(self, event: ReleaseRequested, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
         if task is None or task.state.is_terminal or not task.from_queue:
             return
-        self._release(task, event.reason, now_ns, out, event.checkpoint)
+        self.stopping.release(task, event.reason, now_ns, out, event.checkpoint)
 
     def _on_layout_changed(self, event: LayoutChanged, now_ns: int, out: list[Action]) -> None:
         """Forget what was learned of the old layout's bubbles; evict what the new budget cannot hold.
@@ -423,7 +388,7 @@ class SchedulerCore:
         if not event.hosts_stage:
             for task in list(self.tasks.values()):
                 if task.from_queue and not task.state.is_terminal and not task.stopping:
-                    self._release(task, "no stage of the new layout runs on this device", now_ns, out, True)
+                    self.stopping.release(task, "no stage of the new layout runs on this device", now_ns, out, True)
 
     # ------------------------------------------------------------------ workers
 
@@ -457,7 +422,7 @@ class SchedulerCore:
         task.steps = event.total_steps
         task.progress = event.progress
         task.finished_seen = True
-        self._let_go(task)
+        self.stopping.let_go(task)
         if task.state == _FROZEN:
             return  # cannot happen: a frozen worker sends nothing
         self._tasks.move(task, TaskState.FINISHED, "done", out)
@@ -486,40 +451,7 @@ class SchedulerCore:
 
     def _on_worker_exited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
-        if task is None:
-            return
-        task.stop_deadline_ns = 0
-        task.pid = 0
-        was_running = self._let_go(task)
-        stopping = task.stop
-        task.stop_for(StopPhase.NONE)
-        if task.state.is_terminal:
-            # A task failed or cancelled mid-grant let go of its bubble when it was killed; now that its
-            # process is gone, the rest of the bubble goes to the next task.
-            if self.bubbles.open is not None:
-                self.grant_next(now_ns, out)
-            return
-        # A stop for eviction or drain that ended the process one way or another (clean exit after its
-        # checkpoint, or killed because it was still starting or ignored the stop) loses at most the work
-        # since the last checkpoint: the task goes back to be placed again.
-        if stopping in _LEAVING and task.pending_failure is None:
-            self._tasks.move(task, TaskState.EVICTED, stopping.value, out)
-            task.restarts += 1
-            if task.from_queue:
-                self._leave(task, stopping.value, out)
-            else:
-                self._tasks.move(task, TaskState.SUBMITTED, "re-placement", out)
-        else:
-            failure = task.pending_failure
-            if failure is None:
-                failure = _exit_failure(event, event.step if event.step >= 0 else task.steps)
-            elif not failure.log_tail:
-                failure = FailureRecord(**{**failure.to_json(), "log_tail": event.log_tail})
-            task.pending_failure = None
-            if task.state == TaskState.STARTING and failure.kind == "EXIT" and stopping is not StopPhase.NONE:
-                failure = FailureRecord(**{**failure.to_json(), "message": failure.message + " while stopping"})
-            self._tasks.move(task, TaskState.FAILED, failure.kind, out, failure=failure)
-        if was_running and self.bubbles.open is not None:
+        if task is not None and self.stopping.exited(task, event, out) and self.bubbles.open is not None:
             self.grant_next(now_ns, out)
 
     # ------------------------------------------------------------------ memory
@@ -552,7 +484,7 @@ class SchedulerCore:
         failure = over_cap(task)
         if failure is None:
             return False
-        self._fail(task, failure, out)
+        self.stopping.fail(task, failure, out)
         return True
 
     def _resident_usage(self) -> int:
@@ -582,87 +514,13 @@ class SchedulerCore:
             return
         for task in victims((t for t in self._tasks.in_states(_PARKED) if not t.stopping), budget):
             out.append(Note(NoteLevel.INFO, "evicting: device memory budget shrank", task.task_id))
-            self._stop(task, StopPhase.EVICT, now_ns, out, checkpoint=True)
+            self.stopping.stop(task, StopPhase.EVICT, now_ns, out, checkpoint=True)
 
     # ------------------------------------------------------------------ stopping tasks
 
     def _to_drain(self, phase: DrainPhase) -> None:
         DRAIN.check(self.drain, phase)
         self.drain = phase
-
-    def _let_go(self, task: TaskRuntime) -> bool:
-        """``task`` lets go of the bubble it holds, if any (then no freeze is due); True if it held one."""
-        released = self.bubbles.release(task.task_id)
-        if released:
-            self.overruns.disarm()
-        return released
-
-    def _fail(self, task: TaskRuntime, failure: FailureRecord, out: list[Action]) -> None:
-        """Fail a resident task now: kill its process; the exit only completes the record."""
-        self._let_go(task)
-        task.stop_for(StopPhase.FAIL)
-        out.append(Kill(task.task_id))
-        self._tasks.move(task, TaskState.FAILED, failure.kind, out, failure=failure)
-
-    def _stop(self, task: TaskRuntime, why: StopPhase, now_ns: int, out: list[Action], checkpoint: bool) -> None:
-        task.stop_for(why)
-        task.stop_deadline_ns = now_ns + self.config.stop_timeout_ns
-        self._stop_timers[task.task_id] = task
-        if task.state == TaskState.STARTING:
-            out.append(Kill(task.task_id))
-            return
-        out.append(Stop(task.task_id, checkpoint=checkpoint))
-
-    def _release(self, task: TaskRuntime, reason: str, now_ns: int, out: list[Action], checkpoint: bool) -> None:
-        """A cluster task leaves: at once if it has no process, else once its process is gone."""
-        out.append(Note(NoteLevel.INFO, f"releasing to the queue: {reason}", task.task_id))
-        task.release_checkpoint = checkpoint
-        if task.state.is_resident:
-            if task.stop in (StopPhase.RELEASE, StopPhase.FAIL):
-                return
-            if not checkpoint:
-                self._let_go(task)
-                task.stop_for(StopPhase.RELEASE)
-                out.append(Kill(task.task_id))
-                return
-            if not task.stopping:
-                self._stop(task, StopPhase.RELEASE, now_ns, out, checkpoint=task.state != TaskState.STARTING)
-            else:
-                task.stop_for(StopPhase.RELEASE)  # an eviction or drain under way ends the same way
-            return
-        if task.state in (TaskState.SUBMITTED, TaskState.EVICTED):
-            self._leave(task, reason, out)
-
-    def _leave(self, task: TaskRuntime, reason: str, out: list[Action]) -> None:
-        """Forget a cluster task that has no process here; the loop hands it back to the queue."""
-        self._tasks.forget(task)
-        self._stop_timers.pop(task.task_id, None)
-        out.append(Released(
-            task.task_id, reason, task.release_checkpoint, task.steps, task.progress, task.checkpoint_path,
-            task.checkpoint_step, task.restarts, task.known_step_ns,
-        ))
-
-
-def _exit_failure(event: WorkerExited, step: int) -> FailureRecord:
-    if event.signal:
-        try:
-            name = signal.Signals(event.signal).name
-        except ValueError:
-            name = str(event.signal)
-        return FailureRecord(
-            kind="SIGNAL",
-            message=f"worker died from signal {name}",
-            signal=event.signal,
-            step=step,
-            log_tail=event.log_tail,
-        )
-    return FailureRecord(
-        kind="EXIT",
-        message=f"worker exited with code {event.exit_code} without reporting an error",
-        exit_code=event.exit_code,
-        step=step,
-        log_tail=event.log_tail,
-    )
 
 
 # ====================================================================== dispatch
