@@ -605,6 +605,8 @@ class ManagerLoop:
             if handle is not None:
                 self._signal(handle, signal.SIGKILL)
         elif isinstance(action, C.StateChanged):
+            log.debug("[%s task=%s] %s -> %s (%s)", self.device, action.task_id,
+                      action.old.value if action.old else "-", action.new.value, action.reason)
             self._persist_state(action)
         elif isinstance(action, C.CheckpointRecorded):
             if action.task_id in self._cluster:
