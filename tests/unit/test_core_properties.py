@@ -102,9 +102,13 @@ class CoreMachine(RuleBasedStateMachine):
         self.events += 1
         before_open = self.core.bubbles.open
         actions = self.core.on_event(event, self.now)
-        # A bubble that was open and is no longer (its end, a later start, a layout change) is over.
-        if before_open is not None and self.core.bubbles.open is not before_open:
-            self.ended.add((before_open.event.key, before_open.event.start_ns))
+        # A bubble that was open and is no longer (its end, a later start, a layout change) is over; unless
+        # the start was sent again, which opens it anew (see bubble_start).
+        now_open = self.core.bubbles.open
+        if before_open is not None and now_open is not before_open:
+            identity = (before_open.event.key, before_open.event.start_ns)
+            if now_open is None or (now_open.event.key, now_open.event.start_ns) != identity:
+                self.ended.add(identity)
         self.check_actions(event, actions)
         return actions
 
