@@ -41,15 +41,17 @@ class Lifecycle(Generic[E]):
 
     def __init__(self, what: str, allowed: Mapping[E, Iterable[E]]) -> None:
         self.what = what
-        self._allowed = {old: frozenset(news) for old, news in allowed.items()}
+        # Tuples, not sets: membership then compares identities, where a set would call the enum's
+        # Python-level __hash__ (these checks run on every bubble).
+        self.next: dict[E, tuple[E, ...]] = {old: tuple(news) for old, news in allowed.items()}
 
     def allows(self, old: E, new: E) -> bool:
-        return old is new or new in self._allowed[old]
+        return old is new or new in self.next[old]
 
     def check(self, old: E, new: E, subject: object = "") -> None:
         """Raise :class:`InvalidTransition` unless ``old -> new`` is allowed (``subject``, formatted only
         then, names whose state it is)."""
-        if old is not new and new not in self._allowed[old]:
+        if old is not new and new not in self.next[old]:
             who = f" {subject}" if subject != "" else ""
             raise InvalidTransition(f"{self.what}{who}: {old.name} -> {new.name} is not allowed")
 

@@ -233,7 +233,7 @@ class SchedulerCore:
         longest = self.bubbles.longest_ns
         if first:
             self._fail_hung_too_long(now_ns, out)
-        ranking = self.policy.rank(self._tasks.in_states(_PARKED, _FROZEN), granted, remaining, longest)
+        ranking = self.policy.rank(self._tasks.grantable(), granted, remaining, longest)
         if first:
             for unfit in ranking.unfit:
                 unfit.health.unfit_bubbles += 1
@@ -241,7 +241,7 @@ class SchedulerCore:
         if task is None:
             return
         if first:
-            for other in self._tasks.in_states(_FROZEN):
+            for other in self._tasks.frozen.values():
                 if other is not task and not other.stopping and other.health.looks_hung(longest):
                     other.health.passed_over += 1
         task.health.passed_over = 0
@@ -264,7 +264,7 @@ class SchedulerCore:
     def _fail_hung_too_long(self, now_ns: int, out: list[Action]) -> None:
         """At a bubble's first grant: fail each frozen step that has looked hung for ``step_timeout``."""
         timeout = self.config.step_timeout_ns
-        for task in list(self._tasks.in_states(_FROZEN)):
+        for task in list(self._tasks.frozen.values()):
             health = task.health
             if not task.stopping and health.looks_hung(self.bubbles.longest_ns) and health.hung_too_long(now_ns,
                                                                                                         timeout):
@@ -318,7 +318,8 @@ class SchedulerCore:
                 self.stopping.fail(stuck, stuck.health.stuck_failure(self.config.step_timeout_ns, stuck.steps), out)
             # A bubble that opened while the frozen worker overran is free now: use what is left.
             self.grant_next(now_ns, out)
-        self.stopping.fire(now_ns, out)
+        if self.stopping.timers:
+            self.stopping.fire(now_ns, out)
 
     # ------------------------------------------------------------------ requests
 
@@ -491,7 +492,7 @@ class SchedulerCore:
         return sum(max(t.used_bytes, t.reported_bytes) for t in self._tasks.resident())
 
     def _admit(self, out: list[Action]) -> None:
-        waiting = self._tasks.by_state[TaskState.SUBMITTED]
+        waiting = self._tasks.submitted
         if self.drain is not _SERVING or not waiting or self.memory.problem:
             return
         budget = self.budget_bytes()
@@ -512,7 +513,7 @@ class SchedulerCore:
         budget += sum(t.memory_bytes for t in self._tasks.resident() if t.stopping)
         if budget >= 0:
             return
-        for task in victims((t for t in self._tasks.in_states(_PARKED) if not t.stopping), budget):
+        for task in victims((t for t in self._tasks.parked.values() if not t.stopping), budget):
             out.append(Note(NoteLevel.INFO, "evicting: device memory budget shrank", task.task_id))
             self.stopping.stop(task, StopPhase.EVICT, now_ns, out, checkpoint=True)
 

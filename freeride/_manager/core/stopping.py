@@ -29,9 +29,9 @@ class Stopping:
         self._bubbles = bubbles
         self._overruns = overruns
         self._timeout_ns = stop_timeout_ns
-        # Tasks given a stop deadline (only stop() sets one); those whose deadline was cleared since are
-        # pruned when the timers are next looked at.
-        self._timers: dict[str, TaskRuntime] = {}
+        #: Tasks given a stop deadline (only stop() sets one); those whose deadline was cleared since are
+        #: pruned when the timers are next looked at.
+        self.timers: dict[str, TaskRuntime] = {}
 
     def let_go(self, task: TaskRuntime) -> bool:
         """``task`` lets go of the bubble it holds, if any (then no freeze is due); True if it held one."""
@@ -50,7 +50,7 @@ class Stopping:
     def stop(self, task: TaskRuntime, why: StopPhase, now_ns: int, out: list[Action], checkpoint: bool) -> None:
         task.stop_for(why)
         task.stop_deadline_ns = now_ns + self._timeout_ns
-        self._timers[task.task_id] = task
+        self.timers[task.task_id] = task
         if task.state == TaskState.STARTING:
             out.append(Kill(task.task_id))
             return
@@ -79,7 +79,7 @@ class Stopping:
     def leave(self, task: TaskRuntime, reason: str, out: list[Action]) -> None:
         """Forget a cluster task that has no process here; the loop hands it back to the queue."""
         self._tasks.forget(task)
-        self._timers.pop(task.task_id, None)
+        self.timers.pop(task.task_id, None)
         out.append(Released(
             task.task_id, reason, task.release_checkpoint, task.steps, task.progress, task.checkpoint_path,
             task.checkpoint_step, task.restarts, task.known_step_ns,
@@ -120,17 +120,17 @@ class Stopping:
 
     def fire(self, now_ns: int, out: list[Action]) -> None:
         """Kill each worker that has not stopped by its deadline."""
-        for task in list(self._timers.values()):
+        for task in list(self.timers.values()):
             if not task.stop_deadline_ns:
-                del self._timers[task.task_id]
+                del self.timers[task.task_id]
             elif now_ns >= task.stop_deadline_ns:
                 task.stop_deadline_ns = 0
-                del self._timers[task.task_id]
+                del self.timers[task.task_id]
                 out.append(Note(NoteLevel.WARNING, "did not stop in time; killing it", task.task_id))
                 out.append(Kill(task.task_id))
 
     def next_deadline_ns(self) -> int | None:
-        deadlines = [t.stop_deadline_ns for t in self._timers.values() if t.stop_deadline_ns]
+        deadlines = [t.stop_deadline_ns for t in self.timers.values() if t.stop_deadline_ns]
         return min(deadlines) if deadlines else None
 
 

@@ -106,6 +106,11 @@ class Tasks:
     def __init__(self) -> None:
         self.by_id: dict[str, TaskRuntime] = {}
         self.by_state: dict[TaskState, dict[str, TaskRuntime]] = {state: {} for state in TaskState}
+        # The buckets every bubble event reads, held directly (a lookup by state hashes an enum in Python).
+        self.submitted = self.by_state[TaskState.SUBMITTED]
+        self.parked = self.by_state[TaskState.PARKED]
+        self.frozen = self.by_state[TaskState.FROZEN]
+        self._resident_buckets = tuple(self.by_state[state] for state in RESIDENT_STATES)
         #: Bumped whenever a task joins the waiting set (SUBMITTED): admission skips passes that cannot
         #: succeed until then (see ``memory.py``).
         self.waiting_epoch = 0
@@ -148,7 +153,13 @@ class Tasks:
             yield from self.by_state[state].values()
 
     def resident(self) -> Iterator[TaskRuntime]:
-        return self.in_states(*RESIDENT_STATES)
+        for bucket in self._resident_buckets:
+            yield from bucket.values()
+
+    def grantable(self) -> Iterator[TaskRuntime]:
+        """The parked and the frozen tasks: who may be granted a bubble."""
+        yield from self.parked.values()
+        yield from self.frozen.values()
 
     def count_in(self, state: TaskState) -> int:
         return len(self.by_state[state])
