@@ -1,7 +1,7 @@
 """The core with hundreds of queued tasks: same decisions, and its state index stays true.
 
 The core keeps its tasks indexed by state and skips an admission pass that cannot admit anything
-(see ``SchedulerCore.__init__``), so that bubble events stay cheap with a long queue. These tests
+(``core/tasks.py``, ``core/memory.py``), so that bubble events stay cheap with a long queue. These tests
 check that neither shortcut changes a decision: admission still happens the moment memory or a new
 task allows it, and the index agrees with every task's state through a random lifecycle.
 """

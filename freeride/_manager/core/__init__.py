@@ -1,7 +1,8 @@
 """The pure scheduling core of a manager: ``on_event(event, now_ns) -> actions``.
 
-Its language (config, events, actions) is :mod:`.api`; :class:`SchedulerCore` is in :mod:`.scheduler`.
-The names are re-exported here so that ``from freeride._manager import core as C; C.Grant`` works.
+Its language (config, events, actions) is :mod:`.api`; :class:`SchedulerCore` is in :mod:`.scheduler`,
+composed of the parts its docstring lists (docs/architecture.md, "The core and the loop"). The names are
+re-exported here so that ``from freeride._manager import core as C; C.Grant`` works.
 """
 
 from freeride._manager.core.api import (
