@@ -142,7 +142,9 @@ class Device:
         tid = getattr(action, "task_id", "")
         if name == "Spawn":
             self.workers[tid] = _Worker(step_ns=self.rng.choice([1, 2, 3, 5, 8, 30]) * MS // 2)
-            self.at(self.now + self.rng.randint(1, 20) * MS, lambda: self.feed(self.M.WorkerReady(tid, 4000)))
+            host = self.rng.choice([0, 0, 300 * MiB]) if self.chaos else 0  # a GPU worker's host baseline
+            self.at(self.now + self.rng.randint(1, 20) * MS,
+                    lambda: self.feed(self.M.WorkerReady(tid, 4000, host_baseline_bytes=host)))
         elif name == "Grant":
             self.grant(action)
         elif name == "Park":
@@ -272,7 +274,8 @@ class Device:
         elif roll < 0.8:
             self.feed(self.M.DeviceStatusChanged(self.rng.choice(["", "", "NVML: GPU is lost"])))
         elif roll < 0.9 and ids:
-            self.feed(self.M.TaskMemorySampled(self.rng.choice(ids), self.rng.choice([10, 150, 5000]) * MiB))
+            self.feed(self.M.TaskMemorySampled(self.rng.choice(ids), self.rng.choice([10, 150, 5000]) * MiB,
+                                               self.rng.choice([-1, 350, 800]) * MiB))
         else:
             self.add_task()
 
