@@ -24,6 +24,13 @@ fi
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# Megatron Core for the Megatron adapter's tests, pinned (the [test] extra installs it on Python >= 3.12,
+# which its release declares; it runs on 3.11 too). --no-deps: its dependencies (torch, numpy, packaging)
+# are already here, and pip must never swap the CPU torch for a CUDA build. No triton (691 MB): the tests
+# stand in for the one kernel module that imports it (tests/frameworks/megatron_cpu.py).
+python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '0.19.2')" 2>/dev/null \
+    || python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" \
+    || echo "setup: could not install megatron-core 0.19.2; the Megatron adapter's tests will fail under CI" >&2
 # On an NVIDIA machine (or with FREERIDE_GPU=1): CuPy built for the CUDA major version that torch uses.
 if [ "${FREERIDE_GPU:-}" = 1 ] || { [ "${FREERIDE_GPU:-}" != 0 ] && command -v nvidia-smi >/dev/null 2>&1; }; then
     cuda_major=$(python -c "import torch; print((torch.version.cuda or '').split('.')[0])")

@@ -6,7 +6,9 @@
   adapter drives: marks of one rank's compute and waits in, bubbles mapped to the schedule's slots,
   predicted and reported out, timed by the device on a GPU (:mod:`~freeride.training.device_clock`).
 * :mod:`~freeride.training.instrument`: :class:`InstrumentedSchedule`, the adapter for a
-  ``torch.distributed.pipelining`` schedule (every schedule torch offers).
+  ``torch.distributed.pipelining`` schedule (every schedule torch offers);
+  :mod:`~freeride.training.megatron`, the one for Megatron Core's schedules (imports Megatron only
+  when called).
 * :mod:`~freeride.training.schedules`: schedules as data (actions and idle slots per stage), the
   simulator that lists each stage's idle slots; :mod:`~freeride.training.rank_slots`: where one rank
   of any order waits and for how long in steady state; :mod:`~freeride.training.predictor` learns

@@ -11,9 +11,14 @@ whose last action sends to another rank waits, before its iteration ends, for th
 order alone gives the *wait positions*: position ``k`` is the gap before the rank's ``k``-th action,
 position 0 is the wait across the iteration boundary, and the order's length is the tail
 (:class:`RankPlan`). The model's transfers are free, so it gives the tail no length: its length is
-measured. The torch runtime lowers the same facts into its
-``pipeline_order_with_comms`` (a ``RECV_F``/``RECV_B`` for exactly these actions), which the tests
-check.
+measured. The torch runtime lowers the same facts into its ``pipeline_order_with_comms`` (a
+``RECV_F``/``RECV_B`` for exactly these actions), which the tests check.
+
+A framework that receives ahead says so with ``receive_at`` (per rank: action position -> the
+position where the rank waits for that action's input; a position it omits, or whose input the rank
+makes itself, waits where its action is): the waits are then at those positions, and the simulation
+blocks the rank there. Megatron's interleaved schedule, for one, receives after each forward-backward
+pair the gradient for the next pair's backward, before that pair's forward.
 
 **How long.** :func:`steady_state` simulates back-to-back iterations of all ranks' orders (list
 scheduling, as :func:`freeride.training.schedules.simulate`, with free transfers) from a cost per
@@ -33,7 +38,7 @@ online-profiled costs to predict a slot's length until the slot has been measure
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from freeride.errors import ConfigError
 from freeride.training.schedules import (
@@ -69,21 +74,43 @@ def consumer_stage(action: Action, num_stages: int) -> int | None:
     return None
 
 
-def wait_positions(orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int) -> tuple[int, ...]:
-    """Positions in ``rank``'s order where it may wait: before each action that needs another rank's
-    output, and the tail (the order's length) when its last action sends to another rank."""
+#: Per rank, action position -> the position where the rank waits for that action's input (module doc).
+ReceiveAt = Mapping[int, Mapping[int, int]]
+
+
+def _check_receive_at(orders: Mapping[int, Sequence[Action]], receive_at: ReceiveAt | None
+                      ) -> dict[int, dict[int, int]]:
+    checked: dict[int, dict[int, int]] = {}
+    for rank, moves in (receive_at or {}).items():
+        if rank not in orders:
+            raise ConfigError(f"receive_at names rank {rank}; the orders have ranks {sorted(orders)}")
+        length = len(orders[rank])
+        for k, at in moves.items():
+            if not (0 <= at <= k < length):
+                raise ConfigError(f"receive_at[{rank}][{k}] = {at}: a rank receives for its action {k} at a "
+                                  f"position from 0 to {k} (its order has {length} actions)")
+        checked[rank] = dict(moves)
+    return checked
+
+
+def wait_positions(orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int,
+                   receive_at: ReceiveAt | None = None) -> tuple[int, ...]:
+    """Positions in ``rank``'s order where it may wait: where it receives each action's input from
+    another rank (before the action itself, unless ``receive_at`` moves it), and the tail (the order's
+    length) when its last action sends to another rank."""
     owner = stage_ranks(orders)
     order = orders[rank]
-    positions = []
+    moved = (receive_at or {}).get(rank, {})
+    positions = set()
     for k, action in enumerate(order):
         dep = input_dependency(action, num_stages)
         if dep is not None and owner.get(dep.stage, rank) != rank:
-            positions.append(k)
+            positions.add(moved.get(k, k))
     if order:
         consumer = consumer_stage(order[-1], num_stages)
         if consumer is not None and owner.get(consumer, rank) != rank:
-            positions.append(len(order))
-    return tuple(positions)
+            positions.add(len(order))
+    return tuple(sorted(positions))
 
 
 def gap_length(schedule: Schedule, rank: int, slot: IdleSlot) -> float:
@@ -114,18 +141,32 @@ def steady_state(
     cost: Callable[[Action], float],
     between: Mapping[int, float] | float = 0.0,
     iterations: int = 3,
+    receive_at: ReceiveAt | None = None,
 ) -> SteadyState:
     """Simulate ``iterations`` back-to-back iterations (see the module doc); ConfigError on a deadlock.
 
     ``cost(action)`` is an action's duration; ``between`` what each rank spends between two
     iterations (one figure for all, or per rank). Three iterations reach the steady state of every
     schedule torch offers (the warm-up of iteration ``k+1`` overlaps only the cool-down of ``k``).
+    ``receive_at`` blocks a rank, before its action at a position, on the inputs it receives there.
     """
     if iterations < 2:
         raise ConfigError("steady_state needs at least 2 iterations")
     gap_of = {r: float(between) for r in orders} if isinstance(between, (int, float)) else dict(between)
     ranks = list(orders)
     length = {r: len(orders[r]) for r in ranks}
+    moved = _check_receive_at(orders, receive_at)
+    owner = stage_ranks(orders) if moved else {}
+    # Per rank and position: the inputs the rank waits for there, before it starts that position's action
+    # (an input from the rank itself is never moved: its own order provides it).
+    needs: dict[int, list[list[Action]]] = {}
+    for r in ranks:
+        at: list[list[Action]] = [[] for _ in orders[r]]
+        for k, action in enumerate(orders[r]):
+            dep = input_dependency(action, num_stages)
+            if dep is not None:
+                at[moved.get(r, {}).get(k, k) if owner.get(dep.stage, r) != r else k].append(dep)
+        needs[r] = at
     ends: dict[tuple[int, Action], float] = {}
     starts: dict[tuple[int, int, int], float] = {}  # (rank, iteration, position) -> start
     cursor = {r: 0 for r in ranks}  # over iterations * positions
@@ -140,15 +181,18 @@ def steady_state(
                 it, k = divmod(cursor[r], length[r])
                 action = order[k]
                 ready = free_at[r] + (gap_of.get(r, 0.0) if k == 0 and it > 0 else 0.0)
-                dep = input_dependency(action, num_stages)
-                if dep is not None:
+                blocked = False
+                for dep in needs[r][k]:
                     done = ends.get((it, dep))
                     if done is None and dep.kind in (BACKWARD, BACKWARD_INPUT):
                         other = BACKWARD_INPUT if dep.kind == BACKWARD else BACKWARD
                         done = ends.get((it, Action(other, dep.stage, dep.microbatch)))
                     if done is None:
+                        blocked = True
                         break
                     ready = max(ready, done)
+                if blocked:
+                    break
                 starts[(r, it, k)] = ready
                 free_at[r] = ends[(it, action)] = ready + cost(action)
                 cursor[r] += 1
@@ -183,9 +227,12 @@ class RankPlan:
     orders: Mapping[int, tuple[Action, ...]]
     num_stages: int
     positions: tuple[int, ...]
+    #: Where each rank receives ahead (module doc); empty: every input is waited for before its action.
+    receive_at: ReceiveAt = field(default_factory=dict)
 
     @classmethod
-    def from_orders(cls, orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int | None = None) -> RankPlan:
+    def from_orders(cls, orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int | None = None,
+                    receive_at: ReceiveAt | None = None) -> RankPlan:
         if rank not in orders or not orders[rank]:
             raise ConfigError(f"rank {rank} has no actions in the schedule's order (ranks: {sorted(orders)})")
         frozen = {int(r): tuple(o) for r, o in orders.items()}
@@ -194,7 +241,8 @@ class RankPlan:
             num_stages = stages
         elif num_stages < stages:
             raise ConfigError(f"the orders name model stage {stages - 1} but num_stages is {num_stages}")
-        return cls(rank, frozen, num_stages, wait_positions(frozen, rank, num_stages))
+        moved = _check_receive_at(frozen, receive_at)
+        return cls(rank, frozen, num_stages, wait_positions(frozen, rank, num_stages, moved), moved)
 
     @property
     def order(self) -> tuple[Action, ...]:
@@ -228,5 +276,5 @@ class RankPlan:
     def modelled_lengths(self, cost: Callable[[Action], float], between: Mapping[int, float] | float = 0.0
                          ) -> dict[int, float]:
         """The steady-state gap before each wait position for these costs (see :func:`steady_state`)."""
-        gaps = steady_state(self.orders, self.num_stages, cost, between).gaps[self.rank]
+        gaps = steady_state(self.orders, self.num_stages, cost, between, receive_at=self.receive_at).gaps[self.rank]
         return {k: gaps[k] if k < len(gaps) else 0.0 for k in self.positions}

@@ -91,7 +91,7 @@ from freeride.training.device_clock import HostClock, MarkClock
 from freeride.training.free_memory import MemorySampler
 from freeride.training.learned_slots import LEARNED_KIND, LearningConfig, Site, WaitLearner
 from freeride.training.predictor import BubblePredictor, ComputeProfile
-from freeride.training.rank_slots import RankPlan
+from freeride.training.rank_slots import RankPlan, ReceiveAt
 from freeride.training.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -179,6 +179,8 @@ class RankTracker:
     ``on_iteration(iteration, bubbles)`` is called on the training
     thread with each delivered iteration's reported bubbles; ``on_action_end(kind, stage, mb)`` at
     every ``compute_end``, before its mark (a measuring hook: it must return in microseconds).
+    ``receive_at`` tells where a framework that receives ahead waits for an action's input
+    (:mod:`freeride.training.rank_slots`).
     """
 
     def __init__(
@@ -198,10 +200,11 @@ class RankTracker:
         remodel_iterations: int = 5,
         time_actions: bool = False,
         waits_follow_compute: bool = False,
+        receive_at: ReceiveAt | None = None,
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
-        self.plan = RankPlan.from_orders(orders, rank, num_stages)
+        self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at)
         self.rank = rank
         self.sink = sink
         self.on_iteration = on_iteration

@@ -49,20 +49,29 @@ class IdleProbe:
         for name in _METHODS:
             setattr(stage, name, self._timed(getattr(stage, name)))
 
+    def enter(self) -> None:
+        """A compute action starts: the gap since the last one ended is measured (:meth:`wrap` calls it;
+        an adapter whose framework marks its compute itself, such as Megatron's timers, calls it too)."""
+        now, used, delayed = time.monotonic_ns(), time.thread_time_ns(), self._run_delay_ns()
+        last = self._exit
+        if last is not None:
+            idle = (now - last[0]) - (used - last[1]) - (delayed - last[2])
+            if idle >= self.min_gap_ns:
+                self._gaps.append((last[0], now - last[0], idle))
+
+    def leave(self) -> None:
+        """The compute action ends."""
+        self._exit = (time.monotonic_ns(), time.thread_time_ns(), self._run_delay_ns())
+
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        wall, cpu, delay = time.monotonic_ns, time.thread_time_ns, self._run_delay_ns
+        enter, leave = self.enter, self.leave
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            now, used, delayed = wall(), cpu(), delay()
-            last = self._exit
-            if last is not None:
-                idle = (now - last[0]) - (used - last[1]) - (delayed - last[2])
-                if idle >= self.min_gap_ns:
-                    self._gaps.append((last[0], now - last[0], idle))
+            enter()
             try:
                 return method(*args, **kwargs)
             finally:
-                self._exit = (wall(), cpu(), delay())
+                leave()
 
         return timed
 

@@ -1,0 +1,152 @@
+"""Megatron Core's 1F1B and interleaved schedules on two CPU ranks (torchrun, gloo), through freeride.
+
+One run per schedule: ``freeride launch`` starts a manager per core; ``harvest_driver.py`` submits a
+side task to each and runs ``megatron_job.py`` under torchrun, whose rank 1 is slower by a known
+amount (each forward computes 10 ms longer), so rank 0 waits for it. Each rank trains bare, then
+through the documentation's snippet (``docs/bubbles.md``, run as written), with timers of the
+trainer's own that record every interval Megatron times. The checks are of order, place and identity
+(which wait, which slot, which count), never of how fast the shared machine was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cpu_devices
+from framework_support import docs_snippet, require_megatron
+
+from freeride.training.learned_slots import LEARNED_SLOT_BASE
+from freeride.training.megatron import P2P_TIMERS, megatron_orders
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+README = HERE.parents[1] / "README.md"
+MICROBATCHES, ITERATIONS, BARE = 4, 16, 3
+
+
+@dataclass
+class Run:
+    schedule: str
+    ranks: list[dict[str, Any]]
+    managers: dict[str, Any]
+
+
+@pytest.fixture(scope="module", params=["1f1b", "interleaved"])
+def run(request: pytest.FixtureRequest) -> Iterator[Run]:
+    require_megatron()
+    devices = cpu_devices(2)
+    runtime = Path(tempfile.mkdtemp(prefix="frm-", dir="/tmp"))  # a private runtime dir: our managers only
+    runtime.chmod(0o700)
+    try:
+        out = runtime / "out"
+        snippet = runtime / "snippet.py"
+        snippet.write_text(docs_snippet("megatron"))
+        job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(HERE / "megatron_job.py"), "--schedule", request.param, "--microbatches", str(MICROBATCHES),
+               "--iterations", str(ITERATIONS), "--bare-iterations", str(BARE), "--slow-rank", "1",
+               "--slow-ms", "10", "--snippet", str(snippet), "--out", str(out)]
+        cmd = [sys.executable, "-m", "freeride.cli", "launch", "--state-dir", str(runtime / "state"),
+               "--devices", ",".join(devices), "--", sys.executable, str(HERE / "harvest_driver.py"),
+               "--devices", ",".join(devices), "--out", str(out), "--", *job]
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), OMP_NUM_THREADS="1", FREERIDE_LOG_LEVEL="WARNING")
+        env.pop("FREERIDE_ENDPOINT", None)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        yield Run(request.param, ranks, json.loads((out / "managers.json").read_text()))
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _virtual(run: Run) -> int:
+    return 2 if run.schedule == "interleaved" else 1
+
+
+def _waits(intervals: list[list[Any]]) -> list[tuple[int, int, int]]:
+    """Megatron's transfer intervals of one iteration, as the trainer's timers saw them: (position, start,
+    stop), the position being the compute actions begun before it."""
+    position, waits = 0, []
+    for name, start, stop in sorted(intervals, key=lambda i: i[1]):
+        if name in ("forward-compute", "backward-compute"):
+            position += 1
+        elif name in P2P_TIMERS:
+            waits.append((position, start, stop))
+    return waits
+
+
+def test_megatron_runs_the_planned_order_and_learns_the_same_with_freeride(run: Run) -> None:
+    orders = megatron_orders(2, MICROBATCHES, _virtual(run))
+    for rank, doc in enumerate(run.ranks):
+        want = [[a.kind, a.stage, a.microbatch] for a in orders[rank]]
+        for phase in ("bare", "freeride"):
+            assert all(order == want for order in doc["phases"][phase]["orders"]), (rank, phase)
+    last = run.ranks[1]["phases"]  # rank 1 holds the last model stage, and the losses
+    assert None not in last["bare"]["losses"]
+    assert last["freeride"]["losses"][:BARE] == last["bare"]["losses"]
+    # The trainer's own timers were chained to, every call: they saw what Megatron timed.
+    assert all(doc["trainer_timer_calls"] > 0 for doc in run.ranks)
+
+
+def test_bubbles_are_reported_inside_megatrons_waits_at_their_slots(run: Run) -> None:
+    for rank, doc in enumerate(run.ranks):
+        phase = doc["phases"]["freeride"]
+        for iteration, (bubbles, intervals) in enumerate(zip(phase["bubbles"], phase["timers"], strict=True)):
+            waits = _waits(intervals)
+            for b in bubbles:
+                inside = [w for w in waits if w[1] <= b["start_ns"] and b["end_ns"] <= w[2]]
+                assert len(inside) == 1, (rank, iteration, b)
+                if b["slot"] < LEARNED_SLOT_BASE:
+                    assert b["slot"] == inside[0][0], (rank, iteration, b, inside)
+
+
+def test_every_wait_for_the_slow_stage_is_reported(run: Run) -> None:
+    doc = run.ranks[0]  # rank 1 is slower: rank 0 waits for it at each of its planned wait positions
+    planned = set(doc["wait_positions"])
+    phase = doc["phases"]["freeride"]
+    reported = total = 0
+    for bubbles, intervals in zip(phase["bubbles"], phase["timers"], strict=True):
+        slots = {b["slot"]: b for b in bubbles}
+        for position, start, stop in _waits(intervals):
+            if position not in planned:
+                continue
+            b = slots.get(position)
+            assert b is not None and start <= b["start_ns"] <= b["end_ns"] <= stop, (position, bubbles)
+            reported += b["end_ns"] - b["start_ns"]
+            total += stop - start
+    assert total > 0
+    # Ours are innermost in the trainer's timers: only the few microseconds between the two calls differ.
+    assert reported >= 0.95 * total
+
+
+def test_freeride_bubbles_shows_what_each_rank_reported(run: Run) -> None:
+    assert run.managers["_cli"]["returncode"] == 0, run.managers["_cli"]["stderr"]
+    for doc in run.ranks:
+        slots = run.managers[doc["device"]]["bubbles_cli"]
+        shown = {(s["stage"], s["slot"]): s["count"] for s in slots}
+        reported = {(doc["rank"], int(slot)): n for slot, n in doc["reported_counts"].items()}
+        assert set(shown) == set(reported)
+        dropped = doc["reporter"]["dropped"]  # events queued before the snippet's reporter connected, if any
+        for key, n in reported.items():
+            assert n - dropped <= shown[key] <= n, (key, shown[key], n, dropped)
+        assert all(s["learned"] == (s["slot"] >= LEARNED_SLOT_BASE) for s in slots)
+
+
+def test_the_readme_shows_the_snippet_that_ran() -> None:
+    assert docs_snippet("megatron", README) == docs_snippet("megatron")
+
+
+def test_a_side_task_harvests_the_bubbles(run: Run) -> None:
+    waiting = run.managers[run.ranks[0]["device"]]  # the device with the slow stage's bubbles
+    assert waiting["stats"]["harvested_s"] > 0
+    assert waiting["task"]["steps"] > 0 and waiting["task"]["state"] in ("PARKED", "RUNNING")
