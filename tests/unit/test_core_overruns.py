@@ -321,3 +321,36 @@ def test_clean_grants_shrink_a_widened_margin_back() -> None:
         sim.advance_ms(1)
         sim.send(BubbleEnded(BubbleEnd(0, 0, sim.core.stats.bubbles - 1, 0, sim.now), sim.now))
     assert sim.core.tasks["a"].margin_ns < 3 * MS
+
+
+def test_a_task_whose_short_steps_finish_in_every_grant_never_looks_hung_however_often_it_is_frozen() -> None:
+    # Issue 21's trial: sub-millisecond steps, predictions that ran past the real ends, so nearly every
+    # grant ended in a freeze mid-step before the park came; every grant's time was added to one "stuck"
+    # step and the task was soon held as looking hung, getting only every other bubble.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    _steps_once(sim, "a")
+    _steps_once(sim, "b")
+    done = 3
+    for _ in range(6):  # 66 ms of granted time in all: far more than two 10 ms bubbles
+        _overrun(sim)
+        done += 12  # what the loop reads from the board at the freeze: it went on finishing steps
+        sim.send(WorkerStepsSeen("a", steps_done=done))
+        assert not sim.core.tasks["a"].health.looks_hung(sim.core.bubbles.longest_ns)
+        sim.advance_ms(5)
+    assert grants(sim.start(predicted_ms=10))[0] == "a"  # its frozen step finishes first, as any other's
+
+
+def test_a_step_frozen_again_after_its_board_stopped_moving_looks_hung() -> None:
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    _steps_once(sim, "a")
+    _steps_once(sim, "b")
+    _overrun(sim)
+    sim.send(WorkerStepsSeen("a", steps_done=9))  # steps finished in that grant, then one began
+    sim.advance_ms(5)
+    _overrun(sim)  # that one step runs through the next whole grant too: 22 ms > 2 x 10 ms
+    sim.send(WorkerStepsSeen("a", steps_done=9))
+    sim.advance_ms(5)
+    assert sim.core.tasks["a"].health.looks_hung(sim.core.bubbles.longest_ns)
+    assert grants(sim.start(predicted_ms=10))[0] == "b"

@@ -20,6 +20,8 @@ class StepHealth:
     hung_since_ns: int = 0  # when the current step was first seen to look hung (phase HUNG; 0: not)
     unfit_bubbles: int = 0  # bubbles in a row whose time the task's step estimate did not fit
     passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
+    board_steps: int = 0  # steps its process had finished at the last reading of its board
+    last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
 
     def _to(self, new: StepPhase) -> None:
         STEP.check(self.phase, new)
@@ -37,6 +39,7 @@ class StepHealth:
     def new_process(self) -> None:
         """Its process is (re)started: no step finished yet. The granted time of a stuck step is kept."""
         self.hung_since_ns = 0
+        self.board_steps = 0
         self._to(StepPhase.FRESH)
 
     def finished_steps(self) -> None:
@@ -47,7 +50,19 @@ class StepHealth:
 
     def seen_on_board(self, steps_done: int, in_setup: bool) -> None:
         """What its board showed when it was frozen. Boards only move forward: a process that has finished
-        a step is past its setup, whatever else the board says."""
+        a step is past its setup, whatever else the board says.
+
+        A board that shows more finished steps than at its last reading says that the step it is frozen in
+        began inside the grant it was frozen in: only that grant's time is stuck in it. A task with short
+        steps, frozen mid-step at the end of grant after grant (its park never came before the freeze),
+        used to add every such grant to one "stuck" step and was soon held as looking hung.
+        """
+        if steps_done > self.board_steps:
+            self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)
+            self.hung_since_ns = 0
+            if self.phase is StepPhase.HUNG:
+                self._to(StepPhase.STEPPED)
+        self.board_steps = max(self.board_steps, steps_done)
         if steps_done > 0:
             if not self.has_stepped:
                 self._to(StepPhase.STEPPED)
@@ -57,6 +72,7 @@ class StepHealth:
     def ran_past_end(self, granted_ns: int) -> None:
         """It was frozen mid-step after ``granted_ns`` of its grant."""
         self.stuck_ns += granted_ns
+        self.last_grant_ns = granted_ns
 
     def looks_hung(self, longest_bubble_ns: int) -> bool:
         """A step that has run more granted time than two of the longest bubbles seen.
