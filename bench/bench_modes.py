@@ -461,6 +461,8 @@ def run_once(mode: str, task_set: str, trial: int, settings: Settings, rates: Ma
         _managed(mode, tasks, settings, run_dir, log, rates, result)
     result.wall_s = time.monotonic() - t0
     ranks = read_iterations(layout, log)
+    # The saving's T is the time of the iterations whose bubbles H counts: those after the warm-up.
+    result.iterations = min(len(recs) for recs in ranks.values())
     means = [sum(r["time_ms"] for r in recs) / len(recs) for recs in ranks.values() if recs]
     result.iteration_ms = sum(means) / len(means)
     if len(ranks) == 1:  # a single stage: its own compute and its waits for its core
@@ -656,15 +658,21 @@ def make_layout(args: argparse.Namespace, p: argparse.ArgumentParser) -> Layout:
     return layout
 
 
-def render(out: Path, doc: Mapping[str, Any], readme: Path | None,
+def render(out: Path, doc: dict[str, Any], readme: Path | None,
            stem: str = DEFAULT_STEM) -> tuple[dict[str, Any], dict[str, Any]]:
     """Write ``<stem>.md`` and ``<stem>.png`` from a results document; rewrite the README block if asked.
 
     The summary is computed afresh from the document's runs, so a re-render (``--render-only``) shows
-    what the report code says of them now."""
+    what the report code says of them now. An older document's runs are brought up to date in place."""
     runs = [RunResult.from_json(r) for r in doc["runs"]]
+    if doc["meta"].get("run_iterations") != "measured":
+        # Results written before runs recorded their measured iterations hold the total, warm-up included;
+        # the saving's T must cover the iterations after the warm-up only, as its work does.
+        runs = [dataclasses.replace(r, iterations=r.iterations - int(doc["meta"]["warmup"])) for r in runs]
+        doc["runs"] = [dataclasses.asdict(r) for r in runs]  # the document says so from now on
+        doc["meta"] = {**doc["meta"], "run_iterations": "measured"}
     task_sets = list(dict.fromkeys(r.task_set for r in runs if r.task_set != "-"))
-    meta = {**doc["meta"], "interfered": interfered(runs)}
+    meta = {**doc["meta"], "interfered": interfered(runs), "run_iterations": "measured"}
     table = summarize(runs, task_sets, devices=len(meta["devices"]))
     write_markdown(out / f"{stem}.md", meta, table)
     plot(out / f"{stem}.png", table)
@@ -780,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"machine": machine_info(), "layout": layout.to_json(), "devices": list(layout.devices),
             "trainer": layout.trainer_text(), "trainer_args": args.trainer_args, "iterations": args.iterations,
             "warmup": args.warmup, "trials": trials, "command": command, "wall_s": time.time() - started,
+            "run_iterations": "measured",
             "label": args.label, "loadavg": {**loadavg_summary(r.loadavg for r in runs), "at_start": load_start,
                                              "at_end": os.getloadavg()},
             "stop": {"reason": decision.reason, "converged": decision.converged,

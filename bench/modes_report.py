@@ -77,7 +77,7 @@ class RunResult:
     task_set: str
     trial: int
     iteration_ms: float
-    iterations: int
+    iterations: int  # measured: after the warm-up (the saving's T is iteration_ms x iterations)
     compute_ms: float | None = None  # the stage's own compute per iteration (single-stage layouts)
     runqueue_wait_ms: float | None = None  # the stage's thread waiting, runnable, for its core, per iteration
     stage_bubble_fraction: list[float] = field(default_factory=list)

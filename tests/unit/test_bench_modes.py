@@ -227,14 +227,18 @@ def test_the_bubble_scale_of_the_runs_heads_the_headline() -> None:
     assert lines[0] == "bubbles of the real stage: median 566 ms, 550 .. 806 ms, 16 a run after the warm-up"
 
 
+def full_meta() -> dict:
+    return {**meta(), "machine": {"cpu": "x", "cores": 2, "python": "3", "versions": {}}, "trainer": "t",
+            "trainer_args": "", "iterations": 10, "warmup": 2, "wall_s": 60.0, "command": "c", "devices": ["cpu:1"],
+            "layout": {"name": "single-stage cpu", "description": "d"},
+            "stop": {"reason": "r", "target_half_width": 0.01, "min_trials": 3, "max_trials": 3, "budget_s": 60},
+            "tasks": {"pagerank": {"target": "side_tasks.graphs:PageRank", "args": {}, "memory_bytes": 2**29}},
+            "standalone_step_ms": [{"pagerank": 1.5}, {"pagerank": 1.7}]}
+
+
 def test_the_markdown_defines_the_saving_column_under_its_table(tmp_path: Path) -> None:
     table = summarize(RUNS, ["pagerank"], devices=1)
-    doc = {**meta(), "machine": {"cpu": "x", "cores": 2, "python": "3", "versions": {}}, "trainer": "t",
-           "trainer_args": "", "iterations": 10, "warmup": 2, "wall_s": 60.0, "command": "c",
-           "layout": {"name": "single-stage cpu", "description": "d"},
-           "stop": {"reason": "r", "target_half_width": 0.01, "min_trials": 3, "max_trials": 3, "budget_s": 60},
-           "tasks": {"pagerank": {"target": "side_tasks.graphs:PageRank", "args": {}, "memory_bytes": 2**29}},
-           "standalone_step_ms": [{"pagerank": 1.5}, {"pagerank": 1.7}]}
+    doc = full_meta()
     write_markdown(tmp_path / "m.md", doc, table)
     text = (tmp_path / "m.md").read_text()
     table_at = text.index("saving 1x / 5.5x / 22x |")
@@ -281,3 +285,18 @@ def test_the_figure_is_written_for_any_set_of_modes(tmp_path: Path) -> None:
     no_naive = [r for r in RUNS if r.mode != "instrumented"]
     assert plot(tmp_path / "f.png", summarize(no_naive, ["pagerank"], devices=1)) == ["f.png"]
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_older_results_count_the_savings_time_over_the_measured_iterations_once(tmp_path: Path) -> None:
+    """Runs written before they recorded their measured iterations hold the total, warm-up included: the
+    saving's T then covered iterations whose work H never counted (the saving read too low)."""
+    from bench.bench_modes import render
+
+    doc = {"meta": full_meta(), "runs": [dataclasses.asdict(r) for r in RUNS]}  # iterations 10, warm-up 2
+    _, table = render(tmp_path, doc, None)
+    assert {r["iterations"] for r in doc["runs"]} == {8} and doc["meta"]["run_iterations"] == "measured"
+    per_trial = [(0.8 - 0.008) / 0.8, (0.9 - 0.048) / 1.6, (0.7 + 0.008) / 0.8]  # T = 8 x iteration time
+    assert table["pagerank/freeride"]["saving"]["1x"] == pytest.approx(sum(per_trial) / 3)
+    _, again = render(tmp_path, doc, None)  # a second render changes nothing
+    assert again["pagerank/freeride"]["saving"] == table["pagerank/freeride"]["saving"]
+    assert (tmp_path / "modes.md").exists() and (tmp_path / "modes.png").exists()
