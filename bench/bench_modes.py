@@ -38,7 +38,7 @@ overheads and their intervals, the stage's compute overhead, harvest efficiency 
 traces with the breakdown of every bubble, overruns, grant and park latencies, savings.
 
 Run: ``python -m bench.bench_modes`` (about 35 minutes on two cores; ``--budget-min``), or a preset
-(``bench/modes_presets.py``): ``--preset short`` (under 10 minutes) or ``--preset reference-scale`` (the
+(``bench/modes_presets.py``): ``--preset short`` (about 7 minutes) or ``--preset reference-scale`` (the
 comparison with the reference policy at its own bubble scale, about 15 minutes). Results: ``<stem>.json``
 (every run, raw), ``<stem>.md`` and ``<stem>.png`` in ``--out`` (stem ``modes``, or the preset's);
 ``--update-readme README.md`` rewrites the README's generated block of that stem; ``--render-only``
@@ -543,8 +543,11 @@ def _managed(mode: str, tasks: Sequence[str], settings: Settings, run_dir: Path,
             result.progress[name] = result.progress.get(name, 0.0) + count * per_step.get(task_id, 0.0)
 
 
-def _wait_resident(client: ControlClient, task_ids: list[str], timeout_s: float = 120.0) -> None:
-    """Tasks are resident (worker up) before training starts: the same start line as ``naive``."""
+def _wait_resident(client: ControlClient, task_ids: list[str], timeout_s: float = 300.0) -> None:
+    """Tasks are resident (worker up) before training starts: the same start line as ``naive``.
+
+    A worker runs at nice 19: on a busy machine a torch task's ``setup`` (a ResNet built and warmed up)
+    took over 120 s, so the bound is generous; it only catches a task that will never be ready."""
     deadline = time.monotonic() + timeout_s
     while True:
         states = {t: client.get(t).state for t in task_ids}
@@ -687,7 +690,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     """The options, a preset's values in place of the defaults, explicit options over both."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=tuple(PRESETS), default="full",
-                   help="full (default, ~35 min), short (<10 min) or reference-scale (the reference's bubble and "
+                   help="full (default, ~35 min), short (~7 min) or reference-scale (the reference's bubble and "
                    "step sizes, ~15 min): see bench/modes_presets.py; other options override it")
     p.add_argument("--peer-forward-ms", type=float, default=None,
                    help="single-stage: fix the emulated neighbours' forward (else the calibration run's)")

@@ -5,10 +5,9 @@ Each preset is one command that writes its own results (``bench/results/cpu/<ste
 ``.png``) and, with ``--update-readme README.md``, its own generated block of the README:
 
 * ``full`` (the default): every task set and mode at the short bubbles of a CPU emulation (stage 1 of a
-  4-stage 1F1B pipeline with 8 micro-batches, tens of milliseconds a bubble); about 35 minutes on two
-  cores.
-* ``short``: the same comparison on two task sets (``pagerank``, ``mix``) in three trials: under 10
-  minutes on two quiet cores. The preset to try first.
+  4-stage 1F1B pipeline with 8 micro-batches, 3-25 ms a bubble); 35 minutes on two cores.
+* ``short``: the same comparison on two task sets (``pagerank``, ``mix``) in three trials: about 7
+  minutes on two quiet cores (estimated from the full run's 16 s a run). The preset to try first.
 * ``reference-scale``: the comparison with the reference policy **at the reference's own bubble scale**
   (its paper reports bubbles of 0.22-1.04 s): the emulated neighbours take 200 ms a forward and 400 ms a
   backward (``--peer-forward-ms 200 --peer-backward-ms 400``, 4 micro-batches), which gives stage 1
@@ -17,7 +16,7 @@ Each preset is one command that writes its own results (``bench/results/cpu/<ste
   each step costs a few percent of a bubble, not half of it, and its 10 ms poll a few percent of the
   bubble's start: the like-for-like comparison. Only ``none``, ``freeride-paper`` and ``freeride`` run
   (co-location and the managers' own overhead are the other presets' business); about 15 minutes on two
-  cores.
+  quiet cores (estimated: 3 trials of 7 runs of about 35 s).
 
 Explicit options override a preset's values (``--preset short --max-trials 5``).
 """
