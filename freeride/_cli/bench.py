@@ -108,7 +108,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the order of the runs in each trial")
     p.add_argument("--manager-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every manager (repeatable), e.g. --manager-arg=--grace-ms=1")
-    p.add_argument("--keep", default=None, metavar="DIR", help="keep every run's logs and state under DIR")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep every run's logs and manager state, in a new directory under DIR")
     p.add_argument("--out", default=None, metavar="FILE", help="write every run and the summary as JSON to FILE")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of the report")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then your training command and its arguments")
@@ -261,8 +262,10 @@ def run(args: argparse.Namespace) -> int:
     bench_tasks = parse_tasks(task_word_lists(args))
     runtime = private_runtime()
     keep = Path(args.keep) if args.keep else None
-    work_dir = keep if keep is not None else Path(tempfile.mkdtemp(prefix="freeride-bench-"))
-    work_dir.mkdir(parents=True, exist_ok=True)
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    # Always a fresh directory: a manager given an old run's state directory would resume its tasks.
+    work_dir = Path(tempfile.mkdtemp(prefix="freeride-bench-", dir=keep))
     runner = Runner(tuple(command), devices, job_env(os.environ, runtime), work_dir, bench_tasks,
                     tuple(args.manager_arg))
     command_text = shlex.join(command)
