@@ -63,7 +63,7 @@ from freeride._cli.bench_figures import (
     watched_modes,
 )
 from freeride._cli.bench_runs import BenchFailed, BenchTask, Runner, job_env, private_runtime
-from freeride._cli.launch import _cuda_count, _parse_devices, local_devices
+from freeride._cli.launch import add_device_options, job_devices, remainder_command
 from freeride.errors import ConfigError
 from freeride.measure import PRICE_RATIOS, StopRule, stop_decision
 
@@ -81,10 +81,7 @@ def register(subparsers: Any) -> None:
         description="Run COMMAND alone, with managers, and with managers and side tasks, in paired interleaved "
         "trials; report the training overhead with its interval, the bubbles, the harvest and the saving.",
     )
-    p.add_argument("--devices", default="auto",
-                   help="the job's devices, e.g. cuda:0,cuda:1; auto (the default): as freeride launch finds them")
-    p.add_argument("--device-kind", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="with --devices auto: cuda when this node has GPUs, else cpu")
+    add_device_options(p)
     p.add_argument("--task", dest="task_words", action=_TaskAction, metavar="MODULE:CLASS",
                    help="a side task for every device; the options after it up to the next --task are its own")
     for option in TASK_OPTIONS:
@@ -207,15 +204,6 @@ def run_timeout(explicit: float | None, runs: Sequence[Run]) -> float:
     return FIRST_RUN_TIMEOUT_S if longest is None else 3 * longest + 60.0
 
 
-def _devices(args: argparse.Namespace, command: Sequence[str]) -> tuple[str, ...]:
-    if args.devices.strip() == "auto":
-        devices, source = local_devices(os.environ, command, _cuda_count, sorted(os.sched_getaffinity(0)),
-                                        args.device_kind)
-        print(f"freeride bench: the job's devices: {', '.join(devices)} (from {source})", file=sys.stderr)
-        return tuple(devices)
-    return tuple(_parse_devices(args.devices))
-
-
 def _check_numbers(args: argparse.Namespace) -> StopRule:
     if args.warmup_runs < 0:
         raise ConfigError(f"--warmup-runs must be >= 0, got {args.warmup_runs}")
@@ -250,15 +238,13 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise ConfigError("no command given: freeride bench --task MODULE:CLASS ... -- COMMAND [ARGS...]")
+    command = remainder_command(args.command, "freeride bench --task MODULE:CLASS ... -- COMMAND [ARGS...]")
     require_extra()
     rule = _check_numbers(args)
     ratios = parse_ratios(args.price_ratios)
-    devices = _devices(args, command)
+    found, source = job_devices(args.devices, args.device_kind, command)
+    devices = tuple(found)
+    _say(f"the job's devices: {', '.join(devices)} (from {source})")
     bench_tasks = parse_tasks(task_word_lists(args))
     runtime = private_runtime()
     keep = Path(args.keep) if args.keep else None

@@ -65,11 +65,7 @@ def register(subparsers: Any) -> None:
         description="Start one manager per device, run COMMAND (no shell), stop the managers, exit with "
         "COMMAND's exit code.",
     )
-    parser.add_argument("--devices", default="auto",
-                        help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1; auto (the default): this "
-                        "node's, from torchrun's --nproc-per-node, Slurm or the visible GPUs")
-    parser.add_argument("--device-kind", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="with --devices auto: cuda when this node has GPUs, else cpu (default auto)")
+    add_device_options(parser)
     parser.add_argument("--node", default=None,
                         help="this node's name for the managers (default: $SLURMD_NODENAME, else the host name)")
     parser.add_argument("--queue", default=None, metavar="URL", help="every manager joins this cluster queue")
@@ -83,6 +79,15 @@ def register(subparsers: Any) -> None:
                         help="extra argument for every manager (repeatable), e.g. --manager-arg=--grace-ms=1")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     parser.set_defaults(func=run)
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """``--devices`` and ``--device-kind``, as :func:`job_devices` reads them (launch and bench)."""
+    parser.add_argument("--devices", default="auto",
+                        help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1; auto (the default): this "
+                        "node's, from torchrun's --nproc-per-node, Slurm or the visible GPUs")
+    parser.add_argument("--device-kind", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="with --devices auto: cuda when this node has GPUs, else cpu (default auto)")
 
 
 def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -443,18 +448,29 @@ def _parse_devices(text: str) -> list[str]:
     return devices
 
 
-def run(args: argparse.Namespace) -> int:
-    command = list(args.command)
+def remainder_command(words: Sequence[str], usage: str) -> list[str]:
+    """The command of an argparse remainder (after ``--``); ConfigError showing ``usage`` when there is none."""
+    command = list(words)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise ConfigError("no command given: freeride launch --devices cpu:0 -- COMMAND [ARGS...]")
+        raise ConfigError(f"no command given: {usage}")
+    return command
+
+
+def job_devices(text: str, kind: str, command: Sequence[str]) -> tuple[list[str], str]:
+    """``--devices``: a list, or ``auto`` (:func:`local_devices`, with ``--device-kind``); and where they
+    came from."""
+    if text.strip() == "auto":
+        return local_devices(os.environ, command, _cuda_count, sorted(os.sched_getaffinity(0)), kind)
+    return _parse_devices(text), "--devices"
+
+
+def run(args: argparse.Namespace) -> int:
+    command = remainder_command(args.command, "freeride launch --devices cpu:0 -- COMMAND [ARGS...]")
     env = os.environ
-    if args.devices.strip() == "auto":
-        devices, source = local_devices(env, command, _cuda_count, sorted(os.sched_getaffinity(0)), args.device_kind)
-        log.info("devices of this node: %s (from %s)", ",".join(devices), source)
-    else:
-        devices = _parse_devices(args.devices)
+    devices, source = job_devices(args.devices, args.device_kind, command)
+    log.info("devices of this node: %s (from %s)", ",".join(devices), source)
     if args.ready_timeout_s <= 0 or args.stop_timeout_s < 0:
         raise ConfigError("--ready-timeout-s must be > 0 and --stop-timeout-s >= 0")
     node = check_node_name(args.node or env.get("SLURMD_NODENAME") or socket.gethostname())

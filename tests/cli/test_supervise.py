@@ -74,25 +74,25 @@ def test_what_a_command_leaves_running_is_killed_only_when_asked(tmp_path: Path)
         os.kill(pids[1], signal.SIGKILL)
 
 
+def _sleeper(ready: Path, on_sigint: str) -> list[str]:
+    """A command that handles SIGINT with ``on_sigint``, then says it is ready and sleeps."""
+    return _python("import signal, sys, time, pathlib\n"
+                   f"signal.signal(signal.SIGINT, {on_sigint})\n"
+                   f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+                   "time.sleep(60)\n")
+
+
 def test_a_signal_to_this_process_is_forwarded_and_reported(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    code = ("import signal, sys, time, pathlib\n"
-            "signal.signal(signal.SIGINT, lambda *a: sys.exit(5))\n"
-            f"pathlib.Path({str(ready)!r}).write_text('x')\n"
-            "time.sleep(60)\n")
     _signal_me_when(ready, signal.SIGINT)
-    outcome = supervise(_python(code))
+    outcome = supervise(_sleeper(ready, "lambda *a: sys.exit(5)"))
     assert (outcome.code, outcome.signals, outcome.timed_out) == (5, (signal.SIGINT,), False)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_a_command_that_ignores_a_forwarded_signal_is_stopped_after_the_grace(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    code = ("import signal, time, pathlib\n"
-            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            f"pathlib.Path({str(ready)!r}).write_text('x')\n"
-            "time.sleep(60)\n")
     _signal_me_when(ready, signal.SIGINT)
-    outcome = supervise(_python(code), stop_after_signal_s=0.5, kill_after_s=5.0)
+    outcome = supervise(_sleeper(ready, "signal.SIG_IGN"), stop_after_signal_s=0.5, kill_after_s=5.0)
     assert outcome.signals == (signal.SIGINT,) and not outcome.timed_out
     assert outcome.code == 128 + signal.SIGTERM  # the group's SIGTERM, before any SIGKILL
