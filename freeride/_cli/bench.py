@@ -67,9 +67,10 @@ from freeride._cli.launch import add_device_options, job_devices, remainder_comm
 from freeride.errors import ConfigError
 from freeride.measure import PRICE_RATIOS, StopRule, stop_decision
 
-#: The options that belong to the ``--task`` before them (``freeride submit``'s own names).
-TASK_OPTIONS = ("--arg", "--args-json", "--memory", "--name", "--priority", "--step-time-hint-ms",
-                "--checkpoint-interval-s")
+#: The options that belong to the ``--task`` before them (``freeride submit``'s own names), with their metavars.
+TASK_OPTION_VALUES = {"--arg": "KEY=VALUE", "--args-json": "JSON", "--memory": "SIZE", "--name": "NAME",
+                      "--priority": "N", "--step-time-hint-ms": "MS", "--checkpoint-interval-s": "S"}
+TASK_OPTIONS = tuple(TASK_OPTION_VALUES)
 FIRST_RUN_TIMEOUT_S = 3600.0
 EXTRA_HINT = "freeride bench needs the [bench] extra (SciPy, for its intervals): pip install 'freeride[bench]'"
 
@@ -84,8 +85,8 @@ def register(subparsers: Any) -> None:
     add_device_options(p)
     p.add_argument("--task", dest="task_words", action=_TaskAction, metavar="MODULE:CLASS",
                    help="a side task for every device; the options after it up to the next --task are its own")
-    for option in TASK_OPTIONS:
-        p.add_argument(option, dest="task_words", action=_TaskAction, metavar="VALUE",
+    for option, metavar in TASK_OPTION_VALUES.items():
+        p.add_argument(option, dest="task_words", action=_TaskAction, metavar=metavar,
                        help=f"freeride submit's {option}, for the --task before it")
     p.add_argument("--tasks-file", default=None, metavar="FILE",
                    help="side tasks, one a line in freeride submit's words (MODULE:CLASS --arg k=v --memory 2GiB)")
