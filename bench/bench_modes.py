@@ -37,10 +37,12 @@ Figures (``bench/modes_report.py``; the arithmetic in ``freeride.measure`` and `
 overheads and their intervals, the stage's compute overhead, harvest efficiency from the managers'
 traces with the breakdown of every bubble, overruns, grant and park latencies, savings.
 
-Run: ``python -m bench.bench_modes`` (about 35 minutes on two cores; ``--budget-min``). Results:
-``modes.json`` (every run, raw), ``modes.md`` and ``modes.png`` in ``--out``; ``--update-readme
-README.md`` rewrites the README's generated results block; ``--render-only`` re-renders them from an
-existing ``modes.json``.
+Run: ``python -m bench.bench_modes`` (about 35 minutes on two cores; ``--budget-min``), or a preset
+(``bench/modes_presets.py``): ``--preset short`` (about 7 minutes) or ``--preset reference-scale`` (the
+comparison with the reference policy at its own bubble scale, about 15 minutes). Results: ``<stem>.json``
+(every run, raw), ``<stem>.md`` and ``<stem>.png`` in ``--out`` (stem ``modes``, or the preset's);
+``--update-readme README.md`` rewrites the README's generated block of that stem; ``--render-only``
+re-renders them from an existing ``<stem>.json``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine_info
+from bench.modes_presets import DEFAULT_STEM, PRESETS, REFERENCE_SETS, REFERENCE_SIZED
 from bench.modes_report import (
     MODES,
     RunResult,
@@ -83,7 +86,7 @@ from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
 from freeride.harvest import harvest, measurement_window, standalone_step_s, steady_window
-from freeride.measure import StopDecision, StopRule, stop_decision
+from freeride.measure import StopDecision, StopRule, percentiles, stop_decision
 from freeride.messages import TaskSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,14 +110,19 @@ def task_plan(device_kind: str) -> dict[str, SideTaskConfig]:
     on CPU for bubbles of tens of milliseconds (steps of a few milliseconds on one core, caps of
     640-768 MiB); on a GPU for millisecond bubbles, with caps (2 GiB) that hold a CUDA context too."""
     plans = {t.target: t for t in plan_tasks(device_kind, 1)}
-    return {name: SideTaskConfig(name, target, dict(plans[target].args), plans[target].memory_bytes)
-            for name, target in _KINDS.items()}
+    tasks = {name: SideTaskConfig(name, target, dict(plans[target].args), plans[target].memory_bytes)
+             for name, target in _KINDS.items()}
+    if device_kind == "cpu":  # sized like the reference's tasks on one core (bench/modes_presets.py)
+        tasks.update({name: SideTaskConfig(name, target, dict(args), memory)
+                      for name, (target, args, memory) in REFERENCE_SIZED.items()})
+    return tasks
 
 
 #: The plan in use: the CPU's unless the bench runs on a GPU (``main`` switches it).
 TASKS: dict[str, SideTaskConfig] = task_plan("cpu")
 TASK_SETS: dict[str, tuple[str, ...]] = {"pagerank": ("pagerank",), "image": ("image",),
-                                         "training": ("training",), "mix": ("pagerank", "image", "training")}
+                                         "training": ("training",), "mix": ("pagerank", "image", "training"),
+                                         **REFERENCE_SETS}
 
 
 # ---------------------------------------------------------------- layouts
@@ -164,8 +172,8 @@ class SingleStageLayout(Layout):
     """One real stage (``stage_index`` of ``stages``, ``microbatches``), its neighbours emulated.
 
     ``peer_forward_ms`` / ``peer_backward_ms`` fix the neighbours' costs for every run (set from
-    the calibration run); unset, each run learns them from its own warm-up, so a mode that slows the
-    stage would also slow its emulated neighbours.
+    the calibration run, unless given: ``--peer-forward-ms``); unset, each run learns them from its own
+    warm-up, so a mode that slows the stage would also slow its emulated neighbours.
     """
 
     stage_index: int = 1
@@ -202,8 +210,8 @@ class SingleStageLayout(Layout):
 
     def calibrated(self, rank_records: Mapping[int, list[dict[str, Any]]]) -> Layout:
         model = next((r["model"] for r in reversed(rank_records.get(0, [])) if "model" in r), None)
-        if model is None:
-            return self
+        if model is None or (self.peer_forward_ms is not None and self.peer_backward_ms is not None):
+            return self  # nothing learned, or costs given (--peer-forward-ms): they stay
         return dataclasses.replace(self, peer_forward_ms=float(model["forward_ms"]),
                                    peer_backward_ms=float(model["backward_ms"]))
 
@@ -344,9 +352,11 @@ def read_iterations(layout: Layout, log: Path) -> dict[int, list[dict[str, Any]]
     return ranks
 
 
-def standalone_rates(tasks: Sequence[str], device: str, seconds: float, run_dir: Path) -> dict[str, float]:
-    """Progress per second of each task alone on ``device``: the demo's yardstick (``freeride._demo.probe``,
-    ``freeride.standalone.run_standalone``: pinned to the core, at normal priority, from after ``setup``)."""
+def standalone_rates(tasks: Sequence[str], device: str, seconds: float,
+                     run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """Progress per second of each task alone on ``device``, and its median step in ms: the demo's
+    yardstick (``freeride._demo.probe``, ``freeride.standalone.run_standalone``: pinned to the core, one
+    thread, at normal priority, from after ``setup``)."""
     request, result = run_dir / "standalone-request.json", run_dir / "standalone.json"
     request.write_text(json.dumps({"device": device, "seconds": seconds, "tasks": [
         {"name": name, "target": TASKS[name].target, "args": TASKS[name].args,
@@ -356,10 +366,11 @@ def standalone_rates(tasks: Sequence[str], device: str, seconds: float, run_dir:
                                stdout=log, stderr=subprocess.STDOUT, timeout=120 + 4 * seconds * len(tasks))
     entries = json.loads(result.read_text()) if result.exists() else []
     rates = {e["name"]: float(e["report"]["progress_per_s"]) for e in entries if "report" in e}
+    step_ms = {e["name"]: float(e["report"]["step_ms_p50"]) for e in entries if "report" in e}
     missing = [name for name in tasks if not rates.get(name)]
     if code != 0 or missing:
         raise RuntimeError(f"standalone measurement failed for {', '.join(missing) or 'a task'}; see {run_dir}")
-    return rates
+    return rates, step_ms
 
 
 def paper_profile(layout: Layout, log: Path, out: Path) -> dict[str, int]:
@@ -450,6 +461,8 @@ def run_once(mode: str, task_set: str, trial: int, settings: Settings, rates: Ma
         _managed(mode, tasks, settings, run_dir, log, rates, result)
     result.wall_s = time.monotonic() - t0
     ranks = read_iterations(layout, log)
+    # The saving's T is the time of the iterations whose bubbles H counts: those after the warm-up.
+    result.iterations = min(len(recs) for recs in ranks.values())
     means = [sum(r["time_ms"] for r in recs) / len(recs) for recs in ranks.values() if recs]
     result.iteration_ms = sum(means) / len(means)
     if len(ranks) == 1:  # a single stage: its own compute and its waits for its core
@@ -461,6 +474,10 @@ def run_once(mode: str, task_set: str, trial: int, settings: Settings, rates: Ma
         idle = sum(b["length_ms"] for r in recs for b in r["bubbles"])
         if idle:
             result.stage_bubble_fraction.append(idle / busy)
+    lengths = [b["length_ms"] for recs in ranks.values() for r in recs for b in r["bubbles"] if b["length_ms"] > 0]
+    if lengths:
+        low, p50, high = percentiles(lengths, (0, 50, 100))
+        result.bubble_ms = {"count": len(lengths), "min": low, "p50": p50, "max": high}
     if mode == "naive":
         # The trainer measured its own bubbles in the window; without (a bare two-stage trainer logs none),
         # the instrumented run's of the same trial.
@@ -526,8 +543,11 @@ def _managed(mode: str, tasks: Sequence[str], settings: Settings, run_dir: Path,
             result.progress[name] = result.progress.get(name, 0.0) + count * per_step.get(task_id, 0.0)
 
 
-def _wait_resident(client: ControlClient, task_ids: list[str], timeout_s: float = 120.0) -> None:
-    """Tasks are resident (worker up) before training starts: the same start line as ``naive``."""
+def _wait_resident(client: ControlClient, task_ids: list[str], timeout_s: float = 300.0) -> None:
+    """Tasks are resident (worker up) before training starts: the same start line as ``naive``.
+
+    A worker runs at nice 19: on a busy machine a torch task's ``setup`` (a ResNet built and warmed up)
+    took over 120 s, so the bound is generous; it only catches a task that will never be ready."""
     deadline = time.monotonic() + timeout_s
     while True:
         states = {t: client.get(t).state for t in task_ids}
@@ -577,19 +597,22 @@ def method_notes(layout: Layout) -> list[str]:
 
 def run_trials(settings: Settings, modes: Sequence[str], task_sets: Sequence[str], rule: StopRule,
                standalone_s: float, rng: random.Random) -> tuple[list[RunResult], list[dict[str, float]],
-                                                                 StopDecision]:
-    """Trials until the stopping rule says stop; every run, the standalone rates per trial, the decision."""
+                                                                 list[dict[str, float]], StopDecision]:
+    """Trials until the stopping rule says stop; every run, the standalone rates and median steps (ms) per
+    trial, the decision."""
     layout = settings.layout
     needed = sorted({t for s in task_sets for t in TASK_SETS[s]} if set(modes) - {"none", "instrumented"} else set())
     runs: list[RunResult] = []
     all_rates: list[dict[str, float]] = []
+    all_steps: list[dict[str, float]] = []
     started = time.monotonic()
     trial = 0
     while True:
         trial_dir = settings.root / f"t{trial}-standalone"
         trial_dir.mkdir(parents=True)
-        rates = standalone_rates(needed, layout.devices[-1], standalone_s, trial_dir) if needed else {}
+        rates, step_ms = standalone_rates(needed, layout.devices[-1], standalone_s, trial_dir) if needed else ({}, {})
         all_rates.append(rates)
+        all_steps.append(step_ms)
         instrumented_b: float | None = None
         for mode, task_set in trial_plan(modes, task_sets, rng, isinstance(layout, TwoStageLayout)):
             result = run_once(mode, task_set, trial, settings, rates, instrumented_b)
@@ -604,7 +627,7 @@ def run_trials(settings: Settings, modes: Sequence[str], task_sets: Sequence[str
         decision = stop_decision(rule, gated_intervals(runs, task_sets), trial, time.monotonic() - started)
         print(f"bench: after trial {trial - 1}: {decision.reason}", flush=True)
         if decision.stop:
-            return runs, all_rates, decision
+            return runs, all_rates, all_steps, decision
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -620,33 +643,61 @@ def make_layout(args: argparse.Namespace, p: argparse.ArgumentParser) -> Layout:
     except ValueError:
         p.error(f"--stage must be INDEX/STAGES/MICROBATCHES, got {args.stage!r}")
     index, stages, microbatches = stage
-    if args.single_stage:
-        return single_stage_device(args.single_stage, (index, stages, microbatches), cores)
-    if args.layout == "two-stage-cpu":
+    if (args.peer_forward_ms is None) != (args.peer_backward_ms is None):
+        p.error("--peer-forward-ms and --peer-backward-ms go together")
+    if args.layout == "two-stage-cpu" and not args.single_stage:
+        if args.peer_forward_ms is not None:
+            p.error("--peer-forward-ms is for the single-stage layouts (the two-stage trainer has no emulated peers)")
         return two_stage_cpu(cores)
-    return single_stage_cpu(cores, (index, stages, microbatches))
+    if args.single_stage:
+        layout = single_stage_device(args.single_stage, (index, stages, microbatches), cores)
+    else:
+        layout = single_stage_cpu(cores, (index, stages, microbatches))
+    if args.peer_forward_ms is not None:
+        if not (args.peer_forward_ms > 0 and args.peer_backward_ms > 0):
+            p.error("--peer-forward-ms and --peer-backward-ms must be > 0")
+        layout = dataclasses.replace(layout, peer_forward_ms=args.peer_forward_ms,
+                                     peer_backward_ms=args.peer_backward_ms)
+    return layout
 
 
-def render(out: Path, doc: Mapping[str, Any], readme: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write ``modes.md`` and ``modes.png`` from a results document; rewrite the README block if asked.
+def render(out: Path, doc: dict[str, Any], readme: Path | None,
+           stem: str = DEFAULT_STEM) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write ``<stem>.md`` and ``<stem>.png`` from a results document; rewrite the README block if asked.
 
     The summary is computed afresh from the document's runs, so a re-render (``--render-only``) shows
-    what the report code says of them now."""
+    what the report code says of them now. An older document's runs are brought up to date in place."""
     runs = [RunResult.from_json(r) for r in doc["runs"]]
+    if doc["meta"].get("run_iterations") != "measured":
+        # Results written before runs recorded their measured iterations hold the total, warm-up included;
+        # the saving's T must cover the iterations after the warm-up only, as its work does.
+        runs = [dataclasses.replace(r, iterations=r.iterations - int(doc["meta"]["warmup"])) for r in runs]
+        doc["runs"] = [dataclasses.asdict(r) for r in runs]  # the document says so from now on
+        doc["meta"] = {**doc["meta"], "run_iterations": "measured"}
     task_sets = list(dict.fromkeys(r.task_set for r in runs if r.task_set != "-"))
-    meta = {**doc["meta"], "interfered": interfered(runs)}
+    meta = {**doc["meta"], "interfered": interfered(runs), "run_iterations": "measured"}
     table = summarize(runs, task_sets, devices=len(meta["devices"]))
-    write_markdown(out / "modes.md", meta, table)
-    plot(out, table)
+    write_markdown(out / f"{stem}.md", meta, table)
+    plot(out / f"{stem}.png", table)
     if readme is not None:
-        link = os.path.relpath(out / "modes.md", readme.parent)
-        if not update_readme(readme, readme_block(meta, table, link)):
-            print(f"bench: {readme} has no generated block to update (markers missing)", file=sys.stderr)
+        link = os.path.relpath(out / f"{stem}.md", readme.parent)
+        if not update_readme(readme, readme_block(meta, table, link), stem):
+            print(f"bench: {readme} has no generated block for {stem} to update (markers missing)", file=sys.stderr)
     return meta, table
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The options, a preset's values in place of the defaults, explicit options over both."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default="full",
+                   help="full (default, ~35 min), short (~7 min) or reference-scale (the reference's bubble and "
+                   "step sizes, ~15 min): see bench/modes_presets.py; other options override it")
+    p.add_argument("--peer-forward-ms", type=float, default=None,
+                   help="single-stage: fix the emulated neighbours' forward (else the calibration run's)")
+    p.add_argument("--peer-backward-ms", type=float, default=None,
+                   help="single-stage: fix the emulated neighbours' backward (else the calibration run's)")
+    p.add_argument("--stem", default=DEFAULT_STEM, help="results file names: STEM.json, .md, .png (default: modes, "
+                   "or the preset's)")
     p.add_argument("--layout", choices=("single-stage-cpu", "two-stage-cpu"), default="single-stage-cpu",
                    help="single-stage-cpu (default: mirrors a GPU host) or two-stage-cpu (the stress case)")
     p.add_argument("--single-stage", metavar="DEVICE", default=None,
@@ -654,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", default="1/4/8", help="single-stage: INDEX/STAGES/MICROBATCHES (default %(default)s)")
     p.add_argument("--iterations", type=int, default=28)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--task-sets", default=",".join(TASK_SETS))
+    p.add_argument("--task-sets", default="pagerank,image,training,mix",
+                   help=f"comma-separated, of: {', '.join(TASK_SETS)} (default %(default)s)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--trainer-args", default=None,
                    help="model options for the trainer (default: the demo's for the device kind; CPU: --d-model 256)")
@@ -667,10 +719,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="results directory (default bench/results/cpu, or bench/results/gpu-<model> on a GPU)")
-    p.add_argument("--update-readme", metavar="README", default=None, help="rewrite the README's generated block")
-    p.add_argument("--render-only", action="store_true", help="re-render from --out/modes.json, run nothing")
+    p.add_argument("--update-readme", metavar="README", default=None,
+                   help="rewrite the README's generated block of STEM")
+    p.add_argument("--render-only", action="store_true", help="re-render from --out/STEM.json, run nothing")
     p.add_argument("--keep", action="store_true", help="keep the per-run directories (logs, traces)")
-    args = p.parse_args(argv)
+    preset = p.parse_known_args(argv)[0].preset
+    p.set_defaults(**PRESETS[preset])
+    return p, p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args = parse_args(argv)
     kind = "cuda" if (args.single_stage or "").startswith("cuda") else "cpu"
     if args.out is None:
         from bench.machine import gpu_info, gpu_slug
@@ -683,10 +742,11 @@ def main(argv: list[str] | None = None) -> int:
         TASKS.update(task_plan("cuda"))
     out = Path(args.out)
     readme = Path(args.update_readme) if args.update_readme else None
+    results = out / f"{args.stem}.json"
     if args.render_only:
-        doc = json.loads((out / "modes.json").read_text())
-        doc["meta"], doc["summary"] = render(out, doc, readme)
-        (out / "modes.json").write_text(json.dumps(doc, indent=1, default=str))
+        doc = json.loads(results.read_text())
+        doc["meta"], doc["summary"] = render(out, doc, readme, args.stem)
+        results.write_text(json.dumps(doc, indent=1, default=str))
         return 0
     layout = make_layout(args, p)
     task_sets = [s for s in args.task_sets.split(",") if s]
@@ -723,29 +783,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench: calibrated; {layout.description}\nbench: paper profile (min ns per stage/slot) {profile}",
           flush=True)
     settings = Settings(layout, args.iterations, args.warmup, extra, root, profile_path)
-    runs, all_rates, decision = run_trials(settings, modes, task_sets, rule, args.standalone_s,
-                                           random.Random(args.seed))
+    runs, all_rates, all_steps, decision = run_trials(settings, modes, task_sets, rule, args.standalone_s,
+                                                      random.Random(args.seed))
     table = summarize(runs, task_sets, devices=len(layout.devices))
     command = "python -m bench.bench_modes " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     trials = 1 + max(r.trial for r in runs)
     meta = {"machine": machine_info(), "layout": layout.to_json(), "devices": list(layout.devices),
             "trainer": layout.trainer_text(), "trainer_args": args.trainer_args, "iterations": args.iterations,
             "warmup": args.warmup, "trials": trials, "command": command, "wall_s": time.time() - started,
+            "run_iterations": "measured",
             "label": args.label, "loadavg": {**loadavg_summary(r.loadavg for r in runs), "at_start": load_start,
                                              "at_end": os.getloadavg()},
             "stop": {"reason": decision.reason, "converged": decision.converged,
                      "trials_needed": dict(decision.trials_needed or {}), **dataclasses.asdict(rule)},
+            "preset": args.preset,
             "tasks": {k: {"target": v.target, "args": v.args, "memory_bytes": v.memory_bytes}
-                      for k, v in TASKS.items()},
+                      for k, v in TASKS.items() if any(k in TASK_SETS[s] for s in task_sets)},
             "fit_note": "bubbles long enough that the task set's slowest step, alone, is at most a tenth of them",
-            "method": method_notes(layout), "standalone_rates": all_rates, "paper_profile_ns": profile,
+            "method": method_notes(layout), "standalone_rates": all_rates, "standalone_step_ms": all_steps,
+            "paper_profile_ns": profile,
             "interfered": interfered(runs)}
     doc = {"meta": meta, "summary": table, "runs": [dataclasses.asdict(r) for r in runs]}
-    (out / "modes.json").write_text(json.dumps(doc, indent=1, default=str))
-    render(out, doc, readme)
+    results.write_text(json.dumps(doc, indent=1, default=str))
+    render(out, doc, readme, args.stem)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    print((out / "modes.md").read_text())
+    print((out / f"{args.stem}.md").read_text())
     return 0
 
 

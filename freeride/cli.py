@@ -54,6 +54,7 @@ COMMAND_MODULES = (
     "freeride._cli.bubbles",
     "freeride._cli.launch",
     "freeride._cli.run_task",
+    "freeride._cli.bench",
 )
 
 

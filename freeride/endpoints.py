@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +36,13 @@ class Endpoint:
         return f"unix:{self.address}" if self.kind == "unix" else f"tcp://{self.address}"
 
 
-def runtime_dir(create: bool = True) -> Path:
-    """The per-user directory that holds manager sockets, owner-only."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
+def runtime_dir(create: bool = True, environ: Mapping[str, str] | None = None) -> Path:
+    """The per-user directory that holds manager sockets, owner-only.
+
+    ``environ`` is the environment whose ``$XDG_RUNTIME_DIR`` counts (default: this process's): a
+    process that starts managers and a job in another environment finds the sockets they will use.
+    """
+    base = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
     path = Path(base) / "freeride" if base and os.path.isdir(base) else Path(f"/tmp/freeride-{os.getuid()}")
     if create:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -49,9 +54,10 @@ def runtime_dir(create: bool = True) -> Path:
     return path
 
 
-def default_endpoint(device: str | DeviceName) -> Endpoint:
+def default_endpoint(device: str | DeviceName, environ: Mapping[str, str] | None = None) -> Endpoint:
+    """The device's socket in the runtime directory of ``environ`` (default: this process's)."""
     name = parse_device_name(device) if isinstance(device, str) else device
-    return Endpoint("unix", str(runtime_dir() / f"{name.slug}.sock"))
+    return Endpoint("unix", str(runtime_dir(environ=environ) / f"{name.slug}.sock"))
 
 
 def parse_endpoint(text: str) -> Endpoint:

@@ -58,6 +58,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "PRICE_RATIOS",
+    "PRICE_RATIO_TEXT",
+    "SAVING_TEXT",
     "CostInputs",
     "Interval",
     "StopDecision",
@@ -82,6 +84,19 @@ __all__ = [
 #: Price ratios the bench reports: the same device; the reference's server vs a dedicated RTX 3080
 #: per GPU (a $3.96/h 4-GPU server is $0.99/h a GPU: 5.5x); the reference's own 22x.
 PRICE_RATIOS: tuple[float, ...] = (1.0, 5.5, 22.0)
+
+#: :func:`cost_saving` in words, for every place that prints a saving.
+SAVING_TEXT = ("(value of the side work - cost of the extra training time) / cost of the training alone; the side "
+               "work is valued at the price of a dedicated device doing it as fast as it runs alone here")
+
+#: What each of :data:`PRICE_RATIOS` stands for (price ratio r = an hour of a training device / an hour of the
+#: dedicated device that would otherwise do the side work).
+PRICE_RATIO_TEXT: dict[float, str] = {
+    1.0: "the dedicated device costs as much as a training device (a second device of the same kind)",
+    5.5: "the reference's prices per GPU: its $3.96/h 4-GPU server is $0.99/h a GPU, an RTX 3080 $0.18/h",
+    22.0: "the reference's own ratio, its whole server ($3.96/h) to one RTX 3080 ($0.18/h): applied per device, "
+          "it values the side work at a quarter of the 5.5x figure",
+}
 
 
 def _check_time(name: str, value: float) -> None:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, default_endpoint, runtime_dir
@@ -65,11 +65,7 @@ def register(subparsers: Any) -> None:
         description="Start one manager per device, run COMMAND (no shell), stop the managers, exit with "
         "COMMAND's exit code.",
     )
-    parser.add_argument("--devices", default="auto",
-                        help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1; auto (the default): this "
-                        "node's, from torchrun's --nproc-per-node, Slurm or the visible GPUs")
-    parser.add_argument("--device-kind", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="with --devices auto: cuda when this node has GPUs, else cpu (default auto)")
+    add_device_options(parser)
     parser.add_argument("--node", default=None,
                         help="this node's name for the managers (default: $SLURMD_NODENAME, else the host name)")
     parser.add_argument("--queue", default=None, metavar="URL", help="every manager joins this cluster queue")
@@ -83,6 +79,15 @@ def register(subparsers: Any) -> None:
                         help="extra argument for every manager (repeatable), e.g. --manager-arg=--grace-ms=1")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     parser.set_defaults(func=run)
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """``--devices`` and ``--device-kind``, as :func:`job_devices` reads them (launch and bench)."""
+    parser.add_argument("--devices", default="auto",
+                        help="comma-separated devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1; auto (the default): this "
+                        "node's, from torchrun's --nproc-per-node, Slurm or the visible GPUs")
+    parser.add_argument("--device-kind", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="with --devices auto: cuda when this node has GPUs, else cpu (default auto)")
 
 
 def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -118,12 +123,18 @@ def _serving(endpoint: Endpoint) -> bool:
 
 
 def start_managers(
-    devices: Sequence[str], state_dir: Path | None, log_dir: Path, extra_args: Sequence[str]
+    devices: Sequence[str], state_dir: Path | None, log_dir: Path, extra_args: Sequence[str],
+    env: Mapping[str, str] | None = None,
 ) -> list[ManagedManager]:
-    """Start a manager child for each device that has none serving yet (``state_dir``: their parent)."""
+    """Start a manager child for each device that has none serving yet (``state_dir``: their parent).
+
+    ``env`` is the managers' environment (default: this process's); they listen on the default
+    endpoints of its runtime directory (``$XDG_RUNTIME_DIR``), where a job run in the same
+    environment finds them.
+    """
     started: list[ManagedManager] = []
     for device in devices:
-        endpoint = default_endpoint(device)
+        endpoint = default_endpoint(device, environ=env)
         if _serving(endpoint):
             log.warning("a manager already serves %s at %s: using it, and leaving it running", device, endpoint)
             started.append(ManagedManager(device, endpoint, None, None))
@@ -136,7 +147,7 @@ def start_managers(
         with log_path.open("ab") as out:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_set_pdeathsig,
+                start_new_session=True, preexec_fn=_set_pdeathsig, env=None if env is None else dict(env),
             )
         log.info("started manager for %s (pid %d, log %s)", device, proc.pid, log_path)
         started.append(ManagedManager(device, endpoint, proc, log_path))
@@ -193,38 +204,116 @@ def stop_managers(managers: Sequence[ManagedManager], timeout_s: float) -> None:
             log.warning("manager for %s exited with code %s (log %s)", m.device, m.proc.returncode, m.log_path)
 
 
-def run_command(command: Sequence[str], on_started: Callable[[subprocess.Popen[bytes]], None] | None = None) -> int:
-    """Run ``command`` (no shell) in its own process group, forwarding SIGINT/SIGTERM; its exit code."""
+@dataclass(frozen=True)
+class Outcome:
+    """How a supervised command ended.
+
+    ``code``: its exit code, 128 + N when signal N ended it. ``signals``: the SIGINT and SIGTERM this
+    process received meanwhile, each forwarded to the command. ``timed_out``: it outlived its time
+    and was stopped (SIGTERM to its process group, then SIGKILL).
+    """
+
+    code: int
+    signals: tuple[int, ...] = ()
+    timed_out: bool = False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _job_preexec(die_with_parent: bool) -> Callable[[], None]:
+    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+        os.setpgrp()
+        if die_with_parent:
+            _set_pdeathsig()
+
+    return preexec
+
+
+def supervise(
+    command: Sequence[str],
+    on_started: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    output: IO[bytes] | None = None,
+    timeout_s: float | None = None,
+    stop_after_signal_s: float | None = None,
+    kill_after_s: float = 10.0,
+    die_with_parent: bool = False,
+    kill_group_at_exit: bool = False,
+) -> Outcome:
+    """Run ``command`` (no shell) in its own process group until it ends; how it ended.
+
+    SIGINT and SIGTERM sent to this process are only recorded by their handlers and forwarded to the
+    command by the wait loop. ``timeout_s``: past it, the command's group gets SIGTERM and, after
+    ``kill_after_s``, SIGKILL. ``stop_after_signal_s``: a command still running that long after a
+    forwarded signal is stopped the same way. ``output`` receives its stdout and stderr (default: this
+    process's). ``die_with_parent``: the command gets SIGTERM if this process dies.
+    ``kill_group_at_exit``: whatever the command left running in its group is killed once it exits.
+    """
     received: list[int] = []
+    forwarded: list[int] = []
 
     def record(signum: int, frame: FrameType | None) -> None:
         received.append(signum)  # only record: the loop below forwards
 
     previous = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
+    timed_out = False
     try:
         try:
-            proc = subprocess.Popen(list(command), preexec_fn=os.setpgrp)
+            proc = subprocess.Popen(
+                list(command), preexec_fn=_job_preexec(die_with_parent), env=None if env is None else dict(env),
+                stdin=subprocess.DEVNULL if output is not None else None, stdout=output,
+                stderr=subprocess.STDOUT if output is not None else None,
+            )
         except OSError as exc:
             raise ConfigError(f"cannot run {command[0]!r}: {exc.strerror}") from None
         if on_started is not None:
             on_started(proc)
+        started = time.monotonic()
+        term_at: float | None = None  # when the group gets SIGTERM
+        kill_at: float | None = None  # when it gets SIGKILL
         while True:
             try:
                 code = proc.wait(timeout=0.05)
                 break
             except subprocess.TimeoutExpired:
                 pass
+            now = time.monotonic()
             while received:
                 signum = received.pop(0)
+                forwarded.append(signum)
                 log.info("forwarding signal %d to the command (pid %d)", signum, proc.pid)
                 try:
                     proc.send_signal(signum)
                 except ProcessLookupError:
                     pass
+                if stop_after_signal_s is not None and term_at is None:
+                    term_at = now + stop_after_signal_s
+            if timeout_s is not None and not timed_out and now - started > timeout_s:
+                timed_out = True
+                log.info("the command (pid %d) outlived %g s: stopping its process group", proc.pid, timeout_s)
+                term_at = now
+            if term_at is not None and now >= term_at and kill_at is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+                kill_at = now + kill_after_s
+            if kill_at is not None and now >= kill_at:
+                _signal_group(proc.pid, signal.SIGKILL)
+        if kill_group_at_exit:
+            _signal_group(proc.pid, signal.SIGKILL)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 128 - code if code < 0 else code
+    return Outcome(128 - code if code < 0 else code, tuple(forwarded), timed_out)
+
+
+def run_command(command: Sequence[str], on_started: Callable[[subprocess.Popen[bytes]], None] | None = None) -> int:
+    """Run ``command`` (no shell) in its own process group, forwarding SIGINT/SIGTERM; its exit code."""
+    return supervise(command, on_started).code
 
 
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -359,18 +448,29 @@ def _parse_devices(text: str) -> list[str]:
     return devices
 
 
-def run(args: argparse.Namespace) -> int:
-    command = list(args.command)
+def remainder_command(words: Sequence[str], usage: str) -> list[str]:
+    """The command of an argparse remainder (after ``--``); ConfigError showing ``usage`` when there is none."""
+    command = list(words)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise ConfigError("no command given: freeride launch --devices cpu:0 -- COMMAND [ARGS...]")
+        raise ConfigError(f"no command given: {usage}")
+    return command
+
+
+def job_devices(text: str, kind: str, command: Sequence[str]) -> tuple[list[str], str]:
+    """``--devices``: a list, or ``auto`` (:func:`local_devices`, with ``--device-kind``); and where they
+    came from."""
+    if text.strip() == "auto":
+        return local_devices(os.environ, command, _cuda_count, sorted(os.sched_getaffinity(0)), kind)
+    return _parse_devices(text), "--devices"
+
+
+def run(args: argparse.Namespace) -> int:
+    command = remainder_command(args.command, "freeride launch --devices cpu:0 -- COMMAND [ARGS...]")
     env = os.environ
-    if args.devices.strip() == "auto":
-        devices, source = local_devices(env, command, _cuda_count, sorted(os.sched_getaffinity(0)), args.device_kind)
-        log.info("devices of this node: %s (from %s)", ",".join(devices), source)
-    else:
-        devices = _parse_devices(args.devices)
+    devices, source = job_devices(args.devices, args.device_kind, command)
+    log.info("devices of this node: %s (from %s)", ",".join(devices), source)
     if args.ready_timeout_s <= 0 or args.stop_timeout_s < 0:
         raise ConfigError("--ready-timeout-s must be > 0 and --stop-timeout-s >= 0")
     node = check_node_name(args.node or env.get("SLURMD_NODENAME") or socket.gethostname())

@@ -7,8 +7,10 @@ tasks one after the other and writes one JSON result per task.
 
 On ``cpu:N`` the process is pinned to core N with one thread, like a worker, but keeps its normal
 priority: a worker's nice 19 only matters against the trainer, which is idle in a bubble, while on a
-shared machine it would let any other program starve the measurement. On ``cuda:N`` nothing is
-prepared beyond the device itself.
+shared machine it would let any other program starve the measurement. One thread, as in a worker:
+the thread variables of the device's worker environment are set before any task module is imported,
+so torch, when a task imports it, starts with one thread (and torch is not imported for a task that
+does not use it). On ``cuda:N`` nothing is prepared beyond the device itself.
 
 ``REQ`` is a JSON file ``{"device": "cpu:1", "seconds": 3, "tasks": [{"name", "target", "args",
 "memory_bytes"}, ...]}``; ``OUT`` receives ``[{"name": ..., "report": {...}} | {"name": ...,
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride.devices import parse_device_name
+from freeride.devices.cpu import CpuDevice
 from freeride.errors import FreerideError
 
 
@@ -36,9 +39,10 @@ def probe(request: dict[str, Any]) -> list[dict[str, Any]]:
     name = parse_device_name(device)
     if name.kind == "cpu":
         os.sched_setaffinity(0, {name.index})
-        import torch
-
-        torch.set_num_threads(1)
+        os.environ.update(CpuDevice(name).worker_env(0))
+        torch = sys.modules.get("torch")
+        if torch is not None:  # imported already (not by this module): its pool exists, so shrink it
+            torch.set_num_threads(1)
     results: list[dict[str, Any]] = []
     for task in request["tasks"]:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -12,12 +13,15 @@ from conftest import cpu_devices
 
 from bench.bench_modes import (
     SingleStageLayout,
+    make_layout,
+    parse_args,
     pin_threads,
     single_stage_cpu,
     single_stage_device,
     trial_plan,
     two_stage_cpu,
 )
+from bench.modes_presets import PRESETS, REFERENCE_SIZED
 from bench.modes_report import (
     README_BEGIN,
     README_END,
@@ -25,10 +29,14 @@ from bench.modes_report import (
     gated_intervals,
     headline,
     interfered,
+    plot,
     readme_block,
+    readme_markers,
+    saving_note,
     summarize,
     targets,
     update_readme,
+    write_markdown,
 )
 from freeride.harvest import CATEGORIES
 from freeride.measure import t_quantile
@@ -186,7 +194,109 @@ def test_the_gpu_bench_sizes_its_side_tasks_by_the_gpu_plan() -> None:
     from bench.bench_modes import task_plan
 
     cpu, gpu = task_plan("cpu"), task_plan("cuda")
-    assert set(cpu) == set(gpu) == {"pagerank", "image", "training"}
+    assert set(gpu) == {"pagerank", "image", "training"}
+    assert set(cpu) == {"pagerank", "image", "training", *REFERENCE_SIZED}  # the reference-sized ones: CPU only
     assert all(t.memory_bytes <= 768 * 2**20 for t in cpu.values())
     assert all(t.memory_bytes >= 2 * 2**30 for t in gpu.values())  # a CUDA context and the data
     assert gpu["pagerank"].args != cpu["pagerank"].args
+
+
+def test_the_comparison_with_the_reference_policy_shows_both_harvests_and_where_its_time_went() -> None:
+    table = summarize(RUNS, ["pagerank"], devices=1)
+    lines = headline(meta(), table)
+    line = next(line for line in lines if line.startswith("harvest efficiency H, freeride vs the reference"))
+    assert "pagerank 0.80 vs 0.40 (2.0x" in line
+    went = next(line for line in lines if line.startswith("where the reference policy's bubble time went"))
+    assert "pagerank: work 40%; no grant 60%" in went
+    assert not any("harvested under 5%" in line for line in lines)  # 0.40 is no small denominator
+
+
+def test_a_ratio_over_a_tiny_reference_harvest_is_explained_not_printed_bare() -> None:
+    tiny = [r if r.mode != "freeride-paper" else run("freeride-paper", r.trial, r.iteration_ms, "pagerank",
+                                                     work_s=0.002, bubble_s=1.0) for r in RUNS]
+    lines = headline(meta(), summarize(tiny, ["pagerank"], devices=1))
+    assert any("pagerank 0.80 vs 0.00 (" in line for line in lines)
+    note = next(line for line in lines if "harvested under 5% of the bubble time (pagerank)" in line)
+    assert "not how the two policies compare at the reference's own bubble scale" in note
+
+
+def test_the_bubble_scale_of_the_runs_heads_the_headline() -> None:
+    runs = [dataclasses.replace(r, bubble_ms={"count": 16, "min": 550.0 + r.trial, "p50": 566.0, "max": 806.0})
+            for r in RUNS]
+    lines = headline(meta(), summarize(runs, ["pagerank"], devices=1))
+    assert lines[0] == "bubbles of the real stage: median 566 ms, 550 .. 806 ms, 16 a run after the warm-up"
+
+
+def full_meta() -> dict:
+    return {**meta(), "machine": {"cpu": "x", "cores": 2, "python": "3", "versions": {}}, "trainer": "t",
+            "trainer_args": "", "iterations": 10, "warmup": 2, "wall_s": 60.0, "command": "c", "devices": ["cpu:1"],
+            "layout": {"name": "single-stage cpu", "description": "d"},
+            "stop": {"reason": "r", "target_half_width": 0.01, "min_trials": 3, "max_trials": 3, "budget_s": 60},
+            "tasks": {"pagerank": {"target": "side_tasks.graphs:PageRank", "args": {}, "memory_bytes": 2**29}},
+            "standalone_step_ms": [{"pagerank": 1.5}, {"pagerank": 1.7}]}
+
+
+def test_the_markdown_defines_the_saving_column_under_its_table(tmp_path: Path) -> None:
+    table = summarize(RUNS, ["pagerank"], devices=1)
+    doc = full_meta()
+    write_markdown(tmp_path / "m.md", doc, table)
+    text = (tmp_path / "m.md").read_text()
+    table_at = text.index("saving 1x / 5.5x / 22x |")
+    assert text.index(saving_note(), table_at) > table_at
+    assert "**22x**: the reference's own ratio" in saving_note() and "**1x**" in saving_note()
+    assert "median step alone: 1.5 .. 1.7 ms" in text
+
+
+def test_every_results_stem_has_its_own_readme_block(tmp_path: Path) -> None:
+    assert readme_markers("modes") == (README_BEGIN, README_END)
+    begin, end = readme_markers("modes_reference")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{begin}\nold ref\n{end}\n{README_BEGIN}\nold short\n{README_END}\n")
+    table = summarize(RUNS, ["pagerank"], devices=1)
+    assert update_readme(readme, readme_block(meta(), table, "x/modes_reference.md", "modes_reference"),
+                         "modes_reference")
+    text = readme.read_text()
+    assert "old ref" not in text and "old short" in text and "[modes_reference.md](x/modes_reference.md)" in text
+
+
+def test_presets_set_the_defaults_and_explicit_options_win() -> None:
+    _, full = parse_args([])
+    assert (full.stem, full.task_sets, full.peer_forward_ms) == ("modes", "pagerank,image,training,mix", None)
+    _, short = parse_args(["--preset", "short"])
+    assert (short.stem, short.task_sets, short.max_trials) == ("modes_short", "pagerank,mix", 3)
+    _, ref = parse_args(["--preset", "reference-scale", "--max-trials", "5"])
+    assert (ref.peer_forward_ms, ref.peer_backward_ms, ref.stage, ref.max_trials) == (200.0, 400.0, "1/4/4", 5)
+    assert ref.task_sets.split(",") == list(REFERENCE_SIZED) and "naive" not in ref.modes
+    assert set(PRESETS) == {"full", "short", "reference-scale"}
+
+
+def test_given_peer_costs_survive_the_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    p, args = parse_args(["--preset", "reference-scale"])
+    layout = make_layout(args, p)
+    assert isinstance(layout, SingleStageLayout) and layout.microbatches == 4
+    records = {0: [{"model": {"forward_ms": 6.0, "backward_ms": 12.0}}]}
+    assert layout.calibrated(records) == layout  # 200/400 ms stay: the bubbles are the reference's scale
+    p, args = parse_args([])
+    assert make_layout(args, p).calibrated(records).peer_forward_ms == 6.0
+
+
+def test_the_figure_is_written_for_any_set_of_modes(tmp_path: Path) -> None:
+    no_naive = [r for r in RUNS if r.mode != "instrumented"]
+    assert plot(tmp_path / "f.png", summarize(no_naive, ["pagerank"], devices=1)) == ["f.png"]
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_older_results_count_the_savings_time_over_the_measured_iterations_once(tmp_path: Path) -> None:
+    """Runs written before they recorded their measured iterations hold the total, warm-up included: the
+    saving's T then covered iterations whose work H never counted (the saving read too low)."""
+    from bench.bench_modes import render
+
+    doc = {"meta": full_meta(), "runs": [dataclasses.asdict(r) for r in RUNS]}  # iterations 10, warm-up 2
+    _, table = render(tmp_path, doc, None)
+    assert {r["iterations"] for r in doc["runs"]} == {8} and doc["meta"]["run_iterations"] == "measured"
+    per_trial = [(0.8 - 0.008) / 0.8, (0.9 - 0.048) / 1.6, (0.7 + 0.008) / 0.8]  # T = 8 x iteration time
+    assert table["pagerank/freeride"]["saving"]["1x"] == pytest.approx(sum(per_trial) / 3)
+    _, again = render(tmp_path, doc, None)  # a second render changes nothing
+    assert again["pagerank/freeride"]["saving"] == table["pagerank/freeride"]["saving"]
+    assert (tmp_path / "modes.md").exists() and (tmp_path / "modes.png").exists()
