@@ -1,19 +1,39 @@
-"""The private manager <-> worker channel: small JSON messages over a SOCK_SEQPACKET socketpair.
+"""The private manager <-> worker channel: typed messages over a SOCK_SEQPACKET socketpair.
 
-SEQPACKET keeps message boundaries (no framing to write), delivers in order, and reports the
-peer's death as end-of-file, which is how a worker notices that its manager is gone and how the
-manager notices a worker that closed its channel. JSON rather than pickle: the manager never
-deserialises anything executable that comes from side-task code.
+Every message that crosses it is a frozen dataclass of this module, and both processes import it:
+the manager sends :class:`Init`, :class:`Grant`, :class:`Park` and :class:`Stop`; a worker sends
+:class:`Ready`, :class:`Parked`, :class:`Checkpointed`, :class:`CheckpointFailed`,
+:class:`Finished`, :class:`Failed`, :class:`ProcessGroup` and :class:`Bye`. :func:`encode` is the
+one encoder and :func:`decode` the one decoder: it checks the tag against what the receiving side
+accepts and every field's presence and type, so a message that is not exactly one of these
+(garbage, a wrong type in a field, a missing field, an unknown or misdirected tag) raises
+:class:`ProtocolError`, which the manager turns into a PROTOCOL failure of that worker's task.
+What only the receiver can judge (a checkpoint path inside the task's directory, a process group
+the worker could have made) is the receiver's check, raised as the same error.
+
+On the channel a message is a JSON object tagged ``"t"``. SEQPACKET keeps message boundaries (no
+framing to write), delivers in order, and reports the peer's death as end-of-file, which is how a
+worker notices that its manager is gone and how the manager notices a worker that closed its
+channel. JSON rather than pickle: the manager never deserialises anything executable that comes
+from side-task code. Fields a worker of an earlier version did not send have defaults here.
+
+Standard library only: the worker imports this before it has imported anything heavy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
-from typing import Any
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 #: Largest message; a parked report carries at most a bounded list of step durations.
 MAX_MESSAGE_BYTES = 64 * 1024
+#: A byte count is a non-negative integer below this.
+MAX_BYTE_COUNT = 2**63
 
 
 class ChannelClosed(Exception):
@@ -25,7 +45,323 @@ class ChannelFull(Exception):
 
 
 class ProtocolError(Exception):
-    """The peer sent something that is not a well-formed message."""
+    """The peer sent something that is not a well-formed message (or a message it may not send)."""
+
+
+#: Field metadata: a grant's id travels as ``g``; a byte count is an int in [0, 2**63).
+_GRANT_ID = {"key": "g"}
+_BYTE_COUNT = {"byte_count": True}
+
+
+# ---------------------------------------------------------------- manager -> worker
+
+
+@dataclass(frozen=True)
+class Init:
+    """The task a new worker runs, and where; the first message on every channel."""
+
+    TAG: ClassVar[str] = "init"
+    task_id: str
+    device: str
+    memory_limit_bytes: int
+    work_dir: str
+    checkpoint_dir: str
+    target: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    command: tuple[str, ...] = ()
+    working_dir: str = ""
+    resume_path: str = ""
+    checkpoint_interval_s: float = 30.0
+    step_time_hint_ms: float = 0.0
+    #: The worker's step and ended-grant words (:class:`freeride._boards.WorkerBoard`); "": none.
+    board_file: str = ""
+    #: The trainer's end board (:class:`freeride._boards.EndBoard`); "": ends come by the manager only.
+    end_board: str = ""
+    #: ``paper``: the reference system's admission rule, for the bench's comparison; else ours.
+    admission: str = "freeride"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Step until ``deadline_ns`` (keeping ``margin_ns``); a newer grant supersedes an older one."""
+
+    TAG: ClassVar[str] = "grant"
+    grant_id: int = field(metadata=_GRANT_ID)
+    deadline_ns: int
+    margin_ns: int
+    #: Forget the step estimate and run at least one step.
+    probe: bool = False
+    #: The bubble, (rank, start), whose end on the trainer's end board stops the grant, when
+    #: ``trainer_ends`` (the grant follows the trainer's real ends).
+    rank: int = -1
+    bubble_start_ns: int = 0
+    trainer_ends: bool = False
+
+
+@dataclass(frozen=True)
+class Park:
+    """The grant's bubble ended early: stop after the current step."""
+
+    TAG: ClassVar[str] = "park"
+    grant_id: int = field(metadata=_GRANT_ID)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop for good, writing a checkpoint first when ``checkpoint``."""
+
+    TAG: ClassVar[str] = "stop"
+    checkpoint: bool = False
+
+
+# ---------------------------------------------------------------- worker -> manager
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The task is imported and constructed."""
+
+    TAG: ClassVar[str] = "ready"
+    pid: int
+    progress_unit: str = "steps"
+    #: The CUDA context's size (0 on a CPU core).
+    context_bytes: int = field(default=0, metadata=_BYTE_COUNT)
+    #: What the cap does not cover: on a CPU core, the interpreter's and the libraries' resident set.
+    baseline_bytes: int = field(default=0, metadata=_BYTE_COUNT)
+    #: On a GPU, the worker's host resident set once the task is constructed (the host cap's baseline).
+    host_baseline_bytes: int = field(default=0, metadata=_BYTE_COUNT)
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A grant is over: what ran in it. ``durations_ns`` and ``starts_ns`` are the last steps' (bounded)."""
+
+    TAG: ClassVar[str] = "parked"
+    grant_id: int = field(metadata=_GRANT_ID)
+    steps: int
+    durations_ns: tuple[int, ...]
+    first_step_ns: int  # 0: no step ran in this grant, or its latency is not measured
+    last_end_ns: int
+    parked_ns: int
+    reason: str  # "deadline", "park", "ended", "stop", "done"
+    progress: float
+    total_steps: int
+    #: Each step's start; a worker of an earlier version sends none (its grant then has no spans).
+    starts_ns: tuple[int, ...] = ()
+    #: Leading durations that are no step-time samples (the process's first step).
+    warmup_steps: int = 0
+    #: ``ended``: the trainer's end of the bubble, read on the end board before the manager knew of it.
+    end_ns: int = 0
+    #: What the device holds for the worker, as the worker measures it.
+    device_bytes: int = field(default=0, metadata=_BYTE_COUNT)
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A checkpoint of ``step`` is on disk at ``path``."""
+
+    TAG: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+    progress: float
+
+
+@dataclass(frozen=True)
+class CheckpointFailed:
+    """The disk refused a checkpoint; the last written one stands and the worker tries again later."""
+
+    TAG: ClassVar[str] = "checkpoint_failed"
+    step: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The task is done."""
+
+    TAG: ClassVar[str] = "finished"
+    total_steps: int
+    progress: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The task failed in the worker; ``durations_ns``: the steps of the grant it failed in."""
+
+    TAG: ClassVar[str] = "failed"
+    kind: str
+    message: str
+    traceback: str = ""
+    step: int = -1
+    total_steps: int = -1
+    progress: float = -1.0  # -1: not reported
+    durations_ns: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """A command task's own process group: the manager freezes and kills it with the worker."""
+
+    TAG: ClassVar[str] = "pgroup"
+    pgid: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The worker is about to exit: the end-of-file that follows is no protocol violation."""
+
+    TAG: ClassVar[str] = "bye"
+    code: int = 0
+
+
+ManagerMessage = Init | Grant | Park | Stop
+WorkerMessage = Ready | Parked | Checkpointed | CheckpointFailed | Finished | Failed | ProcessGroup | Bye
+Message = ManagerMessage | WorkerMessage
+
+MANAGER_MESSAGES: tuple[type[Any], ...] = (Init, Grant, Park, Stop)
+WORKER_MESSAGES: tuple[type[Any], ...] = (Ready, Parked, Checkpointed, CheckpointFailed, Finished, Failed,
+                                          ProcessGroup, Bye)
+
+
+# ---------------------------------------------------------------- the codec
+
+
+def _check_int(value: Any) -> int:
+    if type(value) is not int:  # bool is an int to Python, not to this protocol
+        raise TypeError(f"expected an integer, got {_shown(value)}")
+    return value
+
+
+def _check_float(value: Any) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:  # JSON writes 2.0 as 2.0, but a peer may well send 2
+        return float(value)
+    raise TypeError(f"expected a number, got {_shown(value)}")
+
+
+def _check_str(value: Any) -> str:
+    if type(value) is not str:
+        raise TypeError(f"expected a string, got {_shown(value)}")
+    return value
+
+
+def _check_bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"expected true or false, got {_shown(value)}")
+    return value
+
+
+def _check_ints(value: Any) -> tuple[int, ...]:
+    if type(value) is not list or any(type(v) is not int for v in value):
+        raise TypeError(f"expected a list of integers, got {_shown(value)}")
+    return tuple(value)
+
+
+def _check_strs(value: Any) -> tuple[str, ...]:
+    if type(value) is not list or any(type(v) is not str for v in value):
+        raise TypeError(f"expected a list of strings, got {_shown(value)}")
+    return tuple(value)
+
+
+def _check_object(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise TypeError(f"expected an object, got {_shown(value)}")
+    return value
+
+
+def _check_bytes(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < MAX_BYTE_COUNT:
+        raise TypeError(f"expected a byte count (an integer in [0, 2**63)), got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_CHECKS: dict[Any, Callable[[Any], Any]] = {
+    int: _check_int,
+    float: _check_float,
+    str: _check_str,
+    bool: _check_bool,
+    tuple[int, ...]: _check_ints,
+    tuple[str, ...]: _check_strs,
+    dict[str, Any]: _check_object,
+}
+
+
+@dataclass(frozen=True)
+class _Field:
+    attr: str
+    key: str
+    check: Callable[[Any], Any]
+    required: bool
+
+
+def _fields_of(cls: type[Any]) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls)
+    table = []
+    for f in dataclasses.fields(cls):
+        check = _check_bytes if f.metadata.get("byte_count") else _CHECKS[hints[f.name]]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        table.append(_Field(f.name, f.metadata.get("key", f.name), check, required))
+    return tuple(table)
+
+
+#: tag -> (class, its fields), for every message.
+_TABLE: dict[str, tuple[type[Any], tuple[_Field, ...]]] = {
+    cls.TAG: (cls, _fields_of(cls)) for cls in (*MANAGER_MESSAGES, *WORKER_MESSAGES)
+}
+#: class -> ((attribute, key) of each field), for the encoder.
+_KEYS: dict[type[Any], tuple[tuple[str, str], ...]] = {
+    cls: tuple((f.attr, f.key) for f in fields) for cls, fields in _TABLE.values()
+}
+
+
+def encode(message: Message) -> bytes:
+    """The message as it travels: a compact JSON object tagged ``"t"``."""
+    data: dict[str, Any] = {"t": message.TAG}
+    for attr, key in _KEYS[type(message)]:
+        data[key] = getattr(message, attr)
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def decode(data: bytes, accepted: tuple[type[Any], ...]) -> Message:
+    """The message ``data`` holds, if it is a well-formed one of the ``accepted`` classes.
+
+    Raises :class:`ProtocolError` saying what is wrong: bytes that are no JSON object, a missing or
+    unknown tag, a tag the receiver does not accept, a missing field or one of the wrong type.
+    Fields not named by the message class are ignored (a newer peer may add some).
+    """
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # not JSON, an integer of 4,300+ digits, nesting too deep
+        raise ProtocolError(f"malformed message: {type(exc).__name__}: {_shown(str(exc))}") from None
+    if type(raw) is not dict or type(raw.get("t")) is not str:
+        raise ProtocolError("message is not an object with a type field 't'")
+    tag = raw["t"]
+    entry = _TABLE.get(tag)
+    if entry is None:
+        raise ProtocolError(f"unknown message type {_shown(tag)}")
+    if entry[0] not in accepted:
+        raise ProtocolError(f"a {tag!r} message is not one this peer may send")
+    cls, fields = entry
+    values: dict[str, Any] = {}
+    for f in fields:
+        if f.key in raw:
+            try:
+                values[f.attr] = f.check(raw[f.key])
+            except TypeError as exc:
+                raise ProtocolError(f"malformed {tag!r}: field {f.key!r}: {exc}") from None
+        elif f.required:
+            raise ProtocolError(f"malformed {tag!r}: field {f.key!r} is missing")
+    message: Message = cls(**values)
+    return message
+
+
+# ---------------------------------------------------------------- the channel
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
@@ -33,35 +369,36 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
 
 
 class Channel:
-    def __init__(self, sock: socket.socket) -> None:
+    """One end of the channel: sends any message, receives only those of ``accepts``.
+
+    The manager's end accepts :data:`WORKER_MESSAGES` (the default) and a worker's end
+    :data:`MANAGER_MESSAGES`.
+    """
+
+    def __init__(self, sock: socket.socket, accepts: tuple[type[Any], ...] = WORKER_MESSAGES) -> None:
         self.sock = sock
+        self.accepts = accepts
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode()
+    def send(self, message: Message) -> None:
+        data = encode(message)
         if len(data) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
         try:
             self.sock.send(data)
         except BlockingIOError:
-            raise ChannelFull(f"peer's buffer is full; dropped a {message.get('t')!r} message") from None
+            raise ChannelFull(f"peer's buffer is full; dropped a {message.TAG!r} message") from None
         except OSError as exc:
             raise ChannelClosed(str(exc)) from None
 
-    def _decode(self, data: bytes) -> dict[str, Any]:
+    def _decode(self, data: bytes) -> Message:
         if not data:
             raise ChannelClosed("peer closed the channel")
-        try:
-            message = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError(f"malformed message: {exc}") from None
-        if not isinstance(message, dict) or not isinstance(message.get("t"), str):
-            raise ProtocolError("message is not an object with a type field 't'")
-        return message
+        return decode(data, self.accepts)
 
-    def recv(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+    def recv(self, timeout_s: float | None = None) -> Message | None:
         """The next message; None if ``timeout_s`` passed first. Raises ChannelClosed at EOF."""
         self.sock.settimeout(timeout_s)
         try:
@@ -72,7 +409,7 @@ class Channel:
             raise ChannelClosed(str(exc)) from None
         return self._decode(data)
 
-    def recv_nowait(self) -> dict[str, Any] | None:
+    def recv_nowait(self) -> Message | None:
         try:
             data = self.sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
         except BlockingIOError:

@@ -209,6 +209,25 @@ class ChannelCloser(Counter):
         super().step()
 
 
+class ChannelWriter(Counter):
+    """In step ``at``, writes ``payload`` on its channel to the manager as one message, and waits there
+    (the manager kills it; its failure then names step ``at`` however late the manager reads)."""
+
+    def __init__(self, payload: str, at: int = 1, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.payload = payload.encode()
+        self.at = at
+
+    def step(self) -> None:
+        if self.count == self.at:
+            self.mark_fault()
+            fd = int(sys.argv[sys.argv.index("--fd") + 1])  # the worker's channel, as the manager passed it
+            os.write(fd, self.payload)
+            while True:
+                time.sleep(0.01)
+        super().step()
+
+
 class Spawner(Counter):
     """Starts a child process that sleeps; the child must die with the task."""
 

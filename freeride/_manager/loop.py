@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from freeride import _channel as W
+from freeride import _checkpoints
 from freeride._boards import WorkerBoard, read_step
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._cluster.placement import Capacity
@@ -568,9 +570,9 @@ class ManagerLoop:
                 return
             # The grant goes out before a frozen worker is thawed: its interrupted step then ends with
             # the new grant waiting, rather than with the old grant's ended word alone.
-            self._send(handle, {"t": "grant", "g": action.grant_id, "deadline_ns": action.deadline_ns,
-                                "margin_ns": action.margin_ns, "probe": action.probe, "rank": action.rank,
-                                "bubble_start_ns": action.bubble_start_ns, "trainer_ends": action.trainer_ends})
+            self._send(handle, W.Grant(action.grant_id, action.deadline_ns, action.margin_ns, probe=action.probe,
+                                       rank=action.rank, bubble_start_ns=action.bubble_start_ns,
+                                       trainer_ends=action.trainer_ends))
             if action.thaw:
                 self._signal(handle, signal.SIGCONT)
             if action.trainer_ends and handle.board is not None:
@@ -584,7 +586,7 @@ class ManagerLoop:
                         and action.end_received_ns:
                     with self._end_lock:
                         self.end_to_worker.record(self.now_ns() - action.end_received_ns)
-                self._send(handle, {"t": "park", "g": action.grant_id})
+                self._send(handle, W.Park(action.grant_id))
         elif isinstance(action, C.Freeze):
             handle = self._workers.get(action.task_id)
             if handle is not None:
@@ -598,7 +600,7 @@ class ManagerLoop:
         elif isinstance(action, C.Stop):
             handle = self._workers.get(action.task_id)
             if handle is not None:
-                self._send(handle, {"t": "stop", "checkpoint": action.checkpoint})
+                self._send(handle, W.Stop(action.checkpoint))
                 self._signal(handle, signal.SIGCONT)  # a frozen worker must run to obey
         elif isinstance(action, C.Kill):
             handle = self._workers.get(action.task_id)
@@ -629,7 +631,7 @@ class ManagerLoop:
             log.log(action.level, "[%s%s] %s", self.device, f" task={action.task_id}" if action.task_id else "",
                     action.message)
 
-    def _send(self, handle: WorkerHandle, message: dict[str, Any]) -> None:
+    def _send(self, handle: WorkerHandle, message: W.ManagerMessage) -> None:
         if handle.closed:
             return
         try:
@@ -638,7 +640,7 @@ class ManagerLoop:
             # The worker is busy (a long step or setup) or frozen: a grant or park it cannot read
             # now is stale by the time it could. The freeze timer and stop timeout still apply.
             self.messages_dropped += 1
-            log.debug("[%s task=%s] worker not reading; dropped %s", self.device, handle.task_id, message["t"])
+            log.debug("[%s task=%s] worker not reading; dropped %s", self.device, handle.task_id, message.TAG)
         except ChannelClosed:
             self._channel_eof(handle)
 
@@ -830,25 +832,23 @@ class ManagerLoop:
         self._selector.register(pidfd, selectors.EVENT_READ, ("exit", handle))
         self._selector.register(log_fd, selectors.EVENT_READ, ("log", handle))
         self.poller.watch(action.task_id, [proc.pid])
-        init: dict[str, Any] = {
-            "t": "init",
-            "task_id": action.task_id,
-            "target": spec.target,
-            "args": spec.args,
-            "command": list(spec.command),
-            "working_dir": spec.working_dir,
-            "device": str(self.device),
-            "memory_limit_bytes": action.memory_bytes,
-            "work_dir": str(task_dir / "work"),
-            "checkpoint_dir": str(checkpoint_dir),
-            "resume_path": action.resume_path,
-            "checkpoint_interval_s": spec.checkpoint_interval_s
-            or self.config.core.default_checkpoint_interval_s,
-            "step_time_hint_ms": spec.step_time_hint_ms,
-            "board_file": str(task_dir / "board") if board is not None else "",
-            "end_board": str(self.config.end_board_path or ""),
-            "admission": self.config.core.policy,
-        }
+        init = W.Init(
+            task_id=action.task_id,
+            target=spec.target,
+            args=spec.args,
+            command=spec.command,
+            working_dir=spec.working_dir,
+            device=str(self.device),
+            memory_limit_bytes=action.memory_bytes,
+            work_dir=str(task_dir / "work"),
+            checkpoint_dir=str(checkpoint_dir),
+            resume_path=action.resume_path,
+            checkpoint_interval_s=spec.checkpoint_interval_s or self.config.core.default_checkpoint_interval_s,
+            step_time_hint_ms=spec.step_time_hint_ms,
+            board_file=str(task_dir / "board") if board is not None else "",
+            end_board=str(self.config.end_board_path or ""),
+            admission=self.config.core.policy,
+        )
         try:
             handle.channel.send(init)
         except (ProtocolError, ChannelFull, ChannelClosed) as exc:
@@ -882,66 +882,57 @@ class ManagerLoop:
                 return
             try:
                 self._on_worker_message(handle, msg)
-            except (KeyError, TypeError, ValueError) as exc:
+            except ProtocolError as exc:
                 self._feed(C.WorkerFailed(handle.task_id, FailureRecord(
-                    kind="PROTOCOL", message=f"the worker sent a malformed {msg.get('t')!r}: {exc}",
+                    kind="PROTOCOL", message=f"the worker sent a malformed {msg.TAG!r}: {exc}",
                     step=self._board_step(handle.task_id), at_unix_s=time.time())))
                 self._signal(handle, signal.SIGKILL)
                 return
 
-    def _on_worker_message(self, handle: WorkerHandle, msg: dict[str, Any]) -> None:
-        kind = msg["t"]
+    def _on_worker_message(self, handle: WorkerHandle, msg: W.Message) -> None:
+        """Turn a decoded worker message into core events; ProtocolError for one that is not the worker's to send."""
         tid = handle.task_id
-        if kind == "parked":
+        if isinstance(msg, W.Parked):
             hot = self._hot
-            if hot is not None and hot.grant_id == int(msg["g"]):
+            if hot is not None and hot.grant_id == msg.grant_id:
                 self._hot = None  # its bubble is no longer held: an end for it times no worker
             if self._trace is not None:
                 # A worker of an older version sends no starts: its grant then has no spans.
-                starts = msg.get("starts_ns") or []
-                spans = [[int(s), int(s) + int(d)] for s, d in zip(starts, msg["durations_ns"], strict=False)]
-                self._trace.write("steps", task=tid, grant=int(msg["g"]), reason=str(msg["reason"]),
-                                  count=int(msg["steps"]), spans=spans)
+                spans = [[s, s + d] for s, d in zip(msg.starts_ns, msg.durations_ns, strict=False)]
+                self._trace.write("steps", task=tid, grant=msg.grant_id, reason=msg.reason, count=msg.steps,
+                                  spans=spans)
             self._feed(C.WorkerParked(
-                tid, int(msg["g"]), int(msg["steps"]), tuple(int(d) for d in msg["durations_ns"]),
-                int(msg["first_step_ns"]), int(msg["last_end_ns"]), int(msg["parked_ns"]), str(msg["reason"]),
-                float(msg["progress"]), int(msg["total_steps"]), int(msg.get("warmup_steps", 0)),
-                _byte_count(msg.get("device_bytes", 0)), int(msg.get("end_ns", 0))))
-        elif kind == "ready":
-            self._feed(C.WorkerReady(tid, int(msg["pid"]), str(msg.get("progress_unit", "steps")),
-                                     _byte_count(msg.get("context_bytes", 0)),
-                                     _byte_count(msg.get("baseline_bytes", 0)),
-                                     _byte_count(msg.get("host_baseline_bytes", 0))))
-        elif kind == "checkpoint":
-            path = str(msg["path"])
+                tid, msg.grant_id, msg.steps, msg.durations_ns, msg.first_step_ns, msg.last_end_ns, msg.parked_ns,
+                msg.reason, msg.progress, msg.total_steps, warmup_steps=msg.warmup_steps,
+                device_bytes=msg.device_bytes, seen_end_ns=msg.end_ns))
+        elif isinstance(msg, W.Ready):
+            self._feed(C.WorkerReady(tid, msg.pid, msg.progress_unit, msg.context_bytes, msg.baseline_bytes,
+                                     msg.host_baseline_bytes))
+        elif isinstance(msg, W.Checkpointed):
             home = self.checkpoint_dir(tid) if tid in self._cluster else self.task_dir(tid)
-            if not Path(path).resolve().is_relative_to(home.resolve()):
-                raise ValueError(f"checkpoint path {path!r} is outside the task's directory")
-            self._feed(C.WorkerCheckpointed(tid, int(msg["step"]), path, float(msg["progress"])))
-        elif kind == "finished":
-            self._feed(C.WorkerFinished(tid, int(msg["total_steps"]), float(msg["progress"])))
-        elif kind == "failed":
+            if not Path(msg.path).resolve().is_relative_to(home.resolve()):
+                raise ProtocolError(f"checkpoint path {msg.path!r} is outside the task's directory")
+            self._feed(C.WorkerCheckpointed(tid, msg.step, msg.path, msg.progress))
+        elif isinstance(msg, W.Finished):
+            self._feed(C.WorkerFinished(tid, msg.total_steps, msg.progress))
+        elif isinstance(msg, W.Failed):
             self._feed(C.WorkerFailed(tid, FailureRecord(
-                kind=str(msg["kind"]), message=str(msg["message"]), traceback=str(msg.get("traceback", "")),
-                step=int(msg.get("step", -1)), at_unix_s=time.time()),
-                tuple(int(d) for d in msg.get("durations_ns", ())), float(msg.get("progress", -1.0)),
-                int(msg.get("total_steps", -1))))
-        elif kind == "checkpoint_failed":
+                kind=msg.kind, message=msg.message, traceback=msg.traceback, step=msg.step, at_unix_s=time.time()),
+                msg.durations_ns, msg.progress, msg.total_steps))
+        elif isinstance(msg, W.CheckpointFailed):
             # The worker goes on and tries again later; the last acknowledged checkpoint stands.
-            log.warning("[%s task=%s] checkpoint at step %s not written: %s", self.device, tid, msg.get("step"),
-                        msg.get("error"))
-        elif kind == "bye":
+            log.warning("[%s task=%s] checkpoint at step %s not written: %s", self.device, tid, msg.step, msg.error)
+        elif isinstance(msg, W.Bye):
             handle.goodbye = True
-        elif kind == "pgroup":
-            pgid = int(msg["pgid"])
+        elif isinstance(msg, W.ProcessGroup):
             # The manager will SIGKILL this group: 0 or a negative number would make killpg name the
             # manager's own group or fail with EINVAL on the loop thread, and 1 is init's.
-            if pgid <= 1 or pgid == os.getpgrp():
-                raise ValueError(f"process group {pgid} is not one a command task could have made")
-            handle.extra_pgids.append(pgid)
+            if msg.pgid <= 1 or msg.pgid == os.getpgrp():
+                raise ProtocolError(f"process group {msg.pgid} is not one a command task could have made")
+            handle.extra_pgids.append(msg.pgid)
             self.poller.watch(tid, [handle.proc.pid, *handle.extra_pgids])
-        else:
-            raise ValueError(f"unknown message type {kind!r}")
+        else:  # the channel decodes only worker messages: a manager's own is no business of a worker
+            raise ProtocolError(f"a {msg.TAG!r} message is not one a worker may send")
 
     def _read_log(self, handle: WorkerHandle, chunks: int = 1) -> None:
         """Move up to ``chunks`` chunks of the worker's output from its pipe to its log (one per wake-up:
@@ -1137,8 +1128,6 @@ class ManagerLoop:
         The newest file wins over the record's checkpoint when it is newer: the last holder may have
         died between writing a file and the record catching up (as in a manager's own restart).
         """
-        from freeride._worker.runtime import checkpoint_files
-
         tid = claim.task_id
         if tid in self.core.tasks or tid in self._meta or not is_cluster_id(tid):
             # The same task twice (its earlier copy here is still on its way out; the agent avoids it):
@@ -1152,9 +1141,7 @@ class ManagerLoop:
         self._cluster.add(tid)
         ck_path, ck_step = claim.checkpoint_path, claim.checkpoint_step
         if self.config.checkpoint_root is not None:
-            newest = checkpoint_files(self.checkpoint_dir(tid))[:1]
-            if newest and _step_of(newest[0]) > ck_step:
-                ck_path, ck_step = str(newest[0]), _step_of(newest[0])
+            ck_path, ck_step = _checkpoints.newest(self.checkpoint_dir(tid), ck_path, ck_step)
         if ck_path and not Path(ck_path).resolve().is_relative_to(self.checkpoint_dir(tid).resolve()):
             ck_path = ""  # a path from another checkpoint root: the worker looks in its own directory
         now = time.time()
@@ -1268,8 +1255,6 @@ class ManagerLoop:
         newest checkpoint file in its directory when that is newer than the one recorded: files are
         written whole (fsync, rename), and the manager may have died before recording the newest.
         """
-        from freeride._worker.runtime import checkpoint_files
-
         # A cluster task is not in the store (Redis holds it; its lease runs out and it is placed again),
         # but what its workers spawned here dies all the same.
         tasks_dir = self.config.state_dir / "tasks"
@@ -1291,10 +1276,8 @@ class ManagerLoop:
                          stored.state.value)
                 self._durable(stored.task_id, "state", functools.partial(
                     self.store.set_state, stored.task_id, TaskState.SUBMITTED))
-            ck_path, ck_step = stored.checkpoint_path, stored.checkpoint_step
-            newest = checkpoint_files(self.task_dir(stored.task_id) / "checkpoints")[:1]
-            if newest and _step_of(newest[0]) > ck_step:
-                ck_path, ck_step = str(newest[0]), _step_of(newest[0])
+            ck_path, ck_step = _checkpoints.newest(self.task_dir(stored.task_id) / "checkpoints",
+                                                   stored.checkpoint_path, stored.checkpoint_step)
             self._apply(self.core.on_event(
                 C.TaskAdded(stored.task_id, stored.spec, stored.seq, ck_path, ck_step, max(stored.steps, ck_step),
                             stored.progress, restarts, int(stored.harvested_s * 1e9), stored.overruns),
@@ -1378,17 +1361,6 @@ def _chain(future: Future[Any], parked: int, checkpointed: Callable[[], int]) ->
     return inner
 
 
-def _byte_count(value: Any) -> int:
-    """A byte count from a worker: an int from 0 to 2**63-1 (ValueError, hence PROTOCOL, otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise ValueError(f"a byte count must be a non-negative integer, got {value!r}")
-    return value
-
-
 def _pct(values: Any) -> Percentiles:
     return Percentiles(*C.percentiles(values))
-
-
-def _step_of(checkpoint: Path) -> int:
-    return int(checkpoint.stem.split("-", 1)[1])
 

@@ -38,19 +38,35 @@ import contextlib
 import ctypes
 import logging
 import os
-import pickle
 import signal
 import socket
 import sys
 import time
 import traceback
-import zipfile
 from pathlib import Path
-from typing import Any
 
+from freeride import _checkpoints
 from freeride._boards import EndBoard, WorkerBoard
-from freeride._channel import Channel, ChannelClosed
-from freeride._manager.estimator import StepEstimator
+from freeride._channel import (
+    MANAGER_MESSAGES,
+    Bye,
+    Channel,
+    ChannelClosed,
+    Checkpointed,
+    CheckpointFailed,
+    Failed,
+    Finished,
+    Grant,
+    Init,
+    Park,
+    Parked,
+    ProcessGroup,
+    ProtocolError,
+    Ready,
+    Stop,
+)
+from freeride._estimator import StepEstimator
+from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.task import SideTask, TaskContext
 
@@ -59,7 +75,6 @@ log = logging.getLogger("freeride.worker")
 _PR_SET_PDEATHSIG = 1
 #: Step durations carried by one ``parked`` report (the estimator only needs recent ones).
 MAX_REPORTED_DURATIONS = 64
-CHECKPOINTS_KEPT = 2
 #: A checkpoint this many intervals overdue is written even if its estimated time fits no grant:
 #: one slow write (a loaded disk) would otherwise keep every later checkpoint out for good.
 CHECKPOINT_OVERDUE_INTERVALS = 2
@@ -100,128 +115,20 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def checkpoint_files(directory: Path) -> list[Path]:
-    """Checkpoint files in ``directory``, newest (highest step) first."""
-
-    def step_of(p: Path) -> int:
-        try:
-            return int(p.stem.split("-", 1)[1])
-        except (IndexError, ValueError):
-            return -1
-
-    files = [p for p in directory.glob("ckpt-*.pt") if step_of(p) >= 0]
-    return sorted(files, key=step_of, reverse=True)
-
-
-def _save_checkpoint(blob: dict[str, Any], fh: Any) -> None:
-    """torch.save when the task uses torch (its state may hold tensors), else plain pickle.
-
-    A task that never imported torch cannot hold tensors, and importing torch only to write a
-    checkpoint would cost it a second or more of CPU inside its bubbles.
-    """
-    if "torch" in sys.modules:
-        sys.modules["torch"].save(blob, fh)
-    else:
-        pickle.dump(blob, fh, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _load_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint's contents, every tensor on the CPU.
-
-    Always the CPU: the task's ``load_state_dict`` puts each tensor where it belongs. Loaded straight to
-    a GPU, RNG states (which must be CPU byte tensors) fail to load, so a training task would fail its
-    first resume on CUDA. The file is the task's own, in its private directory: as trusted as its code.
-    """
-    if zipfile.is_zipfile(path):
-        import torch
-
-        blob = torch.load(path, map_location="cpu", weights_only=False)
-    else:
-        with open(path, "rb") as fh:
-            blob = pickle.load(fh)
-    if not isinstance(blob, dict) or "state" not in blob:
-        raise ValueError("not a freeride checkpoint")
-    return blob
-
-
-#: The reference system's task loop (REFERENCE.md): a step runs only if the time left exceeds
-#: 1.2 x its median step time rounded up to 10 ms, and every step is followed by a 5 ms sleep.
-PAPER_ADMISSION_FACTOR = 1.2
-PAPER_ROUND_NS = 10_000_000
-PAPER_SLEEP_AFTER_STEP_S = 0.005
-
-
-def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
-    """The reference's admission rule; an unknown step time (the first step) always runs."""
-    if median_ns is None:
-        return remaining_ns > 0
-    rounded = -(-median_ns // PAPER_ROUND_NS) * PAPER_ROUND_NS
-    return remaining_ns > PAPER_ADMISSION_FACTOR * rounded
-
-
-class _ThawCounter:
-    """Counts the SIGCONTs this process receives and when the last came, to time frozen steps.
-
-    The manager freezes a worker whose step ran past a bubble's end (SIGSTOP) and thaws it with its
-    next grant (SIGCONT). Timed from start to end, such a step would also count the time it spent
-    frozen, often a whole compute phase: that one sample made the p95 estimate fit no bubble (the
-    task starved until a re-probe) and counted the trainer's compute as harvested time. The handler
-    only counts and stamps; Python runs it before the next Python-level call, so
-    :meth:`changed_since`, itself a call, always sees it.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.last_ns = 0
-
-    def install(self) -> None:
-        try:
-            signal.signal(signal.SIGCONT, self._on_cont)
-        except ValueError:  # not the main thread (an embedded runtime): frozen steps keep their wall time
-            pass
-
-    def _on_cont(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        self.last_ns = time.monotonic_ns()
-
-    def changed_since(self, count: int) -> bool:
-        return self.count != count
-
-    def running_ns(self, start_ns: int, end_ns: int, deadline_ns: int, cpu_ns: int) -> int:
-        """About how long a step that was frozen (once or more) between ``start_ns`` and ``end_ns`` ran.
-
-        The larger of the CPU time it used (exact for a compute-bound step on a CPU core, short of
-        its sleeps and waits otherwise) and what it ran before its grant's deadline (it was frozen
-        only after that) plus after the last thaw (short of any run between two freezes); never more
-        than its wall time. Either way it is at least the bubble time the step had, so a step that
-        fits no bubble still learns that it does not.
-        """
-        bounds = max(0, min(deadline_ns, end_ns) - start_ns) + max(0, end_ns - max(self.last_ns, start_ns))
-        return min(end_ns - start_ns, max(cpu_ns, bounds))
-
-
 class WorkerRuntime:
-    def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
+    def __init__(self, channel: Channel, init: Init) -> None:
         self.chan = channel
         self.init = init
-        self.task_id = str(init["task_id"])
-        self.limit = int(init["memory_limit_bytes"])
-        self.work_dir = Path(init["work_dir"])
-        self.checkpoint_dir = Path(init["checkpoint_dir"])
-        self.resume_path = str(init.get("resume_path") or "")
-        self.checkpoint_interval_ns = int(float(init.get("checkpoint_interval_s") or 30.0) * 1e9)
-        hint_ns = int(float(init.get("step_time_hint_ms") or 0.0) * 1e6)
+        self.task_id = init.task_id
+        self.limit = init.memory_limit_bytes
+        self.work_dir = Path(init.work_dir)
+        self.checkpoint_dir = Path(init.checkpoint_dir)
+        self.resume_path = init.resume_path
+        self.checkpoint_interval_ns = int((init.checkpoint_interval_s or 30.0) * 1e9)
+        hint_ns = int(init.step_time_hint_ms * 1e6)
         #: ``paper``: the reference system's rule (see :func:`paper_step_fits`) and its 5 ms sleep
         #: after every step, for the bench's side-by-side comparison; else this project's rule.
-        self.paper = init.get("admission") == "paper"
+        self.paper = init.admission == "paper"
         self.estimator = StepEstimator(hint_ns=hint_ns, quantile=0.5 if self.paper else 0.95)
         #: The first step of a process is a warm-up (lazy initialisation, first allocations, cold
         #: caches: a small LSTM's first step takes 25x its others on CPU). It counts as work but is no
@@ -229,7 +136,7 @@ class WorkerRuntime:
         #: and a task whose estimate fits no bubble waits for a re-probe (200 bubbles).
         self._warmup_pending = True
         self.checkpoint_estimator = StepEstimator(window=8, quantile=1.0)
-        self.device: WorkerDevice = worker_device(str(init["device"]))
+        self.device: WorkerDevice = worker_device(init.device)
         self.task: SideTask | None = None
         self.setup_done = False
         self.steps = 0
@@ -237,20 +144,20 @@ class WorkerRuntime:
         self.checkpointed_steps = -1
         #: The step and ended-grant words the manager shares with this worker (:mod:`freeride._boards`).
         self._board: WorkerBoard | None = None
-        if init.get("board_file"):
+        if init.board_file:
             try:
-                self._board = WorkerBoard.attach(Path(init["board_file"]))
+                self._board = WorkerBoard.attach(Path(init.board_file))
             except OSError as exc:  # ends then arrive by the channel only; a failure says less about the step
                 log.warning("[task=%s] no board (%s)", self.task_id, exc)
         #: Where the trainer writes its bubble ends, when it runs on this host as this user.
         self._end_board: EndBoard | None = None
-        if init.get("end_board"):
+        if init.end_board:
             try:
-                self._end_board = EndBoard.open(Path(init["end_board"]), writable=False)
+                self._end_board = EndBoard.open(Path(init.end_board), writable=False)
             except OSError as exc:
                 log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
                             self.task_id, exc)
-        self.thaws = _ThawCounter()
+        self.thaws = ThawCounter()
         self._grant_durations: list[int] = []
         self._steps_in_process = 0
 
@@ -263,32 +170,34 @@ class WorkerRuntime:
         except _TaskError as err:
             self._report_failure(err)
             return EXIT_SETUP_FAILED
-        self.chan.send({"t": "ready", "pid": os.getpid(), "progress_unit": self._progress_unit(),
-                        "context_bytes": self.device.context_bytes, "baseline_bytes": self.device.baseline_bytes(),
-                        "host_baseline_bytes": self.device.host_baseline_bytes()})
+        self.chan.send(Ready(pid=os.getpid(), progress_unit=self._progress_unit(),
+                             context_bytes=self.device.context_bytes, baseline_bytes=self.device.baseline_bytes(),
+                             host_baseline_bytes=self.device.host_baseline_bytes()))
         try:
             while True:
                 msg = self.chan.recv()
-                assert msg is not None
-                kind = msg["t"]
-                if kind == "grant":
+                if isinstance(msg, Grant):
                     if self._run_grant(msg):
                         return 0
-                elif kind == "stop":
-                    self._stop(bool(msg.get("checkpoint")))
+                elif isinstance(msg, Stop):
+                    self._stop(msg.checkpoint)
                     return 0
-                # a "park" outside a grant is stale: the grant already ended on its deadline
+                # a park outside a grant is stale: the grant already ended on its deadline
         except ChannelClosed:
             log.info("[task=%s] manager went away; exiting", self.task_id)
             self._close_task()
             return 0
+        except ProtocolError as exc:  # the manager's bug, not the task's: say so and stop
+            self._report_failure(_TaskError("PROTOCOL", "reading the manager's message", exc))
+            self._close_task()
+            return EXIT_FAILED
         except _TaskError as err:
             self._report_failure(err)
             self._close_task()
             return EXIT_FAILED
 
     def _prepare(self) -> None:
-        command = self.init.get("command") or []
+        command = self.init.command
         try:
             self.device.prepare(self.limit, command=bool(command))
         except WorkerSetupError as exc:  # the cap cannot hold the task's device context
@@ -298,7 +207,7 @@ class WorkerRuntime:
         try:
             self.work_dir.mkdir(parents=True, exist_ok=True)
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            args = dict(self.init.get("args") or {})
+            args = dict(self.init.args)
             if command:
                 from freeride.command import CommandTask
 
@@ -306,7 +215,7 @@ class WorkerRuntime:
             else:
                 from freeride._loading import load_task_class
 
-                cls = load_task_class(str(self.init["target"]), str(self.init.get("working_dir") or ""))
+                cls = load_task_class(self.init.target, self.init.working_dir)
                 self.task = cls(**args)
         except _TASK_ERRORS as exc:
             kind = "IMPORT" if type(exc).__name__ == "TaskLoadError" else "CONFIG"
@@ -340,21 +249,21 @@ class WorkerRuntime:
         return None
 
     @staticmethod
-    def _bubble_of(grant: dict[str, Any]) -> tuple[int, int] | None:
+    def _bubble_of(grant: Grant) -> tuple[int, int] | None:
         """(rank, start time) of a grant's bubble, when the grant follows the trainer's own ends."""
-        if not grant.get("trainer_ends"):
+        if not grant.trainer_ends:
             return None
-        return int(grant.get("rank", -1)), int(grant.get("bubble_start_ns", 0))
+        return grant.rank, grant.bubble_start_ns
 
-    def _run_grant(self, grant: dict[str, Any]) -> bool:
+    def _run_grant(self, grant: Grant) -> bool:
         """Step inside one grant (and any that supersede it); True when the task finished."""
         assert self.task is not None
-        grant_id = int(grant["g"])
-        deadline = int(grant["deadline_ns"])
-        margin = int(grant["margin_ns"])
+        grant_id = grant.grant_id
+        deadline = grant.deadline_ns
+        margin = grant.margin_ns
         bubble = self._bubble_of(grant)
         seen_end_ns = 0
-        if grant.get("probe"):
+        if grant.probe:
             # The manager suspects a stale estimate: forget it and run at least one step.
             self.estimator = StepEstimator(hint_ns=0)
         set_up_now = not self.setup_done
@@ -374,30 +283,29 @@ class WorkerRuntime:
             if self._done():
                 self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
                                   last_end_ns, "done", seen_end_ns)
-                self.chan.send({"t": "finished", "total_steps": self.steps, "progress": self._progress()})
+                self.chan.send(Finished(total_steps=self.steps, progress=self._progress()))
                 self._close_task()
                 return True
             msg = self.chan.recv_nowait()
             stop_now = False
             while msg is not None:
-                kind = msg["t"]
-                if kind == "park" and int(msg["g"]) == grant_id:
+                if isinstance(msg, Park) and msg.grant_id == grant_id:
                     reason = "park"
                     stop_now = True
-                elif kind == "grant":  # a newer grant supersedes this one (thawed after a freeze)
-                    grant_id = int(msg["g"])
-                    deadline = int(msg["deadline_ns"])
-                    margin = int(msg["margin_ns"])
+                elif isinstance(msg, Grant):  # a newer grant supersedes this one (thawed after a freeze)
+                    grant_id = msg.grant_id
+                    deadline = msg.deadline_ns
+                    margin = msg.margin_ns
                     bubble = self._bubble_of(msg)
                     reason = "deadline"
                     stop_now = False
                     # Steps of the earlier grant would be reported under this one: its latency
                     # (bubble start -> first step) is not measured (0 and 1 both mean "none").
                     first_step_ns = min(first_step_ns, 1)
-                elif kind == "stop":
+                elif isinstance(msg, Stop):
                     self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
                                       last_end_ns, "stop", seen_end_ns)
-                    self._stop(bool(msg.get("checkpoint")))
+                    self._stop(msg.checkpoint)
                     return True
                 msg = self.chan.recv_nowait()
             if stop_now:
@@ -482,28 +390,25 @@ class WorkerRuntime:
         end_ns: int = 0,
     ) -> None:
         self._grant_durations = []  # reported here: a later failure must not count them again
-        self.chan.send(
-            {
-                "t": "parked",
-                "g": grant_id,
-                "steps": count,
-                "durations_ns": durations,
-                "starts_ns": starts,
-                "warmup_steps": warmup_steps,  # leading durations that are no step-time samples
-                "first_step_ns": first if first > 1 else 0,
-                "last_end_ns": last,
-                "parked_ns": time.monotonic_ns(),
-                "reason": reason,
-                # "ended": the trainer's end of this bubble, read on the end board before the manager
-                # knew of it (the manager then neither parks nor backfills this bubble).
-                "end_ns": end_ns,
-                "progress": self._progress(),
-                "total_steps": self.steps,
-                # What the device holds for this worker, as the worker itself measures it: the manager's
-                # figure where NVML cannot see the worker's process (containers).
-                "device_bytes": self.device.used_bytes(),
-            }
-        )
+        self.chan.send(Parked(
+            grant_id=grant_id,
+            steps=count,
+            durations_ns=tuple(durations),
+            starts_ns=tuple(starts),
+            warmup_steps=warmup_steps,
+            first_step_ns=first if first > 1 else 0,
+            last_end_ns=last,
+            parked_ns=time.monotonic_ns(),
+            reason=reason,
+            # "ended": the trainer's end of this bubble, read on the end board before the manager
+            # knew of it (the manager then neither parks nor backfills this bubble).
+            end_ns=end_ns,
+            progress=self._progress(),
+            total_steps=self.steps,
+            # What the device holds for this worker, as the worker itself measures it: the manager's
+            # figure where NVML cannot see the worker's process (containers).
+            device_bytes=self.device.used_bytes(),
+        ))
 
     # ------------------------------------------------------------------ setup and checkpoints
 
@@ -526,7 +431,7 @@ class WorkerRuntime:
         proc = getattr(self.task, "proc", None)
         if proc is not None and type(self.task).__name__ == "CommandTask":
             # The command runs in its own process group: the manager freezes and kills it too.
-            self.chan.send({"t": "pgroup", "pgid": proc.pid})
+            self.chan.send(ProcessGroup(pgid=proc.pid))
         self._restore()
 
     def _restore(self) -> None:
@@ -535,13 +440,13 @@ class WorkerRuntime:
         candidates: list[Path] = []
         if self.resume_path:
             candidates.append(Path(self.resume_path))
-        candidates += [p for p in checkpoint_files(self.checkpoint_dir) if p not in candidates]
+        candidates += [p for p in _checkpoints.checkpoint_files(self.checkpoint_dir) if p not in candidates]
         if not candidates:
             return
         errors = []
         for path in candidates:
             try:
-                blob = _load_checkpoint(path)
+                blob = _checkpoints.load(path)
                 self.task.load_state_dict(blob["state"])
             except FileNotFoundError:
                 continue
@@ -577,34 +482,20 @@ class WorkerRuntime:
             state = self.task.state_dict()
         except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "state_dict()", exc) from exc
-        path = self.checkpoint_dir / f"ckpt-{self.steps}.pt"
-        tmp = path.with_suffix(".tmp")
         try:
-            with open(tmp, "wb") as fh:
-                _save_checkpoint({"format": 1, "task_id": self.task_id, "steps": self.steps, "state": state}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(self.checkpoint_dir)
-        except OSError as exc:
+            path = _checkpoints.write(self.checkpoint_dir, self.task_id, self.steps, state)
+        except _checkpoints.DiskRefused as exc:
             # The disk, not the task: full, read-only or failing. The previous checkpoint stands;
             # try again an interval from now rather than at every grant.
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             self.last_checkpoint_ns = time.monotonic_ns()
             log.warning("[task=%s] checkpoint at step %d not written: %s", self.task_id, self.steps, exc)
-            self.chan.send({"t": "checkpoint_failed", "step": self.steps, "error": str(exc)})
+            self.chan.send(CheckpointFailed(step=self.steps, error=str(exc)))
             return False
         except _TASK_ERRORS as exc:  # the state does not serialise (a lambda, a lock, an open file)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise _TaskError("CHECKPOINT", f"saving the checkpoint of step {self.steps}", exc) from exc
-        for old in checkpoint_files(self.checkpoint_dir)[CHECKPOINTS_KEPT:]:
-            with contextlib.suppress(OSError):
-                old.unlink(missing_ok=True)
         self.last_checkpoint_ns = time.monotonic_ns()
         self.checkpointed_steps = self.steps
-        self.chan.send({"t": "checkpoint", "step": self.steps, "path": str(path), "progress": self._progress()})
+        self.chan.send(Checkpointed(step=self.steps, path=str(path), progress=self._progress()))
         return True
 
     def _stop(self, checkpoint: bool) -> None:
@@ -628,18 +519,15 @@ class WorkerRuntime:
                 value = self.task.progress()
                 progress = float(self.steps if value is None else value)
         try:
-            self.chan.send(
-                {
-                    "t": "failed",
-                    "kind": err.kind,
-                    "message": str(err)[:2000],
-                    "traceback": err.tb[-8000:],
-                    "step": self.steps,
-                    "total_steps": self.steps,
-                    "progress": progress,
-                    "durations_ns": list(self._grant_durations),
-                }
-            )
+            self.chan.send(Failed(
+                kind=err.kind,
+                message=str(err)[:2000],
+                traceback=err.tb[-8000:],
+                step=self.steps,
+                total_steps=self.steps,
+                progress=progress,
+                durations_ns=tuple(self._grant_durations),
+            ))
         except ChannelClosed:
             pass
 
@@ -653,19 +541,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    channel = Channel(socket.socket(fileno=ns.fd))
+    channel = Channel(socket.socket(fileno=ns.fd), accepts=MANAGER_MESSAGES)
     try:
         init = channel.recv()
     except ChannelClosed:
         return 0
-    if init is None or init.get("t") != "init":
+    except ProtocolError as exc:
+        log.error("expected an init message: %s", exc)
+        return EXIT_SETUP_FAILED
+    if not isinstance(init, Init):
         log.error("expected an init message, got %r", init)
         return EXIT_SETUP_FAILED
     code = WorkerRuntime(channel, init).run()
     # Say goodbye so the manager reads the coming end-of-file as an exit, not as a worker that
     # dropped its channel; then skip interpreter teardown (torch's can take a second at nice 19).
     with contextlib.suppress(ChannelClosed):
-        channel.send({"t": "bye", "code": code})
+        channel.send(Bye(code=code))
     with contextlib.suppress(OSError):  # a full disk under worker.log must not change the exit code
         logging.shutdown()
         sys.stdout.flush()

@@ -76,6 +76,17 @@ FAULTS = [
     Fault("allocates-past-its-cap-in-step-2", "sample_tasks:MemoryHog", {"mib_per_step": 256, "hold_at": 2},
           kind="MEMORY_LIMIT", says="over its cap of 200 MiB", memory_mib=200, step=2),
     Fault("closes-its-channel", "sample_tasks:ChannelCloser", kind="PROTOCOL", says="closed its channel", step=1),
+    # Issue 22: a malformed worker message is a PROTOCOL failure of its task, never the loop's.
+    *(Fault(f"sends-{name}", "sample_tasks:ChannelWriter", {"payload": payload}, kind="PROTOCOL", says=says, step=1)
+      for name, payload, says in [
+          ("garbage", "not json {", "malformed message"),
+          # It took the loop down: the parser's RecursionError was not caught.
+          ("nesting-past-the-parsers-depth", "[" * 20_000, "RecursionError"),
+          ("a-wrong-type", '{"t":"checkpoint","step":"one","path":"x","progress":1.0}', "'step': expected an integer"),
+          ("a-message-without-a-field", '{"t":"finished","progress":1.0}', "'total_steps' is missing"),
+          ("an-unknown-message", '{"t":"reboot"}', "unknown message type 'reboot'"),
+          ("a-managers-message", '{"t":"grant","g":1,"deadline_ns":1,"margin_ns":0}', "not one this peer may send"),
+      ]),
     Fault("unserialisable-checkpoint", "sample_tasks:UnpicklableState", kind="CHECKPOINT", says="cannot pickle",
           spec={"checkpoint_interval_s": 0.05}),
     Fault("crashes-with-a-child-running", "sample_tasks:SpawnThenCrash", {"crash_at": 5}, kind="EXCEPTION",

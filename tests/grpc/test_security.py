@@ -22,6 +22,7 @@ import grpc
 import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
+from freeride._channel import Checkpointed, ProcessGroup, ProtocolError
 from freeride._manager import servicers
 from freeride._manager.daemon import Manager
 from freeride._wire import freeride_pb2 as pb
@@ -232,8 +233,8 @@ def test_checkpoint_records_outside_the_task_dir_are_protocol_violations(harness
     inside.mkdir(parents=True)
     (inside / "link").symlink_to("/etc")
     for path in ("/etc/passwd", str(inside / ".." / ".." / "other-2" / "ckpt"), str(inside / "link" / "passwd")):
-        msg = {"t": "checkpoint", "path": path, "step": 1, "progress": 1.0}
-        with pytest.raises(ValueError, match="outside the task's directory"):
+        msg = Checkpointed(path=path, step=1, progress=1.0)
+        with pytest.raises(ProtocolError, match="outside the task's directory"):
             loop._on_worker_message(handle, msg)
 
 
@@ -242,9 +243,9 @@ def test_worker_cannot_name_a_process_group_it_did_not_make(harness: ManagerHarn
     # The manager SIGKILLs a command task's group when its worker exits. Group 0 is the manager's
     # own; a negative one made killpg raise EINVAL on the loop thread, which ended the loop.
     handle = SimpleNamespace(task_id="counter-1", extra_pgids=[])
-    with pytest.raises(ValueError, match="process group"):
+    with pytest.raises(ProtocolError, match="process group"):
         loop_pgid = os.getpgrp() if pgid == "own" else pgid
-        harness.manager.loop._on_worker_message(handle, {"t": "pgroup", "pgid": loop_pgid})
+        harness.manager.loop._on_worker_message(handle, ProcessGroup(pgid=int(loop_pgid)))
     assert handle.extra_pgids == []
 
 

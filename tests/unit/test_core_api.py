@@ -77,7 +77,7 @@ def test_note_levels_are_the_logging_levels_the_loop_logs_them_at() -> None:
 
 #: What the core may import besides the standard library and itself (docs/architecture.md).
 CORE_MAY_IMPORT = {"freeride.states", "freeride.messages", "freeride.units", "freeride.errors",
-                   "freeride._manager.estimator"}
+                   "freeride._estimator"}
 
 
 def test_the_core_imports_only_the_standard_library_and_shared_leaves() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from freeride._manager.estimator import StepEstimator, percentiles
+from freeride._estimator import StepEstimator, percentiles
 
 
 def test_no_samples_and_no_hint_gives_no_estimate() -> None:

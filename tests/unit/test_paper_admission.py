@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freeride._worker.runtime import paper_step_fits
+from freeride._worker.timing import paper_step_fits
 
 MS = 1_000_000
 

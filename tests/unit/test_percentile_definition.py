@@ -15,7 +15,7 @@ import pytest
 
 from bench.bench_load import pct as load_pct
 from freeride import measure
-from freeride._manager.estimator import StepEstimator, percentiles
+from freeride._estimator import StepEstimator, percentiles
 from freeride._manager.histogram import LatencyHistogram, _bucket
 from freeride.standalone import percentile as standalone_percentile
 from freeride.training.predictor import BubblePredictor, summarize

@@ -11,9 +11,10 @@ import pytest
 from conftest import cpu_devices
 from sample_tasks import Counter, UnpicklableState
 
-from freeride._channel import Channel, socketpair
-from freeride._manager.estimator import StepEstimator
-from freeride._worker.runtime import CHECKPOINT_OVERDUE_INTERVALS, WorkerRuntime, _TaskError, checkpoint_files
+from freeride._channel import MANAGER_MESSAGES, Channel, Checkpointed, CheckpointFailed, Init, Message, socketpair
+from freeride._checkpoints import checkpoint_files
+from freeride._estimator import StepEstimator
+from freeride._worker.runtime import CHECKPOINT_OVERDUE_INTERVALS, WorkerRuntime, _TaskError
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
@@ -21,23 +22,23 @@ DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name c
 @pytest.fixture
 def manager_end() -> Iterator[tuple[Channel, Channel]]:
     ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs)
+    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
     yield manager, worker
     manager.close()
     worker.close()
 
 
 def runtime(worker: Channel, checkpoint_dir: Path, task: Any, interval_s: float = 30.0) -> WorkerRuntime:
-    rt = WorkerRuntime(worker, {
-        "task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(checkpoint_dir.parent / "work"),
-        "checkpoint_dir": str(checkpoint_dir), "device": DEVICE, "checkpoint_interval_s": interval_s,
-    })
+    rt = WorkerRuntime(worker, Init(
+        task_id="t-1", memory_limit_bytes=2**28, work_dir=str(checkpoint_dir.parent / "work"),
+        checkpoint_dir=str(checkpoint_dir), device=DEVICE, checkpoint_interval_s=interval_s,
+    ))
     rt.task = task
     rt.setup_done = True
     return rt
 
 
-def messages(manager: Channel) -> list[dict[str, Any]]:
+def messages(manager: Channel) -> list[Message]:
     out = []
     while (msg := manager.recv_nowait()) is not None:
         out.append(msg)
@@ -53,7 +54,7 @@ def test_checkpoint_the_disk_refuses_is_reported_and_retried_an_interval_later(
     rt.steps = 7
     assert rt._checkpoint() is False  # NotADirectoryError: as a full or read-only disk would refuse it
     [msg] = messages(manager)
-    assert msg["t"] == "checkpoint_failed" and msg["step"] == 7 and "Not a directory" in msg["error"]
+    assert isinstance(msg, CheckpointFailed) and msg.step == 7 and "Not a directory" in msg.error
     assert rt.checkpointed_steps == -1  # nothing acknowledged
     rt.steps = 8
     rt._maybe_checkpoint(deadline=time.monotonic_ns() + 10**9, margin=0)
@@ -93,5 +94,5 @@ def test_regression_overdue_checkpoint_is_written_although_its_estimate_fits_no_
     rt.last_checkpoint_ns = now - int(CHECKPOINT_OVERDUE_INTERVALS * 0.05e9) - 1
     rt._maybe_checkpoint(deadline=now + 20_000_000, margin=0)
     assert [p.name for p in checkpoint_files(checkpoints)] == ["ckpt-5.pt"]
-    assert [m["t"] for m in messages(manager)] == ["checkpoint"]
+    assert [type(m) for m in messages(manager)] == [Checkpointed]
     assert isinstance(rt.checkpoint_estimator, StepEstimator) and rt.checkpoint_estimator.count == 1

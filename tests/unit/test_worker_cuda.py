@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import wait_for
 
-from freeride._channel import Channel, socketpair
+from freeride._channel import MANAGER_MESSAGES, Channel, Failed, Grant, Init, Message, Parked, Ready, Stop, socketpair
 from freeride._worker.runtime import WorkerRuntime
 from freeride.devices import DeviceName, WorkerDevice, WorkerSetupError
 from freeride.task import SideTask, TaskContext
@@ -77,20 +77,22 @@ class Launcher(SideTask):
 @pytest.fixture
 def channels() -> Iterator[tuple[Channel, Channel]]:
     ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs)
+    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
     yield manager, worker
     manager.close()
     worker.close()
 
 
-def make_runtime(worker: Channel, tmp_path: Path, device: WorkerDevice) -> WorkerRuntime:
-    rt = WorkerRuntime(worker, {"task_id": "t-1", "memory_limit_bytes": 2**30, "work_dir": str(tmp_path / "work"),
-                                "checkpoint_dir": str(tmp_path / "ckpt"), "device": "cpu:0"})
+def make_runtime(worker: Channel, tmp_path: Path, device: WorkerDevice, target: str = "",
+                 working_dir: str = "") -> WorkerRuntime:
+    rt = WorkerRuntime(worker, Init(task_id="t-1", memory_limit_bytes=2**30, work_dir=str(tmp_path / "work"),
+                                    checkpoint_dir=str(tmp_path / "ckpt"), device="cpu:0", target=target,
+                                    working_dir=working_dir))
     rt.device = device
     return rt
 
 
-def drain(manager: Channel) -> list[dict[str, Any]]:
+def drain(manager: Channel) -> list[Message]:
     out = []
     while (msg := manager.recv_nowait()) is not None:
         out.append(msg)
@@ -104,38 +106,38 @@ def test_a_step_ends_when_the_device_has_done_its_work_not_when_its_kernels_are_
     device = FakeGpuWorkerDevice(queued_ns=3 * MS)
     rt = make_runtime(worker, tmp_path, device)
     rt.task, rt.setup_done = Launcher(), True
-    rt._run_grant({"t": "grant", "g": 1, "deadline_ns": time.monotonic_ns() + 60_000 * MS, "margin_ns": 0})
-    parked = next(m for m in drain(manager) if m["t"] == "parked")
-    assert parked["steps"] == 3 and len(device.synced_at) == 3
+    rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+    parked = next(m for m in drain(manager) if isinstance(m, Parked))
+    assert parked.steps == 3 and len(device.synced_at) == 3
     # Every step's measured end comes after the device finished it: its duration holds the device time.
-    for start, duration, synced in zip(parked["starts_ns"], parked["durations_ns"], device.synced_at, strict=True):
+    for start, duration, synced in zip(parked.starts_ns, parked.durations_ns, device.synced_at, strict=True):
         assert start + duration >= synced
-    assert parked["device_bytes"] == 700 * 2**20  # the worker's own measure, for the manager's watchdog
+    assert parked.device_bytes == 700 * 2**20  # the worker's own measure, for the manager's watchdog
 
 
 def test_a_cap_the_context_cannot_fit_in_fails_at_start_with_memory_limit(
     tmp_path: Path, channels: tuple[Channel, Channel]
 ) -> None:
     manager, worker = channels
-    rt = make_runtime(worker, tmp_path, FakeGpuWorkerDevice(refuse="the context takes 500 MiB: give at least 564 MiB"))
-    rt.init["target"] = "sample_tasks:Counter"
+    rt = make_runtime(worker, tmp_path, FakeGpuWorkerDevice(refuse="the context takes 500 MiB: give at least 564 MiB"),
+                      target="sample_tasks:Counter")
     assert rt.run() == 2
     [failed] = drain(manager)
-    assert failed["t"] == "failed" and failed["kind"] == "MEMORY_LIMIT" and "give at least 564 MiB" in failed["message"]
+    assert isinstance(failed, Failed) and failed.kind == "MEMORY_LIMIT" and "give at least 564 MiB" in failed.message
 
 
 def test_ready_says_how_large_the_context_is(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
     manager, worker = channels
     device = FakeGpuWorkerDevice()
-    rt = make_runtime(worker, tmp_path, device)
-    rt.init.update(target="sample_tasks:Counter", working_dir=str(Path(__file__).parents[1]))
+    rt = make_runtime(worker, tmp_path, device, target="sample_tasks:Counter",
+                      working_dir=str(Path(__file__).parents[1]))
     runner = threading.Thread(target=rt.run, daemon=True)
     runner.start()
     ready = wait_for(manager.recv_nowait, 30)
-    manager.send({"t": "stop", "checkpoint": False})
+    manager.send(Stop(checkpoint=False))
     runner.join(30)
     assert device.prepared_with == (2**30, False)
-    assert ready["t"] == "ready" and ready["context_bytes"] == 480 * 2**20  # type: ignore[index]
+    assert isinstance(ready, Ready) and ready.context_bytes == 480 * 2**20
 
 
 class RngTraining(SideTask):

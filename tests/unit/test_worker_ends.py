@@ -18,7 +18,7 @@ from conftest import cpu_devices
 from sample_tasks import Counter
 
 from freeride._boards import EndBoard, WorkerBoard
-from freeride._channel import Channel, socketpair
+from freeride._channel import MANAGER_MESSAGES, Channel, Grant, Init, Parked, socketpair
 from freeride._worker.runtime import WorkerRuntime
 
 DEVICE = cpu_devices(1)[0]
@@ -41,7 +41,7 @@ class CallsBack(Counter):
 @pytest.fixture
 def channels() -> Iterator[tuple[Channel, Channel]]:
     ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs)
+    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
     yield manager, worker
     manager.close()
     worker.close()
@@ -50,25 +50,25 @@ def channels() -> Iterator[tuple[Channel, Channel]]:
 def worker(tmp_path: Path, channel: Channel, task: Counter) -> tuple[WorkerRuntime, WorkerBoard, EndBoard]:
     board = WorkerBoard.create(tmp_path / "board")
     EndBoard.create(tmp_path / "ends")
-    rt = WorkerRuntime(channel, {
-        "task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(tmp_path / "work"),
-        "checkpoint_dir": str(tmp_path / "ckpt"), "device": DEVICE, "board_file": str(tmp_path / "board"),
-        "end_board": str(tmp_path / "ends"),
-    })
+    rt = WorkerRuntime(channel, Init(
+        task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
+        checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"),
+        end_board=str(tmp_path / "ends"),
+    ))
     rt.task = task
     rt.setup_done = True
     rt._warmup_pending = False
     return rt, board, EndBoard.open(tmp_path / "ends", writable=True)
 
 
-def grant(grant_id: int, start_ns: int, seconds: float = 5.0, trainer_ends: bool = True) -> dict[str, Any]:
-    return {"t": "grant", "g": grant_id, "deadline_ns": time.monotonic_ns() + int(seconds * S), "margin_ns": 0,
-            "rank": RANK, "bubble_start_ns": start_ns, "trainer_ends": trainer_ends}
+def grant(grant_id: int, start_ns: int, seconds: float = 5.0, trainer_ends: bool = True) -> Grant:
+    return Grant(grant_id, deadline_ns=time.monotonic_ns() + int(seconds * S), margin_ns=0, rank=RANK,
+                 bubble_start_ns=start_ns, trainer_ends=trainer_ends)
 
 
-def parked(manager: Channel) -> dict[str, Any]:
+def parked(manager: Channel) -> Parked:
     msg = manager.recv(timeout_s=5)
-    assert msg is not None and msg["t"] == "parked", msg
+    assert isinstance(msg, Parked), msg
     return msg
 
 
@@ -80,7 +80,7 @@ def test_the_managers_end_word_stops_the_next_step(tmp_path: Path, channels: tup
     assert rt._run_grant(grant(7, start_ns=100)) is False
     msg = parked(manager)
     # Step 3 learned of the end while it ran; no step began after it, and no park message was needed.
-    assert (msg["steps"], msg["reason"], msg["end_ns"]) == (4, "park", 1)
+    assert (msg.steps, msg.reason, msg.end_ns) == (4, "park", 1)
     assert board.step() == 3
 
 
@@ -97,7 +97,7 @@ def test_the_trainers_end_stops_the_next_step_and_is_reported(tmp_path: Path,
     box["ends"] = ends
     rt._run_grant(grant(7, start_ns=100))
     msg = parked(manager)
-    assert (msg["steps"], msg["reason"], msg["end_ns"]) == (3, "ended", 12345)
+    assert (msg.steps, msg.reason, msg.end_ns) == (3, "ended", 12345)
 
 
 def test_an_end_of_another_bubble_or_rank_stops_nothing(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
@@ -115,7 +115,7 @@ def test_an_end_of_another_bubble_or_rank_stops_nothing(tmp_path: Path, channels
     rt, board, ends = worker(tmp_path, channel, CallsBack(hook))
     box.update(ends=ends, board=board)
     rt._run_grant(grant(7, start_ns=100))
-    assert parked(manager)["steps"] == 5
+    assert parked(manager).steps == 5
 
 
 def test_a_grant_whose_bubble_already_ended_runs_no_step(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
@@ -124,7 +124,7 @@ def test_a_grant_whose_bubble_already_ended_runs_no_step(tmp_path: Path, channel
     ends.record_end(RANK, 100, 42)
     rt._run_grant(grant(7, start_ns=100))
     msg = parked(manager)
-    assert (msg["steps"], msg["reason"], msg["end_ns"]) == (0, "ended", 42)
+    assert (msg.steps, msg.reason, msg.end_ns) == (0, "ended", 42)
 
 
 def test_the_reference_policy_ignores_the_trainers_ends(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
@@ -134,4 +134,4 @@ def test_the_reference_policy_ignores_the_trainers_ends(tmp_path: Path, channels
     ends.record_end(RANK, 100, 42)
     rt._run_grant(grant(7, start_ns=100, seconds=0.02, trainer_ends=False))
     msg = parked(manager)
-    assert msg["reason"] == "deadline" and msg["steps"] > 0
+    assert msg.reason == "deadline" and msg.steps > 0

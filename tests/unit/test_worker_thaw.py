@@ -19,7 +19,9 @@ import pytest
 from conftest import cpu_devices
 
 from freeride._boards import WorkerBoard
-from freeride._worker.runtime import WorkerRuntime, _ThawCounter
+from freeride._channel import Grant, Init, Message, Parked
+from freeride._worker.runtime import WorkerRuntime
+from freeride._worker.timing import ThawCounter
 from freeride.task import SideTask, TaskContext
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
@@ -31,13 +33,13 @@ class _FakeChannel:
     """Records what the worker sends; hands it queued messages between steps."""
 
     def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self.inbox: list[dict[str, Any]] = []
+        self.sent: list[Message] = []
+        self.inbox: list[Message] = []
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: Message) -> None:
         self.sent.append(msg)
 
-    def recv_nowait(self) -> dict[str, Any] | None:
+    def recv_nowait(self) -> Message | None:
         return self.inbox.pop(0) if self.inbox else None
 
 
@@ -66,8 +68,8 @@ class _Steps(SideTask):
 @pytest.fixture
 def runtime(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel]]:
     chan = _FakeChannel()
-    init = {"task_id": "t-1", "memory_limit_bytes": 2**28, "work_dir": str(tmp_path / "work"),
-            "checkpoint_dir": str(tmp_path / "ckpt"), "device": DEVICE}  # fmt: skip
+    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
+                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE)
     rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
     previous = signal.getsignal(signal.SIGCONT)
     rt.thaws.install()
@@ -75,8 +77,8 @@ def runtime(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel]]:
     signal.signal(signal.SIGCONT, previous)
 
 
-def _grant(g: int) -> dict[str, Any]:
-    return {"t": "grant", "g": g, "deadline_ns": time.monotonic_ns() + 60_000 * MS, "margin_ns": 0}
+def _grant(g: int) -> Grant:
+    return Grant(g, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0)
 
 
 def test_a_frozen_step_counts_what_ran_before_its_deadline_and_after_the_thaw_not_the_frozen_time(
@@ -90,16 +92,16 @@ def test_a_frozen_step_counts_what_ran_before_its_deadline_and_after_the_thaw_no
 
     rt.task = _Steps(frozen_then_thawed)
     rt.setup_done = True
-    grant = {"t": "grant", "g": 1, "deadline_ns": time.monotonic_ns() + 150 * MS, "margin_ns": 0}
+    grant = Grant(1, deadline_ns=time.monotonic_ns() + 150 * MS, margin_ns=0)
     assert rt._run_grant(grant) is False  # the deadline passed: parked after the frozen step
-    parked = next(m for m in chan.sent if m["t"] == "parked")
-    assert parked["steps"] == 2 and parked["progress"] == 2.0
-    first, frozen = parked["durations_ns"]
+    parked = next(m for m in chan.sent if isinstance(m, Parked))
+    assert parked.steps == 2 and parked.progress == 2.0
+    first, frozen = parked.durations_ns
     assert frozen <= 150 * MS + 20 * MS, "the frozen time was counted"
-    assert frozen >= grant["deadline_ns"] - parked["starts_ns"][1] > 0, "less than the bubble time it had"
+    assert frozen >= grant.deadline_ns - parked.starts_ns[1] > 0, "less than the bubble time it had"
     estimate = rt.estimator.estimate_ns()
     assert estimate is not None and estimate < 200 * MS
-    assert parked["first_step_ns"] > 0  # the grant's first step was not the frozen one
+    assert parked.first_step_ns > 0  # the grant's first step was not the frozen one
 
 
 def test_a_step_frozen_after_an_early_bubble_end_is_bounded_by_that_end_not_the_predicted_deadline(
@@ -122,16 +124,16 @@ def test_a_step_frozen_after_an_early_bubble_end_is_bounded_by_that_end_not_the_
     rt.task = _Steps(ended_early_then_frozen_then_thawed)
     rt.setup_done = True
     deadline = time.monotonic_ns() + 60_000 * MS  # predicted: far beyond the real end
-    assert rt._run_grant({"t": "grant", "g": 1, "deadline_ns": deadline, "margin_ns": 0}) is False
-    parked = next(m for m in chan.sent if m["t"] == "parked")
-    assert parked["steps"] == 2 and parked["reason"] == "park"
-    frozen = parked["durations_ns"][1]
-    ran_before_end = ended["at"] - parked["starts_ns"][1]
+    assert rt._run_grant(Grant(1, deadline_ns=deadline, margin_ns=0)) is False
+    parked = next(m for m in chan.sent if isinstance(m, Parked))
+    assert parked.steps == 2 and parked.reason == "park"
+    frozen = parked.durations_ns[1]
+    ran_before_end = ended["at"] - parked.starts_ns[1]
     assert ran_before_end <= frozen < ran_before_end + 100 * MS, "the frozen time was counted as step time"
 
 
 def test_running_time_of_a_frozen_step_is_its_cpu_time_or_its_runs_around_the_freezes_whichever_is_more() -> None:
-    thaws = _ThawCounter()
+    thaws = ThawCounter()
     thaws.last_ns = 900  # the last thaw; a run between two freezes (say 400-500) is missed by the bounds
     assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=0) == 100 + 100
     assert thaws.running_ns(start_ns=0, end_ns=1000, deadline_ns=100, cpu_ns=300) == 300  # compute-bound
@@ -147,9 +149,9 @@ def test_steps_reported_under_a_superseding_grant_do_not_measure_its_latency(
     rt, chan = runtime
     rt.task = _Steps(lambda: chan.inbox.append(_grant(2)))  # thawed: the manager's next grant is queued
     rt._run_grant(_grant(1))
-    parked = next(m for m in chan.sent if m["t"] == "parked")
-    assert parked["g"] == 2
-    assert parked["first_step_ns"] == 0  # "not measured", not a time from grant 1's bubble
+    parked = next(m for m in chan.sent if isinstance(m, Parked))
+    assert parked.grant_id == 2
+    assert parked.first_step_ns == 0  # "not measured", not a time from grant 1's bubble
 
 
 def test_an_unfrozen_grant_still_reports_every_duration_and_its_first_step(
@@ -160,6 +162,6 @@ def test_an_unfrozen_grant_still_reports_every_duration_and_its_first_step(
     rt.setup_done = True
     before = time.monotonic_ns()
     rt._run_grant(_grant(1))
-    parked = next(m for m in chan.sent if m["t"] == "parked")
-    assert len(parked["durations_ns"]) == 3
-    assert parked["first_step_ns"] >= before
+    parked = next(m for m in chan.sent if isinstance(m, Parked))
+    assert len(parked.durations_ns) == 3
+    assert parked.first_step_ns >= before

@@ -5,6 +5,7 @@ composed of the parts its docstring lists (docs/architecture.md, "The core and t
 re-exported here so that ``from freeride._manager import core as C; C.Grant`` works.
 """
 
+from freeride._estimator import percentiles
 from freeride._manager.core.api import (
     MS,
     POLICIES,
@@ -45,7 +46,6 @@ from freeride._manager.core.api import (
 )
 from freeride._manager.core.scheduler import SchedulerCore
 from freeride._manager.core.tasks import TaskRuntime
-from freeride._manager.estimator import percentiles
 
 __all__ = [
     "MS",

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from freeride._estimator import percentiles
 from freeride._manager.core.machines import BUBBLE, BubblePhase
-from freeride._manager.estimator import percentiles
 from freeride.messages import BubbleSlotStats, BubbleStart, Percentiles
 
 MS = 1_000_000

@@ -30,6 +30,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from freeride._estimator import StepEstimator
 from freeride._manager.core import explain
 from freeride._manager.core.api import (
     Action,
@@ -68,7 +69,6 @@ from freeride._manager.core.overruns import Overruns
 from freeride._manager.core.policy import make_policy
 from freeride._manager.core.stopping import Stopping
 from freeride._manager.core.tasks import TaskRuntime, Tasks
-from freeride._manager.estimator import StepEstimator
 from freeride.messages import BubbleSlotStats, TrainerLayout
 from freeride.states import TaskState
 

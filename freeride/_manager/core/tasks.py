@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from freeride._estimator import StepEstimator
 from freeride._manager.core.api import Action, StateChanged, TaskAdded
 from freeride._manager.core.machines import STOP, StopPhase
 from freeride._manager.core.steps import StepHealth
-from freeride._manager.estimator import StepEstimator
 from freeride.messages import FailureRecord, TaskSpec
 from freeride.states import TaskState, check_transition
 

@@ -1,4 +1,4 @@
-"""Online step-time estimation shared by the worker (admission) and the core (placement)."""
+"""Online step-time estimation, shared by the worker (admission) and the manager's core (placement)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,65 @@
+"""How a worker times its steps and admits the next one: the reference system's admission rule
+(for the bench's side-by-side comparison) and the timing of a step that was frozen and thawed."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+#: The reference system's task loop (REFERENCE.md): a step runs only if the time left exceeds
+#: 1.2 x its median step time rounded up to 10 ms, and every step is followed by a 5 ms sleep.
+PAPER_ADMISSION_FACTOR = 1.2
+PAPER_ROUND_NS = 10_000_000
+PAPER_SLEEP_AFTER_STEP_S = 0.005
+
+
+def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
+    """The reference's admission rule; an unknown step time (the first step) always runs."""
+    if median_ns is None:
+        return remaining_ns > 0
+    rounded = -(-median_ns // PAPER_ROUND_NS) * PAPER_ROUND_NS
+    return remaining_ns > PAPER_ADMISSION_FACTOR * rounded
+
+
+class ThawCounter:
+    """Counts the SIGCONTs this process receives and when the last came, to time frozen steps.
+
+    The manager freezes a worker whose step ran past a bubble's end (SIGSTOP) and thaws it with its
+    next grant (SIGCONT). Timed from start to end, such a step would also count the time it spent
+    frozen, often a whole compute phase: that one sample made the p95 estimate fit no bubble (the
+    task starved until a re-probe) and counted the trainer's compute as harvested time. The handler
+    only counts and stamps; Python runs it before the next Python-level call, so
+    :meth:`changed_since`, itself a call, always sees it.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last_ns = 0
+
+    def install(self) -> None:
+        try:
+            signal.signal(signal.SIGCONT, self._on_cont)
+        except ValueError:  # not the main thread (an embedded runtime): frozen steps keep their wall time
+            pass
+
+    def _on_cont(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        self.last_ns = time.monotonic_ns()
+
+    def changed_since(self, count: int) -> bool:
+        return self.count != count
+
+    def running_ns(self, start_ns: int, end_ns: int, deadline_ns: int, cpu_ns: int) -> int:
+        """About how long a step that was frozen (once or more) between ``start_ns`` and ``end_ns`` ran.
+
+        The larger of the CPU time it used (exact for a compute-bound step on a CPU core, short of
+        its sleeps and waits otherwise) and what it ran before its grant's deadline (it was frozen
+        only after that) plus after the last thaw (short of any run between two freezes); never more
+        than its wall time. Either way it is at least the bubble time the step had, so a step that
+        fits no bubble still learns that it does not.
+        """
+        bounds = max(0, min(deadline_ns, end_ns) - start_ns) + max(0, end_ns - max(self.last_ns, start_ns))
+        return min(end_ns - start_ns, max(cpu_ns, bounds))
+
+
