@@ -41,7 +41,7 @@ from bench.machine import machine_info
 from freeride._cluster.placement import Capacity, ranked
 from freeride._cluster.redis_queue import RedisQueue
 from freeride._cluster.url import parse_queue_url
-from freeride._manager.validation import Submission
+from freeride._validation import Submission
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
 from freeride.errors import FreerideError

@@ -240,26 +240,99 @@ class FailureRecord:
 
 
 @dataclass(frozen=True)
-class TaskInfo:
-    """A task as the manager reports it."""
+class TaskProgress:
+    """A task's figures: the one record embedded wherever they travel.
+
+    The manager reports them (:class:`TaskInfo`), its store keeps them (:class:`TaskRecord`), and a
+    cluster task carries them from one holder to the next (its queue record). ``progress`` is the
+    task's own measure of its work, in ``progress_unit``; ``steps`` counts steps over every run;
+    ``harvested_s`` is the time its steps ran inside grants; ``step_p95_ms`` is its step-time
+    estimate (0: none yet; the local store does not keep it: a restarted manager learns it again).
+    """
+
+    steps: int = 0
+    progress: float = 0.0
+    progress_unit: str = "steps"
+    harvested_s: float = 0.0
+    overruns: int = 0
+    restarts: int = 0
+    checkpoint_step: int = -1  # -1: none
+    step_p95_ms: float = 0.0
+
+
+class ShowsProgress:
+    """Reads a record's embedded :class:`TaskProgress` (``figures``) as if its figures were its own."""
+
+    figures: TaskProgress
+
+    @property
+    def steps(self) -> int:
+        return self.figures.steps
+
+    @property
+    def progress(self) -> float:
+        return self.figures.progress
+
+    @property
+    def progress_unit(self) -> str:
+        return self.figures.progress_unit
+
+    @property
+    def harvested_s(self) -> float:
+        return self.figures.harvested_s
+
+    @property
+    def overruns(self) -> int:
+        return self.figures.overruns
+
+    @property
+    def restarts(self) -> int:
+        return self.figures.restarts
+
+    @property
+    def checkpoint_step(self) -> int:
+        return self.figures.checkpoint_step
+
+    @property
+    def step_p95_ms(self) -> float:
+        return self.figures.step_p95_ms
+
+
+@dataclass(frozen=True)
+class TaskRecord(ShowsProgress):
+    """One task as it is kept and handed on: the manager's store, and a cluster task between the
+    queue agent and the loop (claimed, held, left, ended).
+
+    ``state`` is a :class:`~freeride.states.TaskState` value, or a cluster record's own (``CLAIMED``
+    when claimed, ``EVICTED`` when it left a device); ``checkpoint_path`` is the checkpoint of
+    ``figures.checkpoint_step`` ("" for none).
+    """
 
     task_id: str
     spec: TaskSpec
     state: str
-    steps: int = 0
-    progress: float = 0.0
-    progress_unit: str = "steps"
+    figures: TaskProgress = field(default_factory=TaskProgress)
+    checkpoint_path: str = ""
+    failure: FailureRecord | None = None
+    seq: int = 0
+    submitted_unix_s: float = 0.0
+    updated_unix_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TaskInfo(ShowsProgress):
+    """A task as the manager reports it: its figures, and what only a live manager knows."""
+
+    task_id: str
+    spec: TaskSpec
+    state: str
+    figures: TaskProgress = field(default_factory=TaskProgress)
     step_p50_ms: float = 0.0
-    step_p95_ms: float = 0.0
-    harvested_s: float = 0.0
-    overruns: int = 0
-    checkpoint_step: int = -1
     waiting_reason: str = ""
     submitted_unix_s: float = 0.0
     updated_unix_s: float = 0.0
     failure: FailureRecord | None = None
     pid: int = 0
-    restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
     freeride cancel ID --queue URL
 
 A submission is validated here exactly as a manager's ``Submit`` validates it
-(:func:`freeride._manager.validation.validate_spec`), then put on the queue's stream; the managers
+(:func:`freeride._validation.validate_spec`), then put on the queue's stream; the managers
 that joined the queue place it. ``ls`` shows every task of the cluster with the device holding it,
 its state and progress. Exit codes: 2 for a malformed URL or a rejected submission, 3 when the
 queue's Redis cannot be reached, 4 for an unknown task, 5 for refused credentials.
@@ -24,7 +24,7 @@ from typing import Any
 from freeride._cluster import require_client
 from freeride._cluster.records import ClusterRecord
 from freeride._cluster.url import parse_queue_url
-from freeride._manager.validation import submission_of, validate_spec
+from freeride._validation import submission_of, validate_spec
 from freeride.errors import TaskNotFound
 from freeride.messages import TaskSpec
 from freeride.units import format_size

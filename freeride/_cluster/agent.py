@@ -49,18 +49,20 @@ from typing import Any, Protocol
 
 from freeride._cluster import placement, require_client
 from freeride._cluster.records import (
+    CLAIMED,
+    CancelTask,
     ClaimedTask,
     ClusterRecord,
+    GetQueueView,
     QueueNote,
     QueueView,
-    TaskStatus,
+    ReleaseTask,
     status_fields,
 )
 from freeride._cluster.url import QueueURL, parse_queue_url
-from freeride._manager import core as C
-from freeride._manager.validation import validate_submission
+from freeride._validation import validate_submission
 from freeride.errors import ConfigError, FreerideError, ManagerUnavailable, RequestRejected, Unauthenticated
-from freeride.messages import FailureRecord
+from freeride.messages import FailureRecord, TaskRecord, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,11 @@ class QueueConfig:
 
 
 class LoopPort(Protocol):
-    """What the agent needs of the manager loop (``ManagerLoop`` provides it; tests may fake it)."""
+    """What the agent needs of the manager loop (``ManagerLoop`` provides it; tests may fake it).
+
+    The agent posts :class:`ClaimedTask`, :class:`ReleaseTask` and :class:`CancelTask`, asks
+    :class:`GetQueueView`, and is told what its tasks did through ``queue_notes``.
+    """
 
     queue_notes: Callable[[QueueNote], None] | None
 
@@ -270,8 +276,6 @@ class QueueAgent:
                 break
 
     def _view(self) -> QueueView | None:
-        from freeride._manager.loop import GetQueueView
-
         future = self.loop.call_async(GetQueueView())
         deadline = time.monotonic() + 1.0
         try:
@@ -293,13 +297,13 @@ class QueueAgent:
     def _write_notes(self) -> None:
         while self._notes:
             note = self._notes.popleft()
-            self._pending[note.status.task_id] = note
+            self._pending[note.record.task_id] = note
         for task_id, note in list(self._pending.items()):
             held = self._held.get(task_id)
             if held is not None and note.kind != "lost":
-                fields = status_fields(note.status, time.time())
+                fields = status_fields(note.record, time.time())
                 if note.kind == "ended":
-                    fields["reason"] = note.reason or note.status.state.lower()
+                    fields["reason"] = note.reason or note.record.state.lower()
                     self._queue.finish(self.me, held, fields)
                     self.counters["ended"] += 1
                 else:
@@ -317,13 +321,13 @@ class QueueAgent:
 
     def _write_progress(self, view: QueueView) -> None:
         writes = []
-        for status in view.tasks:
-            held = self._held.get(status.task_id)
-            if held is None or status.task_id in self._leaving or status.task_id in self._pending:
+        for task in view.tasks:
+            held = self._held.get(task.task_id)
+            if held is None or task.task_id in self._leaving or task.task_id in self._pending:
                 continue
-            fields = status_fields(status, time.time())
+            fields = status_fields(task, time.time())
             compare = {k: v for k, v in fields.items() if k != "updated_unix"}
-            if self._written.get(status.task_id) != compare:
+            if self._written.get(task.task_id) != compare:
                 writes.append((held, fields, compare))
         if not writes:
             return
@@ -341,7 +345,7 @@ class QueueAgent:
             self._lost(task_id)
         for task_id in cancelled:
             log.info("[%s task=%s] cancelled through the queue", self.where, task_id)
-            self.loop.post(C.CancelRequested(task_id))
+            self.loop.post(CancelTask(task_id))
 
     def _lost(self, task_id: str) -> None:
         if task_id in self._leaving:
@@ -351,7 +355,7 @@ class QueueAgent:
                     "the copy here without a checkpoint", self.where, task_id)
         self._leaving.add(task_id)
         self._held.pop(task_id, None)
-        self.loop.post(C.ReleaseRequested(task_id, "lease lost to another manager", checkpoint=False))
+        self.loop.post(ReleaseTask(task_id, "lease lost to another manager", checkpoint=False))
 
     def _hand_back_waiting(self, view: QueueView, now: float) -> None:
         waiting = {s.task_id for s in view.tasks if s.state == "SUBMITTED"}
@@ -366,7 +370,7 @@ class QueueAgent:
                 log.info("[%s task=%s] still waiting for memory after %.0f ms: handing it back", self.where,
                          task_id, self.config.hold_ms)
                 self._leaving.add(task_id)
-                self.loop.post(C.ReleaseRequested(task_id, "waited for memory here", checkpoint=True))
+                self.loop.post(ReleaseTask(task_id, "waited for memory here", checkpoint=True))
 
     def _claim_one(self, view: QueueView) -> bool:
         """Claim one task this manager can place; True if it did (worth looking again)."""
@@ -405,15 +409,13 @@ class QueueAgent:
         except RequestRejected as exc:
             failure = FailureRecord(kind="INVALID", message=f"the queued spec does not validate: {exc}",
                                     at_unix_s=time.time())
-            status = TaskStatus(record.task_id, "FAILED", record.steps, record.progress, record.progress_unit,
-                                record.checkpoint_step, record.checkpoint_path, record.restarts, record.step_p95_ms,
-                                record.harvested_s, failure)
-            self._pending[record.task_id] = QueueNote("ended", status, "invalid spec")
+            # No spec validated: the record keeps the name only (the queue writes state, figures and failure).
+            failed = TaskRecord(record.task_id, spec=TaskSpec(name=record.name), state="FAILED", figures=record.figures,
+                                checkpoint_path=record.checkpoint_path, failure=failure, seq=record.seq)
+            self._pending[record.task_id] = QueueNote("ended", failed, "invalid spec")
             return None
         spec = dataclasses.replace(spec, working_dir=sub.working_dir)
-        return ClaimedTask(
-            task_id=record.task_id, spec=spec, seq=record.seq, steps=record.steps, progress=record.progress,
-            progress_unit=record.progress_unit, checkpoint_step=record.checkpoint_step,
-            checkpoint_path=record.checkpoint_path, restarts=record.restarts, step_p95_ms=record.step_p95_ms,
-            submitted_unix=record.submitted_unix,
-        )
+        return ClaimedTask(TaskRecord(
+            task_id=record.task_id, spec=spec, state=CLAIMED, figures=record.figures,
+            checkpoint_path=record.checkpoint_path, seq=record.seq, submitted_unix_s=record.submitted_unix,
+        ))

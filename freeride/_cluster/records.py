@@ -1,11 +1,16 @@
 """A task's cluster record as plain data, and what a manager's loop and its queue agent tell each other.
 
+The agent never imports the manager: the messages between them are defined here (the loop's
+cluster bridge turns them into core events), and a cluster task travels between them as a
+:class:`~freeride.messages.TaskRecord`, its figures as the :class:`~freeride.messages.TaskProgress`
+every other record embeds.
+
 The record lives in one Redis hash per task (:mod:`freeride._cluster.redis_queue` names the keys);
 here it is a frozen dataclass, and :func:`record_from_fields` / :func:`new_task_fields` /
 :func:`status_fields` are the codec to and from the hash's string fields. Decoding is lenient: a
 listing must show every task even when one record was written by another version or by hand, so a
 field that does not parse takes its default. The submission is kept as it travelled
-(:class:`~freeride._manager.validation.Submission`, arguments as JSON text): a manager validates
+(:class:`~freeride._validation.Submission`, arguments as JSON text): a manager validates
 it, with the same function as ``Submit``, when it claims the task.
 
 Record states: ``QUEUED`` (in the queue, nobody holds it), ``CLAIMED`` (a manager took it and is
@@ -21,9 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freeride._cluster.placement import Capacity
-from freeride._manager.store import slug
-from freeride._manager.validation import Submission
-from freeride.messages import FailureRecord, TaskSpec
+from freeride._validation import Submission, slug
+from freeride.messages import FailureRecord, ShowsProgress, TaskProgress, TaskRecord
 
 QUEUED = "QUEUED"
 CLAIMED = "CLAIMED"
@@ -85,8 +89,9 @@ def decode_submission(text: str) -> Submission:
 
 
 @dataclass(frozen=True)
-class ClusterRecord:
-    """One task of the cluster, as its hash says."""
+class ClusterRecord(ShowsProgress):
+    """One task of the cluster, as its hash says. Its submission is kept as it travelled: a manager
+    validates it when it claims the task."""
 
     task_id: str
     submission: Submission
@@ -96,14 +101,8 @@ class ClusterRecord:
     device: str = ""  # "node/device" of the holding manager
     epoch: int = 0  # claims so far: a fencing token, every write of a holder carries it
     entry: str = ""  # the task's stream entry
-    steps: int = 0
-    progress: float = 0.0
-    progress_unit: str = "steps"
-    checkpoint_step: int = -1
+    figures: TaskProgress = field(default_factory=TaskProgress)
     checkpoint_path: str = ""
-    restarts: int = 0
-    step_p95_ms: float = 0.0
-    harvested_s: float = 0.0
     failure: FailureRecord | None = None
     reason: str = ""  # why it last moved (claimed, lease expired, evicted, ...)
     submitted_unix: float = 0.0
@@ -150,14 +149,16 @@ def record_from_fields(task_id: str, fields: dict[str, str]) -> ClusterRecord:
         device=fields.get("device", ""),
         epoch=_num(fields, "epoch", int, 0),
         entry=fields.get("entry", ""),
-        steps=_num(fields, "steps", int, 0),
-        progress=_num(fields, "progress", float, 0.0),
-        progress_unit=fields.get("progress_unit", "steps") or "steps",
-        checkpoint_step=_num(fields, "checkpoint_step", int, -1),
+        figures=TaskProgress(
+            steps=_num(fields, "steps", int, 0),
+            progress=_num(fields, "progress", float, 0.0),
+            progress_unit=fields.get("progress_unit", "steps") or "steps",
+            checkpoint_step=_num(fields, "checkpoint_step", int, -1),
+            restarts=_num(fields, "restarts", int, 0),
+            step_p95_ms=_num(fields, "step_p95_ms", float, 0.0),
+            harvested_s=_num(fields, "harvested_s", float, 0.0),
+        ),
         checkpoint_path=fields.get("checkpoint_path", ""),
-        restarts=_num(fields, "restarts", int, 0),
-        step_p95_ms=_num(fields, "step_p95_ms", float, 0.0),
-        harvested_s=_num(fields, "harvested_s", float, 0.0),
         failure=failure,
         reason=fields.get("reason", ""),
         submitted_unix=_num(fields, "submitted_unix", float, 0.0),
@@ -197,51 +198,52 @@ def new_task_fields(sub: Submission, now_unix: float) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ClaimedTask:
-    """A task this manager claimed from the queue: the agent posts it to the loop, which adds it."""
+    """The agent claimed this task from the queue (posted to the loop, which adds it): its spec validated,
+    its figures and checkpoint as its last holder left them, ``state`` ``CLAIMED``."""
 
-    task_id: str
-    spec: TaskSpec
-    seq: int
-    steps: int = 0
-    progress: float = 0.0
-    progress_unit: str = "steps"
-    checkpoint_step: int = -1
-    checkpoint_path: str = ""
-    restarts: int = 0
-    step_p95_ms: float = 0.0
-    submitted_unix: float = 0.0
+    record: TaskRecord
+
+    @property
+    def task_id(self) -> str:
+        return self.record.task_id
 
 
 @dataclass(frozen=True)
-class TaskStatus:
-    """A cluster task as its holding manager sees it now."""
+class ReleaseTask:
+    """The agent asks the loop to let a cluster task go: hand it back with a checkpoint (it waited here
+    for memory too long), or, without one, kill the copy here (its lease was lost to another manager)."""
 
     task_id: str
-    state: str
-    steps: int
-    progress: float
-    progress_unit: str
-    checkpoint_step: int
-    checkpoint_path: str
-    restarts: int
-    step_p95_ms: float
-    harvested_s: float
-    failure: FailureRecord | None = None
+    reason: str
+    checkpoint: bool = True
 
 
-def status_fields(status: TaskStatus, now_unix: float) -> dict[str, str]:
-    """The hash fields a holder writes for ``status``."""
+@dataclass(frozen=True)
+class CancelTask:
+    """A user cancelled a cluster task through the queue (``freeride cancel --queue``)."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
+class GetQueueView:
+    """The agent's question to the loop at each poll (``call_async``): answered with a :class:`QueueView`."""
+
+
+def status_fields(record: TaskRecord, now_unix: float) -> dict[str, str]:
+    """The hash fields a holder writes for a task it holds (``record``: the task as the holder sees it now)."""
+    figures = record.figures
     return {
-        "state": status.state,
-        "steps": str(status.steps),
-        "progress": repr(float(status.progress)),
-        "progress_unit": status.progress_unit,
-        "checkpoint_step": str(status.checkpoint_step),
-        "checkpoint_path": status.checkpoint_path,
-        "restarts": str(status.restarts),
-        "step_p95_ms": repr(float(status.step_p95_ms)),
-        "harvested_s": repr(float(status.harvested_s)),
-        "failure": json.dumps(status.failure.to_json()) if status.failure is not None else "",
+        "state": record.state,
+        "steps": str(figures.steps),
+        "progress": repr(float(figures.progress)),
+        "progress_unit": figures.progress_unit,
+        "checkpoint_step": str(figures.checkpoint_step),
+        "checkpoint_path": record.checkpoint_path,
+        "restarts": str(figures.restarts),
+        "step_p95_ms": repr(float(figures.step_p95_ms)),
+        "harvested_s": repr(float(figures.harvested_s)),
+        "failure": json.dumps(record.failure.to_json()) if record.failure is not None else "",
         "updated_unix": repr(now_unix),
     }
 
@@ -251,7 +253,7 @@ class QueueView:
     """What the agent asks the loop for at each poll: room for more, and the cluster tasks held here."""
 
     capacity: Capacity
-    tasks: tuple[TaskStatus, ...] = field(default_factory=tuple)
+    tasks: tuple[TaskRecord, ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)
@@ -264,5 +266,5 @@ class QueueNote:
     """
 
     kind: str
-    status: TaskStatus
+    record: TaskRecord
     reason: str = ""

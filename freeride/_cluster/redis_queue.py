@@ -52,8 +52,7 @@ from freeride._cluster.records import (
     record_from_fields,
 )
 from freeride._cluster.url import QueueURL
-from freeride._manager.store import slug
-from freeride._manager.validation import Submission
+from freeride._validation import Submission, slug
 from freeride.errors import FreerideError, QueueUnavailable, Unauthenticated
 
 GROUP = "managers"

@@ -56,12 +56,13 @@ from freeride import _checkpoints
 from freeride._boards import WorkerBoard, read_step
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._cluster.placement import Capacity
-from freeride._cluster.records import ClaimedTask, QueueNote, QueueView, TaskStatus, is_cluster_id
+from freeride._cluster.records import CancelTask as QueueCancel
+from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, QueueView, ReleaseTask, is_cluster_id
 from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.device_poller import DevicePoller
 from freeride._manager.histogram import LatencyHistogram
-from freeride._manager.store import StoredTask, TaskStore
+from freeride._manager.store import TaskStore
 from freeride._manager.trace import TraceWriter
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, check_limits, read_tail_bytes
 from freeride.devices import Device
@@ -76,6 +77,8 @@ from freeride.messages import (
     Percentiles,
     TaskEvent,
     TaskInfo,
+    TaskProgress,
+    TaskRecord,
     TaskSpec,
     TrainerEvent,
     TrainerLayout,
@@ -182,11 +185,6 @@ class Drain:
 
 
 @dataclass(frozen=True)
-class GetQueueView:
-    """The queue agent's question at each poll: room for more, and the cluster tasks held here."""
-
-
-@dataclass(frozen=True)
 class Shutdown:
     """Drain, then stop the loop (SIGTERM, SIGINT)."""
 
@@ -252,7 +250,7 @@ class ManagerLoop:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_fd, selectors.EVENT_READ, ("wake", None))
         self._workers: dict[str, WorkerHandle] = {}
-        self._meta: dict[str, StoredTask] = {}
+        self._meta: dict[str, TaskRecord] = {}
         #: Tasks claimed from the cluster queue and held here; never in the local store (Redis holds them).
         self._cluster: set[str] = set()
         #: Called on the loop thread, must not block: what a cluster task did here (the queue agent's inbox).
@@ -458,7 +456,11 @@ class ManagerLoop:
             elif isinstance(item, Shutdown):
                 self._shutdown(item)
             elif isinstance(item, ClaimedTask):
-                self._add_claimed(item)
+                self._add_claimed(item.record)
+            elif isinstance(item, ReleaseTask):
+                self._feed(C.ReleaseRequested(item.task_id, item.reason, item.checkpoint))
+            elif isinstance(item, QueueCancel):
+                self._feed(C.CancelRequested(item.task_id))
             else:
                 self._feed(item)
                 if isinstance(item, C.DeviceStatusChanged):
@@ -692,8 +694,7 @@ class ManagerLoop:
             if task is not None and (action.new.is_terminal or action.new == TaskState.SUBMITTED):
                 # The figures are bound now, not read when a deferred write is finally carried out.
                 self._durable(task.task_id, "progress", functools.partial(
-                    self.store.record_progress, task.task_id, task.steps, task.progress, task.progress_unit,
-                    task.harvested_ns / 1e9, task.overruns, task.restarts))
+                    self.store.record_progress, task.task_id, figures_of(task)))
             if action.new.is_terminal or action.new in (TaskState.SUBMITTED, TaskState.STARTING):
                 log.info("[%s task=%s] %s -> %s (%s)", self.device, action.task_id,
                          action.old.value if action.old else "-", action.new.value, action.reason)
@@ -1036,7 +1037,7 @@ class ManagerLoop:
             except StateNotWritable as exc:
                 raise StateNotWritable(f"{exc}; the task was not submitted (training is still served)") from None
             self._meta[stored.task_id] = stored
-            self._feed(C.TaskAdded(stored.task_id, stored.spec, stored.seq))
+            self._feed(task_added(stored))
             return self._info(stored.task_id)
         if isinstance(request, ListTasks):
             infos = [self._info(tid) for tid in self._meta]
@@ -1091,38 +1092,27 @@ class ManagerLoop:
         if meta is None:
             raise TaskNotFound(f"no task {task_id!r} on this manager")
         if task is None:  # terminal before this manager started
-            return TaskInfo(
-                task_id=task_id, spec=meta.spec, state=meta.state.value, steps=meta.steps, progress=meta.progress,
-                progress_unit=meta.progress_unit, harvested_s=meta.harvested_s, overruns=meta.overruns,
-                checkpoint_step=meta.checkpoint_step, submitted_unix_s=meta.submitted_unix,
-                updated_unix_s=meta.updated_unix, failure=meta.failure, restarts=meta.restarts,
-            )
+            return TaskInfo(task_id=task_id, spec=meta.spec, state=meta.state, figures=meta.figures,
+                            submitted_unix_s=meta.submitted_unix_s, updated_unix_s=meta.updated_unix_s,
+                            failure=meta.failure)
         p50 = task.estimator.median_ns()
-        p95 = task.estimator.estimate_ns() if task.estimator.count else None
         handle = self._workers.get(task_id)
         return TaskInfo(
             task_id=task_id,
             spec=task.spec,
             state=task.state.value,
-            steps=task.steps,
-            progress=task.progress,
-            progress_unit=task.progress_unit,
+            figures=figures_of(task),
             step_p50_ms=(p50 or 0) / 1e6,
-            step_p95_ms=(p95 or 0) / 1e6,
-            harvested_s=task.harvested_ns / 1e9,
-            overruns=task.overruns,
-            checkpoint_step=task.checkpoint_step,
             waiting_reason=self.core.waiting_reason(task),
-            submitted_unix_s=meta.submitted_unix,
+            submitted_unix_s=meta.submitted_unix_s,
             updated_unix_s=time.time(),
             failure=task.failure,
             pid=handle.proc.pid if handle else 0,
-            restarts=task.restarts,
         )
 
     # ------------------------------------------------------------------ cluster tasks
 
-    def _add_claimed(self, claim: ClaimedTask) -> None:
+    def _add_claimed(self, claim: TaskRecord) -> None:
         """Add a task the queue agent claimed; it resumes from the newest checkpoint in the shared directory.
 
         The newest file wins over the record's checkpoint when it is newer: the last holder may have
@@ -1134,9 +1124,7 @@ class ManagerLoop:
             # the claim is dropped and the agent told to forget it, so its lease runs out and the queue
             # places it again.
             log.warning("[%s task=%s] claimed while still held here; dropped", self.device, tid)
-            self._note("lost", TaskStatus(tid, "CLAIMED", claim.steps, claim.progress, claim.progress_unit,
-                                          claim.checkpoint_step, claim.checkpoint_path, claim.restarts,
-                                          claim.step_p95_ms, 0.0), "claimed while still held here")
+            self._note("lost", claim, "claimed while still held here")
             return
         self._cluster.add(tid)
         ck_path, ck_step = claim.checkpoint_path, claim.checkpoint_step
@@ -1145,50 +1133,43 @@ class ManagerLoop:
         if ck_path and not Path(ck_path).resolve().is_relative_to(self.checkpoint_dir(tid).resolve()):
             ck_path = ""  # a path from another checkpoint root: the worker looks in its own directory
         now = time.time()
-        self._meta[tid] = StoredTask(
-            seq=claim.seq, task_id=tid, spec=claim.spec, state=TaskState.SUBMITTED, failure=None,
-            checkpoint_step=ck_step, checkpoint_path=ck_path, steps=claim.steps, progress=claim.progress,
-            progress_unit=claim.progress_unit, harvested_s=0.0, overruns=0, restarts=claim.restarts,
-            submitted_unix=claim.submitted_unix or now, updated_unix=now,
-        )
+        # A new holder starts its own count of harvested time and overruns (the queue's record takes the
+        # holder's figures as they are).
+        figures = dataclasses.replace(claim.figures, checkpoint_step=ck_step, harvested_s=0.0, overruns=0)
+        meta = dataclasses.replace(claim, state=TaskState.SUBMITTED.value, figures=figures, checkpoint_path=ck_path,
+                                   submitted_unix_s=claim.submitted_unix_s or now, updated_unix_s=now)
+        self._meta[tid] = meta
         log.info("[%s task=%s] claimed from the cluster queue (checkpoint step %d)", self.device, tid, ck_step)
-        self._feed(C.TaskAdded(
-            tid, claim.spec, claim.seq, ck_path, ck_step, max(claim.steps, ck_step), claim.progress, claim.restarts,
-            from_queue=True, step_hint_ns=int(claim.step_p95_ms * 1e6),
-        ))
+        self._feed(task_added(meta, from_queue=True))
 
     def _released(self, action: C.Released) -> None:
         """A cluster task left this device: hand it back to the queue (or forget it if it was lost)."""
         meta = self._meta.pop(action.task_id, None)
         self._cluster.discard(action.task_id)
-        status = TaskStatus(
-            task_id=action.task_id, state="EVICTED", steps=action.steps, progress=action.progress,
-            progress_unit=meta.progress_unit if meta else "steps", checkpoint_step=action.checkpoint_step,
-            checkpoint_path=action.checkpoint_path, restarts=action.restarts,
-            step_p95_ms=(action.step_p95_ns or 0) / 1e6, harvested_s=0.0,
+        figures = TaskProgress(
+            steps=action.steps, progress=action.progress, progress_unit=meta.progress_unit if meta else "steps",
+            checkpoint_step=action.checkpoint_step, restarts=action.restarts,
+            step_p95_ms=(action.step_p95_ns or 0) / 1e6,
         )
+        record = TaskRecord(action.task_id, meta.spec if meta else TaskSpec(), "EVICTED", figures,
+                            action.checkpoint_path, seq=meta.seq if meta else 0)
         log.info("[%s task=%s] left this device: %s", self.device, action.task_id, action.reason)
-        self._note("left" if action.checkpoint else "lost", status, action.reason)
+        self._note("left" if action.checkpoint else "lost", record, action.reason)
 
-    def _note(self, kind: str, status: TaskStatus, reason: str) -> None:
+    def _note(self, kind: str, record: TaskRecord, reason: str) -> None:
         sink = self.queue_notes
         if sink is not None:
             try:
-                sink(QueueNote(kind, status, reason))
+                sink(QueueNote(kind, record, reason))
             except Exception:  # the agent's inbox must never take the loop down
                 log.exception("[%s] queue note dropped", self.device)
 
-    def _status(self, task: C.TaskRuntime) -> TaskStatus:
-        p95 = task.estimator.estimate_ns() if task.estimator.count else None
+    def _status(self, task: C.TaskRuntime) -> TaskRecord:
         failure = task.failure
         if failure is not None and not failure.at_unix_s:
             failure = dataclasses.replace(failure, at_unix_s=time.time())
-        return TaskStatus(
-            task_id=task.task_id, state=task.state.value, steps=task.steps, progress=task.progress,
-            progress_unit=task.progress_unit, checkpoint_step=task.checkpoint_step,
-            checkpoint_path=task.checkpoint_path, restarts=task.restarts, step_p95_ms=(p95 or 0) / 1e6,
-            harvested_s=task.harvested_ns / 1e9, failure=failure,
-        )
+        return TaskRecord(task.task_id, task.spec, task.state.value, figures_of(task), task.checkpoint_path,
+                          failure, seq=task.seq)
 
     def _queue_view(self) -> QueueView:
         core = self.core
@@ -1210,7 +1191,7 @@ class ManagerLoop:
         by_state: dict[str, int] = {}
         for tid, meta in self._meta.items():
             task = self.core.tasks.get(tid)
-            state = task.state.value if task else meta.state.value
+            state = task.state.value if task else meta.state
             by_state[state] = by_state.get(state, 0) + 1
         budget = self.core.budget_bytes()
         return ManagerStats(
@@ -1268,21 +1249,20 @@ class ManagerLoop:
             if killed:
                 log.warning("[%s task=%s] killed %d process(es) left by the previous manager's worker",
                             self.device, stored.task_id, killed)
-            if stored.state.is_terminal:
+            state = TaskState(stored.state)
+            if state.is_terminal:
                 continue
-            restarts = stored.restarts + (1 if stored.state != TaskState.SUBMITTED else 0)
-            if stored.state != TaskState.SUBMITTED:
+            restarts = stored.restarts + (1 if state != TaskState.SUBMITTED else 0)
+            if state != TaskState.SUBMITTED:
                 log.info("[%s task=%s] recovered after a manager restart (was %s)", self.device, stored.task_id,
-                         stored.state.value)
+                         stored.state)
                 self._durable(stored.task_id, "state", functools.partial(
                     self.store.set_state, stored.task_id, TaskState.SUBMITTED))
             ck_path, ck_step = _checkpoints.newest(self.task_dir(stored.task_id) / "checkpoints",
                                                    stored.checkpoint_path, stored.checkpoint_step)
+            figures = dataclasses.replace(stored.figures, restarts=restarts, checkpoint_step=ck_step)
             self._apply(self.core.on_event(
-                C.TaskAdded(stored.task_id, stored.spec, stored.seq, ck_path, ck_step, max(stored.steps, ck_step),
-                            stored.progress, restarts, int(stored.harvested_s * 1e9), stored.overruns),
-                self.now_ns(),
-            ))
+                task_added(dataclasses.replace(stored, figures=figures, checkpoint_path=ck_path)), self.now_ns()))
 
     def _close(self) -> None:
         with self._call_lock, self._room:
@@ -1364,3 +1344,24 @@ def _chain(future: Future[Any], parked: int, checkpointed: Callable[[], int]) ->
 def _pct(values: Any) -> Percentiles:
     return Percentiles(*C.percentiles(values))
 
+
+
+def figures_of(task: C.TaskRuntime) -> TaskProgress:
+    """A task's figures as the core has them now."""
+    p95 = task.estimator.estimate_ns() if task.estimator.count else None
+    return TaskProgress(steps=task.steps, progress=task.progress, progress_unit=task.progress_unit,
+                        harvested_s=task.harvested_ns / 1e9, overruns=task.overruns, restarts=task.restarts,
+                        checkpoint_step=task.checkpoint_step, step_p95_ms=(p95 or 0) / 1e6)
+
+
+def task_added(record: TaskRecord, from_queue: bool = False) -> C.TaskAdded:
+    """The core's event for a task that comes in (submitted, recovered at a start, claimed from the queue)
+    with the figures and checkpoint it comes with. A claimed task brings its step estimate as a hint."""
+    figures = record.figures
+    return C.TaskAdded(
+        task_id=record.task_id, spec=record.spec, seq=record.seq, checkpoint_path=record.checkpoint_path,
+        checkpoint_step=figures.checkpoint_step, steps=max(figures.steps, figures.checkpoint_step),
+        progress=figures.progress, restarts=figures.restarts, harvested_ns=int(figures.harvested_s * 1e9),
+        overruns=figures.overruns, from_queue=from_queue,
+        step_hint_ns=int(figures.step_p95_ms * 1e6) if from_queue else 0,
+    )

@@ -1,5 +1,7 @@
-"""The manager side of the protocol edge: the only manager module that imports generated code.
+"""The manager side of the protocol edge: gRPC services over the loop.
 
+Requests are decoded and answers encoded with :mod:`freeride._wire.codec`, which the client shares;
+the generated module is used here only to register the services and build the response wrappers.
 Servicers validate and translate messages into plain dataclasses, then hand them to the loop:
 bubble events are posted (the trainer never waits on the loop), control requests are called and
 answered. Every invalid input gets ``INVALID_ARGUMENT`` with a precise message and changes nothing.
@@ -8,7 +10,6 @@ answered. Every invalid input gets ``INVALID_ARGUMENT`` with a precise message a
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import queue
 import time
@@ -19,37 +20,13 @@ from typing import Any
 import grpc
 
 from freeride._manager import loop as L
-from freeride._manager.validation import (  # noqa: F401 - re-exported limits
-    MAX_ARGS_DEPTH,
-    MAX_ARGS_JSON_BYTES,
-    MAX_COMMAND_ARGS,
-    MAX_COMMAND_BYTES,
-    MAX_PRIORITY,
-    MAX_WORKING_DIR_BYTES,
-    Submission,
-    parse_args_json,
-    shown,
-    validate_submission,
-)
+from freeride._validation import validate_submission
+from freeride._wire import codec
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES
 from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
-from freeride.messages import (
-    BubbleEnd,
-    BubbleEvent,
-    BubbleSlotStats,
-    BubbleStart,
-    ManagerStats,
-    Percentiles,
-    TaskEvent,
-    TaskInfo,
-    TaskSpec,
-    TrainerEvent,
-    TrainerLayout,
-    validate_bubble_event,
-    validate_layout,
-)
+from freeride.messages import StreamSummary, TaskSpec, TrainerEvent
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +49,7 @@ ANSWER_MARGIN_S = 0.2
 
 def spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
     """Validate a submission (:func:`validate_submission`); raises :class:`RequestRejected`."""
-    return validate_submission(Submission(
-        target=msg.target,
-        args_json=msg.args_json,
-        memory_bytes=msg.memory_bytes,
-        priority=msg.priority,
-        name=msg.name,
-        command=tuple(msg.command),
-        working_dir=msg.working_dir,
-        checkpoint_interval_s=msg.checkpoint_interval_s,
-        step_time_hint_ms=msg.step_time_hint_ms,
-    ))
+    return validate_submission(codec.submission_from_pb(msg))
 
 
 def check_task_id(task_id: str) -> None:
@@ -95,137 +62,7 @@ def check_task_id(task_id: str) -> None:
 
 def bubble_from_pb(msg: _pb.BubbleEvent, received_ns: int | None = None) -> TrainerEvent:
     """Validate a bubble event or layout; with ``received_ns``, times ahead of this host's clock are refused."""
-    which = msg.WhichOneof("event")
-    latest_ns = None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS
-    if which == "layout":
-        m = msg.layout
-        layout = TrainerLayout(m.schedule, m.stages, m.microbatches, tuple(m.stage_devices), m.at_ns,
-                               m.free_memory_bytes)
-        validate_layout(layout, latest_ns)
-        return layout
-    if which == "start":
-        s = msg.start
-        event: BubbleEvent = BubbleStart(
-            s.stage, s.rank, s.iteration, s.slot, s.kind, s.start_ns, s.predicted_ns, s.free_memory_bytes, s.learned
-        )
-    elif which == "end":
-        e = msg.end
-        event = BubbleEnd(e.stage, e.rank, e.iteration, e.slot, e.end_ns)
-    else:
-        raise ConfigError("a bubble event must be a start or an end (or a layout)")
-    validate_bubble_event(event, latest_ns)
-    return event
-
-
-# ------------------------------------------------------------------ conversions out
-
-
-def _pct_pb(p: Percentiles) -> _pb.Percentiles:
-    return _pb.Percentiles(count=p.count, p50=p.p50, p90=p.p90, p99=p.p99, max=p.max, p999=p.p999)
-
-
-def task_info_to_pb(info: TaskInfo) -> _pb.TaskInfo:
-    msg = _pb.TaskInfo(
-        task_id=info.task_id,
-        name=info.spec.display_name,
-        target=info.spec.target,
-        command=list(info.spec.command),
-        state=info.state,
-        priority=info.spec.priority,
-        memory_bytes=info.spec.memory_bytes,
-        steps=info.steps,
-        progress=info.progress,
-        progress_unit=info.progress_unit,
-        step_p50_ms=info.step_p50_ms,
-        step_p95_ms=info.step_p95_ms,
-        harvested_s=info.harvested_s,
-        overruns=info.overruns,
-        checkpoint_step=info.checkpoint_step,
-        waiting_reason=info.waiting_reason,
-        submitted_unix_s=info.submitted_unix_s,
-        updated_unix_s=info.updated_unix_s,
-        pid=info.pid,
-        args_json=json.dumps(info.spec.args),
-        restarts=info.restarts,
-    )
-    if info.failure is not None:
-        f = info.failure
-        msg.has_failure = True
-        msg.failure.CopyFrom(
-            _pb.Failure(
-                kind=f.kind,
-                message=f.message,
-                exit_code=f.exit_code or 0,
-                has_exit_code=f.exit_code is not None,
-                signal=f.signal,
-                step=f.step,
-                traceback=f.traceback,
-                log_tail=f.log_tail,
-                at_unix_s=f.at_unix_s,
-            )
-        )
-    return msg
-
-
-def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
-    return _pb.StatsResponse(
-        device=s.device,
-        uptime_s=s.uptime_s,
-        bubbles=s.bubbles,
-        bubble_time_s=s.bubble_time_s,
-        granted_s=s.granted_s,
-        harvested_s=s.harvested_s,
-        overruns=s.overruns,
-        overrun_ms=_pct_pb(s.overrun_ms),
-        grant_latency_ms=_pct_pb(s.grant_latency_ms),
-        park_latency_ms=_pct_pb(s.park_latency_ms),
-        memory_budget_bytes=s.memory_budget_bytes,
-        tasks_by_state=s.tasks_by_state,
-        events_received=s.events_received,
-        events_rejected=s.events_rejected,
-        draining=s.draining,
-        event_delay_ms=_pct_pb(s.event_delay_ms),
-        events_dropped=s.events_dropped,
-        device_info=s.device_info,
-        device_problem=s.device_problem,
-        layout_changes=s.layout_changes,
-        layout=s.layout,
-        end_to_worker_ms=_pct_pb(s.end_to_worker_ms),
-    )
-
-
-def slot_to_pb(s: BubbleSlotStats) -> _pb.BubbleSlotStats:
-    return _pb.BubbleSlotStats(
-        stage=s.stage,
-        rank=s.rank,
-        slot=s.slot,
-        kind=s.kind,
-        count=s.count,
-        length_ms=_pct_pb(s.length_ms),
-        predicted_ms=_pct_pb(s.predicted_ms),
-        abs_error_pct=_pct_pb(s.abs_error_pct),
-        min_free_memory_bytes=s.min_free_memory_bytes,
-        learned=s.learned,
-    )
-
-
-def _event_to_pb(event: TaskEvent) -> _pb.ManagerEvent:
-    msg = _pb.ManagerEvent(at_unix_s=event.at_unix_s)
-    if event.task is not None:
-        msg.task.CopyFrom(task_info_to_pb(event.task))
-    elif isinstance(event.bubble, BubbleStart):
-        b = event.bubble
-        msg.bubble_start.CopyFrom(
-            _pb.BubbleStart(stage=b.stage, rank=b.rank, iteration=b.iteration, slot=b.slot, kind=b.kind,
-                            start_ns=b.start_ns, predicted_ns=b.predicted_ns, free_memory_bytes=b.free_memory_bytes,
-                            learned=b.learned)
-        )
-    elif isinstance(event.bubble, BubbleEnd):
-        e = event.bubble
-        msg.bubble_end.CopyFrom(
-            _pb.BubbleEnd(stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot, end_ns=e.end_ns)
-        )
-    return msg
+    return codec.trainer_event_from_pb(msg, None if received_ns is None else received_ns + MAX_CLOCK_AHEAD_NS)
 
 
 # ------------------------------------------------------------------ servicers
@@ -282,9 +119,8 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
         last_error = ""
         for msg in request_iterator:
             received_ns = time.monotonic_ns()
-            parts = msg.batch.events if msg.WhichOneof("event") == "batch" else (msg,)
             events: list[TrainerEvent] = []
-            for part in parts:
+            for part in codec.message_parts(msg):
                 try:
                     events.append(bubble_from_pb(part, received_ns))
                 except ConfigError as exc:
@@ -298,7 +134,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
                 accepted += len(events) - lost
         if rejected:
             log.warning("[%s] trainer stream: %d event(s) rejected, last: %s", self._loop.device, rejected, last_error)
-        return _pb.StreamSummary(accepted=accepted, rejected=rejected, last_error=last_error, dropped=dropped)
+        return codec.summary_to_pb(StreamSummary(accepted, rejected, dropped, last_error))
 
 
 class ControlServicer(_pb_grpc.ControlServicer):
@@ -310,7 +146,7 @@ class ControlServicer(_pb_grpc.ControlServicer):
             spec = spec_from_pb(request)
         except RequestRejected as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return task_info_to_pb(_call(self._loop, context, L.SubmitTask(spec)))
+        return codec.task_info_to_pb(_call(self._loop, context, L.SubmitTask(spec)))
 
     def List(self, request: _pb.ListRequest, context: grpc.ServicerContext) -> Any:
         """Every task, in full while that fits one message; else summaries; else a precise refusal.
@@ -321,7 +157,7 @@ class ControlServicer(_pb_grpc.ControlServicer):
         the CLI's table shows none of them.
         """
         infos = _call(self._loop, context, L.ListTasks(request.include_finished))
-        response = _pb.ListResponse(tasks=[task_info_to_pb(i) for i in infos])
+        response = _pb.ListResponse(tasks=[codec.task_info_to_pb(i) for i in infos])
         if response.ByteSize() <= MAX_MESSAGE_BYTES:
             return response
         for task in response.tasks:
@@ -339,17 +175,17 @@ class ControlServicer(_pb_grpc.ControlServicer):
 
     def Get(self, request: _pb.GetRequest, context: grpc.ServicerContext) -> Any:
         _check_id_or_abort(request.task_id, context)
-        return task_info_to_pb(_call(self._loop, context, L.GetTask(request.task_id)))
+        return codec.task_info_to_pb(_call(self._loop, context, L.GetTask(request.task_id)))
 
     def Cancel(self, request: _pb.CancelRequest, context: grpc.ServicerContext) -> Any:
         _check_id_or_abort(request.task_id, context)
-        return task_info_to_pb(_call(self._loop, context, L.CancelTask(request.task_id)))
+        return codec.task_info_to_pb(_call(self._loop, context, L.CancelTask(request.task_id)))
 
     def Stats(self, request: _pb.StatsRequest, context: grpc.ServicerContext) -> Any:
-        return stats_to_pb(_call(self._loop, context, L.GetStats()))
+        return codec.stats_to_pb(_call(self._loop, context, L.GetStats()))
 
     def Bubbles(self, request: _pb.BubblesRequest, context: grpc.ServicerContext) -> Any:
-        return _pb.BubblesResponse(slots=[slot_to_pb(s) for s in _call(self._loop, context, L.GetBubbles())])
+        return _pb.BubblesResponse(slots=[codec.slot_to_pb(s) for s in _call(self._loop, context, L.GetBubbles())])
 
     def Drain(self, request: _pb.DrainRequest, context: grpc.ServicerContext) -> Any:
         """Drain, waiting up to the request's timeout; a drain still under way is answered ``timed_out``.
@@ -362,10 +198,10 @@ class ControlServicer(_pb_grpc.ControlServicer):
         try:
             parked, checkpointed = future.result(_wait_s(context, timeout))
         except FutureTimeout:
-            return _pb.DrainResponse(timed_out=True)
+            return codec.drain_to_pb(0, 0, timed_out=True)
         except ManagerUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return _pb.DrainResponse(parked=parked, checkpointed=checkpointed)
+        return codec.drain_to_pb(parked, checkpointed)
 
     def Watch(self, request: _pb.WatchRequest, context: grpc.ServicerContext) -> Any:
         q = self._loop.subscribe()
@@ -377,7 +213,7 @@ class ControlServicer(_pb_grpc.ControlServicer):
                     continue
                 if event is None:
                     return
-                yield _event_to_pb(event)
+                yield codec.event_to_pb(event)
         finally:
             self._loop.unsubscribe(q)
 

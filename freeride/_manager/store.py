@@ -18,16 +18,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from freeride._validation import slug
 from freeride.errors import ConfigError, StateNotWritable
-from freeride.messages import FailureRecord, TaskSpec
+from freeride.messages import FailureRecord, TaskProgress, TaskRecord, TaskSpec
 from freeride.states import TaskState
 
 _SCHEMA = """
@@ -58,25 +58,6 @@ _DURABLE = {
 }
 
 
-@dataclass(frozen=True)
-class StoredTask:
-    seq: int
-    task_id: str
-    spec: TaskSpec
-    state: TaskState
-    failure: FailureRecord | None
-    checkpoint_step: int
-    checkpoint_path: str
-    steps: int
-    progress: float
-    progress_unit: str
-    harvested_s: float
-    overruns: int
-    restarts: int
-    submitted_unix: float
-    updated_unix: float
-
-
 def _spec_to_json(spec: TaskSpec) -> str:
     data = asdict(spec)
     data["command"] = list(spec.command)
@@ -87,12 +68,6 @@ def _spec_from_json(text: str) -> TaskSpec:
     data = json.loads(text)
     data["command"] = tuple(data.get("command", ()))
     return TaskSpec(**data)
-
-
-def slug(text: str) -> str:
-    """A task id's stem: ``[a-z0-9-]``, at most 32 characters, never empty."""
-    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    return slug[:32] or "task"
 
 
 def check_writable(directory: Path) -> None:
@@ -157,7 +132,7 @@ class TaskStore:
             # database" and "disk I/O error"; integrity and programming errors are bugs and propagate.
             raise StateNotWritable(f"state directory {self.path.parent} not writable: {exc}") from None
 
-    def add(self, spec: TaskSpec) -> StoredTask:
+    def add(self, spec: TaskSpec) -> TaskRecord:
         """Record a new submission; the id is ``<name>-<seq>``."""
         now = time.time()
         with self._writing() as db:
@@ -195,48 +170,37 @@ class TaskStore:
                 (step, path, step, progress, harvested_s, time.time(), task_id),
             )
 
-    def record_progress(
-        self,
-        task_id: str,
-        steps: int,
-        progress: float,
-        progress_unit: str,
-        harvested_s: float,
-        overruns: int,
-        restarts: int,
-    ) -> None:
+    def record_progress(self, task_id: str, figures: TaskProgress) -> None:
+        """A task's figures (all but its checkpoint, which :meth:`record_checkpoint` writes, and its step
+        estimate, which is not kept)."""
         with self._writing() as db:
             db.execute(
                 "UPDATE tasks SET steps = ?, progress = ?, progress_unit = ?, harvested_s = ?, overruns = ?,"
                 " restarts = ?, updated_unix = ? WHERE task_id = ?",
-                (steps, progress, progress_unit, harvested_s, overruns, restarts, time.time(), task_id),
+                (figures.steps, figures.progress, figures.progress_unit, figures.harvested_s, figures.overruns,
+                 figures.restarts, time.time(), task_id),
             )
 
-    def get(self, task_id: str) -> StoredTask | None:
+    def get(self, task_id: str) -> TaskRecord | None:
         row = self._db.execute("SELECT * FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
         return self._row(row) if row else None
 
-    def all(self) -> list[StoredTask]:
+    def all(self) -> list[TaskRecord]:
         return [self._row(r) for r in self._db.execute("SELECT * FROM tasks ORDER BY seq")]
 
     @staticmethod
-    def _row(row: tuple[Any, ...]) -> StoredTask:
+    def _row(row: tuple[Any, ...]) -> TaskRecord:
         (seq, task_id, spec_json, state, failure_json, ck_step, ck_path, steps, progress, unit, harvested,
          overruns, restarts, submitted, updated) = row
-        return StoredTask(
-            seq=seq,
+        return TaskRecord(
             task_id=task_id,
             spec=_spec_from_json(spec_json),
-            state=TaskState(state),
-            failure=FailureRecord.from_json(json.loads(failure_json)) if failure_json else None,
-            checkpoint_step=ck_step,
+            state=TaskState(state).value,
+            figures=TaskProgress(steps=steps, progress=progress, progress_unit=unit, harvested_s=harvested,
+                                 overruns=overruns, restarts=restarts, checkpoint_step=ck_step),
             checkpoint_path=ck_path,
-            steps=steps,
-            progress=progress,
-            progress_unit=unit,
-            harvested_s=harvested,
-            overruns=overruns,
-            restarts=restarts,
-            submitted_unix=submitted,
-            updated_unix=updated,
+            failure=FailureRecord.from_json(json.loads(failure_json)) if failure_json else None,
+            seq=seq,
+            submitted_unix_s=submitted,
+            updated_unix_s=updated,
         )

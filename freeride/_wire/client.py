@@ -1,21 +1,23 @@
-"""The client side of the protocol edge: the only client module that imports generated code.
+"""The client side of the protocol edge: ``ControlClient``, ``BubbleStream`` and the health check.
 
-It turns plain dataclasses (``freeride.messages``) into protobuf messages and back, and maps gRPC
-status codes onto freeride's error tree in one place (:func:`map_rpc_errors`).
+Plain dataclasses (``freeride.messages``) go out and come back through :mod:`freeride._wire.codec`,
+which the manager's servicers share; gRPC status codes map onto freeride's error tree in one place
+(:func:`map_rpc_errors`).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
+from freeride._wire import codec
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
+from freeride._wire.codec import bubble_message_to_pb
 from freeride.devices.base import parse_device_name
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint, parse_endpoint
 from freeride.errors import (
@@ -28,19 +30,13 @@ from freeride.errors import (
     Unauthenticated,
 )
 from freeride.messages import (
-    BubbleEnd,
-    BubbleEvent,
     BubbleSlotStats,
-    BubbleStart,
-    FailureRecord,
     ManagerStats,
-    Percentiles,
     StreamSummary,
     TaskEvent,
     TaskInfo,
     TaskSpec,
     TrainerEvent,
-    TrainerLayout,
 )
 
 _CHANNEL_OPTIONS = [
@@ -92,166 +88,6 @@ def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
         raise FreerideError(f"manager error ({code.name if code else 'unknown'}): {details}") from None
 
 
-# ------------------------------------------------------------------ conversions
-
-
-def bubble_event_to_pb(event: TrainerEvent) -> _pb.BubbleEvent:
-    if isinstance(event, TrainerLayout):
-        return _pb.BubbleEvent(
-            layout=_pb.TrainerLayout(
-                schedule=event.schedule,
-                stages=event.stages,
-                microbatches=event.microbatches,
-                stage_devices=list(event.stage_devices),
-                at_ns=event.at_ns,
-                free_memory_bytes=event.free_memory_bytes,
-            )
-        )
-    if isinstance(event, BubbleStart):
-        return _pb.BubbleEvent(
-            start=_pb.BubbleStart(
-                stage=event.stage,
-                rank=event.rank,
-                iteration=event.iteration,
-                slot=event.slot,
-                kind=event.kind,
-                start_ns=event.start_ns,
-                predicted_ns=event.predicted_ns,
-                free_memory_bytes=event.free_memory_bytes,
-                learned=event.learned,
-            )
-        )
-    return _pb.BubbleEvent(
-        end=_pb.BubbleEnd(
-            stage=event.stage, rank=event.rank, iteration=event.iteration, slot=event.slot, end_ns=event.end_ns
-        )
-    )
-
-
-def bubble_message_to_pb(item: TrainerEvent | Sequence[TrainerEvent]) -> _pb.BubbleEvent:
-    """One stream message: an event alone, or a sequence of events as one batch.
-
-    A sequence of one goes out as the event alone, the form every manager of ``freeride.v1`` reads.
-    """
-    if isinstance(item, (BubbleStart, BubbleEnd, TrainerLayout)):
-        return bubble_event_to_pb(item)
-    if len(item) == 1:
-        return bubble_event_to_pb(item[0])
-    return _pb.BubbleEvent(batch=_pb.BubbleEventBatch(events=[bubble_event_to_pb(e) for e in item]))
-
-
-def _bubble_from_pb(msg: Any) -> BubbleEvent:
-    if isinstance(msg, _pb.BubbleStart):
-        return BubbleStart(
-            msg.stage, msg.rank, msg.iteration, msg.slot, msg.kind, msg.start_ns, msg.predicted_ns,
-            msg.free_memory_bytes, msg.learned,
-        )
-    return BubbleEnd(msg.stage, msg.rank, msg.iteration, msg.slot, msg.end_ns)
-
-
-def _spec_to_pb(spec: TaskSpec) -> _pb.SubmitRequest:
-    return _pb.SubmitRequest(
-        target=spec.target,
-        args_json=json.dumps(spec.args),
-        memory_bytes=spec.memory_bytes,
-        priority=spec.priority,
-        name=spec.name,
-        command=list(spec.command),
-        working_dir=spec.working_dir,
-        checkpoint_interval_s=spec.checkpoint_interval_s,
-        step_time_hint_ms=spec.step_time_hint_ms,
-    )
-
-
-def _percentiles(msg: _pb.Percentiles) -> Percentiles:
-    return Percentiles(msg.count, msg.p50, msg.p90, msg.p99, msg.max, msg.p999)
-
-
-def task_info_from_pb(msg: _pb.TaskInfo) -> TaskInfo:
-    failure = None
-    if msg.has_failure:
-        f = msg.failure
-        failure = FailureRecord(
-            kind=f.kind,
-            message=f.message,
-            exit_code=f.exit_code if f.has_exit_code else None,
-            signal=f.signal,
-            step=f.step,
-            traceback=f.traceback,
-            log_tail=f.log_tail,
-            at_unix_s=f.at_unix_s,
-        )
-    spec = TaskSpec(
-        target=msg.target,
-        args=json.loads(msg.args_json) if msg.args_json else {},
-        memory_bytes=msg.memory_bytes,
-        priority=msg.priority,
-        name=msg.name,
-        command=tuple(msg.command),
-    )
-    return TaskInfo(
-        task_id=msg.task_id,
-        spec=spec,
-        state=msg.state,
-        steps=msg.steps,
-        progress=msg.progress,
-        progress_unit=msg.progress_unit,
-        step_p50_ms=msg.step_p50_ms,
-        step_p95_ms=msg.step_p95_ms,
-        harvested_s=msg.harvested_s,
-        overruns=msg.overruns,
-        checkpoint_step=msg.checkpoint_step,
-        waiting_reason=msg.waiting_reason,
-        submitted_unix_s=msg.submitted_unix_s,
-        updated_unix_s=msg.updated_unix_s,
-        failure=failure,
-        pid=msg.pid,
-        restarts=msg.restarts,
-    )
-
-
-def _stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
-    return ManagerStats(
-        device=msg.device,
-        uptime_s=msg.uptime_s,
-        bubbles=msg.bubbles,
-        bubble_time_s=msg.bubble_time_s,
-        granted_s=msg.granted_s,
-        harvested_s=msg.harvested_s,
-        overruns=msg.overruns,
-        overrun_ms=_percentiles(msg.overrun_ms),
-        grant_latency_ms=_percentiles(msg.grant_latency_ms),
-        park_latency_ms=_percentiles(msg.park_latency_ms),
-        memory_budget_bytes=msg.memory_budget_bytes,
-        tasks_by_state=dict(msg.tasks_by_state),
-        events_received=msg.events_received,
-        events_rejected=msg.events_rejected,
-        draining=msg.draining,
-        event_delay_ms=_percentiles(msg.event_delay_ms),
-        events_dropped=msg.events_dropped,
-        device_info=msg.device_info,
-        device_problem=msg.device_problem,
-        layout_changes=msg.layout_changes,
-        layout=msg.layout,
-        end_to_worker_ms=_percentiles(msg.end_to_worker_ms),
-    )
-
-
-def _slot_from_pb(msg: _pb.BubbleSlotStats) -> BubbleSlotStats:
-    return BubbleSlotStats(
-        stage=msg.stage,
-        rank=msg.rank,
-        slot=msg.slot,
-        kind=msg.kind,
-        count=msg.count,
-        length_ms=_percentiles(msg.length_ms),
-        predicted_ms=_percentiles(msg.predicted_ms),
-        abs_error_pct=_percentiles(msg.abs_error_pct),
-        min_free_memory_bytes=msg.min_free_memory_bytes,
-        learned=msg.learned,
-    )
-
-
 # ------------------------------------------------------------------ clients
 
 
@@ -295,47 +131,46 @@ class ControlClient:
             return method(request, timeout=timeout_s or self._timeout_s, metadata=self._metadata)
 
     def submit(self, spec: TaskSpec) -> TaskInfo:
-        return task_info_from_pb(self._call(self._stub.Submit, _spec_to_pb(spec)))
+        return codec.task_info_from_pb(self._call(self._stub.Submit, codec.spec_to_pb(spec)))
 
     def list(self, include_finished: bool = True) -> list[TaskInfo]:
         reply = self._call(self._stub.List, _pb.ListRequest(include_finished=include_finished))
-        return [task_info_from_pb(t) for t in reply.tasks]
+        return [codec.task_info_from_pb(t) for t in reply.tasks]
 
     def get(self, task_id: str) -> TaskInfo:
-        return task_info_from_pb(self._call(self._stub.Get, _pb.GetRequest(task_id=task_id)))
+        return codec.task_info_from_pb(self._call(self._stub.Get, _pb.GetRequest(task_id=task_id)))
 
     def cancel(self, task_id: str) -> TaskInfo:
-        return task_info_from_pb(self._call(self._stub.Cancel, _pb.CancelRequest(task_id=task_id)))
+        return codec.task_info_from_pb(self._call(self._stub.Cancel, _pb.CancelRequest(task_id=task_id)))
 
     def stats(self) -> ManagerStats:
-        return _stats_from_pb(self._call(self._stub.Stats, _pb.StatsRequest()))
+        return codec.stats_from_pb(self._call(self._stub.Stats, _pb.StatsRequest()))
 
     def bubbles(self) -> builtins.list[BubbleSlotStats]:  # `list` is a method here
-        return [_slot_from_pb(s) for s in self._call(self._stub.Bubbles, _pb.BubblesRequest()).slots]
+        return [codec.slot_from_pb(s) for s in self._call(self._stub.Bubbles, _pb.BubblesRequest()).slots]
 
     def drain(self, timeout_s: float = 30.0) -> tuple[int, int]:
         """Drain and wait up to ``timeout_s``: (tasks parked, checkpointed), or :class:`DrainIncomplete`.
 
         Idempotent: on a drained manager it returns at once.
         """
-        reply = self._call(self._stub.Drain, _pb.DrainRequest(timeout_s=timeout_s), timeout_s + 5)
-        if reply.timed_out:
+        parked, checkpointed, timed_out = codec.drain_from_pb(
+            self._call(self._stub.Drain, _pb.DrainRequest(timeout_s=timeout_s), timeout_s + 5))
+        if timed_out:
             raise DrainIncomplete(
                 f"the drain of the manager at {self.endpoint} did not finish within {timeout_s:g} s: tasks are "
                 "still stopping (one that ignores its stop is killed after the manager's --stop-timeout-s); "
                 "run drain again to wait on"
             )
-        return int(reply.parked), int(reply.checkpointed)
+        return parked, checkpointed
 
     def watch(self) -> Iterator[TaskEvent]:
         """Live events until the manager stops or the caller stops iterating."""
         with map_rpc_errors(self.endpoint):
             for msg in self._stub.Watch(_pb.WatchRequest(), metadata=self._metadata):
-                which = msg.WhichOneof("event")
-                if which == "task":
-                    yield TaskEvent(msg.at_unix_s, task=task_info_from_pb(msg.task))
-                elif which in ("bubble_start", "bubble_end"):
-                    yield TaskEvent(msg.at_unix_s, bubble=_bubble_from_pb(getattr(msg, which)))
+                event = codec.event_from_pb(msg)
+                if event is not None:
+                    yield event
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the manager's channel is ready, or raise :class:`ManagerUnavailable`."""
@@ -385,7 +220,7 @@ class BubbleStream:
     def summary(self, timeout_s: float | None = None) -> StreamSummary:
         with map_rpc_errors(self.endpoint):
             reply = self._future.result(timeout=timeout_s)
-        return StreamSummary(int(reply.accepted), int(reply.rejected), int(reply.dropped), reply.last_error)
+        return codec.summary_from_pb(reply)
 
     def result(self, timeout_s: float | None = None) -> tuple[int, int]:
         summary = self.summary(timeout_s)

@@ -42,7 +42,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from freeride._manager.core import CoreConfig
 from freeride.errors import ConfigError
 from freeride.training.memory import (
     OPTIMIZER_STATES,
@@ -58,9 +57,10 @@ from freeride.training.memory import (
 from freeride.training.schedules import SCHEDULE_NAMES, Schedule, build_schedule, canonical_name
 from freeride.units import parse_size
 
-#: The manager's default admission margin and memory headroom (``freeride manager`` options).
-DEFAULT_MARGIN_MS = CoreConfig().margin_ns / 1e6
-DEFAULT_HEADROOM_BYTES = CoreConfig().headroom_bytes
+#: The manager's default admission margin and memory headroom (``freeride manager`` options; the trainer
+#: side never imports the manager: ``tests/unit/test_planner.py`` checks that these are its defaults).
+DEFAULT_MARGIN_MS = 0.2
+DEFAULT_HEADROOM_BYTES = 256 * 2**20
 _TASK_EXAMPLE = "name=pagerank,memory=2GiB,step_ms=3.5"
 
 

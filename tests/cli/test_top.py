@@ -18,7 +18,15 @@ from freeride._wire.client import ControlClient
 from freeride.cli import EXIT_BAD_INPUT, EXIT_NO_MANAGER, EXIT_OK, main
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
-from freeride.messages import BubbleSlotStats, FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
+from freeride.messages import (
+    BubbleSlotStats,
+    FailureRecord,
+    ManagerStats,
+    Percentiles,
+    TaskInfo,
+    TaskProgress,
+    TaskSpec,
+)
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
@@ -38,11 +46,12 @@ def stats(**changes: object) -> ManagerStats:
     return ManagerStats(**fields)  # type: ignore[arg-type]
 
 
-def task(task_id: str, state: str, submitted: float, **changes: object) -> TaskInfo:
+def task(task_id: str, state: str, submitted: float, steps: int = 10, progress: float = 10.0,
+         **changes: object) -> TaskInfo:
     fields: dict[str, object] = dict(
         task_id=task_id, spec=TaskSpec(target=f"side_tasks.x:{task_id.split('-')[0].title()}", memory_bytes=2**26),
-        state=state, steps=10, progress=10.0, progress_unit="ticks", step_p95_ms=1.5, harvested_s=0.25,
-        submitted_unix_s=submitted,
+        state=state, submitted_unix_s=submitted,
+        figures=TaskProgress(steps=steps, progress=progress, progress_unit="ticks", step_p95_ms=1.5, harvested_s=0.25),
     )
     fields.update(changes)
     return TaskInfo(**fields)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from nodes import (
 from redis_server import RedisServer
 
 from freeride._cli import cluster
-from freeride._manager.validation import submission_of
+from freeride._validation import submission_of
 from freeride.endpoints import Endpoint
 from freeride.messages import TaskSpec, TrainerLayout
 

@@ -17,7 +17,7 @@ from redis_server import RedisServer, remove, start_redis
 
 from freeride._cluster.redis_queue import Held, RedisQueue
 from freeride._cluster.url import parse_queue_url
-from freeride._manager.validation import Submission
+from freeride._validation import Submission
 from freeride.cli import main
 from freeride.errors import QueueUnavailable, Unauthenticated
 from freeride.messages import TaskSpec

@@ -16,7 +16,7 @@ from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 from grpc_health.v1 import health_pb2
 
 from freeride._manager import loop as L
-from freeride._manager.servicers import MAX_ARGS_JSON_BYTES
+from freeride._validation import MAX_ARGS_JSON_BYTES
 from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint

@@ -187,7 +187,7 @@ def test_command_arguments_with_shell_syntax_run_literally(harness: ManagerHarne
     feeder = harness.feeder()
     feeder.run_until(lambda: harness.client.get(info.task_id).state in ("FINISHED", "FAILED"), length_ms=30)
     feeder.close()
-    assert harness.client.get(info.task_id).state == "FINISHED"
+    assert harness.client.get(info.task_id).state == "FINISHED", harness.client.get(info.task_id).failure
     assert json.loads(out.read_text()) == literal
     assert not (tmp_path / "pwned").exists()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from freeride._demo.summary import Bubble, Iteration
-from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
+from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskProgress, TaskSpec
 
 MS = 1_000_000
 T0 = 10_000 * MS  # an arbitrary CLOCK_MONOTONIC origin
@@ -44,8 +44,8 @@ def stats(device: str, bubble_s: float, harvested_s: float, bubbles: int = 10) -
 def task(task_id: str, name: str, progress: float, state: str = "PARKED", unit: str = "steps",
          failure: FailureRecord | None = None, harvested_s: float = 0.1) -> TaskInfo:  # fmt: skip
     spec = TaskSpec(target=f"side_tasks.x:{name.title()}", memory_bytes=2**28, name=name)
-    return TaskInfo(task_id=task_id, spec=spec, state=state, steps=int(progress), progress=progress,
-                    progress_unit=unit, harvested_s=harvested_s, failure=failure, pid=4242)  # fmt: skip
+    figures = TaskProgress(steps=int(progress), progress=progress, progress_unit=unit, harvested_s=harvested_s)
+    return TaskInfo(task_id=task_id, spec=spec, state=state, figures=figures, failure=failure, pid=4242)
 
 
 def trace(device: str, task_id: str, bubbles: list[tuple[int, int]]) -> list[dict[str, Any]]:

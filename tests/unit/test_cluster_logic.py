@@ -10,7 +10,6 @@ from freeride._cli.launch import local_devices, spans_nodes
 from freeride._cluster.placement import Candidate, Capacity, closed_reason, pick, ranked, refusal
 from freeride._cluster.records import (
     ClusterRecord,
-    TaskStatus,
     cluster_task_id,
     decode_submission,
     encode_submission,
@@ -20,9 +19,9 @@ from freeride._cluster.records import (
     status_fields,
 )
 from freeride._cluster.url import parse_queue_url
-from freeride._manager.validation import Submission, submission_of, validate_spec, validate_submission
+from freeride._validation import Submission, submission_of, validate_spec, validate_submission
 from freeride.errors import ConfigError, RequestRejected
-from freeride.messages import FailureRecord, TaskSpec
+from freeride.messages import FailureRecord, TaskProgress, TaskRecord, TaskSpec
 
 MS = 1_000_000
 GIB = 2**30
@@ -136,13 +135,15 @@ def test_a_record_round_trips_through_its_hash_fields() -> None:
     fields = new_task_fields(sub, 1000.0)
     fields.update(seq="7", entry="1-0", state="QUEUED", owner="", device="")
     failure = FailureRecord(kind="EXCEPTION", message="boom", step=3)
-    status = TaskStatus("pr-q7", "FAILED", 40, 40.0, "ticks", 30, "/ck/pr-q7/ckpt-30.pt", 2, 1.5, 0.25, failure)
+    figures = TaskProgress(steps=40, progress=40.0, progress_unit="ticks", checkpoint_step=30, restarts=2,
+                           step_p95_ms=1.5, harvested_s=0.25)
+    status = TaskRecord("pr-q7", TaskSpec(name="pr"), "FAILED", figures, "/ck/pr-q7/ckpt-30.pt", failure)
     fields.update(status_fields(status, 1001.0))
     record = record_from_fields("pr-q7", {k: str(v) for k, v in fields.items()})
     assert record.submission == sub
     assert (record.seq, record.state, record.steps, record.progress, record.progress_unit) == (7, "FAILED", 40, 40.0,
                                                                                                 "ticks")
-    assert (record.checkpoint_step, record.restarts, record.step_p95_ms) == (30, 2, 1.5)
+    assert record.figures == figures and record.checkpoint_path == "/ck/pr-q7/ckpt-30.pt"
     assert record.failure is not None and record.failure.kind == "EXCEPTION" and record.terminal
     assert record.name == "pr"
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from freeride._manager.core import CoreConfig
 from freeride.errors import ConfigError
 from freeride.training.memory import PRECISIONS, RUNTIMES, MeasuredStages, TransformerDims
 from freeride.training.planner import (
+    DEFAULT_HEADROOM_BYTES,
+    DEFAULT_MARGIN_MS,
     Candidate,
     Costs,
     MemoryInputs,
@@ -29,6 +32,11 @@ def _dims(microbatch_size: int = 1) -> TransformerDims:
 
 def _memory(dims: TransformerDims | None = None, runtime: str = "lean") -> MemoryInputs:
     return MemoryInputs(dims or _dims(), PRECISIONS["fp32"], "adam", RUNTIMES[runtime])
+
+
+def test_the_planners_defaults_are_the_managers_though_it_never_imports_the_manager() -> None:
+    assert CoreConfig().margin_ns == DEFAULT_MARGIN_MS * 1e6
+    assert CoreConfig().headroom_bytes == DEFAULT_HEADROOM_BYTES
 
 
 # ------------------------------------------------------------------ Pareto

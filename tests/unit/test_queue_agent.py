@@ -13,12 +13,12 @@ from conftest import wait_for
 
 from freeride._cluster.agent import QueueAgent, QueueConfig
 from freeride._cluster.placement import Candidate, Capacity
-from freeride._cluster.records import ClaimedTask, ClusterRecord, QueueNote, QueueView, TaskStatus
+from freeride._cluster.records import CancelTask, ClaimedTask, ClusterRecord, QueueNote, QueueView, ReleaseTask
 from freeride._cluster.redis_queue import Held
 from freeride._cluster.url import parse_queue_url
-from freeride._manager import core as C
-from freeride._manager.validation import Submission
+from freeride._validation import Submission
 from freeride.errors import QueueUnavailable
+from freeride.messages import TaskProgress, TaskRecord, TaskSpec
 
 MiB = 2**20
 MS = 1_000_000
@@ -99,11 +99,12 @@ def _record(task_id: str, memory_mib: int = 100, **sub: Any) -> ClusterRecord:
     base: dict[str, Any] = {"target": "m:C", "args_json": "{}", "memory_bytes": memory_mib * MiB}
     base.update(sub)
     return ClusterRecord(task_id, Submission(**base), seq=1, state="CLAIMED", owner="me", epoch=1, entry="1-0",
-                         checkpoint_step=5, progress=6.0, restarts=1, step_p95_ms=2.5)
+                         figures=TaskProgress(checkpoint_step=5, progress=6.0, restarts=1, step_p95_ms=2.5))
 
 
-def _status(task_id: str, state: str = "PARKED") -> TaskStatus:
-    return TaskStatus(task_id, state, 10, 10.0, "steps", 8, f"/ck/{task_id}/ckpt-8.pt", 0, 1.0, 0.1)
+def _status(task_id: str, state: str = "PARKED") -> TaskRecord:
+    figures = TaskProgress(steps=10, progress=10.0, checkpoint_step=8, step_p95_ms=1.0, harvested_s=0.1)
+    return TaskRecord(task_id, TaskSpec(target="m:C"), state, figures, f"/ck/{task_id}/ckpt-8.pt")
 
 
 def _agent(queue: FakeQueue, loop: FakeLoop, **kw: Any) -> QueueAgent:
@@ -127,7 +128,8 @@ def test_it_claims_what_fits_and_posts_it_to_the_loop_with_its_record() -> None:
     agent._poll()
     claims = [c for c in loop.posted if isinstance(c, ClaimedTask)]
     assert [c.task_id for c in claims] == ["ok-q2"]  # the urgent one does not fit: never claimed
-    assert (claims[0].checkpoint_step, claims[0].restarts, claims[0].step_p95_ms) == (5, 1, 2.5)
+    claimed = claims[0].record
+    assert (claimed.checkpoint_step, claimed.restarts, claimed.step_p95_ms, claimed.state) == (5, 1, 2.5, "CLAIMED")
     assert ("claim", "big-q1") not in queue.calls
 
 
@@ -176,8 +178,8 @@ def test_a_lost_lease_kills_the_copy_here_and_a_queue_cancel_cancels_it() -> Non
     agent._next_heartbeat = 0.0
     loop.view = QueueView(ROOM, (_status("a-q1"), _status("b-q2")))
     agent._poll()
-    assert C.ReleaseRequested("a-q1", "lease lost to another manager", checkpoint=False) in loop.posted
-    assert C.CancelRequested("b-q2") in loop.posted
+    assert ReleaseTask("a-q1", "lease lost to another manager", checkpoint=False) in loop.posted
+    assert CancelTask("b-q2") in loop.posted
 
 
 def test_a_claimed_task_still_waiting_for_memory_is_handed_back() -> None:
@@ -188,7 +190,7 @@ def test_a_claimed_task_still_waiting_for_memory_is_handed_back() -> None:
     loop.view = QueueView(Capacity(0, 50 * MS, 0, waiting=1), (_status("a-q1", "SUBMITTED"),))
     agent._poll()  # first seen waiting
     agent._poll()  # still waiting after hold_ms
-    assert C.ReleaseRequested("a-q1", "waited for memory here", checkpoint=True) in loop.posted
+    assert ReleaseTask("a-q1", "waited for memory here", checkpoint=True) in loop.posted
 
 
 def test_an_unreachable_queue_never_raises_out_of_the_agent() -> None:

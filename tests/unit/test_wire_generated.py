@@ -12,7 +12,7 @@ def test_generated_code_matches_the_proto_files(capsys: pytest.CaptureFixture[st
     assert code == 0, capsys.readouterr().out
 
 
-def test_generated_code_is_imported_only_by_the_two_edge_modules() -> None:
+def test_generated_code_is_imported_only_by_the_codec_and_the_two_edge_modules() -> None:
     import pathlib
     import re
 
@@ -23,4 +23,4 @@ def test_generated_code_is_imported_only_by_the_two_edge_modules() -> None:
         for p in root.rglob("*.py")
         if "_wire/freeride_pb2" not in str(p) and pattern.search(p.read_text())
     )
-    assert importers == ["_manager/servicers.py", "_wire/client.py"]
+    assert importers == ["_manager/servicers.py", "_wire/client.py", "_wire/codec.py"]

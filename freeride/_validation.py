@@ -1,4 +1,4 @@
-"""Validation of a task submission: the one check shared by every way a task comes in.
+"""Validation of a task submission: the one check shared by every way a task comes in; and task ids.
 
 Plain data in (:class:`Submission`, the fields of a ``SubmitRequest`` as they travel), a
 :class:`~freeride.messages.TaskSpec` out, or :class:`~freeride.errors.RequestRejected` with a
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,16 @@ MAX_PRIORITY = 1_000_000
 #: Longest echo of a client's value in an error message: details travel in gRPC trailers, which a
 #: client refuses beyond 16 KiB, so echoing a 4 MiB value would hide the error behind another one.
 _ECHO_CHARS = 80
+
+
+#: What every task id a manager or the cluster queue makes looks like: safe as a directory name.
+TASK_ID_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+def slug(text: str) -> str:
+    """A task id's stem, made from its name: ``[a-z0-9-]``, at most 32 characters, never empty."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return slug[:32] or "task"
 
 
 def shown(value: object) -> str:
