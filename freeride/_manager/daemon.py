@@ -236,7 +236,7 @@ class Manager:
 
     def stop(self, drain: bool = False, timeout_s: float = 30.0) -> None:
         if drain:
-            from freeride._manager.loop import Shutdown
+            from freeride._manager.requests import Shutdown
 
             self.loop.post(Shutdown())
         else:

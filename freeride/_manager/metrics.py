@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from freeride._manager.loop import GetStats, ListTasks, Request
+from freeride._manager.requests import GetStats, ListTasks, Request
 from freeride.errors import ConfigError
 from freeride.messages import ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
@@ -68,9 +68,15 @@ class LoopView(Protocol):
 
     device: Any
     started_unix: float
-    events_received: int
-    events_rejected: int
-    messages_dropped: int
+
+    @property
+    def events_received(self) -> int: ...
+
+    @property
+    def events_rejected(self) -> int: ...
+
+    @property
+    def messages_dropped(self) -> int: ...
 
     def call_async(self, request: Request) -> Future[Any]: ...
 

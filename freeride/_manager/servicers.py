@@ -19,7 +19,8 @@ from typing import Any
 
 import grpc
 
-from freeride._manager import loop as L
+from freeride._manager import requests as R
+from freeride._manager.loop import ManagerLoop
 from freeride._validation import validate_submission
 from freeride._wire import codec
 from freeride._wire import freeride_pb2 as _pb
@@ -76,7 +77,7 @@ def _wait_s(context: grpc.ServicerContext, limit_s: float) -> float:
     return max(0.0, min(limit_s, remaining - ANSWER_MARGIN_S))
 
 
-def _call(loop: L.ManagerLoop, context: grpc.ServicerContext, request: L.Request,
+def _call(loop: ManagerLoop, context: grpc.ServicerContext, request: R.Request,
           limit_s: float = CALL_LIMIT_S) -> Any:
     """Run ``request`` on the loop and return its answer, or abort with the status that says why.
 
@@ -105,7 +106,7 @@ def _check_id_or_abort(task_id: str, context: grpc.ServicerContext) -> None:
 
 
 class TrainerServicer(_pb_grpc.TrainerServicer):
-    def __init__(self, loop: L.ManagerLoop) -> None:
+    def __init__(self, loop: ManagerLoop) -> None:
         self._loop = loop
 
     def StreamBubbles(self, request_iterator: Iterator[_pb.BubbleEvent], context: grpc.ServicerContext) -> Any:
@@ -126,7 +127,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
                 except ConfigError as exc:
                     # One bad event must not cost the trainer its stream: count it, say why, go on.
                     rejected += 1
-                    self._loop.events_rejected += 1
+                    self._loop.inbox.reject()
                     last_error = str(exc)
             if events:
                 lost = self._loop.post_bubbles(events, received_ns)  # only when the manager is stopping
@@ -138,7 +139,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
 
 
 class ControlServicer(_pb_grpc.ControlServicer):
-    def __init__(self, loop: L.ManagerLoop) -> None:
+    def __init__(self, loop: ManagerLoop) -> None:
         self._loop = loop
 
     def Submit(self, request: _pb.SubmitRequest, context: grpc.ServicerContext) -> Any:
@@ -146,7 +147,7 @@ class ControlServicer(_pb_grpc.ControlServicer):
             spec = spec_from_pb(request)
         except RequestRejected as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return codec.task_info_to_pb(_call(self._loop, context, L.SubmitTask(spec)))
+        return codec.task_info_to_pb(_call(self._loop, context, R.SubmitTask(spec)))
 
     def List(self, request: _pb.ListRequest, context: grpc.ServicerContext) -> Any:
         """Every task, in full while that fits one message; else summaries; else a precise refusal.
@@ -156,7 +157,7 @@ class ControlServicer(_pb_grpc.ControlServicer):
         summary leaves out the arguments and the failure's traceback and log tail (Get has them);
         the CLI's table shows none of them.
         """
-        infos = _call(self._loop, context, L.ListTasks(request.include_finished))
+        infos = _call(self._loop, context, R.ListTasks(request.include_finished))
         response = _pb.ListResponse(tasks=[codec.task_info_to_pb(i) for i in infos])
         if response.ByteSize() <= MAX_MESSAGE_BYTES:
             return response
@@ -175,17 +176,17 @@ class ControlServicer(_pb_grpc.ControlServicer):
 
     def Get(self, request: _pb.GetRequest, context: grpc.ServicerContext) -> Any:
         _check_id_or_abort(request.task_id, context)
-        return codec.task_info_to_pb(_call(self._loop, context, L.GetTask(request.task_id)))
+        return codec.task_info_to_pb(_call(self._loop, context, R.GetTask(request.task_id)))
 
     def Cancel(self, request: _pb.CancelRequest, context: grpc.ServicerContext) -> Any:
         _check_id_or_abort(request.task_id, context)
-        return codec.task_info_to_pb(_call(self._loop, context, L.CancelTask(request.task_id)))
+        return codec.task_info_to_pb(_call(self._loop, context, R.CancelTask(request.task_id)))
 
     def Stats(self, request: _pb.StatsRequest, context: grpc.ServicerContext) -> Any:
-        return codec.stats_to_pb(_call(self._loop, context, L.GetStats()))
+        return codec.stats_to_pb(_call(self._loop, context, R.GetStats()))
 
     def Bubbles(self, request: _pb.BubblesRequest, context: grpc.ServicerContext) -> Any:
-        return _pb.BubblesResponse(slots=[codec.slot_to_pb(s) for s in _call(self._loop, context, L.GetBubbles())])
+        return _pb.BubblesResponse(slots=[codec.slot_to_pb(s) for s in _call(self._loop, context, R.GetBubbles())])
 
     def Drain(self, request: _pb.DrainRequest, context: grpc.ServicerContext) -> Any:
         """Drain, waiting up to the request's timeout; a drain still under way is answered ``timed_out``.
@@ -194,7 +195,7 @@ class ControlServicer(_pb_grpc.ControlServicer):
         the loop's: when it runs out the answer says so, rather than "the manager did not answer".
         """
         timeout = request.timeout_s if 0 < request.timeout_s <= 3600 else 60.0
-        future = self._loop.call_async(L.Drain())
+        future = self._loop.call_async(R.Drain())
         try:
             parked, checkpointed = future.result(_wait_s(context, timeout))
         except FutureTimeout:
@@ -310,6 +311,6 @@ def add_raw_service(server: grpc.Server, module: Any, service_name: str, service
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def add_servicers(server: grpc.Server, loop: L.ManagerLoop) -> None:
+def add_servicers(server: grpc.Server, loop: ManagerLoop) -> None:
     add_raw_service(server, _pb, "Trainer", TrainerServicer(loop))
     add_raw_service(server, _pb, "Control", ControlServicer(loop))

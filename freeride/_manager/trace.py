@@ -29,12 +29,18 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from freeride._channel import Parked
+from freeride._manager import core as C
 
 log = logging.getLogger(__name__)
 
 BUFFER_BYTES = 1 << 20
+#: How often the loop hands the buffer to the kernel.
+FLUSH_INTERVAL_NS = 1_000_000_000
 
 
 class TraceWriter:
@@ -77,6 +83,60 @@ class TraceWriter:
                 fh.close()
             except OSError:
                 pass
+
+
+class LoopTrace:
+    """What the loop traces: the core's inputs and decisions, and the steps workers report."""
+
+    def __init__(self, writer: TraceWriter, now_ns: Callable[[], int]) -> None:
+        self.writer = writer
+        self.now_ns = now_ns
+        self._next_flush_ns = 0
+
+    def event(self, event: Any) -> None:
+        write = self.writer.write
+        if isinstance(event, C.BubbleStarted):
+            b = event.bubble
+            write("bubble_start", stage=b.stage, rank=b.rank, iteration=b.iteration, slot=b.slot, kind=b.kind,
+                  start_ns=b.start_ns, predicted_ns=b.predicted_ns, received_ns=event.received_ns,
+                  **({"learned": True} if b.learned else {}))
+        elif isinstance(event, C.BubbleEnded):
+            e = event.bubble
+            write("bubble_end", stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot, end_ns=e.end_ns,
+                  received_ns=event.received_ns)
+        elif isinstance(event, C.LayoutChanged):
+            lay = event.layout
+            write("layout", schedule=lay.schedule, stages=lay.stages, microbatches=lay.microbatches,
+                  stage_devices=list(lay.stage_devices), at_ns=lay.at_ns, received_ns=event.received_ns)
+
+    def action(self, action: Any) -> None:
+        write = self.writer.write
+        if isinstance(action, C.Grant):
+            write("grant", task=action.task_id, grant=action.grant_id, deadline_ns=action.deadline_ns,
+                  thaw=action.thaw, at_ns=self.now_ns())
+        elif isinstance(action, C.Park):
+            write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
+        elif isinstance(action, C.Freeze):
+            write("freeze", task=action.task_id, at_ns=self.now_ns())
+        elif isinstance(action, C.StateChanged):
+            write("state", task=action.task_id, old=action.old.value if action.old else None, new=action.new.value,
+                  reason=action.reason, at_ns=self.now_ns())
+
+    def steps(self, task_id: str, parked: Parked) -> None:
+        # A worker of an older version sends no starts: its grant then has no spans.
+        spans = [[s, s + d] for s, d in zip(parked.starts_ns, parked.durations_ns, strict=False)]
+        self.writer.write("steps", task=task_id, grant=parked.grant_id, reason=parked.reason, count=parked.steps,
+                          spans=spans)
+
+    def poll(self, now: int) -> None:
+        """Once a second: the trace can be followed while the manager runs, and a kill -9 loses at most
+        that second (a write to the page cache, not an fsync)."""
+        if now >= self._next_flush_ns:
+            self._next_flush_ns = now + FLUSH_INTERVAL_NS
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _ends_with_newline(path: Path) -> bool:

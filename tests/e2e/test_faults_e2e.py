@@ -415,7 +415,7 @@ def test_store_refusing_writes_keeps_training_served_refuses_submissions_and_rec
     feeder = h.feeder()
     feeder.run_until(lambda: h.client.get(witness.task_id).steps > 0, length_ms=LONG_MS)
     # SQLite's own read-only switch: every write fails as on a read-only or failing disk.
-    h.manager.loop.store._db.execute("PRAGMA query_only = ON")
+    h.manager.loop.durability.store._db.execute("PRAGMA query_only = ON")
     try:
         with pytest.raises(RequestRejected, match="not writable.*the task was not submitted"):
             h.submit("sample_tasks:Counter", name="refused")
@@ -425,7 +425,7 @@ def test_store_refusing_writes_keeps_training_served_refuses_submissions_and_rec
         assert health(h.endpoint) == "SERVING"
         assert _durable_state(h.manager.state_dir, doomed.task_id) != "CANCELLED"
     finally:
-        h.manager.loop.store._db.execute("PRAGMA query_only = OFF")
+        h.manager.loop.durability.store._db.execute("PRAGMA query_only = OFF")
     wait_for(lambda: _durable_state(h.manager.state_dir, doomed.task_id) == "CANCELLED", 10)
     accepted = h.submit("sample_tasks:Counter", name="accepted")
     feeder.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 from conftest import ManagerHarness, wait_for
 
-from freeride._manager.loop import Shutdown
+from freeride._manager.requests import Shutdown
 from freeride._wire.client import ControlClient, health_status
 from freeride.errors import DrainIncomplete, ManagerUnavailable, RequestRejected, TaskNotFound
 from freeride.messages import TaskSpec

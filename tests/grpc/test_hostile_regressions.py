@@ -15,7 +15,7 @@ import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 from grpc_health.v1 import health_pb2
 
-from freeride._manager import loop as L
+from freeride._manager import requests as L
 from freeride._validation import MAX_ARGS_JSON_BYTES
 from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc

@@ -54,7 +54,7 @@ def recorder(loop: ManagerLoop) -> list[BubbleEvent]:
 
 
 def waiting_events(loop: ManagerLoop) -> int:
-    return sum(len(chunk) for chunk in list(loop._bubbles))
+    return loop.inbox.waiting_events()
 
 
 def test_flood_is_held_back_at_the_bound_then_every_event_is_handled_in_order(loop: ManagerLoop) -> None:

@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from freeride._manager.daemon import Manager
-from freeride._manager.loop import GetStats, ListTasks, Request
 from freeride._manager.metrics import ManagerCollector, MetricsServer
+from freeride._manager.requests import GetStats, ListTasks, Request
 from freeride._wire.client import ControlClient
 from freeride.cli import EXIT_BAD_INPUT, main
 from freeride.endpoints import Endpoint
@@ -168,14 +168,14 @@ def test_scrape_of_a_stuck_loop_returns_partial_figures_and_adds_no_requests(
     loop = metered.manager.loop
     release = threading.Event()
     entered: list[int] = []
-    real_stats = loop._stats
+    real_stats = loop.views.stats
 
     def stuck_stats() -> ManagerStats:  # runs on the loop thread: the whole loop waits here
         entered.append(1)
         release.wait(30)
         return real_stats()
 
-    monkeypatch.setattr(loop, "_stats", stuck_stats)
+    monkeypatch.setattr(loop.views, "stats", stuck_stats)
     server = MetricsServer(loop, port=0, timeout_s=0.2, min_interval_s=0)
     server.start()
     try:
@@ -252,7 +252,7 @@ def test_metrics_port_in_use_is_a_config_error_and_leaves_no_socket(
     with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{busy_port}"):
         manager.start()
     assert not os.path.exists(sock)
-    manager.loop.store.close()
+    manager.loop.durability.store.close()
 
 
 def test_manager_command_exits_2_when_the_metrics_port_is_in_use(

@@ -235,7 +235,7 @@ def test_checkpoint_records_outside_the_task_dir_are_protocol_violations(harness
     for path in ("/etc/passwd", str(inside / ".." / ".." / "other-2" / "ckpt"), str(inside / "link" / "passwd")):
         msg = Checkpointed(path=path, step=1, progress=1.0)
         with pytest.raises(ProtocolError, match="outside the task's directory"):
-            loop._on_worker_message(handle, msg)
+            loop.workers.on_message(handle, msg)
 
 
 @pytest.mark.parametrize("pgid", [0, -1, 1, "own"])
@@ -245,7 +245,7 @@ def test_worker_cannot_name_a_process_group_it_did_not_make(harness: ManagerHarn
     handle = SimpleNamespace(task_id="counter-1", extra_pgids=[])
     with pytest.raises(ProtocolError, match="process group"):
         loop_pgid = os.getpgrp() if pgid == "own" else pgid
-        harness.manager.loop._on_worker_message(handle, ProcessGroup(pgid=int(loop_pgid)))
+        harness.manager.loop.workers.on_message(handle, ProcessGroup(pgid=int(loop_pgid)))
     assert handle.extra_pgids == []
 
 

@@ -1,0 +1,419 @@
+"""Worker supervision: starting workers, talking to them, stopping them and reaping them.
+
+A worker is ``python -m freeride._worker`` in a new session (so one ``killpg`` reaches the worker
+and whatever it spawned), with one end of a SEQPACKET socketpair (:mod:`freeride._channel`),
+``PR_SET_PDEATHSIG`` and the channel's end-of-file tying its life to the manager's. Its output goes
+to a pipe that is drained into ``<task dir>/worker.log``, bounded in size and rotated
+(:mod:`freeride._manager.worker_log`); its tail becomes part of a failure record. A worker's process
+group dies with it (whatever it spawned is killed when it is reaped), and processes that a killed
+manager's workers left behind are killed by the next manager (:mod:`freeride._manager.orphans`).
+
+The supervisor registers each worker's channel, output pipe and pidfd with the loop's selector; the
+callbacks it registers return core events (a worker's decoded messages, its failures and its exit),
+which the loop feeds to the core: the supervisor decides nothing. Stopping a process has one way:
+signals go to its process group (and a command task's own group), SIGKILL followed by SIGCONT so
+that a frozen process dies too.
+
+A message that does not decode, and one the manager must refuse (a checkpoint outside the task's
+directory, a process group the worker could not have made), is a PROTOCOL failure of that task: its
+worker is killed, the loop goes on. A full channel (a worker busy in a long step, or frozen) drops
+the stale grant or park rather than blocking the loop; the freeze timer and the stop timeout cover
+what a dropped message would have done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from freeride import _channel as W
+from freeride._boards import WorkerBoard
+from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
+from freeride._manager import core as C
+from freeride._manager import orphans
+from freeride._manager.paths import TaskPaths
+from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
+from freeride.devices import Device
+from freeride.messages import FailureRecord
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+LOG_TAIL_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class StepsReported:
+    """A worker reported the steps of a grant (its ``parked``): for the trace and the end fast path;
+    the core gets the :class:`~freeride._manager.core.WorkerParked` that follows it."""
+
+    task_id: str
+    parked: W.Parked
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every worker is started with."""
+
+    eof_grace_ms: float = 500.0
+    worker_log_max_bytes: int = 8 * 2**20
+    worker_log_backups: int = 1
+    #: The trainer's end board, read by workers; None: ends reach workers through the manager only.
+    end_board_path: Path | None = None
+    #: The scheduling policy's name: ``paper`` workers use the reference system's admission rule.
+    admission: str = "freeride"
+    default_checkpoint_interval_s: float = 30.0
+
+
+@dataclass
+class WorkerHandle:
+    task_id: str
+    proc: subprocess.Popen[bytes]
+    channel: Channel
+    pidfd: int
+    log: WorkerLog
+    log_fd: int  # the read end of the worker's output pipe; -1 once closed
+    board: WorkerBoard | None  # its step and ended-grant words (None: the state directory refused it)
+    extra_pgids: list[int] = field(default_factory=list)
+    closed: bool = False
+    goodbye: bool = False  # the worker announced its exit: end-of-file is expected
+    eof_at_ns: int = 0
+
+
+class Supervisor:
+    """The workers of one manager. ``watch(task_id, pids)`` / ``forget(task_id)`` tell the device poller
+    which processes' memory to sample."""
+
+    def __init__(self, device: Device, settings: WorkerSettings, paths: TaskPaths, selector: selectors.BaseSelector,
+                 watch: Callable[[str, list[int]], None], forget: Callable[[str], None],
+                 now_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.device = device
+        self.settings = settings
+        self.paths = paths
+        self._selector = selector
+        self._watch = watch
+        self._forget = forget
+        self.now_ns = now_ns
+        self.workers: dict[str, WorkerHandle] = {}
+        #: Grants and parks dropped because a worker's channel was full.
+        self.messages_dropped = 0
+
+    # ------------------------------------------------------------ what the loop asks
+
+    def board(self, task_id: str) -> WorkerBoard | None:
+        handle = self.workers.get(task_id)
+        return handle.board if handle is not None else None
+
+    def pid(self, task_id: str) -> int:
+        handle = self.workers.get(task_id)
+        return handle.proc.pid if handle is not None else 0
+
+    def send(self, task_id: str, message: W.ManagerMessage) -> None:
+        """Send a message; a full channel drops it (counted), a closed one starts the end-of-file grace."""
+        handle = self.workers.get(task_id)
+        if handle is None or handle.closed:
+            return
+        try:
+            handle.channel.send(message)
+        except ChannelFull:
+            # The worker is busy (a long step or setup) or frozen: a grant or park it cannot read
+            # now is stale by the time it could. The freeze timer and stop timeout still apply.
+            self.messages_dropped += 1
+            log.debug("[%s task=%s] worker not reading; dropped %s", self.device, task_id, message.TAG)
+        except ChannelClosed:
+            self._channel_eof(handle)
+
+    def signal(self, task_id: str, sig: int) -> None:
+        handle = self.workers.get(task_id)
+        if handle is not None:
+            self._signal(handle, sig)
+
+    def freeze(self, task_id: str) -> list[Any]:
+        """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board."""
+        handle = self.workers.get(task_id)
+        if handle is None:
+            return []
+        self._signal(handle, signal.SIGSTOP)
+        if handle.board is None:
+            return []
+        # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
+        # still at -1 says it has begun none: it is inside setup().
+        return [C.WorkerStepsSeen(task_id, handle.board.steps_done(), handle.board.step() < 0)]
+
+    def kill_all(self) -> None:
+        for handle in list(self.workers.values()):
+            self._signal(handle, signal.SIGKILL)
+
+    def log_tail(self, task_id: str) -> str:
+        handle = self.workers.get(task_id)
+        if handle is not None:
+            self._read_log(handle, chunks=64)
+            return handle.log.tail(LOG_TAIL_BYTES)
+        return read_tail_bytes(self.paths.task_dir(task_id) / "worker.log", LOG_TAIL_BYTES).decode(errors="replace")
+
+    def next_timer_ns(self) -> int | None:
+        deadlines = [h.eof_at_ns for h in self.workers.values() if h.eof_at_ns]
+        return min(deadlines) if deadlines else None
+
+    def poll(self, now: int) -> list[Any]:
+        """Kill workers that closed their channel but kept running past the grace."""
+        events: list[Any] = []
+        for handle in list(self.workers.values()):
+            if handle.eof_at_ns and now >= handle.eof_at_ns:
+                handle.eof_at_ns = 0
+                if handle.proc.poll() is None:
+                    events.append(self._protocol_failure(handle, "the worker closed its channel but kept running"))
+                    self._signal(handle, signal.SIGKILL)
+        return events
+
+    # ------------------------------------------------------------ starting
+
+    def spawn(self, action: C.Spawn) -> list[Any]:
+        task_id = action.task_id
+        task_dir = self.paths.task_dir(task_id)
+        checkpoint_dir = self.paths.checkpoint_dir(task_id)
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (task_dir / "work").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a full or read-only state directory: say so rather than stay STARTING
+            return _spawn_failed(task_id, f"cannot prepare the task directory {task_dir}: {exc}")
+        board: WorkerBoard | None = None
+        try:
+            board = WorkerBoard.create(task_dir / "board")
+        except OSError as exc:  # the worker then learns of ends by its channel only
+            log.warning("[%s task=%s] no board for the worker: %s", self.device, task_id, exc)
+        try:
+            log_fd, out_fd = os.pipe2(os.O_CLOEXEC)
+        except OSError as exc:
+            return _spawn_failed(task_id, f"cannot make the worker's output pipe: {exc}")
+        worker_log = WorkerLog(task_dir / "worker.log", self.settings.worker_log_max_bytes,
+                               self.settings.worker_log_backups)
+        parent_sock, child_sock = socketpair()
+        env = dict(os.environ)
+        env.update(self.device.worker_env(action.memory_bytes))
+        env[orphans.MARKER_ENV] = str(task_dir)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        spec = action.spec
+        cwd = spec.working_dir if spec.working_dir and os.path.isdir(spec.working_dir) else str(task_dir / "work")
+        argv = [sys.executable, "-m", "freeride._worker", "--fd", str(child_sock.fileno()),
+                "--parent-pid", str(os.getpid())]
+        try:
+            proc = subprocess.Popen(argv, pass_fds=(child_sock.fileno(),), start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=out_fd, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+        except OSError as exc:
+            parent_sock.close()
+            child_sock.close()
+            os.close(log_fd)
+            os.close(out_fd)
+            worker_log.close()
+            if board is not None:
+                board.close()
+            return _spawn_failed(task_id, f"cannot start the worker: {exc}")
+        child_sock.close()
+        os.close(out_fd)
+        orphans.record(task_dir, proc.pid)
+        handle = self.adopt(task_id, proc, parent_sock, log_fd, worker_log, board)
+        init = W.Init(
+            task_id=task_id, target=spec.target, args=spec.args, command=spec.command, working_dir=spec.working_dir,
+            device=str(self.device), memory_limit_bytes=action.memory_bytes, work_dir=str(task_dir / "work"),
+            checkpoint_dir=str(checkpoint_dir), resume_path=action.resume_path,
+            checkpoint_interval_s=spec.checkpoint_interval_s or self.settings.default_checkpoint_interval_s,
+            step_time_hint_ms=spec.step_time_hint_ms, board_file=str(task_dir / "board") if board is not None else "",
+            end_board=str(self.settings.end_board_path or ""), admission=self.settings.admission,
+        )
+        try:
+            handle.channel.send(init)
+        except (ProtocolError, ChannelFull, ChannelClosed) as exc:
+            # Validation bounds what a spec carries, so this is a backstop: a worker that never gets
+            # its init would hold the task in STARTING for good. Fail the task; its exit completes it.
+            self._signal(handle, signal.SIGKILL)
+            return [C.WorkerFailed(task_id, FailureRecord(kind="SPAWN", message=f"cannot send the task to its "
+                                                          f"worker: {exc}", at_unix_s=time.time()))]
+        log.info("[%s task=%s] worker pid %d started", self.device, task_id, proc.pid)
+        return []
+
+    def adopt(self, task_id: str, proc: subprocess.Popen[bytes], sock: socket.socket, log_fd: int,
+              worker_log: WorkerLog, board: WorkerBoard | None) -> WorkerHandle:
+        """Supervise a started worker: its channel's end, the read end of its output pipe, its log, its board."""
+        os.set_blocking(log_fd, False)
+        sock.setblocking(False)
+        channel = Channel(sock)
+        handle = WorkerHandle(task_id, proc, channel, os.pidfd_open(proc.pid), worker_log, log_fd, board)
+        self.workers[task_id] = handle
+        self._selector.register(channel.fileno(), selectors.EVENT_READ, lambda: self._read_channel(handle))
+        self._selector.register(handle.pidfd, selectors.EVENT_READ, lambda: self._reap(handle))
+        self._selector.register(log_fd, selectors.EVENT_READ, lambda: self._read_log(handle))
+        self._watch(task_id, [proc.pid])
+        return handle
+
+    # ------------------------------------------------------------ the worker's messages
+
+    def _read_channel(self, handle: WorkerHandle) -> list[Any]:
+        events: list[Any] = []
+        while not handle.closed:
+            try:
+                msg = handle.channel.recv_nowait()
+            except ChannelClosed:
+                self._channel_eof(handle)
+                break
+            except ProtocolError as exc:
+                events.append(self._protocol_failure(handle, f"the worker sent a malformed message: {exc}"))
+                self._signal(handle, signal.SIGKILL)
+                break
+            if msg is None:
+                break
+            try:
+                events += self.on_message(handle, msg)
+            except ProtocolError as exc:
+                events.append(self._protocol_failure(handle, f"the worker sent a malformed {msg.TAG!r}: {exc}"))
+                self._signal(handle, signal.SIGKILL)
+                break
+        return events
+
+    def on_message(self, handle: Any, msg: W.Message) -> list[Any]:
+        """What a decoded worker message means: core events, or :class:`ProtocolError` for one the worker
+        may not send (``handle`` needs ``task_id``, and ``proc`` and ``extra_pgids`` for a process group)."""
+        tid = handle.task_id
+        if isinstance(msg, W.Parked):
+            return [StepsReported(tid, msg), C.WorkerParked(
+                tid, msg.grant_id, msg.steps, msg.durations_ns, msg.first_step_ns, msg.last_end_ns, msg.parked_ns,
+                msg.reason, msg.progress, msg.total_steps, warmup_steps=msg.warmup_steps,
+                device_bytes=msg.device_bytes, seen_end_ns=msg.end_ns)]
+        if isinstance(msg, W.Ready):
+            return [C.WorkerReady(tid, msg.pid, msg.progress_unit, msg.context_bytes, msg.baseline_bytes,
+                                  msg.host_baseline_bytes)]
+        if isinstance(msg, W.Checkpointed):
+            home = self.paths.checkpoint_home(tid)
+            if not Path(msg.path).resolve().is_relative_to(home.resolve()):
+                raise ProtocolError(f"checkpoint path {msg.path!r} is outside the task's directory")
+            return [C.WorkerCheckpointed(tid, msg.step, msg.path, msg.progress)]
+        if isinstance(msg, W.Finished):
+            return [C.WorkerFinished(tid, msg.total_steps, msg.progress)]
+        if isinstance(msg, W.Failed):
+            failure = FailureRecord(kind=msg.kind, message=msg.message, traceback=msg.traceback, step=msg.step,
+                                    at_unix_s=time.time())
+            return [C.WorkerFailed(tid, failure, msg.durations_ns, msg.progress, msg.total_steps)]
+        if isinstance(msg, W.CheckpointFailed):
+            # The worker goes on and tries again later; the last acknowledged checkpoint stands.
+            log.warning("[%s task=%s] checkpoint at step %s not written: %s", self.device, tid, msg.step, msg.error)
+            return []
+        if isinstance(msg, W.Bye):
+            handle.goodbye = True
+            return []
+        if isinstance(msg, W.ProcessGroup):
+            # The manager will SIGKILL this group: 0 or a negative number would make killpg name the
+            # manager's own group or fail with EINVAL on the loop thread, and 1 is init's.
+            if msg.pgid <= 1 or msg.pgid == os.getpgrp():
+                raise ProtocolError(f"process group {msg.pgid} is not one a command task could have made")
+            handle.extra_pgids.append(msg.pgid)
+            self._watch(tid, [handle.proc.pid, *handle.extra_pgids])
+            return []
+        # The channel decodes only worker messages: a manager's own is no business of a worker.
+        raise ProtocolError(f"a {msg.TAG!r} message is not one a worker may send")
+
+    def _protocol_failure(self, handle: WorkerHandle, message: str) -> C.WorkerFailed:
+        return C.WorkerFailed(handle.task_id, FailureRecord(
+            kind="PROTOCOL", message=message, step=self.paths.board_step(handle.task_id), at_unix_s=time.time()))
+
+    # ------------------------------------------------------------ output, end-of-file, exit
+
+    def _read_log(self, handle: WorkerHandle, chunks: int = 1) -> list[Any]:
+        """Move up to ``chunks`` chunks of the worker's output from its pipe to its log (one per wake-up:
+        a task that prints without pause costs each turn of the loop one read and one write)."""
+        for _ in range(chunks):
+            if handle.log_fd < 0:
+                break
+            try:
+                data = os.read(handle.log_fd, CHUNK_BYTES)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:  # every writer is gone
+                self._close_log(handle)
+                break
+            handle.log.write(data)
+        return []
+
+    def _close_log(self, handle: WorkerHandle) -> None:
+        if handle.log_fd >= 0:
+            self._selector.unregister(handle.log_fd)
+            os.close(handle.log_fd)
+            handle.log_fd = -1
+        handle.log.close()
+
+    def _channel_eof(self, handle: WorkerHandle) -> None:
+        if handle.closed:
+            return
+        handle.closed = True
+        self._selector.unregister(handle.channel.fileno())
+        handle.channel.close()
+        if not handle.goodbye and handle.proc.poll() is None:
+            handle.eof_at_ns = self.now_ns() + int(self.settings.eof_grace_ms * 1e6)
+
+    def _reap(self, handle: WorkerHandle) -> list[Any]:
+        events = self._read_channel(handle) if not handle.closed else []  # its last words come first
+        self._channel_eof(handle)
+        # Whatever the task spawned dies with it. The unreaped worker still holds its pid, so the
+        # group id cannot have been reused by an unrelated process yet.
+        _killpg(handle.proc.pid, signal.SIGKILL)
+        returncode = handle.proc.wait()
+        # What the worker wrote last (a crash's last words) is still in the pipe: log it before the
+        # tail is read. Bounded: a process the task left behind may still be writing.
+        self._read_log(handle, chunks=64)
+        tail = handle.log.tail(LOG_TAIL_BYTES)
+        self._close_log(handle)
+        if handle.board is not None:
+            handle.board.close()
+        orphans.forget(self.paths.task_dir(handle.task_id))
+        self._selector.unregister(handle.pidfd)
+        os.close(handle.pidfd)
+        self.workers.pop(handle.task_id, None)
+        self._forget(handle.task_id)
+        for pgid in handle.extra_pgids:  # a command task's own group dies with its worker
+            _killpg(pgid, signal.SIGKILL)
+        sig = -returncode if returncode < 0 else 0
+        code = returncode if returncode >= 0 else None
+        events.append(C.WorkerExited(handle.task_id, code, sig, tail, self.paths.board_step(handle.task_id)))
+        return events
+
+    def close(self) -> None:
+        """Kill every worker and wait for it (the manager is stopping)."""
+        for handle in list(self.workers.values()):
+            self._signal(handle, signal.SIGKILL)
+            handle.proc.wait()
+            self._read_log(handle, chunks=64)
+            self._close_log(handle)
+            if handle.board is not None:
+                handle.board.close()
+            orphans.forget(self.paths.task_dir(handle.task_id))
+
+    def _signal(self, handle: WorkerHandle, sig: int) -> None:
+        for pgid in [handle.proc.pid, *handle.extra_pgids]:
+            _killpg(pgid, sig)
+        if sig == signal.SIGKILL:  # a frozen process must run to die
+            for pgid in [handle.proc.pid, *handle.extra_pgids]:
+                _killpg(pgid, signal.SIGCONT)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _spawn_failed(task_id: str, message: str) -> list[Any]:
+    return [C.WorkerFailed(task_id, FailureRecord(kind="SPAWN", message=message, at_unix_s=time.time())),
+            C.WorkerExited(task_id, exit_code=None, signal=0)]

@@ -1,0 +1,91 @@
+"""The loop's dispatch, with a scripted core and fake workers: each action goes to its component, and
+events a component answers with are fed only after every action of the current event is applied."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cpu_devices
+
+from freeride import _channel as W
+from freeride._manager import core as C
+from freeride._manager.loop import LoopConfig, ManagerLoop
+from freeride._manager.requests import SubmitTask
+from freeride.devices import open_device
+from freeride.messages import TaskSpec
+
+LOG: list[str] = []
+
+
+class ScriptedCore:
+    """Answers each event with the actions the test gave for its type; logs what it was fed."""
+
+    def __init__(self, script: dict[type, list[Any]]) -> None:
+        self.script = script
+        self.tasks: dict[str, Any] = {}
+
+    def on_event(self, event: Any, now_ns: int) -> list[Any]:
+        LOG.append(f"core <- {type(event).__name__}")
+        return self.script.get(type(event), [])
+
+    def next_timer_ns(self) -> None:
+        return None
+
+
+class FakeWorkers:
+    workers: dict[str, Any] = {}
+
+    def send(self, task_id: str, message: W.ManagerMessage) -> None:
+        LOG.append(f"send {type(message).__name__} to {task_id}")
+
+    def signal(self, task_id: str, sig: int) -> None:
+        LOG.append(f"signal {int(sig)} to {task_id}")
+
+    def freeze(self, task_id: str) -> list[Any]:
+        LOG.append(f"freeze {task_id}")
+        return [C.WorkerStepsSeen(task_id, 3)]
+
+    def board(self, task_id: str) -> None:
+        return None
+
+
+@pytest.fixture
+def loop(tmp_path: Path) -> Iterator[ManagerLoop]:
+    loop = ManagerLoop(open_device(cpu_devices(1)[0]), LoopConfig(state_dir=tmp_path / "state"))
+    LOG.clear()
+    yield loop
+    loop.stop()
+
+
+def test_events_a_component_answers_with_wait_until_every_action_is_applied(loop: ManagerLoop) -> None:
+    loop.core = ScriptedCore({C.Tick: [C.Freeze("a-1"), C.Grant("b-2", 7, 100, 1, thaw=True), C.Kill("c-3")]})
+    loop.workers = FakeWorkers()  # type: ignore[assignment]
+    loop._feed(C.Tick(), 0)
+    assert ["core <- Tick", "freeze a-1", "send Grant to b-2", f"signal {int(signal.SIGCONT)} to b-2",
+                   f"signal {int(signal.SIGKILL)} to c-3", "core <- WorkerStepsSeen"] == LOG
+
+
+def test_an_action_that_fails_to_apply_is_logged_and_the_others_still_are(loop: ManagerLoop,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(FakeWorkers):
+        def send(self, task_id: str, message: W.ManagerMessage) -> None:
+            raise RuntimeError("boom")
+
+    loop.core = ScriptedCore({C.Tick: [C.Park("a-1", 1), C.Kill("b-2")]})
+    loop.workers = Broken()  # type: ignore[assignment]
+    loop.workers.workers = {"a-1": object()}
+    loop._feed(C.Tick(), 0)
+    assert ["core <- Tick", f"signal {int(signal.SIGKILL)} to b-2"] == LOG
+    assert "failed to apply" in caplog.text
+
+
+def test_a_request_is_answered_after_the_events_it_causes_are_fed(loop: ManagerLoop) -> None:
+    future = loop.call_async(SubmitTask(TaskSpec(target="m:C", memory_bytes=2**20, name="c")))
+    loop._take_inbox()
+    info = future.result(0)
+    assert info.task_id == "c-1" and info.state in ("SUBMITTED", "STARTING")
+    assert loop.core.tasks["c-1"].spec.name == "c"

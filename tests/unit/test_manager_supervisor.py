@@ -1,0 +1,160 @@
+"""Worker supervision on its own: the test plays the worker at the other end of a real channel, with a real
+process standing in for it, and checks the core events the supervisor returns (it decides nothing)."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_for
+
+from freeride import _channel as W
+from freeride._boards import WorkerBoard
+from freeride._channel import ProtocolError, socketpair
+from freeride._manager import core as C
+from freeride._manager.paths import TaskPaths
+from freeride._manager.supervisor import StepsReported, Supervisor, WorkerSettings
+from freeride._manager.worker_log import WorkerLog
+
+TID = "counter-1"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+@dataclass
+class Rig:
+    sup: Supervisor
+    selector: selectors.BaseSelector
+    worker: socket.socket  # the worker's end of the channel: the test writes what a worker would
+    proc: subprocess.Popen[bytes]
+    board: WorkerBoard
+    clock: FakeClock
+    watched: dict[str, list[int]] = field(default_factory=dict)
+
+    def ready(self) -> list[Any]:
+        """What the loop's select would hand on: the events of every ready callback, in order."""
+        events: list[Any] = []
+        for key, _ in self.selector.select(0.05):
+            events += key.data()
+        return events
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    paths = TaskPaths(tmp_path, None, lambda tid: False)
+    task_dir = paths.task_dir(TID)
+    task_dir.mkdir(parents=True)
+    board = WorkerBoard.create(task_dir / "board")
+    selector = selectors.DefaultSelector()
+    watched: dict[str, list[int]] = {}
+    clock = FakeClock()
+    sup = Supervisor("cpu:0", WorkerSettings(eof_grace_ms=100), paths, selector,  # type: ignore[arg-type]
+                     watched.__setitem__, lambda tid: watched.pop(tid, None), clock)
+    ours, theirs = socketpair()
+    log_fd, out_fd = os.pipe2(os.O_CLOEXEC)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print('last words'); sys.stdout.flush(); "
+                             "time.sleep(60)"], stdout=out_fd, start_new_session=True)
+    os.close(out_fd)
+    sup.adopt(TID, proc, ours, log_fd, WorkerLog(task_dir / "worker.log", 2**20, 1), board)
+    rig = Rig(sup, selector, theirs, proc, board, clock, watched)
+    yield rig
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    theirs.close()
+    selector.close()
+
+
+def parked(grant_id: int = 3) -> W.Parked:
+    return W.Parked(grant_id, steps=2, durations_ns=(5, 6), first_step_ns=1, last_end_ns=20, parked_ns=21,
+                    reason="deadline", progress=2.0, total_steps=9, starts_ns=(1, 10))
+
+
+def test_worker_messages_become_core_events_in_order(rig: Rig) -> None:
+    rig.worker.send(W.encode(W.Ready(pid=rig.proc.pid, progress_unit="edges")))
+    rig.worker.send(W.encode(parked()))
+    events = rig.ready()
+    assert events == [C.WorkerReady(TID, rig.proc.pid, "edges", 0, 0), StepsReported(TID, parked()),
+                      C.WorkerParked(TID, 3, 2, (5, 6), 1, 20, 21, "deadline", 2.0, 9)]
+    assert rig.watched == {TID: [rig.proc.pid]}
+
+
+@pytest.mark.parametrize("data", [b"garbage", b'{"t":"ready","pid":"1"}', b'{"t":"finished","progress":1.0}',
+                                  b'{"t":"reboot"}', b'{"t":"stop","checkpoint":true}'])
+def test_a_malformed_message_is_a_protocol_failure_naming_the_step_and_the_worker_is_killed(
+    rig: Rig, data: bytes
+) -> None:
+    rig.board.publish_step(4)
+    rig.worker.send(data)
+    [failed] = rig.ready()
+    assert isinstance(failed, C.WorkerFailed) and failed.failure.kind == "PROTOCOL"
+    assert failed.failure.step == 4 and "malformed" in failed.failure.message
+    assert rig.proc.wait(10) == -signal.SIGKILL
+
+
+def test_what_only_the_manager_can_judge_is_refused_as_a_protocol_error(rig: Rig, tmp_path: Path) -> None:
+    handle = rig.sup.workers[TID]
+    with pytest.raises(ProtocolError, match="outside the task's directory"):
+        rig.sup.on_message(handle, W.Checkpointed(step=1, path=str(tmp_path / "elsewhere"), progress=1.0))
+    with pytest.raises(ProtocolError, match="process group"):
+        rig.sup.on_message(handle, W.ProcessGroup(pgid=os.getpgrp()))
+    inside = rig.sup.paths.task_dir(TID) / "checkpoints" / "ckpt-1.pt"
+    assert rig.sup.on_message(handle, W.Checkpointed(step=1, path=str(inside), progress=1.0)) == [
+        C.WorkerCheckpointed(TID, 1, str(inside), 1.0)]
+
+
+def test_a_channel_closed_without_bye_is_a_protocol_failure_after_the_grace(rig: Rig) -> None:
+    rig.worker.close()
+    assert rig.ready() == []
+    deadline = rig.sup.next_timer_ns()
+    assert deadline == rig.clock.now + 100_000_000
+    assert rig.sup.poll(deadline - 1) == []
+    [failed] = rig.sup.poll(deadline)
+    assert isinstance(failed, C.WorkerFailed) and "closed its channel" in failed.failure.message
+    assert rig.proc.wait(10) == -signal.SIGKILL and rig.sup.next_timer_ns() is None
+
+
+def test_a_goodbye_makes_the_end_of_file_an_exit_and_the_exit_carries_the_logs_tail(rig: Rig) -> None:
+    log = rig.sup.paths.task_dir(TID) / "worker.log"
+    wait_for(lambda: rig.ready() is not None and log.exists() and "last words" in log.read_text(), 10)
+    rig.worker.send(W.encode(W.Bye(0)))
+    rig.worker.close()
+    rig.ready()
+    assert rig.sup.next_timer_ns() is None
+    os.killpg(rig.proc.pid, signal.SIGTERM)
+    events: list[Any] = []
+    wait_for(lambda: events.extend(rig.ready()) or any(isinstance(e, C.WorkerExited) for e in events), 10)
+    [exited] = [e for e in events if isinstance(e, C.WorkerExited)]
+    assert (exited.exit_code, exited.signal) == (None, signal.SIGTERM) and "last words" in exited.log_tail
+    assert TID not in rig.sup.workers and rig.watched == {}
+
+
+def test_a_full_channel_drops_the_message_and_counts_it(rig: Rig) -> None:
+    sent = 0
+    while rig.sup.messages_dropped == 0:
+        rig.sup.send(TID, W.Park(sent))
+        sent += 1
+    assert sent > 1 and rig.sup.messages_dropped == 1
+
+
+def test_a_frozen_worker_reports_the_steps_its_board_says_it_finished(rig: Rig) -> None:
+    rig.board.publish_done(6)
+    rig.board.publish_step(6)
+    assert rig.sup.freeze(TID) == [C.WorkerStepsSeen(TID, 6, False)]
+    rig.sup.signal(TID, signal.SIGCONT)
+    assert rig.sup.freeze("nobody-2") == []
