@@ -243,15 +243,23 @@ def test_malformed_bubble_events_are_counted_not_fatal(harness: ManagerHarness) 
 
     feeder = harness.feeder()
     now = time.monotonic_ns()
-    feeder.send(BubbleStart(0, 0, 0, 0, "x", now, -5, -1))  # negative length
-    feeder.send(BubbleStart(0, 0, 1, 0, "x", 0, 5_000_000, -1))  # no start time
-    feeder.send(BubbleEnd(0, 0, 9, 0, now))  # end without start
-    feeder.bubble(10)
-    accepted, rejected = feeder.close()
-    assert rejected == 2
-    assert accepted == 3
+    feeder.send(BubbleStart(0, 0, 0, 0, "x", now, -5, -1))  # negative length: refused by the servicer
+    feeder.send(BubbleStart(0, 0, 1, 0, "x", 0, 5_000_000, -1))  # no start time: refused by the servicer
+    feeder.send(BubbleEnd(0, 0, 9, 0, now))  # well-formed, but an end without its start: the core ignores it
+    feeder.bubble(10)  # a good bubble after them, on the same stream
+    feeder.send(None)  # type: ignore[arg-type]  # the trainer closes its stream
+    summary = feeder.stream.summary(10)
+    feeder.stream.close()
+    assert (summary.accepted, summary.rejected) == (3, 2)
+    assert "start_ns must be a positive monotonic time" in summary.last_error  # the last refused one's reason
     # The manager's count adds the well-formed but out-of-order end that the scheduler ignored.
-    assert harness.client.stats().events_rejected == 3
+    stats = harness.client.stats()
+    assert stats.events_rejected == 3 and stats.events_received == 3
+    # Only the good bubble was measured; the stream, and the manager, went on.
+    assert stats.bubbles == 1
+    [slot] = harness.client.bubbles()
+    assert slot.count == 1 and slot.length_ms.count == 1 and slot.length_ms.p50 >= 10
+    assert slot.predicted_ms.p50 == 10
 
 
 def test_drain_checkpoints_every_task_and_they_resume_on_a_new_manager(make_manager: object) -> None:

@@ -80,23 +80,44 @@ def test_reporter_rejects_bad_device_at_construction(tmp_path: Path) -> None:
         BubbleReporter("gpu0", 0, 0, endpoint=_absent(tmp_path), start=False)
 
 
+class _RecordedWaits(threading.Event):
+    """The reporter's closing event, recording how long each wait between attempts was asked to last
+    (and not waiting it: the test reads the schedule, not the clock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is not None:
+            self.waits.append(timeout)
+        return self.is_set()
+
+
 def test_reporter_retries_with_backoff(tmp_path: Path) -> None:
     reporter = BubbleReporter(
-        "cpu:0", 0, 0, endpoint=_absent(tmp_path), backoff_initial_s=0.01, backoff_max_s=0.05
+        "cpu:0", 0, 0, endpoint=_absent(tmp_path), backoff_initial_s=0.01, backoff_max_s=0.05, start=False
     )
+    waits = _RecordedWaits()
+    reporter._closed = waits
+    attempts = 0
+    original = reporter._open_stream
+
+    def counting(alive):  # type: ignore[no-untyped-def]
+        nonlocal attempts
+        attempts += 1
+        return original(alive)
+
+    reporter._open_stream = counting  # type: ignore[method-assign]
+    reporter._thread.start()
     try:
-        attempts = 0
-        original = reporter._open_stream
-
-        def counting(alive):  # type: ignore[no-untyped-def]
-            nonlocal attempts
-            attempts += 1
-            return original(alive)
-
-        reporter._open_stream = counting  # type: ignore[method-assign]
-        wait_for(lambda: attempts >= 3, 10)
+        wait_for(lambda: len(waits.waits) >= 6, 20)
     finally:
         reporter.close()
+    # Each failed attempt waits twice as long as the one before, from the initial backoff up to the
+    # maximum, and then tries again: one attempt per wait.
+    assert waits.waits[:6] == [0.01, 0.02, 0.04, 0.05, 0.05, 0.05]
+    assert attempts >= 6
 
 
 class FakeStream:
