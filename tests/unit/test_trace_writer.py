@@ -21,3 +21,23 @@ def test_a_restarted_manager_appends_to_its_trace_after_a_torn_last_line(tmp_pat
     assert [r["ev"] for r in records] == ["opened", "grant", "opened", "grant"]
     assert [r["grant"] for r in records if r["ev"] == "grant"] == [1, 2]
     assert all(r["device"] == "cpu:0" for r in records)
+
+
+def test_the_loops_trace_writes_the_cores_inputs_decisions_and_the_reported_steps(tmp_path: Path) -> None:
+    from freeride._channel import Parked
+    from freeride._manager import core as C
+    from freeride._manager.trace import LoopTrace
+    from freeride.messages import BubbleStart
+
+    path = tmp_path / "trace.jsonl"
+    trace = LoopTrace(TraceWriter(path, "cpu:0"), lambda: 42)
+    trace.event(C.BubbleStarted(BubbleStart(0, 1, 2, 3, "k", 100, 50, learned=True), 101))
+    trace.event(C.Tick())  # not traced
+    trace.action(C.Grant("a-1", 7, 150, 1, thaw=False))
+    trace.action(C.Kill("a-1"))  # not traced
+    trace.steps("a-1", Parked(7, 2, (10, 20), 100, 135, 136, "deadline", 2.0, 2, starts_ns=(100, 115)))
+    trace.close()
+    records = read_trace(path)
+    assert [r["ev"] for r in records] == ["opened", "bubble_start", "grant", "steps"]
+    assert records[1]["learned"] is True and records[2]["at_ns"] == 42
+    assert records[3]["spans"] == [[100, 110], [115, 135]] and records[3]["count"] == 2
