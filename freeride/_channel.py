@@ -292,21 +292,24 @@ _CHECKS: dict[Any, Callable[[Any], Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class _Field:
-    attr: str
-    key: str
-    check: Callable[[Any], Any]
-    required: bool
+_MISSING = object()
+#: Field types whose values pass as they come (the common case, checked with one comparison); others go
+#: through their check function (which also turns a whole number into a float).
+_AS_IS = (int, float, str, bool)
+
+#: (attribute, key on the channel, the type a value passes as, else None; its check; required?)
+_Field = tuple[str, str, Any, Callable[[Any], Any], bool]
 
 
 def _fields_of(cls: type[Any]) -> tuple[_Field, ...]:
     hints = typing.get_type_hints(cls)
     table = []
     for f in dataclasses.fields(cls):
-        check = _check_bytes if f.metadata.get("byte_count") else _CHECKS[hints[f.name]]
+        byte_count = bool(f.metadata.get("byte_count"))
+        check = _check_bytes if byte_count else _CHECKS[hints[f.name]]
+        as_is = hints[f.name] if hints[f.name] in _AS_IS and not byte_count else None
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        table.append(_Field(f.name, f.metadata.get("key", f.name), check, required))
+        table.append((f.name, f.metadata.get("key", f.name), as_is, check, required))
     return tuple(table)
 
 
@@ -316,7 +319,7 @@ _TABLE: dict[str, tuple[type[Any], tuple[_Field, ...]]] = {
 }
 #: class -> ((attribute, key) of each field), for the encoder.
 _KEYS: dict[type[Any], tuple[tuple[str, str], ...]] = {
-    cls: tuple((f.attr, f.key) for f in fields) for cls, fields in _TABLE.values()
+    cls: tuple((attr, key) for attr, key, _, _, _ in fields) for cls, fields in _TABLE.values()
 }
 
 
@@ -349,14 +352,18 @@ def decode(data: bytes, accepted: tuple[type[Any], ...]) -> Message:
         raise ProtocolError(f"a {tag!r} message is not one this peer may send")
     cls, fields = entry
     values: dict[str, Any] = {}
-    for f in fields:
-        if f.key in raw:
+    for attr, key, as_is, check, required in fields:
+        value = raw.get(key, _MISSING)
+        if value is _MISSING:
+            if required:
+                raise ProtocolError(f"malformed {tag!r}: field {key!r} is missing")
+            continue
+        if type(value) is not as_is:  # bool is no int here: type(), not isinstance()
             try:
-                values[f.attr] = f.check(raw[f.key])
+                value = check(value)
             except TypeError as exc:
-                raise ProtocolError(f"malformed {tag!r}: field {f.key!r}: {exc}") from None
-        elif f.required:
-            raise ProtocolError(f"malformed {tag!r}: field {f.key!r} is missing")
+                raise ProtocolError(f"malformed {tag!r}: field {key!r}: {exc}") from None
+        values[attr] = value
     message: Message = cls(**values)
     return message
 

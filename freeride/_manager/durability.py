@@ -29,11 +29,11 @@ from freeride import _checkpoints
 from freeride._cluster.records import is_cluster_id
 from freeride._manager import core as C
 from freeride._manager import orphans
-from freeride._manager.figures import task_added
+from freeride._manager.figures import figures_of, task_added
 from freeride._manager.paths import TaskPaths
 from freeride._manager.store import TaskStore
 from freeride.errors import StateNotWritable
-from freeride.messages import FailureRecord, TaskProgress, TaskRecord, TaskSpec
+from freeride.messages import FailureRecord, TaskRecord, TaskSpec
 from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
@@ -109,14 +109,15 @@ class Durability:
         self.records[record.task_id] = record
         return record
 
-    def state_changed(self, action: C.StateChanged, figures: TaskProgress | None) -> None:
-        """Write a local task's state (and its figures, bound now, at submission and at its end)."""
+    def state_changed(self, action: C.StateChanged, task: C.TaskRuntime | None) -> None:
+        """Write a local task's state (and its figures, as the core has them now, at submission and at its end)."""
         if action.old in _FLIPS and action.new in _FLIPS:
             return  # frequent flips are not durable information
         tid = action.task_id
         self.write(tid, "state", functools.partial(self.store.set_state, tid, action.new, action.failure))
-        if figures is not None and (action.new.is_terminal or action.new == TaskState.SUBMITTED):
-            self.write(tid, "progress", functools.partial(self.store.record_progress, tid, figures))
+        if task is not None and (action.new.is_terminal or action.new == TaskState.SUBMITTED):
+            # The figures are bound now, not read when a deferred write is finally carried out.
+            self.write(tid, "progress", functools.partial(self.store.record_progress, tid, figures_of(task)))
         if action.new.is_terminal or action.new in (TaskState.SUBMITTED, TaskState.STARTING):
             log.info("[%s task=%s] %s -> %s (%s)", self.device, tid, action.old.value if action.old else "-",
                      action.new.value, action.reason)

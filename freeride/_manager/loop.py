@@ -47,7 +47,6 @@ from freeride._manager.cluster_bridge import ClusterBridge
 from freeride._manager.device_poller import DevicePoller
 from freeride._manager.durability import Durability, stamped
 from freeride._manager.ends import EndPath
-from freeride._manager.figures import figures_of
 from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.inbox import BUBBLES_PER_TURN, Inbox
 from freeride._manager.paths import TaskPaths
@@ -342,7 +341,7 @@ class ManagerLoop:
                 continue
             if more:
                 follow = more if follow is None else follow + more
-        if self.watchers and isinstance(event, (C.BubbleStarted, C.BubbleEnded)):
+        if self.watchers.queues and isinstance(event, (C.BubbleStarted, C.BubbleEnded)):
             self.watchers.publish(TaskEvent(time.time(), bubble=event.bubble))
         if follow:
             for more_event in follow:
@@ -363,9 +362,9 @@ class ManagerLoop:
             self.ends.granted(action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.board(tid))
 
     def _park(self, action: C.Park) -> None:
-        if action.task_id in self.workers.workers:
-            self.ends.parked(self.workers.board(action.task_id), action.grant_id, action.end_ns,
-                             action.end_received_ns)
+        handle = self.workers.workers.get(action.task_id)
+        if handle is not None:
+            self.ends.parked(handle.board, action.grant_id, action.end_ns, action.end_received_ns)
             self.workers.send(action.task_id, W.Park(action.grant_id))
 
     def _freeze(self, action: C.Freeze) -> list[Any]:
@@ -392,8 +391,8 @@ class ManagerLoop:
         if tid in self.cluster:
             self.cluster.state_changed(action)
         else:
-            self.durability.state_changed(action, figures_of(task) if task is not None else None)
-        if self.watchers and task is not None:
+            self.durability.state_changed(action, task)
+        if self.watchers.queues and task is not None:
             # The core may have moved on within the same event (SUBMITTED -> STARTING): report the
             # state this change produced, so viewers see every transition.
             info = self.views.info(tid)

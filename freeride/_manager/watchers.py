@@ -18,18 +18,12 @@ QUEUE_EVENTS = 10_000
 
 class Watchers:
     def __init__(self) -> None:
-        self._queues: list[queue.Queue[TaskEvent | None]] = []
+        #: The viewers' queues: the loop tests this list's truth (no call) before it builds an event.
+        self.queues: list[queue.Queue[TaskEvent | None]] = []
         self._lock = threading.Lock()
         self._closed = False
         #: Events a slow viewer's full queue did not take.
         self.dropped = 0
-
-    def __bool__(self) -> bool:
-        """Whether anyone watches (the loop builds no event for nobody)."""
-        return bool(self._queues)
-
-    def __len__(self) -> int:
-        return len(self._queues)
 
     def subscribe(self) -> queue.Queue[TaskEvent | None]:
         q: queue.Queue[TaskEvent | None] = queue.Queue(maxsize=QUEUE_EVENTS)
@@ -37,17 +31,17 @@ class Watchers:
             if self._closed:
                 q.put_nowait(None)
             else:
-                self._queues.append(q)
+                self.queues.append(q)
         return q
 
     def unsubscribe(self, q: queue.Queue[TaskEvent | None]) -> None:
         with self._lock:
-            if q in self._queues:
-                self._queues.remove(q)
+            if q in self.queues:
+                self.queues.remove(q)
 
     def publish(self, event: TaskEvent) -> None:
         with self._lock:
-            for q in self._queues:
+            for q in self.queues:
                 try:
                     q.put_nowait(event)
                 except queue.Full:
@@ -57,7 +51,7 @@ class Watchers:
         """End every viewer's queue; later subscribers get an ended queue at once."""
         with self._lock:
             self._closed = True
-            for q in self._queues:
+            for q in self.queues:
                 try:
                     q.put_nowait(None)
                 except queue.Full:

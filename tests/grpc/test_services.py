@@ -169,7 +169,7 @@ def test_watch_streams_task_state_changes(harness: ManagerHarness) -> None:
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     # The subscription is open once the manager's loop counts a subscriber: only then can no event be missed.
-    wait_for(lambda: len(harness.manager.loop.watchers) == 1, 10)
+    wait_for(lambda: len(harness.manager.loop.watchers.queues) == 1, 10)
     info = harness.submit("sample_tasks:Counter", memory_mib=64)
     harness.client.cancel(info.task_id)
     thread.join(10)

@@ -62,11 +62,11 @@ def test_a_refused_write_is_kept_submissions_wait_for_the_disk_and_the_timer_wri
 def test_only_changes_that_matter_after_a_restart_are_written(durable: tuple[Durability, Clock]) -> None:
     d, _ = durable
     tid = d.submit(SPEC).task_id
-    d.state_changed(C.StateChanged(tid, TaskState.PARKED, TaskState.RUNNING, "granted"), TaskProgress(steps=9))
+    task = C.TaskRuntime(tid, SPEC, 1, steps=9, harvested_ns=1_500_000_000)
+    d.state_changed(C.StateChanged(tid, TaskState.PARKED, TaskState.RUNNING, "granted"), task)
     assert d.store.get(tid).state == "SUBMITTED"  # type: ignore[union-attr]
     failure = FailureRecord(kind="EXIT", message="exit 3", at_unix_s=1.0)
-    d.state_changed(C.StateChanged(tid, TaskState.RUNNING, TaskState.FAILED, "exited", failure),
-                    TaskProgress(steps=9, harvested_s=1.5))
+    d.state_changed(C.StateChanged(tid, TaskState.RUNNING, TaskState.FAILED, "exited", failure), task)
     stored = d.store.get(tid)
     assert stored is not None and (stored.state, stored.steps, stored.harvested_s) == ("FAILED", 9, 1.5)
     assert stored.failure == failure
