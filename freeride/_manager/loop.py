@@ -296,7 +296,7 @@ class ManagerLoop:
         if self.trace is not None:
             self.trace.poll(now)
         for event in self.workers.poll(now):
-            self._feed(event)
+            self._dispatch(event)
 
     def _dispatch(self, item: Any) -> None:
         """Route one input: a request, the loop's own control, a component's notice, or a core event."""
@@ -320,8 +320,8 @@ class ManagerLoop:
                 self.on_device_state(item.problem)
 
     def _feed(self, event: Any, now_ns: int | None = None) -> None:
-        """Feed one event to the core and apply its actions; events the components answer them with are fed
-        after every action is applied."""
+        """Feed one event to the core and apply its actions; what the components answer them with is
+        dispatched after every action is applied."""
         try:
             actions = self.core.on_event(event, self.now_ns() if now_ns is None else now_ns)
         except Exception:
@@ -345,34 +345,38 @@ class ManagerLoop:
             self.watchers.publish(TaskEvent(time.time(), bubble=event.bubble))
         if follow:
             for more_event in follow:
-                self._feed(more_event)
+                self._dispatch(more_event)
 
     # ------------------------------------------------------------------ actions
 
-    def _grant(self, action: C.Grant) -> None:
+    def _grant(self, action: C.Grant) -> list[Any]:
         # The grant goes out before a frozen worker is thawed: its interrupted step then ends with the new
         # grant waiting, rather than with the old grant's ended word alone.
         tid = action.task_id
-        self.workers.send(tid, W.Grant(action.grant_id, action.deadline_ns, action.margin_ns, probe=action.probe,
-                                       rank=action.rank, bubble_start_ns=action.bubble_start_ns,
-                                       trainer_ends=action.trainer_ends))
+        events = self.workers.send(tid, W.Grant(action.grant_id, action.deadline_ns, action.margin_ns,
+                                                probe=action.probe, rank=action.rank,
+                                                bubble_start_ns=action.bubble_start_ns,
+                                                trainer_ends=action.trainer_ends))
         if action.thaw:
             self.workers.signal(tid, signal.SIGCONT)
         if action.trainer_ends:
             self.ends.granted(action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.board(tid))
+        return events
 
-    def _park(self, action: C.Park) -> None:
+    def _park(self, action: C.Park) -> list[Any]:
         handle = self.workers.workers.get(action.task_id)
-        if handle is not None:
-            self.ends.parked(handle.board, action.grant_id, action.end_ns, action.end_received_ns)
-            self.workers.send(action.task_id, W.Park(action.grant_id))
+        if handle is None:
+            return []
+        self.ends.parked(handle.board, action.grant_id, action.end_ns, action.end_received_ns)
+        return self.workers.send(action.task_id, W.Park(action.grant_id))
 
     def _freeze(self, action: C.Freeze) -> list[Any]:
         return self.workers.freeze(action.task_id)
 
-    def _stop(self, action: C.Stop) -> None:
-        self.workers.send(action.task_id, W.Stop(action.checkpoint))
+    def _stop(self, action: C.Stop) -> list[Any]:
+        events = self.workers.send(action.task_id, W.Stop(action.checkpoint))
         self.workers.signal(action.task_id, signal.SIGCONT)  # a frozen worker must run to obey
+        return events
 
     def _kill(self, action: C.Kill) -> None:
         self.workers.signal(action.task_id, signal.SIGKILL)

@@ -118,11 +118,12 @@ class Supervisor:
         handle = self.workers.get(task_id)
         return handle.proc.pid if handle is not None else 0
 
-    def send(self, task_id: str, message: W.ManagerMessage) -> None:
-        """Send a message; a full channel drops it (counted), a closed one starts the end-of-file grace."""
+    def send(self, task_id: str, message: W.ManagerMessage) -> list[Any]:
+        """Send a message; a full channel drops it (counted). A closed one returns the events of what the
+        worker sent before it closed it, and starts the end-of-file grace."""
         handle = self.workers.get(task_id)
         if handle is None or handle.closed:
-            return
+            return []
         try:
             handle.channel.send(message)
         except ChannelFull:
@@ -131,7 +132,12 @@ class Supervisor:
             self.messages_dropped += 1
             log.debug("[%s task=%s] worker not reading; dropped %s", self.device, task_id, message.TAG)
         except ChannelClosed:
+            # The worker went away (it failed, it finished) with its last messages still unread: a
+            # failure report must not be lost, or its exit reads as one "without reporting an error".
+            events = self._read_channel(handle)
             self._channel_eof(handle)
+            return events
+        return []
 
     def signal(self, task_id: str, sig: int) -> None:
         handle = self.workers.get(task_id)

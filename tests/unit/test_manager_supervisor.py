@@ -158,3 +158,15 @@ def test_a_frozen_worker_reports_the_steps_its_board_says_it_finished(rig: Rig) 
     assert rig.sup.freeze(TID) == [C.WorkerStepsSeen(TID, 6, False)]
     rig.sup.signal(TID, signal.SIGCONT)
     assert rig.sup.freeze("nobody-2") == []
+
+
+def test_a_message_to_a_worker_that_went_away_returns_what_it_said_before_it_closed(rig: Rig) -> None:
+    # Regression: the channel was closed at once, unread: a worker that reported its failure and exited
+    # just before a park (a bubble's end) reached it was recorded as exiting "without reporting an error".
+    rig.worker.send(W.encode(W.Failed(kind="EXCEPTION", message="boom", step=5)))
+    rig.worker.send(W.encode(W.Bye(1)))
+    rig.worker.close()
+    [failed] = rig.sup.send(TID, W.Park(3))
+    assert isinstance(failed, C.WorkerFailed) and failed.failure.kind == "EXCEPTION" and failed.failure.step == 5
+    assert rig.sup.workers[TID].closed and rig.sup.next_timer_ns() is None  # it said goodbye: no grace
+    assert rig.sup.send(TID, W.Park(3)) == []
