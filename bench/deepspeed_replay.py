@@ -1,0 +1,76 @@
+"""A DeepSpeed schedule replayed without a model or peers: freeride's hooks on an empty pipeline.
+
+:class:`ReplayEngine` walks a real DeepSpeed schedule (``TrainSchedule``, ``DualPipeVSchedule``) for one
+stage and dispatches every instruction exactly as ``PipelineEngine._exec_schedule`` does -- through
+``self._INSTRUCTION_MAP``, binding the function with ``MethodType`` -- to functions that only count;
+``train_batch`` then calls ``_aggregate_total_loss``, and ``OptimizerStep`` calls
+``clip_fp32_gradients``, which asks ``self.mpu`` for its model-parallel group, as DeepSpeed's does.
+So :func:`freeride.training.deepspeed.instrument`'s hooks see the call sequence of a real engine
+and nothing else runs: the tests check the marks it makes, and ``bench/bench_deepspeed.py`` times
+what the hooks cost the training thread per iteration.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+
+class Grid:
+    """The engine's ``mpu``: only what gradient clipping asks of it."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+
+    def get_model_parallel_group(self) -> str:
+        self.lookups += 1
+        return "model-parallel"
+
+
+class ReplayEngine:
+    """One stage of a DeepSpeed pipeline with empty instructions (module doc); not an ``nn.Module``."""
+
+    def __init__(self, schedule_type: Any, micro_batches: int, stages: int, stage_id: int) -> None:
+        from deepspeed.runtime.pipe import schedule
+
+        self._schedule_type = schedule_type
+        self.micro_batches = micro_batches
+        self.num_stages = stages
+        self.stage_id = stage_id
+        self.mpu = Grid()
+        self.ran: list[tuple[str, dict[str, Any]]] = []
+        self.losses = 0
+        names = ["OptimizerStep", "ReduceGrads", "ReduceTiedGrads", "LoadMicroBatch", "ForwardPass", "BackwardPass",
+                 "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P"]
+        type(self)._INSTRUCTION_MAP = {getattr(schedule, n): self._instruction(n) for n in names}
+
+    _INSTRUCTION_MAP: dict[type, Any] = {}
+
+    @staticmethod
+    def _instruction(name: str) -> Any:
+        def run(self: ReplayEngine, **kwargs: Any) -> None:
+            self.ran.append((name, kwargs))
+            if name == "OptimizerStep":
+                self.clip_fp32_gradients()
+
+        return run
+
+    def _train_schedule(self) -> Any:
+        return self._schedule_type(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                self._exec_instr = MethodType(self._INSTRUCTION_MAP[type(cmd)], self)
+                self._exec_instr(**cmd.kwargs)
+
+    def train_batch(self, data_iter: Any = None) -> float:
+        self._exec_schedule(self._train_schedule())
+        return self._aggregate_total_loss()
+
+    def _aggregate_total_loss(self) -> float:
+        self.losses += 1
+        return 0.0
+
+    def clip_fp32_gradients(self) -> None:
+        self.mpu.get_model_parallel_group()

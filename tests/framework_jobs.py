@@ -1,0 +1,136 @@
+"""What the framework adapters' tests share: the frameworks themselves, the documented snippets, and a
+two-rank job under torchrun beside one manager per rank's core.
+
+The frameworks are test extras (``scripts/setup.sh`` installs them): missing, a test is skipped on a
+developer's machine and fails under CI (``$CI`` set), where their absence is a broken setup.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parent
+INSTALL_HINT = {
+    "deepspeed": "pip install -e '.[test-deepspeed]' (scripts/setup.sh does)",
+    "torchtitan": "pip install --no-deps torchtitan==0.3.0 and -e '.[test-torchtitan]' (scripts/setup.sh does)",
+}
+
+
+def require_framework(name: str) -> None:
+    """Skip the calling test module (fail it under CI) when framework ``name`` cannot be imported."""
+    module = {"torchtitan": "torchtitan.distributed.pipeline_parallel"}.get(name, name)
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        message = f"{name} cannot be imported ({exc}): {INSTALL_HINT.get(name, 'install it')}"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+
+
+def docs_snippet(name: str, path: Path = REPO / "docs" / "bubbles.md") -> str:
+    """The code block after ``<!-- snippet: NAME -->`` in ``path``: the code a user copies, to run as written."""
+    text = path.read_text()
+    found = re.search(rf"<!-- snippet: {re.escape(name)} -->\s*```python\n(.*?)```", text, re.S)
+    assert found, f"no snippet {name!r} in {path}"
+    return found.group(1)
+
+
+@dataclass
+class ManagedRanks:
+    """One in-process manager per core the job's two ranks run on, at each device's default endpoint
+    under a private runtime directory (the job gets it as ``XDG_RUNTIME_DIR``, so a reporter made with
+    no endpoint, as the snippets make it, finds its manager)."""
+
+    devices: list[str]
+    runtime_dir: Path
+    tmp: Path
+    managers: list[Any] = field(default_factory=list)
+    traces: list[Path] = field(default_factory=list)
+
+    def endpoint(self, rank: int) -> Any:
+        return self.managers[rank].endpoint
+
+    def submit(self, rank: int, target: str, **args: Any) -> Any:
+        from freeride._wire.client import ControlClient
+        from freeride.messages import TaskSpec
+
+        with ControlClient(self.endpoint(rank)) as client:
+            return client.submit(TaskSpec(target=target, args=args, memory_bytes=256 * 2**20,
+                                          working_dir=str(TESTS_DIR)))
+
+    def run_job(self, module: str, *args: str, timeout_s: float = 240) -> list[dict[str, Any]]:
+        """``torchrun --standalone --nproc-per-node 2 -m MODULE ARGS --result-file ...``; each rank's result."""
+        result = self.tmp / "result.json"
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(self.runtime_dir), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   FREERIDE_LOG_LEVEL="WARNING")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", module, *args, "--result-file", str(result)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(self.tmp))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return [json.loads((self.tmp / f"result.rank{r}.json").read_text()) for r in (0, 1)]
+
+    def stop(self) -> None:
+        for manager in self.managers:
+            manager.stop()
+        self.managers = []
+
+
+@contextmanager
+def managed_ranks(tmp: Path) -> Iterator[ManagedRanks]:
+    from conftest import cpu_devices
+
+    from freeride._manager.daemon import Manager
+    from freeride.devices import parse_device_name
+    from freeride.endpoints import Endpoint
+
+    devices = cpu_devices(2)
+    # Short: a unix socket's path has at most 107 bytes, and pytest's temporary directories are long.
+    runtime_dir = Path(tempfile.mkdtemp(prefix="fr-", dir="/tmp"))
+    sockets = runtime_dir / "freeride"
+    sockets.mkdir(mode=0o700)
+    ranks = ManagedRanks(devices, runtime_dir, tmp)
+    try:
+        for i, device in enumerate(devices):
+            trace = tmp / f"trace{i}.jsonl"
+            sock = sockets / f"{parse_device_name(device).slug}.sock"
+            manager = Manager(device, endpoint=Endpoint("unix", str(sock)), state_dir=tmp / f"state{i}",
+                              memory_poll_ms=20.0, trace_path=trace)
+            manager.start()
+            ranks.managers.append(manager)
+            ranks.traces.append(trace)
+        yield ranks
+    finally:
+        ranks.stop()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def traced_bubbles(trace: Path) -> list[dict[str, Any]]:
+    """The bubbles a manager's trace holds: its starts joined with their ends (by rank, iteration, slot)."""
+    from freeride._manager.trace import read_trace
+
+    records = read_trace(trace)
+    ends = {(r["rank"], r["iteration"], r["slot"]): r["end_ns"] for r in records if r["ev"] == "bubble_end"}
+    out = []
+    for r in records:
+        if r["ev"] == "bubble_start":
+            end = ends.get((r["rank"], r["iteration"], r["slot"]))
+            if end is not None:
+                out.append({**r, "end_ns": end})
+    return out

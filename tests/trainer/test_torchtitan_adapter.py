@@ -1,0 +1,161 @@
+"""freeride.training.torchtitan on real torch schedules in this process (a one-rank gloo group).
+
+torchtitan's trainer holds a plain torch pipeline schedule; these tests wrap real ones (single-stage
+1F1B, and a looped schedule with two stages on the rank) in a stand-in trainer and check what the
+adapter promises: ``step`` instrumented with the same results as the bare schedule, ``eval`` and
+attributes passing through, the stage hooks off outside ``step`` (torchtitan's validator evaluates
+through its own reference to the raw schedule), and ``uninstrument`` putting the schedule back. The
+two-rank run, built by torchtitan's own ``pipeline_llm``, is ``tests/e2e/test_frameworks_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from freeride.errors import ConfigError
+from freeride.training import torchtitan as ftt
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
+                     start_ns: int | None = None, learned: bool = False) -> None:
+        self.events.append(("start", iteration, slot))
+
+    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
+        self.events.append(("end", iteration, slot))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _schedule(looped: bool) -> Any:
+    torch.manual_seed(0)
+    if looped:
+        stages = [PipelineStage(torch.nn.Linear(4, 4), i, 2, torch.device("cpu")) for i in range(2)]
+        return ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=_loss, scale_grads=False)
+    stage = PipelineStage(torch.nn.Linear(4, 4), 0, 1, torch.device("cpu"))
+    return Schedule1F1B(stage, n_microbatches=2, loss_fn=_loss, scale_grads=False)
+
+
+def _stages(schedule: Any) -> list[Any]:
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def _hooks(schedule: Any) -> list[set[str]]:
+    """The functions set on each stage instance: where the instrumentation's hooks go."""
+    return [{n for n, v in vars(s).items() if isinstance(v, types.FunctionType)} for s in _stages(schedule)]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)
+
+
+@pytest.mark.parametrize("looped", [False, True], ids=["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_step_is_instrumented_and_gives_the_bare_schedules_results(one_rank: None, looped: bool) -> None:
+    trainer, twin = types.SimpleNamespace(pp_schedule=_schedule(looped)), _schedule(looped)
+    wrapper = ftt.instrument(trainer, Sink(), device="cpu")
+    assert trainer.pp_schedule is wrapper
+    x, y = _batch()
+    for _ in range(2):
+        losses: list[torch.Tensor] = []
+        twin_losses: list[torch.Tensor] = []
+        wrapper.step(x, target=y, losses=losses)
+        twin.step(x, target=y, losses=twin_losses)
+        assert [float(v.detach()) for v in losses] == [float(v.detach()) for v in twin_losses]
+        assert _hooks(wrapper.schedule) == _hooks(twin)  # the stage hooks are on only inside step
+    wrapper.instrumented.flush()
+    assert wrapper.instrumented.iteration == 2
+    assert len(wrapper.instrumented.last_actions) == 2 * len(_stages(wrapper.schedule)) * 2  # F and B, 2 mbs
+    ftt.uninstrument(trainer)
+
+
+def test_eval_through_either_reference_runs_the_bare_stages(one_rank: None) -> None:
+    # Single-stage only: torch 2.13's eval of a looped schedule with both stages on one rank fails bare
+    # ("can't steal_bwd_input"); the looped case's hooks-off-after-step is checked above.
+    raw = _schedule(False)
+    bare = _hooks(raw)
+    trainer = types.SimpleNamespace(pp_schedule=raw)
+    sink = Sink()
+    wrapper = ftt.instrument(trainer, sink, device="cpu")
+    x, y = _batch()
+    wrapper.step(x, target=y, losses=[])
+    assert _hooks(raw) == bare  # hooked only while step ran
+    wrapper.instrumented.flush()
+    before, iteration = list(sink.events), wrapper.instrumented.iteration
+    for schedule in (raw, wrapper):  # torchtitan's validator holds the raw one
+        losses: list[torch.Tensor] = []
+        schedule.eval(x, target=y, losses=losses)
+        assert losses
+    wrapper.instrumented.flush()
+    assert sink.events == before and wrapper.instrumented.iteration == iteration
+    ftt.uninstrument(trainer)
+
+
+def test_attributes_pass_through_both_ways(one_rank: None) -> None:
+    raw = _schedule(False)
+    wrapper = ftt.instrument(types.SimpleNamespace(pp_schedule=raw), None, device="cpu")
+    assert wrapper._n_microbatches == raw._n_microbatches == 2
+    wrapper.some_flag = True
+    assert raw.some_flag is True and "some_flag" not in vars(wrapper)
+    assert "Schedule1F1B" in repr(wrapper)
+
+
+def test_torch_2_14_keywords_reach_the_schedule_unchanged(one_rank: None) -> None:
+    # torchtitan calls step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...,
+    # return_outputs=False): torch 2.14's form. Here the schedule only records what it was given.
+    raw = _schedule(False)
+    seen: dict[str, Any] = {}
+    raw.step = lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
+    wrapper = ftt.instrument(types.SimpleNamespace(pp_schedule=raw), None, device="cpu")
+    keywords = {"arg_mbs": [(1,)], "kwarg_mbs": [{}], "target_mbs": None, "losses": None,
+                "loss_kwargs": {"global_valid_tokens": 3}, "return_outputs": False}
+    wrapper.step(**keywords)
+    assert seen == {"args": (), "kwargs": keywords}
+
+
+def test_uninstrument_puts_the_raw_schedule_back(one_rank: None) -> None:
+    raw = _schedule(True)
+    bare = _hooks(raw)
+    trainer = types.SimpleNamespace(pp_schedule=raw)
+    ftt.instrument(trainer, None, device="cpu")
+    trainer.pp_schedule.step(*_batch()[:1], target=_batch()[1], losses=[])
+    ftt.uninstrument(trainer)
+    assert trainer.pp_schedule is raw and _hooks(raw) == bare
+    ftt.uninstrument(trainer)  # nothing left to undo
+
+
+def test_a_trainer_without_pipeline_parallelism_is_refused() -> None:
+    with pytest.raises(ConfigError, match="pp_schedule is None"):
+        ftt.instrument(types.SimpleNamespace(pp_schedule=None))
+    with pytest.raises(ConfigError, match="pp_schedule is missing"):
+        ftt.instrument(object())
+
+
+def test_a_trainer_instrumented_twice_is_refused(one_rank: None) -> None:
+    trainer = types.SimpleNamespace(pp_schedule=_schedule(False))
+    ftt.instrument(trainer, None, device="cpu")
+    with pytest.raises(ConfigError, match="instrumented already"):
+        ftt.instrument(trainer, None, device="cpu")
+    ftt.uninstrument(trainer)
