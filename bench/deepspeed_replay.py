@@ -12,8 +12,11 @@ what the hooks cost the training thread per iteration.
 
 from __future__ import annotations
 
+import time
 from types import MethodType
 from typing import Any
+
+_WAITING = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P")
 
 
 class Grid:
@@ -30,7 +33,7 @@ class Grid:
 class ReplayEngine:
     """One stage of a DeepSpeed pipeline with empty instructions (module doc); not an ``nn.Module``."""
 
-    def __init__(self, schedule_type: Any, micro_batches: int, stages: int, stage_id: int) -> None:
+    def __init__(self, schedule_type: Any, micro_batches: int, stages: int, stage_id: int, wait_s: float = 0.0) -> None:
         from deepspeed.runtime.pipe import schedule
 
         self._schedule_type = schedule_type
@@ -38,7 +41,10 @@ class ReplayEngine:
         self.num_stages = stages
         self.stage_id = stage_id
         self.mpu = Grid()
-        self.ran: list[tuple[str, dict[str, Any]]] = []
+        #: How long each waiting instruction, the loss broadcast and the clipping's all-reduce sleep: a
+        #: sleep costs the thread no CPU time, so the hooks' own cost stays measurable beside it.
+        self.wait_s = wait_s
+        self.ran: list[tuple[str, dict[str, Any]]] = []  # every instruction run (cleared by the caller)
         self.losses = 0
         names = ["OptimizerStep", "ReduceGrads", "ReduceTiedGrads", "LoadMicroBatch", "ForwardPass", "BackwardPass",
                  "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P"]
@@ -50,6 +56,8 @@ class ReplayEngine:
     def _instruction(name: str) -> Any:
         def run(self: ReplayEngine, **kwargs: Any) -> None:
             self.ran.append((name, kwargs))
+            if name in _WAITING and self.wait_s:
+                time.sleep(self.wait_s)
             if name == "OptimizerStep":
                 self.clip_fp32_gradients()
 
@@ -70,7 +78,11 @@ class ReplayEngine:
 
     def _aggregate_total_loss(self) -> float:
         self.losses += 1
+        if self.wait_s:
+            time.sleep(self.wait_s)
         return 0.0
 
     def clip_fp32_gradients(self) -> None:
         self.mpu.get_model_parallel_group()
+        if self.wait_s:
+            time.sleep(self.wait_s)

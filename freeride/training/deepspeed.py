@@ -126,22 +126,6 @@ class PlannedOrders:
         return self.num_stages - 1 - rank if self.v_shaped and phase else rank
 
 
-class _Counter:
-    """The k-th forward (backward) of a model stage in an iteration is micro-batch k."""
-
-    def __init__(self) -> None:
-        self._next: dict[tuple[str, int], int] = {}
-
-    def reset(self) -> None:
-        self._next.clear()
-
-    def take(self, kind: str, stage: int) -> int:
-        key = (kind, stage)
-        mb = self._next.get(key, 0)
-        self._next[key] = mb + 1
-        return mb
-
-
 def planned_orders(schedule_type: Any, micro_batches: int, stages: int) -> PlannedOrders:
     """Walk ``schedule_type(micro_batches, stages, stage_id)`` for every stage and name its actions.
 
@@ -162,11 +146,13 @@ def planned_orders(schedule_type: Any, micro_batches: int, stages: int) -> Plann
     num_stages = 2 * stages if v_shaped else stages
     orders: dict[int, tuple[Action, ...]] = {}
     for rank, actions in walked.items():
-        counter = _Counter()
+        taken: dict[tuple[str, int], int] = {}  # the k-th forward (backward) of a stage is micro-batch k
         order = []
         for kind, phase in actions:
             stage = num_stages - 1 - rank if v_shaped and phase else rank
-            order.append(Action(kind, stage, counter.take(kind, stage)))
+            mb = taken.get((kind, stage), 0)
+            taken[(kind, stage)] = mb + 1
+            order.append(Action(kind, stage, mb))
         orders[rank] = tuple(order)
     return PlannedOrders(orders, num_stages, micro_batches, v_shaped, commits)
 
@@ -186,8 +172,9 @@ class _Hooks:
         self.waiting = False  # a run of waiting instructions is open
         self.clip_waiting = False
         self._in_clip = False
-        self._counter = _Counter()
         self._stage_id = int(engine.stage_id)
+        #: Per (kind, phase): the next micro-batch (the k-th forward or backward is micro-batch k).
+        self._counts = [0, 0, 0, 0]
         self._restore: list[tuple[object, str, bool, Any]] = []
 
     # -- installing
@@ -241,7 +228,7 @@ class _Hooks:
                 return train_batch(*args, **kwargs)
             self._on_train_batch()
             marks = self.marks  # the plan may have changed above
-            self._counter.reset()
+            self._counts = [0, 0, 0, 0]
             self.waiting = self.clip_waiting = False
             marks.iteration_begin()
             self.active = True
@@ -255,11 +242,17 @@ class _Hooks:
         return train_batch_instrumented
 
     def _compute(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        base = 0 if kind == FORWARD else 2
+        stages = (self.plan.model_stage(self._stage_id, 0), self.plan.model_stage(self._stage_id, 1))
+
         def compute(engine: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.active:
                 return fn(engine, *args, **kwargs)
-            stage = self.plan.model_stage(self._stage_id, int(kwargs.get("phase", 0)))
-            mb = self._counter.take(kind, stage)
+            phase = 1 if kwargs.get("phase") else 0
+            counts = self._counts
+            mb = counts[base + phase]
+            counts[base + phase] = mb + 1
+            stage = stages[phase]
             self.waiting = False  # compute_begin ends an open wait
             marks = self.marks
             marks.compute_begin(kind, stage, mb)
