@@ -8,7 +8,6 @@ developer's machine and fails under CI (``$CI`` set), where their absence is a b
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import re
 import shutil
@@ -51,6 +50,9 @@ def docs_snippet(name: str, path: Path = REPO / "docs" / "bubbles.md") -> str:
     return found.group(1)
 
 
+RankLog = tuple[list[dict[str, Any]], dict[str, Any]]  # a rank's iteration records, and its summary
+
+
 @dataclass
 class ManagedRanks:
     """One in-process manager per core the job's two ranks run on, at each device's default endpoint
@@ -67,24 +69,33 @@ class ManagedRanks:
         return self.managers[rank].endpoint
 
     def submit(self, rank: int, target: str, **args: Any) -> Any:
+        """Submit a side task to rank ``rank``'s manager; returns once its worker is up (parked), so that
+        the job's bubbles find it ready, as a long training run would."""
+        from conftest import wait_for
+
         from freeride._wire.client import ControlClient
         from freeride.messages import TaskSpec
 
         with ControlClient(self.endpoint(rank)) as client:
-            return client.submit(TaskSpec(target=target, args=args, memory_bytes=256 * 2**20,
+            info = client.submit(TaskSpec(target=target, args=args, memory_bytes=256 * 2**20,
                                           working_dir=str(TESTS_DIR)))
+            wait_for(lambda: client.get(info.task_id).state == "PARKED", 60, what=f"{target} parked")
+        return info
 
-    def run_job(self, module: str, *args: str, timeout_s: float = 240) -> list[dict[str, Any]]:
-        """``torchrun --standalone --nproc-per-node 2 -m MODULE ARGS --result-file ...``; each rank's result."""
-        result = self.tmp / "result.json"
+    def run_job(self, module: str, *args: str, timeout_s: float = 240) -> list[RankLog]:
+        """``torchrun --standalone --nproc-per-node 2 -m MODULE ARGS --iteration-log ...``; each rank's
+        iteration records and summary."""
+        from freeride.workload.jobs import read_log
+
+        log = self.tmp / "it.jsonl"
         env = dict(os.environ, XDG_RUNTIME_DIR=str(self.runtime_dir), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                    FREERIDE_LOG_LEVEL="WARNING")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", module, *args, "--result-file", str(result)]
+               "-m", module, *args, "--iteration-log", str(log)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(self.tmp))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return [json.loads((self.tmp / f"result.rank{r}.json").read_text()) for r in (0, 1)]
+        return [read_log(self.tmp / f"it.rank{r}.jsonl") for r in (0, 1)]
 
     def stop(self) -> None:
         for manager in self.managers:

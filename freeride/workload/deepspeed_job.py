@@ -1,43 +1,44 @@
-"""A DeepSpeed pipeline job for :mod:`freeride.training.deepspeed`'s end-to-end test and bench.
+"""A DeepSpeed pipeline job for :mod:`freeride.training.deepspeed`'s end-to-end test and the bench.
 
-Run one process per pipeline rank under torchrun (gloo on CPU; each rank pinned to one of the cores
-it may use, in order of local rank, and to one torch thread)::
+One process per pipeline rank under torchrun (gloo on CPU; each rank pinned to one of the cores it may
+use, in order of local rank, with one torch thread)::
 
     torchrun --standalone --nproc-per-node 2 -m freeride.workload.deepspeed_job \\
-        --iterations 30 --slow-stage 1 --slow-ms 5 --report --result-file /tmp/ds.json
+        --iterations 30 --slow-stage 1 --slow-ms 5 --report --iteration-log /tmp/ds.jsonl
 
 The model is a stack of blocks (``Linear``, ``tanh``), one per model stage, trained on a synthetic
-classification task; the block of ``--slow-stage`` spins ``--slow-ms`` more in every forward and
-every backward (compute, not idle: the core stays busy), so its neighbours wait by a known amount.
+classification task; ``--slow-stage S --slow-ms X`` makes block S spin X ms more in every forward
+(busy compute: :func:`freeride.workload.pipelines.slow_down`), so its neighbours wait by a known amount.
 ``--dualpipev`` runs DeepSpeed's ``DualPipeVEngine`` (two model stages per rank) instead of the
 ``PipelineEngine``. DeepSpeed's shared-memory op is not built (a pipeline-only job never uses it).
 
-What the job does, in order: builds the engine (and with ``--twin`` a second, bare one with the same
-initial weights); installs a *probe* -- instance-level wrappers of its own, set before freeride's
-(which wrap them in turn) -- that times every instruction, ``train_batch``, the loss broadcast and the
-gradient clipping, independently of freeride; instruments the engine (``--report``: a
-:class:`~freeride.training.reporter.BubbleReporter` to the device's manager) or runs ``--snippet
-FILE`` instead, user code executed with ``engine``, ``data_iter``, ``device`` and ``steps`` in scope
-(the documentation's snippet, tested as written); trains ``--iterations`` batches; runs one
-``eval_batch``; uninstruments and checks that the engine's attributes are exactly those before; trains
-the twin on the same batches; writes one JSON document per rank to ``--result-file`` (``{rank}`` substituted,
-else ``.rank<N>`` added): the losses of both, whether their weights ended equal, the probe's timeline
-per iteration and the bubbles freeride measured.
+In order: build the engine (``--twin``: and a bare one with the same initial weights); install a
+*probe* -- instance-level wrappers of its own, set before freeride's, which wrap them in turn -- that
+times every instruction, the loss broadcast and the gradient clipping (``probe`` in each iteration
+record), and with ``--idle-probe`` the idle gaps between compute instructions
+(:mod:`freeride.workload.idle_probe`); instrument the engine (``--report``: a reporter to the rank's
+manager) or run ``--snippet FILE``, user code executed with ``engine``, ``data_iter``, ``device`` and
+``steps`` in scope (the documentation's snippet, tested as written); train; run one ``eval_batch``;
+uninstrument and check that the hooked attributes are exactly those before; train the twin on the same
+batches. The log (``--iteration-log``) is the reference trainer's: one record per iteration, then a
+summary with those checks.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: The instance attributes freeride's hooks replace (on the engine, and on its grid).
+HOOKED = ("_INSTRUCTION_MAP", "train_batch", "_aggregate_total_loss", "clip_fp32_gradients",
+          "get_model_parallel_group")
 
 
 def build_model(width: int, model_stages: int, slow_stage: int, slow_ms: float, dualpipev: bool,
@@ -46,16 +47,17 @@ def build_model(width: int, model_stages: int, slow_stage: int, slow_ms: float, 
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from freeride.workload.slowdown import Spin
+    from freeride.workload.pipelines import slow_down
 
     class Block(torch.nn.Module):
         def __init__(self, spin_ms: float) -> None:
             super().__init__()
             self.linear = torch.nn.Linear(width, width)
-            self.spin = Spin(spin_ms)
+            if spin_ms > 0:
+                slow_down(self, spin_ms)
 
         def forward(self, x: Any) -> Any:
-            return self.spin(torch.tanh(self.linear(x)))
+            return torch.tanh(self.linear(x))
 
     layers = [LayerSpec(Block, slow_ms if s == slow_stage else 0.0) for s in range(model_stages)]
     kind: Any = PipelineModule
@@ -76,14 +78,23 @@ def batches(width: int, micro_batch: int, seed: int) -> Iterator[tuple[Any, Any]
         yield x, (x[:, : width // 2].sum(dim=1) > 0).long() * 3 + (x[:, 0] > 0).long()
 
 
+def make_engine(model: Any, micro_batch: int, micro_batches: int, clipping: float) -> Any:
+    import deepspeed
+    import torch
+
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
+              "gradient_clipping": clipping, "steps_per_print": 10**9}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
 class Probe:
     """Instance-level timers of an engine, installed before freeride's hooks (which then wrap them)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.iterations: list[dict[str, Any]] = []
-        self._events: list[list[Any]] = []
-        clock = time.monotonic_ns
-        events = self._events
+    def __init__(self, engine: Any, idle: Any = None) -> None:
+        self.events: list[list[Any]] = []
+        clock, events = time.monotonic_ns, self.events
 
         def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:
@@ -95,45 +106,25 @@ class Probe:
 
             return run
 
-        engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, fn)
-                                   for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+        table = {cls: timed(cls.__name__, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+        if idle is not None:  # the idle probe measures the gaps before the compute instructions
+            for cls in [c for c in table if c.__name__ in ("ForwardPass", "BackwardPass")]:
+                table[cls] = idle.timed(table[cls])
+        engine._INSTRUCTION_MAP = table
         engine._aggregate_total_loss = timed("LossBroadcast", engine._aggregate_total_loss)
         engine.clip_fp32_gradients = timed("ClipGradients", engine.clip_fp32_gradients)
-        train_batch = engine.train_batch
 
-        def train_batch_probed(*args: Any, **kwargs: Any) -> Any:
-            events.clear()
-            start = clock()
-            loss = train_batch(*args, **kwargs)
-            self.iterations.append({"start_ns": start, "end_ns": clock(), "loss": float(loss),
-                                    "probe": list(events)})
-            return loss
-
-        engine.train_batch = train_batch_probed
-
-
-_HOOKED = ("_INSTRUCTION_MAP", "train_batch", "_aggregate_total_loss", "clip_fp32_gradients",
-           "get_model_parallel_group")
+    def take(self) -> list[list[Any]]:
+        events, self.events[:] = list(self.events), []
+        return events
 
 
 def _hooked(obj: Any) -> dict[str, int]:
-    """The identity of the instance attributes freeride's hooks replace (training changes many others)."""
     own = vars(obj)
-    return {name: id(own[name]) for name in _HOOKED if name in own}
+    return {name: id(own[name]) for name in HOOKED if name in own}
 
 
-def _engine(model: Any, micro_batch: int, micro_batches: int, clipping: float) -> Any:
-    import deepspeed
-    import torch
-
-    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
-              "gradient_clipping": clipping, "steps_per_print": 10**9}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import deepspeed
     import deepspeed.ops
     import torch
@@ -141,7 +132,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from freeride.training import deepspeed as fr_deepspeed
     from freeride.training.reporter import BubbleReporter
-    from freeride.workload.slowdown import pin_rank
+    from freeride.workload.jobs import IterationLog, pin_rank
+    from freeride.workload.run import rank_endpoint
 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -155,13 +147,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def build() -> Any:
         torch.manual_seed(args.seed)
         model = build_model(args.width, model_stages, args.slow_stage, args.slow_ms, args.dualpipev, ranks)
-        return _engine(model, args.micro_batch, args.microbatches, args.clipping)
+        return make_engine(model, args.micro_batch, args.microbatches, args.clipping)
 
     engine = build()
     twin = build() if args.twin else None
-    probe = Probe(engine)
+    idle = None
+    if args.idle_probe:
+        from freeride.workload.idle_probe import IdleProbe
+
+        idle = IdleProbe()
+    probe = Probe(engine, idle)
+    out = IterationLog(args.log, rank, device, args.warmup)
+    pending: dict[int, dict[str, Any]] = {}  # records waiting for their bubbles
+    losses: list[float] = []
+    bare_train_batch = engine.train_batch
+
+    def train_batch_logged(*a: Any, **k: Any) -> Any:  # below freeride's hook: one record per iteration
+        start = time.monotonic_ns()
+        loss = bare_train_batch(*a, **k)
+        losses.append(float(loss))
+        pending[len(losses) - 1] = out.record(len(losses) - 1, start, float(loss),
+                                              idle.take() if idle is not None else None, probe=probe.take())
+        return loss
+
+    def delivered(iteration: int, bubbles: list[Any]) -> None:
+        record = pending.pop(iteration, None)
+        if record is not None:
+            out.write(record, bubbles)
+
+    engine.train_batch = train_batch_logged
     before = _hooked(engine), _hooked(engine.mpu), set(vars(engine.mpu))
-    bubbles: dict[int, list[list[Any]]] = {}
     data_iter = batches(args.width, args.micro_batch, args.seed + 1)
     reporter = None
     if args.snippet:
@@ -172,70 +187,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         if args.report:
             # The sender thread may run on every core this rank was given, not only the training thread's.
-            reporter = BubbleReporter(device, stage=engine.stage_id, rank=rank, cpu_affinity=given_cores)
-        handle = fr_deepspeed.instrument(
-            engine, reporter, device=device,
-            on_iteration=lambda it, found: bubbles.__setitem__(
-                it, [[b.slot, b.kind, b.start_ns, b.end_ns, b.predicted_ns] for b in found]))
+            reporter = BubbleReporter(device, stage=engine.stage_id, rank=rank, cpu_affinity=given_cores,
+                                      endpoint=rank_endpoint(args.endpoint_template, device, local_rank, rank))
+        handle = fr_deepspeed.instrument(engine, reporter, device=device, on_iteration=delivered)
         for _ in range(args.iterations):
             engine.train_batch(data_iter)
-    result: dict[str, Any] = {"rank": rank, "stage": int(engine.stage_id), "device": device,
-                              "engine": type(engine).__name__, "instrumented": handle is not None}
+    checks: dict[str, Any] = {"engine": type(engine).__name__, "instrumented": handle is not None}
+    tracker = handle.tracker if handle is not None else None
     if handle is not None:
         handle.tracker.flush()
         iteration = handle.tracker.iteration
         engine.eval_batch(batches(args.width, args.micro_batch, args.seed + 2))
-        result["eval_marked_nothing"] = handle.tracker.iteration == iteration
-        result["slots"] = [[s.index, s.kind] for s in handle.tracker.slots]
-        result["learned_slots"] = [[s.index, s.kind] for s in handle.tracker.learned.opens.values()]
-        result["unplanned_waits"] = handle.tracker.unplanned_waits
+        checks["eval_marked_nothing"] = handle.tracker.iteration == iteration
     fr_deepspeed.uninstrument(engine)
-    if reporter is not None:
-        reporter.close()
-        result["reporter"] = asdict(reporter.counters())
-    result["restored"] = (_hooked(engine), _hooked(engine.mpu), set(vars(engine.mpu))) == before
-    result["iterations"] = probe.iterations
-    result["bubbles"] = {str(k): v for k, v in sorted(bubbles.items())}
+    for record in pending.values():  # no instrumentation delivered them (a snippet that kept no callback)
+        out.write(record, [])
+    checks["restored"] = (_hooked(engine), _hooked(engine.mpu), set(vars(engine.mpu))) == before
     if twin is not None:
         twin_data = batches(args.width, args.micro_batch, args.seed + 1)
-        result["twin_losses"] = [float(twin.train_batch(twin_data)) for _ in range(args.iterations)]
-        # What the engine holds beyond the bare twin: the probe's attributes only (training adds the same).
-        result["extra_attributes"] = sorted(set(vars(engine)) - set(vars(twin)))
-        result["weights_equal"] = all(
+        checks["twin_losses"] = [float(twin.train_batch(twin_data)) for _ in range(args.iterations)]
+        checks["losses"] = losses
+        # What the engine holds beyond the bare twin: the probe's and this job's attributes only.
+        checks["extra_attributes"] = sorted(set(vars(engine)) - set(vars(twin)))
+        checks["weights_equal"] = all(
             torch.equal(a, b) for a, b in zip(engine.module.parameters(), twin.module.parameters(), strict=True))
+    if reporter is not None:
+        reporter.close()
+    out.summary(tracker, reporter, **checks)
+    out.close()
     dist.barrier()
-    return result
+    return out.records
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from freeride.workload.jobs import add_job_arguments
+
     p = argparse.ArgumentParser(prog="python -m freeride.workload.deepspeed_job", description=__doc__.split("\n")[0])
-    p.add_argument("--iterations", type=int, default=30)
+    add_job_arguments(p)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--width", type=int, default=64)
-    p.add_argument("--slow-stage", type=int, default=1, help="model stage that spins --slow-ms more (-1: none)")
-    p.add_argument("--slow-ms", type=float, default=5.0)
     p.add_argument("--clipping", type=float, default=1.0, help="gradient clipping (DeepSpeed's default 1.0)")
     p.add_argument("--dualpipev", action="store_true")
-    p.add_argument("--twin", action="store_true", help="also train a bare twin engine and compare")
-    p.add_argument("--report", action="store_true", help="report to the device's manager (default endpoint)")
-    p.add_argument("--snippet", default="", help="user code to run instead of the built-in loop")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", dest="log", default="", help="JSON file per rank ({rank} substituted)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("FREERIDE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s")
-    from freeride.workload.run import rank_log_path
-
-    args = parse_args(argv)
-    result = run(args)
-    if args.log:
-        path = rank_log_path(args.log, result["rank"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result))
+    run(parse_args(argv))
     return 0
 
 

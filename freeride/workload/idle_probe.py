@@ -47,7 +47,7 @@ class IdleProbe:
 
     def wrap(self, stage: Any) -> None:
         for name in _METHODS:
-            setattr(stage, name, self._timed(getattr(stage, name)))
+            setattr(stage, name, self.timed(getattr(stage, name)))
 
     def enter(self) -> None:
         """A compute action starts: the gap since the last one ended is measured (:meth:`wrap` calls it;
@@ -63,7 +63,9 @@ class IdleProbe:
         """The compute action ends."""
         self._exit = (time.monotonic_ns(), time.thread_time_ns(), self._run_delay_ns())
 
-    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (a compute entry point, of a stage or a framework's dispatch table) with the gap
+        before each call measured."""
         enter, leave = self.enter, self.leave
 
         def timed(*args: Any, **kwargs: Any) -> Any:

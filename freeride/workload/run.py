@@ -144,12 +144,12 @@ def rank_log_path(template: str, rank: int) -> Path:
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix or '.jsonl'}")
 
 
-def _endpoint(cfg: TrainerConfig, device: str, local_rank: int, rank: int) -> Any:
-    if cfg.endpoint_template:
+def rank_endpoint(template: str, device: str, local_rank: int, rank: int) -> Any:
+    """The endpoint of this rank's manager: ``template`` with ``{device}``, ``{slug}``, ``{local_rank}``
+    and ``{rank}`` filled in, or the device's default endpoint when the template is empty."""
+    if template:
         slug = parse_device_name(device).slug
-        return parse_endpoint(
-            cfg.endpoint_template.format(device=device, slug=slug, local_rank=local_rank, rank=rank)
-        )
+        return parse_endpoint(template.format(device=device, slug=slug, local_rank=local_rank, rank=rank))
     return default_endpoint(device)
 
 
@@ -270,8 +270,8 @@ def train(cfg: TrainerConfig) -> list[dict[str, Any]]:
     if cfg.report or cfg.measure or probe is not None:
         if cfg.report:
             token = read_token(cfg.token_file or None)
-            reporter = BubbleReporter(device_name, stage=rank, rank=rank,
-                                      endpoint=_endpoint(cfg, device_name, local_rank, rank), token=token,
+            endpoint = rank_endpoint(cfg.endpoint_template, device_name, local_rank, rank)
+            reporter = BubbleReporter(device_name, stage=rank, rank=rank, endpoint=endpoint, token=token,
                                       cpu_affinity=given_cores)
         sink: Any = reporter
         if probe is not None:

@@ -5,7 +5,7 @@ this job keeps everything of it that runs on a CPU with torch 2.13 and stands in
 torchrun (gloo; each rank pinned to one of its cores)::
 
     torchrun --standalone --nproc-per-node 2 -m freeride.workload.torchtitan_job \\
-        --iterations 30 --slow-stage 1 --slow-ms 5 --result-file /tmp/tt.json
+        --iterations 30 --slow-stage 1 --slow-ms 5 --iteration-log /tmp/tt.jsonl
 
 * **The schedule is torchtitan's.** ``torchtitan.distributed.pipeline_parallel.pipeline_llm`` -- the
   function the trainer calls -- splits a small model laid out the torchtitan way (``tok_embeddings``,
@@ -18,24 +18,25 @@ torchrun (gloo; each rank pinned to one of its cores)::
   ``parallel_dims``, ``pp_has_first_stage`` / ``pp_has_last_stage``, a ``train()`` loop of
   ``train_step`` (``pp_schedule.step`` in torch 2.13's form, then the optimizer) and a ``validator``
   that keeps the raw schedule and calls ``eval`` on it, as torchtitan's does.
-* ``--slow-stage S --slow-ms X``: model stage S spins X ms more in each forward and backward.
+* ``--slow-stage S --slow-ms X``: model stage S (0: the embedding's, 1: the norm's) spins X ms more in
+  each forward (:func:`freeride.workload.pipelines.slow_down`).
 
-The job instruments the trainer (``--report``: a reporter to the device's manager) or runs ``--snippet
+The job instruments the trainer (``--report``: a reporter to the rank's manager) or runs ``--snippet
 FILE`` with ``trainer`` and ``device`` in scope (the documentation's snippet, as written), trains
-``--iterations`` steps, validates once, uninstruments, trains a bare twin (``--twin``, same initial
-weights and batches) and writes one JSON document per rank to ``--result-file``.
+``--iterations`` steps, validates once through the validator's raw schedule and once through the
+wrapper, uninstruments, and trains a bare twin (``--twin``, same initial weights and batches). Its log
+(``--iteration-log``, ``--idle-probe``) is the reference trainer's
+(:class:`freeride.workload.jobs.IterationLog`), the checks in the summary record.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import time
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +54,16 @@ class TitanStyleModel(nn.Module):
     (torchtitan's split sets them to None or empties them)."""
 
     def __init__(self, width: int, layers: int, slow_stage: int, slow_ms: float) -> None:
-        from freeride.workload.slowdown import Spin
+        from freeride.workload.pipelines import slow_down
 
         super().__init__()
-        first = nn.Sequential(nn.Embedding(VOCAB, width), Spin(slow_ms if slow_stage == 0 else 0.0))
-        self.tok_embeddings: nn.Module | None = first
+        self.tok_embeddings: nn.Module | None = nn.Embedding(VOCAB, width)
         self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(width, width), nn.Tanh()) for i in range(layers)})
-        last = nn.Sequential(nn.LayerNorm(width), Spin(slow_ms if slow_stage == 1 else 0.0))
-        self.norm: nn.Module | None = last
+        self.norm: nn.Module | None = nn.LayerNorm(width)
         self.lm_head: nn.Module | None = nn.Linear(width, VOCAB)
+        # The first stage holds the embedding, the last the norm: a forward hook there slows that stage.
+        if slow_ms > 0 and slow_stage in (0, 1):
+            slow_down(self.tok_embeddings if slow_stage == 0 else self.norm, slow_ms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
@@ -109,7 +111,7 @@ class Trainer:
         self.batch = args.local_batch
         self.seed = args.seed
         self.losses: list[float] = []
-        self.on_step: Callable[[int], None] | None = None
+        self.on_step: Callable[[int, int, float | None], None] | None = None  # (step, its start ns, loss)
 
     def batch_of(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 7919 + step)
@@ -117,6 +119,7 @@ class Trainer:
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def train_step(self, step: int) -> None:
+        start = time.monotonic_ns()
         x, y = self.batch_of(step)
         losses: list[torch.Tensor] = []
         if self.pp_has_first_stage:
@@ -125,9 +128,10 @@ class Trainer:
             self.pp_schedule.step(target=y, losses=losses)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        self.losses.append(float(torch.stack([loss.detach() for loss in losses]).sum()) if losses else float("nan"))
+        loss = float(torch.stack([loss.detach() for loss in losses]).sum()) if losses else None
+        self.losses.append(float("nan") if loss is None else loss)
         if self.on_step is not None:
-            self.on_step(step)
+            self.on_step(step, start, loss)
 
     def train(self) -> None:
         for step in range(self.steps):
@@ -202,25 +206,34 @@ def _functions(obj: Any) -> dict[str, int]:
     return {name: id(value) for name, value in vars(obj).items() if isinstance(value, types.FunctionType)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from freeride.training import torchtitan as fr_torchtitan
     from freeride.training.reporter import BubbleReporter
-    from freeride.workload.slowdown import pin_rank
+    from freeride.workload.jobs import IterationLog, pin_rank
+    from freeride.workload.run import rank_endpoint
 
-    rank = int(os.environ.get("RANK", "0"))
-    device, given_cores = pin_rank(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device, given_cores = pin_rank(local_rank)
     dist.init_process_group("gloo")
     torch_device = torch.device("cpu")
     trainer = Trainer(args, torch_device)
     twin = Trainer(args, torch_device) if args.twin else None
-    stages = list(getattr(trainer.pp_schedule, "_stages", None) or [trainer.pp_schedule._stage])
-    own_methods = [_functions(s) for s in stages]
     raw = trainer.pp_schedule
-    bubbles: dict[int, list[list[Any]]] = {}
-    steps: list[dict[str, int]] = []
-    trainer.on_step = lambda step: steps.append({"step": step, "end_ns": time.monotonic_ns()})
+    stages = list(getattr(raw, "_stages", None) or [raw._stage])
+    idle = None
+    if args.idle_probe:
+        from freeride.workload.idle_probe import IdleProbe
+
+        idle = IdleProbe()
+        for stage in stages:  # before the instrumentation: its marks then count as the gaps' busy time
+            idle.wrap(stage)
+    own_methods = [_functions(s) for s in stages]
+    out = IterationLog(args.log, rank, device, args.warmup)
+    delivered: dict[int, list[Any]] = {}  # the instrumentation's bubbles, per step, until it is logged
+    trainer.on_step = lambda step, start, loss: out.write(
+        out.record(step, start, loss, idle.take() if idle is not None else None), delivered.pop(step, []))
     reporter = None
     if args.snippet:
         exec(compile(Path(args.snippet).read_text(), args.snippet, "exec"), {"trainer": trainer, "device": device})
@@ -228,76 +241,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reporter = trainer.pp_schedule.sink
     else:
         if args.report:
-            reporter = BubbleReporter(device, stage=rank, rank=rank, cpu_affinity=given_cores)
-        fr_torchtitan.instrument(trainer, reporter, on_iteration=lambda it, found: bubbles.__setitem__(
-            it, [[b.slot, b.kind, b.start_ns, b.end_ns, b.predicted_ns] for b in found]))
+            reporter = BubbleReporter(device, stage=rank, rank=rank, cpu_affinity=given_cores,
+                                      endpoint=rank_endpoint(args.endpoint_template, device, local_rank, rank))
+        fr_torchtitan.instrument(trainer, reporter, on_iteration=lambda it, found: delivered.__setitem__(it, found))
         trainer.train()
     wrapper = trainer.pp_schedule
-    result: dict[str, Any] = {"rank": rank, "device": device, "builder": "torchtitan" if trainer.parallel_dims else
-                              "torch", "schedule": type(raw).__name__,
+    checks: dict[str, Any] = {"builder": "torchtitan" if trainer.parallel_dims else "torch",
+                              "schedule": type(raw).__name__,
                               "instrumented": isinstance(wrapper, fr_torchtitan.InstrumentedPipelineSchedule)}
+    tracker = None
     x, y = trainer.batch_of(10_000)
     if isinstance(wrapper, fr_torchtitan.InstrumentedPipelineSchedule):
-        wrapper.instrumented.flush()
-        result["attribute_passes_through"] = wrapper._n_microbatches == raw._n_microbatches
-        result["hooks_off_between_steps"] = not wrapper.instrumented.attached
+        tracker = wrapper.instrumented.tracker
+        tracker.flush()
+        checks["attribute_passes_through"] = wrapper._n_microbatches == raw._n_microbatches
+        checks["hooks_off_between_steps"] = not wrapper.instrumented.attached
         start = time.monotonic_ns()
-        result["validation_loss"] = trainer.validator.validate(x, y)  # the raw schedule, as torchtitan's does
+        checks["validation_loss"] = trainer.validator.validate(x, y)  # the raw schedule, as torchtitan's does
         trainer.validator.pp_schedule = wrapper  # and through the wrapper
-        result["validation_loss_through_wrapper"] = trainer.validator.validate(x, y)
+        checks["validation_loss_through_wrapper"] = trainer.validator.validate(x, y)
         trainer.validator.pp_schedule = raw
-        result["eval_window_ns"] = [start, time.monotonic_ns()]
-        result["slots"] = [[s.index, s.kind] for s in wrapper.instrumented.slots]
+        checks["eval_window_ns"] = [start, time.monotonic_ns()]
     fr_torchtitan.uninstrument(trainer)
-    if reporter is not None:
-        reporter.close()
-        result["reporter"] = asdict(reporter.counters())
-    result["restored"] = trainer.pp_schedule is raw and [_functions(s) for s in stages] == own_methods
-    result["losses"] = trainer.losses
-    result["steps"] = steps
-    result["bubbles"] = {str(k): v for k, v in sorted(bubbles.items())}
+    checks["restored"] = trainer.pp_schedule is raw and [_functions(s) for s in stages] == own_methods
     if twin is not None:
         twin.train()
-        result["twin_losses"] = twin.losses
-        result["weights_equal"] = all(
+        checks["losses"], checks["twin_losses"] = trainer.losses, twin.losses
+        checks["weights_equal"] = all(
             torch.equal(a, b) for m, n in zip(trainer.model_parts, twin.model_parts, strict=True)
             for a, b in zip(m.parameters(), n.parameters(), strict=True))
+    if reporter is not None:
+        reporter.close()
+    out.summary(tracker, reporter, **checks)
+    out.close()
     dist.barrier()
     dist.destroy_process_group()
-    return result
+    return out.records
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from freeride.workload.jobs import add_job_arguments
+
     p = argparse.ArgumentParser(prog="python -m freeride.workload.torchtitan_job", description=__doc__.split("\n")[0])
-    p.add_argument("--iterations", type=int, default=30)
+    add_job_arguments(p)
     p.add_argument("--schedule", default="1F1B", help="torchtitan's pipeline_parallel_schedule (single-stage ones)")
     p.add_argument("--local-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--slow-stage", type=int, default=1, help="0: the first stage, 1: the last, -1: none")
-    p.add_argument("--slow-ms", type=float, default=5.0)
     p.add_argument("--builder", choices=("auto", "torchtitan", "torch"), default="auto")
-    p.add_argument("--twin", action="store_true")
-    p.add_argument("--report", action="store_true")
-    p.add_argument("--snippet", default="")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump-folder", default="/tmp/freeride-torchtitan-job")
-    p.add_argument("--result-file", dest="log", default="")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from freeride.workload.run import rank_log_path
-
     logging.basicConfig(level=os.environ.get("FREERIDE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
-    result = run(args)
-    if args.log:
-        path = rank_log_path(args.log, result["rank"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result))
+    run(parse_args(argv))
     return 0
 
 
