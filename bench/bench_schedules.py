@@ -1,7 +1,8 @@
-"""Bubbles reported and harvested on every torch pipeline schedule: two CPU ranks, two stages each.
+"""Bubbles reported and harvested on every torch pipeline schedule and framework: two CPU ranks.
 
-    python -m bench.bench_schedules            # every schedule, 200 iterations each
-    python -m bench.bench_schedules --quick    # every schedule, 40 iterations each (a smoke run)
+    python -m bench.bench_schedules            # every schedule and framework, 200 iterations each
+    python -m bench.bench_schedules --quick    # every schedule and framework, 40 iterations each (a smoke run)
+    python -m bench.bench_schedules --schedules deepspeed,deepspeed-dualpipev,torchtitan --results-name frameworks
 
 For each schedule -- ``ScheduleGPipe`` and ``Schedule1F1B`` (one stage per rank), and
 ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
@@ -11,6 +12,14 @@ starts one freeride manager per core, submits a PageRank side task (``rmat:12``)
 the reference trainer (``python -m freeride.workload``) under ``torchrun --standalone
 --nproc-per-node 2`` (gloo, one rank per core) with ``--report`` and ``--idle-probe``. Model stage 1
 is made ``--slow-ms`` slower per forward (busy compute), so that the ranks wait a known amount.
+
+**Frameworks** run the same way, each through its adapter: ``deepspeed`` (DeepSpeed's
+``PipelineEngine``, one stage per rank, :mod:`freeride.training.deepspeed`), ``deepspeed-dualpipev``
+(its ``DualPipeVEngine``, two model stages per rank) -- both ``python -m freeride.workload.deepspeed_job``
+-- and ``torchtitan`` (the schedule torchtitan's ``pipeline_llm`` builds, through
+:mod:`freeride.training.torchtitan`; ``python -m freeride.workload.torchtitan_job``). Their jobs write
+the trainer's log format and idle probe (DeepSpeed's probe times the gaps before its ``ForwardPass``
+and ``BackwardPass`` instructions), slow model stage 1 the same way, and are measured alike.
 
 Per rank (the trainer's logs, iterations after the warm-up):
 
@@ -28,7 +37,9 @@ efficiency** (:func:`freeride.harvest.harvest`: standalone-equivalent side-task 
 **freezes** (workers stopped with SIGSTOP because a step outlived its bubble), **overrun** past the
 real end p50/p99 (per granted bubble), the side task's step time against the typical bubble.
 
-**Instrumentation cost** per iteration on the training thread: the schedule's real action order
+**Instrumentation cost** per iteration on the training thread (DeepSpeed: its real schedule replayed
+through the adapter's hooks, :func:`bench.deepspeed_replay.hot_path_ns`; torchtitan: the 1F1B walk
+through its wrapper): the schedule's real action order
 (torch's ``pipeline_order_with_comms``) driven through :class:`InstrumentedSchedule` with empty
 compute, torch's calls emulated (a runtime schedule's walk over its lowered order, a single-stage
 schedule's loop, the loss after each forward), a reporter that only enqueues; paired batches against the bare loop, the
@@ -69,6 +80,10 @@ from freeride.measure import median, percentile  # noqa: E402
 from freeride.messages import TaskSpec  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev", "csv")
+#: Frameworks, each through its adapter (module doc), and the job that runs it.
+FRAMEWORKS = {"deepspeed": ("freeride.workload.deepspeed_job",),
+              "deepspeed-dualpipev": ("freeride.workload.deepspeed_job", "--dualpipev"),
+              "torchtitan": ("freeride.workload.torchtitan_job", "--builder", "torchtitan")}
 PAGERANK = {"target": "side_tasks.graphs:PageRank",
             "args": {"graph": "rmat:12", "tol": 0.0, "max_iterations": 2**31 - 1}, "memory_bytes": 512 << 20}
 MODEL = ["--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "128", "--microbatch-size", "4"]
@@ -79,6 +94,15 @@ GAP_NS = 500_000
 
 
 def trainer_argv(name: str, args: argparse.Namespace, log: Path, endpoint_template: str, csv_path: Path) -> list[str]:
+    if name in FRAMEWORKS:
+        module, *extra = FRAMEWORKS[name]
+        size = (["--microbatches", str(args.microbatches)] if module.endswith("deepspeed_job")
+                else ["--local-batch", str(2 * args.microbatches)])  # micro-batches of 2
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", module,
+                *extra, *size, "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+                "--seed", str(args.seed), "--iteration-log", str(log), "--slow-stage", "1",
+                "--slow-ms", str(args.slow_ms), "--idle-probe"]
+        return argv + (["--report", "--endpoint-template", endpoint_template] if endpoint_template else [])
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "freeride.workload", "--schedule", name, "--virtual-stages", "2",
             "--microbatches", str(args.microbatches), "--iterations", str(args.iterations),
@@ -342,14 +366,20 @@ def hot_path_ns(name: str, microbatches: int, csv_path: Path, batches: int = 30,
     from freeride.endpoints import Endpoint
     from freeride.training.instrument import InstrumentedSchedule
     from freeride.training.reporter import BubbleReporter
+    from freeride.training.torchtitan import InstrumentedPipelineSchedule
 
+    if name.startswith("deepspeed"):
+        from bench.deepspeed_replay import hot_path_ns as deepspeed_hot_path_ns
+
+        return deepspeed_hot_path_ns(name.endswith("dualpipev"), microbatches, batches, per_batch)
     out = []
     for rank in (0, 1):
-        bare = _walker(name, rank, microbatches, csv_path)
-        walked = _walker(name, rank, microbatches, csv_path)
+        bare = _walker("1f1b" if name == "torchtitan" else name, rank, microbatches, csv_path)
+        walked = _walker("1f1b" if name == "torchtitan" else name, rank, microbatches, csv_path)
         offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=Endpoint("unix", "/nonexistent"),
                                  start=False, queue_size=10**8)
-        inst = InstrumentedSchedule(walked, sink=offline, device="cpu:0")
+        inst: Any = (InstrumentedPipelineSchedule(walked, sink=offline, device="cpu:0") if name == "torchtitan"
+                     else InstrumentedSchedule(walked, sink=offline, device="cpu:0"))
         samples: dict[str, list[float]] = {"bare": [], "inst": []}
         for _ in range(batches):
             pair = [("bare", bare.step), ("inst", inst.step)]
@@ -411,18 +441,20 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_schedules", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="40 iterations per schedule, a shorter standalone probe")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, of: " + ", ".join(SCHEDULES))
+    choices = (*SCHEDULES, *FRAMEWORKS)
+    p.add_argument("--schedules", default=",".join(choices), help="comma-separated, of: " + ", ".join(choices))
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--slow-ms", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
+    p.add_argument("--results-name", default="schedules", help="results go to <out>/<name>.json and .md")
     args = p.parse_args(argv)
     if args.quick:
         args.iterations, args.warmup = 40, 10
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(SCHEDULES))
+    unknown = sorted(set(names) - set(choices))
     if unknown:
         p.error(f"unknown schedule(s): {', '.join(unknown)}")
     work = Path(tempfile.mkdtemp(prefix="bench-schedules-"))
@@ -451,9 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run["hot_path_ns"] = hot_path_ns(name, args.microbatches, csv_path)
         runs.append(run)
         # After every schedule: a later failure or an interrupted bench keeps what was measured.
-        (args.out / "schedules.json").write_text(json.dumps(doc, indent=2, default=lambda o: asdict(o)) + "\n")
-        write_markdown(doc, args.out / "schedules.md")
-    print((args.out / "schedules.md").read_text() if runs else "no schedule ran")
+        (args.out / f"{args.results_name}.json").write_text(json.dumps(doc, indent=2, default=lambda o: asdict(o)) + "\n")
+        write_markdown(doc, args.out / f"{args.results_name}.md")
+    print((args.out / f"{args.results_name}.md").read_text() if runs else "no schedule ran")
     return 0 if not doc["failed"] else 1
 
 

@@ -6,8 +6,8 @@ stage and dispatches every instruction exactly as ``PipelineEngine._exec_schedul
 ``train_batch`` then calls ``_aggregate_total_loss``, and ``OptimizerStep`` calls
 ``clip_fp32_gradients``, which asks ``self.mpu`` for its model-parallel group, as DeepSpeed's does.
 So :func:`freeride.training.deepspeed.instrument`'s hooks see the call sequence of a real engine
-and nothing else runs: the tests check the marks it makes, and ``bench/bench_deepspeed.py`` times
-what the hooks cost the training thread per iteration.
+and nothing else runs: the tests check the marks it makes, and ``bench/bench_schedules.py`` times
+what the hooks cost the training thread per iteration (:func:`hot_path_ns`).
 """
 
 from __future__ import annotations
@@ -86,3 +86,42 @@ class ReplayEngine:
         self.mpu.get_model_parallel_group()
         if self.wait_s:
             time.sleep(self.wait_s)
+
+
+def hot_path_ns(dualpipev: bool, micro_batches: int, batches: int = 30, per_batch: int = 200) -> list[float]:
+    """Training-thread ns per iteration that ``freeride.training.deepspeed``'s hooks and tracker add, per
+    rank of a two-rank pipeline: paired batches of replayed iterations, bare and instrumented, in random
+    order, with a reporter that only enqueues (its sender thread has a core of its own); the median
+    difference."""
+    import random
+    import time
+
+    from deepspeed.runtime.pipe.schedule import DualPipeVSchedule, TrainSchedule
+
+    from freeride.endpoints import Endpoint
+    from freeride.measure import median
+    from freeride.training import deepspeed as fds
+    from freeride.training.reporter import BubbleReporter
+
+    schedule_type = DualPipeVSchedule if dualpipev else TrainSchedule
+    out = []
+    for rank in (0, 1):
+        bare = ReplayEngine(schedule_type, micro_batches, 2, rank)
+        walked = ReplayEngine(schedule_type, micro_batches, 2, rank)
+        offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=Endpoint("unix", "/nonexistent"),
+                                 start=False, queue_size=10**8)
+        fds._install(walked, offline, device="cpu:0")
+        samples: dict[str, list[float]] = {"bare": [], "inst": []}
+        for _ in range(batches):
+            pair = [("bare", bare), ("inst", walked)]
+            random.shuffle(pair)
+            for key, engine in pair:
+                t0 = time.perf_counter_ns()
+                for _ in range(per_batch):
+                    engine.train_batch()
+                samples[key].append((time.perf_counter_ns() - t0) / per_batch)
+                engine.ran.clear()
+        fds.uninstrument(walked)
+        offline.close()
+        out.append(median([i - b for i, b in zip(samples["inst"], samples["bare"], strict=True)]))
+    return out

@@ -197,7 +197,7 @@ class _Hooks:
         self._set(engine, "_INSTRUCTION_MAP", wrapped)
         self._set(engine, "train_batch", self._train_batch(engine.train_batch))
         self._set(engine, "_aggregate_total_loss", self._whole_wait(engine._aggregate_total_loss))
-        mpu = getattr(engine, "mpu", None)
+        mpu: Any = getattr(engine, "mpu", None)
         if hasattr(engine, "clip_fp32_gradients") and hasattr(mpu, "get_model_parallel_group"):
             self._set(engine, "clip_fp32_gradients", self._clip(engine.clip_fp32_gradients))
             self._set(mpu, "get_model_parallel_group", self._group_lookup(mpu.get_model_parallel_group))
@@ -372,7 +372,7 @@ def _require(engine: Any, names: Iterable[str]) -> None:
 
 
 def _engine_device(engine: Any) -> str:
-    device = getattr(engine, "device", None)
+    device: Any = getattr(engine, "device", None)
     if getattr(device, "type", None) == "cuda":
         return f"cuda:{device.index or 0}"
     return "cpu"

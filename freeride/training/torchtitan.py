@@ -96,7 +96,7 @@ class InstrumentedPipelineSchedule:
 
 def _stage_device(schedule: Any) -> str | None:
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
-    device = getattr(stages[0], "device", None)
+    device: Any = getattr(stages[0], "device", None)
     if getattr(device, "type", None) == "cuda":
         return f"cuda:{device.index or 0}"
     return None if device is None else "cpu"

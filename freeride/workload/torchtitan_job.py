@@ -181,7 +181,7 @@ def build_with_torch(model: nn.Module, args: argparse.Namespace, device: torch.d
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    chunk = copy.deepcopy(model)
+    chunk: Any = copy.deepcopy(model)
     per = args.layers // ranks
     keep = {str(i) for i in range(rank * per, (rank + 1) * per)}
     for name in list(chunk.layers.keys()):
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     delivered: dict[int, list[Any]] = {}  # the instrumentation's bubbles, per step, until it is logged
     trainer.on_step = lambda step, start, loss: out.write(
         out.record(step, start, loss, idle.take() if idle is not None else None), delivered.pop(step, []))
-    reporter = None
+    reporter: Any = None
     if args.snippet:
         exec(compile(Path(args.snippet).read_text(), args.snippet, "exec"), {"trainer": trainer, "device": device})
         if isinstance(trainer.pp_schedule, fr_torchtitan.InstrumentedPipelineSchedule):

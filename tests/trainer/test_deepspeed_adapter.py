@@ -345,3 +345,33 @@ def test_a_changed_micro_batch_count_is_planned_again(one_rank: None) -> None:
         assert len(handle.tracker.last_actions) == 12
     finally:
         fds.uninstrument(engine)
+
+
+def test_on_cuda_the_marks_take_the_devices_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tracker picks CUDA events for a cuda:N device (freeride.training.device_clock): the adapter
+    # hands it the reporter's device unless told another.
+    from freeride.training import tracker as tracker_module
+    from freeride.training.device_clock import HostClock
+
+    asked: list[str | None] = []
+
+    def clock(device: str | None, consumer: Any) -> HostClock:
+        asked.append(device)
+        return HostClock(consumer)
+
+    monkeypatch.setattr(tracker_module, "default_clock", clock)
+
+    class Reporter:
+        device = "cuda:3"
+
+        def bubble_start(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def bubble_end(self, *args: Any, **kwargs: Any) -> None: ...
+
+    engine = ReplayEngine(TrainSchedule, 4, 2, 0)
+    fds._install(engine, Reporter(), device=None)
+    fds.uninstrument(engine)
+    other = ReplayEngine(TrainSchedule, 4, 2, 1)
+    fds._install(other, Reporter(), device="cuda:1")
+    fds.uninstrument(other)
+    assert asked == ["cuda:3", "cuda:1"]

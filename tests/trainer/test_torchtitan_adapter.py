@@ -6,6 +6,7 @@ adapter promises: ``step`` instrumented with the same results as the bare schedu
 attributes passing through, the stage hooks off outside ``step`` (torchtitan's validator evaluates
 through its own reference to the raw schedule), and ``uninstrument`` putting the schedule back. The
 two-rank run, built by torchtitan's own ``pipeline_llm``, is ``tests/e2e/test_frameworks_e2e.py``.
+The README's snippets are the documentation's, and the torch pipelining one runs here as written.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cpu_devices
+from framework_jobs import REPO, docs_snippet
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from freeride.errors import ConfigError
@@ -159,3 +162,51 @@ def test_a_trainer_instrumented_twice_is_refused(one_rank: None) -> None:
     with pytest.raises(ConfigError, match="instrumented already"):
         ftt.instrument(trainer, None, device="cpu")
     ftt.uninstrument(trainer)
+
+
+# ------------------------------------------------------------------ the documented snippets
+
+
+@pytest.mark.parametrize("name", ["torch", "deepspeed", "torchtitan"])
+def test_the_readme_shows_the_documented_snippets_word_for_word(name: str) -> None:
+    assert docs_snippet(name, REPO / "README.md") == docs_snippet(name)
+
+
+def test_the_torch_pipelining_snippet_runs_as_written(one_rank: None) -> None:
+    # The two-rank runs execute the DeepSpeed and torchtitan snippets (tests/e2e/test_frameworks_e2e.py);
+    # this one needs only a schedule, here a real one-rank 1F1B, and nobody listening to the reporter.
+    schedule = _schedule(False)
+    model = _stages(schedule)[0].submod
+    x, y = _batch()
+    scope: dict[str, Any] = {"schedule": schedule, "device": cpu_devices(1)[0], "pp_rank": 0, "steps": 3,
+                             "x": x, "y": y, "losses": [],
+                             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    before = [p.detach().clone() for p in model.parameters()]
+    exec(compile(docs_snippet("torch"), "docs/bubbles.md#torch", "exec"), scope)
+    try:
+        instrumented = scope["instrumented"]
+        instrumented.flush()
+        assert instrumented.iteration == 3 and len(scope["losses"]) == 2  # the last step's, one per micro-batch
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it trained
+    finally:
+        scope["instrumented"].close()
+        scope["reporter"].close()
+
+
+def test_on_cuda_the_wrapper_takes_the_devices_clock(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from freeride.training import tracker as tracker_module
+    from freeride.training.device_clock import HostClock
+
+    asked: list[str | None] = []
+
+    def clock(device: str | None, consumer: Any) -> HostClock:
+        asked.append(device)
+        return HostClock(consumer)
+
+    monkeypatch.setattr(tracker_module, "default_clock", clock)
+    sink = Sink()
+    sink.device = "cuda:2"  # type: ignore[attr-defined]
+    trainer = types.SimpleNamespace(pp_schedule=_schedule(False))
+    ftt.instrument(trainer, sink)
+    ftt.uninstrument(trainer)
+    assert asked == ["cuda:2"]
