@@ -257,11 +257,11 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 def _engine(dualpipev: bool = False, micro_batches: int = 4) -> Any:
     import torch
 
-    from freeride.workload.deepspeed_job import _engine, build_model
+    from freeride.workload.deepspeed_job import build_model, make_engine
 
     torch.manual_seed(0)
     model = build_model(8, 2 if dualpipev else 1, -1, 0.0, dualpipev, 1)
-    return _engine(model, 2, micro_batches, 1.0)
+    return make_engine(model, 2, micro_batches, 1.0)
 
 
 def _data() -> Any:
