@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -30,6 +32,18 @@ def pin_rank(local_rank: int) -> tuple[str, set[int]]:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     return f"cpu:{core}", given
+
+
+def job_main(
+    run: Callable[[argparse.Namespace], object],
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """A job's ``main``: logging as the reference trainer's (``FREERIDE_LOG_LEVEL``), then ``run``."""
+    logging.basicConfig(level=os.environ.get("FREERIDE_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s")
+    run(parse_args(argv))
+    return 0
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:

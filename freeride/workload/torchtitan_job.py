@@ -295,10 +295,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("FREERIDE_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s")
-    run(parse_args(argv))
-    return 0
+    from freeride.workload.jobs import job_main
+
+    return job_main(run, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_jobs import docs_snippet, managed_ranks, require_framework, traced_bubbles
+from framework_jobs import RankLog, docs_snippet, managed_ranks, require_framework, traced_bubbles
 
 from freeride._cli import bubbles as bubbles_cli
 from freeride._wire.client import ControlClient
@@ -27,7 +28,7 @@ from freeride._wire.client import ControlClient
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ITERATIONS = 12
-SLOWDOWN = ("--slow-stage", "1", "--slow-ms", "8")
+SLOW_MS = 8.0
 WAITING = {"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "LossBroadcast"}
 COMPUTE = {"ForwardPass", "BackwardPass", "LoadMicroBatch"}
 
@@ -43,10 +44,31 @@ def _bubbles_cli(endpoint: Any, capsys: pytest.CaptureFixture[str]) -> list[dict
     return [row for rows in doc["devices"].values() for row in rows]
 
 
-def _harvested(endpoint: Any, task_id: str) -> tuple[int, float]:
-    with ControlClient(endpoint) as client:
-        info = client.get(task_id)
-        return info.steps, client.stats().harvested_s
+@dataclass
+class Run:
+    logs: list[RankLog]  # per rank: iteration records, summary
+    cli_rows: list[list[dict[str, Any]]]  # per rank: what ``freeride bubbles`` listed
+    traced: list[list[dict[str, Any]]]  # per rank: the bubbles in its manager's trace
+    side_task_steps: int
+    harvested_s: float
+
+
+def _run(tmp_path: Path, capsys: pytest.CaptureFixture[str], framework: str, module: str, *args: str) -> Run:
+    """The framework's snippet, as documented, in a two-rank job beside the managers and a side task
+    on stage 0's core; what the job logged, the CLI listed, the traces hold, the side task did."""
+    require_framework(framework)
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(docs_snippet(framework))
+    with managed_ranks(tmp_path) as ranks:
+        task = ranks.submit(0, "sample_tasks:Counter", step_ms=1.0, log_steps=False)
+        logs = ranks.run_job(module, *args, "--snippet", str(snippet), "--twin", "--iterations", str(ITERATIONS),
+                             "--slow-stage", "1", "--slow-ms", str(SLOW_MS))
+        rows = [_bubbles_cli(ranks.endpoint(r), capsys) for r in (0, 1)]
+        with ControlClient(ranks.endpoint(0)) as client:
+            steps, harvested_s = client.get(task.task_id).steps, client.stats().harvested_s
+        ranks.stop()  # the traces are complete once the managers stopped
+        traced = [traced_bubbles(ranks.traces[r]) for r in (0, 1)]
+    return Run(logs, rows, traced, steps, harvested_s)
 
 
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -57,18 +79,8 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 def test_deepspeed_pipeline_reports_its_waits_and_a_side_task_harvests_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    require_framework("deepspeed")
-    snippet = tmp_path / "snippet.py"
-    snippet.write_text(docs_snippet("deepspeed"))
-    with managed_ranks(tmp_path) as ranks:
-        task = ranks.submit(0, "sample_tasks:Counter", step_ms=1.0, log_steps=False)
-        results = ranks.run_job("freeride.workload.deepspeed_job", "--snippet", str(snippet), "--twin",
-                                "--iterations", str(ITERATIONS), *SLOWDOWN)
-        rows = [_bubbles_cli(ranks.endpoint(r), capsys) for r in (0, 1)]
-        steps, harvested_s = _harvested(ranks.endpoint(0), task.task_id)
-        ranks.stop()
-        traced = [traced_bubbles(ranks.traces[r]) for r in (0, 1)]
-
+    run = _run(tmp_path, capsys, "deepspeed", "freeride.workload.deepspeed_job")
+    results, rows, traced = run.logs, run.cli_rows, run.traced
     for iterations, summary in results:
         assert summary["instrumented"] and summary["engine"] == "PipelineEngine"
         # Training is untouched: the same losses and weights as a bare twin on the same batches.
@@ -110,25 +122,15 @@ def test_deepspeed_pipeline_reports_its_waits_and_a_side_task_harvests_them(
             if name == "RecvGrad":
                 assert any(s <= start and end <= e and slot in planned for s, e, slot in by_iteration.get(i, [])), (
                     i, name, start, end)
-    assert steps > 0 and harvested_s > 0
+    assert run.side_task_steps > 0 and run.harvested_s > 0
 
 
 @pytest.mark.timeout(420)
 def test_torchtitan_schedule_reports_its_waits_and_a_side_task_harvests_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    require_framework("torchtitan")
-    snippet = tmp_path / "snippet.py"
-    snippet.write_text(docs_snippet("torchtitan"))
-    with managed_ranks(tmp_path) as ranks:
-        task = ranks.submit(0, "sample_tasks:Counter", step_ms=1.0, log_steps=False)
-        results = ranks.run_job("freeride.workload.torchtitan_job", "--builder", "torchtitan", "--snippet",
-                                str(snippet), "--twin", "--iterations", str(ITERATIONS), *SLOWDOWN)
-        rows = [_bubbles_cli(ranks.endpoint(r), capsys) for r in (0, 1)]
-        steps, harvested_s = _harvested(ranks.endpoint(0), task.task_id)
-        ranks.stop()
-        traced = [traced_bubbles(ranks.traces[r]) for r in (0, 1)]
-
+    run = _run(tmp_path, capsys, "torchtitan", "freeride.workload.torchtitan_job", "--builder", "torchtitan")
+    results, rows, traced = run.logs, run.cli_rows, run.traced
     for _iterations, summary in results:
         assert summary["instrumented"] and summary["builder"] == "torchtitan" and summary["schedule"] == "Schedule1F1B"
         assert summary["losses"] == summary["twin_losses"] and summary["weights_equal"]
@@ -147,4 +149,4 @@ def test_torchtitan_schedule_reports_its_waits_and_a_side_task_harvests_them(
     planned = {s["slot"] for s in results[0][1]["slots"]}
     for i in range(1, ITERATIONS):
         assert planned <= {b["slot"] for b in traced[0] if b["iteration"] == i}, i
-    assert steps > 0 and harvested_s > 0
+    assert run.side_task_steps > 0 and run.harvested_s > 0
