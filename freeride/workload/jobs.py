@@ -77,15 +77,15 @@ class IterationLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._out = path.open("w")
 
-    def record(self, iteration: int, start_ns: int, loss: float | None, idle_gaps: list[tuple[int, int]] | None,
-               **extra: Any) -> dict[str, Any]:
+    def record(self, iteration: int, start_ns: int, loss: float | None,
+               idle_gaps: list[tuple[int, int, int]] | None, **extra: Any) -> dict[str, Any]:
         """An iteration's record, ended now; :meth:`write` it once its bubbles are known."""
         end_ns = time.monotonic_ns()
         record = {"iteration": iteration, "rank": self.rank, "stage": self.rank, "device": self.device,
                   "warmup": iteration < self.warmup, "time_ms": (end_ns - start_ns) / 1e6, "end_ns": end_ns,
                   "loss": loss, "bubbles": [], **extra}
         if idle_gaps is not None:
-            record["idle_gaps"] = [[start - start_ns, idle] for start, idle in idle_gaps]
+            record["idle_gaps"] = [list(gap) for gap in idle_gaps]  # (start, wall, idle), as the trainer logs them
         return record
 
     def write(self, record: dict[str, Any], bubbles: list[MeasuredBubble]) -> None:
