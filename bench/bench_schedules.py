@@ -401,7 +401,7 @@ def hot_path_ns(name: str, microbatches: int, csv_path: Path, batches: int = 30,
 def write_markdown(doc: dict[str, Any], path: Path) -> None:
     m = doc["machine"]
     lines = [
-        "# Bubbles on every torch pipeline schedule (2 CPU ranks)",
+        "# Bubbles on every pipeline schedule and framework (2 CPU ranks)",
         "",
         f"`{doc['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['versions'].get('torch')}; "
         f"{doc['config']['iterations']} iterations ({doc['config']['warmup']} warm-up), "
@@ -467,7 +467,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = {dev: standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}")
              for i, dev in enumerate(devices) if (work / f"standalone-{i}").mkdir() is None}
     runs: list[dict[str, Any]] = []
-    doc = {"command": "python -m bench.bench_schedules" + (" --quick" if args.quick else ""),
+    command = "python -m bench.bench_schedules" + (" --quick" if args.quick else "")
+    if names != list(choices):
+        command += f" --schedules {','.join(names)}"
+    if args.results_name != "schedules":
+        command += f" --results-name {args.results_name}"
+    doc = {"command": command,
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "machine": machine_info(), "standalone_progress_per_s": rates, "runs": runs, "failed": {},
            "work_dir": str(work)}
