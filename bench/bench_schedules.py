@@ -488,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run["hot_path_ns"] = hot_path_ns(name, args.microbatches, csv_path)
         runs.append(run)
         # After every schedule: a later failure or an interrupted bench keeps what was measured.
-        (args.out / f"{args.results_name}.json").write_text(json.dumps(doc, indent=2, default=lambda o: asdict(o)) + "\n")
+        results = json.dumps(doc, indent=2, default=lambda o: asdict(o)) + "\n"
+        (args.out / f"{args.results_name}.json").write_text(results)
         write_markdown(doc, args.out / f"{args.results_name}.md")
     print((args.out / f"{args.results_name}.md").read_text() if runs else "no schedule ran")
     return 0 if not doc["failed"] else 1

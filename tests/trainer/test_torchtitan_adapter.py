@@ -6,7 +6,8 @@ adapter promises: ``step`` instrumented with the same results as the bare schedu
 attributes passing through, the stage hooks off outside ``step`` (torchtitan's validator evaluates
 through its own reference to the raw schedule), and ``uninstrument`` putting the schedule back. The
 two-rank run, built by torchtitan's own ``pipeline_llm``, is ``tests/e2e/test_frameworks_e2e.py``.
-The README's snippets are the documentation's, and the torch pipelining one runs here as written.
+The README's DeepSpeed and torchtitan snippets are the documentation's, and its torch pipelining one
+runs here as written.
 """
 
 from __future__ import annotations
@@ -167,14 +168,14 @@ def test_a_trainer_instrumented_twice_is_refused(one_rank: None) -> None:
 # ------------------------------------------------------------------ the documented snippets
 
 
-@pytest.mark.parametrize("name", ["torch", "deepspeed", "torchtitan"])
+@pytest.mark.parametrize("name", ["deepspeed", "torchtitan"])
 def test_the_readme_shows_the_documented_snippets_word_for_word(name: str) -> None:
     assert docs_snippet(name, REPO / "README.md") == docs_snippet(name)
 
 
 def test_the_torch_pipelining_snippet_runs_as_written(one_rank: None) -> None:
-    # The two-rank runs execute the DeepSpeed and torchtitan snippets (tests/e2e/test_frameworks_e2e.py);
-    # this one needs only a schedule, here a real one-rank 1F1B, and nobody listening to the reporter.
+    # The README's short form (docs/bubbles.md has a whole script, run under torchrun by
+    # test_schedules_e2e.py): it needs only a schedule, here a real one-rank 1F1B, and nobody listening.
     schedule = _schedule(False)
     model = _stages(schedule)[0].submod
     x, y = _batch()
@@ -182,7 +183,7 @@ def test_the_torch_pipelining_snippet_runs_as_written(one_rank: None) -> None:
                              "x": x, "y": y, "losses": [],
                              "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     before = [p.detach().clone() for p in model.parameters()]
-    exec(compile(docs_snippet("torch"), "docs/bubbles.md#torch", "exec"), scope)
+    exec(compile(docs_snippet("torch", REPO / "README.md"), "README.md#torch", "exec"), scope)
     try:
         instrumented = scope["instrumented"]
         instrumented.flush()
