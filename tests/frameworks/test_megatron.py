@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from framework_support import one_process_group, require_megatron
+from framework_support import one_process_group, require_framework
 
 from freeride.errors import ConfigError
 from freeride.training.megatron import (
@@ -141,7 +141,7 @@ def test_importing_the_adapter_does_not_import_megatron_and_a_missing_megatron_i
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Any]:
-    require_megatron()
+    require_framework("megatron")
     import megatron_sim
 
     with one_process_group():

@@ -19,7 +19,7 @@ from gpu_support import GPU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frameworks"))
 
-from framework_support import one_process_group, require_megatron  # noqa: E402
+from framework_support import one_process_group, require_framework  # noqa: E402
 
 pytestmark = GPU
 
@@ -41,7 +41,7 @@ class _Sink:
 
 @pytest.mark.parametrize("virtual", [1, 2])
 def test_device_waits_are_the_bubbles_and_the_host_does_not_wait(virtual: int) -> None:
-    require_megatron()
+    require_framework("megatron")
     import megatron_sim
     import torch
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_jobs import RankLog, docs_snippet, managed_ranks, require_framework, traced_bubbles
+from framework_support import RankLog, docs_snippet, managed_ranks, require_framework, traced_bubbles
 
 from freeride._cli import bubbles as bubbles_cli
 from freeride._wire.client import ControlClient

@@ -5,9 +5,9 @@ torchtitan's trainer holds a plain torch pipeline schedule; these tests wrap rea
 adapter promises: ``step`` instrumented with the same results as the bare schedule, ``eval`` and
 attributes passing through, the stage hooks off outside ``step`` (torchtitan's validator evaluates
 through its own reference to the raw schedule), and ``uninstrument`` putting the schedule back. The
-two-rank run, built by torchtitan's own ``pipeline_llm``, is ``tests/e2e/test_frameworks_e2e.py``.
-The README's DeepSpeed and torchtitan snippets are the documentation's, and its torch pipelining one
-runs here as written.
+two-rank run, built by torchtitan's own ``pipeline_llm``, is ``test_deepspeed_torchtitan_e2e.py``.
+The README's framework snippets are the documentation's, word for word (the documentation's run as
+written in each framework's end-to-end test), and the README's torch pipelining one runs here as written.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import cpu_devices
-from framework_jobs import REPO, docs_snippet
+from framework_support import README, docs_snippet
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from freeride.errors import ConfigError
@@ -168,9 +168,9 @@ def test_a_trainer_instrumented_twice_is_refused(one_rank: None) -> None:
 # ------------------------------------------------------------------ the documented snippets
 
 
-@pytest.mark.parametrize("name", ["deepspeed", "torchtitan"])
+@pytest.mark.parametrize("name", ["megatron", "deepspeed", "torchtitan"])
 def test_the_readme_shows_the_documented_snippets_word_for_word(name: str) -> None:
-    assert docs_snippet(name, REPO / "README.md") == docs_snippet(name)
+    assert docs_snippet(name, README) == docs_snippet(name)
 
 
 def test_the_torch_pipelining_snippet_runs_as_written(one_rank: None) -> None:
@@ -183,7 +183,7 @@ def test_the_torch_pipelining_snippet_runs_as_written(one_rank: None) -> None:
                              "x": x, "y": y, "losses": [],
                              "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     before = [p.detach().clone() for p in model.parameters()]
-    exec(compile(docs_snippet("torch", REPO / "README.md"), "README.md#torch", "exec"), scope)
+    exec(compile(docs_snippet("torch", README), "README.md#torch", "exec"), scope)
     try:
         instrumented = scope["instrumented"]
         instrumented.flush()

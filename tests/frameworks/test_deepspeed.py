@@ -4,7 +4,7 @@ Three layers: the plan read off the real schedule classes (pure); the hooks on a
 a real schedule with empty instructions (``bench/deepspeed_replay.py``), checked mark by mark; and real
 one-rank ``PipelineEngine`` / ``DualPipeVEngine`` objects in this process (a one-rank gloo group on a
 file store), checked for the order they run, evaluation passing through, and being restored exactly.
-The two-rank run with waits, a manager and a side task is ``tests/e2e/test_frameworks_e2e.py``.
+The two-rank run with waits, a manager and a side task is ``test_deepspeed_torchtitan_e2e.py``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_jobs import require_framework
+from framework_support import REPO, require_framework
 
 from freeride.errors import ConfigError, FrameworkNotInstalled
 from freeride.training.schedules import build_schedule
@@ -28,8 +27,6 @@ from deepspeed.runtime.pipe.schedule import DualPipeVSchedule, TrainSchedule  # 
 
 from bench.deepspeed_replay import ReplayEngine  # noqa: E402
 from freeride.training import deepspeed as fds  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class Marks:
