@@ -20,8 +20,9 @@ whether the caller can do something about it:
   out); recoverable by waiting for it. A manager never stops for it; commands exit 3.
 * :class:`DrainIncomplete` -- a drain was still under way when its timeout came (tasks still
   stopping); recoverable by asking again, which waits on (a drain is idempotent). Commands exit 1.
-* :class:`FrameworkNotInstalled` -- a trainer-side adapter (``freeride.training.deepspeed``) was
-  called where its framework is missing; install the extra the message names.
+* :class:`FrameworkNotInstalled` -- a trainer-side adapter (``freeride.training.deepspeed``,
+  ``freeride.training.megatron``) was called where its framework is missing; install the extra the
+  message names.
 
 gRPC status codes are mapped to this tree in exactly one place, ``freeride._wire.client.map_rpc_errors``;
 Redis errors in one other, ``freeride._cluster.redis_queue.redis_errors``.

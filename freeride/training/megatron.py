@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from freeride.errors import ConfigError, FreerideError
+from freeride.errors import ConfigError, FrameworkNotInstalled, FreerideError
 from freeride.training.schedules import BACKWARD, FORWARD, Action
 
 log = logging.getLogger(__name__)
@@ -366,7 +366,7 @@ def _import_megatron() -> tuple[Any, Any, Any]:
         from megatron.core.utils import get_model_config
     except ModuleNotFoundError as exc:
         if exc.name in ("megatron", "megatron.core"):
-            raise ConfigError(
+            raise FrameworkNotInstalled(
                 "freeride.training.megatron needs Megatron Core: pip install 'freeride[megatron]'"
             ) from None
         raise ConfigError(f"Megatron Core is installed but cannot be imported: {exc}") from exc

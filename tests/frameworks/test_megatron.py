@@ -132,7 +132,7 @@ def test_importing_the_adapter_does_not_import_megatron_and_a_missing_megatron_i
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == ("ConfigError freeride.training.megatron needs Megatron Core: "
+    assert out.stdout == ("FrameworkNotInstalled freeride.training.megatron needs Megatron Core: "
                           "pip install 'freeride[megatron]'\n")
 
 
