@@ -1,7 +1,7 @@
 """Bubbles reported and harvested on every torch pipeline schedule and framework: two CPU ranks.
 
-    python -m bench.bench_schedules            # every schedule and framework, 200 iterations each
-    python -m bench.bench_schedules --quick    # every schedule and framework, 40 iterations each (a smoke run)
+    python -m bench.bench_schedules            # every torch schedule, 200 iterations each
+    python -m bench.bench_schedules --quick    # every torch schedule, 40 iterations each (a smoke run)
     python -m bench.bench_schedules --schedules deepspeed,deepspeed-dualpipev,torchtitan --results-name frameworks
 
 For each schedule -- ``ScheduleGPipe`` and ``Schedule1F1B`` (one stage per rank), and
@@ -13,11 +13,12 @@ the reference trainer (``python -m freeride.workload``) under ``torchrun --stand
 --nproc-per-node 2`` (gloo, one rank per core) with ``--report`` and ``--idle-probe``. Model stage 1
 is made ``--slow-ms`` slower per forward (busy compute), so that the ranks wait a known amount.
 
-**Frameworks** run the same way, each through its adapter: ``deepspeed`` (DeepSpeed's
-``PipelineEngine``, one stage per rank, :mod:`freeride.training.deepspeed`), ``deepspeed-dualpipev``
-(its ``DualPipeVEngine``, two model stages per rank) -- both ``python -m freeride.workload.deepspeed_job``
--- and ``torchtitan`` (the schedule torchtitan's ``pipeline_llm`` builds, through
-:mod:`freeride.training.torchtitan`; ``python -m freeride.workload.torchtitan_job``). Their jobs write
+**Frameworks**, when ``--schedules`` names them, run the same way, each through its adapter:
+``deepspeed`` (DeepSpeed's ``PipelineEngine``, one stage per rank, :mod:`freeride.training.deepspeed`),
+``deepspeed-dualpipev`` (its ``DualPipeVEngine``, two model stages per rank) -- both
+``python -m freeride.workload.deepspeed_job`` -- and ``torchtitan`` (the schedule torchtitan's
+``pipeline_llm`` builds, through :mod:`freeride.training.torchtitan`;
+``python -m freeride.workload.torchtitan_job``). Their jobs write
 the trainer's log format and idle probe (DeepSpeed's probe times the gaps before its ``ForwardPass``
 and ``BackwardPass`` instructions), slow model stage 1 the same way, and are measured alike.
 
@@ -442,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_schedules", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="40 iterations per schedule, a shorter standalone probe")
     choices = (*SCHEDULES, *FRAMEWORKS)
-    p.add_argument("--schedules", default=",".join(choices), help="comma-separated, of: " + ", ".join(choices))
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="comma-separated, of: " + ", ".join(choices) + " (default: the torch schedules)")
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=8)
@@ -468,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              for i, dev in enumerate(devices) if (work / f"standalone-{i}").mkdir() is None}
     runs: list[dict[str, Any]] = []
     command = "python -m bench.bench_schedules" + (" --quick" if args.quick else "")
-    if names != list(choices):
+    if names != list(SCHEDULES):
         command += f" --schedules {','.join(names)}"
     if args.results_name != "schedules":
         command += f" --results-name {args.results_name}"
