@@ -144,4 +144,4 @@ def test_freeride_bubbles_shows_what_each_rank_reported(run: Run) -> None:
 def test_a_side_task_harvests_the_bubbles(run: Run) -> None:
     waiting = run.managers[run.ranks[0]["device"]]  # the device with the slow stage's bubbles
     assert waiting["stats"]["harvested_s"] > 0
-    assert waiting["task"]["steps"] > 0 and waiting["task"]["state"] in ("PARKED", "RUNNING")
+    assert waiting["task"]["figures"]["steps"] > 0 and waiting["task"]["state"] in ("PARKED", "RUNNING")
