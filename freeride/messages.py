@@ -349,6 +349,38 @@ class Percentiles:
 
 
 @dataclass(frozen=True)
+class QueueStats:
+    """A manager's part in the cluster queue (``--queue``), as its queue agent saw it at its last poll.
+
+    ``depth`` (tasks waiting) and ``set_aside`` (records the queue set aside, see ``freeride ls --queue
+    --all``) are the whole queue's; the counts are this manager's since it started.
+    """
+
+    connected: bool
+    lease_ms: int
+    depth: int = 0
+    set_aside: int = 0
+    #: Cluster tasks this manager holds now.
+    held: int = 0
+    #: Tasks this manager claimed.
+    claims: int = 0
+    #: Tasks whose holder stopped renewing its lease, returned to the queue by this manager's sweeps.
+    reclaims: int = 0
+    #: Lease renewals (one per held task per renewal round).
+    renewals: int = 0
+    #: Tasks this manager lost to another manager (its lease expired first); their copies here were stopped.
+    lost: int = 0
+    handed_back: int = 0
+    #: Records this manager set aside (they could not be read or used), and its failed polls (outages).
+    set_aside_here: int = 0
+    errors: int = 0
+    #: Sweeps held back because managers had not yet been in contact with the queue's server for a whole
+    #: lease (after a restart of the server, or an outage every manager saw).
+    graces: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
 class ManagerStats:
     device: str
     uptime_s: float
@@ -383,6 +415,8 @@ class ManagerStats:
     layout: str = ""
     #: A bubble end received -> the running worker's ended-grant word set (it reads it before each step).
     end_to_worker_ms: Percentiles = field(default_factory=Percentiles)
+    #: The manager's part in the cluster queue; None without ``--queue``.
+    queue: QueueStats | None = None
 
 
 @dataclass(frozen=True)

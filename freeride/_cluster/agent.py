@@ -4,32 +4,40 @@ The manager loop never waits on Redis. The agent talks to the loop only the way 
 it *posts* claimed tasks and release requests (fire and forget), and *asks* the loop, through
 ``call_async`` with a deadline, for a :class:`~freeride._cluster.records.QueueView` (room for more,
 and the cluster tasks held here). The loop tells the agent what a cluster task did through a
-callback that only appends to a deque (``ManagerLoop.queue_notes``).
+callback that only appends to a deque (``ManagerLoop.queue_notes``), and reads the agent's figures
+(:class:`~freeride.messages.QueueStats`, a frozen snapshot replaced at each poll) through
+``ManagerLoop.queue_stats``.
 
 Each poll (``poll_ms``), in this order:
 
 1. **Write what the loop reported**: a task that ended is recorded and acknowledged (``finish``); a
    task that left this device (evicted, drained, released) is handed back to the waiting room
-   (``release``); a lost one is forgotten. These writes are kept until Redis takes them.
-2. **Progress** of every held task whose figures changed (one pipelined round trip).
-3. **Renew the leases** every third of the lease. Tasks the renewal says are lost (another manager
-   took them after this one's lease expired) are killed here without a checkpoint; tasks a user
-   cancelled with ``freeride cancel --queue`` are cancelled.
+   (``release``); a lost one is forgotten; a claimed record that turned out unreadable is set aside.
+   These writes are kept until Redis takes them.
+2. **Renew the leases** every third of the lease -- before anything that asks the loop, so that a busy
+   loop never delays a renewal. Tasks the renewal says are lost (another manager took them after this
+   one's lease expired) are killed here without a checkpoint; tasks a user cancelled with ``freeride
+   cancel --queue`` are cancelled.
+3. **Progress** of every held task whose figures changed (one pipelined round trip).
 4. **Hand back** a claimed task still waiting for memory here after ``hold_ms``: this device cannot
    start it, another may.
-5. **Sweep** expired leases back to the waiting room -- only once this agent has been connected for
-   a whole lease, so that after a Redis restart (or this manager's own reconnection) every live holder
-   has renewed before anyone treats its silence as death; and only one manager per half lease
-   (a lock in Redis) does it for the whole cluster.
-6. **Claim**: peek at the waiting room, rank what :mod:`~freeride._cluster.placement` says this manager
-   can place, claim the first it can (atomically; another manager may have been faster, then the next),
-   validate its spec with the same function as ``Submit``, and post it to the loop. A few per poll, each
-   decided on a fresh view.
+5. **Sweep** expired leases back to the waiting room. One manager per half lease does it for the whole
+   cluster (a lock in Redis), and the server itself holds every sweep back until managers have been in
+   contact with it for a whole lease (the contact clock, :mod:`~freeride._cluster.scripts`): after a
+   restart of Redis, or an outage every manager saw, every live holder renews before anyone takes its
+   silence for death.
+6. **Claim**: peek at the waiting room; set aside what cannot be read there; rank what
+   :mod:`~freeride._cluster.placement` says this manager can place, claim the first it can (atomically;
+   another manager may have been faster, then the next), read the whole record (unreadable: set aside,
+   never run), validate its spec with the same function as ``Submit``, and post it to the loop. A few per
+   poll, each decided on a fresh view.
 
 **Outages.** Any Redis error ends the poll: the agent marks itself disconnected, logs once, and tries
-again after a backoff (doubling from ``poll_ms`` to ``backoff_max_ms``). Nothing escapes into the
-loop; local tasks and the cluster tasks already here go on. On reconnection it renews its leases
-first: what it lost meanwhile is stopped here, what it kept goes on.
+again after a backoff (doubling from ``poll_ms`` to ``backoff_max_ms``, and never beyond a quarter of
+the lease, so that a holder cut off alone renews soon after Redis answers again). Each command is bounded
+by a timeout of at most half the lease. Nothing escapes into the loop; local tasks and the cluster tasks
+already here go on. On reconnection it renews its leases first: what it lost meanwhile is stopped here,
+what it kept goes on.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from freeride._cluster import placement, require_client
+from freeride._cluster import fencing, placement, require_client
 from freeride._cluster.records import (
     CLAIMED,
     CancelTask,
@@ -62,7 +70,7 @@ from freeride._cluster.records import (
 from freeride._cluster.url import QueueURL, parse_queue_url
 from freeride._validation import validate_submission
 from freeride.errors import ConfigError, FreerideError, ManagerUnavailable, RequestRejected, Unauthenticated
-from freeride.messages import FailureRecord, TaskRecord, TaskSpec
+from freeride.messages import FailureRecord, QueueStats, TaskRecord, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +110,28 @@ class QueueConfig:
     def from_text(cls, url: str, checkpoint_dir: str | Path, **kw: Any) -> QueueConfig:
         return cls(parse_queue_url(url), Path(checkpoint_dir), **kw)
 
+    @property
+    def retry_max_ms(self) -> float:
+        """The longest wait between two tries while Redis does not answer: the backoff's cap, and never
+        more than a quarter of the lease (a holder cut off alone must renew soon after Redis is back)."""
+        return max(self.poll_ms, min(self.backoff_max_ms, self.lease_ms / 4))
+
+    @property
+    def command_timeout_s(self) -> float:
+        """Each Redis command's limit: 2 s, or half the lease if that is shorter."""
+        return min(2.0, self.lease_ms / 2000)
+
 
 class LoopPort(Protocol):
     """What the agent needs of the manager loop (``ManagerLoop`` provides it; tests may fake it).
 
     The agent posts :class:`ClaimedTask`, :class:`ReleaseTask` and :class:`CancelTask`, asks
-    :class:`GetQueueView`, and is told what its tasks did through ``queue_notes``.
+    :class:`GetQueueView`, is told what its tasks did through ``queue_notes``, and offers its figures
+    through ``queue_stats``.
     """
 
     queue_notes: Callable[[QueueNote], None] | None
+    queue_stats: Callable[[], QueueStats] | None
 
     def post(self, event: Any) -> None: ...
 
@@ -139,7 +160,7 @@ class QueueAgent:
         #: This manager's consumer in the group: unique per process, so a restarted manager never
         #: mistakes its predecessor's tasks for its own (they come back through the lease).
         self.me = f"{self.where}/{os.getpid()}-{secrets.token_hex(3)}"
-        self._factory = queue_factory or (lambda url: RedisQueue(url))
+        self._factory = queue_factory or (lambda url: RedisQueue(url, timeout_s=config.command_timeout_s))
         self._queue: Any = None
         self._notes: collections.deque[QueueNote] = collections.deque()
         loop.queue_notes = self._notes.append  # called on the loop thread: an append, never blocks
@@ -149,18 +170,35 @@ class QueueAgent:
         self._held: dict[str, Any] = {}  # task id -> Held
         self._leaving: set[str] = set()  # asked to leave; the loop has not said it left yet
         self._pending: dict[str, QueueNote] = {}  # final writes Redis has not taken yet
+        self._asides: dict[str, tuple[Any, str]] = {}  # claimed, unreadable, not yet set aside: (Held, why)
         self._written: dict[str, dict[str, str]] = {}
         self._waiting_since: dict[str, float] = {}
         self._connected_at: float | None = None
         self._next_heartbeat = 0.0
         self.counters: dict[str, int] = collections.Counter()
         self.last_error = ""
+        self._depth = (0, 0)  # the queue's waiting tasks and set-aside records at the last peek
+        self._stats = self._snapshot()
+        loop.queue_stats = self.stats
 
     # ------------------------------------------------------------ lifecycle
 
     @property
     def connected(self) -> bool:
         return self._connected_at is not None
+
+    def stats(self) -> QueueStats:
+        """The figures as of the last poll (any thread: a frozen snapshot, replaced whole)."""
+        return self._stats
+
+    def _snapshot(self) -> QueueStats:
+        c = self.counters
+        return QueueStats(
+            connected=self.connected, lease_ms=self.config.lease_ms, depth=self._depth[0], set_aside=self._depth[1],
+            held=len(self._held), claims=c["claims"], reclaims=c["reclaimed"], renewals=c["renewals"],
+            lost=c["lost"], handed_back=c["handed_back"], set_aside_here=c["set_aside"], errors=c["errors"],
+            graces=c["graces"], last_error=self.last_error,
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="freeride-queue", daemon=True)
@@ -174,6 +212,7 @@ class QueueAgent:
             limit = self.config.flush_timeout_ms / 1000 + 5 if timeout_s is None else timeout_s
             self._thread.join(limit)
         self.loop.queue_notes = None
+        self.loop.queue_stats = None
 
     def check_credentials(self) -> None:
         """Connect once now: refused credentials are a configuration error (raised); an unreachable
@@ -200,12 +239,13 @@ class QueueAgent:
             except FreerideError as exc:
                 self._disconnected(exc)
                 delay = backoff
-                backoff = min(self.config.backoff_max_ms, backoff * 2)
+                backoff = min(self.config.retry_max_ms, backoff * 2)
             except Exception as exc:  # a bug here must not stop the manager: log, back off, go on
                 log.exception("[%s] queue agent poll failed", self.where)
                 self._disconnected(exc)
                 delay = backoff
-                backoff = min(self.config.backoff_max_ms, backoff * 2)
+                backoff = min(self.config.retry_max_ms, backoff * 2)
+            self._stats = self._snapshot()
             self._wake.wait(delay / 1000)
             self._wake.clear()
         self._final_flush()
@@ -230,7 +270,7 @@ class QueueAgent:
     def _final_flush(self) -> None:
         """Hand back what the loop released while stopping (a drain), for at most ``flush_timeout_ms``."""
         deadline = time.monotonic() + self.config.flush_timeout_ms / 1000
-        while (self._notes or self._pending) and time.monotonic() < deadline:
+        while (self._notes or self._pending or self._asides) and time.monotonic() < deadline:
             try:
                 if self._queue is None or self._connected_at is None:
                     self._connect()
@@ -253,27 +293,33 @@ class QueueAgent:
 
     def _poll(self) -> None:
         self._write_notes()
-        view = self._view()
-        if view is None:
-            return
-        self._write_progress(view)
         now = time.monotonic()
         if now >= self._next_heartbeat:
             self._heartbeat()
             self._next_heartbeat = now + self.config.lease_ms / 3000
+        view = self._view()
+        if view is None:
+            return
+        self._write_progress(view)
         self._hand_back_waiting(view, now)
-        assert self._connected_at is not None
-        if now - self._connected_at >= self.config.lease_ms / 1000:
-            moved = self._queue.sweep(self.me, self.config.lease_ms, max(1, self.config.lease_ms // 2), time.time())
-            if moved > 0:
-                self.counters["reclaimed"] += moved
-                log.info("[%s] %d task(s) whose holder's lease expired went back to the queue", self.where, moved)
+        self._sweep()
         for _ in range(CLAIMS_PER_POLL):
             if self._stopping.is_set() or not self._claim_one(view):
                 break
             view = self._view()
             if view is None:
                 break
+
+    def _sweep(self) -> None:
+        sweep = self._queue.sweep(self.me, self.config.lease_ms, max(1, self.config.lease_ms // 2), time.time())
+        self.counters["set_aside"] += sweep.set_aside
+        if sweep.fresh:
+            self.counters["graces"] += 1
+            log.info("[%s] the queue's server restarted, or no manager had reached it for a lease: no lease "
+                     "expires for %d ms, while every live holder renews", self.where, sweep.grace_ms)
+        if sweep.moved > 0:
+            self.counters["reclaimed"] += sweep.moved
+            log.info("[%s] %d task(s) whose holder's lease expired went back to the queue", self.where, sweep.moved)
 
     def _view(self) -> QueueView | None:
         future = self.loop.call_async(GetQueueView())
@@ -308,9 +354,17 @@ class QueueAgent:
                     self.counters["ended"] += 1
                 else:
                     fields["reason"] = f"left {self.where}: {note.reason}"
-                    if self._queue.release(self.me, held, fields):
+                    outcome = self._queue.release(self.me, held, fields, time.time())
+                    if outcome == "released":
                         self.counters["handed_back"] += 1
+                    elif outcome == "aside":  # its record can no longer be queued: the queue set it aside
+                        self.counters["set_aside"] += 1
             del self._pending[task_id]
+            self._forget(task_id)
+        for task_id, (held, why) in list(self._asides.items()):
+            if self._queue.set_aside(task_id, why, time.time(), self.me, held):
+                self.counters["set_aside"] += 1
+            del self._asides[task_id]
             self._forget(task_id)
 
     def _forget(self, task_id: str) -> None:
@@ -339,11 +393,13 @@ class QueueAgent:
                 self._lost(held.task_id)
 
     def _heartbeat(self) -> None:
-        held = [h for tid, h in self._held.items() if tid not in self._leaving and tid not in self._pending]
-        lost, cancelled = self._queue.heartbeat(self.me, held)
-        for task_id in lost:
+        held = [h for tid, h in self._held.items()
+                if tid not in self._leaving and tid not in self._pending and tid not in self._asides]
+        renewal = self._queue.heartbeat(self.me, held, self.config.lease_ms)
+        self.counters["renewals"] += renewal.renewed
+        for task_id in renewal.lost:
             self._lost(task_id)
-        for task_id in cancelled:
+        for task_id in renewal.cancelled:
             log.info("[%s task=%s] cancelled through the queue", self.where, task_id)
             self.loop.post(CancelTask(task_id))
 
@@ -373,28 +429,47 @@ class QueueAgent:
                 self.loop.post(ReleaseTask(task_id, "waited for memory here", checkpoint=True))
 
     def _claim_one(self, view: QueueView) -> bool:
-        """Claim one task this manager can place; True if it did (worth looking again)."""
+        """Claim one task this manager can place; True if it did (worth looking again). Whatever cannot be
+        read at the head of the waiting room is set aside on the way, even by a manager that takes nothing."""
+        peek = self._queue.waiting(PEEK_TASKS)
+        self._depth = (peek.depth, peek.set_aside)
+        for raw_id, why in peek.unreadable:
+            if self._queue.set_aside(raw_id, why, time.time()):
+                self.counters["set_aside"] += 1
+                log.warning("[%s] set aside queue record %r: %s", self.where, raw_id, why)
         if placement.closed_reason(view.capacity) is not None:
             return False
         here = set(self._held) | self._leaving | {s.task_id for s in view.tasks}
-        candidates = [c for c in self._queue.waiting(PEEK_TASKS) if c.task_id not in here]
-        record = None
-        for choice in placement.ranked(candidates, view.capacity):
-            record = self._queue.claim(choice.task_id, self.me, self.where, time.time())
-            if record is not None:
-                break  # else another manager was faster: the next one in line
-        if record is None:
+        claim = self._first_claim([c for c in peek.candidates if c.task_id not in here], view.capacity)
+        if claim is None or claim.held is None:
             return False
-        held = self._held_type(record.task_id, record.entry, record.epoch)
-        self._held[record.task_id] = held
+        held = claim.held
+        self._held[held.task_id] = held
         self.counters["claims"] += 1
-        claimed = self._claimed(record)
+        if claim.record is None:  # claimed, but the record cannot be read: set it aside, never run it
+            log.warning("[%s task=%s] claimed an unreadable record; setting it aside: %s", self.where, held.task_id,
+                        claim.reason)
+            self._asides[held.task_id] = (held, claim.reason)
+            return True
+        claimed = self._claimed(claim.record)
         if claimed is None:
             return True
-        log.info("[%s task=%s] claimed (epoch %d, restarts %d)", self.where, record.task_id, record.epoch,
-                 record.restarts)
+        log.info("[%s task=%s] claimed (epoch %d, restarts %d)", self.where, held.task_id, held.epoch,
+                 claim.record.restarts)
         self.loop.post(claimed)
         return True
+
+    def _first_claim(self, candidates: list[Any], capacity: Any) -> Any:
+        """Claim the first task this manager can place, in placement's order; the claim, or None."""
+        for choice in placement.ranked(candidates, capacity):
+            claim = self._queue.claim(choice.task_id, self.me, self.where, time.time())
+            if claim.held is not None:
+                return claim
+            if claim.status == "aside":
+                self.counters["set_aside"] += 1
+                log.warning("[%s task=%s] set aside: %s", self.where, choice.task_id, claim.reason)
+            # else another manager was faster (or it left the queue): the next one in line
+        return None
 
     def _claimed(self, record: ClusterRecord) -> ClaimedTask | None:
         """The task to post to the loop; a spec that does not validate fails the task in the queue."""
@@ -403,8 +478,6 @@ class QueueAgent:
         # lacks it starts the task in its own work directory (the import then says what is missing).
         local_dir = sub.working_dir if sub.working_dir and os.path.isdir(sub.working_dir) else ""
         try:
-            if record.spec_error:
-                raise RequestRejected(record.spec_error)
             spec = validate_submission(dataclasses.replace(sub, working_dir=local_dir))
         except RequestRejected as exc:
             failure = FailureRecord(kind="INVALID", message=f"the queued spec does not validate: {exc}",
@@ -415,7 +488,13 @@ class QueueAgent:
             self._pending[record.task_id] = QueueNote("ended", failed, "invalid spec")
             return None
         spec = dataclasses.replace(spec, working_dir=sub.working_dir)
+        # Fenced by claim epoch (fencing.py): the record's checkpoint, or a newer file of the previous claim.
+        task_root = self.config.checkpoint_dir / record.task_id
+        ck_path, ck_step = fencing.resume_point(task_root, record.epoch, record.checkpoint_path,
+                                                record.checkpoint_step)
+        fencing.prune(task_root, record.epoch, ck_path)
         return ClaimedTask(TaskRecord(
-            task_id=record.task_id, spec=spec, state=CLAIMED, figures=record.figures,
-            checkpoint_path=record.checkpoint_path, seq=record.seq, submitted_unix_s=record.submitted_unix,
-        ))
+            task_id=record.task_id, spec=spec, state=CLAIMED,
+            figures=dataclasses.replace(record.figures, checkpoint_step=ck_step),
+            checkpoint_path=ck_path, seq=record.seq, submitted_unix_s=record.submitted_unix,
+        ), epoch=record.epoch)

@@ -6,10 +6,9 @@ cluster bridge turns them into core events), and a cluster task travels between 
 every other record embeds.
 
 The record lives in one Redis hash per task (:mod:`freeride._cluster.redis_queue` names the keys);
-here it is a frozen dataclass, and :func:`record_from_fields` / :func:`new_task_fields` /
-:func:`status_fields` are the codec to and from the hash's string fields. Decoding is lenient: a
-listing must show every task even when one record was written by another version or by hand, so a
-field that does not parse takes its default. The submission is kept as it travelled
+here it is a frozen dataclass. :func:`new_task_fields` and :func:`status_fields` write the hash's
+fields; :mod:`freeride._cluster.schema` reads them back, strictly (a record that cannot be read is set
+aside, never guessed at). The submission is kept as it travelled
 (:class:`~freeride._validation.Submission`, arguments as JSON text): a manager validates
 it, with the same function as ``Submit``, when it claims the task.
 
@@ -23,14 +22,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from freeride._cluster.placement import Capacity
+from freeride._cluster.scripts import SCHEMA
 from freeride._validation import Submission, slug
 from freeride.messages import FailureRecord, ShowsProgress, TaskProgress, TaskRecord
 
 QUEUED = "QUEUED"
 CLAIMED = "CLAIMED"
+#: Not a state a record holds: what a listing shows for a record the queue set aside (see ``schema.py``).
+SET_ASIDE = "SET_ASIDE"
 TERMINAL = ("FINISHED", "FAILED", "CANCELLED")
 #: Cluster task ids end in ``-q<seq>``: a manager's own ids end in ``-<seq>``, so the two never meet
 #: in one manager (both are ``[a-z0-9-]``, safe as directory names).
@@ -67,27 +68,6 @@ def encode_submission(sub: Submission) -> str:
     }, separators=(",", ":"))
 
 
-def decode_submission(text: str) -> Submission:
-    """The stored submission; raise ValueError if it is not one (validation proper comes later)."""
-    data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError("the stored spec is not a JSON object")
-    command = data.get("command", [])
-    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
-        raise ValueError("the stored command is not a list of strings")
-    return Submission(
-        target=str(data.get("target", "")),
-        args_json=str(data.get("args_json", "")),
-        memory_bytes=int(data.get("memory_bytes", 0)),
-        priority=int(data.get("priority", 0)),
-        name=str(data.get("name", "")),
-        command=tuple(command),
-        working_dir=str(data.get("working_dir", "")),
-        checkpoint_interval_s=float(data.get("checkpoint_interval_s", 0.0)),
-        step_time_hint_ms=float(data.get("step_time_hint_ms", 0.0)),
-    )
-
-
 @dataclass(frozen=True)
 class ClusterRecord(ShowsProgress):
     """One task of the cluster, as its hash says. Its submission is kept as it travelled: a manager
@@ -108,7 +88,10 @@ class ClusterRecord(ShowsProgress):
     submitted_unix: float = 0.0
     updated_unix: float = 0.0
     cancel_requested: bool = False
-    spec_error: str = ""  # the stored spec did not parse
+    #: Why the queue set this record aside (it cannot be read or used); "" for a record in use. The state
+    #: is then ``SET_ASIDE``, whatever the record's own state field says.
+    aside: str = ""
+    aside_unix: float = 0.0
 
     @property
     def name(self) -> str:
@@ -119,58 +102,10 @@ class ClusterRecord(ShowsProgress):
         return self.state in TERMINAL
 
 
-def _num(fields: dict[str, str], key: str, kind: Any, default: Any) -> Any:
-    try:
-        return kind(fields[key])
-    except (KeyError, TypeError, ValueError):
-        return default
-
-
-def record_from_fields(task_id: str, fields: dict[str, str]) -> ClusterRecord:
-    """Decode a task hash; lenient (see the module docstring)."""
-    spec_error = ""
-    try:
-        sub = decode_submission(fields.get("spec", ""))
-    except (ValueError, TypeError) as exc:
-        sub = Submission(name=fields.get("name", ""))
-        spec_error = f"the stored spec does not parse: {exc}"
-    failure = None
-    if fields.get("failure"):
-        try:
-            failure = FailureRecord.from_json(json.loads(fields["failure"]))
-        except (ValueError, KeyError, TypeError):
-            failure = FailureRecord(kind="UNKNOWN", message=fields["failure"][:200])
-    return ClusterRecord(
-        task_id=task_id,
-        submission=sub,
-        seq=_num(fields, "seq", int, 0),
-        state=fields.get("state", QUEUED),
-        owner=fields.get("owner", ""),
-        device=fields.get("device", ""),
-        epoch=_num(fields, "epoch", int, 0),
-        entry=fields.get("entry", ""),
-        figures=TaskProgress(
-            steps=_num(fields, "steps", int, 0),
-            progress=_num(fields, "progress", float, 0.0),
-            progress_unit=fields.get("progress_unit", "steps") or "steps",
-            checkpoint_step=_num(fields, "checkpoint_step", int, -1),
-            restarts=_num(fields, "restarts", int, 0),
-            step_p95_ms=_num(fields, "step_p95_ms", float, 0.0),
-            harvested_s=_num(fields, "harvested_s", float, 0.0),
-        ),
-        checkpoint_path=fields.get("checkpoint_path", ""),
-        failure=failure,
-        reason=fields.get("reason", ""),
-        submitted_unix=_num(fields, "submitted_unix", float, 0.0),
-        updated_unix=_num(fields, "updated_unix", float, 0.0),
-        cancel_requested=fields.get("cancel", "0") == "1",
-        spec_error=spec_error,
-    )
-
-
 def new_task_fields(sub: Submission, now_unix: float) -> dict[str, str]:
     """The fields of a new submission's hash (the queue adds seq, entry and state)."""
     return {
+        "schema": str(SCHEMA),
         "spec": encode_submission(sub),
         "name": display_name(sub),
         "memory_bytes": str(sub.memory_bytes),
@@ -199,9 +134,11 @@ def new_task_fields(sub: Submission, now_unix: float) -> dict[str, str]:
 @dataclass(frozen=True)
 class ClaimedTask:
     """The agent claimed this task from the queue (posted to the loop, which adds it): its spec validated,
-    its figures and checkpoint as its last holder left them, ``state`` ``CLAIMED``."""
+    its figures and checkpoint as its last holder left them, ``state`` ``CLAIMED``; ``epoch``, the claim's
+    fencing token, names the directory its checkpoints go to (``<checkpoint root>/<id>/e<epoch>``)."""
 
     record: TaskRecord
+    epoch: int = 1
 
     @property
     def task_id(self) -> str:

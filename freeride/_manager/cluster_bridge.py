@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from freeride import _checkpoints
 from freeride._cluster.placement import Capacity
 from freeride._cluster.records import CancelTask, QueueNote, QueueView, ReleaseTask, is_cluster_id
 from freeride._manager import core as C
 from freeride._manager.figures import figures_of, task_added
 from freeride._manager.paths import TaskPaths
-from freeride.messages import FailureRecord, TaskProgress, TaskRecord, TaskSpec
+from freeride.messages import FailureRecord, QueueStats, TaskProgress, TaskRecord, TaskSpec
 from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 class ClusterBridge:
     """``records``: every task the manager knows (claimed ones are added here); ``ids``: the cluster tasks
-    held here (``paths`` reads it too); ``failure_of``: a task's failure as the loop completed it."""
+    held here, each with its claim epoch (``paths`` reads it too: it names the task's checkpoint directory);
+    ``failure_of``: a task's failure as the loop completed it."""
 
-    def __init__(self, core: C.SchedulerCore, records: dict[str, TaskRecord], paths: TaskPaths, ids: set[str],
+    def __init__(self, core: C.SchedulerCore, records: dict[str, TaskRecord], paths: TaskPaths, ids: dict[str, int],
                  device: str, node: str, failure_of: Callable[[C.TaskRuntime], FailureRecord | None]) -> None:
         self.core = core
         self.records = records
@@ -43,6 +44,8 @@ class ClusterBridge:
         self._failure_of = failure_of
         #: The agent's inbox (set by the agent; called on the loop thread, must not block).
         self.notes: Callable[[QueueNote], None] | None = None
+        #: The agent's figures (set by the agent; a frozen snapshot, read for ``Stats``).
+        self.stats_source: Callable[[], QueueStats] | None = None
 
     def __contains__(self, task_id: str) -> bool:
         return task_id in self.ids
@@ -54,12 +57,10 @@ class ClusterBridge:
             return [C.ReleaseRequested(item.task_id, item.reason, item.checkpoint)]
         return [C.CancelRequested(item.task_id)]
 
-    def claimed(self, claim: TaskRecord) -> list[Any]:
-        """Add a task the agent claimed; it resumes from the newest checkpoint in the shared directory.
-
-        The newest file wins over the record's checkpoint when it is newer: the last holder may have
-        died between writing a file and the record catching up (as in a manager's own restart).
-        """
+    def claimed(self, claim: TaskRecord, epoch: int) -> list[Any]:
+        """Add a task the agent claimed (claim ``epoch``); it resumes from the checkpoint the agent chose
+        (:func:`freeride._cluster.fencing.resume_point`: the record's, or a newer file of the previous claim;
+        the agent reads the shared directory, so that this loop never waits on it)."""
         tid = claim.task_id
         if tid in self.core.tasks or tid in self.records or not is_cluster_id(tid):
             # The same task twice (its earlier copy here is still on its way out; the agent avoids it):
@@ -68,13 +69,13 @@ class ClusterBridge:
             log.warning("[%s task=%s] claimed while still held here; dropped", self.device, tid)
             self._note("lost", claim, "claimed while still held here")
             return []
-        self.ids.add(tid)
+        self.ids[tid] = epoch
         ck_path, ck_step = claim.checkpoint_path, claim.checkpoint_step
-        checkpoint_dir = self.paths.checkpoint_dir(tid)
-        if self.paths.checkpoint_root is not None:
-            ck_path, ck_step = _checkpoints.newest(checkpoint_dir, ck_path, ck_step)
-        if ck_path and not Path(ck_path).resolve().is_relative_to(checkpoint_dir.resolve()):
-            ck_path = ""  # a path from another checkpoint root: the worker looks in its own directory
+        root = self.paths.cluster_root(tid)
+        # A check of the names only (no I/O on the shared directory from this loop): the agent found the file
+        # under the same root.
+        if ck_path and (root is None or not Path(os.path.normpath(ck_path)).is_relative_to(os.path.normpath(root))):
+            ck_path, ck_step = "", -1  # not this task's shared directory here: start without it
         now = time.time()
         # A new holder starts its own count of harvested time and overruns.
         figures = dataclasses.replace(claim.figures, checkpoint_step=ck_step, harvested_s=0.0, overruns=0)
@@ -83,6 +84,10 @@ class ClusterBridge:
         self.records[tid] = record
         log.info("[%s task=%s] claimed from the cluster queue (checkpoint step %d)", self.device, tid, ck_step)
         return [task_added(record, from_queue=True)]
+
+    def queue_stats(self) -> QueueStats | None:
+        source = self.stats_source
+        return source() if source is not None else None
 
     def view(self, margin_ns: int) -> QueueView:
         """Room for more here, and the cluster tasks held here as they are now."""
@@ -110,7 +115,7 @@ class ClusterBridge:
     def released(self, action: C.Released) -> None:
         """A cluster task left this device: hand it back to the queue (or forget it if it was lost)."""
         meta = self.records.pop(action.task_id, None)
-        self.ids.discard(action.task_id)
+        self.ids.pop(action.task_id, None)
         figures = TaskProgress(
             steps=action.steps, progress=action.progress, progress_unit=meta.progress_unit if meta else "steps",
             checkpoint_step=action.checkpoint_step, restarts=action.restarts,

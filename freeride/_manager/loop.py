@@ -59,7 +59,7 @@ from freeride._manager.watchers import Watchers
 from freeride._manager.worker_log import check_limits
 from freeride.devices import Device
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import BubbleSlotStats, BubbleStart, TaskEvent, TrainerEvent, TrainerLayout
+from freeride.messages import BubbleSlotStats, BubbleStart, QueueStats, TaskEvent, TrainerEvent, TrainerLayout
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class LoopConfig:
     store_retry_ms: float = 1000.0
     #: This host as the cluster names it: in a layout's stage map (``node/cuda:0``) and in the queue.
     node: str = field(default_factory=socket.gethostname)
-    #: Where cluster tasks checkpoint (``--checkpoint-dir``, shared by every node): ``<dir>/<task id>/``,
+    #: Where cluster tasks checkpoint (``--checkpoint-dir``, shared by every node): ``<dir>/<task id>/e<epoch>/``,
     #: so that a task reclaimed elsewhere resumes from the newest checkpoint its last holder wrote.
     checkpoint_root: Path | None = None
     #: A worker's log is rotated when it would grow past this; ``worker_log_backups`` older ones are kept.
@@ -123,8 +123,8 @@ class ManagerLoop:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.inbox.fileno(), selectors.EVENT_READ, self.inbox.clear_wake)
         self.poller = DevicePoller(device, self.post, config.memory_poll_ms, config.device_poll_ms)
-        cluster_ids: set[str] = set()
-        self.paths = TaskPaths(config.state_dir, config.checkpoint_root, cluster_ids.__contains__)
+        cluster_epochs: dict[str, int] = {}  # cluster task held here -> its claim epoch
+        self.paths = TaskPaths(config.state_dir, config.checkpoint_root, cluster_epochs.get)
         settings = WorkerSettings(
             eof_grace_ms=config.eof_grace_ms, worker_log_max_bytes=config.worker_log_max_bytes,
             worker_log_backups=config.worker_log_backups, end_board_path=config.end_board_path,
@@ -134,7 +134,7 @@ class ManagerLoop:
                                   now_ns)
         self.durability = Durability(TaskStore(config.state_dir / "tasks.db"), config.store_retry_ms, device, now_ns)
         self.failures = Failures()
-        self.cluster = ClusterBridge(self.core, self.durability.records, self.paths, cluster_ids, str(device),
+        self.cluster = ClusterBridge(self.core, self.durability.records, self.paths, cluster_epochs, str(device),
                                      config.node, self.failures.of)
         self.views = Views(self.core, device, self.durability, self.cluster, self.failures, self.workers.pid,
                            self._counters, config.core.margin_ns)
@@ -203,6 +203,15 @@ class ManagerLoop:
     @queue_notes.setter
     def queue_notes(self, sink: Callable[[QueueNote], None] | None) -> None:
         self.cluster.notes = sink
+
+    @property
+    def queue_stats(self) -> Callable[[], QueueStats] | None:
+        """The queue agent's figures (a frozen snapshot; read on the loop thread for ``Stats``)."""
+        return self.cluster.stats_source
+
+    @queue_stats.setter
+    def queue_stats(self, source: Callable[[], QueueStats] | None) -> None:
+        self.cluster.stats_source = source
 
     @property
     def events_received(self) -> int:
@@ -309,7 +318,7 @@ class ManagerLoop:
         elif isinstance(item, Shutdown):
             self._shutdown(item)
         elif isinstance(item, ClaimedTask):
-            for event in self.cluster.claimed(item.record):
+            for event in self.cluster.claimed(item.record, item.epoch):
                 self._feed(event)
         elif isinstance(item, (ReleaseTask, QueueCancel)):
             for event in self.cluster.request(item):

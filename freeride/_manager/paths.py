@@ -1,7 +1,8 @@
 """Where a task's files are: ``<state dir>/tasks/<id>/`` (board, log, work directory, checkpoints).
 
-A cluster task checkpoints to ``<checkpoint root>/<id>/`` instead, a directory every node sees, so
-that a task claimed elsewhere resumes from the newest checkpoint its last holder wrote.
+A cluster task checkpoints to ``<checkpoint root>/<id>/e<epoch>/`` instead, a directory every node sees,
+one per claim (see :mod:`freeride._cluster.fencing`): a task claimed elsewhere resumes from the newest
+checkpoint its last holder wrote, and never from a late file of a holder that had lost it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,24 @@ from freeride._validation import TASK_ID_RE
 
 
 class TaskPaths:
-    """``is_cluster(task_id)``: whether a task is a cluster task held here (its checkpoints are shared)."""
+    """``cluster_epoch(task_id)``: the claim epoch of a cluster task held here (its checkpoints are shared),
+    None for a task of this manager's own."""
 
-    def __init__(self, state_dir: Path, checkpoint_root: Path | None, is_cluster: Callable[[str], bool]) -> None:
+    def __init__(self, state_dir: Path, checkpoint_root: Path | None,
+                 cluster_epoch: Callable[[str], int | None]) -> None:
         self.state_dir = state_dir
         self.checkpoint_root = checkpoint_root
-        self._is_cluster = is_cluster
+        self._cluster_epoch = cluster_epoch
+
+    def _is_cluster(self, task_id: str) -> bool:
+        return self._cluster_epoch(task_id) is not None
+
+    def cluster_root(self, task_id: str) -> Path | None:
+        """``<checkpoint root>/<id>``: every claim's checkpoints of a cluster task; None for a local task."""
+        self.task_dir(task_id)  # the same check of the id
+        if self.checkpoint_root is None or not self._is_cluster(task_id):
+            return None
+        return self.checkpoint_root / task_id
 
     def task_dir(self, task_id: str) -> Path:
         """``<state dir>/tasks/<id>``: state, checkpoints, log and work directory of one task.
@@ -34,11 +47,11 @@ class TaskPaths:
 
     def checkpoint_dir(self, task_id: str) -> Path:
         """Where a task's worker writes its checkpoints: ``<task dir>/checkpoints``, or for a cluster task
-        ``<checkpoint root>/<id>``, which every node sees."""
-        task_dir = self.task_dir(task_id)  # the same check of the id
-        if self.checkpoint_root is not None and self._is_cluster(task_id):
-            return self.checkpoint_root / task_id
-        return task_dir / "checkpoints"
+        ``<checkpoint root>/<id>/e<epoch>``, which every node sees (one directory per claim)."""
+        root = self.cluster_root(task_id)
+        if root is not None:
+            return root / f"e{self._cluster_epoch(task_id)}"
+        return self.task_dir(task_id) / "checkpoints"
 
     def checkpoint_home(self, task_id: str) -> Path:
         """The directory a checkpoint the worker reports must be in: the shared one of a cluster task, else

@@ -177,6 +177,7 @@ class Views:
             device_problem=core.device_problem,
             layout_changes=s.layout_changes,
             layout=core.layout.describe() if core.layout is not None else "",
+            queue=self.cluster.queue_stats(),
         )
 
 
