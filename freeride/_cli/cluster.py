@@ -8,8 +8,10 @@
 A submission is validated here exactly as a manager's ``Submit`` validates it
 (:func:`freeride._validation.validate_spec`), then put on the queue's stream; the managers
 that joined the queue place it. ``ls`` shows every task of the cluster with the device holding it,
-its state and progress. Exit codes: 2 for a malformed URL or a rejected submission, 3 when the
-queue's Redis cannot be reached, 4 for an unknown task, 5 for refused credentials.
+its state and progress; a record the queue set aside (it cannot be read or used: another version of
+freeride wrote it, a hand edit, a write cut short) is listed by ``ls --all`` and ``show`` as
+``SET_ASIDE`` with the reason, and never makes a listing fail. Exit codes: 2 for a malformed URL or a
+rejected submission, 3 when the queue's Redis cannot be reached, 4 for an unknown task, 5 for refused credentials.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def render_table(recs: Sequence[ClusterRecord]) -> str:
         rows.append([
             r.task_id, r.name, r.state, r.device or "-", str(r.submission.priority),
             format_size(r.submission.memory_bytes), _progress(r),
-            f"step {r.checkpoint_step}" if r.checkpoint_step >= 0 else "-", str(r.restarts), r.reason or "-",
+            f"step {r.checkpoint_step}" if r.checkpoint_step >= 0 else "-", str(r.restarts),
+            f"set aside: {r.aside}" if r.aside else (r.reason or "-"),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
@@ -123,9 +126,10 @@ def render_record(rec: ClusterRecord) -> str:
         ("last", rec.reason or "-"),
         ("submitted", when),
     ]
+    if rec.aside:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.aside_unix)) if rec.aside_unix else ""
+        fields.insert(3, ("set aside", rec.aside + (f" (at {when})" if when else "")))
     text = "\n".join(f"{k + ':':<11} {v}" for k, v in fields)
-    if rec.spec_error:
-        text += f"\nspec:       {rec.spec_error}"
     if rec.failure is not None:
         from freeride._cli.tasks import render_failure
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from time import monotonic, sleep
 from typing import Any, Protocol
 
-from freeride._cli.tasks import _endpoint, _manager_hint
+from freeride._cli.tasks import _endpoint, _manager_hint, queue_line
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
@@ -152,6 +152,7 @@ def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
         f"overruns {stats.overruns}{overrun_p99}  grant p99 {format_ms(stats.grant_latency_ms.p99)}  "
         f"park p99 {format_ms(stats.park_latency_ms.p99)}  memory budget {budget}",
         f"tasks: {counts or 'none'}  events {stats.events_received} ({stats.events_rejected} rejected)",
+        *([f"queue: {queue_line(stats.queue)}"] if stats.queue is not None else []),
     ]
 
 

@@ -224,7 +224,7 @@ class RedisQueue:
         name (an entry that named no task): one index read and one pipelined fetch. A record that cannot
         be read is listed as ``SET_ASIDE`` with the reason; it never fails the listing."""
         with redis_errors(self.url):
-            ids = [bytes(i) for i in self._r.zrange(self.index_key, 0, -1)]
+            ids: list[bytes] = list(self._r.zrange(self.index_key, 0, -1))  # type: ignore[arg-type]
             pipe = self._r.pipeline(transaction=False)
             pipe.hgetall(self.aside_key)
             for raw_id in ids:

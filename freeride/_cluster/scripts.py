@@ -33,19 +33,19 @@ SCHEMA = 1
 # The score that orders the waiting room: priority (highest first), then submission order. Exact in a double:
 # |priority| <= 1e6 < 2**20 and seq < 2**33 (``problem`` checks both), so the sum stays below 2**53.
 _PRELUDE = """
-local SCHEMA = %(schema)d
+local SCHEMA = SCHEMA_VERSION
 local KNOWN = {QUEUED = true, CLAIMED = true, SUBMITTED = true, STARTING = true, PARKED = true, RUNNING = true,
                FROZEN = true, EVICTED = true, FINISHED = true, FAILED = true, CANCELLED = true}
 
 local function whole(s, lo, hi)
-  if type(s) ~= 'string' or not string.match(s, '^%%-?%%d+$') then return nil end
+  if type(s) ~= 'string' or not string.match(s, '^%-?%d+$') then return nil end
   local n = tonumber(s)
   if n and n >= lo and n <= hi then return n end
   return nil
 end
 
 local function is_entry(s)
-  return type(s) == 'string' and string.match(s, '^%%d+%%-%%d+$') ~= nil
+  return type(s) == 'string' and string.match(s, '^%d+%-%d+$') ~= nil
 end
 
 local function is_hash(key)
@@ -149,7 +149,7 @@ local function intake(stream, waiting, aside, prefix, group, queue, now)
   end
   return n
 end
-""" % {"schema": SCHEMA}
+""".replace("SCHEMA_VERSION", str(SCHEMA))
 
 _CLOCK = """
 local function server_ms()
@@ -221,8 +221,8 @@ repeat
     if type(e) == 'table' then
       local tid = task_of(e)
       if not tid then
-        set_aside(KEYS[1], ARGV[2], KEYS[2], KEYS[5], 'entry:' .. e[1], e[1], 'stream entry ' .. e[1] .. ' names no task',
-                  ARGV[7])
+        set_aside(KEYS[1], ARGV[2], KEYS[2], KEYS[5], 'entry:' .. e[1], e[1],
+                  'stream entry ' .. e[1] .. ' names no task', ARGV[7])
         aside = aside + 1
       else
         local key = ARGV[1] .. tid

@@ -36,7 +36,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from freeride._manager.requests import GetStats, ListTasks, Request
 from freeride.errors import ConfigError
-from freeride.messages import ManagerStats, Percentiles, TaskInfo
+from freeride.messages import ManagerStats, Percentiles, QueueStats, TaskInfo
 from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,8 @@ class ManagerCollector:
                         stats.memory_budget_bytes)
         yield gauge("freeride_draining", "1 while the manager drains (accepts no new tasks)",
                     1.0 if stats.draining else 0.0)
+        if stats.queue is not None:
+            yield from _queue_families(gauge, counter, stats.queue)
 
         by_state = GaugeMetricFamily("freeride_tasks", "tasks known to the manager, by state",
                                      labels=["device", "state"])
@@ -238,6 +240,32 @@ class ManagerCollector:
         yield progress
         yield steps
         yield harvested
+
+
+def _queue_families(gauge: Callable[[str, str, float], Metric], counter: Callable[[str, str, float], Metric],
+                    q: QueueStats) -> Iterator[Metric]:
+    """The manager's part in the cluster queue (``--queue``): the queue's depth and set-aside records as this
+    manager's agent last saw them (every manager reports the same figure; take the max across devices), and
+    this manager's own counts."""
+    yield gauge("freeride_queue_connected", "1 if the queue agent reached the queue's Redis at its last poll",
+                1.0 if q.connected else 0.0)
+    yield gauge("freeride_queue_depth", "tasks waiting in the cluster queue", q.depth)
+    yield gauge("freeride_queue_set_aside", "records the cluster queue set aside (cannot be read or used)",
+                q.set_aside)
+    yield gauge("freeride_queue_held", "cluster tasks this manager holds", q.held)
+    yield counter("freeride_queue_claims_total", "cluster tasks this manager claimed", q.claims)
+    yield counter("freeride_queue_reclaims_total",
+                  "expired leases this manager's sweeps returned to the queue", q.reclaims)
+    yield counter("freeride_queue_lease_renewals_total", "lease renewals (one per held task per round)",
+                  q.renewals)
+    yield counter("freeride_queue_lost_total", "cluster tasks this manager lost to another (its lease expired)",
+                  q.lost)
+    yield counter("freeride_queue_set_aside_total", "queue records this manager set aside", q.set_aside_here)
+    yield counter("freeride_queue_errors_total", "queue polls that failed (Redis unreachable or erring)",
+                  q.errors)
+    yield counter("freeride_queue_sweep_graces_total",
+                  "times sweeps were held back a lease after a Redis restart or an outage every manager saw",
+                  q.graces)
 
 
 def _quantiles(name: str, doc: str, device: str, window_ms: Percentiles) -> GaugeMetricFamily:

@@ -14,6 +14,7 @@ submission is returned as it came (:class:`~freeride._validation.Submission`) fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -28,6 +29,7 @@ from freeride.messages import (
     FailureRecord,
     ManagerStats,
     Percentiles,
+    QueueStats,
     StreamSummary,
     TaskEvent,
     TaskInfo,
@@ -204,6 +206,7 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         event_delay_ms=pct(s.event_delay_ms), events_dropped=s.events_dropped, device_info=s.device_info,
         device_problem=s.device_problem, layout_changes=s.layout_changes, layout=s.layout,
         end_to_worker_ms=pct(s.end_to_worker_ms),
+        queue=_pb.QueueStats(**dataclasses.asdict(s.queue)) if s.queue is not None else None,
     )
 
 
@@ -218,7 +221,12 @@ def stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         event_delay_ms=pct(msg.event_delay_ms), events_dropped=msg.events_dropped, device_info=msg.device_info,
         device_problem=msg.device_problem, layout_changes=msg.layout_changes, layout=msg.layout,
         end_to_worker_ms=pct(msg.end_to_worker_ms),
+        queue=_queue_stats_from_pb(msg.queue) if msg.HasField("queue") else None,
     )
+
+
+def _queue_stats_from_pb(msg: _pb.QueueStats) -> QueueStats:
+    return QueueStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(QueueStats)})
 
 
 def slot_to_pb(s: BubbleSlotStats) -> _pb.BubbleSlotStats:

@@ -227,7 +227,7 @@ class Percentiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ..., p999: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout", "end_to_worker_ms")
+    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout", "end_to_worker_ms", "queue")
     class TasksByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class StatsResponse(_message.Message):
     LAYOUT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     END_TO_WORKER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
     device: str
     uptime_s: float
     bubbles: int
@@ -279,7 +280,40 @@ class StatsResponse(_message.Message):
     layout_changes: int
     layout: str
     end_to_worker_ms: Percentiles
-    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ..., end_to_worker_ms: _Optional[_Union[Percentiles, _Mapping]] = ...) -> None: ...
+    queue: QueueStats
+    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ..., end_to_worker_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., queue: _Optional[_Union[QueueStats, _Mapping]] = ...) -> None: ...
+
+class QueueStats(_message.Message):
+    __slots__ = ("connected", "lease_ms", "depth", "set_aside", "held", "claims", "reclaims", "renewals", "lost", "handed_back", "set_aside_here", "errors", "graces", "last_error")
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SET_ASIDE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    SET_ASIDE_HERE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    GRACES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    connected: bool
+    lease_ms: int
+    depth: int
+    set_aside: int
+    held: int
+    claims: int
+    reclaims: int
+    renewals: int
+    lost: int
+    handed_back: int
+    set_aside_here: int
+    errors: int
+    graces: int
+    last_error: str
+    def __init__(self, connected: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., depth: _Optional[int] = ..., set_aside: _Optional[int] = ..., held: _Optional[int] = ..., claims: _Optional[int] = ..., reclaims: _Optional[int] = ..., renewals: _Optional[int] = ..., lost: _Optional[int] = ..., handed_back: _Optional[int] = ..., set_aside_here: _Optional[int] = ..., errors: _Optional[int] = ..., graces: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class BubblesRequest(_message.Message):
     __slots__ = ()

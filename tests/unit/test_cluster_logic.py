@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from freeride._cli.launch import local_devices, spans_nodes
+from freeride._cluster import schema
 from freeride._cluster.placement import Candidate, Capacity, closed_reason, pick, ranked, refusal
 from freeride._cluster.records import (
-    ClusterRecord,
+    SET_ASIDE,
     cluster_task_id,
-    decode_submission,
     encode_submission,
     is_cluster_id,
     new_task_fields,
-    record_from_fields,
     status_fields,
 )
+from freeride._cluster.schema import Unreadable, decode_record, decode_submission, record_or_aside
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission, submission_of, validate_spec, validate_submission
 from freeride.errors import ConfigError, RequestRejected
@@ -129,33 +130,72 @@ def test_cluster_ids_never_look_like_a_managers_own_ids() -> None:
         assert not is_cluster_id(local)
 
 
-def test_a_record_round_trips_through_its_hash_fields() -> None:
+def _stored(fields: dict[str, str]) -> dict[bytes, bytes]:
+    return {k.encode(): v.encode() for k, v in fields.items()}
+
+
+def _good_fields() -> dict[str, str]:
     sub = Submission(target="side_tasks.graphs:PageRank", args_json='{"graph": "rmat:10"}', memory_bytes=GIB,
                      priority=3, name="pr", working_dir="/srv/job", checkpoint_interval_s=5.0, step_time_hint_ms=2.0)
     fields = new_task_fields(sub, 1000.0)
     fields.update(seq="7", entry="1-0", state="QUEUED", owner="", device="")
+    return fields
+
+
+def test_a_record_round_trips_through_its_hash_fields_with_its_schema_version() -> None:
+    fields = _good_fields()
+    assert fields["schema"] == str(schema.SCHEMA)
     failure = FailureRecord(kind="EXCEPTION", message="boom", step=3)
     figures = TaskProgress(steps=40, progress=40.0, progress_unit="ticks", checkpoint_step=30, restarts=2,
                            step_p95_ms=1.5, harvested_s=0.25)
     status = TaskRecord("pr-q7", TaskSpec(name="pr"), "FAILED", figures, "/ck/pr-q7/ckpt-30.pt", failure)
     fields.update(status_fields(status, 1001.0))
-    record = record_from_fields("pr-q7", {k: str(v) for k, v in fields.items()})
-    assert record.submission == sub
+    record = decode_record("pr-q7", _stored(fields))
+    assert record.submission.name == "pr" and record.submission.memory_bytes == GIB
     assert (record.seq, record.state, record.steps, record.progress, record.progress_unit) == (7, "FAILED", 40, 40.0,
                                                                                                 "ticks")
     assert record.figures == figures and record.checkpoint_path == "/ck/pr-q7/ckpt-30.pt"
     assert record.failure is not None and record.failure.kind == "EXCEPTION" and record.terminal
-    assert record.name == "pr"
+    assert record.name == "pr" and not record.aside
+    del fields["schema"]  # written before records carried a version: read as schema 1
+    assert decode_record("pr-q7", _stored(fields)).seq == 7
 
 
-def test_decoding_is_lenient_so_one_odd_record_never_breaks_a_listing() -> None:
-    record = record_from_fields("x-q1", {"spec": "not json", "steps": "many", "state": "RUNNING",
-                                         "failure": "{broken"})
-    assert isinstance(record, ClusterRecord)
-    assert record.spec_error and record.steps == 0 and record.state == "RUNNING"
-    assert record.failure is not None and record.failure.kind == "UNKNOWN"
-    with pytest.raises(ValueError):
-        decode_submission(json.dumps({"command": "rm -rf /"}))  # a command must be a list
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"memory_bytes": "lots"}, "memory_bytes is not a whole number"),
+        ({"seq": None, "epoch": None}, "lacks the field(s) seq, epoch"),
+        ({"state": "DANCING"}, "state DANCING is not one freeride knows"),
+        ({"spec": "not json"}, "spec is not JSON"),
+        ({"spec": json.dumps({"command": "rm -rf /"})}, "spec's 'command' is not a list"),
+        ({"steps": "1e3"}, "steps is not a whole number"),
+        ({"schema": "99"}, "newer freeride"),
+        ({"failure": "{broken"}, "failure is not a failure record"),
+        ({"memory_bytes": "1"}, "differ from its spec's"),
+    ],
+)
+def test_a_record_that_does_not_decode_says_which_field_and_why(change: dict[str, str | None], says: str) -> None:
+    fields = _good_fields()
+    for key, value in change.items():
+        if value is None:
+            del fields[key]
+        else:
+            fields[key] = value
+    with pytest.raises(Unreadable, match=re.escape(says)):
+        decode_record("pr-q7", _stored(fields))
+    row = record_or_aside("pr-q7", _stored(fields), None)  # a listing shows it, set aside, with the reason
+    assert row.state == SET_ASIDE and says in row.aside and row.task_id == "pr-q7"
+
+
+@pytest.mark.parametrize("field", ["spec", "name", "memory_bytes", "priority"])
+def test_bytes_that_are_not_utf8_are_named_not_raised(field: str) -> None:
+    raw = _stored(_good_fields())
+    raw[field.encode()] = b"\xff\xfe" + raw[field.encode()]
+    with pytest.raises(Unreadable, match=f"its {field} is not UTF-8"):
+        decode_record("pr-q7", raw)
+    row = record_or_aside("pr-q7", raw, None)
+    assert row.state == SET_ASIDE and "\\xff" in row.aside
 
 
 def test_the_queue_validates_a_submission_with_the_same_function_as_submit() -> None:
