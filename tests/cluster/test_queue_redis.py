@@ -15,7 +15,7 @@ from conftest import TESTS_DIR, redis_binary, wait_for
 from nodes import node_devices, start_node
 from redis_server import RedisServer, remove, start_redis
 
-from freeride._cluster.redis_queue import Held, RedisQueue
+from freeride._cluster.redis_queue import Held, RedisQueue, Renewal
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
 from freeride.cli import main
@@ -52,11 +52,11 @@ def test_each_task_is_claimed_by_exactly_one_of_many_racing_managers(redis_serve
         mine = _queue(redis_server.url)
         try:
             while True:
-                waiting = mine.waiting(64)
+                waiting = mine.waiting(64).candidates
                 if not waiting:
                     return
                 for candidate in waiting:
-                    if mine.claim(candidate.task_id, me, me, time.time()) is not None:
+                    if mine.claim(candidate.task_id, me, me, time.time()).status == "claimed":
                         with lock:
                             claimed.append((candidate.task_id, me))
         finally:
@@ -81,32 +81,32 @@ def test_the_waiting_room_is_ordered_by_priority_then_submission(redis_server: R
     first = q.submit(_sub("first"))
     urgent = q.submit(_sub("urgent", priority=7))
     second = q.submit(_sub("second"))
-    assert [c.task_id for c in q.waiting()] == [urgent, first, second, low]
+    assert [c.task_id for c in q.waiting().candidates] == [urgent, first, second, low]
     q.close()
 
 
 def test_a_renewed_lease_holds_and_a_silent_holder_loses_its_task_to_the_sweep(redis_server: RedisServer) -> None:
     q = _queue(redis_server.url)
     task_id = q.submit(_sub())
-    assert q.claim(task_id, "m1", "n1/cpu:0", time.time()) is not None
+    assert q.claim(task_id, "m1", "n1/cpu:0", time.time()).status == "claimed"
     held = _held(q, task_id)
     lease_ms = 300
     until = time.monotonic() + 3 * lease_ms / 1000
     while time.monotonic() < until:  # renew, then let another manager sweep at once: the lease holds
-        assert q.heartbeat("m1", [held]) == ([], [])
-        assert q.sweep("m2", lease_ms, 1, time.time()) in (0, -1)
+        assert q.heartbeat("m1", [held], lease_ms) == Renewal([], [], 1)
+        assert q.sweep("m2", lease_ms, 1, time.time()).moved == 0
     assert q.record(task_id).owner == "m1"  # type: ignore[union-attr]
     # m1 goes silent: after the lease a sweep returns the task to the waiting room.
-    wait_for(lambda: q.sweep("m2", lease_ms, 1, time.time()) == 1, 10)
+    wait_for(lambda: q.sweep("m2", lease_ms, 1, time.time()).moved == 1, 10)
     record = q.record(task_id)
     assert record is not None and (record.state, record.owner) == ("QUEUED", "")
-    assert "lease expired" in record.reason and [c.task_id for c in q.waiting()] == [task_id]
+    assert "lease expired" in record.reason and [c.task_id for c in q.waiting().candidates] == [task_id]
     # Fencing: m1 learns it lost the task and none of its writes land.
-    assert q.heartbeat("m1", [held]) == ([task_id], [])
+    assert q.heartbeat("m1", [held], lease_ms) == Renewal([task_id], [], 0)
     assert q.update("m1", [(held, {"progress": "99"})]) == [False]
-    assert not q.release("m1", held, {}) and not q.finish("m1", held, {"state": "FINISHED"})
+    assert q.release("m1", held, {}, time.time()) == "lost" and not q.finish("m1", held, {"state": "FINISHED"})
     # Another manager claims it again, with a new epoch.
-    again = q.claim(task_id, "m2", "n2/cpu:0", time.time())
+    again = q.claim(task_id, "m2", "n2/cpu:0", time.time()).record
     assert again is not None and again.epoch == 2 and again.progress == 0.0
     q.close()
 
@@ -117,10 +117,10 @@ def test_hand_back_finish_and_cancel(redis_server: RedisServer) -> None:
     q.claim(a, "m1", "n1/cpu:0", time.time())
     held = _held(q, a)
     assert q.update("m1", [(held, {"state": "RUNNING", "progress": "5.0", "checkpoint_step": "4"})]) == [True]
-    assert q.release("m1", held, {"reason": "left n1/cpu:0: evict"})
+    assert q.release("m1", held, {"reason": "left n1/cpu:0: evict"}, time.time()) == "released"
     record = q.record(a)
     assert record is not None and (record.state, record.progress, record.checkpoint_step) == ("QUEUED", 5.0, 4)
-    assert [w.task_id for w in q.waiting()] == [a, b, c]  # it keeps its place: the oldest goes first
+    assert [w.task_id for w in q.waiting().candidates] == [a, b, c]  # it keeps its place: the oldest goes first
 
     q.claim(b, "m1", "n1/cpu:0", time.time())
     assert q.finish("m1", _held(q, b), {"state": "FINISHED", "reason": "done"})
@@ -130,7 +130,7 @@ def test_hand_back_finish_and_cancel(redis_server: RedisServer) -> None:
     assert q.cancel(c) == "CANCELLED" and q.cancel(c) == "CANCELLED"
     q.claim(a, "m2", "n2/cpu:0", time.time())
     assert q.cancel(a) == "REQUESTED"
-    assert q.heartbeat("m2", [_held(q, a)]) == ([], [a])  # its holder learns it at its next renewal
+    assert q.heartbeat("m2", [_held(q, a)], 1000).cancelled == [a]  # its holder learns it at its next renewal
     assert q.cancel("nope-q99") == "MISSING" and q.cancel("../etc") == "MISSING"
     assert [r.task_id for r in q.records(include_finished=False)] == [a]
     q.close()
@@ -148,8 +148,8 @@ def test_the_queue_survives_a_redis_kill_and_restart(redis_server: RedisServer) 
     redis_server.start()
     wait_for(lambda: _answers(q), 10)  # the client reconnects by itself
     assert {r.task_id: r.state for r in q.records()} == {held_id: "CLAIMED", waiting_id: "QUEUED"}
-    assert q.heartbeat("m1", [held]) == ([], [])  # the lease (the pending entry) came back with the data
-    assert [c.task_id for c in q.waiting()] == [waiting_id]
+    assert q.heartbeat("m1", [held], 1000) == Renewal([], [], 1)  # the lease came back with the data
+    assert [c.task_id for c in q.waiting().candidates] == [waiting_id]
     assert q.submit(_sub("after")).endswith("-q3")  # the counter too
     q.close()
 

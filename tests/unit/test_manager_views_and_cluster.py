@@ -55,8 +55,8 @@ class Parts:
 def parts(tmp_path: Path) -> Iterator[Parts]:
     core = C.SchedulerCore(C.CoreConfig())
     durability = Durability(TaskStore(tmp_path / "tasks.db"), 1000.0, "cpu:0")
-    ids: set[str] = set()
-    paths = TaskPaths(tmp_path, tmp_path / "shared", ids.__contains__)
+    ids: dict[str, int] = {}
+    paths = TaskPaths(tmp_path, tmp_path / "shared", ids.get)
     failures = Failures()
     bridge = ClusterBridge(core, durability.records, paths, ids, "cpu:0", "n1", failures.of)
     counters = Counters(0.0, 5, 1, 0, 2, Percentiles(), Percentiles())
@@ -122,32 +122,35 @@ def claim(task_id: str = "pr-q7", checkpoint_step: int = 2, path: str = "") -> T
                                    harvested_s=9.0, overruns=4), path, seq=7, submitted_unix_s=100.0)
 
 
-def test_a_claimed_task_resumes_from_the_newest_shared_checkpoint_with_its_step_estimate_as_a_hint(
+def test_a_claimed_task_resumes_from_the_checkpoint_the_agent_chose_and_writes_to_its_claims_directory(
     parts: Parts,
 ) -> None:
     shared = parts.paths.checkpoint_root / "pr-q7"  # type: ignore[operator]
-    shared.mkdir(parents=True)
-    (shared / "ckpt-5.pt").write_bytes(b"whole")
-    [added] = parts.bridge.claimed(claim())
+    chosen = shared / "e2" / "ckpt-5.pt"  # the agent chose it (fencing.resume_point): the previous claim's
+    [added] = parts.bridge.claimed(claim(checkpoint_step=5, path=str(chosen)), epoch=3)
     assert isinstance(added, C.TaskAdded) and added.from_queue and added.step_hint_ns == 2_500_000
-    assert (added.checkpoint_path, added.checkpoint_step, added.steps, added.restarts) == (
-        str(shared / "ckpt-5.pt"), 5, 5, 1)
+    assert (added.checkpoint_path, added.checkpoint_step, added.steps, added.restarts) == (str(chosen), 5, 5, 1)
     assert (added.harvested_ns, added.overruns) == (0, 0)  # a new holder counts its own
-    assert "pr-q7" in parts.bridge and parts.paths.checkpoint_dir("pr-q7") == shared
+    assert "pr-q7" in parts.bridge and parts.paths.checkpoint_dir("pr-q7") == shared / "e3"
     assert parts.views.info("pr-q7").state == "SUBMITTED"
 
 
+def test_a_claimed_checkpoint_outside_the_tasks_shared_directory_is_not_resumed_from(parts: Parts) -> None:
+    [added] = parts.bridge.claimed(claim(checkpoint_step=5, path="/elsewhere/pr-q7/e1/ckpt-5.pt"), epoch=2)
+    assert isinstance(added, C.TaskAdded) and (added.checkpoint_path, added.checkpoint_step) == ("", -1)
+
+
 def test_a_task_claimed_twice_is_dropped_and_the_agent_told_to_forget_it(parts: Parts) -> None:
-    parts.feed(parts.bridge.claimed(claim()))
-    assert parts.bridge.claimed(claim()) == []
+    parts.feed(parts.bridge.claimed(claim(), 1))
+    assert parts.bridge.claimed(claim(), 1) == []
     assert [(n.kind, n.record.task_id) for n in parts.notes] == [("lost", "pr-q7")]
-    assert parts.bridge.claimed(claim("pagerank-7")) == [] and len(parts.notes) == 2  # not a cluster id
+    assert parts.bridge.claimed(claim("pagerank-7"), 1) == [] and len(parts.notes) == 2  # not a cluster id
 
 
 def test_a_released_task_goes_back_to_the_queue_with_its_figures_or_is_forgotten_without_a_checkpoint(
     parts: Parts,
 ) -> None:
-    parts.feed(parts.bridge.claimed(claim()))
+    parts.feed(parts.bridge.claimed(claim(), 1))
     parts.bridge.released(C.Released("pr-q7", "evicted", checkpoint=True, steps=8, progress=8.0,
                                      checkpoint_path="/s/ckpt-8.pt", checkpoint_step=8, restarts=1,
                                      step_p95_ns=None))
@@ -161,7 +164,7 @@ def test_a_released_task_goes_back_to_the_queue_with_its_figures_or_is_forgotten
 
 
 def test_the_queue_view_holds_the_cluster_tasks_and_the_room_here(parts: Parts) -> None:
-    parts.feed(parts.bridge.claimed(claim()))
+    parts.feed(parts.bridge.claimed(claim(), 1))
     view = parts.views.answer(GetQueueView()).answer()
     assert [t.task_id for t in view.tasks] == ["pr-q7"] and view.capacity.margin_ns == 200_000
     assert view.capacity.waiting == 1 and not view.capacity.draining

@@ -14,7 +14,7 @@ from conftest import wait_for
 from freeride._cluster.agent import QueueAgent, QueueConfig
 from freeride._cluster.placement import Candidate, Capacity
 from freeride._cluster.records import CancelTask, ClaimedTask, ClusterRecord, QueueNote, QueueView, ReleaseTask
-from freeride._cluster.redis_queue import Held
+from freeride._cluster.redis_queue import Claim, Held, Peek, Renewal, Sweep
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
 from freeride.errors import QueueUnavailable
@@ -30,6 +30,7 @@ class FakeLoop:
     view: QueueView = field(default_factory=lambda: QueueView(ROOM))
     posted: list[Any] = field(default_factory=list)
     queue_notes: Any = None
+    queue_stats: Any = None
 
     def post(self, event: Any) -> None:
         self.posted.append(event)
@@ -48,8 +49,13 @@ class FakeQueue:
     records: dict[str, ClusterRecord] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    #: Waiting ids whose placement fields cannot be read (as ``waiting`` reports them), and claimed ids whose
+    #: whole record cannot be.
+    unreadable: list[tuple[bytes, str]] = field(default_factory=list)
+    unreadable_claims: dict[str, str] = field(default_factory=dict)
     calls: list[tuple[str, Any]] = field(default_factory=list)
     down: bool = False
+    swept: Sweep = field(default_factory=lambda: Sweep("swept"))
 
     def _call(self, name: str, arg: Any = None) -> None:
         if self.down:
@@ -59,18 +65,28 @@ class FakeQueue:
     def connect(self) -> None:
         self._call("connect")
 
-    def waiting(self, limit: int) -> list[Candidate]:
+    def waiting(self, limit: int) -> Peek:
         self._call("waiting")
-        return list(self.waiting_tasks)
+        return Peek(list(self.waiting_tasks), list(self.unreadable), len(self.waiting_tasks), 0)
 
-    def claim(self, task_id: str, me: str, device: str, now: float) -> ClusterRecord | None:
+    def claim(self, task_id: str, me: str, device: str, now: float) -> Claim:
         self._call("claim", task_id)
         self.waiting_tasks = [c for c in self.waiting_tasks if c.task_id != task_id]
-        return self.records.get(task_id)
+        held = Held(task_id, "1-0", 1)
+        if task_id in self.unreadable_claims:
+            return Claim("unreadable", held=held, reason=self.unreadable_claims[task_id])
+        record = self.records.get(task_id)
+        return Claim("claimed", record, held) if record is not None else Claim("gone")
 
-    def heartbeat(self, me: str, held: list[Held]) -> tuple[list[str], list[str]]:
+    def set_aside(self, task_id: str | bytes, reason: str, now: float, me: str = "", held: Held | None = None) -> bool:
+        self._call("set_aside", (task_id, reason, held is not None))
+        self.unreadable = [u for u in self.unreadable if u[0] != task_id]
+        return True
+
+    def heartbeat(self, me: str, held: list[Held], lease_ms: int) -> Renewal:
         self._call("heartbeat", sorted(h.task_id for h in held))
-        return [t for t in self.lost if any(h.task_id == t for h in held)], list(self.cancelled)
+        lost = [t for t in self.lost if any(h.task_id == t for h in held)]
+        return Renewal(lost, list(self.cancelled), len(held) - len(lost))
 
     def update(self, me: str, writes: list[tuple[Held, dict[str, str]]]) -> list[bool]:
         self._call("update", [h.task_id for h, _ in writes])
@@ -80,13 +96,13 @@ class FakeQueue:
         self._call("finish", (held.task_id, fields["state"], fields.get("failure", "")))
         return True
 
-    def release(self, me: str, held: Held, fields: dict[str, str]) -> bool:
+    def release(self, me: str, held: Held, fields: dict[str, str], now: float) -> str:
         self._call("release", (held.task_id, fields["reason"]))
-        return True
+        return "released"
 
-    def sweep(self, me: str, lease_ms: int, every_ms: int, now: float) -> int:
+    def sweep(self, me: str, lease_ms: int, every_ms: int, now: float) -> Sweep:
         self._call("sweep")
-        return 0
+        return self.swept
 
     def retire(self, me: str) -> bool:
         return True
@@ -129,7 +145,8 @@ def test_it_claims_what_fits_and_posts_it_to_the_loop_with_its_record() -> None:
     claims = [c for c in loop.posted if isinstance(c, ClaimedTask)]
     assert [c.task_id for c in claims] == ["ok-q2"]  # the urgent one does not fit: never claimed
     claimed = claims[0].record
-    assert (claimed.checkpoint_step, claimed.restarts, claimed.step_p95_ms, claimed.state) == (5, 1, 2.5, "CLAIMED")
+    # The record names no checkpoint file (its step alone cannot be resumed from): the task starts afresh.
+    assert (claimed.checkpoint_step, claimed.restarts, claimed.step_p95_ms, claimed.state) == (-1, 1, 2.5, "CLAIMED")
     assert ("claim", "big-q1") not in queue.calls
 
 
@@ -137,7 +154,8 @@ def test_it_claims_nothing_while_a_task_here_waits_for_memory() -> None:
     queue = FakeQueue(waiting_tasks=[Candidate("ok-q2", 100 * MiB, 0, 2)])
     loop = FakeLoop(QueueView(Capacity(1024 * MiB, 50 * MS, 0, waiting=1)))
     _agent(queue, loop)._poll()
-    assert "claim" not in _names(queue) and "waiting" not in _names(queue)
+    # It still peeks (the queue's depth, and setting aside what cannot be read), but takes nothing.
+    assert "claim" not in _names(queue) and "waiting" in _names(queue)
 
 
 def test_a_spec_that_does_not_validate_fails_in_the_queue_and_never_reaches_the_loop() -> None:
@@ -205,3 +223,32 @@ def test_an_unreachable_queue_never_raises_out_of_the_agent() -> None:
     assert not agent.connected and "cannot reach the queue" in agent.last_error
     agent.close()
     assert loop.posted == []
+
+
+def test_unreadable_records_are_set_aside_and_the_claim_loop_goes_on_to_the_next() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("bad-q1", MiB, 0, 1), Candidate("ok-q3", MiB, 0, 3)],
+                      records={"ok-q3": _record("ok-q3")},
+                      unreadable=[(b"\xff-q2", "the id \\xff-q2 is not UTF-8 text")],
+                      unreadable_claims={"bad-q1": "its memory_bytes is not a whole number (lots)"})
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    agent._poll()
+    assert [c.task_id for c in loop.posted if isinstance(c, ClaimedTask)] == ["ok-q3"]
+    assert ("set_aside", (b"\xff-q2", "the id \\xff-q2 is not UTF-8 text", False)) in queue.calls
+    agent._poll()  # the claimed-but-unreadable one is set aside as its holder, at the next write step
+    assert ("set_aside", ("bad-q1", "its memory_bytes is not a whole number (lots)", True)) in queue.calls
+    assert "bad-q1" not in agent._held and agent._snapshot().set_aside_here == 2
+
+
+def test_the_agents_figures_count_claims_renewals_reclaims_and_graces() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1)], records={"a-q1": _record("a-q1")},
+                      swept=Sweep("swept", moved=2, fresh=True, grace_ms=900))
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    assert loop.queue_stats == agent.stats
+    agent._poll()
+    agent._next_heartbeat = 0.0
+    agent._poll()
+    stats = agent._snapshot()
+    assert (stats.claims, stats.held, stats.renewals, stats.reclaims, stats.graces) == (1, 1, 1, 4, 2)
+    assert stats.connected and stats.lease_ms == 900
