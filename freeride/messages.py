@@ -374,8 +374,8 @@ class QueueStats:
     #: Records this manager set aside (they could not be read or used), and its failed polls (outages).
     set_aside_here: int = 0
     errors: int = 0
-    #: Sweeps held back because managers had not yet been in contact with the queue's server for a whole
-    #: lease (after a restart of the server, or an outage every manager saw).
+    #: This manager's sweeps held back because managers had not yet been in contact with the queue's server
+    #: for a whole lease (after a restart of the server, or an outage every manager saw).
     graces: int = 0
     last_error: str = ""
 

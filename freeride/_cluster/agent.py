@@ -175,6 +175,7 @@ class QueueAgent:
         self._waiting_since: dict[str, float] = {}
         self._connected_at: float | None = None
         self._next_heartbeat = 0.0
+        self._in_grace = False
         self.counters: dict[str, int] = collections.Counter()
         self.last_error = ""
         self._depth = (0, 0)  # the queue's waiting tasks and set-aside records at the last peek
@@ -313,10 +314,14 @@ class QueueAgent:
     def _sweep(self) -> None:
         sweep = self._queue.sweep(self.me, self.config.lease_ms, max(1, self.config.lease_ms // 2), time.time())
         self.counters["set_aside"] += sweep.set_aside
-        if sweep.fresh:
+        if sweep.status == "grace":
             self.counters["graces"] += 1
-            log.info("[%s] the queue's server restarted, or no manager had reached it for a lease: no lease "
-                     "expires for %d ms, while every live holder renews", self.where, sweep.grace_ms)
+            if not self._in_grace:
+                log.info("[%s] the queue's server restarted, or no manager had reached it for a lease: no lease "
+                         "expires for %d ms, while every live holder renews", self.where, sweep.grace_ms)
+            self._in_grace = True
+        elif sweep.status == "swept":
+            self._in_grace = False
         if sweep.moved > 0:
             self.counters["reclaimed"] += sweep.moved
             log.info("[%s] %d task(s) whose holder's lease expired went back to the queue", self.where, sweep.moved)

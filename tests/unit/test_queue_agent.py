@@ -55,7 +55,8 @@ class FakeQueue:
     unreadable_claims: dict[str, str] = field(default_factory=dict)
     calls: list[tuple[str, Any]] = field(default_factory=list)
     down: bool = False
-    swept: Sweep = field(default_factory=lambda: Sweep("swept"))
+    #: What the sweeps answer, in turn (then plain ``swept``).
+    sweeps: list[Sweep] = field(default_factory=list)
 
     def _call(self, name: str, arg: Any = None) -> None:
         if self.down:
@@ -102,7 +103,7 @@ class FakeQueue:
 
     def sweep(self, me: str, lease_ms: int, every_ms: int, now: float) -> Sweep:
         self._call("sweep")
-        return self.swept
+        return self.sweeps.pop(0) if self.sweeps else Sweep("swept")
 
     def retire(self, me: str) -> bool:
         return True
@@ -242,7 +243,7 @@ def test_unreadable_records_are_set_aside_and_the_claim_loop_goes_on_to_the_next
 
 def test_the_agents_figures_count_claims_renewals_reclaims_and_graces() -> None:
     queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1)], records={"a-q1": _record("a-q1")},
-                      swept=Sweep("swept", moved=2, fresh=True, grace_ms=900))
+                      sweeps=[Sweep("grace", grace_ms=900, fresh=True), Sweep("swept", moved=2)])
     loop = FakeLoop()
     agent = _agent(queue, loop)
     assert loop.queue_stats == agent.stats
@@ -250,5 +251,5 @@ def test_the_agents_figures_count_claims_renewals_reclaims_and_graces() -> None:
     agent._next_heartbeat = 0.0
     agent._poll()
     stats = agent._snapshot()
-    assert (stats.claims, stats.held, stats.renewals, stats.reclaims, stats.graces) == (1, 1, 1, 4, 2)
+    assert (stats.claims, stats.held, stats.renewals, stats.reclaims, stats.graces) == (1, 1, 1, 2, 1)
     assert stats.connected and stats.lease_ms == 900

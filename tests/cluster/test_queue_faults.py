@@ -1,0 +1,230 @@
+"""The queue under faults, on a real redis-server: records that cannot be read (each kind the issue saw),
+a Redis restart between two renewals, and the queue's figures. Nothing lost, nothing run twice.
+
+The claim loop here is the real :class:`~freeride._cluster.agent.QueueAgent` on a real queue, polled one
+step at a time, with a stand-in for the manager loop that records what the agent posts (the whole
+manager on the queue is in ``test_cluster_e2e.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TESTS_DIR, holds_for, wait_for
+from redis_server import RedisServer
+
+from freeride._cluster.agent import QueueAgent, QueueConfig
+from freeride._cluster.placement import Capacity
+from freeride._cluster.records import SET_ASIDE, ClaimedTask, QueueView
+from freeride._cluster.redis_queue import Held, RedisQueue, Renewal
+from freeride._cluster.url import parse_queue_url
+from freeride._validation import Submission
+from freeride.cli import main
+
+MiB = 2**20
+MS = 1_000_000
+ROOM = Capacity(budget_bytes=64 * 1024 * MiB, longest_bubble_ns=50 * MS, margin_ns=MS // 5, waiting=0)
+
+
+def _queue(url: str) -> RedisQueue:
+    q = RedisQueue(parse_queue_url(url))
+    q.connect()
+    return q
+
+
+def _sub(name: str) -> Submission:
+    return Submission(target="sample_tasks:Counter", args_json="{}", memory_bytes=MiB, name=name)
+
+
+@dataclass
+class LoopStandIn:
+    """The manager loop as the agent sees it: room for everything, and a list of what was posted."""
+
+    posted: list[Any] = field(default_factory=list)
+    queue_notes: Any = None
+    queue_stats: Any = None
+
+    def post(self, event: Any) -> None:
+        self.posted.append(event)
+
+    def call_async(self, request: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(QueueView(ROOM))
+        return future
+
+    def claimed(self) -> list[str]:
+        return [p.task_id for p in self.posted if isinstance(p, ClaimedTask)]
+
+
+def _agent(url: str, tmp_path: Path, name: str, lease_ms: int = 3000) -> tuple[QueueAgent, LoopStandIn]:
+    loop = LoopStandIn()
+    config = QueueConfig(parse_queue_url(url), tmp_path / "ckpt", lease_ms=lease_ms, poll_ms=50.0)
+    agent = QueueAgent(loop, config, "cpu:0", name)
+    agent._connect()
+    return agent, loop
+
+
+# ------------------------------------------------------------------ records that cannot be read
+
+#: Each kind of malformed record the issue saw, as a change to a good record's hash: (fields to set, fields
+#: to delete, what the reason says).
+MALFORMED = {
+    "missing-fields": ({}, ["seq", "epoch"], "has no seq field"),
+    "memory-not-a-number": ({"memory_bytes": b"lots"}, [], "memory_bytes is not a whole number (lots)"),
+    "spec-not-utf8": ({"spec": b'{"target": "\xff\xfe"}'}, [], "spec is not UTF-8"),
+    "name-not-utf8": ({"name": b"caf\xe9"}, [], "name is not UTF-8"),
+    "placement-not-utf8": ({"step_hint_ms": b"\xff1.0"}, [], "step_hint_ms is not UTF-8"),
+    "priority-not-a-number": ({"priority": b"high"}, [], "priority is not a whole number"),
+    "newer-schema": ({"schema": b"7"}, [], "written by a newer freeride"),
+}
+
+
+def _break(q: RedisQueue, task_id: str, kind: str) -> None:
+    sets, deletes, _ = MALFORMED[kind]
+    key = q.task_key(task_id)
+    if sets:
+        q._r.hset(key, mapping=sets)  # type: ignore[arg-type]
+    if deletes:
+        q._r.hdel(key, *deletes)
+
+
+def test_every_kind_of_malformed_record_is_set_aside_with_its_reason_and_the_rest_run_once(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q = _queue(redis_server.url)
+    # A task whose holder died: it must still be reclaimed while the bad records sit in the queue.
+    orphan = q.submit(_sub("orphan"))
+    assert q.claim(orphan, "dead", "gone/cpu:0", time.time()).status == "claimed"
+    bad = {kind: q.submit(_sub(kind)) for kind in MALFORMED}
+    for kind, task_id in bad.items():
+        _break(q, task_id, kind)
+    q._r.xadd(q.stream_key, {"nothing": "here"})  # a stream entry that names no task
+    good = [q.submit(_sub(f"good{i}")) for i in range(3)]  # submitted after them: they must still start
+
+    one, loop_one = _agent(redis_server.url, tmp_path, "n1", lease_ms=300)
+    two, loop_two = _agent(redis_server.url, tmp_path, "n2", lease_ms=300)
+    expected = {orphan, *good}
+
+    def everything_claimed() -> bool:
+        one._poll()
+        two._poll()
+        return set(loop_one.claimed() + loop_two.claimed()) >= expected
+
+    wait_for(everything_claimed, 30)  # the orphan after its 300 ms lease, the good ones at once
+    one._poll()
+    two._poll()  # the claimed-but-unreadable records are set aside at the poll after their claim
+    claimed = Counter(loop_one.claimed() + loop_two.claimed())
+    assert set(claimed) == expected and set(claimed.values()) == {1}  # nothing run twice, nothing bad run
+
+    records = {r.task_id: r for r in q.records()}
+    for kind, task_id in bad.items():  # nothing lost: each is listed, set aside, with why
+        record = records[task_id]
+        assert record.state == SET_ASIDE and MALFORMED[kind][2] in record.aside, (kind, record.aside)
+    [entry] = [r for r in records.values() if r.task_id.startswith("entry:")]
+    assert entry.state == SET_ASIDE and "names no task" in entry.aside
+    assert q._r.zcard(q.waiting_key) == 0 and q._r.hlen(q.aside_key) == len(bad) + 1
+    assert {r.task_id for r in q.records(include_finished=False)} == expected  # live ones only
+    assert one._snapshot().set_aside + two._snapshot().set_aside == 2 * (len(bad) + 1)
+    # The entry that names no task was set aside by the next submission (its script takes new entries in).
+    assert one._snapshot().set_aside_here + two._snapshot().set_aside_here == len(bad)
+
+    # The CLI lists and shows them, with the reason, and exits 0.
+    monkeypatch.chdir(TESTS_DIR)
+    assert main(["ls", "--queue", redis_server.url, "--all"]) == 0
+    table = capsys.readouterr().out
+    for task_id in bad.values():
+        assert task_id in table
+    assert "set aside: its name is not UTF-8 text (caf\\xe9)" in table
+    assert main(["show", bad["spec-not-utf8"], "--queue", redis_server.url]) == 0
+    shown = capsys.readouterr().out
+    assert "SET_ASIDE" in shown and "set aside:  its spec is not UTF-8 text" in shown
+    assert main(["ls", "--queue", redis_server.url, "--all", "--json"]) == 0
+    assert capsys.readouterr().out.count('"state": "SET_ASIDE"') == len(bad) + 1
+    q.close()
+
+
+def test_a_record_that_turns_unreadable_while_held_is_set_aside_by_its_holder_and_never_requeued(
+    redis_server: RedisServer,
+) -> None:
+    q = _queue(redis_server.url)
+    task_id = q.submit(_sub("held"))
+    claim = q.claim(task_id, "m1", "n1/cpu:0", time.time())
+    assert claim.held is not None
+    q._r.hset(q.task_key(task_id), "priority", "high")  # a hand edit while it runs
+    # Handing it back would put a record in the waiting room that no claim can score: it is set aside.
+    assert q.release("m1", claim.held, {"reason": "evicted"}, time.time()) == "aside"
+    record = q.record(task_id)
+    assert record is not None and record.state == SET_ASIDE and "priority" in record.aside
+    assert q.waiting().candidates == [] and q.cancel(task_id) == "SET_ASIDE"
+    q.close()
+
+
+# ------------------------------------------------------------------ a Redis restart
+
+
+def test_a_redis_restart_between_two_renewals_takes_no_task_from_its_live_holder(redis_server: RedisServer) -> None:
+    lease_ms = 400
+    q = _queue(redis_server.url)
+    task_id = q.submit(_sub("held"))
+    claim = q.claim(task_id, "m1", "n1/cpu:0", time.time())
+    assert claim.held is not None
+    held: Held = claim.held
+    assert q.heartbeat("m1", [held], lease_ms) == Renewal([], [], 1)  # the first renewal
+    renewed_at = time.monotonic()
+    redis_server.kill()
+    # Down for longer than a lease: on its clock the pending entry's idle time now exceeds the lease, and a
+    # sweep that trusted it alone would take the task at once (as the issue saw: 7 tasks taken 5.3 s later).
+    wait_for(lambda: time.monotonic() - renewed_at > 2 * lease_ms / 1000, 10)
+    redis_server.start()
+    wait_for(lambda: _answers(q), 10)
+    assert q._r.xpending_range(q.stream_key, "managers", "-", "+", 10)[0]["time_since_delivered"] > lease_ms
+
+    other = _queue(redis_server.url)
+    first = other.sweep("m2", lease_ms, 1, time.time())
+    assert (first.status, first.moved, first.fresh) == ("grace", 0, True) and 0 < first.grace_ms <= lease_ms
+    # Sweeps go on all through the grace and find nothing to take; the holder renews within it.
+    holds_for(lambda: other.sweep("m2", lease_ms, 1, time.time()).moved == 0, lease_ms / 4000, "no sweep took it")
+    assert q.heartbeat("m1", [held], lease_ms) == Renewal([], [], 1)  # the second renewal: still its holder
+    wait_for(lambda: other.sweep("m2", lease_ms, 1, time.time()).status == "swept", 10)
+    record = q.record(task_id)
+    assert record is not None and (record.owner, record.state, record.epoch) == ("m1", "CLAIMED", 1)
+
+    # A holder that does not renew after the restart loses the task once the grace is over: nothing is lost.
+    wait_for(lambda: other.sweep("m2", lease_ms, 1, time.time()).moved == 1, 10)
+    record = q.record(task_id)
+    assert record is not None and record.state == "QUEUED" and record.restarts == 1
+    assert q.heartbeat("m1", [held], lease_ms).lost == [task_id]
+    q.close()
+    other.close()
+
+
+def test_an_agent_counts_the_queues_figures_across_a_restart(redis_server: RedisServer, tmp_path: Path) -> None:
+    q = _queue(redis_server.url)
+    ids = [q.submit(_sub(f"t{i}")) for i in range(2)]
+    agent, loop = _agent(redis_server.url, tmp_path, "n1", lease_ms=600)
+    wait_for(lambda: agent._poll() or set(loop.claimed()) == set(ids), 20)
+    agent._next_heartbeat = 0.0
+    agent._poll()
+    redis_server.restart()
+    wait_for(lambda: _answers(q), 10)
+    agent._connect()  # as the agent's thread does after the failed poll
+    agent._next_heartbeat = 0.0
+    agent._poll()
+    stats = agent._snapshot()
+    assert (stats.claims, stats.held, stats.lost, stats.depth) == (2, 2, 0, 0)
+    assert stats.renewals >= 4 and stats.graces >= 1 and stats.connected
+    q.close()
+
+
+def _answers(q: RedisQueue) -> bool:
+    try:
+        q.connect()
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
