@@ -45,13 +45,13 @@ def _epoch_of(path: Path) -> int | None:
 
 
 def _inside(path: Path, task_root: Path) -> Path | None:
-    """``path`` as a file under ``task_root``: as given, or re-rooted there when it was recorded under
-    another mount point of the same shared directory (its last two parts: ``e<k>/ckpt-N.pt``)."""
+    """``path`` as an existing file under ``task_root``: as given, or re-rooted there when it was recorded
+    under another mount point of the same shared directory (its last two parts: ``e<k>/ckpt-N.pt``)."""
     if not path.name:
         return None
     try:
         if path.resolve().is_relative_to(task_root.resolve()):
-            return path
+            return path if path.is_file() else None  # gone (pruned, or a hand edit): not a resume point
     except OSError:
         return None
     for tail in (Path(*path.parts[-2:]), Path(path.name)):

@@ -34,7 +34,7 @@ from freeride._wire.client import ControlClient
 from freeride.cli import EXIT_BAD_INPUT, main
 from freeride.endpoints import Endpoint
 from freeride.errors import ConfigError
-from freeride.messages import ManagerStats, Percentiles
+from freeride.messages import ManagerStats, Percentiles, QueueStats
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
 
@@ -286,21 +286,22 @@ def test_manager_command_rejects_bad_metrics_options(
 # ------------------------------------------------------------------ the collector on a fake loop
 
 
-def _stats(bubbles: int) -> ManagerStats:
+def _stats(bubbles: int, queue: QueueStats | None = None) -> ManagerStats:
     empty = Percentiles()
     return ManagerStats(
         device="cpu:7", uptime_s=5.0, bubbles=bubbles, bubble_time_s=0.5, granted_s=0.4, harvested_s=0.3,
         overruns=1, overrun_ms=Percentiles(1, 2.0, 2.0, 2.0, 2.0), grant_latency_ms=empty, park_latency_ms=empty,
         memory_budget_bytes=-1, tasks_by_state={"PARKED": 1, "MYSTERY": 2}, events_received=9, events_rejected=1,
-        draining=False, messages_dropped=4,
+        draining=False, messages_dropped=4, queue=queue,
     )
 
 
 class FakeLoop:
     """Answers requests at once (or with ``error``), counting them."""
 
-    def __init__(self, error: Exception | None = None) -> None:
+    def __init__(self, error: Exception | None = None, queue: QueueStats | None = None) -> None:
         self.device = "cpu:7"
+        self.queue = queue
         self.started_unix = 0.0
         self.events_received = 11
         self.events_rejected = 0
@@ -314,7 +315,7 @@ class FakeLoop:
         if self.error is not None:
             future.set_exception(self.error)
         elif isinstance(request, GetStats):
-            future.set_result(_stats(bubbles=sum(isinstance(r, GetStats) for r in self.requests)))
+            future.set_result(_stats(bubbles=sum(isinstance(r, GetStats) for r in self.requests), queue=self.queue))
         else:
             assert isinstance(request, ListTasks) and not request.include_finished
             future.set_result([])
@@ -349,6 +350,18 @@ def test_collector_exposes_stats_figures_in_base_units() -> None:
     assert value(samples, "freeride_messages_dropped_total", device="cpu:7") == 4
     assert value(samples, "freeride_tasks", device="cpu:7", state="MYSTERY") == 2  # unknown states still count
     assert value(samples, "freeride_memory_budget_bytes", device="cpu:7") is None  # unknown yet: left out
+
+
+def test_the_cluster_queues_figures_are_metrics_only_for_a_manager_on_a_queue() -> None:
+    queue = QueueStats(connected=True, lease_ms=2000, depth=5, set_aside=2, held=1, claims=3, reclaims=1,
+                       renewals=40, set_aside_here=1)
+    samples = collect(ManagerCollector(FakeLoop(queue=queue)))
+    expected = {"freeride_queue_depth": 5, "freeride_queue_set_aside": 2, "freeride_queue_claims_total": 3,
+                "freeride_queue_reclaims_total": 1, "freeride_queue_lease_renewals_total": 40,
+                "freeride_queue_set_aside_total": 1, "freeride_queue_held": 1, "freeride_queue_connected": 1}
+    for name, figure in expected.items():
+        assert value(samples, name, device="cpu:7") == figure, name
+    assert value(collect(ManagerCollector(FakeLoop())), "freeride_queue_depth", device="cpu:7") is None
 
 
 def test_a_failing_loop_request_serves_partial_figures_instead_of_an_error() -> None:

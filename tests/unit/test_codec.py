@@ -7,6 +7,7 @@ message added to the proto fails the coverage test until the codec handles it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from freeride.messages import (
     FailureRecord,
     ManagerStats,
     Percentiles,
+    QueueStats,
     StreamSummary,
     TaskEvent,
     TaskInfo,
@@ -55,7 +57,9 @@ STATS = ManagerStats(
     overrun_ms=P, grant_latency_ms=P, park_latency_ms=P, memory_budget_bytes=7, tasks_by_state={"PARKED": 2},
     events_received=8, events_rejected=9, draining=True, event_delay_ms=P, events_dropped=10,
     device_info="NVIDIA H100 GPU-1234", device_problem="NVML: lost", layout_changes=11, layout="1f1b stages=2",
-    end_to_worker_ms=P,
+    end_to_worker_ms=P, queue=QueueStats(connected=True, lease_ms=2000, depth=1, set_aside=2, held=3, claims=4,
+                                         reclaims=5, renewals=6, lost=7, handed_back=8, set_aside_here=9, errors=10,
+                                         graces=11, last_error="cannot reach the queue"),
 )
 SLOT = BubbleSlotStats(stage=1, rank=2, slot=3, kind="tail", count=4, length_ms=P, predicted_ms=P, abs_error_pct=P,
                        min_free_memory_bytes=5, learned=True)
@@ -115,6 +119,12 @@ def test_every_message_round_trips_and_its_encoding_sets_every_field(
     encoded = encode(message)
     assert _unset_fields(encoded) == [], f"the encoder leaves fields of {encoded.DESCRIPTOR.name} unset"
     assert decode(type(encoded).FromString(encoded.SerializeToString())) == message
+
+
+def test_stats_of_a_manager_without_a_queue_come_back_without_one() -> None:
+    alone = dataclasses.replace(STATS, queue=None)
+    encoded = codec.stats_to_pb(alone)
+    assert not encoded.HasField("queue") and codec.stats_from_pb(encoded) == alone
 
 
 def test_every_message_of_the_proto_has_a_round_trip_or_is_built_in_place() -> None:
