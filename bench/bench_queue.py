@@ -16,7 +16,19 @@ write, as in the tests):
   ``CLOCK_MONOTONIC`` on both sides), with the lease and poll used. The expected floor is the lease
   plus up to half a lease (the sweep period) plus a poll, plus a worker's start.
 
-Run: ``python -m bench.bench_queue [--tasks 500] [--claimers 1,4] [--trials 3] [--lease-ms 1000]
+* **Poison records.** The claims measurement is run again with ``--poison`` malformed records (each kind
+  the issue saw, in turn: missing fields, a memory field that is not a number, bytes that are not UTF-8
+  in the spec, the name or a placement field) queued *ahead* of the tasks. Reported: claims per second
+  with them, and that every task was claimed once and every malformed record set aside (never claimed,
+  never a claim loop's failure).
+* **A Redis restart under live holders.** ``--holders`` threads each hold ``--held`` tasks and renew their
+  leases as a manager's agent does (every third of the lease; while Redis is down, a retry every quarter
+  lease); another thread sweeps as the managers do. Redis is killed with SIGKILL, left down for two
+  leases, and started again from its append-only file. Reported: tasks taken from a live holder within
+  three leases of the restart (the issue saw 7 of 10; the contact clock's grace makes it 0), and the
+  time from the restart to the first sweep that was allowed to expire anything.
+
+Run: ``python -m bench.bench_queue [--tasks 500] [--claimers 1,4] [--poison 7] [--trials 3] [--lease-ms 1000]
 [--out bench/results/cpu]``. Needs ``redis-server`` on the PATH.
 """
 
@@ -39,7 +51,8 @@ from typing import Any
 
 from bench.machine import machine_info
 from freeride._cluster.placement import Capacity, ranked
-from freeride._cluster.redis_queue import RedisQueue
+from freeride._cluster.records import SET_ASIDE
+from freeride._cluster.redis_queue import Held, RedisQueue
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
 from freeride._wire.client import ControlClient, health_status
@@ -72,13 +85,32 @@ def wait(predicate: Callable[[], object], timeout_s: float, what: str) -> Any:
 # ====================================================================== claims per second
 
 
-def claims_per_second(binary: str, tasks: int, claimers: int) -> dict[str, Any]:
+#: Malformed records, one of each kind the issue saw, as changes to a good record's hash (set, delete).
+POISON: list[tuple[dict[str, bytes], list[str]]] = [
+    ({}, ["seq", "epoch"]),
+    ({"memory_bytes": b"lots"}, []),
+    ({"spec": b'{"target": "\xff"}'}, []),
+    ({"name": b"caf\xe9"}, []),
+    ({"step_hint_ms": b"\xff1.0"}, []),
+    ({"priority": b"high"}, []),
+    ({"schema": b"99"}, []),
+]
+
+
+def claims_per_second(binary: str, tasks: int, claimers: int, poison: int = 0) -> dict[str, Any]:
     server = start_redis(binary)
     try:
         url = parse_queue_url(server.url)
         q = RedisQueue(url)
         q.connect()
         sub = Submission(target="sample_tasks:Counter", args_json="{}", memory_bytes=MiB, name="bench")
+        for i in range(poison):  # ahead of the tasks, at the head of the waiting room
+            sets, deletes = POISON[i % len(POISON)]
+            key = q.task_key(q.submit(sub))
+            if sets:
+                q._r.hset(key, mapping=sets)  # type: ignore[arg-type]
+            if deletes:
+                q._r.hdel(key, *deletes)
         t0 = time.perf_counter()
         for _ in range(tasks):
             q.submit(sub)
@@ -92,11 +124,16 @@ def claims_per_second(binary: str, tasks: int, claimers: int) -> dict[str, Any]:
             me = f"bench/cpu:{index}/claimer"
             start.wait()
             while True:
-                waiting = mine.waiting(64)
-                if not waiting:
+                peek = mine.waiting(64)
+                for raw_id, why in peek.unreadable:  # as the agent does: set aside, never stop on it
+                    mine.set_aside(raw_id, why, time.time())
+                if not peek.candidates and not peek.unreadable:
                     break
-                for choice in ranked(waiting, OPEN):  # as the agent does: on a lost race, the next in line
-                    if mine.claim(choice.task_id, me, me, time.time()) is not None:
+                for choice in ranked(peek.candidates, OPEN):  # on a lost race, the next in line
+                    claim = mine.claim(choice.task_id, me, me, time.time())
+                    if claim.status == "unreadable" and claim.held is not None:
+                        mine.set_aside(choice.task_id, claim.reason, time.time(), me, claim.held)
+                    elif claim.status == "claimed":
                         claimed[index] += 1
                         break
             mine.close()
@@ -111,11 +148,84 @@ def claims_per_second(binary: str, tasks: int, claimers: int) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         records = q.records()
         assert sum(claimed) == tasks == sum(1 for r in records if r.state == "CLAIMED"), "a task was lost or doubled"
+        set_aside = sum(1 for r in records if r.state == SET_ASIDE)
+        assert set_aside == poison, f"{set_aside} of {poison} malformed records set aside"
         q.close()
-        return {"claimers": claimers, "tasks": tasks, "seconds": round(elapsed, 4),
-                "claims_per_s": round(tasks / elapsed, 1), "submits_per_s": round(tasks / submit_s, 1),
-                "per_claimer": claimed}
+        return {"claimers": claimers, "tasks": tasks, "poison": poison, "set_aside": set_aside,
+                "seconds": round(elapsed, 4), "claims_per_s": round(tasks / elapsed, 1),
+                "submits_per_s": round(tasks / submit_s, 1), "per_claimer": claimed}
     finally:
+        remove(server)
+
+
+# ====================================================================== a Redis restart under live holders
+
+
+def restart_trial(binary: str, holders: int, held_each: int, lease_ms: int) -> dict[str, Any]:
+    server: RedisServer = start_redis(binary)
+    url = parse_queue_url(server.url)
+    stop = threading.Event()
+    lost: list[str] = []
+    first_swept: list[float] = []
+    restarted_at = [0.0]
+    try:
+        q = RedisQueue(url, timeout_s=lease_ms / 2000)
+        q.connect()
+        sub = Submission(target="sample_tasks:Counter", args_json="{}", memory_bytes=MiB, name="bench")
+        mine: list[list[Held]] = []
+        for h in range(holders):
+            mine.append([])
+            for _ in range(held_each):
+                task_id = q.submit(sub)
+                claim = q.claim(task_id, f"holder{h}", f"n{h}/cpu:0", time.time())
+                assert claim.held is not None
+                mine[h].append(claim.held)
+
+        def holder(h: int) -> None:  # renews as an agent does, retrying every quarter lease while Redis is down
+            conn = RedisQueue(url, timeout_s=lease_ms / 2000)
+            while not stop.is_set():
+                try:
+                    lost.extend(conn.heartbeat(f"holder{h}", mine[h], lease_ms).lost)
+                    stop.wait(lease_ms / 3000)
+                except FreerideError:
+                    stop.wait(lease_ms / 4000)
+            conn.close()
+
+        def sweeper() -> None:
+            conn = RedisQueue(url, timeout_s=lease_ms / 2000)
+            while not stop.is_set():
+                try:
+                    sweep = conn.sweep("sweeper", lease_ms, max(1, lease_ms // 2), time.time())
+                    if restarted_at[0] and sweep.status == "swept" and not first_swept:
+                        first_swept.append(time.monotonic())
+                except FreerideError:
+                    pass
+                stop.wait(0.05)
+            conn.close()
+
+        threads = [threading.Thread(target=holder, args=(h,)) for h in range(holders)]
+        threads.append(threading.Thread(target=sweeper))
+        for t in threads:
+            t.start()
+        time.sleep(2 * lease_ms / 1000)  # a bench, not a test: settle into renewing
+        server.kill()
+        time.sleep(2 * lease_ms / 1000)  # down for two leases: every pending entry's idle time is past the lease
+        server.start()
+        restarted_at[0] = time.monotonic()
+        time.sleep(3 * lease_ms / 1000)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        q.connect()
+        owners = {r.task_id: r.owner for r in q.records()}
+        taken = sum(1 for h in range(holders) for held in mine[h] if owners.get(held.task_id) != f"holder{h}")
+        q.close()
+        return {"holders": holders, "tasks": holders * held_each, "lease_ms": lease_ms,
+                "taken_from_live_holders": taken, "holders_told_lost": len(lost),
+                "restart_to_first_sweep_ms": round((first_swept[0] - restarted_at[0]) * 1000, 1)
+                if first_swept else None}
+    finally:
+        stop.set()
         remove(server)
 
 
@@ -244,7 +354,8 @@ def render(results: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, redis-server {results['redis_version']}, "
         f"redis-py {results['redis_py']}. Command: `{results['command']}`. Redis on a unix socket with "
-        "`appendfsync always`. The machine was shared with other work while measuring: figures are indicative.",
+        "`appendfsync always`. The machine was shared with other work while measuring (load average "
+        f"{' '.join(results.get('loadavg', ['?']))} at the end): figures are indicative.",
         "",
         "## Claims per second",
         "",
@@ -257,6 +368,38 @@ def render(results: dict[str, Any]) -> str:
     for c in results["claims"]:
         lines.append(f"| {c['claimers']} | {c['claims_per_s']} | {c['seconds']} | {c['per_claimer']} | "
                      f"{c['submits_per_s']} |")
+    poisoned = results.get("poisoned", [])
+    if poisoned:
+        lines += [
+            "",
+            f"With {poisoned[0]['poison']} malformed records queued ahead of the tasks (each kind in turn: missing "
+            "fields, memory not a number, bytes that are not UTF-8 in the spec, the name or a placement field, "
+            "priority not a number, a newer schema):",
+            "",
+            "| claimers | claims/s | seconds | set aside | every task claimed once |",
+            "|---|---|---|---|---|",
+        ]
+        for c in poisoned:
+            lines.append(f"| {c['claimers']} | {c['claims_per_s']} | {c['seconds']} | {c['set_aside']} of "
+                         f"{c['poison']} | yes |")
+    restarts = results.get("restart", [])
+    if restarts:
+        first = restarts[0]
+        lines += [
+            "",
+            "## A Redis restart under live holders",
+            "",
+            f"{first['holders']} holders with {first['tasks']} tasks between them, renewing every third of a "
+            f"{first['lease_ms']} ms lease; Redis killed with SIGKILL, down for two leases, restarted from its "
+            "append-only file; watched for three leases.",
+            "",
+            "| trial | taken from a live holder | holders told they lost a task | restart -> first sweep allowed "
+            "to expire (ms) |",
+            "|---|---|---|---|",
+        ]
+        for i, t in enumerate(restarts, 1):
+            lines.append(f"| {i} | {t['taken_from_live_holders']} | {t['holders_told_lost']} | "
+                         f"{t['restart_to_first_sweep_ms']} |")
     r = results["replacement"]
     lines += [
         "",
@@ -287,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=500)
     parser.add_argument("--claimers", default="1,4")
+    parser.add_argument("--poison", type=int, default=7, help="malformed records ahead of the tasks (0: none)")
+    parser.add_argument("--holders", type=int, default=3)
+    parser.add_argument("--held", type=int, default=4, help="tasks each holder holds across the restart")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--lease-ms", type=int, default=1000)
     parser.add_argument("--poll-ms", type=float, default=100.0)
@@ -302,6 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     claims = [claims_per_second(binary, args.tasks, int(c)) for c in args.claimers.split(",")]
     for c in claims:
         print(f"claims: {c}", flush=True)
+    poisoned = [claims_per_second(binary, args.tasks, int(c), args.poison) for c in args.claimers.split(",")
+                if args.poison > 0]
+    for c in poisoned:
+        print(f"claims with poison records: {c}", flush=True)
+    restarts = []
+    for _ in range(args.trials):
+        restart = restart_trial(binary, args.holders, args.held, args.lease_ms)
+        print(f"restart: {restart}", flush=True)
+        restarts.append(restart)
     trials = []
     for _ in range(args.trials):
         trial = replacement_trial(binary, args.lease_ms, args.poll_ms)
@@ -313,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         "redis_version": next((w.split("=", 1)[1] for w in version if w.startswith("v=")), "?"),
         "redis_py": redis.__version__,
         "claims": claims,
+        "poisoned": poisoned,
+        "restart": restarts,
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
         "replacement": {
             "trials": trials,
             "median_claimed_ms": round(median(t["kill_to_claimed_ms"] for t in trials), 1),
