@@ -420,8 +420,9 @@ def render(results: dict[str, Any]) -> str:
         "floor is the lease (a holder is presumed dead only after it), plus up to half a lease (one manager "
         "sweeps expired leases per half lease), plus a poll of the claiming manager, plus a worker's start. "
         "The default lease is 10 s: a node loss then costs its tasks 10-15 s. \"Checkpoint at kill\" is the "
-        "record's; a task resumes from the newest file in the shared directory, which can be newer (the dead "
-        "manager wrote it after its last record update).",
+        "record's; a task resumes from the record's checkpoint or a newer file of the claim it replaces, which can "
+        "be newer (the dead manager wrote it after its last record update; see \"Checkpoints, fenced by claim "
+        "epoch\" in docs/architecture.md).",
     ]
     return "\n".join(lines) + "\n"
 

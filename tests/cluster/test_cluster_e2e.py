@@ -25,6 +25,7 @@ from redis_server import RedisServer
 
 from freeride._cli import cluster
 from freeride._validation import submission_of
+from freeride.cli import main
 from freeride.endpoints import Endpoint
 from freeride.messages import TaskSpec, TrainerLayout
 
@@ -157,6 +158,12 @@ def test_a_redis_restart_stops_nothing_and_every_manager_goes_on_with_its_tasks(
         record = queue.record(task_id)
         # The same holder, the same claim: nothing was re-placed, nothing lost.
         assert (record.device, record.epoch, record.restarts) == (before[task_id].device, 1, 0)
+    # What the managers' queue agents saw, as `freeride stats` shows it: renewals on both sides of the
+    # restart, no task lost, and the sweeps after it held back (by whichever manager swept).
+    figures = [node.client.stats().queue for node in (a, b)]
+    assert all(f is not None and f.connected and f.claims == 1 and f.held == 1 and f.lost == 0 and f.renewals > 2
+               for f in figures)
+    assert sum(f.graces for f in figures if f is not None) >= 1
     # The queue takes new work after the restart.
     late = cluster.submit(redis_server.url, _counter("late", memory_mib=64)).task_id
     wait_for(lambda: queue.record(late).state in ("PARKED", "RUNNING"), 30)
@@ -211,4 +218,24 @@ def test_a_claimed_spec_is_validated_again_and_fails_as_a_record(
     record = queue.record(task_id)
     assert record.failure is not None and record.failure.kind == "INVALID"
     assert "standard JSON" in record.failure.message
+    queue.close()
+
+
+def test_a_record_that_cannot_be_read_is_set_aside_and_the_tasks_after_it_run(
+    tmp_path: Path, redis_server: RedisServer, nodes: list[Node], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's wedge: a spec that is not UTF-8 made every claim loop fail on each poll."""
+    node = start_node(tmp_path, "a", node_devices(1)[0], redis_server.url, tmp_path / "ckpt")
+    nodes.append(node)
+    node.train(free_mib=1500)
+    queue = Queue(redis_server.url)
+    poison = queue.q.submit(submission_of(_counter("poison")))
+    queue.q._r.hset(queue.q.task_key(poison), "spec", b"\xff\xfe not text")
+    after = cluster.submit(redis_server.url, _counter("after")).task_id
+    wait_for(lambda: queue.record(after).progress > 0, 30)
+    record = queue.record(poison)
+    assert record.state == "SET_ASIDE" and "its spec is not UTF-8 text" in record.aside
+    wait_for(lambda: node.client.stats().queue.set_aside == 1, 30)  # type: ignore[union-attr]
+    assert main(["show", poison, "--queue", redis_server.url]) == 0
+    assert "its spec is not UTF-8 text" in capsys.readouterr().out
     queue.close()
