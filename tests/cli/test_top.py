@@ -3,6 +3,7 @@ and the command against a real in-process manager (``--once``, the plain text mo
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 from conftest import cpu_devices
 
 from freeride._cli import top
+from freeride._cli.tasks import render_stats
 from freeride._cli.top import Snapshot, live_view, order_tasks, render
 from freeride._manager.daemon import Manager
 from freeride._wire.client import ControlClient
@@ -23,6 +25,7 @@ from freeride.messages import (
     FailureRecord,
     ManagerStats,
     Percentiles,
+    QueueStats,
     TaskInfo,
     TaskProgress,
     TaskSpec,
@@ -86,6 +89,17 @@ def test_header_shows_harvest_shares_overruns_and_latencies() -> None:
     assert "memory budget 3.0 GiB" in frame
     assert "events 2400 (2 rejected)" in frame
     assert "now" not in frame  # no previous frame: no rate over the last interval
+
+
+def test_a_manager_on_a_queue_shows_the_queues_figures_in_top_and_stats() -> None:
+    queue = QueueStats(connected=True, lease_ms=2000, depth=12, set_aside=1, held=2, claims=5, reclaims=1,
+                       renewals=300, set_aside_here=1)
+    line = ("queue: connected  depth 12  held 2  claims 5  reclaims 1  renewals 300  lost 0  set aside 1 (1 here)  "
+            "lease 2000 ms")
+    assert line in render(stats(queue=queue), TASKS, BUBBLES, width=200).splitlines()
+    assert "queue:" not in render(stats(), TASKS, BUBBLES, width=200)
+    cut_off = dataclasses.replace(queue, connected=False, errors=3, last_error="cannot reach the queue")
+    assert "queue:       UNREACHABLE (3 failed polls: cannot reach the queue)" in render_stats(stats(queue=cut_off))
 
 
 def test_task_table_lists_live_tasks_first_with_why_each_waits_or_failed() -> None:
