@@ -28,7 +28,7 @@ from freeride._cluster.records import ClusterRecord
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import submission_of, validate_spec
 from freeride.errors import TaskNotFound
-from freeride.messages import TaskSpec
+from freeride.messages import QueueStats, TaskSpec
 from freeride.units import format_size
 
 
@@ -135,6 +135,14 @@ def render_record(rec: ClusterRecord) -> str:
 
         text += "\n" + render_failure(rec.failure)
     return text
+
+
+def queue_line(q: QueueStats) -> str:
+    """A manager's part in the cluster queue in one line (``stats`` and ``top`` show it)."""
+    link = "connected" if q.connected else f"UNREACHABLE ({q.errors} failed polls: {q.last_error})"
+    return (f"{link}  depth {q.depth}  held {q.held}  claims {q.claims}  reclaims {q.reclaims}  "
+            f"renewals {q.renewals}  lost {q.lost}  set aside {q.set_aside} ({q.set_aside_here} here)  "
+            f"lease {q.lease_ms} ms" + (f"  graces {q.graces}" if q.graces else ""))
 
 
 def print_json(value: Any) -> None:

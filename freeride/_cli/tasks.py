@@ -42,7 +42,7 @@ from freeride._wire.client import ControlClient, health_status
 from freeride.devices import parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import FailureRecord, ManagerStats, Percentiles, QueueStats, TaskInfo, TaskSpec
+from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
 from freeride.states import TaskState
 from freeride.units import format_ms, format_size, parse_size
 
@@ -526,14 +526,6 @@ def _pct_line(p: Percentiles) -> str:
     )
 
 
-def queue_line(q: QueueStats) -> str:
-    """A manager's part in the cluster queue in one line (``stats`` and ``top`` show it)."""
-    link = "connected" if q.connected else f"UNREACHABLE ({q.errors} failed polls: {q.last_error})"
-    return (f"{link}  depth {q.depth}  held {q.held}  claims {q.claims}  reclaims {q.reclaims}  "
-            f"renewals {q.renewals}  lost {q.lost}  set aside {q.set_aside} ({q.set_aside_here} here)  "
-            f"lease {q.lease_ms} ms" + (f"  graces {q.graces}" if q.graces else ""))
-
-
 def render_stats(s: ManagerStats) -> str:
     ratio = f"{100 * s.harvested_s / s.bubble_time_s:.1f}%" if s.bubble_time_s > 0 else "-"
     by_state = ", ".join(f"{k} {v}" for k, v in sorted(s.tasks_by_state.items())) or "none"
@@ -557,6 +549,8 @@ def render_stats(s: ManagerStats) -> str:
         ("event delay", _pct_line(s.event_delay_ms)),
     ]
     if s.queue is not None:
+        from freeride._cli.cluster import queue_line
+
         fields.append(("queue", queue_line(s.queue)))
     if s.layout:
         fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))

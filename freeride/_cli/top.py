@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from time import monotonic, sleep
 from typing import Any, Protocol
 
-from freeride._cli.tasks import _endpoint, _manager_hint, queue_line
+from freeride._cli.cluster import queue_line
+from freeride._cli.tasks import _endpoint, _manager_hint
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
