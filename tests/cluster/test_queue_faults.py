@@ -2,7 +2,7 @@
 a Redis restart between two renewals, and the queue's figures. Nothing lost, nothing run twice.
 
 The claim loop here is the real :class:`~freeride._cluster.agent.QueueAgent` on a real queue, polled one
-step at a time, with a stand-in for the manager loop that records what the agent posts (the whole
+step at a time, with a stand-in for the manager loop that records what the agent posts (``queue_fakes``) (the whole
 manager on the queue is in ``test_cluster_e2e.py``).
 """
 
@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import TESTS_DIR, holds_for, wait_for
+from queue_fakes import FakeLoop
 from redis_server import RedisServer
 
 from freeride._cluster.agent import QueueAgent, QueueConfig
 from freeride._cluster.placement import Capacity
-from freeride._cluster.records import SET_ASIDE, ClaimedTask, QueueView
+from freeride._cluster.records import SET_ASIDE, QueueView
 from freeride._cluster.redis_queue import Held, RedisQueue, Renewal
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
@@ -42,28 +40,8 @@ def _sub(name: str) -> Submission:
     return Submission(target="sample_tasks:Counter", args_json="{}", memory_bytes=MiB, name=name)
 
 
-@dataclass
-class LoopStandIn:
-    """The manager loop as the agent sees it: room for everything, and a list of what was posted."""
-
-    posted: list[Any] = field(default_factory=list)
-    queue_notes: Any = None
-    queue_stats: Any = None
-
-    def post(self, event: Any) -> None:
-        self.posted.append(event)
-
-    def call_async(self, request: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        future.set_result(QueueView(ROOM))
-        return future
-
-    def claimed(self) -> list[str]:
-        return [p.task_id for p in self.posted if isinstance(p, ClaimedTask)]
-
-
-def _agent(url: str, tmp_path: Path, name: str, lease_ms: int = 3000) -> tuple[QueueAgent, LoopStandIn]:
-    loop = LoopStandIn()
+def _agent(url: str, tmp_path: Path, name: str, lease_ms: int = 3000) -> tuple[QueueAgent, FakeLoop]:
+    loop = FakeLoop(QueueView(ROOM))  # room for everything
     config = QueueConfig(parse_queue_url(url), tmp_path / "ckpt", lease_ms=lease_ms, poll_ms=50.0)
     agent = QueueAgent(loop, config, "cpu:0", name)
     agent._connect()

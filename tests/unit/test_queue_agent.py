@@ -4,12 +4,12 @@ no Redis). The real Redis behaviour is in ``tests/cluster``."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from conftest import wait_for
+from queue_fakes import ROOM, FakeLoop
 
 from freeride._cluster.agent import QueueAgent, QueueConfig
 from freeride._cluster.placement import Candidate, Capacity
@@ -22,23 +22,6 @@ from freeride.messages import TaskProgress, TaskRecord, TaskSpec
 
 MiB = 2**20
 MS = 1_000_000
-ROOM = Capacity(budget_bytes=1024 * MiB, longest_bubble_ns=50 * MS, margin_ns=MS // 5, waiting=0)
-
-
-@dataclass
-class FakeLoop:
-    view: QueueView = field(default_factory=lambda: QueueView(ROOM))
-    posted: list[Any] = field(default_factory=list)
-    queue_notes: Any = None
-    queue_stats: Any = None
-
-    def post(self, event: Any) -> None:
-        self.posted.append(event)
-
-    def call_async(self, request: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        future.set_result(self.view)
-        return future
 
 
 @dataclass
