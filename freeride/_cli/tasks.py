@@ -387,14 +387,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.queue is not None:
         from freeride._cli import cluster
 
-        records = cluster.records(args.queue, include_finished=args.all)
+        every = cluster.records(args.queue, include_finished=True)  # one fetch either way
+        records = every if args.all else [r for r in every if not (r.terminal or r.aside)]
         if args.json:
             cluster.print_json([cluster.to_json(r) for r in records])
-        elif not records:
-            print("no tasks in the queue" if args.all
-                  else "no active tasks in the queue (--all shows finished and set-aside ones)")
-        else:
-            print(cluster.render_table(records))
+            return _EXIT_OK
+        print(cluster.render_table(records) if records else "no tasks in the queue" if args.all
+              else "no active tasks in the queue (--all shows finished and set-aside ones)")
+        aside = sum(1 for r in every if r.aside)
+        if aside and not args.all:  # never let a set-aside record go unnoticed
+            print(f"{aside} record(s) set aside because they cannot be read; --all lists them with the reason")
         return _EXIT_OK
     with _client(args) as client:
         infos = client.list(include_finished=args.all)

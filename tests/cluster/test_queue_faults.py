@@ -119,6 +119,8 @@ def test_every_kind_of_malformed_record_is_set_aside_with_its_reason_and_the_res
     for task_id in bad.values():
         assert task_id in table
     assert "set aside: its name is not UTF-8 text (caf\\xe9)" in table
+    assert main(["ls", "--queue", redis_server.url]) == 0
+    assert f"{len(bad) + 1} record(s) set aside because they cannot be read" in capsys.readouterr().out
     assert main(["show", bad["spec-not-utf8"], "--queue", redis_server.url]) == 0
     shown = capsys.readouterr().out
     assert "SET_ASIDE" in shown and "set aside:  its spec is not UTF-8 text" in shown
