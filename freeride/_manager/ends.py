@@ -10,6 +10,13 @@ sends the park message. The path decides nothing the core would not: an end with
 grant's bubble key, at or after its start, is what makes the core park it. A stale publication is
 harmless: grant ids only grow, and saying that an ended bubble ended changes nothing.
 
+On one host the trainer also sends each end to the manager's end wake (:class:`freeride._boards.EndWake`)
+right after it writes the end board; the loop selects on it and hands the wakes here
+(:meth:`EndPath.woken`): an end of the published grant's bubble sets the worker's word (for a worker that
+could not map the trainer's board) and becomes a :class:`~freeride._manager.core.TrainerEndSeen`, with
+which the core freezes a step still running at that end + grace, a wire trip earlier than the end
+event would let it.
+
 ``end_to_worker`` times an end received (the servicer's stamp) -> the word set, recorded by servicer
 threads and the loop thread alike, under a lock.
 """
@@ -21,12 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from freeride._boards import WorkerBoard
+from freeride._manager import core as C
 from freeride._manager.histogram import LatencyHistogram
 from freeride.messages import BubbleEnd, Percentiles, TrainerEvent
 
 
 @dataclass(frozen=True)
 class _HotGrant:
+    task_id: str
     grant_id: int
     bubble_key: tuple[int, int, int, int]
     start_ns: int
@@ -43,11 +52,26 @@ class EndPath:
 
     # ------------------------------------------------------------ the loop's thread
 
-    def granted(self, grant_id: int, bubble_key: tuple[int, int, int, int], start_ns: int,
+    def granted(self, task_id: str, grant_id: int, bubble_key: tuple[int, int, int, int], start_ns: int,
                 board: WorkerBoard | None) -> None:
         """A grant that follows the trainer's real ends went out: its bubble's end may end it."""
         if board is not None:
-            self._hot = _HotGrant(grant_id, bubble_key, start_ns, board)
+            self._hot = _HotGrant(task_id, grant_id, bubble_key, start_ns, board)
+
+    def woken(self, wakes: Sequence[tuple[int, int, int]]) -> list[C.TrainerEndSeen]:
+        """The trainer's end wakes, (rank, start, end) each: the end of the published grant's bubble, if there."""
+        hot = self._hot
+        if hot is None:
+            return []
+        rank = hot.bubble_key[1]
+        for wake_rank, start_ns, end_ns in wakes:
+            if wake_rank == rank and start_ns == hot.start_ns:
+                try:
+                    hot.board.end_grant(hot.grant_id, end_ns)
+                except ValueError:  # the worker was reaped and its board closed meanwhile
+                    pass
+                return [C.TrainerEndSeen(hot.task_id, hot.grant_id, end_ns)]
+        return []
 
     def reported(self, grant_id: int) -> None:
         """The worker reported the grant's steps: its bubble is no longer held, an end for it times nothing."""

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride import _channel as W
+from freeride._boards import EndWake
 from freeride._cluster.records import CancelTask as QueueCancel
 from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, ReleaseTask
 from freeride._manager import core as C
@@ -53,6 +54,7 @@ from freeride._manager.paths import TaskPaths
 from freeride._manager.requests import Drain, Request, Shutdown
 from freeride._manager.store import TaskStore
 from freeride._manager.supervisor import StepsReported, Supervisor, WorkerSettings
+from freeride._manager.timer import make_timer
 from freeride._manager.trace import LoopTrace, TraceWriter
 from freeride._manager.views import Counters, Failures, Views
 from freeride._manager.watchers import Watchers
@@ -141,6 +143,12 @@ class ManagerLoop:
         self.watchers = Watchers()
         self.ends = EndPath(now_ns)
         self.trace = LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns) if config.trace_path else None
+        self._end_wake: EndWake | None = None
+        #: Wakes the select at the core's next timer to the microsecond (epoll's own timeout is whole ms).
+        #: Only on the real clock: a test's fake clock has no kernel timer.
+        self._timer = make_timer() if now_ns is time.monotonic_ns else None
+        if self._timer is not None:
+            self._selector.register(self._timer.fileno(), selectors.EVENT_READ, self._timer.clear)
         self._drain_waiters: list[Future[Any]] = []
         self._stop_after_drain = False
         self._running = True
@@ -239,6 +247,11 @@ class ManagerLoop:
     def slot_stats(self) -> list[BubbleSlotStats]:
         return self.core.slot_stats()
 
+    def listen_for_ends(self, wake: EndWake) -> None:
+        """Select on the trainer's end wakes (:mod:`freeride._boards`); the loop closes it when it stops."""
+        self._end_wake = wake
+        self._selector.register(wake.fileno(), selectors.EVENT_READ, lambda: self.ends.woken(wake.read()))
+
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT only enqueue a shutdown: drain (every task checkpointed), then stop.
 
@@ -273,7 +286,10 @@ class ManagerLoop:
             return 0
         now = self.now_ns()
         deadline = now + IDLE_WAKE_NS
-        for timer in (self.core.next_timer_ns(), self.workers.next_timer_ns(), self.durability.next_timer_ns()):
+        core_timer = self.core.next_timer_ns()
+        if self._timer is not None:
+            self._timer.arm(core_timer)
+        for timer in (core_timer, self.workers.next_timer_ns(), self.durability.next_timer_ns()):
             if timer is not None and timer < deadline:
                 deadline = timer
         return max(0.0, (deadline - now) / 1e9)
@@ -369,7 +385,7 @@ class ManagerLoop:
         if action.thaw:
             self.workers.signal(tid, signal.SIGCONT)
         if action.trainer_ends:
-            self.ends.granted(action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.board(tid))
+            self.ends.granted(tid, action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.board(tid))
         return events
 
     def _park(self, action: C.Park) -> list[Any]:
@@ -487,6 +503,8 @@ class ManagerLoop:
                 future.set_exception(stopping)
         self._drain_waiters.clear()
         self.poller.stop()
+        if self._end_wake is not None:
+            self._end_wake.close()
         self.workers.close()
         self.durability.close()
         self.watchers.close()
@@ -495,6 +513,8 @@ class ManagerLoop:
         # The eventfd stays open: gRPC threads and scrapes may still post until the server has
         # stopped. release() closes it once nothing can post any more.
         self._selector.close()
+        if self._timer is not None:
+            self._timer.close()
         log.info("[%s] manager loop stopped", self.device)
 
     def release(self) -> None:

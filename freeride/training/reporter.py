@@ -29,7 +29,11 @@ bubble's start and end time into this rank's record (two memory stores, no syste
 queues the end; the side task granted that bubble reads the record before each step and stops at
 once. The end still travels the wire to the manager, which parks, measures and learns from it as
 before: the board only removes the wire's latency (~0.3 ms, more under load) from the moment a side
-task stops starting steps. Over TCP (another user, another host) there is no board.
+task stops starting steps. Right after the board, the same end goes to the manager's *end wake*
+(``<socket>.wake``, one non-blocking datagram ``send``), which arms the freeze of a step still running
+at that end + grace: the end a side task stops at is the end its freeze counts from. Over TCP (another
+user, another host) there is neither: there a message is cut right after each end, so an end is never
+held behind events queued after it.
 
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
@@ -46,7 +50,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from freeride._boards import EndBoard, end_board_path
+from freeride._boards import EndBoard, EndWakeSender, end_board_path, end_wake_path
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, resolve_endpoint
 from freeride.messages import (
@@ -139,6 +143,10 @@ class BubbleReporter:
         #: training thread writes to whichever mapping it reads here. A replaced mapping is not closed
         #: (the training thread may be writing to it), only dropped.
         self._end_board: EndBoard | None = None
+        #: The manager's end wake, opened with the board (None: no board, or a manager without a wake).
+        self._end_wake: EndWakeSender | None = None
+        #: Over TCP the wire is the only path of an end: a message ends right after each end.
+        self._cut_at_ends = self.endpoint.kind != "unix"
         #: (iteration, slot, start_ns) of the last bubble started: the identity an end writes on the board.
         self._last_start: tuple[int, int, int] | None = None
         # Counters: each is written by one thread only, so plain ints are race-free under the GIL.
@@ -193,9 +201,11 @@ class BubbleReporter:
         try:
             if end_ns is None:
                 end_ns = time.monotonic_ns()
-            board, last = self._end_board, self._last_start
+            board, wake, last = self._end_board, self._end_wake, self._last_start
             if board is not None and last is not None and last[0] == iteration and last[1] == slot:
                 board.record_end(self.rank, last[2], end_ns)
+                if wake is not None:
+                    wake.send(self.rank, last[2], end_ns)  # the manager's freeze counts from this end
         except Exception:  # noqa: BLE001 - a board gone bad costs only its speed-up; the end still goes out
             pass
         try:
@@ -333,7 +343,7 @@ class BubbleReporter:
                     batch.append(self._to_event(item))  # type: ignore[arg-type]
                 except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
                     self._dropped_bg += 1
-                if len(batch) >= MAX_BATCH_EVENTS:
+                if len(batch) >= MAX_BATCH_EVENTS or (self._cut_at_ends and item[0] == _END):  # type: ignore[index]
                     break
                 try:
                     item = q.get_nowait()
@@ -383,6 +393,7 @@ class BubbleReporter:
             try:
                 stream = self._open_stream(alive)
                 self._end_board = self._open_end_board()
+                self._end_wake = self._open_end_wake() if self._end_board is not None else None
                 self._connects += 1
                 self._connected = True
                 while not stream.done():
@@ -424,6 +435,14 @@ class BubbleReporter:
             return EndBoard.open(end_board_path(self.endpoint.address), writable=True)
         except (OSError, ValueError) as exc:  # an older manager, or one that could not make it
             log.debug("[%s stage=%d] no end board beside %s: %s", self.device, self.stage, self.endpoint, exc)
+            return None
+
+    def _open_end_wake(self) -> EndWakeSender | None:
+        """The manager's end wake (else None: the manager's freeze then counts from the end on the wire)."""
+        try:
+            return EndWakeSender(end_wake_path(self.endpoint.address))
+        except OSError as exc:
+            log.debug("[%s stage=%d] no end wake beside %s: %s", self.device, self.stage, self.endpoint, exc)
             return None
 
     def _add_summary(self, summary: StreamSummary) -> None:

@@ -94,6 +94,17 @@ class BubbleEnded:
 
 
 @dataclass(frozen=True)
+class TrainerEndSeen:
+    """The manager read the trainer's end of the bubble ``grant_id`` holds, straight from the trainer (its end
+    wake, beside the end board): the end the worker sees, long before the end event crosses the wire. The
+    freeze is armed at ``end_ns`` + grace; the end event still comes, and is measured as usual."""
+
+    task_id: str
+    grant_id: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
 class TaskAdded:
     """A new submission, or a task recovered from the store after a restart."""
 
@@ -251,6 +262,7 @@ class Tick:
 Event = (
     BubbleStarted
     | BubbleEnded
+    | TrainerEndSeen
     | TaskAdded
     | CancelRequested
     | DrainRequested

@@ -43,7 +43,7 @@ class OpenBubble:
     def deadline_ns(self) -> int:
         if self.fixed_deadline_ns:
             return self.fixed_deadline_ns
-        return self.end_ns or self.event.predicted_end_ns
+        return self.end_ns or self.seen_end_ns or self.event.predicted_end_ns
 
     def to(self, phase: BubblePhase) -> None:
         old = self.phase

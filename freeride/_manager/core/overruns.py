@@ -1,11 +1,13 @@
 """Steps that run past a bubble's end: the freeze timer, the freeze, and what an overrun teaches a margin.
 
-A step still running ``grace`` past the bubble's real end (or past its predicted end, when no end has
-come) has its worker frozen with SIGSTOP until its next grant (:meth:`Overruns.freeze_running`).
-Grace counts from when the manager learns of the end: it cannot act before; the overrun itself is
-measured from the trainer's real end. Each freeze of a step whose time was known (not a setup, a first
-step or a probe) doubles that task's extra margin, up to ``max_margin``; each clean grant lets it shrink
-back by an eighth. One timer is enough: at most one worker holds a bubble at a time.
+A step still running ``grace`` past the bubble's real end (or past its predicted end, when no end has come)
+has its worker frozen with SIGSTOP until its next grant (:meth:`Overruns.freeze_running`). Grace counts from
+when the manager learns of the end: it cannot act before; the overrun itself is measured from the trainer's
+real end. An end the manager reads from the trainer itself (its end wake, on one host) is known microseconds
+after it happens: then the freeze is at the real end + grace (:meth:`Overruns.arm_at_seen_end`), the same end
+the worker stops its new steps at. Each freeze of a step whose time was known (not a setup, a first step or a
+probe) doubles that task's extra margin, up to ``max_margin``; each clean grant lets it shrink back by an
+eighth. One timer is enough: at most one worker holds a bubble at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class Overruns:
     def arm_at_end(self, end_ns: int, now_ns: int) -> None:
         """The real end is known (at ``now_ns``): freeze ``grace`` after it, or after now if it came late."""
         self.freeze_at_ns = max(end_ns, now_ns) + self._grace_ns
+
+    def arm_at_seen_end(self, end_ns: int) -> None:
+        """The real end came from the trainer, not the wire: freeze ``grace`` after it (at once if that passed)."""
+        self.freeze_at_ns = end_ns + self._grace_ns
 
     def arm_at_grant(self, deadline_ns: int, now_ns: int) -> None:
         """A grant until ``deadline_ns``: freeze ``grace`` after it, unless an earlier freeze is still due."""

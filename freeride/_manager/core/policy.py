@@ -61,6 +61,9 @@ class SchedulingPolicy(Protocol):
                      now_ns: int, out: list) -> None:
         """The open bubble ended at ``end_ns`` (``measured``: the trainer's end; else lost) while ``task`` held it."""
 
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
+        """The manager read ``bubble``'s real end (``end_ns``) from the trainer itself while its worker runs."""
+
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
         """Who of the parked and frozen ``tasks`` gets the bubble, ``granted`` the tasks it was granted to
@@ -101,7 +104,17 @@ class FreeridePolicy:
         if task.state == TaskState.RUNNING:
             out.append(Park(task.task_id, task.grant_id, bubble.end_received_ns if measured else 0,
                             end_ns if measured else 0))
-            core.overruns.arm_at_end(end_ns, now_ns)
+            if not bubble.seen_end_ns:  # else the freeze is armed at the end the trainer gave: keep it
+                core.overruns.arm_at_end(end_ns, now_ns)
+
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
+        # The end the worker reads on the trainer's board, reached the manager without the wire: nothing more
+        # is granted in this bubble, and a step still running at end + grace is frozen then (at once when
+        # that has passed), not grace after a wire trip.
+        if bubble.seen_end_ns:
+            return
+        core.bubbles.saw_end(bubble, end_ns)
+        core.overruns.arm_at_seen_end(end_ns)
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
@@ -158,6 +171,9 @@ class ReferencePolicy:
     def bubble_ended(self, core: Scheduling, bubble: OpenBubble, task: TaskRuntime, end_ns: int, measured: bool,
                      now_ns: int, out: list) -> None:
         pass  # the reference never sees real ends: its poll parks at the predicted one
+
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
+        pass  # the reference never sees real ends (its grants do not follow them: no end is published)
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:

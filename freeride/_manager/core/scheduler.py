@@ -54,6 +54,7 @@ from freeride._manager.core.api import (
     TaskAdded,
     TaskMemorySampled,
     Tick,
+    TrainerEndSeen,
     WorkerCheckpointed,
     WorkerExited,
     WorkerFailed,
@@ -206,6 +207,15 @@ class SchedulerCore:
         bubble.end_ns = e.end_ns
         bubble.end_received_ns = event.received_ns
         self._end_bubble(bubble, e.end_ns, now_ns, out, measured=True)
+
+    def _on_trainer_end_seen(self, event: TrainerEndSeen, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or task.grant_id != event.grant_id or task.state != _RUNNING:
+            return  # the grant is over already (parked, frozen, failed): nothing runs past this end
+        bubble = self.bubbles.held_by(task.task_id)
+        if bubble is None or not bubble.event.start_ns <= event.end_ns <= now_ns:
+            return
+        self.policy.end_seen(self, bubble, event.end_ns, now_ns)
 
     def _end_bubble(self, bubble: OpenBubble, end_ns: int, now_ns: int, out: list[Action], measured: bool) -> None:
         self.stats.bubble_ns += self.bubbles.measure_end(bubble, end_ns, measured)
@@ -532,6 +542,7 @@ _Handler = Callable[[SchedulerCore, Any, int, list[Action]], None]
 _HANDLERS: dict[type, _Handler] = {
     BubbleStarted: SchedulerCore._on_bubble_started,
     BubbleEnded: SchedulerCore._on_bubble_ended,
+    TrainerEndSeen: SchedulerCore._on_trainer_end_seen,
     TaskAdded: SchedulerCore._on_task_added,
     CancelRequested: SchedulerCore._on_cancel_requested,
     DrainRequested: SchedulerCore._on_drain_requested,
