@@ -27,6 +27,7 @@ from freeride._manager.core import (
     TaskAdded,
     TaskMemorySampled,
     Tick,
+    TrainerEndSeen,
     WorkerCheckpointed,
     WorkerExited,
     WorkerFailed,
@@ -203,6 +204,8 @@ EVENTS: dict[str, Callable[[Sim], Event]] = {
     "an older bubble starts": lambda sim: BubbleStarted(BubbleStart(0, 0, 1, 0, "fwd", 0, MS, -1), sim.now),
     "the open bubble ends": lambda sim: BubbleEnded(BubbleEnd(*_open_or_new(sim).key, sim.now), sim.now),
     "an unknown bubble ends": lambda sim: BubbleEnded(BubbleEnd(9, 9, 9, 9, sim.now), sim.now),
+    "the trainer's end of its grant": lambda sim: TrainerEndSeen("a", sim.core.tasks["a"].grant_id
+                                                                 if "a" in sim.core.tasks else 1, sim.now),
     "a submission with its id": lambda sim: TaskAdded("a", TaskSpec(target="m:C", memory_bytes=MiB), 99),
     "a new submission": lambda sim: TaskAdded("new", TaskSpec(target="m:C", memory_bytes=MiB), 99),
     "cancel": lambda sim: CancelRequested("a"),

@@ -44,6 +44,7 @@ from freeride._manager.core import (
     TaskAdded,
     TaskMemorySampled,
     Tick,
+    TrainerEndSeen,
     WorkerCheckpointed,
     WorkerExited,
     WorkerFailed,
@@ -278,6 +279,14 @@ class CoreMachine(RuleBasedStateMachine):
     def the_holder_parks(self, steps: int, step_ms: float, saw_end: bool, after_ms: float) -> None:
         self.now += int(after_ms * MS)
         self.parked(self.holder(), steps, step_ms, False, "deadline", saw_end, 0)
+
+    @precondition(lambda self: bool(self.holder()))
+    @rule(lag_ms=st.sampled_from([0, 0.05, 1]), stale=st.booleans())
+    def the_trainer_ends_the_holders_bubble_by_its_wake(self, lag_ms: float, stale: bool) -> None:
+        task = self.core.tasks[self.holder()]
+        end_ns = self.now
+        self.now += int(lag_ms * MS)
+        self.send(TrainerEndSeen(task.task_id, task.grant_id - int(stale), end_ns))
 
     @precondition(lambda self: self.core.count_in(TaskState.FROZEN) > 0)
     @rule(data=st.data(), steps_done=st.integers(0, 2))

@@ -20,7 +20,7 @@ def test_the_end_of_the_published_grants_bubble_sets_its_word_and_is_timed(tmp_p
     clock = iter([10_500])
     path = EndPath(lambda: next(clock))
     board = WorkerBoard.create(tmp_path / "board")
-    path.granted(7, KEY, start_ns=1_000, board=board)
+    path.granted("t", 7, KEY, start_ns=1_000, board=board)
     path.trainer_events([BubbleStart(*KEY, "k", 1_000, 5, -1), end()], received_ns=10_000)
     assert (board.ended_grant(), board.ended_at_ns()) == (7, 2_000)
     assert path.end_to_worker_ms().count == 1
@@ -29,7 +29,7 @@ def test_the_end_of_the_published_grants_bubble_sets_its_word_and_is_timed(tmp_p
 def test_other_bubbles_ends_before_its_start_and_reported_grants_set_nothing(tmp_path: Path) -> None:
     path = EndPath(lambda: 0)
     board = WorkerBoard.create(tmp_path / "board")
-    path.granted(7, KEY, start_ns=1_000, board=board)
+    path.granted("t", 7, KEY, start_ns=1_000, board=board)
     path.trainer_events([end((1, 0, 6, 2)), end(end_ns=999)], received_ns=0)
     assert board.ended_grant() < 7
     path.reported(7)  # the worker parked and said so: the bubble is no longer held
@@ -39,7 +39,7 @@ def test_other_bubbles_ends_before_its_start_and_reported_grants_set_nothing(tmp
 
 def test_a_grant_without_a_board_is_not_published_and_the_cores_park_sets_the_word_again(tmp_path: Path) -> None:
     path = EndPath(lambda: 500)
-    path.granted(3, KEY, start_ns=0, board=None)
+    path.granted("t", 3, KEY, start_ns=0, board=None)
     path.trainer_events([end()], received_ns=0)  # nothing published: nothing to do, nothing raised
     board = WorkerBoard.create(tmp_path / "board")
     path.parked(board, 3, end_ns=400, end_received_ns=100)

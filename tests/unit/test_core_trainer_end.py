@@ -1,0 +1,115 @@
+"""A bubble's end read from the trainer itself (``TrainerEndSeen``, the end wake beside the end board): the
+freeze of a step still running counts its grace from that end, not from the end event's arrival."""
+
+from __future__ import annotations
+
+from core_sim import MS, S, Sim, non_state, of, paper_sim
+
+from freeride._manager.core import Freeze, Grant, Park, TrainerEndSeen
+from freeride._manager.core.machines import BubblePhase
+
+
+def _running(sim: Sim, predicted_ms: float = 50) -> Grant:
+    sim.resident("a")
+    grant = of(sim.start(predicted_ms=predicted_ms), Grant)[0]
+    assert sim.state("a") == S.RUNNING
+    return grant
+
+
+def test_a_step_running_at_the_trainers_end_is_frozen_grace_after_it_before_the_end_event_comes() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim)
+    sim.advance_ms(20)
+    end_ns = sim.now
+    sim.advance_ms(0.05)  # the wake reaches the loop
+    assert sim.send(TrainerEndSeen("a", grant.grant_id, end_ns)) == []
+    assert sim.core.next_timer_ns() == end_ns + MS // 2
+    assert sim.core.bubbles.open is not None and sim.core.bubbles.open.phase is BubblePhase.SEEN_ENDED
+    sim.at(end_ns + MS // 2)
+    assert non_state(sim.tick()) == [Freeze("a")]
+    assert sim.state("a") == S.FROZEN
+    assert sim.core.stats.overrun_ms[-1] == 0.5  # measured from the real end
+    # The end event, arriving after the freeze, is measured like any other (the bubble stayed open for it).
+    sim.advance_ms(1)
+    assert non_state(sim.end(end_ns=end_ns)) == []
+    assert sim.core.stats.bubble_ns == 20 * MS
+    assert sim.core.bubbles.open is None
+
+
+def test_the_end_event_arriving_before_the_freeze_keeps_the_freeze_at_the_trainers_end() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim)
+    sim.advance_ms(20)
+    end_ns = sim.now
+    sim.send(TrainerEndSeen("a", grant.grant_id, end_ns))
+    sim.advance_ms(0.3)  # the wire: its grace would count from here
+    assert of(sim.end(end_ns=end_ns), Park) == [Park("a", grant.grant_id, sim.now, end_ns)]
+    assert sim.core.next_timer_ns() == end_ns + MS // 2
+
+
+def test_a_wake_the_loop_read_late_freezes_at_once() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim)
+    sim.advance_ms(20)
+    end_ns = sim.now
+    sim.advance_ms(2)  # the loop was busy: end + grace has passed
+    assert non_state(sim.send(TrainerEndSeen("a", grant.grant_id, end_ns))) == [Freeze("a")]
+
+
+def test_a_worker_that_parks_first_is_not_frozen() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim)
+    sim.advance_ms(20)
+    end_ns = sim.now
+    sim.send(TrainerEndSeen("a", grant.grant_id, end_ns))
+    sim.advance_ms(0.1)
+    sim.parked("a", [5.0, 5.0], reason="ended", last_end_ns=end_ns - 1)
+    assert sim.state("a") == S.PARKED
+    assert sim.core.next_timer_ns() is None
+    sim.at(end_ns + MS)
+    assert of(sim.tick(), Freeze) == []
+
+
+def test_stale_and_foreign_ends_change_nothing() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim)
+    sim.advance_ms(20)
+    timer = sim.core.next_timer_ns()
+    start_ns = sim.open.start_ns if sim.open else 0
+    for event in (TrainerEndSeen("a", grant.grant_id - 1, sim.now),  # an older grant's
+                  TrainerEndSeen("b", grant.grant_id, sim.now),  # no such task
+                  TrainerEndSeen("a", grant.grant_id, start_ns - 1),  # before its bubble began
+                  TrainerEndSeen("a", grant.grant_id, sim.now + MS)):  # in the future
+        assert sim.send(event) == []
+    assert sim.core.next_timer_ns() == timer
+    assert sim.core.bubbles.open is not None and sim.core.bubbles.open.phase is BubblePhase.OPEN
+
+
+def test_an_end_for_a_worker_that_died_while_armed_is_ignored() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim)
+    sim.advance_ms(5)
+    sim.exited("a", exit_code=None, sig=9)
+    assert sim.state("a") == S.FAILED
+    assert sim.send(TrainerEndSeen("a", grant.grant_id, sim.now)) == []
+
+
+def test_without_the_trainers_end_the_freeze_stays_at_the_predicted_end() -> None:
+    sim = Sim(grace_ns=MS // 2)
+    _running(sim, predicted_ms=10)
+    assert sim.core.next_timer_ns() == sim.open.predicted_end_ns + MS // 2 if sim.open else False
+    sim.advance_ms(10.5)
+    assert non_state(sim.tick()) == [Freeze("a")]
+
+
+def test_the_reference_policy_ignores_the_trainers_end() -> None:
+    sim = paper_sim()  # "a" resident
+    sim.tick()
+    sim.start(predicted_ms=50)
+    sim.advance_ms(10)
+    sim.tick()  # its poll grants
+    task = sim.core.tasks["a"]
+    assert task.state == S.RUNNING
+    sim.advance_ms(5)
+    assert sim.send(TrainerEndSeen("a", task.grant_id, sim.now - MS)) == []
+    assert sim.core.bubbles.open is not None and sim.core.bubbles.open.phase is BubblePhase.OPEN
