@@ -295,3 +295,43 @@ def test_an_end_is_on_the_managers_end_board_before_it_is_queued(tmp_path: Path)
         assert board.ended_ns(5, start) == start + 700
     finally:
         reporter.close()
+
+
+def test_an_end_wakes_the_manager_right_after_the_board_and_a_dead_manager_costs_nothing(tmp_path: Path) -> None:
+    # Issue 23: the manager freezes a step still running at the trainer's end + grace; it learns of the end
+    # from this wake, not from the wire. A manager gone (its wake socket closed) must cost training nothing.
+    from freeride._boards import EndBoard, EndWake, end_board_path, end_wake_path
+
+    endpoint = Endpoint("unix", str(tmp_path / "m.sock"))
+    EndBoard.create(end_board_path(endpoint.address))
+    wake = EndWake(end_wake_path(endpoint.address))
+    reporter = BubbleReporter("cpu:0", stage=1, rank=5, endpoint=endpoint, backoff_initial_s=0.01)
+    try:
+        wait_for(lambda: reporter._end_wake is not None, 5, what="the reporter to open the end wake")
+        start = now_ns()
+        reporter.bubble_start(3, 2, "drain", predicted_ns=MS, start_ns=start)
+        assert wake.read() == []
+        reporter.bubble_end(3, 2, end_ns=start + 700)
+        assert wake.read() == [(5, start, start + 700)]
+        wake.close()
+        reporter.bubble_start(4, 2, "drain", predicted_ns=MS, start_ns=start + 800)
+        reporter.bubble_end(4, 2, end_ns=start + 900)  # nobody listens: dropped, never raised
+        assert reporter._end_wake is not None and reporter._end_wake.dropped >= 1
+    finally:
+        reporter.close()
+
+
+def test_over_tcp_a_message_ends_right_after_an_end() -> None:
+    # No board over TCP: the wire is an end's only path, so it is never held behind events queued after it.
+    import threading
+
+    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint="127.0.0.1:1", start=False)
+    for it in range(3):
+        reporter.bubble_start(it, 0, "fwd", predicted_ns=MS, start_ns=10 + it)
+        reporter.bubble_end(it, 0, end_ns=11 + it)
+    alive = threading.Event()
+    alive.set()
+    batches = reporter._batches(alive)
+    sizes = [len(next(batches)) for _ in range(3)]
+    alive.clear()
+    assert sizes == [2, 2, 2]
