@@ -8,6 +8,7 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
 * ``bubble_start``: ``stage, rank, iteration, slot, kind, start_ns, predicted_ns, received_ns`` (and
   ``learned: true`` for a learned slot: a recurring wait the trainer's schedule model does not list)
 * ``bubble_end``: ``stage, rank, iteration, slot, end_ns, received_ns``
+* ``end_seen``: ``task, grant, end_ns, at_ns``: the trainer's end of that grant's bubble, from its end wake
 * ``grant``: ``task, grant, deadline_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
 * ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)
 * ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are
@@ -104,6 +105,8 @@ class LoopTrace:
             e = event.bubble
             write("bubble_end", stage=e.stage, rank=e.rank, iteration=e.iteration, slot=e.slot, end_ns=e.end_ns,
                   received_ns=event.received_ns)
+        elif isinstance(event, C.TrainerEndSeen):
+            write("end_seen", task=event.task_id, grant=event.grant_id, end_ns=event.end_ns, at_ns=self.now_ns())
         elif isinstance(event, C.LayoutChanged):
             lay = event.layout
             write("layout", schedule=lay.schedule, stages=lay.stages, microbatches=lay.microbatches,
