@@ -103,10 +103,16 @@ def replay(reporter: BubbleReporter, pattern: list[tuple[float, int, float]], it
 
 
 def stop_figures(records: list[dict[str, Any]], grace_ms: float) -> dict[str, Any]:
-    """From a manager's trace: when each step running at a real end stopped, steps begun after real ends."""
+    """From a manager's trace: when each step running at a real end stopped, steps begun after real ends.
+
+    A step's span in the trace is its start plus its *running* time (a frozen step's frozen time is left
+    out), so a frozen step is found another way: it is reported under the grant that thawed it, with a start
+    before that grant. Such a step stopped at the first freeze after it began; any other at its end.
+    """
     bubbles: list[tuple[int, int, int]] = []  # start, real end, predicted end
     open_start: dict[tuple[Any, ...], tuple[int, int]] = {}
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, bool]] = []  # start, end, carried over a freeze into a later grant
+    grant_at: dict[int, int] = {}
     freezes: list[int] = []
     wake_ms: list[float] = []
     for r in records:
@@ -116,8 +122,11 @@ def stop_figures(records: list[dict[str, Any]], grace_ms: float) -> dict[str, An
         elif r["ev"] == "bubble_end" and key in open_start:
             start, predicted_end = open_start.pop(key)
             bubbles.append((start, int(r["end_ns"]), predicted_end))
+        elif r["ev"] == "grant":
+            grant_at[int(r["grant"])] = int(r["at_ns"])
         elif r["ev"] == "steps":
-            spans += [(int(a), int(b)) for a, b in r["spans"]]
+            at = grant_at.get(int(r["grant"]), 0)
+            spans += [(int(a), int(b), int(a) < at) for a, b in r["spans"]]
         elif r["ev"] == "freeze":
             freezes.append(int(r["at_ns"]))
         elif r["ev"] == "end_seen":
@@ -127,7 +136,7 @@ def stop_figures(records: list[dict[str, Any]], grace_ms: float) -> dict[str, An
     freezes.sort()
     starts = [b[0] for b in bubbles]
     late = 0
-    for s, _ in spans:
+    for s, _, _ in spans:
         i = bisect.bisect_right(starts, s) - 1
         if i >= 0 and s > bubbles[i][1]:
             late += 1
@@ -135,16 +144,19 @@ def stop_figures(records: list[dict[str, Any]], grace_ms: float) -> dict[str, An
     stopped_all: list[float] = []
     frozen = 0
     for start, end, predicted_end in bubbles:
-        running = [(s, e) for s, e in spans[bisect.bisect_left(spans, (start, 0)):] if s <= end < e and s >= start]
+        first = bisect.bisect_left(spans, (start, 0, False))
+        running = [(s, e, carried) for s, e, carried in spans[first:bisect.bisect_right(spans, (end, 2**63, True))]
+                   if carried or e > end]
         if not running:
             continue
-        s, e = running[0]
-        j = bisect.bisect_left(freezes, end)
+        s, e, carried = running[-1]
         stop = e
-        if j < len(freezes) and freezes[j] < e:
-            stop = freezes[j]
-            frozen += 1
-        after = (stop - end) / MS
+        if carried:  # frozen: at the first freeze after it began (before its end, when the end came late)
+            j = bisect.bisect_left(freezes, s)
+            if j < len(freezes):
+                stop = freezes[j]
+                frozen += 1
+        after = max(0, stop - end) / MS
         stopped_all.append(after)
         if end < predicted_end:
             stopped_early.append(after)

@@ -5,6 +5,8 @@ has seen the freeze, so the order of events, not a timing, says which end froze 
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,3 +75,38 @@ def test_a_long_step_running_at_an_early_end_is_frozen_by_the_trainers_end_befor
              what="the trace to carry the second end")
     order = [r["ev"] for r in read_trace(trace) if r["ev"] in ("freeze", "bubble_end")]
     assert order[:2] == ["freeze", "bubble_end"], order
+
+
+def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_manager_serves_on(
+    harness: ManagerHarness,
+) -> None:
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
+    harness.wait_state(task.task_id, "PARKED")
+    wire = HeldWire(harness.manager.loop.post_bubbles)
+    harness.manager.loop.post_bubbles = wire  # type: ignore[method-assign]
+    reporter = BubbleReporter(str(harness.manager.device), stage=0, rank=0, endpoint=harness.endpoint,
+                              backoff_initial_s=0.01)
+    try:
+        wait_for(lambda: reporter.counters().connected and reporter._end_wake is not None, 10,
+                 what="the reporter to connect and open the end wake")
+        reporter.bubble_start(0, 0, "test", predicted_ns=60_000 * MS)
+        board = harness.manager.loop.task_dir(task.task_id) / "board"
+        wait_for(lambda: read_step(board) >= 0, 30, what="the worker to begin a step")
+        info = harness.client.get(task.task_id)
+        assert info.pid
+        os.kill(info.pid, signal.SIGKILL)
+        reporter.bubble_end(0, 0)  # its wake comes for a grant whose worker is dying or gone
+        failed = harness.wait_state(task.task_id, "FAILED", timeout_s=20)
+        assert failed.failure is not None and failed.failure.kind == "SIGNAL"
+        wire.release.set()
+        wait_for(lambda: harness.client.stats().bubble_time_s > 0, 10, what="the end to be measured")
+        other = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+        harness.wait_state(other.task_id, "PARKED")
+        reporter.bubble_start(1, 0, "test", predicted_ns=200 * MS)
+        harness.wait_state(other.task_id, "RUNNING", timeout_s=20)
+        reporter.bubble_end(1, 0)
+        harness.wait_state(other.task_id, "PARKED", "FROZEN", timeout_s=20)  # frozen if a step ran at the end
+        assert harness.client.stats().events_rejected == 0
+    finally:
+        wire.release.set()
+        reporter.close()
