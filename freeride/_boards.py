@@ -22,7 +22,8 @@ memory access, no system call:
   each step and stops at once: the end reaches it in about a microsecond instead of the ~0.3 ms (p99
   ~0.6 ms, more under load) that the reporter, gRPC and the manager's loop take. The manager still
   learns every end over the wire (statistics, parks); the board only lets a worker stop before the
-  manager knows, and the end wake below lets the manager freeze a running step on time. The reference policy's emulation never reads it (it ignores real ends).
+  manager knows, and the end wake below lets the manager freeze a running step on time. The
+  reference policy's emulation never reads it (it ignores real ends).
   A trainer that is another user, or on another host, reaches the manager over TCP and has no board:
   its ends travel over the wire only.
 
