@@ -7,6 +7,7 @@ import re
 import sys
 import traceback
 
+from freeride._extras import require
 from freeride.errors import TaskLoadError
 from freeride.task import SideTask
 
@@ -44,8 +45,11 @@ def load_task_class(target: str, search_path: str = "") -> type[SideTask]:
         # Unknown only if the missing module is the one named (or a parent package of it); a
         # module that exists but imports something missing is a failed import, not an unknown one.
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise TaskLoadError(f"unknown module {module_name!r} in {target!r}") from None
-        raise TaskLoadError(f"module {module_name!r} failed to import: {exc}") from None
+            where = _where_searched(module_name, search_path)
+            raise TaskLoadError(f"unknown module {module_name!r} in {target!r}: {where}") from None
+        if module_name.split(".")[0] == "side_tasks" and exc.name:
+            require("tasks", f"the bundled task {target}")
+        raise TaskLoadError(f"module {module_name!r} failed to import: {exc} (install it here)") from None
     except (Exception, SystemExit, KeyboardInterrupt) as exc:
         # SystemExit and KeyboardInterrupt too: a module that calls sys.exit() at import must not end
         # the importing process (the CLI exited with the module's code and said nothing; a worker
@@ -61,3 +65,12 @@ def load_task_class(target: str, search_path: str = "") -> type[SideTask]:
     if not (isinstance(cls, type) and issubclass(cls, SideTask)):
         raise TaskLoadError(f"{target} is not a subclass of freeride.SideTask")
     return cls
+
+
+def _where_searched(module_name: str, search_path: str) -> str:
+    """Where a module was looked for, for the "unknown module" message: the directory searched first,
+    then the installed packages."""
+    file = module_name.replace(".", "/") + ".py"
+    if search_path:
+        return f"no {file} in {search_path} (searched first) nor on the Python path"
+    return f"no {file} on the Python path"

@@ -23,6 +23,9 @@ whether the caller can do something about it:
 * :class:`FrameworkNotInstalled` -- a trainer-side adapter (``freeride.training.deepspeed``,
   ``freeride.training.megatron``) was called where its framework is missing; install the extra the
   message names.
+* :class:`MissingExtra` -- a kind of :class:`ConfigError`: what was asked for needs an optional part
+  of freeride that is not installed (the bundled tasks, the demo, the bench, the cluster queue); the
+  message names the extra to install. Commands exit 2.
 
 gRPC status codes are mapped to this tree in exactly one place, ``freeride._wire.client.map_rpc_errors``;
 Redis errors in one other, ``freeride._cluster.redis_queue.redis_errors``.
@@ -77,6 +80,10 @@ class DrainIncomplete(FreerideError):
 class FrameworkNotInstalled(FreerideError, ImportError):
     """A framework adapter (``freeride.training.deepspeed``, ...) was called where its framework is not
     installed; the message names the extra to install."""
+
+
+class MissingExtra(ConfigError):
+    """An optional dependency is not installed; the message says which ``freeride[extra]`` brings it."""
 
 
 class TaskLoadError(ConfigError):

@@ -56,6 +56,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from freeride._extras import require
+
 __all__ = [
     "PRICE_RATIOS",
     "PRICE_RATIO_TEXT",
@@ -266,6 +268,7 @@ def t_quantile(confidence: float, dof: int) -> float:
     _check_confidence(confidence)
     if dof < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    require("bench", "freeride.measure's t intervals", ["scipy"])
     from scipy import stats
 
     return float(stats.t.ppf((1.0 + confidence) / 2.0, dof))
@@ -299,6 +302,7 @@ def bootstrap_interval(values: Iterable[float], confidence: float = 0.95, resamp
         return Interval(mean, -math.inf, math.inf, 1, confidence, "bootstrap")
     if max(xs) == min(xs):
         return Interval(mean, mean, mean, n, confidence, "bootstrap")
+    require("bench", "freeride.measure's bootstrap intervals", ["numpy", "scipy"])
     import numpy as np
     from scipy import stats
 

@@ -49,6 +49,17 @@ def start_daemon(sock: Path, state: Path, *options: str, device: str = DEVICE) -
     return proc
 
 
+def stop_daemon(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Stop a manager from :func:`start_daemon` as a service manager would: SIGTERM (a drain), then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def socket_path(name: str) -> Path:
     """A short unix socket path (the 108-byte limit rules out pytest's temporary directories)."""
     return Path(f"/tmp/fr-{name}-{os.getpid()}.sock")

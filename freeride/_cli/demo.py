@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride._demo.plan import DEVICE_CHOICES, FULL_ITERATIONS, QUICK_ITERATIONS, DemoConfig
+from freeride._extras import require
 
 
 def register(subparsers: Any) -> None:
@@ -49,6 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("demo", "freeride demo")
     from freeride._demo.processes import DemoInterrupted
     from freeride._demo.run import run_demo, summary_json
     from freeride._demo.summary import render_summary

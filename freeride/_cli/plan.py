@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from freeride._extras import require
 from freeride.errors import ConfigError
 from freeride.training.memory import (
     OPTIMIZER_STATES,
@@ -246,6 +247,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number, got {value}")
     if args.plot and not args.sweep:
         raise ConfigError("--plot draws the frontier of a sweep: add --sweep")
+    if args.plot:
+        require("demo", "freeride plan --plot", ["matplotlib"])  # before the sweep, not after it
     return PlanInputs(
         stages=args.stages,
         costs=Costs(args.t_forward, args.t_backward, args.t_weight, args.t_step),

@@ -22,10 +22,7 @@ section "Many nodes: the cluster queue".
 
 
 def require_client() -> None:
-    """Raise :class:`~freeride.errors.ConfigError` if the Redis client (the ``cluster`` extra) is missing."""
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        from freeride.errors import ConfigError
+    """Raise :class:`~freeride.errors.MissingExtra` if the Redis client (the ``cluster`` extra) is missing."""
+    from freeride._extras import require
 
-        raise ConfigError("the cluster queue needs the redis client: pip install 'freeride[cluster]'") from None
+    require("cluster", "the cluster queue (--queue)")

@@ -1,0 +1,60 @@
+"""The optional parts of freeride, and the one-line error when one is missing.
+
+``pip install freeride`` is the core: the manager, the CLI, the client and the trainer's reporter,
+with only what they import (grpcio, protobuf, psutil, nvidia-ml-py, prometheus-client). Everything
+heavier is an extra, declared in ``pyproject.toml`` and named here so that a command which needs one
+says which, in one line, instead of failing on an import deep inside:
+
+* ``tasks``: the bundled side tasks (``side_tasks.*``): torch, NumPy, SciPy, Pillow.
+* ``demo``: ``freeride demo`` (the reference workload, the bundled tasks, the figures): ``tasks``
+  plus matplotlib. ``freeride plan --plot`` needs matplotlib too.
+* ``bench``: the benchmarks and :mod:`freeride.measure`'s intervals: ``demo`` (SciPy's statistics
+  come with ``tasks``).
+* ``cluster``: the cluster queue (``--queue``): the redis client.
+* ``cuda12`` / ``cuda13``: CuPy for the bundled tasks' array backend on NVIDIA GPUs.
+
+A side task that uses torch imports it in its own worker process, which runs the manager's Python:
+torch must be installed where the manager runs, but the manager itself never imports it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+from freeride.errors import MissingExtra
+
+#: Top-level modules each extra brings (import names, not distribution names: ``PIL`` is Pillow).
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "tasks": ("torch", "numpy", "scipy", "PIL"),
+    "demo": ("torch", "numpy", "scipy", "PIL", "matplotlib"),
+    "bench": ("torch", "numpy", "scipy", "PIL", "matplotlib"),
+    "cluster": ("redis",),
+    "cuda12": ("cupy",),
+    "cuda13": ("cupy",),
+}
+
+def installed(module: str) -> bool:
+    """Whether a top-level module can be imported here, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken parent package, or a module whose spec is unset
+        return False
+
+
+def missing(extra: str, modules: Sequence[str] | None = None) -> list[str]:
+    """The modules of ``extra`` (or just ``modules`` of it) that are not installed here."""
+    return [m for m in (EXTRA_MODULES[extra] if modules is None else modules) if not installed(m)]
+
+
+def require(extra: str, what: str, modules: Sequence[str] | None = None) -> None:
+    """Raise :class:`MissingExtra` unless ``what`` (e.g. ``"freeride demo"``) can import what ``extra`` brings.
+
+    ``modules`` narrows the check to the ones ``what`` needs (``freeride plan --plot``: matplotlib).
+    """
+    absent = missing(extra, modules)
+    if absent:
+        names = ", ".join("Pillow" if m == "PIL" else m for m in absent)
+        raise MissingExtra(f"{what} needs {names}, not installed in this environment: "
+                           f"pip install 'freeride[{extra}]'")
+
