@@ -1,14 +1,17 @@
-"""Resolving ``module:Class`` references to side-task classes, with one-line errors."""
+"""Resolving ``module:Class`` references to side-task classes and building tasks, with one-line errors."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import re
 import sys
 import traceback
+from typing import Any
 
 from freeride._extras import require
-from freeride.errors import TaskLoadError
+from freeride.errors import ConfigError, TaskLoadError
 from freeride.task import SideTask
 
 _TARGET_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -74,3 +77,61 @@ def _where_searched(module_name: str, search_path: str) -> str:
     if search_path:
         return f"no {file} in {search_path} (searched first) nor on the Python path"
     return f"no {file} on the Python path"
+
+
+def construct_task(cls: type[SideTask], target: str, args: dict[str, Any]) -> SideTask:
+    """``cls(**args)``, with every way it can fail as one :class:`ConfigError` line.
+
+    Arguments that do not fit the constructor's signature are each named (a misspelt one with the
+    closest parameter), with what it takes; a constructor that refuses its values (a missing input
+    file, a value out of range: the writing guide asks constructors to check them) is quoted as
+    ``Type: message``. ``freeride submit`` (which drops the object: constructors are cheap) and
+    ``freeride run-task`` word these the same.
+    """
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # not introspectable (a C extension): the call itself will tell
+        signature = None
+    if signature is not None:
+        problems = _argument_problems(signature, args)
+        if problems:
+            takes = ", ".join(name for name, p in signature.parameters.items()
+                              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
+            raise ConfigError(f"arguments do not fit {target}: {'; '.join(problems)} (it takes: {takes})")
+    try:
+        return cls(**args)
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
+        raise ConfigError(f"{target} refused its arguments: {describe_error(exc)}") from None
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of an exception from task code, whose ``str()`` may itself raise."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - task code: its __str__ is as untrusted as the rest
+        text = "<unprintable>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _argument_problems(signature: inspect.Signature, args: dict[str, Any]) -> list[str]:
+    """Every argument that does not fit, each named (with a close match for a misspelt one)."""
+    params = signature.parameters
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY]
+    problems = []
+    for name in positional:
+        if params[name].default is params[name].empty:
+            problems.append(f"parameter {name!r} is positional-only, and a task is built with keyword arguments: "
+                            "this class cannot be submitted as it is")
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        for key in args:
+            if key in positional:
+                problems.append(f"{key!r} is positional-only (a task is built with keyword arguments)")
+            elif key not in named:
+                close = difflib.get_close_matches(key, named, n=1)
+                problems.append(f"unknown argument {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    for name in named:
+        p = params[name]
+        if p.default is p.empty and name not in args:
+            problems.append(f"missing required argument {name!r}")
+    return problems

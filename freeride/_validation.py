@@ -19,6 +19,7 @@ from typing import Any
 from freeride._loading import check_target_syntax
 from freeride.errors import ConfigError, RequestRejected
 from freeride.messages import TaskSpec
+from freeride.units import format_size
 
 #: Limits on what a submission may carry. The worker receives the task's arguments, command and
 #: working directory in one message over a channel that holds at most 64 KiB
@@ -30,6 +31,11 @@ MAX_COMMAND_ARGS = 1024
 MAX_COMMAND_BYTES = 16 * 1024
 MAX_WORKING_DIR_BYTES = 4096
 MAX_PRIORITY = 1_000_000
+#: The smallest memory cap a task can run in. On a CPU core a cap covers what ``setup`` and the steps
+#: add to the worker's resident set, which grows by pages and by allocator arenas (CPython's are 1 MiB):
+#: under 1 MiB a task fails with MEMORY_LIMIT at its first allocation. On a GPU a cap also covers the
+#: CUDA context, hundreds of MiB, which the manager checks once a worker has measured it there.
+MIN_MEMORY_BYTES = 2**20
 #: Longest echo of a client's value in an error message: details travel in gRPC trailers, which a
 #: client refuses beyond 16 KiB, so echoing a 4 MiB value would hide the error behind another one.
 _ECHO_CHARS = 80
@@ -194,8 +200,10 @@ def _validate(msg: Submission) -> TaskSpec:
         check_target_syntax(target)
     _check_command(command)
     args = parse_args_json(msg.args_json)
-    if msg.memory_bytes <= 0:
-        raise RequestRejected(f"memory must be a positive number of bytes, got {msg.memory_bytes}")
+    if msg.memory_bytes < MIN_MEMORY_BYTES:
+        raise RequestRejected(f"memory {format_size(msg.memory_bytes) if msg.memory_bytes > 0 else msg.memory_bytes} "
+                              f"is below what a task can run in: at least {format_size(MIN_MEMORY_BYTES)} (a cap "
+                              "covers what the task allocates, e.g. --memory 64MiB)")
     if abs(msg.priority) > MAX_PRIORITY:
         raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {msg.priority}")
     if len(msg.name) > 64 or not msg.name.isprintable():

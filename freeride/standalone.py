@@ -7,7 +7,9 @@ limit, how long is a step (the worker needs steps well under a bubble), how much
 really take.
 
 The run goes through the same contract the worker uses -- ``load_task_class``, construct with
-the JSON arguments, ``setup(TaskContext)``, ``step()`` until ``done()`` -- but with no bubbles:
+the JSON arguments (:func:`freeride._loading.construct_task`, which words a bad argument as
+``freeride submit`` does), ``setup(TaskContext)``, ``step()`` until ``done()`` -- in a process set up
+as a worker's (``prepare_device``: :mod:`freeride._task_process`), but with no bubbles:
 steps run back to back until the task is done or ``seconds`` have passed (the step in flight at
 the deadline is finished, never cut). On CUDA each step is followed by a device synchronize so
 that step times are device times, not launch times, exactly as in a worker.
@@ -39,8 +41,17 @@ from typing import Any
 import psutil
 
 from freeride import measure
-from freeride._loading import check_target_syntax, load_task_class
-from freeride.devices import Device, WorkerDevice, WorkerSetupError, open_device, parse_device_name, worker_device
+from freeride._loading import check_target_syntax, construct_task, load_task_class
+from freeride._task_process import enter_worker_environment, pin_to_core, prepare_process
+from freeride.devices import (
+    Device,
+    DeviceName,
+    WorkerDevice,
+    WorkerSetupError,
+    open_device,
+    parse_device_name,
+    worker_device,
+)
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext
 from freeride.units import format_mib
@@ -48,6 +59,10 @@ from freeride.units import format_mib
 log = logging.getLogger(__name__)
 
 __all__ = ["StandaloneReport", "TaskRunError", "check_target_syntax", "load_task_class", "run_standalone"]
+
+
+#: Other processes' share of a core above which ``freeride run-task`` warns that its figures are slow.
+BUSY_CORE_SHARE = 0.10
 
 
 class MemoryLimitExceeded(Exception):
@@ -84,6 +99,9 @@ class StandaloneReport:
         step_ms_p50, step_ms_p90, step_ms_p99: step-time percentiles (nearest rank), ms.
         peak_memory_bytes: see the module doc; memory_measure says which measure it is.
         memory_limit_bytes: the limit the task was given.
+        core_busy_share: on ``cpu:N`` from ``freeride run-task``, the share of the core that other
+            processes took during the run (:class:`CoreLoad`); None where not measured. Above
+            :data:`BUSY_CORE_SHARE` the step times are longer than an idle core's.
     """
 
     target: str
@@ -103,10 +121,61 @@ class StandaloneReport:
     memory_measure: str
     memory_limit_bytes: int
     args: dict[str, Any] = field(default_factory=dict)
+    core_busy_share: float | None = None
+
+    @property
+    def core_was_busy(self) -> bool:
+        return self.core_busy_share is not None and self.core_busy_share > BUSY_CORE_SHARE
 
     def to_json(self) -> str:
         """The report as one JSON object (keys sorted, stable for diffs)."""
         return json.dumps(asdict(self), sort_keys=True, indent=2, default=str)
+
+
+class CoreLoad:
+    """How much of a CPU core other processes took while this process ran pinned to it.
+
+    From the core's counters in ``/proc/stat`` (time busy, steal included: a VM's core that its host
+    gave to another guest is as lost) less this process's own CPU time, over the wall time. A worker
+    runs at nice 19 and yields the core to anything else on it, so a step measured on a busy core is
+    longer than on the idle core of a GPU host's stage.
+    """
+
+    _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, core: int) -> None:
+        self.core = core
+        self._start = self._sample()
+
+    @classmethod
+    def of(cls, name: DeviceName) -> CoreLoad | None:
+        """The load of ``cpu:N``'s core from now on; None for a GPU, or where ``/proc/stat`` is not readable."""
+        if name.kind != "cpu":
+            return None
+        try:
+            return cls(name.index)
+        except (OSError, ValueError):
+            return None
+
+    def _sample(self) -> tuple[float, float, float]:
+        """(now, the core's busy seconds so far, this process's CPU seconds so far)."""
+        prefix = f"cpu{self.core} "
+        with open("/proc/stat") as fh:
+            line = next((line for line in fh if line.startswith(prefix)), None)
+        if line is None:
+            raise ValueError(f"no {prefix.strip()} in /proc/stat")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = ([int(x) for x in line.split()[1:9]] + [0] * 8)[:8]
+        own = os.times()
+        return time.monotonic(), (user + nice + system + irq + softirq + steal) * self._TICK_S, own.user + own.system
+
+    def others_share(self) -> float:
+        """The share of the core's time since construction that went to other processes (0 to 1)."""
+        now, busy, own = self._sample()
+        start, busy0, own0 = self._start
+        wall = now - start
+        if wall <= 0:
+            return 0.0
+        return min(1.0, max(0.0, ((busy - busy0) - (own - own0)) / wall))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -182,48 +251,56 @@ def run_standalone(
         memory_limit_bytes: the limit passed in ``TaskContext``; default: the task's
             ``estimate_memory(**args)``, else the device's free memory.
         work_dir: the task's work directory; default: a temporary one, removed afterwards.
-        prepare_device: also apply the worker's per-process device setup (core pinning, nice
-            and one thread on CPU; on CUDA this GPU alone, the context and the one cap) to *this*
-            process, so numbers match what a worker sees. Only for processes that exit afterwards
-            (the CLI), and before CUDA was initialised in them.
+        prepare_device: make *this* process a worker's (:mod:`freeride._task_process`): the worker's
+            environment (thread counts; on a GPU, this GPU alone) and its core before the task's
+            module is imported, then its priority (and on a GPU the context and the one cap) before
+            the task is built. Only for processes that exit afterwards (the CLI), in which no thread
+            pool has started yet (nothing imported torch, NumPy or SciPy) and CUDA is not initialised.
         max_steps: stop after this many steps even if time is left.
         search_path: a directory put first on ``sys.path`` before importing (the CLI passes the
             current directory, so a user's own module next to them resolves).
 
     Raises:
         TaskLoadError: bad reference, unknown module or class, not a SideTask.
-        ConfigError: bad device, arguments the class does not take, a configuration that does
-            not fit the memory limit.
+        ConfigError: bad device, arguments the class does not take or values it refuses (worded as
+            ``freeride submit`` words them), a configuration that does not fit the memory limit.
         TaskRunError: the task raised in ``setup`` or ``step``.
     """
     if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
         raise ConfigError(f"seconds must be a positive number, got {seconds!r}")
     if not isinstance(args, dict):
         raise ConfigError(f"task arguments must be a JSON object, got {type(args).__name__}")
+    check_target_syntax(target)
     name = parse_device_name(device)
     dev = open_device(name)
-    cls = load_task_class(target, search_path=search_path)
-    limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, args, dev)
-    if limit <= 0:
-        raise ConfigError(f"memory limit must be positive, got {limit}")
-    if prepare_device:
-        # As a worker: this process sees only its GPU (set before anything can start CUDA here).
-        os.environ.update(dev.worker_env(limit))
-    dev.close()
-    try:
-        task = cls(**args)
-    except TypeError as exc:
-        raise ConfigError(f"bad arguments for {target}: {exc}") from None
     wdev = worker_device(name)
-    if prepare_device:
-        try:
-            wdev.prepare(limit)
-        except WorkerSetupError as exc:
-            raise ConfigError(str(exc)) from None
+    try:
+        if prepare_device:
+            # As a worker, before the task's module is imported: the environment its manager gives it (on
+            # a GPU with a provisional MPS limit until the cap is known), and on cpu:N its one core.
+            enter_worker_environment(dev, memory_limit_bytes or dev.free_memory_bytes())
+            pin_to_core(name)
+        cls = load_task_class(target, search_path=search_path)
+        limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, args, dev)
+        if limit <= 0:
+            raise ConfigError(f"memory limit must be positive, got {limit}")
+        if prepare_device:
+            # Then the rest of a worker's preparation: nice 19, and on a GPU the context and the one cap.
+            # The priority waits for the import: it changes when this process gets its core, not how its
+            # steps run, and a torch import at nice 19 beside a busy loop on the core took four minutes.
+            enter_worker_environment(dev, limit)
+            try:
+                prepare_process(wdev, limit)
+            except WorkerSetupError as exc:
+                raise ConfigError(str(exc)) from None
+    finally:
+        dev.close()
+    task = construct_task(cls, target, args)
     with tempfile.TemporaryDirectory(prefix="freeride-standalone-") as scratch:
         directory = Path(work_dir) if work_dir is not None else Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps)
+        load = CoreLoad.of(name) if prepare_device else None
+        return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps, load)
 
 
 def _run(
@@ -235,6 +312,7 @@ def _run(
     work_dir: Path,
     seconds: float,
     max_steps: int | None,
+    load: CoreLoad | None = None,
 ) -> StandaloneReport:
     ctx = TaskContext(
         device=dev.torch_device,
@@ -297,6 +375,7 @@ def _run(
         memory_measure=probe.measure,
         memory_limit_bytes=limit,
         args=dict(args),
+        core_busy_share=load.others_share() if load is not None else None,
     )
     log.info("standalone %s on %s: %d steps, %.1f %s/s", target, dev.name, report.steps, report.progress_per_s, unit)
     return report

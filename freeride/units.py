@@ -25,21 +25,26 @@ _SIZE_UNITS = {
 }
 
 
-def parse_size(text: str | int) -> int:
-    """Parse ``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count into bytes (> 0)."""
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Parse ``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count into bytes (> 0).
+
+    ``what`` names the value in errors (``"--memory"``).
+    """
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
+        if str(text).strip().startswith("-"):
+            raise ConfigError(f"{what} must be a positive size, got {text!r}")
         match = _SIZE_RE.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _SIZE_UNITS:
             raise ConfigError(
-                f"cannot parse size {text!r}: use a number with an optional unit "
+                f"cannot parse {what} {text!r}: use a number with an optional unit "
                 "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB or 512MB"
             )
         value = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if value <= 0:
-        raise ConfigError(f"size must be positive, got {text!r}")
+        raise ConfigError(f"{what} must be a positive size, got {text!r}")
     return value
 
 

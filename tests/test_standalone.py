@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from conftest import cpu_devices
+from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
 from freeride.cli import main
 from freeride.errors import ConfigError, TaskLoadError
+from freeride.messages import TaskSpec
 from freeride.standalone import StandaloneReport, TaskRunError, load_task_class, percentile, run_standalone
 from freeride.task import SideTask
 
@@ -114,8 +115,9 @@ def test_going_over_the_memory_limit_fails_the_run_as_a_worker_would() -> None:
     assert info.value.phase == "step" and info.value.step >= 3
 
 
-def test_unknown_constructor_argument_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"bad arguments for side_tasks.graphs:PageRank: .*colour"):
+def test_unknown_constructor_argument_is_worded_as_submit_words_it() -> None:
+    with pytest.raises(ConfigError, match=r"arguments do not fit side_tasks.graphs:PageRank: unknown argument "
+                                          r"'colour' \(it takes: graph, damping"):
         run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:4", "colour": 1}, DEVICE, 1.0, None, None)
 
 
@@ -197,7 +199,7 @@ def test_cli_json_output_is_the_report(capsys: pytest.CaptureFixture[str], fake_
         (["pkg.mod:Task", "--arg", "novalue"], "bad --arg 'novalue'"),
         (["pkg.mod:Task", "--args-json", "[1]"], "--args-json must be a JSON object"),
         (["pkg.mod:Task", "--args-json", "{"], "--args-json is not valid JSON"),
-        (["pkg.mod:Task", "--memory", "lots"], "cannot parse size 'lots'"),
+        (["pkg.mod:Task", "--memory", "lots"], "cannot parse --memory 'lots'"),
         (["pkg.mod.Task"], "expected package.module:ClassName"),
     ],
     ids=["arg", "json-type", "json-syntax", "memory", "target"],
@@ -224,4 +226,49 @@ def test_cli_runs_a_real_task_in_a_subprocess(tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert unknown.returncode == 2
-    assert unknown.stderr.strip() == "freeride: error: unknown module 'nowhere_xyz' in 'nowhere_xyz:Task'"
+    assert unknown.stderr.strip() == (f"freeride: error: unknown module 'nowhere_xyz' in 'nowhere_xyz:Task': no "
+                                      f"nowhere_xyz.py in {tmp_path} (searched first) nor on the Python path")
+
+
+def _run_task(*argv: str, cwd: Path = TESTS_DIR, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "freeride.cli", "run-task", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_task_runs_the_task_in_a_process_set_up_as_a_workers(harness: ManagerHarness, tmp_path: Path) -> None:
+    """The regression: run-task imported the task (and torch sized its thread pool, one thread per core)
+    before the worker's thread settings and pinning; a small torch task's steps took 14-65x a worker's."""
+    in_worker, in_run_task = tmp_path / "worker.json", tmp_path / "run-task.json"
+    harness.client.submit(TaskSpec(target="process_probe:ProcessProbe", args={"out": str(in_worker)},
+                                   memory_bytes=64 << 20, working_dir=str(TESTS_DIR)))
+    done = _run_task("process_probe:ProcessProbe", "--arg", f"out={in_run_task}", "--memory", "64MiB",
+                     "--device", harness.manager.device.name.__str__(), "--seconds", "1")
+    assert done.returncode == 0, done.stderr
+    wait_for(in_worker.exists, 120, what="the worker's probe")
+    worker, run_task = json.loads(in_worker.read_text()), json.loads(in_run_task.read_text())
+    assert run_task == worker
+    assert worker["torch_threads"] == 1 and worker["omp_num_threads"] == "1" and worker["nice_when_built"] == 19
+    assert worker["cores"] == [harness.manager.device.name.index]
+
+
+def test_run_task_warns_when_other_processes_take_its_core(tmp_path: Path) -> None:
+    core = int(DEVICE.split(":")[1])
+    spin = (f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nend = time.monotonic() + 600\n"
+            "while time.monotonic() < end:\n    pass\n")
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        done = _run_task("sample_tasks:Counter", "--arg", "step_ms=0.2", "--arg", "log_steps=false",
+                         "--memory", "16MiB", "--device", DEVICE, "--seconds", "1", "--json")
+    finally:
+        busy.kill()
+        busy.wait()
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["core_busy_share"] > 0.5
+    assert "warning: other processes took" in done.stderr and f"of {DEVICE} during the run" in done.stderr
+
+
+def test_run_task_on_a_quiet_report_carries_the_cores_load(tmp_path: Path) -> None:
+    report = run_standalone(f"{__name__}:EndlessTask", {}, DEVICE, 0.2, 1 << 20, None)
+    assert report.core_busy_share is None  # measured only where the run made itself a worker (the CLI)

@@ -4,9 +4,12 @@
     freeride run-task mypkg.tasks:MyTask --args-json '{"size": 4}' --memory 2GiB --json
 
 ``--arg key=value`` values are parsed as JSON when they parse (``--arg n=3`` gives an int,
-``--arg flip=true`` a bool) and are strings otherwise; they override ``--args-json``. The run
-happens in this process, with the worker's device setup applied (core pinning and one thread on
-``cpu:N``, the allocator cap on ``cuda:N``), so the numbers are the ones a worker would see. The
+``--arg flip=true`` a bool) and are strings otherwise, as ``submit`` parses them; they override
+``--args-json``. The run happens in this process, made a worker's before the task's module is
+imported (:mod:`freeride._task_process`: the worker's environment and thread counts, its core and
+nice 19 on ``cpu:N``; on ``cuda:N`` this GPU alone, the context and the one cap), so the numbers are
+the ones a worker would see; on ``cpu:N`` it warns when other processes took more than 10% of the
+core meanwhile (a worker yields to them: its steps are then slower than on an idle core). The
 current directory is searched first for the task's module, so ``freeride run-task
 my_task:MyTask`` works next to ``my_task.py``. The memory limit (``--memory``, else the task's
 estimate) is enforced as in a worker: going over it fails the run. There is no step timeout: a
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from freeride._cli.tasks import parse_task_args
+from freeride._cli.submission import TaskCode, parse_task_args
 from freeride.standalone import StandaloneReport, check_target_syntax, run_standalone
 from freeride.units import format_ms, format_size, parse_size
 
@@ -69,22 +72,32 @@ def render(report: StandaloneReport) -> str:
         f"p99 {format_ms(report.step_ms_p99)}",
         f"peak memory {format_size(report.peak_memory_bytes)} ({memory}; "
         f"limit {format_size(report.memory_limit_bytes)})",
+        *([f"warning     {busy_core_warning(report)}"] if report.core_was_busy else []),
     ])  # fmt: skip
+
+
+def busy_core_warning(report: StandaloneReport) -> str:
+    return (f"other processes took {100 * (report.core_busy_share or 0):.0f}% of {report.device} during the run; "
+            "a worker runs at nice 19 and yields to them, so these step times are longer than on an idle core "
+            "(measure on an idle one, --device cpu:N, to size steps)")
 
 
 def run(args: argparse.Namespace) -> int:
     check_target_syntax(args.target)
     task_args = parse_task_args(args.arg, args.args_json)
-    limit = parse_size(args.memory) if args.memory is not None else None
-    report = run_standalone(
-        args.target,
-        task_args,
-        args.device,
-        args.seconds,
-        limit,
-        Path(args.work_dir) if args.work_dir else None,
-        prepare_device=True,
-        search_path=os.getcwd(),
-    )
+    limit = parse_size(args.memory, "--memory") if args.memory is not None else None
+    with TaskCode():  # the task's prints go to stderr, away from the report (and its JSON)
+        report = run_standalone(
+            args.target,
+            task_args,
+            args.device,
+            args.seconds,
+            limit,
+            Path(args.work_dir) if args.work_dir else None,
+            prepare_device=True,
+            search_path=os.getcwd(),
+        )
+    if args.json and report.core_was_busy:
+        print(f"freeride run-task: warning: {busy_core_warning(report)}", file=sys.stderr)
     print(report.to_json() if args.json else render(report), file=sys.stdout)
     return 0

@@ -15,10 +15,10 @@ Each takes ``--device`` (default cpu:0; picks the default endpoint), ``--endpoin
 ``submit``, ``ls``, ``show`` and ``cancel`` also take ``--queue URL``: they then act on the cluster
 queue instead of one manager (see :mod:`freeride._cli.cluster`).
 
-A submission is checked here before it is sent: the class must load from the current directory,
-the arguments must be a JSON object, and the memory cap must be known (``--memory``, else the
-class's ``estimate_memory(**args)``). ``health`` exits 0 when the manager is ``SERVING`` and 1 for
-any other status.
+A submission is checked before it is sent (:mod:`freeride._cli.submission`: the class loads from
+the current directory, its constructor takes the arguments and their values, the cap is known and
+one a worker can run in). ``health`` exits 0 when the manager is ``SERVING`` and 1 for any other
+status.
 """
 
 from __future__ import annotations
@@ -26,25 +26,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
-import inspect
 import json
 import math
-import os
 import signal
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from freeride._loading import load_task_class
+from freeride._cli.submission import build_spec
 from freeride._wire.client import ControlClient, health_status
 from freeride.devices import parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo, TaskSpec
+from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
-from freeride.units import format_ms, format_size, parse_size
+from freeride.units import format_ms, format_size
 
 _EXIT_OK = 0
 _EXIT_FAILED = 1
@@ -168,165 +164,6 @@ def _print_json(value: Any) -> None:
 
 
 # ------------------------------------------------------------------ submit
-
-
-def parse_task_args(pairs: Sequence[str], args_json: str | None) -> dict[str, Any]:
-    """Constructor arguments from ``--args-json`` and ``--arg key=value`` (the latter win)."""
-    result: dict[str, Any] = {}
-    if args_json is not None:
-        try:
-            loaded = json.loads(args_json)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--args-json is not valid JSON: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--args-json must be a JSON object, got {type(loaded).__name__}")
-        result.update(loaded)
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"bad --arg {pair!r}: expected key=value with a Python identifier as key")
-        try:
-            result[key] = json.loads(text)
-        except json.JSONDecodeError:
-            result[key] = text  # not JSON: a plain string
-    for key in result:
-        if not (isinstance(key, str) and key.isidentifier()):
-            raise ConfigError(f"argument name {key!r} is not a Python identifier")
-    return result
-
-
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
-    return value
-
-
-def _check_constructor_takes(cls: type, target: str, task_args: dict[str, Any]) -> None:
-    """ConfigError unless ``cls(**task_args)`` binds and constructs: caught here, at submit, rather than
-    as the worker's CONFIG failure later. The constructor is documented to be cheap and to refuse
-    bad values (``docs/writing-side-tasks.md``); the object is dropped unused."""
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError):  # not introspectable (a C extension): the worker will tell
-        signature = None
-    if signature is not None:
-        problems = _argument_problems(signature, task_args)
-        if problems:
-            takes = ", ".join(name for name, p in signature.parameters.items()
-                              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
-            raise ConfigError(f"arguments do not fit {target}: {'; '.join(problems)} (it takes: {takes})")
-    try:
-        cls(**task_args)
-    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
-        raise ConfigError(f"{target} refused its arguments: {_describe(exc)}") from None
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` of an exception from task code, whose ``str()`` may itself raise."""
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001 - task code: its __str__ is as untrusted as the rest
-        text = "<unprintable>"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class _TaskCode:
-    """Around task code run at submit (import, constructor, ``estimate_memory``): what it prints goes to
-    stderr, not into the id or JSON on stdout; and a Ctrl-C meanwhile is the user's (exit 130), not
-    the task's ``KeyboardInterrupt`` (bad input, exit 2), whatever the task code made of it."""
-
-    def __init__(self) -> None:
-        self.interrupted = False
-        self._previous: Any = None
-        self._redirect = contextlib.redirect_stdout(sys.stderr)
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self.interrupted = True
-        raise KeyboardInterrupt
-
-    def __enter__(self) -> _TaskCode:
-        with contextlib.suppress(ValueError):  # not the main thread: Ctrl-C keeps its usual handler
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-        self._redirect.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._redirect.__exit__(None, None, None)
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        if self.interrupted:
-            raise KeyboardInterrupt
-
-
-def _argument_problems(signature: inspect.Signature, task_args: dict[str, Any]) -> list[str]:
-    """Every argument that does not fit, each named (with a close match for a misspelt one)."""
-    params = signature.parameters
-    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY]
-    problems = []
-    for name in positional:
-        if params[name].default is params[name].empty:
-            problems.append(f"parameter {name!r} is positional-only, and a task is built with keyword arguments: "
-                            "this class cannot be submitted as it is")
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        for key in task_args:
-            if key in positional:
-                problems.append(f"{key!r} is positional-only (a task is built with keyword arguments)")
-            elif key not in named:
-                close = difflib.get_close_matches(key, named, n=1)
-                problems.append(f"unknown argument {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    for name in named:
-        p = params[name]
-        if p.default is p.empty and name not in task_args:
-            problems.append(f"missing required argument {name!r}")
-    return problems
-
-
-def build_spec(args: argparse.Namespace) -> TaskSpec:
-    """The submission, checked locally: the class loads, arguments parse, the memory cap is known."""
-    task_args = parse_task_args(args.arg, args.args_json)
-    target = ""
-    command: tuple[str, ...] = ()
-    if args.command:
-        if not args.words:
-            raise ConfigError("--command needs the program and its arguments after --, e.g. -- python run.py")
-        command = tuple(args.words)
-        estimate = None
-    else:
-        if len(args.words) != 1:
-            raise ConfigError(
-                "give one task class as MODULE:CLASS (e.g. side_tasks.graphs:PageRank), "
-                "or --command -- PROG ARGS for a program"
-            )
-        target = args.words[0]
-        with _TaskCode():
-            cls = load_task_class(target, search_path=os.getcwd())
-            _check_constructor_takes(cls, target, task_args)
-            try:
-                estimate = cls.estimate_memory(**task_args)
-            except TypeError as exc:
-                raise ConfigError(f"arguments do not fit {target}: {_describe(exc)}") from None
-            except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
-                raise ConfigError(f"{target}.estimate_memory raised {_describe(exc)}") from None
-    if args.memory is not None:
-        memory_bytes = parse_size(args.memory)
-    elif estimate:
-        memory_bytes = int(estimate)
-    else:
-        what = "a command" if command else f"{target} has no memory estimate; it"
-        raise ConfigError(f"{what} needs a memory cap: pass --memory, e.g. --memory 2GiB")
-    return TaskSpec(
-        target=target,
-        args=task_args,
-        memory_bytes=memory_bytes,
-        priority=args.priority,
-        name=args.name,
-        command=command,
-        working_dir=os.path.abspath(os.getcwd()),
-        checkpoint_interval_s=_finite("checkpoint-interval-s", args.checkpoint_interval_s),
-        step_time_hint_ms=_finite("step-time-hint-ms", args.step_time_hint_ms),
-    )
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -43,12 +43,12 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
+from freeride._task_process import worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 LOG_TAIL_BYTES = 4096
 
 
@@ -205,11 +205,8 @@ class Supervisor:
         worker_log = WorkerLog(task_dir / "worker.log", self.settings.worker_log_max_bytes,
                                self.settings.worker_log_backups)
         parent_sock, child_sock = socketpair()
-        env = dict(os.environ)
-        env.update(self.device.worker_env(action.memory_bytes))
+        env = worker_environment(self.device, action.memory_bytes)
         env[orphans.MARKER_ENV] = str(task_dir)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
         spec = action.spec
         cwd = spec.working_dir if spec.working_dir and os.path.isdir(spec.working_dir) else str(task_dir / "work")
         argv = [sys.executable, "-m", "freeride._worker", "--fd", str(child_sock.fileno()),

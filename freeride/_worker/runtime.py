@@ -66,6 +66,7 @@ from freeride._channel import (
     Stop,
 )
 from freeride._estimator import StepEstimator
+from freeride._task_process import prepare_process
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.task import SideTask, TaskContext
@@ -199,7 +200,7 @@ class WorkerRuntime:
     def _prepare(self) -> None:
         command = self.init.command
         try:
-            self.device.prepare(self.limit, command=bool(command))
+            prepare_process(self.device, self.limit, command=bool(command))
         except WorkerSetupError as exc:  # the cap cannot hold the task's device context
             raise _TaskError(exc.kind, "preparing the device", exc) from exc
         except Exception as exc:

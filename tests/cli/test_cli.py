@@ -210,7 +210,7 @@ def test_string_args_stay_strings_and_command_tasks_submit(
     assert task["spec"]["command"] == ["sleep", "--not-an-option", "5"]
     assert task["spec"]["target"] == ""
 
-    from freeride._cli.tasks import parse_task_args
+    from freeride._cli.submission import parse_task_args
 
     assert parse_task_args(["a=1", "b=hello", "c=[1, 2]", "d=", "e=null"], None) == {
         "a": 1,
@@ -242,7 +242,7 @@ def test_drain_stops_submissions_and_health_reports_it(
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["submit", COUNTER, "--memory", "lots"], "cannot parse size"),
+        (["submit", COUNTER, "--memory", "lots"], "cannot parse --memory 'lots'"),
         (["submit", "no_such_module_xyz:Task", "--memory", "1GiB"], "unknown module"),
         (["submit", "sample_tasks:NoSuchClass", "--memory", "1GiB"], "no class"),
         (["submit", COUNTER, "--memory", "1GiB", "--arg", "not-an-assignment"], "bad --arg"),

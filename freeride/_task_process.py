@@ -1,0 +1,78 @@
+"""A side task's process: its environment, threads, core and priority, set before any task code loads.
+
+Two kinds of process run side-task code, and both use this module so that they are the same process:
+
+* a **worker**: its manager starts it with :func:`worker_environment`, and the runtime calls
+  :func:`prepare_process` before it imports the task's module;
+* ``freeride run-task`` (:mod:`freeride.standalone`), which measures a task alone so that its user can
+  size steps and caps: it applies :func:`worker_environment` to its own process and pins it
+  (:func:`pin_to_core`) before it imports the task, then :func:`prepare_process` before it builds
+  it. Its step times and memory are then a worker's.
+
+**The order is the point.** torch, OpenMP and the BLAS libraries size their thread pools once, when
+they are first loaded, from the environment (``OMP_NUM_THREADS``, ...) and the cores the process may
+use at that moment. A task module imported before these settings (run-task did that) starts one
+thread per core, and the process is then pinned to one core: its threads take turns on it, spinning
+at every barrier, and a step of a small torch task took 14-65x longer than in a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from freeride.devices import Device, DeviceName, WorkerDevice
+
+#: The directory that holds the ``freeride`` package: a worker imports it from there whatever its cwd.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def worker_environment(device: Device, memory_limit_bytes: int, *, command: bool = False,
+                       base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment a worker of ``device`` starts with.
+
+    ``base`` (default: this process's environment) with the device's settings (thread counts of torch,
+    OpenMP and BLAS; on a GPU the one GPU the worker sees and its MPS settings: see
+    :meth:`Device.worker_env`), unbuffered output (a crash loses no line of the log), and freeride
+    importable from any working directory.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(device.worker_env(memory_limit_bytes, command=command))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def enter_worker_environment(device: Device, memory_limit_bytes: int) -> None:
+    """Give this process the environment a worker of ``device`` starts with (``freeride run-task``).
+
+    Only worth it before the libraries that read it are loaded: see the module doc.
+    """
+    os.environ.update(worker_environment(device, memory_limit_bytes))
+
+
+def pin_to_core(name: DeviceName) -> None:
+    """On ``cpu:N``, this process on core N alone, as a worker's preparation does first; nothing on a GPU.
+
+    ``freeride run-task`` pins before it imports the task and lowers its priority only after: see
+    :func:`freeride.standalone.run_standalone`.
+    """
+    if name.kind == "cpu":
+        os.sched_setaffinity(0, {name.index})
+
+
+def prepare_process(device: WorkerDevice, memory_limit_bytes: int, *, command: bool = False) -> None:
+    """Make this process a side-task process of ``device``, before any task code is imported.
+
+    The device's preparation (:meth:`WorkerDevice.prepare`: on ``cpu:N`` pinned to core N at nice 19;
+    on a GPU low priority, the context, the one cap, two threads), then torch's thread pool matched to
+    the environment if torch is loaded already (something imported it before the task: a site hook,
+    an embedding program), since its pool was sized when it loaded.
+    """
+    device.prepare(memory_limit_bytes, command=command)
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
