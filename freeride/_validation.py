@@ -191,6 +191,14 @@ def submission_of(spec: TaskSpec) -> Submission:
     )
 
 
+def check_memory(memory_bytes: int) -> None:
+    """RequestRejected unless a task can run in a cap of ``memory_bytes`` (see :data:`MIN_MEMORY_BYTES`)."""
+    if memory_bytes < MIN_MEMORY_BYTES:
+        raise RequestRejected(f"memory {format_size(memory_bytes) if memory_bytes > 0 else memory_bytes} is below "
+                              f"what a task can run in: at least {format_size(MIN_MEMORY_BYTES)} (a cap covers what "
+                              "the task allocates, e.g. --memory 64MiB)")
+
+
 def _validate(msg: Submission) -> TaskSpec:
     target = msg.target
     command = tuple(msg.command)
@@ -200,10 +208,7 @@ def _validate(msg: Submission) -> TaskSpec:
         check_target_syntax(target)
     _check_command(command)
     args = parse_args_json(msg.args_json)
-    if msg.memory_bytes < MIN_MEMORY_BYTES:
-        raise RequestRejected(f"memory {format_size(msg.memory_bytes) if msg.memory_bytes > 0 else msg.memory_bytes} "
-                              f"is below what a task can run in: at least {format_size(MIN_MEMORY_BYTES)} (a cap "
-                              "covers what the task allocates, e.g. --memory 64MiB)")
+    check_memory(msg.memory_bytes)
     if abs(msg.priority) > MAX_PRIORITY:
         raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {msg.priority}")
     if len(msg.name) > 64 or not msg.name.isprintable():

@@ -24,6 +24,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -68,7 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for each in (parser, *sub.choices.values()):
+        _take_negative_values(each)
     return parser
+
+
+def _take_negative_values(parser: argparse.ArgumentParser) -> None:
+    """Let an option's value start with ``-`` and a digit (``--memory -5MiB``, ``--headroom=-1GiB``).
+
+    argparse takes such a token for an unknown option unless it is a plain number, so ``--memory -5MiB``
+    failed with "expected one argument" instead of saying what is wrong with the size. Python 3.13
+    widened its own pattern the same way; no freeride option looks like a negative number.
+    """
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
 
 
 def exit_code_for(exc: FreerideError) -> int:

@@ -180,6 +180,11 @@ class ImageWatermark(SideTask):
         self.codec = "pillow"
         self.arrays: ArrayBackend | None = None
         self.input_dir = Path(input_dir) if input_dir else SAMPLE_PHOTOS_DIR
+        # Missing inputs are refused when the task is built (at submit), not at its first bubble.
+        if not self.input_dir.is_dir():
+            raise DataFormatError(self.input_dir, "input directory not found")
+        if watermark is not None and not Path(watermark).is_file():
+            raise DataFormatError(watermark, "watermark image not found")
         self.output_dir_arg = output_dir
         self.max_side = int(max_side)
         self.watermark_path = watermark

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from freeride._loading import construct_task, describe_error, load_task_class
-from freeride._validation import validate_spec
+from freeride._validation import check_memory, validate_spec
 from freeride.errors import ConfigError
 from freeride.messages import TaskSpec
 from freeride.units import parse_size
@@ -113,6 +113,8 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
     """The submission, checked locally (see the module doc); raises ConfigError or RequestRejected."""
     task_args = parse_task_args(args.arg, args.args_json)
     memory_bytes = parse_size(args.memory, "--memory") if args.memory is not None else None
+    if memory_bytes is not None:
+        check_memory(memory_bytes)  # before the task's module is imported, which may take seconds
     target = ""
     command: tuple[str, ...] = ()
     estimate = None

@@ -257,9 +257,16 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
 
 
+#: Failure kinds the user fixes by changing the task's input (a missing or malformed file, a size that
+#: cannot fit its cap, arguments it refuses): shown as their one line; ``show --json`` keeps the traceback.
+USER_FIXABLE_KINDS = frozenset({"CONFIG"})
+
+
 def render_failure(failure: FailureRecord) -> str:
-    """A failure record, once and plainly."""
+    """A failure record, once and plainly; one line for what the user can fix."""
     lines = [f"failure:    {failure.kind}: {failure.message}"]
+    if failure.kind in USER_FIXABLE_KINDS:
+        return lines[0]
     if failure.signal:
         lines.append(f"  killed by: {_signal_name(failure.signal)} ({failure.signal})")
     elif failure.exit_code is not None:

@@ -69,6 +69,7 @@ from freeride._estimator import StepEstimator
 from freeride._task_process import prepare_process
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
+from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
 
 log = logging.getLogger("freeride.worker")
@@ -103,6 +104,14 @@ def _is_oom(exc: BaseException) -> bool:
         return True
     name = type(exc).__name__
     return name in ("OutOfMemoryError", "OutOfMemoryError_") or "out of memory" in str(exc).lower()
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """MEMORY_LIMIT for running out of memory; CONFIG for what the user can fix (a ConfigError: a missing or
+    malformed input file, a size that cannot fit the cap), which the CLI shows as one line; else EXCEPTION."""
+    if _is_oom(exc):
+        return "MEMORY_LIMIT"
+    return "CONFIG" if isinstance(exc, ConfigError) else "EXCEPTION"
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -219,7 +228,10 @@ class WorkerRuntime:
                 cls = load_task_class(self.init.target, self.init.working_dir)
                 self.task = cls(**args)
         except _TASK_ERRORS as exc:
-            kind = "IMPORT" if type(exc).__name__ == "TaskLoadError" else "CONFIG"
+            # Arguments that do not fit or that the constructor refuses are the user's to fix (CONFIG);
+            # anything else a constructor raises is a bug of the task's, with a traceback to read.
+            kind = "IMPORT" if type(exc).__name__ == "TaskLoadError" else (
+                "CONFIG" if isinstance(exc, (ConfigError, TypeError)) else "EXCEPTION")
             raise _TaskError(kind, "loading the task", exc) from exc
 
     def _progress_unit(self) -> str:
@@ -333,7 +345,7 @@ class WorkerRuntime:
                 # kernels are queued (a fault in them surfaces here too, as this step's).
                 self.device.synchronize()
             except _TASK_ERRORS as exc:
-                raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", f"step {self.steps}", exc) from exc
+                raise _TaskError(_failure_kind(exc), f"step {self.steps}", exc) from exc
             end = time.monotonic_ns()
             self.steps += 1
             count += 1
@@ -427,7 +439,7 @@ class WorkerRuntime:
             self.task.setup(ctx)
             self.device.synchronize()
         except _TASK_ERRORS as exc:
-            raise _TaskError("MEMORY_LIMIT" if _is_oom(exc) else "EXCEPTION", "setup", exc) from exc
+            raise _TaskError(_failure_kind(exc), "setup", exc) from exc
         self.setup_done = True
         proc = getattr(self.task, "proc", None)
         if proc is not None and type(self.task).__name__ == "CommandTask":

@@ -34,7 +34,7 @@ from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
 from side_tasks._io import atomic_write_bytes
 from side_tasks.arrays import ArrayBackend, array_backend, check_backend
-from side_tasks.errors import check_fits
+from side_tasks.errors import DataFormatError, check_fits
 from side_tasks.graphs.formats import CSRGraph, load_graph_cached
 from side_tasks.graphs.rmat import GRAPH500_EDGE_FACTOR, rmat_edges
 
@@ -98,7 +98,8 @@ class GraphTask(SideTask):
                  backend: str = "torch") -> None:
         if not isinstance(graph, str) or not graph:
             raise ConfigError("graph must be a file path or rmat:SCALE[:EDGE_FACTOR]")
-        parse_graph_spec(graph)  # validates the synthetic form early
+        if parse_graph_spec(graph) is None and not os.path.isfile(graph):  # parsing validates rmat: specs
+            raise DataFormatError(graph, "graph file not found (give a file path or rmat:SCALE[:EDGE_FACTOR])")
         self.backend = check_backend(backend)
         self.arrays: ArrayBackend | None = None
         self.graph_spec = graph

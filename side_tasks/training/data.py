@@ -78,13 +78,18 @@ def _cifar_pickle(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data, labels
 
 
+def check_image_dataset(spec: str) -> None:
+    """DataFormatError unless ``spec`` names a dataset that exists (the constructor's check: cheap)."""
+    if spec != "digits" and not Path(spec).exists():
+        raise DataFormatError(spec, "dataset not found (use 'digits', a CIFAR python directory or an .npz file)")
+
+
 def load_image_dataset(spec: str) -> ImageDataset:
     """Load ``"digits"``, a CIFAR python directory or an ``.npz`` file (see the module doc)."""
     if spec == "digits":
         return load_digits()
+    check_image_dataset(spec)
     path = Path(spec)
-    if not path.exists():
-        raise DataFormatError(path, "dataset not found (use 'digits', a CIFAR python directory or an .npz file)")
     if path.is_dir():
         train = sorted(path.glob("data_batch_*")) or sorted(path.glob("train"))
         if not train:
@@ -114,13 +119,17 @@ def load_image_dataset(spec: str) -> ImageDataset:
     return _split(images, labels.astype(np.int64), 0.1)
 
 
+def check_text(spec: str) -> None:
+    """DataFormatError unless ``spec`` names a text that exists (the constructor's check: cheap)."""
+    if spec != "python-docs" and not Path(spec).is_file():
+        raise DataFormatError(spec, "text file not found (use 'python-docs' or a path to a text file)")
+
+
 def load_text(spec: str) -> bytes:
     """``"python-docs"`` (the bundled Python reference text) or the bytes of a text file."""
     if spec == "python-docs":
         from pydoc_data.topics import topics
 
         return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
-    path = Path(spec)
-    if not path.is_file():
-        raise DataFormatError(path, "text file not found (use 'python-docs' or a path to a text file)")
-    return path.read_bytes()
+    check_text(spec)
+    return Path(spec).read_bytes()

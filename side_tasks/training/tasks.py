@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - a torch without dynamo imports nothing
 from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
 from side_tasks.errors import check_fits
-from side_tasks.training.data import ImageDataset, load_image_dataset, load_text
+from side_tasks.training.data import ImageDataset, check_image_dataset, check_text, load_image_dataset, load_text
 from side_tasks.training.models import LSTMLanguageModel, ResNet18
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,7 @@ class ResNet18Training(_TrainingTask):
         super().__init__(batch_size, max_steps, seed)
         if width < 1:
             raise ConfigError(f"width must be >= 1, got {width}")
+        check_image_dataset(dataset)  # a missing dataset is refused at submit, not at the first bubble
         self.dataset_spec = dataset
         self.lr = float(lr)
         self.width = int(width)
@@ -337,6 +338,7 @@ class LSTMLanguageModelTraining(_TrainingTask):
         super().__init__(batch_size, max_steps, seed)
         if seq_len < 2 or embed < 1 or hidden < 1 or layers < 1 or not 0.0 <= dropout < 1.0:
             raise ConfigError("need seq_len >= 2, embed, hidden, layers >= 1 and 0 <= dropout < 1")
+        check_text(text)  # a missing text is refused at submit, not at the first bubble
         self.text_spec = text
         self.seq_len = int(seq_len)
         self.embed_dim = int(embed)
