@@ -24,6 +24,7 @@ status.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -201,23 +202,61 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render_task_table(infos: Sequence[TaskInfo]) -> str:
-    rows = [["ID", "NAME", "STATE", "PRIO", "MEMORY", "PROGRESS", "STEP P95", "HARVESTED", "WAITING"]]
+#: What ``ls`` and ``top`` show for a SUBMITTED task of a draining manager: it is not waiting to start.
+DRAINED = "DRAINED"
+_DRAINED_NOTE = ("DRAINED: the manager is draining; these tasks are stopped (checkpointed if they had begun) and "
+                 "start again when a manager starts on this state directory")
+
+
+def display_state(info: TaskInfo, draining: bool) -> str:
+    """The state as a person reads it: a drained manager's SUBMITTED tasks are DRAINED, not about to start.
+
+    The lifecycle has no such state: a drain stops every task, and a stopped task goes back to
+    SUBMITTED, from where the next manager on the state directory places it again.
+    """
+    return DRAINED if draining and info.state == TaskState.SUBMITTED.value else info.state
+
+
+def is_terminal(info: TaskInfo) -> bool:
+    return info.state in TaskState.__members__ and TaskState(info.state).is_terminal
+
+
+def why(info: TaskInfo) -> str:
+    """Why a task waits, or how it failed: one line."""
+    if info.failure is not None:
+        first_line = info.failure.message.strip().splitlines()[0] if info.failure.message.strip() else ""
+        return f"{info.failure.kind}: {first_line}" if first_line else info.failure.kind
+    return info.waiting_reason
+
+
+def render_task_table(infos: Sequence[TaskInfo], draining: bool = False) -> str:
+    rows = [["ID", "NAME", "STATE", "PRIO", "MEMORY", "PROGRESS", "STEP P95", "HARVESTED", "WHY"]]
     for i in infos:
         rows.append(
             [
                 i.task_id,
                 i.spec.display_name,
-                i.state,
+                display_state(i, draining),
                 str(i.spec.priority),
                 format_size(i.spec.memory_bytes),
                 _progress(i),
                 format_ms(i.step_p95_ms),
                 f"{i.harvested_s:.2f} s",
-                i.waiting_reason or "-",
+                why(i) or "-",
             ]
         )
     return _table(rows)
+
+
+def hidden_note(hidden: Sequence[TaskInfo]) -> str:
+    """One line for the ended tasks ``ls`` leaves out, so that a failed one never vanishes unnoticed."""
+    if not hidden:
+        return ""
+    counts = collections.Counter(i.state.lower() for i in hidden)
+    listed = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    failed = [i.task_id for i in hidden if i.state == TaskState.FAILED.value]
+    why_failed = f"; `freeride show {failed[-1]}` says why it failed" if failed else ""
+    return f"not shown: {listed} (`freeride ls --all` lists them{why_failed})"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -236,13 +275,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"{aside} record(s) set aside because they cannot be read; --all lists them with the reason")
         return _EXIT_OK
     with _client(args) as client:
-        infos = client.list(include_finished=args.all)
+        infos = client.list(include_finished=True)
+        draining = False if args.json else client.stats().draining
+    shown = infos if args.all else [i for i in infos if not is_terminal(i)]
     if args.json:
-        _print_json(infos)
-    elif not infos:
-        print("no tasks" if args.all else "no active tasks (--all shows finished ones)")
+        _print_json(shown)
+        return _EXIT_OK
+    note = hidden_note([i for i in infos if is_terminal(i)] if not args.all else [])
+    if shown:
+        print(render_task_table(shown, draining))
+        if note:
+            print(note)
     else:
-        print(render_task_table(infos))
+        print(("no active tasks; " + note) if note else "no tasks")
+    if draining and any(display_state(i, draining) == DRAINED for i in shown):
+        print(_DRAINED_NOTE)
     return _EXIT_OK
 
 

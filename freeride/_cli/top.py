@@ -9,9 +9,11 @@ the tasks (live ones first, then ended ones, newest first, with why each waits o
 recent bubbles of each (stage, rank, slot).
 
 The frame is a pure function of the fetched data (:func:`render`), tested without a terminal. On a
-terminal it is drawn with curses (``q`` or Ctrl-C quits); otherwise (a pipe, a log file) frames are
-printed one after another, never cleared; ``--once`` prints one frame and exits. Shares marked
-"now" compare two successive frames, so they show the last interval rather than the whole uptime.
+terminal it is drawn with curses (``q`` quits, exit 0; Ctrl-C exits 130 as every command does);
+otherwise (a pipe, a log file) frames are printed one after another, never cleared; ``--once`` prints
+one frame and exits. Two windows, each named on screen: the header's totals and every task's
+HARVESTED count since the manager started and since the task was submitted; what is marked "now"
+(the header's shares, each task's NOW) compares two successive frames, so it shows the last interval.
 
 No manager at the endpoint exits 3, as every command does. A manager that goes away *while* the
 view runs is shown as a notice and asked again at the next refresh: restarting a manager should
@@ -30,7 +32,7 @@ from time import monotonic, sleep
 from typing import Any, Protocol
 
 from freeride._cli.cluster import queue_line
-from freeride._cli.tasks import _endpoint, _manager_hint
+from freeride._cli.tasks import _endpoint, _manager_hint, display_state, why
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
@@ -39,6 +41,7 @@ from freeride.states import TaskState
 from freeride.units import format_ms, format_size
 
 _EXIT_OK = 0
+_EXIT_INTERRUPTED = 130
 #: Narrower than this, a frame is not worth drawing; lines are cut to this at the least.
 MIN_WIDTH = 40
 #: The longest refresh interval accepted (an hour); longer is a unit mistake.
@@ -115,14 +118,6 @@ def _progress(info: TaskInfo) -> str:
     return f"{text} {info.progress_unit or 'steps'}"
 
 
-def _why(info: TaskInfo) -> str:
-    """Why a task waits, or how it failed: one line."""
-    if info.failure is not None:
-        first_line = info.failure.message.strip().splitlines()[0] if info.failure.message.strip() else ""
-        return f"{info.failure.kind}: {first_line}" if first_line else info.failure.kind
-    return info.waiting_reason
-
-
 def order_tasks(tasks: Sequence[TaskInfo]) -> list[TaskInfo]:
     """Live tasks first (running, frozen, parked, starting, waiting), then ended ones, newest first."""
     live = [t for t in tasks if t.state in _LIVE_ORDER]
@@ -144,8 +139,12 @@ def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
     )
     budget = format_size(stats.memory_budget_bytes) if stats.memory_budget_bytes >= 0 else "unknown yet"
     overrun_p99 = f" (p99 {format_ms(stats.overrun_ms.p99)})" if stats.overrun_ms.count else ""
+    window = ""
+    if previous is not None and stats.uptime_s > previous.uptime_s:
+        window = f"  (totals since the manager started; now: the last {_duration(stats.uptime_s - previous.uptime_s)})"
     return [
-        f"freeride top - {stats.device}  up {_duration(stats.uptime_s)}" + ("  DRAINING" if stats.draining else ""),
+        f"freeride top - {stats.device}  up {_duration(stats.uptime_s)}" + ("  DRAINING" if stats.draining else "")
+        + window,
         f"bubbles {stats.bubbles}  bubble time {stats.bubble_time_s:.3f} s "
         f"({_share(stats.bubble_time_s, stats.uptime_s)} of uptime{now_bubble})",
         f"harvested {stats.harvested_s:.3f} s ({_share(stats.harvested_s, stats.bubble_time_s)} of bubble time"
@@ -162,14 +161,22 @@ def _columns(rows: list[list[str]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def _task_lines(tasks: Sequence[TaskInfo]) -> list[str]:
+def _task_lines(tasks: Sequence[TaskInfo], draining: bool, previous: Sequence[TaskInfo],
+                bubble_delta_s: float) -> list[str]:
+    """One row per task. HARVESTED is since the task was submitted; NOW, its share of the bubble time of
+    the last interval: the header's "now" window, so the tasks' NOW add up to the header's harvested now."""
     if not tasks:
         return ["no tasks (submit one with `freeride submit`)"]
-    rows = [["ID", "NAME", "STATE", "PROGRESS", "STEPS", "STEP P95", "HARVESTED", "WHY"]]
+    before = {t.task_id: t.harvested_s for t in previous}
+    rows = [["ID", "NAME", "STATE", "PROGRESS", "STEPS", "STEP P95", "HARVESTED", *(["NOW"] if previous else []),
+             "WHY"]]
     for t in order_tasks(tasks):
+        now = (_share(t.harvested_s - before[t.task_id], bubble_delta_s)
+               if t.task_id in before and bubble_delta_s > 0 else "-")
         rows.append([
-            _fit(t.task_id, 24), _fit(t.spec.display_name, 20), t.state, _progress(t), str(t.steps),
-            format_ms(t.step_p95_ms), f"{t.harvested_s:.2f} s", _why(t) or "-",
+            _fit(t.task_id, 24), _fit(t.spec.display_name, 20), display_state(t, draining), _progress(t),
+            str(t.steps), format_ms(t.step_p95_ms), f"{t.harvested_s:.2f} s", *([now] if previous else []),
+            why(t) or "-",
         ])
     return _columns(rows)
 
@@ -206,19 +213,22 @@ def render(
     height: int | None = None,
     previous: ManagerStats | None = None,
     notice: str = "",
+    previous_tasks: Sequence[TaskInfo] = (),
 ) -> str:
     """One frame of ``freeride top``, as text of lines at most ``width`` long.
 
     ``height`` (a terminal's rows) trims the task and bubble tables to fit, each ending with a
     line that counts what was left out; without it every row is shown. ``previous`` (the stats of
-    the frame before) adds the shares of the last interval. ``notice`` is shown under the header,
-    e.g. that the manager stopped answering and the figures are the last ones it gave.
+    the frame before) adds the shares of the last interval, and ``previous_tasks`` (its tasks) each
+    task's share of that interval's bubble time. ``notice`` is shown under the header, e.g. that the
+    manager stopped answering and the figures are the last ones it gave.
     """
     width = max(MIN_WIDTH, width)
     head = _header(stats, previous)
     if notice:
         head.append(f"! {notice}")
-    task_lines = _task_lines(tasks)
+    bubble_delta_s = stats.bubble_time_s - previous.bubble_time_s if previous is not None else 0.0
+    task_lines = _task_lines(tasks, stats.draining, previous_tasks, bubble_delta_s)
     bubble_lines = _bubble_lines(bubbles)
     if height is not None:
         room = max(0, height - len(head) - 4)  # two blank lines and two titles
@@ -227,7 +237,9 @@ def render(
         task_lines = _clip(task_lines, room - bubble_room, "tasks")
         bubble_room = max(bubble_room, room - len(task_lines))
         bubble_lines = _clip(bubble_lines, bubble_room, "bubble slots")
-    lines = [*head, "", f"TASKS ({len(tasks)})", *task_lines, "", "BUBBLES (recent, per stage/rank/slot)",
+    windows = "harvested since submitted" + (", NOW over the header's now" if previous_tasks else "")
+    lines = [*head, "", f"TASKS ({len(tasks)}; {windows}, step p95 over recent steps)", *task_lines, "",
+             "BUBBLES (recent, per stage/rank/slot)",
              *bubble_lines]
     if height is not None:
         lines = lines[:height]
@@ -269,11 +281,14 @@ def live_view(
     Keys are read with a timeout equal to the time left until the next refresh, so a key is acted
     on at once and a resize (``resize_key``) redraws without asking the manager again.
     """
-    current, previous, notice = first, None, ""
+    current: Snapshot = first
+    previous: Snapshot | None = None
+    notice = ""
     next_refresh = clock() + interval_s
     while True:
         rows, cols = screen.getmaxyx()
-        frame = render(current.stats, current.tasks, current.bubbles, cols - 1, rows, previous, notice)
+        frame = render(current.stats, current.tasks, current.bubbles, cols - 1, rows,
+                       previous.stats if previous else None, notice, previous.tasks if previous else ())
         screen.erase()
         for y, line in enumerate(frame.splitlines()[:rows]):
             screen.addnstr(y, 0, line, max(0, cols - 1))  # never the last column: curses errs there
@@ -290,7 +305,7 @@ def live_view(
         except ManagerUnavailable as exc:
             notice = f"{exc} (showing the last figures; retrying every {interval_s:g} s)"
             continue
-        previous, current, notice = current.stats, fresh, ""
+        previous, current, notice = current, fresh, ""
 
 
 def _curses_main(refresh: Callable[[], Snapshot], first: Snapshot, interval_s: float) -> None:
@@ -308,9 +323,11 @@ def _curses_main(refresh: Callable[[], Snapshot], first: Snapshot, interval_s: f
 
 def _text_main(refresh: Callable[[], Snapshot], first: Snapshot, interval_s: float, width: int) -> None:
     current: Snapshot = first
-    previous: ManagerStats | None = None
+    previous: Snapshot | None = None
     while True:
-        print(render(current.stats, current.tasks, current.bubbles, width, previous=previous), end="\n\n", flush=True)
+        before = previous.stats if previous else None
+        print(render(current.stats, current.tasks, current.bubbles, width, previous=before,
+                     previous_tasks=previous.tasks if previous else ()), end="\n\n", flush=True)
         while True:
             sleep(interval_s)
             try:
@@ -318,7 +335,7 @@ def _text_main(refresh: Callable[[], Snapshot], first: Snapshot, interval_s: flo
                 break
             except ManagerUnavailable as exc:
                 print(f"freeride top: {exc}; retrying in {interval_s:g} s", file=sys.stderr, flush=True)
-        previous, current = current.stats, fresh
+        previous, current = current, fresh
 
 
 def _interval(value: float) -> float:
@@ -348,6 +365,6 @@ def run(args: argparse.Namespace) -> int:
                 _curses_main(refresh, first, interval_s)
             else:
                 _text_main(refresh, first, interval_s, width)
-        except KeyboardInterrupt:  # Ctrl-C is how a live view ends
-            pass
+        except KeyboardInterrupt:  # Ctrl-C ends a live view, as an interruption: 130, like every command
+            return _EXIT_INTERRUPTED
     return _EXIT_OK

@@ -122,7 +122,7 @@ def test_submit_ls_show_cancel_stats_round_trip(
     assert code == EXIT_OK, err
     header, *rows = out.strip().splitlines()
     assert header.split()[:5] == ["ID", "NAME", "STATE", "PRIO", "MEMORY"]
-    assert "WAITING" in header
+    assert "WHY" in header
     assert any(row.startswith(task_id) and "counter" in row and "64.0 MiB" in row for row in rows)
 
     with ControlClient(manager.endpoint) as client:

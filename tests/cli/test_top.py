@@ -148,6 +148,29 @@ def test_previous_frame_adds_the_shares_of_the_last_interval() -> None:
     assert "(74.4% of bubble time, 50.0% now)" in frame  # 0.5 s harvested of that 1 s
 
 
+def test_header_and_task_rows_name_their_windows_and_each_tasks_now_adds_up_to_the_headers() -> None:
+    # Stranger trial: the header's shares and the task rows used different windows, and said neither.
+    before = stats(uptime_s=100.0, bubble_time_s=40.0, harvested_s=30.0)
+    after = stats(uptime_s=102.0, bubble_time_s=41.0, harvested_s=30.5)
+    earlier = [task("a-1", "PARKED", 1.0, harvested_s=10.0), task("b-2", "PARKED", 2.0, harvested_s=20.0)]
+    later = [task("a-1", "PARKED", 1.0, harvested_s=10.125), task("b-2", "PARKED", 2.0, harvested_s=20.375)]
+    frame = render(after, later, [], width=160, previous=before, previous_tasks=earlier)
+    lines = frame.splitlines()
+    assert "totals since the manager started; now: the last 2.0s" in lines[0]
+    assert "(74.4% of bubble time, 50.0% now)" in frame
+    assert "TASKS (2; harvested since submitted, NOW over the header's now, step p95 over recent steps)" in frame
+    header = next(line for line in lines if line.startswith("ID "))
+    column = header.index("NOW")
+    now = {line.split()[0]: line[column:].split()[0] for line in lines if line.startswith(("a-1", "b-2"))}
+    assert now == {"a-1": "12.5%", "b-2": "37.5%"}  # 0.125 s and 0.375 s of the interval's 1 s: 50% in all
+
+
+def test_a_drained_managers_waiting_tasks_show_as_drained() -> None:
+    frame = render(stats(draining=True), [task("waiting-4", "SUBMITTED", 4.0)], [], width=120)
+    row = next(line for line in frame.splitlines() if line.startswith("waiting-4"))
+    assert row.split()[2] == "DRAINED" and "DRAINING" in frame.splitlines()[0]
+
+
 def test_empty_manager_says_so_and_a_notice_is_shown() -> None:
     empty = stats(bubbles=0, bubble_time_s=0.0, harvested_s=0.0, tasks_by_state={}, memory_budget_bytes=-1,
                   overrun_ms=Percentiles(), grant_latency_ms=Percentiles(), park_latency_ms=Percentiles())
@@ -276,7 +299,7 @@ def test_top_once_prints_one_frame_of_a_real_manager(manager: Manager, capsys: p
     assert "no bubbles reported yet" in out
 
 
-def test_top_without_a_tty_prints_frames_one_after_another_until_ctrl_c(
+def test_top_without_a_tty_prints_frames_one_after_another_until_ctrl_c_which_exits_130(
     manager: Manager, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sleeps: list[float] = []
@@ -290,7 +313,7 @@ def test_top_without_a_tty_prints_frames_one_after_another_until_ctrl_c(
     capsys.readouterr()
     code = main(["top", "--interval", "0.25", "--endpoint", str(manager.endpoint)])
     out, _ = capsys.readouterr()
-    assert code == EXIT_OK
+    assert code == 130  # Ctrl-C ends the view as it ends every command (it exited 0; the README says 130)
     assert out.count("freeride top - cpu:0") == 3  # never cleared: every frame stays in the output
     assert "\x1b" not in out  # no terminal control sequences in a pipe
     assert sleeps == [0.25, 0.25, 0.25]
