@@ -291,3 +291,12 @@ class Printer(Counter):
         sys.stdout.write((self.line + "\n") * self.lines_per_step)
         sys.stdout.flush()
         super().step()
+
+
+class MalformedInput(Counter):
+    """Finds its input malformed in ``setup``: a user-fixable error (a ConfigError), not a crash."""
+
+    def setup(self, ctx: TaskContext) -> None:
+        from freeride.errors import ConfigError
+
+        raise ConfigError("input.txt:3: expected two integers per line")

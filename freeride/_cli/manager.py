@@ -230,9 +230,13 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
 
 
 class _AnnouncingManager(Manager):
-    """A manager that says on stderr, once, where it listens (after the bind succeeded)."""
+    """A manager that says on stderr, once, where it listens (after the bind succeeded), and that it is
+    stopping when a signal comes: a drain takes a while, and a Ctrl-C that seems to do nothing gets a
+    second one, which kills the workers without checkpoints."""
 
     def _serve(self) -> None:
+        self._stop_announced = False
+        self.loop.on_shutdown = self._announce_stop
         super()._serve()
         metrics = f"; metrics on {self.metrics.url}" if self.metrics is not None else ""
         if self.agent is not None:
@@ -244,6 +248,15 @@ class _AnnouncingManager(Manager):
         )
         if self.device.name.kind == "cuda":
             print(f"  {self.device.describe()}", file=sys.stderr, flush=True)
+
+
+    def _announce_stop(self, immediate: bool) -> None:
+        if immediate or self._stop_announced:
+            return  # the loop warns of an immediate stop itself; a repeated SIGTERM changes nothing
+        self._stop_announced = True
+        print(f"freeride manager for {self.device}: stopping: draining first (parking and checkpointing every "
+              "task; one that does not stop is killed after --stop-timeout-s); Ctrl-C again stops at once, "
+              "without checkpoints", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from freeride._cli.submission import build_spec
 from freeride._wire.client import ControlClient, health_status
-from freeride.devices import parse_device_name
+from freeride.devices import check_cpu_device, parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo
@@ -140,6 +140,13 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
     except ManagerUnavailable as exc:
         if not str(exc).startswith("no manager answers"):
             raise  # a manager answered: it is stopping, or its loop is stuck; it says which
+        name = parse_device_name(args.device)
+        if name.kind == "cpu":
+            try:
+                check_cpu_device(name)
+            except ConfigError as exc:  # advising a manager on a core that is not there helps nobody
+                raise ManagerUnavailable(f"no manager answers at {endpoint}, and none can run on {name} here: "
+                                         f"{exc}") from None
         start = f"freeride manager --device {args.device}" + (f" --endpoint {endpoint}" if args.endpoint else "")
         raise ManagerUnavailable(f"no manager answers at {endpoint}; start one with `{start}`") from None
 

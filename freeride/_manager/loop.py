@@ -118,6 +118,8 @@ class ManagerLoop:
         #: Trainer timestamp -> handed to the core, for every bubble event (loop thread only).
         self.event_delay = LatencyHistogram()
         self.on_draining: Callable[[], None] = lambda: None
+        #: Called on the loop's thread when a shutdown begins (True: at once, without a drain).
+        self.on_shutdown: Callable[[bool], None] = lambda immediate: None
         #: Called on the loop thread with the device's problem when it stops answering, "" when it answers
         #: again (the daemon turns it into the health status).
         self.on_device_state: Callable[[str], None] = lambda problem: None
@@ -480,6 +482,7 @@ class ManagerLoop:
             self.on_draining()
 
     def _shutdown(self, request: Shutdown) -> None:
+        self.on_shutdown(request.immediate)
         if request.immediate:
             log.warning("[%s] stopping now: killing workers without checkpoints", self.device)
             self.workers.kill_all()

@@ -98,6 +98,7 @@ class Sim:
         reason: str = "deadline",
         grant_id: int | None = None,
         last_end_ns: int | None = None,
+        seen_end_ns: int = 0,
     ) -> list[Action]:
         task = self.core.tasks[task_id]
         durations = tuple(int(d * MS) for d in durations_ms)
@@ -113,6 +114,7 @@ class Sim:
                 reason=reason,
                 progress=0.0,
                 total_steps=task.steps + len(durations),
+                seen_end_ns=seen_end_ns,
             )
         )
 

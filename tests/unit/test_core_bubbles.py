@@ -41,6 +41,21 @@ def test_a_worker_that_stopped_on_the_trainers_end_board_records_a_park_latency_
     assert list(sim.core.stats.park_latency_ms) == [0.0]
 
 
+def test_a_worker_that_parked_on_the_end_board_before_the_end_reached_the_core_records_zero_once() -> None:
+    # First hour: the board's park skips the wire, so it often arrives before the trainer's end does; such
+    # parks counted no park latency, and `stats` with a trainer on the manager's host showed almost none.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(6)
+    end_ns = sim.now
+    sim.advance_ms(0.1)
+    sim.parked("a", [2.0, 2.0], reason="ended", last_end_ns=end_ns - MS, seen_end_ns=end_ns)
+    sim.advance_ms(0.3)
+    sim.end(end_ns=end_ns)
+    assert list(sim.core.stats.park_latency_ms) == [0.0]
+
+
 def test_worker_parked_returns_the_task_to_parked_and_records_park_latency() -> None:
     sim = Sim()
     sim.resident("a")

@@ -67,6 +67,31 @@ def test_overrun_widens_the_task_margin_up_to_the_bound() -> None:
     assert margins == [2 * MS, 3 * MS, 5 * MS, 5 * MS, 5 * MS]
 
 
+def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_from_what_to_what() -> None:
+    # Stranger trial: `show` reported a margin of 17.5 ms without saying that overruns had widened it from 0.2 ms.
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    sim.start(predicted_ms=10)
+    sim.advance_ms(2)
+    sim.parked("a", [1.0])
+    assert sim.core.waiting_reason(task) == "waiting for a bubble"  # nothing widened: nothing to say
+    for _ in range(3):
+        sim.advance_ms(5)
+        _overrun(sim)
+    sim.advance_ms(5)
+    sim.start(predicted_ms=10)  # thaws it
+    sim.advance_ms(2)
+    sim.parked("a", [1.0])
+    margin = (sim.core.config.margin_ns + task.margin_ns) / MS
+    assert margin > 1.0
+    widened = f"margin {margin:.1f} ms, widened by overruns from 1.0 ms"
+    assert sim.core.waiting_reason(task) == f"waiting for a bubble ({widened})"
+    task.estimator.extend([40 * MS] * 64)  # a step that now fits no bubble says the same
+    assert f"+ {margin:.1f} ms margin, widened by overruns from 1.0 ms) fits no bubble" in sim.core.waiting_reason(task)
+
+
 def test_frozen_task_is_thawed_by_the_grant_at_the_next_bubble() -> None:
     sim = Sim(margin_ns=MS)
     sim.resident("a")

@@ -42,6 +42,8 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
     if task.state == TaskState.PARKED:
         est = task.known_step_ns
         margin = now.margin_ns + task.margin_ns
+        # Overruns widen a task's margin (and clean grants narrow it again): say so, from what to what.
+        widened = f", widened by overruns from {now.margin_ns / MS:.1f} ms" if task.margin_ns else ""
         longest = now.longest_bubble_ns
         if est is not None and longest and est + margin > longest:
             again = ""
@@ -49,12 +51,12 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
                 left = max(0, now.reprobe_after_bubbles - task.health.unfit_bubbles)
                 again = f"; its step time is measured again in {left} more bubbles"
             return (
-                f"its step ({est / MS:.1f} ms p95 + {margin / MS:.1f} ms margin) fits no bubble seen "
+                f"its step ({est / MS:.1f} ms p95 + {margin / MS:.1f} ms margin{widened}) fits no bubble seen "
                 f"(longest {longest / MS:.1f} ms){again}"
             )
         if longest == 0:
             return "no bubble reported yet"
-        return "waiting for a bubble"
+        return "waiting for a bubble" + (f" (margin {margin / MS:.1f} ms{widened})" if widened else "")
     if task.state == TaskState.FROZEN:
         if task.health.in_setup:
             return "frozen in setup() after overrunning a bubble; resumes at its next grant"

@@ -138,9 +138,12 @@ class FreeridePolicy:
             core.bubbles.saw_end(bubble, seen)
         # Parked by the end: the manager's park, or the trainer's end board read by the worker (then
         # usually before the end reached this core: 0). Without the second, a trainer on this host left
-        # the figure empty.
-        if bubble.end_ns and event.reason in ("park", "ended") and bubble.end_received_ns:
-            core.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
+        # the figure empty; and the board's park often arrives before the end itself (it skips the wire).
+        if event.reason in ("park", "ended"):
+            if bubble.end_ns and bubble.end_received_ns:
+                core.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
+            elif event.reason == "ended" and bubble.seen_end_ns:
+                core.stats.park_latency_ms.append(0.0)
 
     def parked(self, core: Scheduling, now_ns: int, out: list) -> None:
         # Backfill the rest of this bubble, or start the bubble that opened while this step ran.
