@@ -181,3 +181,12 @@ def test_a_checkpoint_of_one_backend_resumes_on_the_other(
 def test_an_unknown_backend_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="backend must be one of torch, array"):
         PageRank("rmat:5", backend="jax")
+
+
+@pytest.mark.parametrize("task", [PageRank, BFS, ConnectedComponents])
+def test_a_graph_file_that_does_not_exist_is_refused_when_the_task_is_built(task: type, tmp_path: Path) -> None:
+    # It was accepted at submit and failed at the first bubble; submit builds the task, so this refuses it.
+    from side_tasks.errors import DataFormatError
+
+    with pytest.raises(DataFormatError, match=r"nope\.mtx: graph file not found"):
+        task(graph=str(tmp_path / "nope.mtx"))

@@ -245,3 +245,10 @@ def test_the_codec_is_nvjpeg_only_on_a_gpu_that_offers_it() -> None:
         pick_codec("nvjpeg", "cpu")
     with pytest.raises(ConfigError, match="codec must be"):
         ImageWatermark(codec="gif")
+
+
+def test_missing_inputs_are_refused_when_the_task_is_built(tmp_path: Path) -> None:
+    with pytest.raises(DataFormatError, match="input directory not found"):
+        ImageWatermark(str(tmp_path / "nope"))
+    with pytest.raises(DataFormatError, match="watermark image not found"):
+        ImageWatermark(watermark=str(tmp_path / "mark.png"))

@@ -177,3 +177,10 @@ def test_setup_warms_the_kernels_up_without_changing_any_state(tmp_path: Path, m
     assert _same_tensors(task.model.state_dict(), fresh.state_dict())  # weights and batch-norm statistics
     assert all(p.grad is None for p in task.model.parameters())
     assert task.optimizer.state_dict()["state"] == {}
+
+
+def test_missing_datasets_and_texts_are_refused_when_the_task_is_built(tmp_path: Path) -> None:
+    with pytest.raises(DataFormatError, match="dataset not found"):
+        ResNet18Training(dataset=str(tmp_path / "missing"))
+    with pytest.raises(DataFormatError, match="text file not found"):
+        _tiny_lstm(text=str(tmp_path / "none.txt"))
