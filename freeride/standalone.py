@@ -183,12 +183,15 @@ def percentile(values: list[float], q: float) -> float:
     return measure.percentile(values, q) if values else 0.0
 
 
-class _MemoryProbe:
-    """Peak memory of this process on its device (see the module doc)."""
+class MemoryProbe:
+    """Peak memory of this process on its device, as a worker's cap counts it (see the module doc).
 
-    def __init__(self, device: WorkerDevice) -> None:
+    ``device=None``: a CPU core, the resident set's growth since the probe was made.
+    """
+
+    def __init__(self, device: WorkerDevice | None = None) -> None:
         self.device = device
-        self.cuda = device.torch_device.startswith("cuda")
+        self.cuda = device is not None and device.torch_device.startswith("cuda")
         self.process = psutil.Process()
         self.peak = 0
         self.baseline = 0 if self.cuda else int(self.process.memory_info().rss)
@@ -198,7 +201,7 @@ class _MemoryProbe:
         return "device" if self.cuda else "rss_growth"
 
     def sample(self) -> None:
-        if self.cuda:
+        if self.cuda and self.device is not None:
             self.peak = max(self.peak, self.device.peak_bytes())
         else:
             self.peak = max(self.peak, int(self.process.memory_info().rss) - self.baseline)
@@ -207,7 +210,7 @@ class _MemoryProbe:
         return max(0, self.peak)
 
 
-def _check_limit(probe: _MemoryProbe, limit: int, target: str, phase: str, step: int) -> None:
+def _check_limit(probe: MemoryProbe, limit: int, target: str, phase: str, step: int) -> None:
     peak = probe.peak_bytes()
     if peak > limit:
         cpu = probe.measure == "rss_growth"
@@ -322,7 +325,7 @@ def _run(
         work_dir=work_dir,
         logger=logging.getLogger(f"freeride.task.{type(task).__name__}"),
     )
-    probe = _MemoryProbe(dev)
+    probe = MemoryProbe(dev)
     step_ms: list[float] = []
     try:
         start = time.perf_counter()
