@@ -208,7 +208,6 @@ def _validate(msg: Submission) -> TaskSpec:
         check_target_syntax(target)
     _check_command(command)
     args = parse_args_json(msg.args_json)
-    check_memory(msg.memory_bytes)
     if abs(msg.priority) > MAX_PRIORITY:
         raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {msg.priority}")
     if len(msg.name) > 64 or not msg.name.isprintable():
@@ -218,6 +217,7 @@ def _validate(msg: Submission) -> TaskSpec:
         value = getattr(msg, name)
         if not math.isfinite(value) or value < 0 or value > 1e7:
             raise RequestRejected(f"{name} must be a finite number in [0, 1e7], got {value}")
+    check_memory(msg.memory_bytes)
     return TaskSpec(
         target=target,
         args=args,

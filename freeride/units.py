@@ -34,7 +34,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
         value = text
     else:
         if str(text).strip().startswith("-"):
-            raise ConfigError(f"{what} must be a positive size, got {text!r}")
+            raise ConfigError(f"{what} must be positive, got {text!r}")
         match = _SIZE_RE.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _SIZE_UNITS:
@@ -44,7 +44,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
             )
         value = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if value <= 0:
-        raise ConfigError(f"{what} must be a positive size, got {text!r}")
+        raise ConfigError(f"{what} must be positive, got {text!r}")
     return value
 
 

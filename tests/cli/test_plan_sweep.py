@@ -120,7 +120,7 @@ def test_plain_plan_json_is_unchanged_without_memory_or_tasks(capsys: pytest.Cap
         (["--sweep", "--schedule", "1f1b", "--microbatches", "1"], "no valid configuration"),
         (["--microbatches", "4", "--tasks-file", "/nonexistent/tasks.json"], "--tasks-file"),
         (["--microbatches", "4", "--t-step", "nan"], "--t-step must be a finite number"),
-        (["--microbatches", "4", "--headroom=-1GiB"], "--headroom: cannot parse size"),
+        (["--microbatches", "4", "--headroom=-1GiB"], "--headroom: size must be positive, got '-1GiB'"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv: list[str], message: str,

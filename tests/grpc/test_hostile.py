@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 from freeride._manager.core import CoreConfig
 from freeride._manager.daemon import Manager
+from freeride._manager.validation import MIN_MEMORY_BYTES
 from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import ControlClient, health_status
@@ -408,10 +409,13 @@ FIELDS: dict[str, tuple[st.SearchStrategy[object], st.SearchStrategy[object], st
         ),
         "task arguments",
     ),
-    # A cap above all the host's memory is refused too ("memory ... is more than ... has in all").
-    "memory_bytes": (st.one_of(st.sampled_from([1, HOST_MEMORY]), st.integers(1, HOST_MEMORY)),
-                     st.one_of(st.sampled_from([0, -1, I64_MIN, HOST_MEMORY + 1, I64_MAX]), st.integers(I64_MIN, 0),
-                               st.integers(HOST_MEMORY + 1, I64_MAX)), "memory"),
+    # A cap above all the host's memory is refused too ("memory ... is more than ... has in all"), and one
+    # below what a task can run in ("memory ... is below what a task can run in").
+    "memory_bytes": (st.one_of(st.sampled_from([MIN_MEMORY_BYTES, HOST_MEMORY]),
+                               st.integers(MIN_MEMORY_BYTES, HOST_MEMORY)),
+                     st.one_of(st.sampled_from([0, -1, 1, MIN_MEMORY_BYTES - 1, I64_MIN, HOST_MEMORY + 1, I64_MAX]),
+                               st.integers(I64_MIN, MIN_MEMORY_BYTES - 1), st.integers(HOST_MEMORY + 1, I64_MAX)),
+                     "memory"),
     "priority": (
         st.one_of(st.sampled_from([0, 10**6, -(10**6)]), st.integers(-(10**6), 10**6)),
         st.one_of(st.sampled_from([I32_MIN, I32_MAX, 10**6 + 1, -(10**6) - 1]),

@@ -153,7 +153,7 @@ def test_listing_many_large_tasks_still_answers(make_manager: object) -> None:
     h: ManagerHarness = make_manager(headroom_bytes=2**62)  # type: ignore[operator]
     big = {"a": "x" * (MAX_ARGS_JSON_BYTES - 100)}
     count = MAX_MESSAGE_BYTES // MAX_ARGS_JSON_BYTES + 8
-    ids = [h.client.submit(TaskSpec(target="a:B", args=big, memory_bytes=1)).task_id for _ in range(count)]
+    ids = [h.client.submit(TaskSpec(target="a:B", args=big, memory_bytes=2**20)).task_id for _ in range(count)]
     listed = h.client.list()
     assert [t.task_id for t in listed] == ids
     assert all(t.spec.args == {} for t in listed)  # summaries: the arguments are left out

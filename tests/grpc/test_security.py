@@ -202,7 +202,7 @@ def test_task_names_cannot_steer_paths_out_of_the_state_dir(make_manager: Any) -
     h: ManagerHarness = make_manager(headroom_bytes=2**62)
     tasks_root = (h.manager.state_dir / "tasks").resolve()
     for name in HOSTILE_NAMES:
-        info = h.client.submit(TaskSpec(target="a:B", name=name, memory_bytes=1,
+        info = h.client.submit(TaskSpec(target="a:B", name=name, memory_bytes=2**20,
                                         args={"path": "../../../etc", "name": name}))
         path = h.manager.loop.task_dir(info.task_id).resolve()
         assert path.parent == tasks_root, (name, info.task_id)
