@@ -8,8 +8,8 @@ Exit codes (documented in the README):
     0  success
     1  the operation failed (a task failed, a command's own failure)
     2  bad input: unparsable size, unknown device, unknown module or class (a module that fails to
-       import, ``sys.exit()`` at import included), bad arguments, a request the manager refuses
-       (a submit to a draining manager)
+       import, ``sys.exit()`` at import included), bad arguments or values the task refuses, a request
+       the manager refuses (a submit to a draining manager), an extra that is not installed
     3  no manager is running at the endpoint (or it died, or is stopping), or the cluster queue's Redis
        cannot be reached
     4  no such task
