@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -204,30 +205,39 @@ def test_stats_shows_park_latency_with_a_trainer_on_the_managers_host(
     assert "p50" in line and "(n=" in line
 
 
-@pytest.mark.e2e
-def test_the_first_ctrl_c_on_a_foreground_manager_says_it_is_draining(tmp_path: Path) -> None:
-    sock = socket_path("ctrlc")
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """A real ``freeride manager`` process (its socket and process), stopped at teardown."""
+    sock = socket_path("first-hour")
     proc = start_daemon(sock, tmp_path / "state", device=cpu_devices(1)[0])
     try:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
-        err = proc.stderr.read().decode() if proc.stderr else ""
+        yield sock, proc
     finally:
         stop_daemon(proc)
-    assert proc.returncode == 0
+
+
+@pytest.mark.e2e
+def test_the_first_ctrl_c_on_a_foreground_manager_says_it_is_draining(
+    daemon: tuple[Path, subprocess.Popen[bytes]]
+) -> None:
+    _, proc = daemon
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    err = proc.stderr.read().decode() if proc.stderr else ""
     assert "stopping: draining first" in err and "Ctrl-C again stops at once, without checkpoints" in err
 
 
 @pytest.mark.e2e
-def test_ctrl_c_in_top_exits_130(tmp_path: Path) -> None:
-    sock = socket_path("top130")
-    proc = start_daemon(sock, tmp_path / "state", device=cpu_devices(1)[0])
+def test_ctrl_c_in_top_exits_130(daemon: tuple[Path, subprocess.Popen[bytes]]) -> None:
+    sock, _ = daemon
+    top = subprocess.Popen([sys.executable, "-m", "freeride.cli", "top", "--endpoint", f"unix:{sock}",
+                            "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        top = subprocess.Popen([sys.executable, "-m", "freeride.cli", "top", "--endpoint", f"unix:{sock}",
-                                "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert top.stdout is not None
         top.stdout.readline()  # a first frame is out: the view runs
         top.send_signal(signal.SIGINT)
         assert top.wait(60) == 130
     finally:
-        stop_daemon(proc)
+        if top.poll() is None:
+            top.kill()
+            top.wait()
