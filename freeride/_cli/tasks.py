@@ -86,7 +86,8 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a constructor argument; VALUE is JSON when it parses, else a string (repeatable)",
+        help="a constructor argument; VALUE is JSON when it parses, else a string, unless it starts like JSON "
+        "([, { or \") (repeatable)",
     )
     p.add_argument("--args-json", default=None, metavar="JSON", help="constructor arguments as one JSON object")
     p.add_argument("--memory", default=None, help="memory cap, e.g. 2GiB (default: the class's estimate)")
