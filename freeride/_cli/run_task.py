@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("target", help="the task class, as package.module:ClassName")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a constructor argument (JSON value, else string, as submit parses it); repeatable")  # fmt: skip
+                        help="a constructor argument, parsed as submit parses it; repeatable")  # fmt: skip
     parser.add_argument("--args-json", default=None, metavar="JSON", help="constructor arguments as a JSON object")
     parser.add_argument("--device", default="cpu:0", help="cpu:N or cuda:N (default cpu:0)")
     parser.add_argument("--seconds", type=float, default=10.0, help="time budget of the run (default 10)")
