@@ -1,7 +1,8 @@
 """freeride: run side tasks inside the bubbles of pipeline-parallel training.
 
-The public surface: :class:`SideTask` and :class:`TaskContext` (write a side task), the error
-tree, :class:`ControlClient` (manage tasks from Python) and the message dataclasses it returns.
+The public surface: :class:`SideTask` and :class:`TaskContext` (write a side task; test it with
+:mod:`freeride.testing`), the error tree, :class:`ControlClient` (manage tasks from Python) and the
+message dataclasses it returns; the trainer's side is :mod:`freeride.training`.
 """
 
 from freeride.errors import (
