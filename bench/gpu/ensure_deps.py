@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / ".whl"
 TARGET = Path("/tmp/freeride-site")
 
-#: What the GPU steps import: freeride's runtime requirements (pyproject.toml) and the test runner's.
+#: What the GPU steps import: freeride's runtime requirements (pyproject.toml: the core's and those of the
+#: tasks, demo and bench extras) and the test runner's.
 #: torch, CuPy and nvidia-ml-py are never replaced from wheels: the machine's builds match its CUDA.
 REQUIREMENTS = (
     "grpcio>=1.85.1",
