@@ -8,8 +8,8 @@ says which, in one line, instead of failing on an import deep inside:
 * ``tasks``: the bundled side tasks (``side_tasks.*``): torch, NumPy, SciPy, Pillow.
 * ``demo``: ``freeride demo`` (the reference workload, the bundled tasks, the figures): ``tasks``
   plus matplotlib. ``freeride plan --plot`` needs matplotlib too.
-* ``bench``: the benchmarks and :mod:`freeride.measure`'s intervals: ``demo`` (SciPy's statistics
-  come with ``tasks``).
+* ``bench``: ``freeride bench`` and :mod:`freeride.measure`'s intervals: SciPy. ``bench/``'s research
+  benches also run the reference workload and draw figures: ``demo`` and ``bench``.
 * ``cluster``: the cluster queue (``--queue``): the redis client.
 * ``cuda12`` / ``cuda13``: CuPy for the bundled tasks' array backend on NVIDIA GPUs.
 
@@ -28,7 +28,7 @@ from freeride.errors import MissingExtra
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "tasks": ("torch", "numpy", "scipy", "PIL"),
     "demo": ("torch", "numpy", "scipy", "PIL", "matplotlib"),
-    "bench": ("torch", "numpy", "scipy", "PIL", "matplotlib"),
+    "bench": ("scipy",),
     "cluster": ("redis",),
     "cuda12": ("cupy",),
     "cuda13": ("cupy",),

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -64,7 +63,8 @@ from freeride._cli.bench_figures import (
 )
 from freeride._cli.bench_runs import BenchFailed, BenchTask, Runner, job_env, private_runtime
 from freeride._cli.launch import add_device_options, job_devices, remainder_command
-from freeride.errors import ConfigError
+from freeride._extras import require
+from freeride.errors import ConfigError, RequestRejected
 from freeride.measure import PRICE_RATIOS, StopRule, stop_decision
 
 #: The options that belong to the ``--task`` before them (``freeride submit``'s own names), with their metavars.
@@ -72,7 +72,6 @@ TASK_OPTION_VALUES = {"--arg": "KEY=VALUE", "--args-json": "JSON", "--memory": "
                       "--priority": "N", "--step-time-hint-ms": "MS", "--checkpoint-interval-s": "S"}
 TASK_OPTIONS = tuple(TASK_OPTION_VALUES)
 FIRST_RUN_TIMEOUT_S = 3600.0
-EXTRA_HINT = "freeride bench needs the [bench] extra (SciPy, for its intervals): pip install 'freeride[bench]'"
 
 
 def register(subparsers: Any) -> None:
@@ -137,9 +136,9 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def require_extra() -> None:
-    """ConfigError, in one line, when the ``[bench]`` extra is not installed."""
-    if importlib.util.find_spec("scipy") is None:
-        raise ConfigError(EXTRA_HINT)
+    """MissingExtra (a ConfigError), in one line, when the ``[bench]`` extra (SciPy, for the intervals) is
+    not installed."""
+    require("bench", "freeride bench")
 
 
 def task_word_lists(args: argparse.Namespace) -> list[list[str]]:
@@ -176,7 +175,7 @@ def parse_tasks(word_lists: Sequence[Sequence[str]]) -> tuple[BenchTask, ...]:
         try:
             ns = parser.parse_args(["submit", *words])
             spec = task_commands.build_spec(ns)
-        except ConfigError as exc:
+        except (ConfigError, RequestRejected) as exc:  # RequestRejected: a cap no worker can run in
             raise ConfigError(f"side task {words[0]}: {exc}") from None
         base = spec.name or words[0].rpartition(":")[2].lower()
         name, n = base, 1

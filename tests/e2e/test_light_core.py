@@ -155,6 +155,13 @@ def test_the_cluster_queue_without_its_extra_says_which_in_one_line(argv: list[s
     _one_line_naming(err, "cluster")
 
 
+def test_the_bench_command_without_its_extra_says_which_in_one_line() -> None:
+    code, _, err = _loaded_after("import sys; from freeride.cli import main; sys.exit(main(['bench', '--', 'true']))",
+                                 blocked=("scipy",))
+    assert code == 2
+    _one_line_naming(err, "bench")
+
+
 def test_measure_intervals_without_scipy_say_which_extra() -> None:
     code, _, err = _loaded_after("from freeride import measure\n"
                                  "try:\n    measure.t_interval([1.0, 2.0, 3.0])\n"

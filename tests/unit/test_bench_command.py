@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import random
 from pathlib import Path
@@ -221,8 +222,8 @@ def test_a_runs_time_limit_is_three_times_the_longest_run_so_far_plus_a_minute()
 
 
 def test_without_scipy_the_bench_says_which_extra_to_install_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = bench.importlib.util.find_spec
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "scipy" else real(name))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "scipy" else real(name))
     with pytest.raises(ConfigError) as exc:
         bench.require_extra()
     assert "pip install 'freeride[bench]'" in str(exc.value) and "\n" not in str(exc.value)
