@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from freeride import _checkpoints
 from freeride.standalone import MemoryProbe
 from freeride.task import SideTask, TaskContext
 from freeride.units import format_mib
@@ -136,14 +137,10 @@ def _check_cap(probe: MemoryProbe, limit: int, where: str) -> None:
 
 def checkpoint_roundtrip(task: SideTask) -> dict[str, Any]:
     """``task.state_dict()``, saved and loaded back exactly as a worker checkpoints and restores it."""
-    from freeride._worker.runtime import _load_checkpoint, _save_checkpoint
-
     state = task.state_dict()
     with tempfile.TemporaryDirectory(prefix="freeride-ckpt-") as directory:
-        path = Path(directory) / "ckpt-0.pt"
-        with open(path, "wb") as fh:
-            _save_checkpoint({"format": 1, "task_id": "test", "steps": 0, "state": state}, fh)
-        return dict(_load_checkpoint(path)["state"])
+        path = _checkpoints.write(Path(directory), "test", 0, state)
+        return dict(_checkpoints.load(path)["state"])
 
 
 def check_resume(factory: Callable[[], SideTask], stop_after: int, *, steps: int | None = None,

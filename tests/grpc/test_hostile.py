@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from freeride._manager.core import CoreConfig
 from freeride._manager.daemon import Manager
-from freeride._manager.validation import MIN_MEMORY_BYTES
+from freeride._validation import MIN_MEMORY_BYTES
 from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import ControlClient, health_status
