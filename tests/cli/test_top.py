@@ -50,11 +50,12 @@ def stats(**changes: object) -> ManagerStats:
 
 
 def task(task_id: str, state: str, submitted: float, steps: int = 10, progress: float = 10.0,
-         **changes: object) -> TaskInfo:
+         harvested_s: float = 0.25, **changes: object) -> TaskInfo:
     fields: dict[str, object] = dict(
         task_id=task_id, spec=TaskSpec(target=f"side_tasks.x:{task_id.split('-')[0].title()}", memory_bytes=2**26),
         state=state, submitted_unix_s=submitted,
-        figures=TaskProgress(steps=steps, progress=progress, progress_unit="ticks", step_p95_ms=1.5, harvested_s=0.25),
+        figures=TaskProgress(steps=steps, progress=progress, progress_unit="ticks", step_p95_ms=1.5,
+                             harvested_s=harvested_s),
     )
     fields.update(changes)
     return TaskInfo(**fields)  # type: ignore[arg-type]
