@@ -11,6 +11,7 @@ says which, in one line, instead of failing on an import deep inside:
 * ``bench``: ``freeride bench`` and :mod:`freeride.measure`'s intervals: SciPy. ``bench/``'s research
   benches also run the reference workload and draw figures: ``demo`` and ``bench``.
 * ``cluster``: the cluster queue (``--queue``): the redis client.
+* ``megatron``: Megatron Core, for :mod:`freeride.training.megatron` (a Megatron trainer has it already).
 * ``cuda12`` / ``cuda13``: CuPy for the bundled tasks' array backend on NVIDIA GPUs.
 
 A side task that uses torch imports it in its own worker process, which runs the manager's Python:
@@ -30,9 +31,11 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "demo": ("torch", "numpy", "scipy", "PIL", "matplotlib"),
     "bench": ("scipy",),
     "cluster": ("redis",),
+    "megatron": ("megatron",),
     "cuda12": ("cupy",),
     "cuda13": ("cupy",),
 }
+
 
 def installed(module: str) -> bool:
     """Whether a top-level module can be imported here, without importing it."""

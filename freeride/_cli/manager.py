@@ -249,7 +249,6 @@ class _AnnouncingManager(Manager):
         if self.device.name.kind == "cuda":
             print(f"  {self.device.describe()}", file=sys.stderr, flush=True)
 
-
     def _announce_stop(self, immediate: bool) -> None:
         if immediate or self._stop_announced:
             return  # the loop warns of an immediate stop itself; a repeated SIGTERM changes nothing
