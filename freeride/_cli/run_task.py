@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride._cli.submission import TaskCode, parse_task_args
+from freeride._validation import check_memory
 from freeride.standalone import StandaloneReport, check_target_syntax, run_standalone
 from freeride.units import format_ms, format_size, parse_size
 
@@ -46,8 +47,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--work-dir", default=None, help="the task's work directory (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
-
-
 
 
 def render(report: StandaloneReport) -> str:
@@ -86,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     check_target_syntax(args.target)
     task_args = parse_task_args(args.arg, args.args_json)
     limit = parse_size(args.memory, "--memory") if args.memory is not None else None
+    if limit is not None:
+        check_memory(limit)  # as submit does: a cap no worker can run in, refused before the import
     with TaskCode():  # the task's prints go to stderr, away from the report (and its JSON)
         report = run_standalone(
             args.target,

@@ -68,6 +68,12 @@ def test_a_cap_below_what_a_worker_needs_is_refused_before_the_task_is_imported(
                            "--memory", memory, *NO_MANAGER)
     assert code == EXIT_BAD_INPUT
     assert "is below what a task can run in: at least 1.0 MiB" in one_line_error(err)
+    # run-task refuses it the same way (it ran the task, or named the task's own estimate instead).
+    done = subprocess.run([sys.executable, "-m", "freeride.cli", "run-task", "examples.monte_carlo_pi:MonteCarloPi",
+                           "--memory", memory, "--seconds", "1", "--device", cpu_devices(1)[0]],
+                          capture_output=True, text=True, timeout=600, cwd=TESTS_DIR.parent)
+    assert done.returncode == EXIT_BAD_INPUT
+    assert one_line_error(done.stderr) == one_line_error(err)
 
 
 def test_a_manager_refuses_a_cap_below_what_a_worker_needs_from_any_client(harness: ManagerHarness) -> None:
