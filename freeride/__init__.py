@@ -5,6 +5,8 @@ The public surface: :class:`SideTask` and :class:`TaskContext` (write a side tas
 message dataclasses it returns; the trainer's side is :mod:`freeride.training`.
 """
 
+import os
+
 from freeride.errors import (
     ConfigError,
     FreerideError,
@@ -16,6 +18,14 @@ from freeride.errors import (
 )
 from freeride.messages import BubbleEnd, BubbleStart, FailureRecord, TaskInfo, TaskSpec
 from freeride.task import SideTask, TaskContext
+
+# gRPC's fork support (pthread_atfork handlers that pause its threads around every fork) is on by
+# default in the grpcio wheels, and its handlers can deadlock: a `freeride bench` hung forever inside
+# fork() starting a manager while its own gRPC health checks were in flight. freeride's processes fork
+# only to exec (managers, workers, jobs) and never use a channel in a forked child, which is what the
+# handlers exist for, so they are off unless the user chose otherwise. It takes effect where freeride
+# is imported before grpc: every freeride command, manager and worker (nothing above imports grpc).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __version__ = "0.1.0"
 
