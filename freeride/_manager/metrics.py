@@ -209,7 +209,7 @@ class ManagerCollector:
                          "(recent window; quantile 1 is the maximum)", device, stats.overrun_ms)
         yield _quantiles("freeride_grant_latency_seconds", "bubble start received to a side task's first step "
                          "(recent window; quantile 1 is the maximum)", device, stats.grant_latency_ms)
-        yield _quantiles("freeride_park_latency_seconds", "bubble end received to the side task parked "
+        yield _quantiles("freeride_park_latency_seconds", "bubble end received to the side task parked or frozen "
                          "(recent window; quantile 1 is the maximum)", device, stats.park_latency_ms)
         if stats.memory_budget_bytes >= 0:  # unknown until the first memory sample: left out
             yield gauge("freeride_memory_budget_bytes", "device memory side tasks may still be given",

@@ -81,7 +81,7 @@ CASES: list[tuple[str, Any, Callable[[Any], PbMessage], Callable[[Any], Any]]] =
     ("submission", TaskSpec(target="m:C", args={"a": {"b": [1, None, True]}}, memory_bytes=2**20, priority=5,
                             name="c", working_dir="/", checkpoint_interval_s=2.5, step_time_hint_ms=0.5),
      codec.spec_to_pb, lambda msg: validate_submission(codec.submission_from_pb(msg))),
-    ("command submission", TaskSpec(command=("python", "-c", "pass"), args={"x": 1}, memory_bytes=1, priority=-1,
+    ("command submission", TaskSpec(command=("python", "-c", "pass"), args={"x": 1}, memory_bytes=2**21, priority=-1,
                                     name="c", working_dir="/", checkpoint_interval_s=1.0, step_time_hint_ms=2.0),
      codec.spec_to_pb, lambda msg: validate_submission(codec.submission_from_pb(msg))),
     ("task info", INFO, codec.task_info_to_pb, codec.task_info_from_pb),
