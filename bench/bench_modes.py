@@ -681,7 +681,7 @@ def render(out: Path, doc: dict[str, Any], readme: Path | None,
     plot(out / f"{stem}.png", table)
     if readme is not None:
         link = os.path.relpath(out / f"{stem}.md", readme.parent)
-        if not update_readme(readme, readme_block(meta, table, link), stem):
+        if not update_readme(readme, readme_block(meta, table, link, stem), stem):
             print(f"bench: {readme} has no generated block for {stem} to update (markers missing)", file=sys.stderr)
     return meta, table
 

@@ -15,8 +15,8 @@ Each preset is one command that writes its own results (``bench/results/cpu/<ste
   steps of tens to hundreds of milliseconds, where its own were 31-175 ms). There its 5 ms sleep after
   each step costs a few percent of a bubble, not half of it, and its 10 ms poll a few percent of the
   bubble's start: the like-for-like comparison. Only ``none``, ``freeride-paper`` and ``freeride`` run
-  (co-location and the managers' own overhead are the other presets' business); about 15 minutes on two
-  quiet cores (estimated: 3 trials of 7 runs of about 35 s).
+  (co-location and the managers' own overhead are the other presets' business); 13 minutes on two
+  quiet cores (measured: 3 trials of 7 runs of about 35 s).
 
 Explicit options override a preset's values (``--preset short --max-trials 5``).
 """

@@ -300,3 +300,19 @@ def test_older_results_count_the_savings_time_over_the_measured_iterations_once(
     _, again = render(tmp_path, doc, None)  # a second render changes nothing
     assert again["pagerank/freeride"]["saving"] == table["pagerank/freeride"]["saving"]
     assert (tmp_path / "modes.md").exists() and (tmp_path / "modes.png").exists()
+
+
+def test_a_presets_render_keeps_its_own_readme_markers(tmp_path: Path) -> None:
+    """A preset's results rewrote its README block with the default block's markers: the next default run
+    would then have found two blocks of its own, and the preset's run none."""
+    from bench.bench_modes import render
+
+    begin, end = readme_markers("modes_reference")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{begin}\nold ref\n{end}\n{README_BEGIN}\nold full\n{README_END}\n")
+    doc = {"meta": full_meta(), "runs": [dataclasses.asdict(r) for r in RUNS]}
+    render(tmp_path, doc, readme, "modes_reference")
+    render(tmp_path, doc, readme, "modes_reference")  # the second finds its block again
+    text = readme.read_text()
+    assert text.count(begin) == 1 and text.count(end) == 1 and text.count(README_BEGIN) == 1
+    assert "old ref" not in text and "old full" in text
