@@ -54,7 +54,14 @@ FRAMEWORK_TESTS = REPO / "tests" / "frameworks"
 sys.path.insert(0, str(REPO))
 
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
-from bench.bench_schedules import GAP_NS, PAGERANK, analyse_device, coverage, standalone_rate  # noqa: E402
+from bench.bench_schedules import (  # noqa: E402
+    GAP_NS,
+    PAGERANK,
+    analyse_device,
+    coverage,
+    results_table,
+    standalone_rate,
+)
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
@@ -256,31 +263,8 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         "chunks per rank; one manager and one PageRank `rmat:12` per core. Load average (1 min) before/after each "
         "run in the last column: figures from a loaded machine are noisy.",
         "",
-        "| schedule | rank | reported / idle in gaps >= 0.5 ms | idle ms/it | slots modelled + learned "
-        "| predicted past end | harvest eff. | freezes | overrun p50 / p99 ms | step p95 / bubble p50 ms "
-        "| instr. cost | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in doc["runs"]:
-        for rank, dev in zip(run["ranks"], run["devices"].values(), strict=True):
-            ratio = rank["reported_over_idle"]
-            over = (f"{dev['overrun_ms_p50']:.2f} / {dev['overrun_ms_p99']:.2f}"
-                    if dev["overrun_ms_p50"] is not None else "-")
-            eff = f"{100 * dev['harvest_efficiency']:.1f}%" if dev["harvest_efficiency"] is not None else "-"
-            steps = (f"{dev['step_ms_p95']:.2f} / {dev['bubble_ms_p50']:.2f}"
-                     if dev["step_ms_p95"] is not None and dev["bubble_ms_p50"] is not None else "-")
-            past = f"{100 * rank['predicted_past_end']:.0f}%" if rank["predicted_past_end"] is not None else "-"
-            cost = run["hot_path_ns"][rank["rank"]] / 1e6 / rank["iteration_ms_p50"] if rank["iteration_ms_p50"] else 0
-            ratio_text = f"{ratio:.2f}" if ratio is not None else "no idle measured"
-            lines.append(
-                f"| {run['schedule']} | {rank['rank']} | {ratio_text} | {rank['idle_in_gaps_ms_per_iteration']:.1f} "
-                f"| {rank['modelled_slots_reported']} + {rank['learned_slots']} | {past} | {eff} | {dev['freezes']} "
-                f"| {over} | {steps} | {100 * cost:.3f}% "
-                f"| {run['loadavg_before'][0]:.1f} / {run['loadavg_after'][0]:.1f} |")
-    lines += ["", "Targets (issue 21): reported >= 90% of the idle in gaps >= 0.5 ms on each rank; harvest >= 50% "
-              "where the side task's steps are under a third of the typical bubble; overrun p99 <= 1 ms; "
-              "instrumentation cost <= 0.2% where the sender has its own core.", ""]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines + results_table(doc)) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
