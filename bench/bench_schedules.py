@@ -85,8 +85,25 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dual
 FRAMEWORKS = {"deepspeed": ("freeride.workload.deepspeed_job",),
               "deepspeed-dualpipev": ("freeride.workload.deepspeed_job", "--dualpipev"),
               "torchtitan": ("freeride.workload.torchtitan_job", "--builder", "torchtitan")}
-PAGERANK = {"target": "side_tasks.graphs:PageRank",
+PAGERANK = {"name": "pagerank", "target": "side_tasks.graphs:PageRank",
             "args": {"graph": "rmat:12", "tol": 0.0, "max_iterations": 2**31 - 1}, "memory_bytes": 512 << 20}
+
+
+def side_task(spec: str) -> dict[str, Any]:
+    """``pagerank`` (``rmat:12``, steps of ~1-1.8 ms here) or ``spin:US`` (busy steps of US microseconds: the
+    issue's harvest target is for a task whose steps are under a third of the typical bubble)."""
+    if spec == "pagerank":
+        return PAGERANK
+    if spec.startswith("spin:"):
+        try:
+            step_us = float(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"spin:US needs the step's microseconds, got {spec!r}") from None
+        if not 0 < step_us <= 1e6:
+            raise ValueError(f"spin steps of {step_us} us: give 0 < US <= 1,000,000")
+        return {"name": f"spin-{step_us:g}us", "target": "bench.bench_tasks:SpinStep", "args": {"step_us": step_us},
+                "memory_bytes": 64 << 20}
+    raise ValueError(f"unknown side task {spec!r}: pagerank or spin:US")
 MODEL = ["--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "128", "--microbatch-size", "4"]
 GAP_NS = 500_000
 
@@ -116,18 +133,17 @@ def trainer_argv(name: str, args: argparse.Namespace, log: Path, endpoint_templa
     return argv
 
 
-def standalone_rate(device: str, seconds: float, run_dir: Path) -> float:
-    """PageRank's progress per second alone on ``device`` (the demo's yardstick, ``freeride._demo.probe``)."""
+def standalone_rate(device: str, seconds: float, run_dir: Path, task: dict[str, Any] = PAGERANK) -> float:
+    """The side task's progress per second alone on ``device`` (the demo's yardstick, ``freeride._demo.probe``)."""
     request, result = run_dir / "standalone-request.json", run_dir / "standalone.json"
-    request.write_text(json.dumps({"device": device, "seconds": seconds,
-                                   "tasks": [{"name": "pagerank", **PAGERANK}]}))
+    request.write_text(json.dumps({"device": device, "seconds": seconds, "tasks": [task]}))
     with (run_dir / "standalone.log").open("wb") as log:
         subprocess.call([sys.executable, "-m", "freeride._demo.probe", str(request), str(result)], cwd=REPO,
                         stdout=log, stderr=subprocess.STDOUT, timeout=300)
     entries = json.loads(result.read_text()) if result.exists() else []
     rate = next((float(e["report"]["progress_per_s"]) for e in entries if "report" in e), 0.0)
     if rate <= 0:
-        raise SystemExit(f"the standalone PageRank measurement failed; see {run_dir}")
+        raise SystemExit(f"the standalone {task['name']} measurement failed; see {run_dir}")
     return rate
 
 
@@ -146,8 +162,9 @@ def run_schedule(name: str, args: argparse.Namespace, run_dir: Path, rates: dict
             ids: dict[str, str] = {}
             for dev, ep in endpoints.items():
                 with ControlClient(ep) as client:
-                    info = client.submit(TaskSpec(target=PAGERANK["target"], args=PAGERANK["args"],
-                                                  memory_bytes=PAGERANK["memory_bytes"], name="pagerank",
+                    task = side_task(args.side_task)
+                    info = client.submit(TaskSpec(target=task["target"], args=task["args"],
+                                                  memory_bytes=task["memory_bytes"], name=task["name"],
                                                   working_dir=str(REPO)))
                     ids[dev] = info.task_id
                     _wait_resident(client, [info.task_id], timeout_s=900)  # a loaded machine starts workers slowly
@@ -399,6 +416,12 @@ def hot_path_ns(name: str, microbatches: int, csv_path: Path, batches: int = 30,
 # ---------------------------------------------------------------- report
 
 
+def side_label(spec: str) -> str:
+    if spec == "pagerank":
+        return "a PageRank `rmat:12`"
+    return f"a task of busy steps of {float(spec.split(':', 1)[1]):g} us (`bench.bench_tasks:SpinStep`)"
+
+
 def write_markdown(doc: dict[str, Any], path: Path) -> None:
     m = doc["machine"]
     lines = [
@@ -407,7 +430,8 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         f"`{doc['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['versions'].get('torch')}; "
         f"{doc['config']['iterations']} iterations ({doc['config']['warmup']} warm-up), "
         f"{doc['config']['microbatches']} micro-batches, model stage 1 {doc['config']['slow_ms']} ms slower per "
-        "forward; one manager and one PageRank `rmat:12` per core. Load average (1 min) before/after each run "
+        "forward; one manager and one side task per core: "
+        f"{side_label(doc['config'].get('side_task', 'pagerank'))}. Load average (1 min) before/after each run "
         "in the last column: figures from a loaded machine are noisy.",
         "",
     ]
@@ -459,7 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     p.add_argument("--results-name", default="schedules", help="results go to <out>/<name>.json and .md")
+    p.add_argument("--side-task", default="pagerank", help="pagerank (rmat:12) or spin:US (busy steps of US us)")
     args = p.parse_args(argv)
+    try:
+        side_task(args.side_task)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.quick:
         args.iterations, args.warmup = 40, 10
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
@@ -473,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     megatron = build_schedule("interleaved-1f1b", 2, args.microbatches, virtual=2)
     csv_path.write_text("\n".join(",".join(str(a) for a in megatron.orders[r]) for r in (0, 1)) + "\n")
     devices = two_stage_cpu(sorted(os.sched_getaffinity(0))).devices
-    rates = {dev: standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}")
+    rates = {dev: standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}", side_task(args.side_task))
              for i, dev in enumerate(devices) if (work / f"standalone-{i}").mkdir() is None}
     runs: list[dict[str, Any]] = []
     command = "python -m bench.bench_schedules" + (" --quick" if args.quick else "")

@@ -21,19 +21,11 @@ memory access, no system call:
   before the end is even queued for the wire. A worker granted that bubble reads the record before
   each step and stops at once: the end reaches it in about a microsecond instead of the ~0.3 ms (p99
   ~0.6 ms, more under load) that the reporter, gRPC and the manager's loop take. The manager still
-  learns every end over the wire (statistics, parks); the board only lets a worker stop before the
-  manager knows, and the end wake below lets the manager freeze a running step on time. The
-  reference policy's emulation never reads it (it ignores real ends).
+  learns every end (statistics, parks), as a datagram from a trainer on its host
+  (:mod:`freeride._local_events`) or over the wire; the board only lets a worker stop before the manager
+  knows. The reference policy's emulation never reads it (it ignores real ends).
   A trainer that is another user, or on another host, reaches the manager over TCP and has no board:
   its ends travel over the wire only.
-
-* :class:`EndWake`, beside the end board (``<socket>.wake``, a unix datagram socket the manager binds):
-  right after the reporter writes an end on the board, it sends the same (rank, start, end) there, one
-  non-blocking ``send`` that never waits and never raises into training (a full queue or a dead manager
-  drops the wake: the end still crosses the wire). It wakes the manager's loop, which arms the freeze of
-  a step still running at that end + grace: the end a worker stops at is the end its freeze counts from,
-  not a wire trip later. A datagram socket rather than a pipe: sending to a manager that died answers an
-  error, never SIGPIPE (which a trainer may have set to kill it), and each wake carries its end whole.
 
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
@@ -48,13 +40,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import socket
 import struct
 from pathlib import Path
 
 _WORD = struct.Struct("<q")
 _RECORD = struct.Struct("<qq")
-_WAKE = struct.Struct("<qqq")  # rank, bubble start, bubble end
 
 #: Records in an end board: one per rank, by ``rank % END_BOARD_RANKS`` (a device hosts a few ranks at most).
 END_BOARD_RANKS = 64
@@ -190,83 +180,3 @@ class EndBoard:
             self._mm.close()
         except (BufferError, ValueError):
             pass
-
-
-def end_wake_path(socket_path: str) -> Path:
-    """Where the manager listening on the unix socket ``socket_path`` takes the trainer's end wakes."""
-    return Path(socket_path + ".wake")
-
-
-class EndWake:
-    """The manager's end of the trainer's end wakes (see the module docstring): bound, non-blocking."""
-
-    #: Wakes read in one go: far more than a trainer's ends in one loop turn; the rest wait for the next.
-    MAX_READ = 256
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.malformed = 0
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        try:
-            path.unlink(missing_ok=True)  # left behind by a manager that was killed (the caller checked)
-            old = os.umask(0o177)
-            try:
-                sock.bind(str(path))
-            finally:
-                os.umask(old)
-        except OSError:
-            sock.close()
-            raise
-        self._sock = sock
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def read(self) -> list[tuple[int, int, int]]:
-        """The wakes waiting: (rank, start, end) each; a datagram of another size or with a bad end is counted."""
-        wakes = []
-        for _ in range(self.MAX_READ):
-            try:
-                data = self._sock.recv(64)
-            except (BlockingIOError, InterruptedError):
-                break
-            if len(data) != _WAKE.size:
-                self.malformed += 1
-                continue
-            rank, start_ns, end_ns = _WAKE.unpack(data)
-            if rank < 0 or start_ns <= 0 or end_ns < start_ns:
-                self.malformed += 1
-                continue
-            wakes.append((rank, start_ns, end_ns))
-        return wakes
-
-    def close(self) -> None:
-        self._sock.close()
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
-
-
-class EndWakeSender:
-    """The trainer's end of the wakes: one connected datagram socket; :meth:`send` never blocks nor raises."""
-
-    def __init__(self, path: Path) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        try:
-            sock.connect(str(path))
-        except OSError:
-            sock.close()
-            raise
-        self._sock = sock
-        self._flags = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-        self.dropped = 0
-
-    def send(self, rank: int, start_ns: int, end_ns: int) -> None:
-        try:
-            self._sock.send(_WAKE.pack(rank, start_ns, end_ns), self._flags)
-        except OSError:  # full (the manager is behind) or gone: the end still crosses the wire
-            self.dropped += 1
-
-    def close(self) -> None:
-        self._sock.close()

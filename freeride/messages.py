@@ -60,6 +60,11 @@ BubbleEvent = BubbleStart | BubbleEnd
 #: Largest accepted predicted bubble length; anything longer is a unit mistake.
 MAX_PREDICTED_NS = 3600 * 10**9
 MAX_KIND_CHARS = 64
+#: How far ahead of the manager's clock a bubble time may be. Trainer and manager share the host's
+#: CLOCK_MONOTONIC, so a time is never really ahead; the slack only absorbs how long a clock read
+#: takes. A time further ahead (another host's clock, a unit mistake) would otherwise hold a side
+#: task's grant or delay its freeze until that time.
+MAX_CLOCK_AHEAD_NS = 10**9
 
 
 def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> None:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from freeride._boards import EndBoard, EndWake, end_board_path, end_wake_path
+from freeride._boards import EndBoard, end_board_path
+from freeride._local_events import LocalEvents, local_events_path
 from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
@@ -170,10 +171,10 @@ class Manager:
                     self.end_board = None
             if self.end_board is not None:
                 try:
-                    self.loop.listen_for_ends(EndWake(end_wake_path(path)))
+                    self.loop.listen_locally(LocalEvents(local_events_path(path)))
                 except OSError as exc:
-                    log.warning("[%s] no end wake at %s (%s): a step running at a bubble's end is frozen grace "
-                                "after the end crosses the wire", self.device, end_wake_path(path), exc)
+                    log.warning("[%s] no local event socket at %s (%s): a trainer on this host reports over the "
+                                "wire", self.device, local_events_path(path), exc)
             old = os.umask(0o177)
             try:
                 self.port = self.server.add_insecure_port(self.endpoint.grpc_target)

@@ -10,12 +10,11 @@ sends the park message. The path decides nothing the core would not: an end with
 grant's bubble key, at or after its start, is what makes the core park it. A stale publication is
 harmless: grant ids only grow, and saying that an ended bubble ended changes nothing.
 
-On one host the trainer also sends each end to the manager's end wake (:class:`freeride._boards.EndWake`)
-right after it writes the end board; the loop selects on it and hands the wakes here
-(:meth:`EndPath.woken`): an end of the published grant's bubble sets the worker's word (for a worker that
-could not map the trainer's board) and becomes a :class:`~freeride._manager.core.TrainerEndSeen`, with
-which the core freezes a step still running at that end + grace, a wire trip earlier than the end
-event would let it.
+A trainer on the manager's host sends its events as datagrams that the loop reads itself
+(:mod:`freeride._local_events`); the loop hands each end here first (:meth:`EndPath.local_end`): an end
+of the published grant's bubble sets the worker's word (for a worker that could not map the trainer's
+board) and becomes a :class:`~freeride._manager.core.TrainerEndSeen`, with which the core freezes a step
+still running at the trainer's end + grace, not grace after the end reached the loop.
 
 ``end_to_worker`` times an end received (the servicer's stamp) -> the word set, recorded by servicer
 threads and the loop thread alike, under a lock.
@@ -58,20 +57,20 @@ class EndPath:
         if board is not None:
             self._hot = _HotGrant(task_id, grant_id, bubble_key, start_ns, board)
 
-    def woken(self, wakes: Sequence[tuple[int, int, int]]) -> list[C.TrainerEndSeen]:
-        """The trainer's end wakes, (rank, start, end) each: the end of the published grant's bubble, if there."""
+    def local_end(self, event: BubbleEnd, received_ns: int) -> list[C.TrainerEndSeen]:
+        """A local trainer's end, read by the loop from its datagram (:mod:`freeride._local_events`): for the
+        published grant's bubble, set the worker's word (for a worker that could not map the trainer's
+        board) and say the end was seen, so that the core freezes a step still running at the trainer's
+        own end + grace."""
         hot = self._hot
-        if hot is None:
+        if hot is None or event.key != hot.bubble_key or event.end_ns < hot.start_ns:
             return []
-        rank = hot.bubble_key[1]
-        for wake_rank, start_ns, end_ns in wakes:
-            if wake_rank == rank and start_ns == hot.start_ns:
-                try:
-                    hot.board.end_grant(hot.grant_id, end_ns)
-                except ValueError:  # the worker was reaped and its board closed meanwhile
-                    pass
-                return [C.TrainerEndSeen(hot.task_id, hot.grant_id, end_ns)]
-        return []
+        try:
+            if hot.board.end_grant(hot.grant_id, event.end_ns):
+                self._record(self.now_ns() - received_ns)
+        except ValueError:  # the worker was reaped and its board closed meanwhile
+            pass
+        return [C.TrainerEndSeen(hot.task_id, hot.grant_id, event.end_ns)]
 
     def reported(self, grant_id: int) -> None:
         """The worker reported the grant's steps: its bubble is no longer held, an end for it times nothing."""

@@ -91,6 +91,11 @@ class Inbox(Generic[T]):
         with self._room:
             self.rejected += count
 
+    def count_received(self, count: int) -> None:
+        """Count bubble events the loop read itself (a local trainer's datagrams), in ``received``."""
+        with self._room:
+            self.received += count
+
     def post_bubbles(self, events: Sequence[Any], received_ns: int) -> int:
         """Enqueue valid bubble events, in order, one wake-up per chunk, waiting for room (see the module
         docstring). Returns how many were not enqueued: those still waiting when the loop stopped."""

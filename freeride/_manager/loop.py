@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from freeride import _channel as W
-from freeride._boards import EndWake
 from freeride._cluster.records import CancelTask as QueueCancel
 from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, ReleaseTask
+from freeride._local_events import LocalEvents, decode
 from freeride._manager import core as C
 from freeride._manager.cluster_bridge import ClusterBridge
 from freeride._manager.device_poller import DevicePoller
@@ -61,7 +61,18 @@ from freeride._manager.watchers import Watchers
 from freeride._manager.worker_log import check_limits
 from freeride.devices import Device
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import BubbleSlotStats, BubbleStart, QueueStats, TaskEvent, TrainerEvent, TrainerLayout
+from freeride.messages import (
+    MAX_CLOCK_AHEAD_NS,
+    BubbleEnd,
+    BubbleSlotStats,
+    BubbleStart,
+    QueueStats,
+    TaskEvent,
+    TrainerEvent,
+    TrainerLayout,
+    validate_bubble_event,
+    validate_layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +156,7 @@ class ManagerLoop:
         self.watchers = Watchers()
         self.ends = EndPath(now_ns)
         self.trace = LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns) if config.trace_path else None
-        self._end_wake: EndWake | None = None
+        self._local: LocalEvents | None = None
         #: Wakes the select at the core's next timer to the microsecond (epoll's own timeout is whole ms).
         #: Only on the real clock: a test's fake clock has no kernel timer.
         self._timer = make_timer() if now_ns is time.monotonic_ns else None
@@ -249,10 +260,10 @@ class ManagerLoop:
     def slot_stats(self) -> list[BubbleSlotStats]:
         return self.core.slot_stats()
 
-    def listen_for_ends(self, wake: EndWake) -> None:
-        """Select on the trainer's end wakes (:mod:`freeride._boards`); the loop closes it when it stops."""
-        self._end_wake = wake
-        self._selector.register(wake.fileno(), selectors.EVENT_READ, lambda: self.ends.woken(wake.read()))
+    def listen_locally(self, local: LocalEvents) -> None:
+        """Select on a local trainer's event datagrams (:mod:`freeride._local_events`); closed when the loop stops."""
+        self._local = local
+        self._selector.register(local.fileno(), selectors.EVENT_READ, self._read_local)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT only enqueue a shutdown: drain (every task checkpointed), then stop.
@@ -296,12 +307,58 @@ class ManagerLoop:
                 deadline = timer
         return max(0.0, (deadline - now) / 1e9)
 
+    def _read_local(self) -> list[Any]:
+        """Feed every local datagram waiting (the selector's callback, and before each chunk of wire events:
+        a connection's datagrams all precede its wire events, see :mod:`freeride._local_events`).
+
+        Each is validated as an event from the wire is; one that is not an event is counted as rejected. An
+        end first sets its worker's word and arms the freeze at the trainer's own end + grace
+        (:meth:`EndPath.local_end`), then parks as an end from the wire does."""
+        local = self._local
+        if local is None:
+            return []
+        datagrams = local.read()
+        if not datagrams:
+            return []
+        received_ns = self.now_ns()
+        latest_ns = received_ns + MAX_CLOCK_AHEAD_NS
+        events: list[TrainerEvent] = []
+        for data in datagrams:
+            try:
+                event = decode(data)
+                if isinstance(event, TrainerLayout):
+                    validate_layout(event, latest_ns)
+                else:
+                    validate_bubble_event(event, latest_ns)
+            except ConfigError as exc:
+                self.inbox.reject()
+                log.warning("[%s] a local trainer datagram was rejected: %s", self.device, exc)
+                continue
+            events.append(event)
+        self.inbox.count_received(len(events))
+        record = self.event_delay.record
+        for event in events:
+            if not self._running:
+                break
+            now = self.now_ns()
+            if isinstance(event, BubbleEnd):
+                record(now - event.end_ns)
+                for seen in self.ends.local_end(event, received_ns):
+                    self._feed(seen, now)
+            elif isinstance(event, BubbleStart):
+                record(now - event.start_ns)
+            else:
+                record(now - event.at_ns)
+            self._feed(self._trainer_input(event, received_ns), now)
+        return []
+
     def _take_inbox(self) -> None:
         """One turn's share of the inbox: every waiting item, then up to ``BUBBLES_PER_TURN`` bubble events."""
         for item in self.inbox.items():
             self._dispatch(item)
         budget = BUBBLES_PER_TURN
         while budget > 0 and self._running:
+            self._read_local()
             chunk = self.inbox.take_chunk()
             if chunk is None:
                 break
@@ -506,8 +563,8 @@ class ManagerLoop:
                 future.set_exception(stopping)
         self._drain_waiters.clear()
         self.poller.stop()
-        if self._end_wake is not None:
-            self._end_wake.close()
+        if self._local is not None:
+            self._local.close()
         self.workers.close()
         self.durability.close()
         self.watchers.close()

@@ -27,17 +27,12 @@ from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES
 from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
-from freeride.messages import StreamSummary, TaskSpec, TrainerEvent
+from freeride.messages import MAX_CLOCK_AHEAD_NS, StreamSummary, TaskSpec, TrainerEvent
 
 log = logging.getLogger(__name__)
 
 #: Ids are ``<slug of at most 32 characters>-<sequence number>``; anything longer is not one.
 MAX_TASK_ID_CHARS = 128
-#: How far ahead of the manager's clock a bubble time may be. Trainer and manager share the host's
-#: CLOCK_MONOTONIC, so a time is never really ahead; the slack only absorbs how long a clock read
-#: takes. A time further ahead (another host's clock, a unit mistake) would otherwise hold a side
-#: task's grant or delay its freeze until that time.
-MAX_CLOCK_AHEAD_NS = 10**9
 #: How long a control call waits for the loop at most, when the caller's deadline allows that much.
 CALL_LIMIT_S = 10.0
 #: A call is answered this long before the caller's deadline: a refusal that says why, rather than

@@ -1,9 +1,10 @@
 """The trainer's side of the bubble protocol: report bubbles without ever slowing training.
 
 :class:`BubbleReporter` is what an instrumented schedule calls at the start and end of every idle
-slot. The two calls only put a tuple on a bounded queue (a C ``SimpleQueue``: no lock the training
-thread can contend on for long, no allocation beyond the tuple) and return in about a microsecond;
-when the queue is full the event is dropped and counted. Nothing on those calls can raise.
+slot. Over the wire, the two calls only put a tuple on a bounded queue (a C ``SimpleQueue``: no lock
+the training thread can contend on for long, no allocation beyond the tuple) and return in about a
+microsecond; when the queue is full the event is dropped and counted. On the manager's host they send
+a datagram instead (below: a few microseconds). Nothing on those calls can raise.
 
 A daemon thread owns the connection. It opens one ``Trainer.StreamBubbles`` call
 (:class:`freeride._wire.client.BubbleStream`) fed by a generator that reads the queue, so events go
@@ -22,18 +23,19 @@ per-message cost is shared by the whole batch. A trainer pinned to one core pass
 ``cpu_affinity`` (for example the cores it was given before pinning) so that the sender thread and
 the gRPC thread it starts are not confined to the training thread's core.
 
-**Ends reach side tasks before they reach the wire.** A manager on a unix socket keeps an *end
-board* beside it (:mod:`freeride._boards`): a small shared file in the socket's owner-only directory.
-The reporter maps it each time it connects, and :meth:`BubbleReporter.bubble_end` writes the ended
-bubble's start and end time into this rank's record (two memory stores, no system call) before it
-queues the end; the side task granted that bubble reads the record before each step and stops at
-once. The end still travels the wire to the manager, which parks, measures and learns from it as
-before: the board only removes the wire's latency (~0.3 ms, more under load) from the moment a side
-task stops starting steps. Right after the board, the same end goes to the manager's *end wake*
-(``<socket>.wake``, one non-blocking datagram ``send``), which arms the freeze of a step still running
-at that end + grace: the end a side task stops at is the end its freeze counts from. Over TCP (another
-user, another host) there is neither: there a message is cut right after each end, so an end is never
-held behind events queued after it.
+**On the manager's host, events skip the wire.** A manager on a unix socket keeps an *end board*
+beside it (:mod:`freeride._boards`): a small shared file in the socket's owner-only directory. The
+reporter maps it each time it connects, and :meth:`BubbleReporter.bubble_end` writes the ended
+bubble's start and end time into this rank's record (two memory stores, no system call) first; the
+side task granted that bubble reads the record before each step and stops at once. Then every event,
+starts and layouts too, goes from the training thread straight to the manager's loop as one datagram
+(``<socket>.events``, :mod:`freeride._local_events`: one non-blocking ``send``, about what queueing
+and waking the sender thread cost), so the scheduler has it about a wake-up later instead of four
+threads later, and freezes a step still running at the trainer's own end + grace. The datagrams begin
+once the connection's queue is empty; a send that fails (the manager far behind, or gone) sends that
+event and the connection's later ones over the wire, so that none overtakes another. Over TCP
+(another user, another host) there is neither: there a message is cut right after each end, so an
+end is never held behind events queued after it.
 
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
@@ -50,7 +52,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from freeride._boards import EndBoard, EndWakeSender, end_board_path, end_wake_path
+from freeride._boards import EndBoard, end_board_path
+from freeride._local_events import LocalEventSender, local_events_path
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, resolve_endpoint
 from freeride.messages import (
@@ -80,14 +83,16 @@ _LAYOUT = 2
 
 @dataclass(frozen=True)
 class ReporterCounters:
-    """What a reporter did so far: events handed to gRPC, dropped, and connections opened.
+    """What a reporter did so far: events handed to the manager, dropped, and connections opened.
 
-    ``messages`` is how many stream messages carried the ``sent`` events. ``accepted``,
+    ``messages`` is how many stream messages carried the ``sent`` events that went over the wire. ``accepted``,
     ``rejected`` and ``manager_dropped`` add up the manager's summaries of the streams closed so far
-    (a stream is summarised only when it closes; a manager that died sends none);
+    (a stream is summarised only when it closes; a manager that died sends none; local datagrams are
+    not in them: the manager counts those it rejects in its own ``events_rejected``);
     ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
     """
 
+    #: Events taken from the training thread: queued for the wire, or sent as local datagrams.
     enqueued: int
     sent: int
     dropped: int
@@ -98,6 +103,10 @@ class ReporterCounters:
     accepted: int = 0
     rejected: int = 0
     manager_dropped: int = 0
+    #: Of ``sent``, the events that went as local datagrams (a trainer on the manager's host).
+    local: int = 0
+    #: Connections whose events fell back from datagrams to the wire (a full or closed socket).
+    local_fallbacks: int = 0
 
 
 class BubbleReporter:
@@ -143,8 +152,14 @@ class BubbleReporter:
         #: training thread writes to whichever mapping it reads here. A replaced mapping is not closed
         #: (the training thread may be writing to it), only dropped.
         self._end_board: EndBoard | None = None
-        #: The manager's end wake, opened with the board (None: no board, or a manager without a wake).
-        self._end_wake: EndWakeSender | None = None
+        #: Where the training thread sends: the manager's local event socket (:mod:`freeride._local_events`), or
+        #: None for the wire's queue; and the route's epoch, which tags every queued event. Replaced whole (one
+        #: attribute: the training thread reads both at once), under ``_route_lock``.
+        self._route: tuple[LocalEventSender | None, int] = (None, 0)
+        #: The wire sends only events queued at this epoch or later: an event queued before this connection's
+        #: datagrams began could reach the manager after them (see :meth:`_use_local`).
+        self._wire_from = 0
+        self._route_lock = threading.Lock()
         #: Over TCP the wire is the only path of an end: a message ends right after each end.
         self._cut_at_ends = self.endpoint.kind != "unix"
         #: (iteration, slot, start_ns) of the last bubble started: the identity an end writes on the board.
@@ -154,6 +169,8 @@ class BubbleReporter:
         self._dropped_hot = 0
         self._dropped_bg = 0
         self._sent = 0
+        self._sent_local = 0
+        self._local_fallbacks = 0
         self._messages = 0
         self._connects = 0
         self._accepted = self._rejected = self._manager_dropped = 0
@@ -184,10 +201,18 @@ class BubbleReporter:
             if start_ns is None:
                 start_ns = time.monotonic_ns()
             self._last_start = (iteration, slot, start_ns)
+            local, epoch = self._route
+            if local is not None:
+                if local.send_start(self.stage, self.rank, iteration, slot, kind, start_ns, max(1, predicted_ns),
+                                    free_memory_bytes, learned):
+                    self._sent_local += 1
+                    self._enqueued += 1
+                    return
+                epoch = self._local_failed(local)
             if self._queue.qsize() >= self._queue_size or self._closed.is_set():
                 self._dropped_hot += 1
                 return
-            self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned))
+            self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned, epoch))
             self._enqueued += 1
         except Exception:  # noqa: BLE001 - the training thread must never see our failures
             self._dropped_hot += 1
@@ -201,20 +226,25 @@ class BubbleReporter:
         try:
             if end_ns is None:
                 end_ns = time.monotonic_ns()
-            board, wake, last = self._end_board, self._end_wake, self._last_start
+            board, last = self._end_board, self._last_start
             if board is not None and last is not None and last[0] == iteration and last[1] == slot:
                 board.record_end(self.rank, last[2], end_ns)
-                if wake is not None:
-                    wake.send(self.rank, last[2], end_ns)  # the manager's freeze counts from this end
         except Exception:  # noqa: BLE001 - a board gone bad costs only its speed-up; the end still goes out
             pass
         try:
             if end_ns is None:
                 end_ns = time.monotonic_ns()
+            local, epoch = self._route
+            if local is not None:
+                if local.send_end(self.stage, self.rank, iteration, slot, end_ns):
+                    self._sent_local += 1
+                    self._enqueued += 1
+                    return
+                epoch = self._local_failed(local)
             if self._queue.qsize() >= self._queue_size or self._closed.is_set():
                 self._dropped_hot += 1
                 return
-            self._queue.put((_END, iteration, slot, end_ns))
+            self._queue.put((_END, iteration, slot, end_ns, epoch))
             self._enqueued += 1
         except Exception:  # noqa: BLE001
             self._dropped_hot += 1
@@ -240,10 +270,20 @@ class BubbleReporter:
         try:
             if at_ns is None:
                 at_ns = time.monotonic_ns()
+            local, epoch = self._route
+            if local is not None:
+                layout = TrainerLayout(str(schedule), int(stages), int(microbatches),
+                                       tuple(str(d) for d in stage_devices), int(at_ns), int(free_memory_bytes))
+                if local.send(layout):
+                    self._sent_local += 1
+                    self._enqueued += 1
+                    return
+                epoch = self._local_failed(local)
             if self._queue.qsize() >= self._queue_size or self._closed.is_set():
                 self._dropped_hot += 1
                 return
-            self._queue.put((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes))
+            self._queue.put((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes,
+                             epoch))
             self._enqueued += 1
         except Exception:  # noqa: BLE001
             self._dropped_hot += 1
@@ -252,7 +292,8 @@ class BubbleReporter:
 
     @property
     def sent(self) -> int:
-        return self._sent
+        """Events handed to the manager: over the wire (to gRPC) and as local datagrams."""
+        return self._sent + self._sent_local
 
     @property
     def dropped(self) -> int:
@@ -265,7 +306,7 @@ class BubbleReporter:
     def counters(self) -> ReporterCounters:
         return ReporterCounters(
             enqueued=self._enqueued,
-            sent=self._sent,
+            sent=self.sent,
             dropped=self.dropped,
             connects=self._connects,
             reconnects=self.reconnects,
@@ -274,6 +315,8 @@ class BubbleReporter:
             accepted=self._accepted,
             rejected=self._rejected,
             manager_dropped=self._manager_dropped,
+            local=self._sent_local,
+            local_fallbacks=self._local_fallbacks,
         )
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -295,6 +338,8 @@ class BubbleReporter:
     # ---------------------------------------------------------------- background thread
 
     def _to_event(self, item: tuple[object, ...]) -> TrainerEvent:
+        """A queued item (its route epoch last, left out here) as the event it reports."""
+        item = item[:-1]
         if item[0] == _LAYOUT:
             _, schedule, stages, microbatches, devices, at_ns, free = item
             return TrainerLayout(
@@ -340,7 +385,10 @@ class BubbleReporter:
                     stop = True
                     break
                 try:
-                    batch.append(self._to_event(item))  # type: ignore[arg-type]
+                    if item[-1] >= self._wire_from:  # type: ignore[index]
+                        batch.append(self._to_event(item))  # type: ignore[arg-type]
+                    else:  # queued before this connection's datagrams began: it would arrive after them
+                        self._dropped_bg += 1
                 except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
                     self._dropped_bg += 1
                 if len(batch) >= MAX_BATCH_EVENTS or (self._cut_at_ends and item[0] == _END):  # type: ignore[index]
@@ -388,12 +436,13 @@ class BubbleReporter:
         while not self._closed.is_set():
             alive = threading.Event()
             alive.set()
-            sent_before = self._sent
+            sent_before = self.sent
             stream = None
             try:
-                stream = self._open_stream(alive)
                 self._end_board = self._open_end_board()
-                self._end_wake = self._open_end_wake() if self._end_board is not None else None
+                if self._end_board is not None:
+                    self._use_local(self._open_local())  # before the wire takes anything from the queue
+                stream = self._open_stream(alive)
                 self._connects += 1
                 self._connected = True
                 while not stream.done():
@@ -412,15 +461,17 @@ class BubbleReporter:
                     log.warning("[%s stage=%d] manager rejected %d bubble events, last: %s", self.device,
                                 self.stage, summary.rejected, summary.last_error)
             except Exception as exc:  # noqa: BLE001 - any failure means: back off and retry
-                if self._sent > sent_before or self._connects <= 1:
+                if self.sent > sent_before or self._connects <= 1:
                     log.info("[%s stage=%d] bubble stream to %s ended: %s", self.device, self.stage,
                              self.endpoint, exc)
             finally:
+                with self._route_lock:  # the training thread may be sending on it: dropped, never closed here
+                    self._route = (None, self._route[1] + 1)
                 alive.clear()
                 self._connected = False
                 if stream is not None:
                     stream.close()
-            if self._sent > sent_before:
+            if self.sent > sent_before:
                 backoff = self._backoff_initial_s
             if self._closed.wait(backoff) or self._discard_queued():
                 break
@@ -437,13 +488,67 @@ class BubbleReporter:
             log.debug("[%s stage=%d] no end board beside %s: %s", self.device, self.stage, self.endpoint, exc)
             return None
 
-    def _open_end_wake(self) -> EndWakeSender | None:
-        """The manager's end wake (else None: the manager's freeze then counts from the end on the wire)."""
+    def _open_local(self) -> LocalEventSender | None:
+        """The manager's local event socket (else None: events go over the wire)."""
         try:
-            return EndWakeSender(end_wake_path(self.endpoint.address))
+            return LocalEventSender(local_events_path(self.endpoint.address))
         except OSError as exc:
-            log.debug("[%s stage=%d] no end wake beside %s: %s", self.device, self.stage, self.endpoint, exc)
+            log.debug("[%s stage=%d] no local event socket beside %s: %s", self.device, self.stage, self.endpoint,
+                      exc)
             return None
+
+    @property
+    def _local(self) -> LocalEventSender | None:
+        return self._route[0]
+
+    def _use_local(self, local: LocalEventSender | None) -> None:
+        """This connection's events go as datagrams (``local``; None: over the wire, as they did).
+
+        Called before the wire takes anything from the queue: what is queued now goes first, as datagrams,
+        in order (a send that fails means the manager is gone: the rest is dropped and counted, as events
+        queued while no manager listens are). An event the training thread queues under the old route while
+        the route changes would reach the manager after the datagrams that follow it: the wire drops it
+        (its epoch is older than ``_wire_from``), counted; that takes a call racing this one to the
+        microsecond, once per connection.
+        """
+        if local is None:
+            return
+        with self._route_lock:
+            epoch = self._route[1] + 1
+            drained: list[object] = []
+            while True:
+                try:
+                    drained.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for i, item in enumerate(drained):
+                if item is _STOP:
+                    self._queue.put(_STOP)
+                    continue
+                try:
+                    sent = local.send(self._to_event(item))  # type: ignore[arg-type]
+                except Exception:  # noqa: BLE001 - a malformed event is dropped, as the wire would
+                    sent = False
+                if not sent:
+                    self._dropped_bg += sum(1 for rest in drained[i:] if rest is not _STOP)
+                    if _STOP in drained[i:]:
+                        self._queue.put(_STOP)
+                    return  # the manager is gone (or far behind): this connection stays on the wire
+                self._sent_local += 1
+            self._route = (local, epoch)
+            self._wire_from = epoch + 1
+
+    def _local_failed(self, local: LocalEventSender) -> int:
+        """A datagram did not go (the manager is thousands of events behind, or gone): this connection's
+        events go over the wire from now on, the failed one first, so that none overtakes another
+        (:mod:`freeride._local_events`). Returns the epoch to queue it under."""
+        with self._route_lock:
+            if self._route[0] is local:
+                epoch = self._route[1] + 1
+                self._route = (None, epoch)
+                self._wire_from = epoch
+                self._local_fallbacks += 1
+            return self._route[1]
 
     def _add_summary(self, summary: StreamSummary) -> None:
         self._accepted += summary.accepted

@@ -1,80 +1,88 @@
-"""End-to-end (issue 23): a step running at the trainer's real end is frozen by that end, not by the end's
-arrival over the wire. A real daemon, a real ``BubbleReporter`` and a real worker whose steps take 50 ms;
-the bubble ends long before its prediction, and the end's trip over the wire is held back until the test
-has seen the freeze, so the order of events, not a timing, says which end froze it."""
+"""End-to-end (issue 23): a trainer on the manager's host sends its events as datagrams straight to the
+loop (:mod:`freeride._local_events`), and a step running at the trainer's real end is frozen at that end
++ grace, not grace after the end reached the manager. A real daemon, a real ``BubbleReporter`` and a real
+worker whose steps take 50 ms; the wire's servicer is watched to show that nothing crossed it."""
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from conftest import ManagerHarness, wait_for
+from conftest import ManagerHarness, now_ns, wait_for
 
 from freeride._boards import read_step
 from freeride._manager.trace import read_trace
-from freeride.messages import BubbleEnd, TrainerEvent
+from freeride.messages import TrainerEvent
 from freeride.training.reporter import BubbleReporter
 
 pytestmark = pytest.mark.e2e
 MS = 1_000_000
+S = 1_000 * MS
 
 
-class HeldWire:
-    """Holds every message that carries an end in the stream's servicer thread until released."""
+class WatchedWire:
+    """Counts the events that reach the manager over the wire (a trainer stream's servicer thread)."""
 
     def __init__(self, post: Callable[[Sequence[TrainerEvent], int], int]) -> None:
         self._post = post
-        self.release = threading.Event()
-        self.ends_posted = 0
+        self.posted = 0
 
     def __call__(self, events: Sequence[TrainerEvent], received_ns: int) -> int:
-        if any(isinstance(e, BubbleEnd) for e in events):
-            self.release.wait(60)
-            self.ends_posted += 1
+        self.posted += len(events)
         return self._post(events, received_ns)
 
 
-def test_a_long_step_running_at_an_early_end_is_frozen_by_the_trainers_end_before_the_wire_brings_it(
-    make_manager: Callable[..., ManagerHarness], tmp_path: Path,
-) -> None:
-    trace = tmp_path / "trace.jsonl"
-    harness = make_manager(trace_path=trace)
-    task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
-    harness.wait_state(task.task_id, "PARKED")
-    wire = HeldWire(harness.manager.loop.post_bubbles)
+def _connect(harness: ManagerHarness) -> tuple[BubbleReporter, WatchedWire]:
+    wire = WatchedWire(harness.manager.loop.post_bubbles)
     harness.manager.loop.post_bubbles = wire  # type: ignore[method-assign]
     reporter = BubbleReporter(str(harness.manager.device), stage=0, rank=0, endpoint=harness.endpoint,
                               backoff_initial_s=0.01)
+    wait_for(lambda: reporter.counters().connected and reporter._local is not None, 10,
+             what="the reporter to connect and open the local event socket")
+    return reporter, wire
+
+
+def test_a_long_step_running_at_an_early_end_is_frozen_at_the_trainers_end_plus_grace_with_nothing_on_the_wire(
+    make_manager: Callable[..., ManagerHarness], tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    # A grace of 5 s: a freeze counted from the end's arrival would come >= 5 s after it; one counted from
+    # the trainer's own end, which the test puts 10 s in the past, comes as soon as the end is read.
+    harness = make_manager(trace_path=trace, grace_ns=5 * S)
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
+    harness.wait_state(task.task_id, "PARKED")
+    reporter, wire = _connect(harness)
     try:
-        wait_for(lambda: reporter.counters().connected and reporter._end_wake is not None, 10,
-                 what="the reporter to connect and open the end wake")
+        t0 = now_ns()
         # Predicted at 60 s: without the trainer's end, nothing would freeze the step for a minute.
-        reporter.bubble_start(0, 0, "test", predicted_ns=60_000 * MS)
+        reporter.bubble_start(0, 0, "test", predicted_ns=60 * S, start_ns=t0 - 20 * S)
         board = harness.manager.loop.task_dir(task.task_id) / "board"
         wait_for(lambda: read_step(board) >= 0, 30, what="the worker to begin a step")
-        reporter.bubble_end(0, 0)  # steps of 50 ms back to back: one is running now
+        reporter.bubble_end(0, 0, end_ns=t0 - 10 * S)  # steps of 50 ms back to back: one is running now
         harness.wait_state(task.task_id, "FROZEN", timeout_s=20)
-        assert wire.ends_posted == 0, "the end crossed the wire before the freeze: this test shows nothing"
-        wire.release.set()
         wait_for(lambda: harness.client.stats().bubble_time_s > 0, 10, what="the end to be measured")
         stats = harness.client.stats()
         assert stats.overruns == 1 and stats.events_rejected == 0
         # The next bubble thaws it and grants it again.
-        reporter.bubble_start(1, 0, "test", predicted_ns=60_000 * MS)
+        reporter.bubble_start(1, 0, "test", predicted_ns=60 * S)
         harness.wait_state(task.task_id, "RUNNING", timeout_s=20)
         reporter.bubble_end(1, 0)
+        harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=20)
+        counters = reporter.counters()
+        assert wire.posted == 0 and counters.messages == 0, "an event crossed the wire"
+        assert counters.local == 4 and counters.local_fallbacks == 0
     finally:
-        wire.release.set()
         reporter.close()
-    harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=20)
-    wait_for(lambda: any(r["ev"] == "bubble_end" and r.get("iteration") == 1 for r in read_trace(trace)), 10,
-             what="the trace to carry the second end")
-    order = [r["ev"] for r in read_trace(trace) if r["ev"] in ("freeze", "bubble_end")]
-    assert order[:2] == ["freeze", "bubble_end"], order
+    wait_for(lambda: {"end_seen", "freeze"} <= {r["ev"] for r in read_trace(trace)}, 10,
+             what="the trace to carry the end seen and the freeze")
+    records = read_trace(trace)
+    seen = next(r for r in records if r["ev"] == "end_seen")
+    freeze = next(r for r in records if r["ev"] == "freeze")
+    assert seen["end_ns"] == t0 - 10 * S
+    assert 0 <= freeze["at_ns"] - seen["at_ns"] < 5 * S, "the freeze was counted from the end's arrival"
 
 
 def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_manager_serves_on(
@@ -82,23 +90,17 @@ def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_m
 ) -> None:
     task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
     harness.wait_state(task.task_id, "PARKED")
-    wire = HeldWire(harness.manager.loop.post_bubbles)
-    harness.manager.loop.post_bubbles = wire  # type: ignore[method-assign]
-    reporter = BubbleReporter(str(harness.manager.device), stage=0, rank=0, endpoint=harness.endpoint,
-                              backoff_initial_s=0.01)
+    reporter, wire = _connect(harness)
     try:
-        wait_for(lambda: reporter.counters().connected and reporter._end_wake is not None, 10,
-                 what="the reporter to connect and open the end wake")
         reporter.bubble_start(0, 0, "test", predicted_ns=60_000 * MS)
         board = harness.manager.loop.task_dir(task.task_id) / "board"
         wait_for(lambda: read_step(board) >= 0, 30, what="the worker to begin a step")
         info = harness.client.get(task.task_id)
         assert info.pid
         os.kill(info.pid, signal.SIGKILL)
-        reporter.bubble_end(0, 0)  # its wake comes for a grant whose worker is dying or gone
+        reporter.bubble_end(0, 0)  # its end comes for a grant whose worker is dying or gone
         failed = harness.wait_state(task.task_id, "FAILED", timeout_s=20)
         assert failed.failure is not None and failed.failure.kind == "SIGNAL"
-        wire.release.set()
         wait_for(lambda: harness.client.stats().bubble_time_s > 0, 10, what="the end to be measured")
         other = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
         harness.wait_state(other.task_id, "PARKED")
@@ -106,7 +108,29 @@ def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_m
         harness.wait_state(other.task_id, "RUNNING", timeout_s=20)
         reporter.bubble_end(1, 0)
         harness.wait_state(other.task_id, "PARKED", "FROZEN", timeout_s=20)  # frozen if a step ran at the end
-        assert harness.client.stats().events_rejected == 0
+        assert harness.client.stats().events_rejected == 0 and wire.posted == 0
     finally:
-        wire.release.set()
         reporter.close()
+
+
+def test_a_local_datagram_that_is_no_event_is_counted_as_rejected_and_the_trainers_next_events_go_through(
+    harness: ManagerHarness,
+) -> None:
+    import socket
+
+    from freeride._local_events import encode, local_events_path
+    from freeride.messages import BubbleEnd, BubbleStart
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(str(local_events_path(harness.endpoint.address)))
+    try:
+        start = now_ns()
+        sock.send(b"\x01 not an event")
+        sock.send(encode(BubbleStart(0, 0, 0, 0, "test", start, 5 * MS)))
+        sock.send(encode(BubbleEnd(0, 0, 0, 0, start - 1)))  # a valid event, which the core refuses: before its start
+        sock.send(encode(BubbleEnd(0, 0, 0, 0, start + MS)))
+        wait_for(lambda: harness.client.stats().bubble_time_s > 0, 10, what="the valid events to be handled")
+        stats = harness.client.stats()
+        assert (stats.events_received, stats.events_rejected) == (3, 2)
+    finally:
+        sock.close()

@@ -12,7 +12,7 @@ from conftest import now_ns, wait_for
 
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
-from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary
+from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary, TrainerLayout
 from freeride.training.predictor import BubblePredictor, ComputeProfile, percentile
 from freeride.training.reporter import MAX_BATCH_EVENTS, BubbleReporter
 
@@ -297,28 +297,46 @@ def test_an_end_is_on_the_managers_end_board_before_it_is_queued(tmp_path: Path)
         reporter.close()
 
 
-def test_an_end_wakes_the_manager_right_after_the_board_and_a_dead_manager_costs_nothing(tmp_path: Path) -> None:
-    # Issue 23: the manager freezes a step still running at the trainer's end + grace; it learns of the end
-    # from this wake, not from the wire. A manager gone (its wake socket closed) must cost training nothing.
-    from freeride._boards import EndBoard, EndWake, end_board_path, end_wake_path
+def test_on_the_managers_host_every_event_goes_as_a_datagram_after_the_board_and_falls_back_to_the_wire_in_order(
+    tmp_path: Path,
+) -> None:
+    # Issue 23: a local trainer's events reach the manager's loop without the wire (the loop freezes a step
+    # still running at the trainer's end + grace); a manager gone must cost training nothing, and from the
+    # first failed send on, this connection's events go over the wire, so that none overtakes another.
+    from freeride._boards import EndBoard, end_board_path
+    from freeride._local_events import LocalEvents, decode, local_events_path
 
     endpoint = Endpoint("unix", str(tmp_path / "m.sock"))
     EndBoard.create(end_board_path(endpoint.address))
-    wake = EndWake(end_wake_path(endpoint.address))
-    reporter = BubbleReporter("cpu:0", stage=1, rank=5, endpoint=endpoint, backoff_initial_s=0.01)
+    board = EndBoard.open(end_board_path(endpoint.address), writable=False)
+    local = LocalEvents(local_events_path(endpoint.address))
+    wire: list = []
+    reporter = BubbleReporter("cpu:0", stage=1, rank=5, endpoint=endpoint, backoff_initial_s=0.01, start=False)
+    reporter._open_stream = lambda alive: FakeStream(reporter._batches(alive), wire, None)  # type: ignore[method-assign]
+    reporter._thread.start()
     try:
-        wait_for(lambda: reporter._end_wake is not None, 5, what="the reporter to open the end wake")
+        wait_for(lambda: reporter._local is not None, 5, what="the reporter to open the local event socket")
         start = now_ns()
-        reporter.bubble_start(3, 2, "drain", predicted_ns=MS, start_ns=start)
-        assert wake.read() == []
+        reporter.bubble_start(3, 2, "drain", predicted_ns=0, start_ns=start)  # a predicted 0 goes as 1 ns
         reporter.bubble_end(3, 2, end_ns=start + 700)
-        assert wake.read() == [(5, start, start + 700)]
-        wake.close()
-        reporter.bubble_start(4, 2, "drain", predicted_ns=MS, start_ns=start + 800)
-        reporter.bubble_end(4, 2, end_ns=start + 900)  # nobody listens: dropped, never raised
-        assert reporter._end_wake is not None and reporter._end_wake.dropped >= 1
+        assert board.ended_ns(5, start) == start + 700  # the board first, then the datagram
+        reporter.report_layout("1F1B", stages=2, microbatches=4, stage_devices=("cpu:0", "cpu:1"), at_ns=start + 800)
+        assert [decode(d) for d in local.read()] == [
+            BubbleStart(1, 5, 3, 2, "drain", start, 1), BubbleEnd(1, 5, 3, 2, start + 700),
+            TrainerLayout("1F1B", 2, 4, ("cpu:0", "cpu:1"), start + 800),
+        ]
+        assert reporter.counters().local == 3 and reporter._queue.qsize() == 0
+        local.close()  # the manager is gone
+        reporter.bubble_start(4, 2, "drain", predicted_ns=MS, start_ns=start + 900)  # never raises
+        reporter.bubble_end(4, 2, end_ns=start + 950)
+        counters = reporter.counters()
+        assert counters.local == 3 and counters.local_fallbacks == 1 and reporter._local is None
+        assert counters.enqueued == 5
+        wait_for(lambda: len(wire) == 2, 5, what="the wire to carry what the socket could not")
+        assert wire == [BubbleStart(1, 5, 4, 2, "drain", start + 900, MS), BubbleEnd(1, 5, 4, 2, start + 950)]
     finally:
         reporter.close()
+        board.close()
 
 
 def test_over_tcp_a_message_ends_right_after_an_end() -> None:
@@ -335,3 +353,36 @@ def test_over_tcp_a_message_ends_right_after_an_end() -> None:
     sizes = [len(next(batches)) for _ in range(3)]
     alive.clear()
     assert sizes == [2, 2, 2]
+
+
+def test_events_queued_before_the_connection_go_first_as_datagrams_and_a_stale_route_never_overtakes(
+    tmp_path: Path,
+) -> None:
+    # Reported before the reporter connected: they go out first, in order, on the local socket. An event
+    # queued under the route read before the switch (a race of a microsecond) would reach the manager after
+    # later datagrams: the wire drops it, counted, rather than deliver it out of order.
+    from freeride._boards import EndBoard, end_board_path
+    from freeride._local_events import LocalEvents, decode, local_events_path
+
+    endpoint = Endpoint("unix", str(tmp_path / "m.sock"))
+    EndBoard.create(end_board_path(endpoint.address))
+    local = LocalEvents(local_events_path(endpoint.address))
+    wire: list = []
+    reporter = BubbleReporter("cpu:0", stage=0, rank=2, endpoint=endpoint, start=False)
+    reporter._open_stream = lambda alive: FakeStream(reporter._batches(alive), wire, None)  # type: ignore[method-assign]
+    reporter.bubble_start(0, 0, "fwd", predicted_ns=MS, start_ns=10)
+    reporter.bubble_end(0, 0, end_ns=20)
+    stale_epoch = reporter._route[1]
+    reporter._thread.start()
+    try:
+        wait_for(lambda: reporter._local is not None, 5, what="the reporter to open the local event socket")
+        reporter._queue.put((1, 1, 0, 30, stale_epoch))  # an end queued under the old route
+        reporter.bubble_start(2, 0, "fwd", predicted_ns=MS, start_ns=40)
+        assert [decode(d) for d in local.read()] == [
+            BubbleStart(0, 2, 0, 0, "fwd", 10, MS), BubbleEnd(0, 2, 0, 0, 20), BubbleStart(0, 2, 2, 0, "fwd", 40, MS),
+        ]
+        wait_for(lambda: reporter.dropped == 1, 5, what="the wire to drop the stale event")
+        assert wire == [] and reporter.counters().local == 3
+    finally:
+        reporter.close()
+        local.close()
