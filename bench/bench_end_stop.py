@@ -17,8 +17,9 @@ Figures, per run (one per step length):
   minus the real end. Target: p99 <= grace + 0.2 ms.
 * **steps begun after their bubble's real end**, out of all steps (target <= 0.1%).
 * **harvested / bubble time**: the manager's own figures (``Stats.harvested_s / bubble_time_s``).
-* **end wake delay**: the trainer's end -> the manager's loop reading it (``end_seen`` in the trace), and
-  the manager's event delay (trainer stamp -> core, every event, over the wire).
+* **end delay**: the trainer's end -> the manager's loop reading it (``end_seen`` in the trace: ends of
+  bubbles a worker holds), and the manager's event delay (trainer stamp -> core, every event: local
+  datagrams with the board, the wire without).
 * **the trainer's cost**, from ``/proc/self/task/<tid>/schedstat`` of the training thread: over the compute
   phase that follows each end, its CPU time, its run-queue wait (runnable, waiting for the core) and its
   wall time, early ends apart from the others: what a step overrunning an end costs training.
@@ -261,7 +262,8 @@ def render(results: dict[str, Any]) -> str:
         return f"{d.get('p50', 0):.3f} / {d.get('p99', 0):.3f} / {d.get('max', 0):.3f} (n={d.get('count', 0)})"
 
     head = "| figure (ms: p50 / p99 / max) | " + " | ".join(
-        f"{r['step_us'] / 1000:g} ms steps, tf {r['tf_ms']:g} ms, {'board' if r['end_board'] else 'wire only'}"
+        f"{r['step_us'] / 1000:g} ms steps, tf {r['tf_ms']:g} ms, "
+        f"{'board + local events' if r['end_board'] else 'wire only'}"
         for r in runs) + " | target |"
     rows = [
         ("a step running at the real end stopped after it", lambda r: p(r["stopped_after_end_ms"]),
@@ -272,8 +274,8 @@ def render(results: dict[str, Any]) -> str:
         ("steps begun after their bubble's real end", lambda r: f"{r['steps_after_real_end']} of {r['steps']} "
          f"({r['steps_after_real_end_pct']:.3f}%)", "<= 0.1%"),
         ("harvested / bubble time", lambda r: f"{r['harvested_over_bubble_time']:.3f}", ">= 0.90"),
-        ("trainer's end -> manager's loop (end wake)", lambda r: p(r["end_wake_ms"]), ""),
-        ("trainer stamp -> core, every event (wire)", lambda r: p(r["event_delay_ms"]), "p99 <= 0.5"),
+        ("trainer's end -> manager's loop (a local end, held by a worker)", lambda r: p(r["end_wake_ms"]), ""),
+        ("trainer stamp -> core, every event", lambda r: p(r["event_delay_ms"]), "p99 <= 0.5"),
         ("manager's overrun at freezes", lambda r: p(r["manager_overrun_ms"]), ""),
         ("trainer's run-queue wait after an early end", lambda r: p(r["trainer"]["after_early_end"]
                                                                    ["run_queue_wait_ms"]), ""),
@@ -309,7 +311,7 @@ def render(results: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="2000:10:150,10000:50:40,2000:10:150:wire",
-                        help="comma-separated step_us:tf_ms:iterations[:wire] (wire: no end board, no end wake)")
+                        help="comma-separated step_us:tf_ms:iterations[:wire] (wire: no end board, no local events)")
     parser.add_argument("--early-fraction", type=float, default=0.2)
     parser.add_argument("--early-ratio", type=float, default=0.7)
     parser.add_argument("--grace-ms", type=float, default=0.5, help="the manager's grace (its default)")

@@ -79,6 +79,12 @@ log = logging.getLogger(__name__)
 #: The loop wakes at least this often with nothing to do (every event, timer and message wakes it
 #: anyway): a bound on how long a lost wake-up could go unnoticed, not a poll.
 IDLE_WAKE_NS = 1_000_000_000
+#: A freeze is due at a bubble's end + grace. Waking a thread whose core sat idle takes ~0.1-0.2 ms on the
+#: 2-core test VM (deep C-states take as long on bare metal), which a freeze woken on time would overrun
+#: its grace by. So the loop's timer wakes this much before a freeze and the loop turns without sleeping
+#: (``select`` with no timeout: worker messages, local events and requests are still handled) until it is
+#: due. At most this much of the manager's CPU per armed freeze; a worker that parks meanwhile disarms it.
+FREEZE_LEAD_NS = 200_000
 
 _TrainerInput = C.BubbleStarted | C.BubbleEnded | C.LayoutChanged
 
@@ -301,6 +307,11 @@ class ManagerLoop:
         deadline = now + IDLE_WAKE_NS
         core_timer = self.core.next_timer_ns()
         if self._timer is not None:
+            freeze = self.core.next_freeze_ns()
+            if freeze is not None and freeze - FREEZE_LEAD_NS <= now:
+                return 0  # due within the lead: turn until it is (FREEZE_LEAD_NS)
+            if freeze is not None and core_timer is not None and freeze <= core_timer + FREEZE_LEAD_NS:
+                core_timer = freeze - FREEZE_LEAD_NS
             self._timer.arm(core_timer)
         for timer in (core_timer, self.workers.next_timer_ns(), self.durability.next_timer_ns()):
             if timer is not None and timer < deadline:

@@ -128,6 +128,10 @@ class SchedulerCore:
             times.append(poll)
         return min(times) if times else None
 
+    def next_freeze_ns(self) -> int | None:
+        """When a step still running is frozen (one of :meth:`next_timer_ns`'s times), if one is armed."""
+        return self.overruns.freeze_at_ns or None
+
     # ------------------------------------------------------------------ queries
 
     @property
