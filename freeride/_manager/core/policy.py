@@ -138,9 +138,9 @@ class FreeridePolicy:
             # end event still comes, and is measured then; no backfill meanwhile.
             core.bubbles.saw_end(bubble, seen)
         # Parked by the end, each such park counted once: the manager's park, the worker's ended-grant word
-        # (set by the stream's thread or the end wake, often before the wire's end reaches this core: it
-        # counted nothing, and with a trainer on this host under load that was most grants), or the trainer's
-        # end board. From the end as the manager learned it; 0 when the worker learned of it first.
+        # (set by the end path as the end arrives, often before the end event reaches this core: it counted
+        # nothing, and with a trainer on this host under load that was most grants), or the trainer's end
+        # board. From the end as the manager learned it; 0 when the worker learned of it first.
         if event.reason in ("park", "ended"):
             core.stats.park_latency_ms.append(max(0, event.parked_ns - learned) / MS if learned else 0.0)
 
