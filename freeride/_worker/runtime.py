@@ -323,16 +323,19 @@ class WorkerRuntime:
                 msg = self.chan.recv_nowait()
             if stop_now:
                 break
+            # The end before the deadline: a worker that takes its grant late, past both, stopped because the
+            # bubble ended. Reported as "deadline", the manager counted no park latency for it, kept no end
+            # for its overrun and could backfill a bubble that was over.
+            ended = self._ended(grant_id, bubble)
+            if ended is not None:
+                reason, seen_end_ns = ended
+                break
             now = time.monotonic_ns()
             est = self.estimator.estimate_ns()
             if self.paper:
                 if not paper_step_fits(est, deadline - now):
                     break
             elif now + (est or 0) + margin > deadline:
-                break
-            ended = self._ended(grant_id, bubble)
-            if ended is not None:
-                reason, seen_end_ns = ended
                 break
             if self._board is not None:
                 self._board.publish_step(self.steps)

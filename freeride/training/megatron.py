@@ -76,8 +76,9 @@ P2P_TIMERS = frozenset({
     "backward-send-backward-recv",
     "forward-backward-send-forward-backward-recv",
 })
-#: Of those, the ones that only send. A send's wait stays open into the gap's receive, if one follows: one
-#: wait, the position's (the rank is idle throughout), not two of which the first would take its slot.
+#: Of those, the ones that only send. In a gap where the rank's order has it receive (a wait position), a
+#: send's wait stays open into that receive: one wait, the position's (the rank is idle throughout), not two
+#: of which the first would take its slot. In any other gap nothing follows it: its wait ends with it.
 SEND_TIMERS = frozenset({"forward-send", "backward-send"})
 ITERATION_TIMER = "forward-backward"
 FORWARD_TIMER = "forward-compute"
@@ -282,8 +283,9 @@ class _Marks:
         self.tracker = tracker
         self._forwards = [(a.kind, a.stage, a.microbatch) for a in order if a.kind == FORWARD]
         self._backwards = [(a.kind, a.stage, a.microbatch) for a in order if a.kind != FORWARD]
-        self._actions = len(order)
         self._gaps_as_waits = gaps_as_waits
+        # The gaps in which this rank receives (the tail past the last action is a send's, not a receive's).
+        self._receives = frozenset(k for k in tracker.plan.positions if k < len(order))
         self._compute_begin, self._compute_end = tracker.compute_begin, tracker.compute_end
         self._wait_begin, self._wait_end = tracker.wait_begin, tracker.wait_end
         self.reset()
@@ -340,9 +342,11 @@ class _Marks:
         self._compute_begin(*key)
 
     def send_end(self) -> None:
-        """A send is over: its wait goes on into the gap's receive (a later wait_begin continues it), or
-        ends at the next compute action -- except after the last action, where nothing follows it."""
-        if self._next_forward + self._next_backward >= self._actions:
+        """A send is over: in a gap where the order has this rank receive, its wait goes on into that
+        receive (whose wait_begin continues it); anywhere else it ends here. Which, the action order says,
+        not timing: a send alone in its gap (1F1B's first stage, after its warm-up forward) that took long
+        enough to become a learned slot was reported until the next forward began, past Megatron's wait."""
+        if self._next_forward + self._next_backward not in self._receives:
             self._wait_end()
 
     def compute_end(self) -> None:

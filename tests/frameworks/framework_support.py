@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,3 +169,33 @@ def traced_bubbles(trace: Path) -> list[dict[str, Any]]:
             if end is not None:
                 out.append({**r, "end_ns": end})
     return out
+
+
+def megatron_waits(intervals: Iterable[Sequence[Any]]) -> list[tuple[int, int, int]]:
+    """Megatron's transfer intervals of one iteration, as a trainer's timers saw them (``(name, start, stop)``
+    each): ``(position, start, stop)``, the position being the compute actions begun before it."""
+    from freeride.training.megatron import P2P_TIMERS
+
+    position, waits = 0, []
+    for name, start, stop in sorted(intervals, key=lambda i: i[1]):
+        if name in ("forward-compute", "backward-compute"):
+            position += 1
+        elif name in P2P_TIMERS:
+            waits.append((position, start, stop))
+    return waits
+
+
+def misplaced_bubbles(bubbles: Iterable[dict[str, Any]], intervals: Iterable[Sequence[Any]]
+                      ) -> list[tuple[dict[str, Any], list[tuple[int, int, int]]]]:
+    """The bubbles of one iteration (``slot``, ``start_ns``, ``end_ns``) that are not inside exactly one of
+    Megatron's waits (:func:`megatron_waits`), or that are in one at another position than their modelled
+    slot's (a learned slot's id is no position): each with the waits it is inside."""
+    from freeride.training.learned_slots import LEARNED_SLOT_BASE
+
+    waits = megatron_waits(intervals)
+    wrong = []
+    for b in bubbles:
+        inside = [w for w in waits if w[1] <= b["start_ns"] and b["end_ns"] <= w[2]]
+        if len(inside) != 1 or (b["slot"] < LEARNED_SLOT_BASE and b["slot"] != inside[0][0]):
+            wrong.append((b, inside))
+    return wrong

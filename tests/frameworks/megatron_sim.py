@@ -5,9 +5,10 @@
 its method for each kind of transfer) whose one private exchange, ``_communicate``, receives zeros
 instead of talking to another process. So the schedule's real control flow runs -- its order of
 forwards and backwards, its timers, its handles under ``overlap_p2p_comm`` -- for any shape, with no
-torchrun. Time is virtual (:class:`VirtualTime`): a compute action takes ``compute_ns``, and the
-first wait for a receive at position ``k`` of the order (compute actions begun so far) takes ``waits[k]``; a
-tracker given :func:`virtual_clock` then measures exactly these lengths.
+torchrun. Time is virtual (:class:`VirtualTime`): a compute action takes ``compute_ns``, the
+first wait for a receive at position ``k`` of the order (compute actions begun so far) takes ``waits[k]``,
+and the first send alone there ``send_waits[k]`` (gloo's send waits for the transfer); a tracker given
+:func:`virtual_clock` then measures exactly these lengths.
 
 Megatron's schedules read a rank through ``torch.distributed``: the caller provides an initialised
 one-process group (see the ``one_process_group`` fixture).
@@ -83,6 +84,7 @@ class RankState:
 
     time: VirtualTime = field(default_factory=VirtualTime)
     waits: dict[int, int] = field(default_factory=dict)  # position -> ns, consumed by the first receive
+    send_waits: dict[int, int] = field(default_factory=dict)  # position -> ns, consumed by the first send alone
     compute_ns: int = 100_000
     device: str = "cpu"
     #: Called with a wait's amount where it is waited for (on a GPU: a kernel that holds the stream that long).
@@ -100,6 +102,9 @@ class RankState:
         self.time.advance(wait)
         if wait and self.on_wait is not None:
             self.on_wait(wait)
+
+    def send_here(self) -> None:
+        self.time.advance(self.send_waits.pop(self.position, 0))
 
 
 class _Handle:
@@ -128,6 +133,7 @@ class StubCommunicator(P2PCommunicator):
         prev = received() if recv_prev else None
         nxt = received() if recv_next else None
         if not (recv_prev or recv_next):
+            self.state.send_here()
             return prev, nxt, None
         if wait_on_reqs:
             self.state.wait_here()
@@ -205,11 +211,13 @@ class Rank:
         self.pg_collection = ProcessGroupCollection(tp=Group(0, 1), cp=Group(0, 1))
 
     def step(self, function: Callable[..., Any], waits: Mapping[int, int] | None = None,
-             forward_step: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+             forward_step: Callable[..., Any] | None = None, send_waits: Mapping[int, int] | None = None,
+             **kwargs: Any) -> Any:
         state = self.state
         state.order.clear()
         state.received_at.clear()
         state.waits = dict(waits or {})
+        state.send_waits = dict(send_waits or {})
         for chunk in self.chunks:
             chunk.forwards = 0
             chunk.input = None

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from framework_support import one_process_group, require_framework
+from framework_support import misplaced_bubbles, one_process_group, require_framework
 
 from freeride.errors import ConfigError
+from freeride.training.learned_slots import LEARNED_SLOT_BASE, WAITS_PER_GAP
 from freeride.training.megatron import (
     P2P_TIMERS,
     ChainedTimers,
@@ -225,6 +226,55 @@ def test_waits_are_reported_at_their_positions_with_their_lengths(sim: Any, rank
         assert {slot: ns for slot, ns in sink.lengths(iteration).items() if ns} == waits
     assert function.tracker.unplanned_wait_ns == 0  # sends at positions with nothing to receive, if any
     assert simulated.config.timers is None  # as the trainer left it
+
+
+class _VirtualTimers:
+    """A trainer's timers in virtual time, recording each interval Megatron times as ``(name, start, stop)``;
+    each start and each stop costs the trainer ``cost_ns`` of its own work, outside our marks (innermost)."""
+
+    def __init__(self, time: Any, cost_ns: int = 10_000) -> None:
+        self.time, self.cost_ns = time, cost_ns
+        self.intervals: list[tuple[str, int, int]] = []
+        self._started: dict[str, int] = {}
+
+    def __call__(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        owner = self
+
+        class Timer:
+            def start(self, *a: Any, **kw: Any) -> None:
+                owner.time.advance(owner.cost_ns)
+                owner._started[name] = owner.time.now_ns
+
+            def stop(self, *a: Any, **kw: Any) -> None:
+                owner.intervals.append((name, owner._started.pop(name), owner.time.now_ns))
+                owner.time.advance(owner.cost_ns)
+
+        return Timer()
+
+
+def test_a_send_with_no_receive_after_it_in_its_gap_is_a_wait_that_ends_with_the_send(sim: Any) -> None:
+    # 1F1B, rank 0 of 2: after its warm-up forward it sends the activation, and its next forward needs nothing
+    # from another rank. In a CI run that send took over 0.5 ms three iterations running and became a learned
+    # slot, whose bubble went on past the send, through the trainer's own work, to the next forward: inside
+    # none of Megatron's waits (test_megatron_e2e). A send's wait goes on only into a receive of its gap.
+    state = sim.RankState()
+    timers = _VirtualTimers(state.time)
+    rank = sim.Rank(2, 0, 4, timers=timers, state=state)
+    sink = _Recorder()
+    function = instrument(sim.schedule_function(1), sink, clock=sim.virtual_clock(state.time), report_min_ns=0)
+    rank.step(function)
+    receives = sorted(set(state.received_at))
+    assert 1 not in receives  # the warm-up forward's send is alone in its gap
+    learned = LEARNED_SLOT_BASE + 1 * WAITS_PER_GAP  # the first wait before the second action
+    for iteration in range(1, 8):
+        timers.intervals = []
+        rank.step(function, {k: 2 * MS for k in receives}, send_waits={1: MS})
+        starts = {slot: at for it, slot, _, _, at in sink.starts if it == iteration}
+        bubbles = [{"slot": slot, "start_ns": starts[slot], "end_ns": at} for it, slot, at in sink.ends
+                   if it == iteration]
+        assert not misplaced_bubbles(bubbles, timers.intervals), iteration
+        assert {b["slot"] for b in bubbles} >= set(receives)
+    assert sink.lengths(7).get(learned) == MS  # learned, and reported as the send's wait: nothing after it
 
 
 def test_config_timers_are_restored_when_the_schedule_raises(sim: Any) -> None:

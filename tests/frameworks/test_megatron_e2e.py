@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 from conftest import cpu_devices
-from framework_support import docs_snippet, require_framework
+from framework_support import docs_snippet, megatron_waits, misplaced_bubbles, require_framework
 
 from freeride.training.learned_slots import LEARNED_SLOT_BASE
-from freeride.training.megatron import P2P_TIMERS, megatron_orders
+from freeride.training.megatron import megatron_orders
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -72,18 +72,6 @@ def _virtual(run: Run) -> int:
     return 2 if run.schedule == "interleaved" else 1
 
 
-def _waits(intervals: list[list[Any]]) -> list[tuple[int, int, int]]:
-    """Megatron's transfer intervals of one iteration, as the trainer's timers saw them: (position, start,
-    stop), the position being the compute actions begun before it."""
-    position, waits = 0, []
-    for name, start, stop in sorted(intervals, key=lambda i: i[1]):
-        if name in ("forward-compute", "backward-compute"):
-            position += 1
-        elif name in P2P_TIMERS:
-            waits.append((position, start, stop))
-    return waits
-
-
 def test_megatron_runs_the_planned_order_and_learns_the_same_with_freeride(run: Run) -> None:
     orders = megatron_orders(2, MICROBATCHES, _virtual(run))
     for rank, doc in enumerate(run.ranks):
@@ -98,15 +86,14 @@ def test_megatron_runs_the_planned_order_and_learns_the_same_with_freeride(run: 
 
 
 def test_bubbles_are_reported_inside_megatrons_waits_at_their_slots(run: Run) -> None:
+    # Each inside exactly one wait, a modelled slot's at its position. Regression: rank 0's send after its
+    # warm-up forward (no receive follows it in its gap) took over 0.5 ms under load, became a learned slot,
+    # and its bubble ran on to the next forward, inside no wait (test_megatron.py reproduces it in virtual time).
     for rank, doc in enumerate(run.ranks):
         phase = doc["phases"]["freeride"]
         for iteration, (bubbles, intervals) in enumerate(zip(phase["bubbles"], phase["timers"], strict=True)):
-            waits = _waits(intervals)
-            for b in bubbles:
-                inside = [w for w in waits if w[1] <= b["start_ns"] and b["end_ns"] <= w[2]]
-                assert len(inside) == 1, (rank, iteration, b)
-                if b["slot"] < LEARNED_SLOT_BASE:
-                    assert b["slot"] == inside[0][0], (rank, iteration, b, inside)
+            wrong = misplaced_bubbles(bubbles, intervals)
+            assert not wrong, (rank, iteration, wrong)
 
 
 def test_every_wait_for_the_slow_stage_is_reported(run: Run) -> None:
@@ -116,7 +103,7 @@ def test_every_wait_for_the_slow_stage_is_reported(run: Run) -> None:
     reported = total = 0
     for bubbles, intervals in zip(phase["bubbles"], phase["timers"], strict=True):
         slots = {b["slot"]: b for b in bubbles}
-        for position, start, stop in _waits(intervals):
+        for position, start, stop in megatron_waits(intervals):
             if position not in planned:
                 continue
             b = slots.get(position)

@@ -127,6 +127,23 @@ def test_a_grant_whose_bubble_already_ended_runs_no_step(tmp_path: Path, channel
     assert (msg.steps, msg.reason, msg.end_ns) == (0, "ended", 42)
 
 
+@pytest.mark.parametrize("by", ["ended", "park"])
+def test_a_grant_taken_after_its_bubbles_end_and_its_deadline_is_reported_as_ended_by_the_end(
+    tmp_path: Path, channels: tuple[Channel, Channel], by: str
+) -> None:
+    # Under load (CI, the first-hour park latency test): a worker that read its grant late, past both the
+    # bubble's end and its own deadline, said "deadline"; the manager then counted no park latency for it.
+    manager, channel = channels
+    rt, board, ends = worker(tmp_path, channel, CallsBack(lambda i: None))
+    if by == "ended":
+        ends.record_end(RANK, 100, 42)  # the trainer's end board
+    else:
+        board.end_grant(7, 42)  # the ended-grant word (the end wake, or the stream's thread)
+    rt._run_grant(grant(7, start_ns=100, seconds=-0.001))
+    msg = parked(manager)
+    assert (msg.steps, msg.reason, msg.end_ns) == (0, by, 42)
+
+
 def test_the_reference_policy_ignores_the_trainers_ends(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
     # Its emulation must stay faithful: the reference system never sees a real end.
     manager, channel = channels

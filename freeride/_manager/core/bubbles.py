@@ -36,8 +36,16 @@ class OpenBubble:
     fixed_deadline_ns: int = 0
     #: The reference policy's poll has asked its worker to park.
     park_sent: bool = False
-    #: The real end, as a worker saw it on a board before the end reached this core.
+    #: The real end, as the trainer itself (``TrainerEndSeen``) or a worker's board gave it before the end event
+    #: reached this core.
     seen_end_ns: int = 0
+
+    @property
+    def end_learned_ns(self) -> int:
+        """When the manager learned of the real end (0: not yet): the end event's arrival, else the trainer's
+        own end (``TrainerEndSeen``: read from the trainer right at the end). Read before a worker's park notes
+        the end it saw itself: that one the manager learned from the park."""
+        return self.end_received_ns or self.seen_end_ns
 
     @property
     def deadline_ns(self) -> int:

@@ -82,7 +82,7 @@ class Overruns:
             # A freeze is how this grant's side task left the device: its park latency, from the end as this
             # core learned it (the wire, or the trainer's end wake on this host). Without it, a trainer on
             # this host, whose ends now freeze steps at the real end + grace, left the figure nearly empty.
-            learned = bubble.end_received_ns or bubble.seen_end_ns
+            learned = bubble.end_learned_ns
             if learned:
                 self._stats.park_latency_ms.append(max(0, now_ns - learned) / MS)
             task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))

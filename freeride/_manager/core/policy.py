@@ -131,19 +131,18 @@ class FreeridePolicy:
                      rank=event.rank, bubble_start_ns=event.start_ns, bubble_key=event.key, trainer_ends=True)
 
     def park_seen(self, core: Scheduling, bubble: OpenBubble, event: WorkerParked, now_ns: int) -> None:
+        learned = bubble.end_learned_ns  # before the worker's own end below: that one is not the manager's
         seen = event.seen_end_ns
         if seen and not bubble.end_ns and bubble.event.start_ns <= seen <= now_ns:
             # The worker saw the end on a board before the end reached this core: the bubble is over. Its
             # end event still comes, and is measured then; no backfill meanwhile.
             core.bubbles.saw_end(bubble, seen)
-        # Parked by the end: the manager's park, or the trainer's end board read by the worker (then
-        # usually before the end reached this core: 0). Without the second, a trainer on this host left
-        # the figure empty; and the board's park often arrives before the end itself (it skips the wire).
+        # Parked by the end, each such park counted once: the manager's park, the worker's ended-grant word
+        # (set by the end path as the end arrives, often before the end event reaches this core: it counted
+        # nothing, and with a trainer on this host under load that was most grants), or the trainer's end
+        # board. From the end as the manager learned it; 0 when the worker learned of it first.
         if event.reason in ("park", "ended"):
-            if bubble.end_ns and bubble.end_received_ns:
-                core.stats.park_latency_ms.append(max(0, event.parked_ns - bubble.end_received_ns) / MS)
-            elif event.reason == "ended" and bubble.seen_end_ns:
-                core.stats.park_latency_ms.append(0.0)
+            core.stats.park_latency_ms.append(max(0, event.parked_ns - learned) / MS if learned else 0.0)
 
     def parked(self, core: Scheduling, now_ns: int, out: list) -> None:
         # Backfill the rest of this bubble, or start the bubble that opened while this step ran.
