@@ -8,7 +8,7 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
 * ``bubble_start``: ``stage, rank, iteration, slot, kind, start_ns, predicted_ns, received_ns`` (and
   ``learned: true`` for a learned slot: a recurring wait the trainer's schedule model does not list)
 * ``bubble_end``: ``stage, rank, iteration, slot, end_ns, received_ns``
-* ``end_seen``: ``task, grant, end_ns, at_ns``: the trainer's end of that grant's bubble, from its end wake
+* ``end_seen``: ``task, grant, end_ns, at_ns``: the trainer's end of that grant's bubble, from its local event
 * ``grant``: ``task, grant, deadline_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
 * ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)
 * ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are

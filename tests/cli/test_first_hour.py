@@ -204,7 +204,7 @@ def test_stats_shows_park_latency_with_a_trainer_on_the_managers_host(
         # the trainer's board or a freeze: tests/unit/test_core_park_latency.py), and here every bubble ends at
         # a third of its prediction: a grant measured for grant latency is ended by its bubble's end unless its
         # own step stopped fitting first. Parks on the worker's word set before the end event reached the core
-        # (then by the end wake) counted nothing: most grants in a loaded fresh-clone CI run.
+        # (then by the stream's thread) counted nothing: most grants in a loaded fresh-clone CI run.
         stats = harness.client.stats()
         return stats.park_latency_ms.count >= stats.grant_latency_ms.count // 2
 

@@ -1,4 +1,4 @@
-"""A bubble's end read from the trainer itself (``TrainerEndSeen``, the end wake beside the end board): the
+"""A bubble's end read from the trainer itself (``TrainerEndSeen``, from a local trainer's event): the
 freeze of a step still running counts its grace from that end, not from the end event's arrival."""
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def test_a_grant_taken_after_its_bubbles_end_and_its_deadline_is_reported_as_end
     if by == "ended":
         ends.record_end(RANK, 100, 42)  # the trainer's end board
     else:
-        board.end_grant(7, 42)  # the ended-grant word (the end wake, or the stream's thread)
+        board.end_grant(7, 42)  # the ended-grant word (a local end read by the loop, or the stream's thread)
     rt._run_grant(grant(7, start_ns=100, seconds=-0.001))
     msg = parked(manager)
     assert (msg.steps, msg.reason, msg.end_ns) == (0, by, 42)

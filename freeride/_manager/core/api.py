@@ -95,9 +95,10 @@ class BubbleEnded:
 
 @dataclass(frozen=True)
 class TrainerEndSeen:
-    """The manager read the trainer's end of the bubble ``grant_id`` holds, straight from the trainer (its end
-    wake, beside the end board): the end the worker sees, long before the end event crosses the wire. The
-    freeze is armed at ``end_ns`` + grace; the end event still comes, and is measured as usual."""
+    """The manager read the trainer's end of the bubble ``grant_id`` holds, straight from the trainer (a local
+    trainer's event, :mod:`freeride._local_events`): the end the worker sees on the end board. The freeze is
+    armed at ``end_ns`` + grace, not grace after the end reached the loop; the end event is fed right after it
+    and measured as usual."""
 
     task_id: str
     grant_id: int

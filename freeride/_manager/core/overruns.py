@@ -3,7 +3,7 @@
 A step still running ``grace`` past the bubble's real end (or past its predicted end, when no end has come)
 has its worker frozen with SIGSTOP until its next grant (:meth:`Overruns.freeze_running`). Grace counts from
 when the manager learns of the end: it cannot act before; the overrun itself is measured from the trainer's
-real end. An end the manager reads from the trainer itself (its end wake, on one host) is known microseconds
+real end. An end the manager reads from the trainer itself (its local event, on one host) is known a wake-up
 after it happens: then the freeze is at the real end + grace (:meth:`Overruns.arm_at_seen_end`), the same end
 the worker stops its new steps at. Each freeze of a step whose time was known (not a setup, a first step or a
 probe) doubles that task's extra margin, up to ``max_margin``; each clean grant lets it shrink back by an
@@ -80,7 +80,7 @@ class Overruns:
             end = bubble.end_ns or bubble.deadline_ns
             self.record(task, max(0, now_ns - end))
             # A freeze is how this grant's side task left the device: its park latency, from the end as this
-            # core learned it (the wire, or the trainer's end wake on this host). Without it, a trainer on
+            # core learned it (the wire, or the trainer's local event on this host). Without it, a trainer on
             # this host, whose ends now freeze steps at the real end + grace, left the figure nearly empty.
             learned = bubble.end_learned_ns
             if learned:
