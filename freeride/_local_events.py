@@ -103,7 +103,8 @@ def decode(data: bytes) -> TrainerEvent:
 class LocalEvents:
     """The manager's end: a listening socket and one connection per reporter, behind one epoll descriptor
     that the loop selects on (:meth:`fileno`); :meth:`read` accepts whoever connected and reads everything
-    waiting. A connection the trainer closed (or died with) is closed here too."""
+    waiting (level-triggered: what one call leaves makes the descriptor readable again). A connection the
+    trainer closed (or died with) is closed here too."""
 
     #: Reporters at once: a device hosts a few ranks; more are refused (they report over the wire).
     MAX_CONNECTIONS = 64
@@ -136,12 +137,14 @@ class LocalEvents:
         return len(self._conns)
 
     def read(self) -> list[bytes]:
-        """Every datagram waiting now, each connection's in its order."""
-        self._epoll.poll(0)  # resets the descriptor's readiness; what is waiting is read below in any case
-        self._accept()
+        """Every message waiting now on the connections that have one, each connection's in its order."""
         out: list[bytes] = []
-        for fd, conn in list(self._conns.items()):
-            while True:
+        ready = [fd for fd, _ in self._epoll.poll(0)]
+        if self._listener.fileno() in ready:
+            ready += self._accept()  # a new connection may have sent already
+        for fd in ready:
+            conn = self._conns.get(fd)
+            while conn is not None:
                 try:
                     data = conn.recv(MAX_DATAGRAM)
                 except (BlockingIOError, InterruptedError):
@@ -156,12 +159,14 @@ class LocalEvents:
                 out.append(data)
         return out
 
-    def _accept(self) -> None:
+    def _accept(self) -> list[int]:
+        """Take every waiting connection; their descriptors."""
+        new: list[int] = []
         while True:
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return new
             except OSError:  # a connection aborted before it was taken
                 continue
             if len(self._conns) >= self.MAX_CONNECTIONS:
@@ -171,6 +176,7 @@ class LocalEvents:
             conn.setblocking(False)
             self._conns[conn.fileno()] = conn
             self._epoll.register(conn.fileno(), select.EPOLLIN)
+            new.append(conn.fileno())
 
     def close(self) -> None:
         for conn in self._conns.values():
