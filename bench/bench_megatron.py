@@ -4,7 +4,8 @@
     python -m bench.bench_megatron --quick    # 40 iterations each (a smoke run)
 
 For each schedule it starts one freeride manager per core, submits a PageRank side task
-(``rmat:12``, as ``bench.bench_schedules`` does) to each, and runs ``tests/frameworks/megatron_job.py``
+(``rmat:12``, as ``bench.bench_schedules`` does; ``--side-task spin:US`` for busy steps of US us) to
+each, and runs ``tests/frameworks/megatron_job.py``
 (Megatron Core 0.19.2 on CPU needs a test-only shim for its CUDA literals, which stays in the tests)
 under ``torchrun --standalone --nproc-per-node 2`` (gloo, one rank per core), trained through
 :func:`freeride.training.megatron.instrument` with ``--report``. Each forward of rank 1 computes
@@ -27,7 +28,7 @@ instrumentation with a reporter that only enqueues, in paired batches; the media
 real run's median iteration time. That is the cost where the reporter's sender
 thread has a core of its own (a GPU host); on these two shared cores it also takes turns with the ranks.
 
-Results: ``<out>/megatron.json`` and ``<out>/megatron.md``, with the machine and the load average
+Results: ``<out>/<results-name>.json`` and ``.md`` (``megatron`` by default), with the machine and the load average
 before and after each run.
 """
 
@@ -56,10 +57,11 @@ sys.path.insert(0, str(REPO))
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
 from bench.bench_schedules import (  # noqa: E402
     GAP_NS,
-    PAGERANK,
     analyse_device,
     coverage,
     results_table,
+    side_label,
+    side_task,
     standalone_rate,
 )
 from bench.machine import machine_info  # noqa: E402
@@ -87,8 +89,9 @@ def run_schedule(name: str, args: argparse.Namespace, run_dir: Path, rates: dict
             ids: dict[str, str] = {}
             for dev, ep in endpoints.items():
                 with ControlClient(ep) as client:
-                    info = client.submit(TaskSpec(target=PAGERANK["target"], args=PAGERANK["args"],
-                                                  memory_bytes=PAGERANK["memory_bytes"], name="pagerank",
+                    task = side_task(args.side_task)
+                    info = client.submit(TaskSpec(target=task["target"], args=task["args"],
+                                                  memory_bytes=task["memory_bytes"], name=task["name"],
                                                   working_dir=str(REPO)))
                     ids[dev] = info.task_id
                     _wait_resident(client, [info.task_id])
@@ -260,8 +263,8 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         f"`{doc['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['versions'].get('torch')}, "
         f"megatron-core {doc['megatron_core']}; {c['iterations']} iterations ({c['warmup']} warm-up), "
         f"{c['microbatches']} micro-batches, rank 1 {c['slow_ms']} ms slower per forward; interleaved: 2 model "
-        "chunks per rank; one manager and one PageRank `rmat:12` per core. Load average (1 min) before/after each "
-        "run in the last column: figures from a loaded machine are noisy.",
+        f"chunks per rank; one manager and one side task per core: {side_label(c.get('side_task', 'pagerank'))}. "
+        "Load average (1 min) before/after each run in the last column: figures from a loaded machine are noisy.",
         "",
     ]
     path.write_text("\n".join(lines + results_table(doc)) + "\n")
@@ -277,7 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slow-ms", type=float, default=6.0,
                    help="ms more per forward of rank 1 (6: rank 0's waits are ~3x a 2 ms step)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
+    p.add_argument("--results-name", default="megatron", help="results go to <out>/<name>.json and .md")
+    p.add_argument("--side-task", default="pagerank", help="pagerank (rmat:12) or spin:US (busy steps of US us)")
     args = p.parse_args(argv)
+    try:
+        side_task(args.side_task)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.quick:
         args.iterations, args.warmup = 40, 10
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
@@ -295,21 +304,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = {}
     for i, dev in enumerate(devices):
         (work / f"standalone-{i}").mkdir()
-        rates[dev] = standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}")
+        rates[dev] = standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}",
+                                     side_task(args.side_task))
     runs = []
     for name in names:
         print(f"[bench_megatron] {name} ...", flush=True)
         run = run_schedule(name, args, work / name, rates)
         run["hot_path_ns"] = hot_path_ns(name, args.microbatches)
         runs.append(run)
-    doc = {"command": "python -m bench.bench_megatron" + (" --quick" if args.quick else ""),
+    command = "python -m bench.bench_megatron" + (" --quick" if args.quick else "")
+    if args.side_task != "pagerank":
+        command += f" --side-task {args.side_task} --results-name {args.results_name}"
+    doc = {"command": command,
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "machine": machine_info(), "megatron_core": megatron_core, "standalone_progress_per_s": rates,
            "runs": runs, "work_dir": str(work)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "megatron.json").write_text(json.dumps(doc, indent=2, default=lambda o: asdict(o)) + "\n")
-    write_markdown(doc, args.out / "megatron.md")
-    print((args.out / "megatron.md").read_text())
+    (args.out / f"{args.results_name}.json").write_text(json.dumps(doc, indent=2, default=lambda o: asdict(o)) + "\n")
+    write_markdown(doc, args.out / f"{args.results_name}.md")
+    print((args.out / f"{args.results_name}.md").read_text())
     return 0
 
 

@@ -510,6 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --schedules {','.join(names)}"
     if args.results_name != "schedules":
         command += f" --results-name {args.results_name}"
+    if args.side_task != "pagerank":
+        command += f" --side-task {args.side_task}"
     doc = {"command": command,
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "machine": machine_info(), "standalone_progress_per_s": rates, "runs": runs, "failed": {},

@@ -379,3 +379,21 @@ def test_a_step_frozen_again_after_its_board_stopped_moving_looks_hung() -> None
     sim.advance_ms(5)
     assert sim.core.tasks["a"].health.looks_hung(sim.core.bubbles.longest_ns)
     assert grants(sim.start(predicted_ms=10))[0] == "b"
+
+
+def test_a_freeze_at_a_bubble_that_ended_before_its_prediction_leaves_the_margin_alone() -> None:
+    # Issue 21's runtime schedules: short, jittery slots end early all the time, and a 0.2 ms task frozen at
+    # each early end had its margin widened until no step fitted a grant (most grants made no step).
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    for _ in range(5):
+        sim.advance_ms(5)
+        sim.start(predicted_ms=10)
+        sim.advance_ms(3)  # the end comes at 30% of the prediction, the step still running
+        sim.end()
+        sim.at(sim.now + sim.core.config.grace_ns)
+        assert Freeze("a") in sim.tick()
+        assert task.margin_ns == 0
+    assert task.overruns == 5

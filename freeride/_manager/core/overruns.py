@@ -6,7 +6,8 @@ when the manager learns of the end: it cannot act before; the overrun itself is 
 real end. An end the manager reads from the trainer itself (its local event, on one host) is known a wake-up
 after it happens: then the freeze is at the real end + grace (:meth:`Overruns.arm_at_seen_end`), the same end
 the worker stops its new steps at. Each freeze of a step whose time was known (not a setup, a first step or a
-probe) doubles that task's extra margin, up to ``max_margin``; each clean grant lets it shrink back by an
+probe) past the end its grant was sized to doubles that task's extra margin, up to ``max_margin`` (a bubble
+that ended before its prediction says nothing about the step); each clean grant lets it shrink back by an
 eighth. One timer is enough: at most one worker holds a bubble at a time.
 """
 
@@ -87,7 +88,13 @@ class Overruns:
                 self._stats.park_latency_ms.append(max(0, now_ns - learned) / MS)
             task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))
             self._stats.granted_ns += max(0, end - task.granted_at_ns)
-            self.frozen(task)
+            real_end = bubble.end_ns or bubble.seen_end_ns
+            if not real_end or real_end >= bubble.event.predicted_end_ns:
+                # A step running past the end the grant was sized to: its estimate (plus margin) was wrong.
+                # A bubble that ended before its prediction proves nothing about the step; widening for it
+                # made every early end cost later grants (the schedules with short, jittery slots froze a
+                # 0.2 ms task hundreds of times, and its margin grew until no step fitted a grant).
+                self.frozen(task)
             # An open bubble whose end has not come stays open: its end may still arrive (late: a trainer
             # that reports ends after its next compute action, a delayed stream), and is then measured like
             # any other. Closing it here counted that end as rejected and lost the bubble from the slot
