@@ -243,17 +243,19 @@ def analyse_device(trace: list[dict[str, Any]], step_s: dict[str, float], window
     steady = steady_window([trace], window)
     h = harvest([trace], step_s, steady)
     bubbles = [b for b in _bubbles(trace) if steady[0] <= b["start_ns"] <= steady[1]]
-    ends = sorted(b["end_ns"] for b in bubbles)
     freezes = [r["at_ns"] for r in trace if r.get("ev") == "freeze" and steady[0] <= r.get("at_ns", 0) <= steady[1]]
     spans = [(b - a) / 1e6 for r in trace if r.get("ev") == "steps" for a, b in r.get("spans", [])]
     lengths = [(b["end_ns"] - b["start_ns"]) / 1e6 for b in bubbles]
     # Past the real end: a granted bubble's last step (harvest's), or the freeze that stopped a step
-    # still running (measured from the latest real end before it).
+    # still running, from the real end of the bubble it came in (0: frozen before that end, at the
+    # predicted end + grace of a bubble that ran longer than predicted).
     overruns = list(h.overruns_ms)
+    by_start = sorted((b["start_ns"], b["end_ns"]) for b in bubbles)
+    starts = [start for start, _ in by_start]
     for at in freezes:
-        i = bisect.bisect_right(ends, at)
+        i = bisect.bisect_right(starts, at)
         if i:
-            overruns.append((at - ends[i - 1]) / 1e6)
+            overruns.append(max(0, at - by_start[i - 1][1]) / 1e6)
     return {
         "task_state": state,
         "window_s": (steady[1] - steady[0]) / 1e9,
