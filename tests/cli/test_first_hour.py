@@ -240,8 +240,11 @@ def test_the_first_ctrl_c_on_a_foreground_manager_says_it_is_draining(
 @pytest.mark.e2e
 def test_ctrl_c_in_top_exits_130(daemon: tuple[Path, subprocess.Popen[bytes]]) -> None:
     sock, _ = daemon
+    # A user's shell delivers Ctrl-C to a top whose SIGINT is not ignored; a test run started as a background
+    # job of a script inherits SIGINT ignored, which the child would keep.
     top = subprocess.Popen([sys.executable, "-m", "freeride.cli", "top", "--endpoint", f"unix:{sock}",
-                            "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert top.stdout is not None
         top.stdout.readline()  # a first frame is out: the view runs

@@ -114,7 +114,10 @@ def test_batch_larger_than_the_loop_bound_is_handed_over_whole_and_in_order(
 def test_reporter_sends_what_queued_before_it_connected_as_full_batches(
     harness: ManagerHarness, handed: list[BubbleEvent]
 ) -> None:
-    reporter = BubbleReporter(cpu_devices(1)[0], stage=0, rank=0, endpoint=harness.endpoint, start=False)
+    # The wire's batching (end_board=False: on the manager's host the events would go as local messages,
+    # tests/trainer/test_reporter.py).
+    reporter = BubbleReporter(cpu_devices(1)[0], stage=0, rank=0, endpoint=harness.endpoint, start=False,
+                              end_board=False)
     total = MAX_BATCH_EVENTS + 100
     t0 = now_ns() - MS
     for it in range(total // 2):
