@@ -4,7 +4,7 @@
 slot. Over the wire, the two calls only put a tuple on a bounded queue (a C ``SimpleQueue``: no lock
 the training thread can contend on for long, no allocation beyond the tuple) and return in about a
 microsecond; when the queue is full the event is dropped and counted. On the manager's host they send
-a datagram instead (below: a few microseconds). Nothing on those calls can raise.
+a message instead (below: ~7 us an event, unless ``local_events=False``). Nothing on those calls can raise.
 
 A daemon thread owns the connection. It opens one ``Trainer.StreamBubbles`` call
 (:class:`freeride._wire.client.BubbleStream`) fed by a generator that reads the queue, so events go
@@ -28,14 +28,14 @@ beside it (:mod:`freeride._boards`): a small shared file in the socket's owner-o
 reporter maps it each time it connects, and :meth:`BubbleReporter.bubble_end` writes the ended
 bubble's start and end time into this rank's record (two memory stores, no system call) first; the
 side task granted that bubble reads the record before each step and stops at once. Then every event,
-starts and layouts too, goes from the training thread straight to the manager's loop as one datagram
-(``<socket>.events``, :mod:`freeride._local_events`: one non-blocking ``send``, about what queueing
-and waking the sender thread cost), so the scheduler has it about a wake-up later instead of four
-threads later, and freezes a step still running at the trainer's own end + grace. The datagrams begin
-once the connection's queue is empty; a send that fails (the manager far behind, or gone) sends that
-event and the connection's later ones over the wire, so that none overtakes another. Over TCP
-(another user, another host) there is neither: there a message is cut right after each end, so an
-end is never held behind events queued after it.
+starts and layouts too, goes from the training thread straight to the manager's loop as one message
+(``<socket>.events``, :mod:`freeride._local_events`: one non-blocking ``send``, ~7 us an event on the
+2-core test VM against ~1 us for the queue; ``local_events=False`` keeps the queue), so the scheduler
+has it about a wake-up later instead of four threads later, and freezes a step still running at the
+trainer's own end + grace. What was queued before the connection goes first, as messages; a send that
+fails (the manager far behind, or gone) sends that event and the connection's later ones over the wire,
+so that none overtakes another. Over TCP (another user, another host) there is neither: there a
+message is cut right after each end, so an end is never held behind events queued after it.
 
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
@@ -116,7 +116,11 @@ class BubbleReporter:
     at ``endpoint`` if given, else ``$FREERIDE_ENDPOINT``, else the device's default socket.
     ``stage`` and ``rank`` are the pipeline stage and global rank stamped on every event.
     ``end_board=False`` leaves the manager's end board alone: ends then reach side tasks over the wire
-    only (a measurement of what the board saves).
+    only (a measurement of what the board saves), and so do all events. ``local_events=False`` keeps the
+    board but sends events over the wire: the training thread then pays a queue ``put`` (~1-2 us a call
+    pair) instead of a message per event (~14 us a call pair on the 2-core test VM, most of it waking
+    the manager's core: ``bench/results/cpu/local_events.md``), and the manager learns of each event
+    ~0.6 ms later (``bench/results/cpu/end_stop.md``).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class BubbleReporter:
         start: bool = True,
         cpu_affinity: set[int] | None = None,
         end_board: bool = True,
+        local_events: bool = True,
     ) -> None:
         parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
         self.device = device
@@ -146,6 +151,7 @@ class BubbleReporter:
         self._backoff_max_s = backoff_max_s
         self._cpu_affinity = set(cpu_affinity) if cpu_affinity else None
         self._use_end_board = end_board  # False: ends reach side tasks over the wire only (measurements)
+        self._use_local_events = local_events
         self._closed = threading.Event()
         self._connected = False
         #: The manager's end board, mapped at each connection (a restarted manager makes a new one); the
@@ -440,7 +446,7 @@ class BubbleReporter:
             stream = None
             try:
                 self._end_board = self._open_end_board()
-                if self._end_board is not None:
+                if self._end_board is not None and self._use_local_events:
                     self._use_local(self._open_local())  # before the wire takes anything from the queue
                 stream = self._open_stream(alive)
                 self._connects += 1

@@ -386,3 +386,29 @@ def test_events_queued_before_the_connection_go_first_as_datagrams_and_a_stale_r
     finally:
         reporter.close()
         local.close()
+
+
+def test_local_events_off_keeps_the_board_and_sends_every_event_over_the_wire(tmp_path: Path) -> None:
+    from freeride._boards import EndBoard, end_board_path
+    from freeride._local_events import LocalEvents, local_events_path
+
+    endpoint = Endpoint("unix", str(tmp_path / "m.sock"))
+    EndBoard.create(end_board_path(endpoint.address))
+    board = EndBoard.open(end_board_path(endpoint.address), writable=False)
+    local = LocalEvents(local_events_path(endpoint.address))
+    wire: list = []
+    reporter = BubbleReporter("cpu:0", stage=0, rank=3, endpoint=endpoint, start=False, local_events=False)
+    reporter._open_stream = lambda alive: FakeStream(reporter._batches(alive), wire, None)  # type: ignore[method-assign]
+    reporter._thread.start()
+    try:
+        wait_for(lambda: reporter.counters().connected, 5, what="the reporter to connect")
+        reporter.bubble_start(0, 1, "fwd", predicted_ns=MS, start_ns=100)
+        reporter.bubble_end(0, 1, end_ns=200)
+        assert board.ended_ns(3, 100) == 200  # the board still stops side tasks at once
+        wait_for(lambda: len(wire) == 2, 5, what="the wire to carry both events")
+        assert wire == [BubbleStart(0, 3, 0, 1, "fwd", 100, MS), BubbleEnd(0, 3, 0, 1, 200)]
+        assert local.read() == [] and reporter.counters().local == 0 and reporter._local is None
+    finally:
+        reporter.close()
+        local.close()
+        board.close()
