@@ -64,7 +64,7 @@ def the_word_set_by_the_stream_before_the_core_took_the_end(sim: Sim, grant: Gra
 
 def the_word_set_on_the_trainers_end_before_the_end_event(sim: Sim, grant: Grant, end_ns: int) -> float:
     # The loop read the trainer's own end, set the word and told the core; the worker parked on the word
-    # before the end event came (a wire end set the word on the stream's thread: the usual order under load).
+    # before the core took the end event (a local end is fed right after its end seen).
     sim.advance_ms(0.05)
     sim.send(TrainerEndSeen("a", grant.grant_id, end_ns))
     sim.advance_ms(0.35)
