@@ -99,7 +99,7 @@ def main() -> int:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
-    doc = {
+    doc: dict[str, Any] = {
         "command": " ".join(["python -m bench.bench_local_events", *sys.argv[1:]]),
         "machine": machine_info(), "config": {k: str(v) for k, v in vars(ns).items()},
         "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],

@@ -504,8 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     megatron = build_schedule("interleaved-1f1b", 2, args.microbatches, virtual=2)
     csv_path.write_text("\n".join(",".join(str(a) for a in megatron.orders[r]) for r in (0, 1)) + "\n")
     devices = two_stage_cpu(sorted(os.sched_getaffinity(0))).devices
-    rates = {dev: standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}", side_task(args.side_task))
-             for i, dev in enumerate(devices) if (work / f"standalone-{i}").mkdir() is None}
+    rates = {}
+    for i, dev in enumerate(devices):
+        (work / f"standalone-{i}").mkdir()
+        rates[dev] = standalone_rate(dev, 3.0 if args.quick else 10.0, work / f"standalone-{i}",
+                                     side_task(args.side_task))
     runs: list[dict[str, Any]] = []
     command = "python -m bench.bench_schedules" + (" --quick" if args.quick else "")
     if names != list(SCHEDULES):
@@ -514,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --results-name {args.results_name}"
     if args.side_task != "pagerank":
         command += f" --side-task {args.side_task}"
-    doc = {"command": command,
+    doc: dict[str, Any] = {"command": command,
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "machine": machine_info(), "standalone_progress_per_s": rates, "runs": runs, "failed": {},
            "work_dir": str(work)}
