@@ -227,7 +227,7 @@ class BubbleReporter:
         """Report that the wait is over now (or at ``end_ns``). Never blocks or raises.
 
         A side task in this bubble learns of the end from the end board at once (see the module
-        docstring), then the manager from the wire.
+        docstring), then the manager, from a local message or over the wire.
         """
         try:
             if end_ns is None:
