@@ -131,4 +131,7 @@ def test_freeride_bubbles_shows_what_each_rank_reported(run: Run) -> None:
 def test_a_side_task_harvests_the_bubbles(run: Run) -> None:
     waiting = run.managers[run.ranks[0]["device"]]  # the device with the slow stage's bubbles
     assert waiting["stats"]["harvested_s"] > 0
-    assert waiting["task"]["figures"]["steps"] > 0 and waiting["task"]["state"] in ("PARKED", "RUNNING")
+    # Alive and not failed: a step still running at the last bubble's end is frozen until a next bubble that
+    # never comes, so FROZEN is a healthy end state too (more common since early ends stopped widening margins).
+    assert waiting["task"]["figures"]["steps"] > 0 and waiting["task"]["state"] in ("PARKED", "RUNNING", "FROZEN")
+    assert waiting["task"].get("failure") is None
