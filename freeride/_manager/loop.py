@@ -347,21 +347,26 @@ class ManagerLoop:
                 continue
             events.append(event)
         self.inbox.count_received(len(events))
-        record = self.event_delay.record
         for event in events:
             if not self._running:
                 break
             now = self.now_ns()
             if isinstance(event, BubbleEnd):
-                record(now - event.end_ns)
                 for seen in self.ends.local_end(event, received_ns):
                     self._feed(seen, now)
-            elif isinstance(event, BubbleStart):
-                record(now - event.start_ns)
-            else:
-                record(now - event.at_ns)
-            self._feed(self._trainer_input(event, received_ns), now)
+            self._feed_trainer(self._trainer_input(event, received_ns), now)
         return []
+
+    def _feed_trainer(self, event: _TrainerInput, now_ns: int) -> None:
+        """Feed a trainer's event, timing its delay from the trainer's own stamp (``event_delay``)."""
+        if isinstance(event, C.BubbleStarted):
+            stamp = event.bubble.start_ns
+        elif isinstance(event, C.BubbleEnded):
+            stamp = event.bubble.end_ns
+        else:
+            stamp = event.layout.at_ns
+        self.event_delay.record(now_ns - stamp)
+        self._feed(event, now_ns)
 
     def _take_inbox(self) -> None:
         """One turn's share of the inbox: every waiting item, then up to ``BUBBLES_PER_TURN`` bubble events."""
@@ -373,16 +378,8 @@ class ManagerLoop:
             chunk = self.inbox.take_chunk()
             if chunk is None:
                 break
-            record = self.event_delay.record
             for event in chunk:
-                now = self.now_ns()
-                if isinstance(event, C.BubbleStarted):
-                    record(now - event.bubble.start_ns)
-                elif isinstance(event, C.BubbleEnded):
-                    record(now - event.bubble.end_ns)
-                else:
-                    record(now - event.layout.at_ns)
-                self._feed(event, now)
+                self._feed_trainer(event, self.now_ns())
             budget -= len(chunk)
 
     def _timers(self) -> None:
