@@ -139,7 +139,8 @@ def standalone_rate(device: str, seconds: float, run_dir: Path, task: dict[str, 
     request.write_text(json.dumps({"device": device, "seconds": seconds, "tasks": [task]}))
     with (run_dir / "standalone.log").open("wb") as log:
         subprocess.call([sys.executable, "-m", "freeride._demo.probe", str(request), str(result)], cwd=REPO,
-                        stdout=log, stderr=subprocess.STDOUT, timeout=300)
+                        stdout=log, stderr=subprocess.STDOUT, timeout=300,
+                        start_new_session=True)  # its autogroup at nice 19, like a worker's, not the bench's
     entries = json.loads(result.read_text()) if result.exists() else []
     rate = next((float(e["report"]["progress_per_s"]) for e in entries if "report" in e), 0.0)
     if rate <= 0:

@@ -221,7 +221,8 @@ class Runner:
             try:
                 subprocess.run([sys.executable, "-m", "freeride._demo.probe", str(request), str(result)], env=self.env,
                                cwd=self.tasks[0].spec.working_dir or None, stdin=subprocess.DEVNULL, stdout=output,
-                               stderr=subprocess.STDOUT, timeout=limit_s, check=False)
+                               stderr=subprocess.STDOUT, timeout=limit_s, check=False,
+                               start_new_session=True)  # its autogroup at nice 19, like a worker's, not ours
             except subprocess.TimeoutExpired:
                 raise BenchFailed(f"measuring the side tasks alone took over {limit_s:.0f} s; its log ({path}) ends "
                                   f"with:\n{log_tail(path)}") from None

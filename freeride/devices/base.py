@@ -189,7 +189,17 @@ def lower_autogroup_priority(niceness: int) -> bool:
     worker in its own session then competes with the trainer as an equal (measured: 1.53 s of CPU
     against 1.76 s for a nice 0 loop), and its niceness only ranks it inside its session. Setting
     the autogroup's nice restores the intent. Without autogroups the file is absent: nothing to do.
+
+    Only a process that leads its session touches it: the autogroup is the *session's*, and its nice
+    outlives the process. A standalone measurement or ``run-task`` started from a terminal, or a bench's
+    probe, shares the caller's session; writing there put the user's shell, and every trainer and
+    manager started from it afterwards, at nice 19 against the rest of the machine (found: a manager
+    of a bench run from such a session waited 2.6 ms for a core at each wake-up). Such a process keeps
+    its own nice 19 and leaves the session alone (False); a caller that wants the worker's conditions
+    starts it in a session of its own.
     """
+    if os.getsid(0) != os.getpid():
+        return False
     try:
         with open("/proc/self/autogroup", "w") as fh:
             fh.write(str(niceness))
