@@ -9,7 +9,7 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
   ``learned: true`` for a learned slot: a recurring wait the trainer's schedule model does not list)
 * ``bubble_end``: ``stage, rank, iteration, slot, end_ns, received_ns``
 * ``end_seen``: ``task, grant, end_ns, at_ns``: the trainer's end of that grant's bubble, from its local event
-* ``grant``: ``task, grant, deadline_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
+* ``grant``: ``task, grant, deadline_ns, margin_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
 * ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)
 * ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are
   [start_ns, end_ns] of the most recent of them, at most 64, as the worker reported them)
@@ -116,7 +116,7 @@ class LoopTrace:
         write = self.writer.write
         if isinstance(action, C.Grant):
             write("grant", task=action.task_id, grant=action.grant_id, deadline_ns=action.deadline_ns,
-                  thaw=action.thaw, at_ns=self.now_ns())
+                  margin_ns=action.margin_ns, thaw=action.thaw, at_ns=self.now_ns())
         elif isinstance(action, C.Park):
             write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
         elif isinstance(action, C.Freeze):
