@@ -96,6 +96,13 @@ class Grant:
     rank: int = -1
     bubble_start_ns: int = 0
     trainer_ends: bool = False
+    #: The recent lengths of the bubble's slot, sorted: while the bubble outlives ``deadline_ns`` and its end
+    #: is not known, steps are sized to ``freeride._estimator.surviving_end_ns`` of them (only when
+    #: ``trainer_ends``: the worker learns the real end).
+    survival_ns: tuple[int, ...] = ()
+    #: The manager's grace: a step whose high-percentile time is within it is sized to the longest of
+    #: ``survival_ns`` (its overrun past an end it did not see coming stays within the grace).
+    grace_ns: int = 0
 
 
 @dataclass(frozen=True)

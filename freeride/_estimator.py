@@ -1,7 +1,9 @@
-"""Online step-time estimation, shared by the worker (admission) and the manager's core (placement)."""
+"""Online estimation shared by the worker (admission) and the manager's core (placement): a task's step time,
+and how long a bubble that has lasted so far will still last."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from freeride.measure import percentiles as _percentiles
@@ -58,3 +60,38 @@ def percentiles(values: list[float] | deque[float]) -> tuple[int, float, float, 
         return (0, 0.0, 0.0, 0.0, 0.0)
     p50, p90, p99, top = _percentiles(values, (50, 90, 99, 100))
     return (len(values), p50, p90, p99, top)
+
+
+#: How many of a slot's recent lengths a grant carries (the trainer's predictor keeps 16 a slot).
+SURVIVAL_LENGTHS = 16
+#: The percentile of the surviving lengths an extended deadline is cut to: the trainer's own (p10).
+SURVIVAL_PERCENTILE = 10.0
+
+
+def surviving_end_ns(start_ns: int, lengths_ns: tuple[int, ...], now_ns: int, within_grace: bool = False) -> int:
+    """A deadline for a bubble that began at ``start_ns``, has outlived its prediction and has not ended by
+    ``now_ns``; ``lengths_ns`` are its slot's recent lengths, sorted. 0 when there are none.
+
+    A grant's deadline is the trainer's low-percentile prediction, made at the start. Once the bubble has
+    outlived it, that figure is known to be short, and the lengths still possible are those longer than
+    what has passed:
+
+    * a step that overruns an end it did not see coming by no more than the grace (``within_grace``: its
+      high-percentile time is within it) is sized to the **longest** of them: that overrun is one every
+      grant tolerates before a freeze, and the worker starts no step after the real end once it can read
+      it (the trainer's end board, its ended-grant word);
+    * a longer step is sized to their ``SURVIVAL_PERCENTILE``-th percentile (nearest rank): as likely to
+      be passed by the real end as the first prediction was.
+
+    Neither decreases as ``now_ns`` grows (the candidates shrink from below), and neither passes the
+    longest length seen: a bubble longer than any before gets no more time than that. Plain arithmetic on
+    at most ``SURVIVAL_LENGTHS`` numbers, for the worker before a step that does not fit its deadline and
+    for the core at a grant and a freeze.
+    """
+    if not lengths_ns:
+        return 0
+    i = bisect.bisect_right(lengths_ns, now_ns - start_ns)
+    left = len(lengths_ns) - i
+    if within_grace or left == 0:
+        return start_ns + lengths_ns[-1]
+    return start_ns + lengths_ns[i + rank_index(left, SURVIVAL_PERCENTILE)]

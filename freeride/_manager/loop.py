@@ -448,7 +448,8 @@ class ManagerLoop:
         events = self.workers.send(tid, W.Grant(action.grant_id, action.deadline_ns, action.margin_ns,
                                                 probe=action.probe, rank=action.rank,
                                                 bubble_start_ns=action.bubble_start_ns,
-                                                trainer_ends=action.trainer_ends))
+                                                trainer_ends=action.trainer_ends, survival_ns=action.survival_ns,
+                                                grace_ns=action.grace_ns))
         if action.thaw:
             self.workers.signal(tid, signal.SIGCONT)
         if action.trainer_ends:

@@ -10,7 +10,11 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
    the interpreter and the task's libraries, on a GPU that resident set as the host baseline), or
    ``failed`` and exit.
 3. Wait for a ``grant`` (deadline, margin). The first grant runs ``setup`` (and restores the last
-   checkpoint); then, while ``now + p95 step time + margin <= deadline``, run ``step()``.
+   checkpoint); then, while ``now + p95 step time + margin <= deadline``, run ``step()``. A grant that
+   follows the trainer's ends carries its slot's recent lengths: once the bubble outlives the deadline
+   with no end known, the deadline becomes what those lengths say is left
+   (:func:`freeride._estimator.surviving_end_ns`: the longest for a step within the grace, else the
+   low percentile of the longer ones), so a bubble longer than predicted is not left idle.
    **A step is timed in device time**: on CUDA ``step()`` returns once its kernels are queued, so
    the runtime waits for the device (:meth:`WorkerDevice.synchronize`) before it stops the step's
    clock and decides on the next one; the time is then what the GPU spent, and no step is admitted
@@ -65,7 +69,7 @@ from freeride._channel import (
     Ready,
     Stop,
 )
-from freeride._estimator import StepEstimator
+from freeride._estimator import StepEstimator, surviving_end_ns
 from freeride._task_process import prepare_process
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
@@ -268,6 +272,12 @@ class WorkerRuntime:
             return None
         return grant.rank, grant.bubble_start_ns
 
+    @staticmethod
+    def _survival_of(grant: Grant) -> tuple[int, ...]:
+        """The slot's lengths a grant's deadline may be extended by, sorted (none unless it follows the trainer's
+        ends: a worker that cannot learn the real end keeps to its deadline)."""
+        return tuple(sorted(grant.survival_ns)) if grant.trainer_ends else ()
+
     def _run_grant(self, grant: Grant) -> bool:
         """Step inside one grant (and any that supersede it); True when the task finished."""
         assert self.task is not None
@@ -275,6 +285,8 @@ class WorkerRuntime:
         deadline = grant.deadline_ns
         margin = grant.margin_ns
         bubble = self._bubble_of(grant)
+        survival = self._survival_of(grant)
+        grace = grant.grace_ns
         seen_end_ns = 0
         if grant.probe:
             # The manager suspects a stale estimate: forget it and run at least one step.
@@ -310,6 +322,8 @@ class WorkerRuntime:
                     deadline = msg.deadline_ns
                     margin = msg.margin_ns
                     bubble = self._bubble_of(msg)
+                    survival = self._survival_of(msg)
+                    grace = msg.grace_ns
                     reason = "deadline"
                     stop_now = False
                     # Steps of the earlier grant would be reported under this one: its latency
@@ -336,7 +350,15 @@ class WorkerRuntime:
                 if not paper_step_fits(est, deadline - now):
                     break
             elif now + (est or 0) + margin > deadline:
-                break
+                # The bubble outlived the deadline and no end is known: size the step to what its slot's
+                # lengths say is left (``surviving_end_ns``), or stop when that does not fit it either.
+                if bubble is None or not survival:
+                    break
+                within_grace = est is not None and est <= grace
+                extended = surviving_end_ns(bubble[1], survival, now, within_grace)
+                if now + (est or 0) + margin > extended:
+                    break
+                deadline = extended
             if self._board is not None:
                 self._board.publish_step(self.steps)
             thaws = self.thaws.count
@@ -365,6 +387,14 @@ class WorkerRuntime:
                 if known is not None and known[1] > 0:
                     step_deadline = min(step_deadline, known[1])
                 ran = self.thaws.running_ns(now, end, step_deadline, time.process_time_ns() - cpu_start)
+            else:
+                known = self._ended(grant_id, bubble)
+                if known is not None and now < known[1] < end:
+                    # The bubble ended while this step ran: from then on the trainer had the device back
+                    # (on a CPU core this worker, at nice 19, hardly ran). Its time is what it ran in the
+                    # bubble or its CPU time, whichever is more: timed to its end, each step that met an end
+                    # raised the estimate until the short bubbles fitted no step.
+                    ran = min(ran, max(time.process_time_ns() - cpu_start, known[1] - now))
             if self._warmup_pending:
                 self._warmup_pending = False
                 warmup_in_grant = True

@@ -90,7 +90,7 @@ def test_worker_parking_early_lets_another_task_use_the_rest_of_the_bubble() -> 
     actions = sim.parked("a", [1.0, 1.0], reason="deadline")
     assert of(actions, Grant) == [Grant("b", 2, T0 + 10 * MS, sim.core.config.margin_ns, False, rank=0,
                                         bubble_start_ns=T0, bubble_key=sim.open.key,  # type: ignore[union-attr]
-                                        trainer_ends=True)]
+                                        trainer_ends=True, grace_ns=sim.core.config.grace_ns)]
     assert sim.state("a") == S.PARKED
     assert sim.state("b") == S.RUNNING
 

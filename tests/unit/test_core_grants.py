@@ -38,7 +38,7 @@ def test_bubble_start_grants_the_parked_task_until_the_predicted_end() -> None:
     actions = sim.start(predicted_ms=10)
     assert sim.open is not None
     assert of(actions, Grant) == [Grant("a", 1, T0 + 10 * MS, MS // 5, False, rank=0, bubble_start_ns=T0,
-                                        bubble_key=sim.open.key, trainer_ends=True)]
+                                        bubble_key=sim.open.key, trainer_ends=True, grace_ns=sim.core.config.grace_ns)]
     assert StateChanged("a", S.PARKED, S.RUNNING, "granted") in actions
     assert sim.state("a") == S.RUNNING
 
@@ -221,7 +221,7 @@ def test_task_that_becomes_ready_inside_a_bubble_is_granted_the_rest_of_it() -> 
     actions = sim.ready("a")
     assert of(actions, Grant) == [Grant("a", 1, T0 + 10 * MS, sim.core.config.margin_ns, False, rank=0,
                                         bubble_start_ns=T0, bubble_key=sim.open.key,  # type: ignore[union-attr]
-                                        trainer_ends=True)]
+                                        trainer_ends=True, grace_ns=sim.core.config.grace_ns)]
 
 
 def test_no_grant_when_the_time_left_is_within_the_margin() -> None:

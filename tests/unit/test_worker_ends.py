@@ -152,3 +152,88 @@ def test_the_reference_policy_ignores_the_trainers_ends(tmp_path: Path, channels
     rt._run_grant(grant(7, start_ns=100, seconds=0.02, trainer_ends=False))
     msg = parked(manager)
     assert msg.reason == "deadline" and msg.steps > 0
+
+
+# ---------------------------------------------------------------- a bubble that outlives its deadline (issue 21)
+
+MS = 10**6
+
+
+def outlived(grant_id: int, survival_ns: tuple[int, ...], trainer_ends: bool = True) -> tuple[Grant, int]:
+    """A grant whose deadline passed a millisecond ago, in a bubble that began 3 ms ago, and that bubble's start."""
+    now = time.monotonic_ns()
+    start = now - 3 * MS
+    return Grant(grant_id, deadline_ns=now - MS, margin_ns=0, rank=RANK, bubble_start_ns=start,
+                 trainer_ends=trainer_ends, survival_ns=survival_ns, grace_ns=MS // 2), start
+
+
+def ends_at_step(box: dict[str, Any], step: int) -> Callable[[int], None]:
+    """A hook that writes the trainer's end of the bubble started at ``box["start"]`` inside step ``step``."""
+    def hook(i: int) -> None:
+        if i == step:
+            box["ends"].record_end(RANK, box["start"], time.monotonic_ns())
+    return hook
+
+
+def test_a_short_step_goes_on_past_the_deadline_until_the_trainers_end_while_its_slot_has_longer_lengths(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    box: dict[str, Any] = {}
+    rt, _, box["ends"] = worker(tmp_path, channel, CallsBack(ends_at_step(box, 4)))
+    g, box["start"] = outlived(7, survival_ns=(2 * MS, 60 * S))  # the slot has lasted a minute before
+    rt._run_grant(g)
+    msg = parked(manager)
+    assert (msg.steps, msg.reason) == (5, "ended")
+
+
+def test_a_grant_that_cannot_learn_the_real_end_keeps_to_its_deadline(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    rt, _, _ = worker(tmp_path, channel, CallsBack(lambda i: None))
+    g, _ = outlived(7, survival_ns=(2 * MS, 60 * S), trainer_ends=False)
+    rt._run_grant(g)
+    msg = parked(manager)
+    assert (msg.steps, msg.reason) == (0, "deadline")
+
+
+def test_a_bubble_longer_than_every_length_of_its_slot_gets_no_more_steps(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    manager, channel = channels
+    rt, _, _ = worker(tmp_path, channel, CallsBack(lambda i: None))
+    g, _ = outlived(7, survival_ns=(MS, 2 * MS))  # 3 ms have passed: longer than any before
+    rt._run_grant(g)
+    assert parked(manager).steps == 0
+
+
+@pytest.mark.parametrize(("survival_s", "steps"), [((0.002, 0.004), 0), ((0.002, 30.0, 60.0), 3)])
+def test_a_step_longer_than_the_grace_is_sized_to_the_low_percentile_of_the_longer_lengths(
+        tmp_path: Path, channels: tuple[Channel, Channel], survival_s: tuple[float, ...], steps: int) -> None:
+    manager, channel = channels
+    box: dict[str, Any] = {}
+    rt, _, box["ends"] = worker(tmp_path, channel, CallsBack(ends_at_step(box, 2)))
+    rt.estimator.extend([10 * MS] * 64)  # 10 ms steps: more than the grace
+    g, box["start"] = outlived(7, survival_ns=tuple(int(s * S) for s in survival_s))
+    rt._run_grant(g)
+    # 4 ms is the only length left (1 ms away: no 10 ms step fits); with 30 s left, steps go on to the end.
+    msg = parked(manager)
+    assert msg.steps == steps
+
+
+def test_a_step_the_end_came_during_is_timed_by_its_run_in_the_bubble_not_its_wait_for_the_core_after(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # A step running at a real end shares the core with the trainer (at nice 19: it hardly runs) until it
+    # finishes or is frozen; timed to its end, it raised the task's p95 until short bubbles fitted no step.
+    manager, channel = channels
+    box: dict[str, Any] = {}
+
+    def hook(i: int) -> None:
+        if i == 1:
+            box["ends"].record_end(RANK, 100, time.monotonic_ns())
+            time.sleep(0.05)  # the trainer's compute: the step waits, using no CPU
+
+    rt, _, box["ends"] = worker(tmp_path, channel, CallsBack(hook))
+    rt._run_grant(grant(7, start_ns=100))
+    msg = parked(manager)
+    assert (msg.steps, msg.reason) == (2, "ended")
+    assert msg.durations_ns[1] < 25 * MS  # its CPU time (a little); it waited 50 ms
+    assert rt.estimator.estimate_ns() is not None and rt.estimator.estimate_ns() < 25 * MS

@@ -308,6 +308,12 @@ class Grant:
     bubble_key: tuple[int, int, int, int] = (-1, -1, -1, -1)
     #: The worker may stop on the trainer's own end of this bubble (never under the reference policy).
     trainer_ends: bool = False
+    #: The recent lengths of the bubble's slot, sorted: while the bubble outlives ``deadline_ns`` (no end
+    #: known), the worker sizes its steps to ``surviving_end_ns`` of them (empty: the deadline stands).
+    survival_ns: tuple[int, ...] = ()
+    #: The overrun past the real end tolerated before a freeze: a step whose high-percentile time is within it is
+    #: sized to the longest of ``survival_ns`` (``surviving_end_ns``).
+    grace_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ for the Bubbles reply, for at most ``max_slots`` keys.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from freeride._estimator import percentiles
+from freeride._estimator import SURVIVAL_LENGTHS, percentiles, surviving_end_ns
 from freeride._manager.core.machines import BUBBLE, BubblePhase
 from freeride.messages import BubbleSlotStats, BubbleStart, Percentiles
 
@@ -39,6 +40,9 @@ class OpenBubble:
     #: The real end, as the trainer itself (``TrainerEndSeen``) or a worker's board gave it before the end event
     #: reached this core.
     seen_end_ns: int = 0
+    #: The recent lengths of its slot, sorted (at most ``SURVIVAL_LENGTHS``): what its deadline is extended
+    #: to while it outlives it (:meth:`deadline_at`).
+    survival_ns: tuple[int, ...] = ()
 
     @property
     def end_learned_ns(self) -> int:
@@ -52,6 +56,32 @@ class OpenBubble:
         if self.fixed_deadline_ns:
             return self.fixed_deadline_ns
         return self.end_ns or self.seen_end_ns or self.event.predicted_end_ns
+
+    def sized_end_ns(self, at_ns: int, within_grace: bool = False) -> int:
+        """The end a step admitted at ``at_ns`` was sized to, whatever is known of the real end since: the
+        predicted end, or, when later, ``surviving_end_ns`` of its slot's lengths
+        (``within_grace``: the step's high-percentile time is within the grace). A fixed deadline (the reference
+        policy's) stands."""
+        if self.fixed_deadline_ns:
+            return self.fixed_deadline_ns
+        predicted = self.event.predicted_end_ns
+        if not self.survival_ns:
+            return predicted
+        return max(predicted, surviving_end_ns(self.event.start_ns, self.survival_ns, at_ns, within_grace))
+
+    def deadline_at(self, now_ns: int) -> int:
+        """The deadline a grant at ``now_ns`` is sized to: the real end once known, else :meth:`sized_end_ns`."""
+        if self.fixed_deadline_ns:
+            return self.fixed_deadline_ns
+        return self.end_ns or self.seen_end_ns or self.sized_end_ns(now_ns)
+
+    @property
+    def latest_deadline_ns(self) -> int:
+        """The latest :meth:`deadline_at` can be: a step still running ``grace`` past it, with no end known, is
+        frozen (the predicted end, or the longest length seen when that is later)."""
+        if self.fixed_deadline_ns or self.end_ns or self.seen_end_ns or not self.survival_ns:
+            return self.deadline_ns
+        return max(self.event.predicted_end_ns, self.event.start_ns + self.survival_ns[-1])
 
     def to(self, phase: BubblePhase) -> None:
         old = self.phase
@@ -91,7 +121,11 @@ class Bubbles:
             slot.learned = b.learned
             if b.free_memory_bytes >= 0:
                 slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
-        self.open = OpenBubble(event=b, received_ns=received_ns)
+        survival: tuple[int, ...] = ()
+        if slot is not None and slot.lengths_ns:
+            recent = slot.lengths_ns
+            survival = tuple(sorted(itertools.islice(reversed(recent), SURVIVAL_LENGTHS)))
+        self.open = OpenBubble(event=b, received_ns=received_ns, survival_ns=survival)
         return self.open
 
     def measure_end(self, bubble: OpenBubble, end_ns: int, measured: bool) -> int:

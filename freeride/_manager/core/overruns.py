@@ -75,10 +75,11 @@ class Overruns:
             task = self._tasks.by_id[bubble.running]
             if task.state != TaskState.RUNNING:
                 continue
-            if bubble is bubbles.open and now_ns < bubble.deadline_ns + self._grace_ns:
-                self.freeze_at_ns = bubble.deadline_ns + self._grace_ns
+            latest = bubble.latest_deadline_ns
+            if bubble is bubbles.open and now_ns < latest + self._grace_ns:
+                self.freeze_at_ns = latest + self._grace_ns
                 continue
-            end = bubble.end_ns or bubble.deadline_ns
+            end = bubble.end_ns or latest
             self.record(task, max(0, now_ns - end))
             # A freeze is how this grant's side task left the device: its park latency, from the end as this
             # core learned it (the wire, or the trainer's local event on this host). Without it, a trainer on
@@ -89,11 +90,14 @@ class Overruns:
             task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))
             self._stats.granted_ns += max(0, end - task.granted_at_ns)
             real_end = bubble.end_ns or bubble.seen_end_ns
-            if not real_end or real_end >= bubble.event.predicted_end_ns:
-                # A step running past the end the grant was sized to: its estimate (plus margin) was wrong.
-                # A bubble that ended before its prediction proves nothing about the step; widening for it
-                # made every early end cost later grants (the schedules with short, jittery slots froze a
-                # 0.2 ms task hundreds of times, and its margin grew until no step fitted a grant).
+            est = task.known_step_ns
+            within_grace = est is not None and est <= self._grace_ns
+            if not real_end or real_end >= bubble.sized_end_ns(real_end, within_grace):
+                # A step running past the end the grant was sized to (the prediction, or the longer end it
+                # was extended to while the bubble outlived it): its estimate (plus margin) was wrong. A
+                # bubble that ended before that proves nothing about the step; widening for it made every
+                # early end cost later grants (the schedules with short, jittery slots froze a 0.2 ms task
+                # hundreds of times, and its margin grew until no step fitted a grant).
                 self.frozen(task)
             # An open bubble whose end has not come stays open: its end may still arrive (late: a trainer
             # that reports ends after its next compute action, a delayed stream), and is then measured like

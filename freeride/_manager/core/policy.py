@@ -124,11 +124,15 @@ class FreeridePolicy:
 
     def grant(self, core: Scheduling, task: TaskRuntime, bubble: OpenBubble, thaw: bool, probe: bool,
               now_ns: int) -> Grant:
+        # The worker extends the deadline itself while the bubble outlives it (it reads the end on the trainer's
+        # board, or its ended-grant word); a step still running at its slot's longest length + grace, with no
+        # end come, is frozen then.
         event = bubble.event
-        deadline_ns = bubble.deadline_ns
-        core.overruns.arm_at_grant(deadline_ns, now_ns)
-        return Grant(task.task_id, task.grant_id, deadline_ns, self._config.margin_ns + task.margin_ns, thaw, probe,
-                     rank=event.rank, bubble_start_ns=event.start_ns, bubble_key=event.key, trainer_ends=True)
+        core.overruns.arm_at_grant(bubble.latest_deadline_ns, now_ns)
+        return Grant(task.task_id, task.grant_id, bubble.deadline_at(now_ns), self._config.margin_ns + task.margin_ns,
+                     thaw, probe, rank=event.rank, bubble_start_ns=event.start_ns, bubble_key=event.key,
+                     trainer_ends=True, survival_ns=bubble.survival_ns,
+                     grace_ns=self._config.grace_ns)
 
     def park_seen(self, core: Scheduling, bubble: OpenBubble, event: WorkerParked, now_ns: int) -> None:
         learned = bubble.end_learned_ns  # before the worker's own end below: that one is not the manager's

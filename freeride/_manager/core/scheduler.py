@@ -239,7 +239,7 @@ class SchedulerCore:
         closing = self.bubbles.closing
         if closing is not None and closing.running:
             return  # the last bubble's worker is finishing its step: one task at a time
-        remaining = bubble.deadline_ns - now_ns
+        remaining = bubble.deadline_at(now_ns) - now_ns
         if remaining <= self.policy.grant_floor_ns:
             return
         granted = bubble.granted
