@@ -186,23 +186,18 @@ def test_a_short_step_goes_on_past_the_deadline_until_the_trainers_end_while_its
     assert (msg.steps, msg.reason) == (5, "ended")
 
 
-def test_a_grant_that_cannot_learn_the_real_end_keeps_to_its_deadline(
-        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+@pytest.mark.parametrize(("survival_ns", "trainer_ends"), [
+    ((2 * MS, 60 * S), False),  # it cannot learn the real end: it keeps to its deadline
+    ((MS, 2 * MS), True),  # 3 ms have passed: longer than any bubble of its slot before
+], ids=["no-end-path", "longer-than-every-length"])
+def test_a_grant_past_its_deadline_runs_no_step_where_nothing_says_the_bubble_goes_on(
+        tmp_path: Path, channels: tuple[Channel, Channel], survival_ns: tuple[int, ...], trainer_ends: bool) -> None:
     manager, channel = channels
     rt, _, _ = worker(tmp_path, channel, CallsBack(lambda i: None))
-    g, _ = outlived(7, survival_ns=(2 * MS, 60 * S), trainer_ends=False)
+    g, _ = outlived(7, survival_ns=survival_ns, trainer_ends=trainer_ends)
     rt._run_grant(g)
     msg = parked(manager)
     assert (msg.steps, msg.reason) == (0, "deadline")
-
-
-def test_a_bubble_longer_than_every_length_of_its_slot_gets_no_more_steps(
-        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
-    manager, channel = channels
-    rt, _, _ = worker(tmp_path, channel, CallsBack(lambda i: None))
-    g, _ = outlived(7, survival_ns=(MS, 2 * MS))  # 3 ms have passed: longer than any before
-    rt._run_grant(g)
-    assert parked(manager).steps == 0
 
 
 @pytest.mark.parametrize(("survival_s", "steps"), [((0.002, 0.004), 0), ((0.002, 30.0, 60.0), 3)])
