@@ -84,7 +84,12 @@ IDLE_WAKE_NS = 1_000_000_000
 #: its grace by. So the loop's timer wakes this much before a freeze and the loop turns without sleeping
 #: (``select`` with no timeout: worker messages, local events and requests are still handled) until it is
 #: due. At most this much of the manager's CPU per armed freeze; a worker that parks meanwhile disarms it.
+#: It turns without sleeping: never run the loop at a real-time priority (tried: SCHED_FIFO, and the
+#: trainers on the same cores crawled).
 FREEZE_LEAD_NS = 200_000
+#: A local trainer's messages that are no event are each counted, and logged once, then at most once this
+#: often with how many came since: a trainer sending garbage at its event rate would flood the log.
+LOCAL_REJECT_LOG_INTERVAL_NS = 10_000_000_000
 
 _TrainerInput = C.BubbleStarted | C.BubbleEnded | C.LayoutChanged
 
@@ -163,6 +168,8 @@ class ManagerLoop:
         self.ends = EndPath(now_ns)
         self.trace = LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns) if config.trace_path else None
         self._local: LocalEvents | None = None
+        self._local_rejects_unlogged = 0
+        self._local_reject_log_ns = 0  # when the next rejected local message may be logged
         #: Wakes the select at the core's next timer to the microsecond (epoll's own timeout is whole ms).
         #: Only on the real clock: a test's fake clock has no kernel timer.
         self._timer = make_timer() if now_ns is time.monotonic_ns else None
@@ -342,8 +349,7 @@ class ManagerLoop:
                 else:
                     validate_bubble_event(event, latest_ns)
             except ConfigError as exc:
-                self.inbox.reject()
-                log.warning("[%s] a local trainer datagram was rejected: %s", self.device, exc)
+                self._reject_local(exc, received_ns)
                 continue
             events.append(event)
         self.inbox.count_received(len(events))
@@ -367,6 +373,19 @@ class ManagerLoop:
             stamp = event.layout.at_ns
         self.event_delay.record(now_ns - stamp)
         self._feed(event, now_ns)
+
+    def _reject_local(self, exc: ConfigError, now_ns: int) -> None:
+        """Count a local message that is no event; log it, or, within ``LOCAL_REJECT_LOG_INTERVAL_NS`` of the
+        last line, only count it for the next."""
+        self.inbox.reject()
+        self._local_rejects_unlogged += 1
+        if now_ns < self._local_reject_log_ns:
+            return
+        n, self._local_rejects_unlogged = self._local_rejects_unlogged, 0
+        self._local_reject_log_ns = now_ns + LOCAL_REJECT_LOG_INTERVAL_NS
+        what = "a local trainer message was" if n == 1 else f"{n} local trainer messages were"
+        log.warning("[%s] %s rejected (counted in the statistics; the next such line within %d s at most), "
+                    "last: %s", self.device, what, LOCAL_REJECT_LOG_INTERVAL_NS // 1_000_000_000, exc)
 
     def _take_inbox(self) -> None:
         """One turn's share of the inbox: every waiting item, then up to ``BUBBLES_PER_TURN`` bubble events."""

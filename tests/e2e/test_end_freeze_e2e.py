@@ -134,3 +134,30 @@ def test_a_local_datagram_that_is_no_event_is_counted_as_rejected_and_the_traine
         assert (stats.events_received, stats.events_rejected) == (3, 2)
     finally:
         sock.close()
+
+
+def test_a_trainer_sending_garbage_at_its_event_rate_is_counted_in_full_and_logged_in_a_line_or_two(
+    harness: ManagerHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Each rejected local message was a warning: a trainer sending garbage at its event rate flooded the log.
+    import logging
+    import socket
+
+    from freeride._local_events import encode, local_events_path
+    from freeride.messages import BubbleEnd, BubbleStart
+
+    caplog.set_level(logging.WARNING, logger="freeride._manager.loop")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(str(local_events_path(harness.endpoint.address)))
+    try:
+        for _ in range(300):
+            sock.send(b"\x01 not an event")
+        start = now_ns()
+        sock.send(encode(BubbleStart(0, 0, 0, 0, "test", start, 5 * MS)))
+        sock.send(encode(BubbleEnd(0, 0, 0, 0, start + MS)))
+        wait_for(lambda: harness.client.stats().bubble_time_s > 0, 10, what="the valid events to be handled")
+        assert harness.client.stats().events_rejected == 300
+        lines = [r for r in caplog.records if "local trainer message" in r.getMessage()]
+        assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+    finally:
+        sock.close()
