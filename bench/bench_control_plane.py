@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ def start_manager(sock: Path, state: Path, *options: str, cpus: set[int] | None 
     raise SystemExit("the manager did not start")
 
 
-def paced_bubbles(count: int, length_ms: float, predicted_ms: float, gap_ms: float):  # type: ignore[no-untyped-def]
+def paced_bubbles(count: int, length_ms: float, predicted_ms: float,
+                  gap_ms: float) -> Iterator[BubbleStart | BubbleEnd]:
     """Bubbles in real time: start, ``length_ms`` of waiting, end, ``gap_ms`` of 'compute'."""
     for it in range(count):
         start = time.monotonic_ns()
@@ -79,7 +81,7 @@ def paced_bubbles(count: int, length_ms: float, predicted_ms: float, gap_ms: flo
         time.sleep(gap_ms / 1000)
 
 
-def flood(count: int):  # type: ignore[no-untyped-def]
+def flood(count: int) -> Iterator[BubbleStart | BubbleEnd]:
     now = time.monotonic_ns()
     for it in range(count):
         yield BubbleStart(1, 1, it, 0, "flood", now + it * 10, MS, -1)
@@ -93,7 +95,7 @@ def stage0_pattern(tf_ms: float) -> list[tuple[float, int, float]]:
     """One iteration of stage 0 (1F1B, 4 stages, 8 micro-batches): (compute before, slot, predicted ms)."""
     schedule = build_schedule("1f1b", stages=4, microbatches=8, t_forward=tf_ms * MS, t_backward=2 * tf_ms * MS)
     timeline = schedule.timeline[0]
-    pattern = []
+    pattern: list[tuple[float, int, float]] = []
     busy_since = 0.0
     for before, after in zip(timeline, timeline[1:], strict=False):
         if after.start > before.end:
@@ -133,7 +135,7 @@ def replay(reporter: BubbleReporter, pattern: list[tuple[float, int, float]], it
     return played
 
 
-def early_end_figures(records: list[dict[str, object]]) -> dict[str, object]:
+def early_end_figures(records: list[dict[str, Any]]) -> dict[str, object]:
     """Overruns past real ends and steps begun after them, from a manager's trace records."""
     bubbles: list[tuple[int, int, int]] = []  # start, real end, predicted end
     open_start: dict[tuple[object, ...], tuple[int, int]] = {}
@@ -141,12 +143,12 @@ def early_end_figures(records: list[dict[str, object]]) -> dict[str, object]:
     for r in records:
         key = (r.get("stage"), r.get("rank"), r.get("iteration"), r.get("slot"))
         if r["ev"] == "bubble_start":
-            open_start[key] = (int(r["start_ns"]), int(r["start_ns"]) + int(r["predicted_ns"]))  # type: ignore[call-overload]
+            open_start[key] = (int(r["start_ns"]), int(r["start_ns"]) + int(r["predicted_ns"]))
         elif r["ev"] == "bubble_end" and key in open_start:
             start, predicted_end = open_start.pop(key)
-            bubbles.append((start, int(r["end_ns"]), predicted_end))  # type: ignore[call-overload]
+            bubbles.append((start, int(r["end_ns"]), predicted_end))
         elif r["ev"] == "steps":
-            spans += [(int(a), int(b)) for a, b in r["spans"]]  # type: ignore[union-attr]
+            spans += [(int(a), int(b)) for a, b in r["spans"]]
     bubbles.sort()
     spans.sort()
     starts = [b[0] for b in bubbles]
@@ -234,7 +236,7 @@ def early_ends(ns: argparse.Namespace, tmp: Path, board: bool) -> dict[str, obje
         manager.send_signal(signal.SIGTERM)
         manager.wait(30)
         os.sched_setaffinity(0, allowed)
-    figures = early_end_figures(read_trace(trace))  # type: ignore[arg-type]
+    figures = early_end_figures(read_trace(trace))
     return {
         "end_board": board,
         "control_cpus": sorted(cpus),

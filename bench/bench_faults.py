@@ -582,7 +582,7 @@ def run_state_dir_read_only(tmp: Path) -> Result:
 
 
 CASES: list[tuple[str, Callable[[Path], Result]]] = [
-    *((f.name, lambda tmp, f=f: run_task_fault(tmp, f)) for f in TASK_FAULTS),  # type: ignore[misc]
+    *((f.name, lambda tmp, f=f: run_task_fault(tmp, f)) for f in TASK_FAULTS),
     ("trainer disconnects mid-bubble", run_trainer_disconnect),
     ("events out of order", run_out_of_order),
     ("manager SIGSTOPped", run_manager_stopped),

@@ -76,7 +76,7 @@ def measure(bubbles: int, cpu: str) -> dict[str, Any]:
                     to_channel.append(time.monotonic_ns() - posted[0])
                     posted[0] = 0
 
-            channel.send = stamped_send  # type: ignore[method-assign]
+            channel.send = stamped_send
             for it in range(bubbles + 20):
                 start = time.monotonic_ns()
                 posted[0] = start
@@ -108,7 +108,7 @@ def _pct(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
 
     def q(p: float) -> float:
-        return ordered[max(0, -(-len(ordered) * p // 100) - 1)]  # nearest rank
+        return ordered[max(0, int(-(-len(ordered) * p // 100)) - 1)]  # nearest rank
 
     return {"count": len(ordered), "p50": round(q(50), 2), "p90": round(q(90), 2), "p99": round(q(99), 2),
             "mean": round(sum(ordered) / len(ordered), 2)}

@@ -233,7 +233,7 @@ def hot_path_ns(name: str, microbatches: int, batches: int = 30, per_batch: int 
 
             replay.__name__ = megatron_sim.schedule_function(virtual).__name__
             model = [types.SimpleNamespace(config=config) for _ in range(virtual)]
-            kwargs = {"model": model if virtual > 1 else model[0], "num_microbatches": microbatches,
+            kwargs: dict[str, Any] = {"model": model if virtual > 1 else model[0], "num_microbatches": microbatches,
                       "p2p_communicator": types.SimpleNamespace(pp_group=megatron_sim.Group(rank, 2))}
             offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=Endpoint("unix", "/nonexistent"),
                                      start=False, queue_size=10**8)

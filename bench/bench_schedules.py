@@ -326,7 +326,6 @@ class _RuntimeWalk:
         for action in self.pipeline_order_with_comms[self.rank]:
             for a in action.sub_actions or (action,):
                 kind, key = a.computation_type.value, (a.stage_index, a.microbatch_index)
-                stage = self._by_index.get(a.stage_index)
                 if kind == "RECV_F":
                     self.fwd_recv_ops[key] = []
                 elif kind == "RECV_B":
@@ -334,14 +333,15 @@ class _RuntimeWalk:
                 elif kind == "F":
                     if key in self.fwd_recv_ops:
                         self.fwd_recv_ops.pop(key)
+                    stage = self._by_index[a.stage_index]
                     stage.forward_one_chunk(a.microbatch_index)
                     self._maybe_compute_loss(stage, None, None, a.microbatch_index)
                 elif kind in ("B", "I"):
                     if key in self.bwd_recv_ops:
                         self.bwd_recv_ops.pop(key)
-                    stage.backward_one_chunk(a.microbatch_index, None, kind == "B")
+                    self._by_index[a.stage_index].backward_one_chunk(a.microbatch_index, None, kind == "B")
                 elif kind == "W":
-                    stage.backward_weight_one_chunk(a.microbatch_index)
+                    self._by_index[a.stage_index].backward_weight_one_chunk(a.microbatch_index)
 
 
 class _SingleWalk:
