@@ -69,12 +69,12 @@ SURVIVAL_PERCENTILE = 10.0
 
 
 def surviving_end_ns(start_ns: int, lengths_ns: tuple[int, ...], now_ns: int, within_grace: bool = False) -> int:
-    """A deadline for a bubble that began at ``start_ns``, has outlived its prediction and has not ended by
-    ``now_ns``; ``lengths_ns`` are its slot's recent lengths, sorted. 0 when there are none.
+    """A later deadline for a bubble that began at ``start_ns`` and has not ended by ``now_ns``, when the next
+    step no longer fits the one it has; ``lengths_ns`` are its slot's recent lengths, sorted. 0 when there
+    are none.
 
-    A grant's deadline is the trainer's low-percentile prediction, made at the start. Once the bubble has
-    outlived it, that figure is known to be short, and the lengths still possible are those longer than
-    what has passed:
+    A grant's deadline is the trainer's low-percentile prediction, made at the start, and most bubbles
+    outlive it. What the slot's lengths still allow is the lengths longer than what has passed:
 
     * a step that overruns an end it did not see coming by no more than the grace (``within_grace``: its
       high-percentile time is within it) is sized to the **longest** of them: that overrun is one every
