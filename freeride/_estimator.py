@@ -68,6 +68,12 @@ SURVIVAL_LENGTHS = 16
 SURVIVAL_PERCENTILE = 10.0
 
 
+def within_grace(step_ns: int | None, grace_ns: int) -> bool:
+    """Whether a step of (high-percentile) time ``step_ns`` may run on to the longest surviving length: an end it
+    did not see coming costs it no more than the grace (:func:`surviving_end_ns`). Unknown: no."""
+    return step_ns is not None and step_ns <= grace_ns
+
+
 def surviving_end_ns(start_ns: int, lengths_ns: tuple[int, ...], now_ns: int, within_grace: bool = False) -> int:
     """A later deadline for a bubble that began at ``start_ns`` and has not ended by ``now_ns``, when the next
     step no longer fits the one it has; ``lengths_ns`` are its slot's recent lengths, sorted. 0 when there

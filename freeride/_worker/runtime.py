@@ -69,7 +69,7 @@ from freeride._channel import (
     Ready,
     Stop,
 )
-from freeride._estimator import StepEstimator, surviving_end_ns
+from freeride._estimator import StepEstimator, surviving_end_ns, within_grace
 from freeride._task_process import prepare_process
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
@@ -354,8 +354,7 @@ class WorkerRuntime:
                 # lengths say is left (``surviving_end_ns``), or stop when that does not fit it either.
                 if bubble is None or not survival:
                     break
-                within_grace = est is not None and est <= grace
-                extended = surviving_end_ns(bubble[1], survival, now, within_grace)
+                extended = surviving_end_ns(bubble[1], survival, now, within_grace(est, grace))
                 if now + (est or 0) + margin > extended:
                     break
                 deadline = extended

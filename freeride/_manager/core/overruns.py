@@ -13,6 +13,7 @@ eighth. One timer is enough: at most one worker holds a bubble at a time.
 
 from __future__ import annotations
 
+from freeride._estimator import within_grace
 from freeride._manager.core.api import MS, Action, CoreConfig, CoreStats, Freeze
 from freeride._manager.core.bubbles import Bubbles
 from freeride._manager.core.tasks import TaskRuntime, Tasks
@@ -90,9 +91,8 @@ class Overruns:
             task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))
             self._stats.granted_ns += max(0, end - task.granted_at_ns)
             real_end = bubble.end_ns or bubble.seen_end_ns
-            est = task.known_step_ns
-            within_grace = est is not None and est <= self._grace_ns
-            if not real_end or real_end >= bubble.sized_end_ns(real_end, within_grace):
+            short = within_grace(task.known_step_ns, self._grace_ns)
+            if not real_end or real_end >= bubble.sized_end_ns(real_end, short):
                 # A step running past the end the grant was sized to (the prediction, or the longer end it
                 # was extended to while the bubble outlived it): its estimate (plus margin) was wrong. A
                 # bubble that ended before that proves nothing about the step; widening for it made every
