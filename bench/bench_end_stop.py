@@ -107,13 +107,13 @@ def stop_figures(records: list[dict[str, Any]], grace_ms: float) -> dict[str, An
     """From a manager's trace: when each step running at a real end stopped, steps begun after real ends.
 
     A step's span in the trace is its start plus its *running* time (a frozen step's frozen time is left
-    out), so a frozen step is found another way: it is reported under the grant that thawed it, with a start
-    before that grant. Such a step stopped at the first freeze after it began; any other at its end.
+    out), so a frozen step is found another way: it is the last step of a grant the worker reported as
+    ``frozen`` (when the next grant thawed it). Such a step stopped at the first freeze after it began; any
+    other at its end.
     """
     bubbles: list[tuple[int, int, int]] = []  # start, real end, predicted end
     open_start: dict[tuple[Any, ...], tuple[int, int]] = {}
     spans: list[tuple[int, int, bool]] = []  # start, end, carried over a freeze into a later grant
-    grant_at: dict[int, int] = {}
     freezes: list[int] = []
     wake_ms: list[float] = []
     for r in records:
@@ -123,11 +123,10 @@ def stop_figures(records: list[dict[str, Any]], grace_ms: float) -> dict[str, An
         elif r["ev"] == "bubble_end" and key in open_start:
             start, predicted_end = open_start.pop(key)
             bubbles.append((start, int(r["end_ns"]), predicted_end))
-        elif r["ev"] == "grant":
-            grant_at[int(r["grant"])] = int(r["at_ns"])
         elif r["ev"] == "steps":
-            at = grant_at.get(int(r["grant"]), 0)
-            spans += [(int(a), int(b), int(a) < at) for a, b in r["spans"]]
+            listed = r["spans"]
+            frozen_report = r.get("reason") == "frozen"
+            spans += [(int(a), int(b), frozen_report and k == len(listed) - 1) for k, (a, b) in enumerate(listed)]
         elif r["ev"] == "freeze":
             freezes.append(int(r["at_ns"]))
         elif r["ev"] == "end_seen":

@@ -244,19 +244,12 @@ def analyse_device(trace: list[dict[str, Any]], step_s: dict[str, float], window
     steady = steady_window([trace], window)
     h = harvest([trace], step_s, steady)
     bubbles = [b for b in _bubbles(trace) if steady[0] <= b["start_ns"] <= steady[1]]
-    freezes = [r["at_ns"] for r in trace if r.get("ev") == "freeze" and steady[0] <= r.get("at_ns", 0) <= steady[1]]
+    freezes = sum(1 for r in trace if r.get("ev") == "freeze" and steady[0] <= r.get("at_ns", 0) <= steady[1])
     spans = [(b - a) / 1e6 for r in trace if r.get("ev") == "steps" for a, b in r.get("spans", [])]
     lengths = [(b["end_ns"] - b["start_ns"]) / 1e6 for b in bubbles]
-    # Past the real end: a granted bubble's last step (harvest's), or the freeze that stopped a step
-    # still running, from the real end of the bubble it came in (0: frozen before that end, at the
-    # predicted end + grace of a bubble that ran longer than predicted).
+    # Past the real end, per granted bubble: its last step's end, or the freeze that stopped a step still
+    # running in it (harvest's; 0: stopped before the end).
     overruns = list(h.overruns_ms)
-    by_start = sorted((b["start_ns"], b["end_ns"]) for b in bubbles)
-    starts = [start for start, _ in by_start]
-    for at in freezes:
-        i = bisect.bisect_right(starts, at)
-        if i:
-            overruns.append(max(0, at - by_start[i - 1][1]) / 1e6)
     return {
         "task_state": state,
         "window_s": (steady[1] - steady[0]) / 1e9,
@@ -264,7 +257,7 @@ def analyse_device(trace: list[dict[str, Any]], step_s: dict[str, float], window
         "harvest_efficiency": h.efficiency if h.bubble_s else None,
         "breakdown_s": dict(h.seconds),
         "granted_bubbles": len(h.overruns_ms),
-        "freezes": len(freezes),
+        "freezes": freezes,
         "overrun_ms_p50": percentile(overruns, 50) if overruns else None,
         "overrun_ms_p99": percentile(overruns, 99) if overruns else None,
         "step_ms_p50": median(spans) if spans else None,

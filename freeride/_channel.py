@@ -150,7 +150,9 @@ class Parked:
     first_step_ns: int  # 0: no step ran in this grant, or its latency is not measured
     last_end_ns: int
     parked_ns: int
-    reason: str  # "deadline", "park", "ended", "stop", "done"
+    #: "deadline", "park", "ended", "stop", "done"; "frozen": the steps of a grant a freeze ended, sent
+    #: when the next grant thaws the worker (the manager counts them and changes no state).
+    reason: str
     progress: float
     total_steps: int
     #: Each step's start; a worker of an earlier version sends none (its grant then has no spans).

@@ -121,6 +121,17 @@ class TraceGrant:
     count: int = 0  # steps run in the grant (>= len(spans))
     thaw: bool = False
     first_of_task: bool = False  # a grant before the task's first step, or the one that ran it
+    #: When the manager froze the worker during this grant (its ``freeze`` record), if it did.
+    frozen_ns: int | None = None
+    #: Why the worker's report of this grant ended it (``"frozen"``: the next grant thawed it); None
+    #: without a report (a grant that only finished a step an earlier one began, frozen again).
+    reason: str | None = None
+
+    @property
+    def stopped_by_freeze(self) -> bool:
+        """The worker was still inside this grant when it was frozen: its last step ran until the freeze
+        (a worker that had parked already, its report not yet read, was frozen idle)."""
+        return self.frozen_ns is not None and self.reason in (None, "frozen")
 
 
 def bubbles_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceBubble]:
@@ -149,24 +160,40 @@ def bubbles_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceBubble
 
 
 def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
-    """The grants of a trace joined with their ``steps`` records, in the order granted."""
+    """The grants of a trace joined with their ``steps`` records, in the order granted.
+
+    A ``freeze`` record belongs to the task's latest grant given at or before it.
+    """
     grants: dict[tuple[str, int], Mapping[str, Any]] = {}
     steps: dict[tuple[str, int], Mapping[str, Any]] = {}
+    freezes: dict[str, list[int]] = {}
     for r in records:
         ev = r.get("ev")
         if ev == "grant":
             grants[(str(r["task"]), int(r["grant"]))] = r
         elif ev == "steps":
             steps[(str(r["task"]), int(r["grant"]))] = r
+        elif ev == "freeze":
+            freezes.setdefault(str(r["task"]), []).append(int(r["at_ns"]))
+    ordered = sorted(grants.items(), key=lambda kv: (int(kv[1]["at_ns"]), kv[0][1]))
+    frozen_at: dict[tuple[str, int], int] = {}
+    for task, ats in freezes.items():
+        mine = [(int(g["at_ns"]), key) for key, g in ordered if key[0] == task]
+        starts = [at for at, _ in mine]
+        for at in ats:
+            i = bisect.bisect_right(starts, at) - 1
+            if i >= 0:
+                frozen_at.setdefault(mine[i][1], at)
     out = []
     stepped: set[str] = set()  # tasks that have run a step: their probe grants are over
-    for key, g in sorted(grants.items(), key=lambda kv: (int(kv[1]["at_ns"]), kv[0][1])):
+    for key, g in ordered:
         s = steps.get(key, {})
         spans = tuple(sorted((int(a), max(int(a), int(z))) for a, z in s.get("spans") or ()))
         count = max(len(spans), int(s.get("count", len(spans))))
         out.append(TraceGrant(task=key[0], grant=key[1], at_ns=int(g["at_ns"]), deadline_ns=int(g["deadline_ns"]),
                               spans=spans, count=count, thaw=bool(g.get("thaw", False)),
-                              first_of_task=key[0] not in stepped))
+                              first_of_task=key[0] not in stepped, frozen_ns=frozen_at.get(key),
+                              reason=str(s["reason"]) if "reason" in s else None))
         if count:
             stepped.add(key[0])
     return out
@@ -263,13 +290,21 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             # Setup (or a first step) that has not finished: it runs to the bubble's end and is frozen there.
             sweep.add("probe", g.at_ns, bubble.end_ns)
         previous_step_end: int | None = None
-        for a, z in g.spans:
+        for k, (a, z) in enumerate(g.spans):
             if previous_step_end is not None:
                 sweep.add("between", previous_step_end, a)
             work_past_ns += step_time(slower, a, z, w_ns)
-            overrun_ns += max(0, z - max(a, bubble.end_ns))
+            # A frozen step's span is its running time, thawed part included: it ran here until the freeze.
+            ran_until = g.frozen_ns if g.stopped_by_freeze and k == len(g.spans) - 1 else z
+            assert ran_until is not None
+            overrun_ns += max(0, ran_until - max(a, bubble.end_ns))
             previous_step_end = z
-            last_step_end = z if last_step_end is None else max(last_step_end, z)
+            last_step_end = ran_until if last_step_end is None else max(last_step_end, ran_until)
+        if g.stopped_by_freeze and not g.spans and g.frozen_ns is not None:
+            # No step of its own finished in it (a step an earlier grant began, frozen again): the
+            # worker ran until the freeze all the same.
+            overrun_ns += max(0, g.frozen_ns - max(g.at_ns, bubble.end_ns))
+            last_step_end = g.frozen_ns if last_step_end is None else max(last_step_end, g.frozen_ns)
         if previous_step_end is not None:
             previous_end = previous_step_end
         else:

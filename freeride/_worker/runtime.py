@@ -318,6 +318,15 @@ class WorkerRuntime:
                     reason = "park"
                     stop_now = True
                 elif isinstance(msg, Grant):  # a newer grant supersedes this one (thawed after a freeze)
+                    if count:
+                        # The steps of the grant a freeze ended, reported on their own (the manager takes
+                        # them as statistics): under the new grant they would count as its steps, in its
+                        # bubble, and the frozen grant's as none.
+                        self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
+                                          last_end_ns, "frozen", seen_end_ns)
+                        durations, starts = [], []
+                        self._grant_durations = durations
+                        count, warmup_in_grant, seen_end_ns = 0, False, 0
                     grant_id = msg.grant_id
                     deadline = msg.deadline_ns
                     margin = msg.margin_ns
@@ -326,8 +335,9 @@ class WorkerRuntime:
                     grace = msg.grace_ns
                     reason = "deadline"
                     stop_now = False
-                    # Steps of the earlier grant would be reported under this one: its latency
-                    # (bubble start -> first step) is not measured (0 and 1 both mean "none").
+                    # After a step of the earlier grant, this one's first step comes after the rest of
+                    # that step: its latency (bubble start -> first step) is not measured (0 and 1 both
+                    # mean "none"; 0 before any step: the next step measures it).
                     first_step_ns = min(first_step_ns, 1)
                 elif isinstance(msg, Stop):
                     self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,

@@ -106,6 +106,24 @@ def test_frozen_task_is_thawed_by_the_grant_at_the_next_bubble() -> None:
     assert StateChanged("a", S.RUNNING, S.PARKED, "deadline") in sim.parked("a", [20.0])
 
 
+def test_the_report_of_the_grant_a_freeze_ended_counts_its_steps_and_leaves_the_thawing_grant_running() -> None:
+    sim = Sim(margin_ns=MS)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    _overrun(sim)
+    frozen_grant = task.grant_id
+    sim.advance_ms(5)
+    sim.start(predicted_ms=10)  # thaws it under a new grant
+    harvested, samples = task.harvested_ns, task.estimator.count
+    sim.advance_ms(1)
+    actions = sim.parked("a", [1.0, 11.0], reason="frozen", grant_id=frozen_grant)
+    assert not of(actions, StateChanged) and sim.state("a") == S.RUNNING
+    assert task.harvested_ns == harvested + 12 * MS and task.estimator.count == samples + 2
+    sim.advance_ms(2)
+    assert StateChanged("a", S.RUNNING, S.PARKED, "deadline") in sim.parked("a", [1.0])
+
+
 def test_frozen_task_is_thawed_before_other_tasks_of_equal_priority() -> None:
     sim = Sim()
     sim.resident("a")

@@ -15,6 +15,7 @@ from freeride.harvest import (
     TraceGrant,
     account_bubble,
     account_trace,
+    grants_from_trace,
     harvest,
     measurement_window,
     standalone_step_s,
@@ -145,6 +146,47 @@ def test_window_and_harvest_over_devices() -> None:
     assert h.efficiency == pytest.approx(0.5)
     assert set(CATEGORIES) == set(h.seconds)
     assert json.loads(json.dumps(h.to_json()))["efficiency"] == pytest.approx(0.5)
+
+
+def _frozen_run(reason_of_first: str) -> list[dict[str, Any]]:
+    """Two bubbles; the task's first grant is frozen 2 ms past the first bubble's end, and the next thaws it."""
+    return _trace_records(
+        [(0, 10 * MS), (20 * MS, 30 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "freeze", "task": "a", "at_ns": 12 * MS},
+         {"ev": "grant", "task": "a", "grant": 2, "at_ns": 21 * MS, "deadline_ns": 30 * MS, "thaw": True},
+         # The first grant's report: its last step began at 8 ms and ran 3 ms, 1 of them after the thaw.
+         {"ev": "steps", "task": "a", "grant": 1, "count": 2, "reason": reason_of_first,
+          "spans": [[2 * MS, 7 * MS], [8 * MS, 11 * MS]]},
+         {"ev": "steps", "task": "a", "grant": 2, "count": 1, "reason": "deadline", "spans": [[23 * MS, 28 * MS]]}])
+
+
+def test_a_grant_a_freeze_ended_ran_until_the_freeze_and_its_steps_count_in_its_own_bubble() -> None:
+    first, second = account_trace(_frozen_run("frozen"), {"a": 0.005})
+    assert first.steps == {"a": 2} and second.steps == {"a": 1}
+    assert first.overrun_ms == pytest.approx(2.0)  # the freeze, not the span's running time
+    assert first.overrun_s == pytest.approx(0.002)
+    assert second.overrun_ms == 0.0
+    grants = {g.grant: g for g in grants_from_trace(_frozen_run("frozen"))}
+    assert grants[1].frozen_ns == 12 * MS and grants[1].stopped_by_freeze
+    assert grants[2].frozen_ns is None and not grants[2].stopped_by_freeze
+
+
+def test_a_freeze_of_a_worker_that_had_parked_already_is_no_overrun() -> None:
+    # The worker parked at the deadline; the manager, not yet having read it, froze an idle process.
+    first, _ = account_trace(_frozen_run("deadline"), {"a": 0.005})
+    assert first.overrun_ms == pytest.approx(1.0)  # its last step's own end
+    assert first.overrun_s == pytest.approx(0.001)
+
+
+def test_a_grant_that_only_finished_an_earlier_step_and_was_frozen_again_ran_until_that_freeze() -> None:
+    records = _trace_records(
+        [(0, 10 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 5, "at_ns": 1 * MS, "deadline_ns": 10 * MS, "thaw": True},
+         {"ev": "freeze", "task": "a", "at_ns": 13 * MS}])
+    (acc,) = account_trace(records, {"a": 0.005})
+    assert acc.overrun_ms == pytest.approx(3.0)
+    assert sum(acc.seconds.values()) == pytest.approx(0.010)
 
 
 def test_standalone_step_seconds() -> None:

@@ -143,15 +143,34 @@ def test_running_time_of_a_frozen_step_is_its_cpu_time_or_its_runs_around_the_fr
     assert thaws.running_ns(start_ns=50, end_ns=150, deadline_ns=500, cpu_ns=0) == 100
 
 
-def test_steps_reported_under_a_superseding_grant_do_not_measure_its_latency(
+def test_a_grant_a_freeze_ended_is_reported_with_its_own_steps_and_the_next_grant_with_only_its_own(
+    runtime: tuple[WorkerRuntime, _FakeChannel],
+) -> None:
+    """Regression: the thawing grant's report held every step since the last park, those of the grants
+    that freezes ended included, so that a trace showed their bubbles empty and one bubble with
+    thousands of steps."""
+    rt, chan = runtime
+    rt.task = _Steps(lambda: chan.inbox.append(_grant(2)))  # thawed: the manager's next grant is queued
+    rt.setup_done = True
+    rt._run_grant(_grant(1))
+    frozen, thawing = [m for m in chan.sent if isinstance(m, Parked)]
+    assert (frozen.grant_id, frozen.reason, frozen.steps, len(frozen.durations_ns)) == (1, "frozen", 2, 2)
+    assert frozen.first_step_ns > 0  # grant 1's own first step
+    assert (thawing.grant_id, thawing.steps, len(thawing.durations_ns)) == (2, 1, 1)
+    assert thawing.starts_ns[0] > frozen.starts_ns[-1]
+    assert thawing.first_step_ns == 0  # "not measured": it came after the rest of grant 1's step
+    assert thawing.total_steps == 3
+
+
+def test_a_second_thaw_before_any_step_of_the_first_reports_nothing_for_it(
     runtime: tuple[WorkerRuntime, _FakeChannel],
 ) -> None:
     rt, chan = runtime
-    rt.task = _Steps(lambda: chan.inbox.append(_grant(2)))  # thawed: the manager's next grant is queued
+    rt.task = _Steps(lambda: chan.inbox.extend([_grant(2), _grant(3)]))  # frozen twice in one step
+    rt.setup_done = True
     rt._run_grant(_grant(1))
-    parked = next(m for m in chan.sent if isinstance(m, Parked))
-    assert parked.grant_id == 2
-    assert parked.first_step_ns == 0  # "not measured", not a time from grant 1's bubble
+    reports = [(m.grant_id, m.reason, m.steps) for m in chan.sent if isinstance(m, Parked)]
+    assert reports == [(1, "frozen", 2), (3, "done", 1)]
 
 
 def test_an_unfrozen_grant_still_reports_every_duration_and_its_first_step(
