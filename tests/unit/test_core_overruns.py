@@ -55,16 +55,50 @@ def test_tick_before_the_grace_period_ends_does_nothing() -> None:
     assert sim.state("a") == S.RUNNING
 
 
+def _overrun_after_the_thawed_step(sim: Sim, frozen_grant: int) -> None:
+    """Like ``_overrun``, in a grant that thawed the task: its frozen step finishes first (the worker
+    reports the frozen grant), then a step of this grant's own runs past the end."""
+    sim.start(predicted_ms=10)
+    sim.advance_ms(1)
+    sim.parked("a", [1.0], reason="frozen", grant_id=frozen_grant)
+    sim.advance_ms(9)
+    sim.end()
+    sim.at(sim.now + sim.core.config.grace_ns)
+    sim.tick()
+
+
 def test_overrun_widens_the_task_margin_up_to_the_bound() -> None:
     sim = Sim(margin_ns=MS, max_margin_ns=5 * MS, grace_ns=MS // 2)
     sim.resident("a")
-    sim.core.tasks["a"].estimator.extend([MS] * 8)  # an estimate that then proves wrong
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)  # an estimate that then proves wrong
     margins = []
-    for _ in range(5):
+    for i in range(5):
         sim.advance_ms(5)
-        _overrun(sim)
-        margins.append(sim.core.config.margin_ns + sim.core.tasks["a"].margin_ns)
+        if i == 0:
+            _overrun(sim)
+        else:
+            _overrun_after_the_thawed_step(sim, frozen_grant=task.grant_id)
+        assert sim.state("a") == S.FROZEN
+        margins.append(sim.core.config.margin_ns + task.margin_ns)
     assert margins == [2 * MS, 3 * MS, 5 * MS, 5 * MS, 5 * MS]
+
+
+def test_a_thawed_step_frozen_again_before_it_finished_does_not_widen_the_margin() -> None:
+    """Regression: a step frozen at one bubble's end, thawed, and frozen again at the next before it was
+    done doubled the margin at every freeze (grants that thaw do not size the step they continue): on a
+    starved core a 0.2 ms task's margin reached 20 ms in five bubbles and no step fitted a grant."""
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    _overrun(sim)
+    widened = task.margin_ns
+    for _ in range(3):
+        sim.advance_ms(5)
+        _overrun(sim)  # thawed, no report since: the same step, frozen again
+        assert sim.state("a") == S.FROZEN
+    assert task.margin_ns == widened
 
 
 def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_from_what_to_what() -> None:

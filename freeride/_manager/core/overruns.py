@@ -7,8 +7,9 @@ real end. An end the manager reads from the trainer itself (its local event, on 
 after it happens: then the freeze is at the real end + grace (:meth:`Overruns.arm_at_seen_end`), the same end
 the worker stops its new steps at. Each freeze of a step whose time was known (not a setup, a first step or a
 probe) past the end its grant was sized to doubles that task's extra margin, up to ``max_margin`` (a bubble
-that ended before its prediction says nothing about the step); each clean grant lets it shrink back by an
-eighth. One timer is enough: at most one worker holds a bubble at a time.
+that ended before its prediction says nothing about the step, nor does a thawed step frozen again before
+the worker reported anything since the thaw: the grant that thawed it did not size that step); each clean
+grant lets it shrink back by an eighth. One timer is enough: at most one worker holds a bubble at a time.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class Overruns:
         task.margin_ns -= task.margin_ns // 8
 
     def frozen(self, task: TaskRuntime) -> None:
-        """Its step was frozen past the end: if its estimate was wrong (not a setup or a probe), widen its margin."""
-        if task.known_step_ns is not None and not task.probing:
+        """Its step was frozen past the end: if its estimate was wrong (not a setup, a probe, or a step an
+        earlier grant began and a freeze stopped, which its thawing grant did not size), widen its margin."""
+        if task.known_step_ns is not None and not task.probing and not task.finishing_frozen_step:
             task.margin_ns = min(self._max_margin_ns - self._margin_ns, max(task.margin_ns * 2, self._margin_ns))
 
     def freeze_running(self, now_ns: int, out: list[Action]) -> list[TaskRuntime]:

@@ -261,6 +261,7 @@ class SchedulerCore:
         task.health.passed_over = 0
         task.health.unfit_bubbles = 0
         thaw = task.state is _FROZEN
+        task.finishing_frozen_step = thaw
         probe = ranking.reprobe
         task.probing = probe or task.known_step_ns is None
         if probe:
@@ -288,6 +289,7 @@ class SchedulerCore:
         task = self.tasks.get(event.task_id)
         if task is None:
             return
+        task.finishing_frozen_step = False  # the worker is back at its loop: any frozen step is done
         task.estimator.extend(list(event.durations_ns[event.warmup_steps:]))
         harvested = sum(event.durations_ns)
         task.harvested_ns += harvested

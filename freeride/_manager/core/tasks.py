@@ -42,6 +42,9 @@ class TaskRuntime:
     #: tasks, so that a newcomer does not take every bubble until it has caught up (see ``grants.py``).
     share_ns: int = 0
     probing: bool = False  # the current grant learns the step time (setup, first step, re-probe)
+    #: Thawed, it has not reported since: it is still finishing the step a freeze stopped (the worker
+    #: reports the frozen grant's steps when that step is done), not one its current grant admitted.
+    finishing_frozen_step: bool = False
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
     baseline_bytes: int = 0  # of used_bytes, what the cap does not cover (the worker's libraries on CPU)
