@@ -14,7 +14,7 @@ import pytest
 from conftest import cpu_devices, holds_for, now_ns, wait_for
 
 from freeride._manager import core as C
-from freeride._manager.loop import LoopConfig, ManagerLoop
+from freeride._manager.loop import LoopConfig, ManagerLoop, with_ends_known
 from freeride.devices import open_device
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart
 
@@ -121,3 +121,34 @@ def test_slow_watch_viewer_loses_the_overflow_counted_and_the_loop_goes_on(loop:
     assert loop.watch_events_dropped == len(events) - 10_000
     loop.stop()
     runner.join(10)
+
+
+def test_a_start_read_together_with_its_end_reaches_the_core_with_that_end(loop: ManagerLoop) -> None:
+    starts: list[C.BubbleStarted] = []
+    original = loop.core.on_event
+
+    def recording(event: C.Event, now_ns: int) -> list[C.Action]:
+        if isinstance(event, C.BubbleStarted):
+            starts.append(event)
+        return original(event, now_ns)
+
+    loop.core.on_event = recording  # type: ignore[method-assign]
+    over, late = pairs(0, 2)[:2], pairs(1, 1)[0]  # one bubble whole, then only the next one's start
+    loop.post_bubbles([*over, late], now_ns())
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    wait_for(lambda: len(starts) == 2)
+    assert [s.end_ns for s in starts] == [over[1].end_ns, 0]  # type: ignore[union-attr]
+    loop.stop()
+    runner.join(10)
+
+
+def test_only_a_start_whose_end_follows_in_the_same_read_carries_it() -> None:
+    t = now_ns() - MS
+    start, end = BubbleStart(0, 0, 7, 1, "steady", t, MS, -1), BubbleEnd(0, 0, 7, 1, t + 10)
+    other = BubbleStart(0, 0, 7, 2, "steady", t + 20, MS, -1)
+    backwards = BubbleEnd(0, 0, 7, 2, t + 5)  # an end before its start: the core ignores it, so no grant hangs on it
+    given = with_ends_known([C.BubbleStarted(start, t), C.BubbleEnded(end, t), C.BubbleStarted(other, t),
+                             C.BubbleEnded(backwards, t)])
+    assert [getattr(e, "end_ns", None) for e in given] == [t + 10, None, 0, None]
+    assert with_ends_known([C.BubbleStarted(other, t)]) == [C.BubbleStarted(other, t)]

@@ -305,3 +305,17 @@ def test_malformed_streams_never_raise() -> None:
         sim.at(max(sim.now, event.received_ns))
         sim.send(event)
     assert sim.core.stats.anomalies >= 4
+
+
+def test_a_bubble_whose_end_came_with_its_start_is_measured_and_never_granted() -> None:
+    """A manager that fell behind reads a bubble's start and end together: granting it thawed a worker
+    only to freeze it at once, past an end long gone."""
+    sim = Sim()
+    sim.resident("a")
+    over = BubbleStart(stage=0, rank=0, iteration=1, slot=0, kind="fwd", start_ns=sim.now - 6 * MS,
+                       predicted_ns=2 * MS, free_memory_bytes=-1)
+    assert not of(sim.send(BubbleStarted(over, received_ns=sim.now, end_ns=sim.now - 5 * MS)), Grant)
+    sim.send(BubbleEnded(BubbleEnd(0, 0, 1, 0, sim.now - 5 * MS), received_ns=sim.now))
+    assert sim.core.stats.bubbles == 1 and sim.core.stats.bubble_ns == MS
+    assert sim.state("a") == S.PARKED
+    assert grants(sim.start(predicted_ms=10)) == ["a"]  # the next bubble, still open, is granted

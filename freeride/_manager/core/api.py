@@ -85,6 +85,9 @@ class CoreConfig:
 class BubbleStarted:
     bubble: BubbleStart
     received_ns: int
+    #: The bubble's end, where it came in the same read as its start (a manager that fell behind): the
+    #: bubble is recorded, and nothing is granted in it. 0: not known.
+    end_ns: int = 0
 
 
 @dataclass(frozen=True)

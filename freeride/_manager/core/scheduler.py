@@ -198,6 +198,9 @@ class SchedulerCore:
             self.memory.sample_iteration((b.rank, b.iteration), b.free_memory_bytes + self._resident_usage())
             self._evict_if_over_budget(now_ns, out)
         bubble = self.bubbles.start(b, event.received_ns)
+        if event.end_ns:
+            # Over already: a grant would only thaw a worker to freeze it again, and count an overrun.
+            self.bubbles.saw_end(bubble, event.end_ns)
         self.policy.bubble_opened(self, bubble, now_ns, out)
 
     def _on_bubble_ended(self, event: BubbleEnded, now_ns: int, out: list[Action]) -> None:
