@@ -176,9 +176,12 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
         elif ev == "freeze":
             freezes.setdefault(str(r["task"]), []).append(int(r["at_ns"]))
     ordered = sorted(grants.items(), key=lambda kv: (int(kv[1]["at_ns"]), kv[0][1]))
+    by_task: dict[str, list[tuple[int, tuple[str, int]]]] = {}
+    for key, g in ordered:
+        by_task.setdefault(key[0], []).append((int(g["at_ns"]), key))
     frozen_at: dict[tuple[str, int], int] = {}
     for task, ats in freezes.items():
-        mine = [(int(g["at_ns"]), key) for key, g in ordered if key[0] == task]
+        mine = by_task.get(task, [])
         starts = [at for at, _ in mine]
         for at in ats:
             i = bisect.bisect_right(starts, at) - 1
@@ -290,21 +293,22 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             # Setup (or a first step) that has not finished: it runs to the bubble's end and is frozen there.
             sweep.add("probe", g.at_ns, bubble.end_ns)
         previous_step_end: int | None = None
+        frozen_at = g.frozen_ns if g.stopped_by_freeze else None
+        last = len(g.spans) - 1
         for k, (a, z) in enumerate(g.spans):
             if previous_step_end is not None:
                 sweep.add("between", previous_step_end, a)
             work_past_ns += step_time(slower, a, z, w_ns)
             # A frozen step's span is its running time, thawed part included: it ran here until the freeze.
-            ran_until = g.frozen_ns if g.stopped_by_freeze and k == len(g.spans) - 1 else z
-            assert ran_until is not None
+            ran_until = frozen_at if frozen_at is not None and k == last else z
             overrun_ns += max(0, ran_until - max(a, bubble.end_ns))
             previous_step_end = z
             last_step_end = ran_until if last_step_end is None else max(last_step_end, ran_until)
-        if g.stopped_by_freeze and not g.spans and g.frozen_ns is not None:
+        if frozen_at is not None and not g.spans:
             # No step of its own finished in it (a step an earlier grant began, frozen again): the
             # worker ran until the freeze all the same.
-            overrun_ns += max(0, g.frozen_ns - max(g.at_ns, bubble.end_ns))
-            last_step_end = g.frozen_ns if last_step_end is None else max(last_step_end, g.frozen_ns)
+            overrun_ns += max(0, frozen_at - max(g.at_ns, bubble.end_ns))
+            last_step_end = frozen_at if last_step_end is None else max(last_step_end, frozen_at)
         if previous_step_end is not None:
             previous_end = previous_step_end
         else:

@@ -326,7 +326,7 @@ class WorkerRuntime:
                                           last_end_ns, "frozen", seen_end_ns)
                         durations, starts = [], []
                         self._grant_durations = durations
-                        count, warmup_in_grant, seen_end_ns = 0, False, 0
+                        count, warmup_in_grant, seen_end_ns, last_end_ns = 0, False, 0, 0
                     grant_id = msg.grant_id
                     deadline = msg.deadline_ns
                     margin = msg.margin_ns
