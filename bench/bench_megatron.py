@@ -18,7 +18,8 @@ delay between two compute actions: :mod:`freeride.workload.idle_probe`); the slo
 + learned); the share of bubbles predicted longer than they were.
 
 Per device (the manager's trace, from the first side-task step after the warm-up): **harvest
-efficiency** (:func:`freeride.harvest.harvest`), **freezes**, **overrun** past the real end p50/p99,
+efficiency** (:func:`freeride.harvest.harvest`), **freezes**, **overrun** past the real end p50/p99 (held
+/ ran, as in ``bench.bench_schedules``),
 the side task's step time against the typical bubble (``bench.bench_schedules.analyse_device``).
 
 **Instrumentation cost** per iteration on the training thread: the timer calls Megatron's real schedule

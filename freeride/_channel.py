@@ -163,6 +163,9 @@ class Parked:
     end_ns: int = 0
     #: What the device holds for the worker, as the worker measures it.
     device_bytes: int = field(default=0, metadata=_BYTE_COUNT)
+    #: The worker process's CPU time (``CLOCK_PROCESS_CPUTIME_ID``) when its last listed step began; 0
+    #: without one. With the CPU time the manager reads at a freeze it bounds what ran past a bubble's end.
+    last_start_cpu_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,16 @@ Outside the 100% (step time after the real end, which is training time, not bubb
 ``overrun_s`` and the standalone work done there, ``work_past_end_s``; ``H`` counts both works,
 so ``H = (work + work_past_end) / B``.
 
+**Overrun, held and ran.** Per granted bubble, ``overrun_ms`` is how long past the real end a step was
+held: to its reported end, or to the freeze that stopped it. ``cpu_overrun_ms`` bounds a frozen step's
+part by what the worker could run in it: the worker's CPU time from the latest reading no later than
+where that part begins (its last step's start, reported by the worker; or the grant, read by the
+manager) to the freeze (read by the manager once the stop is sent). The two differ where the worker
+gets no core past the end: on a core shared with the trainer, the trainer's wake takes the core from
+the worker (nice 19), which then waits, unfrozen but idle, until its manager gets a core to freeze it.
+On a CPU device ``cpu_overrun_ms`` is the side task's time that competed with the trainer; on a GPU it
+is host time only (kernels already queued run on), and ``overrun_ms`` is the figure to read.
+
 **Steps the trace does not list.** A worker reports the spans of at most its 64 most recent steps
 per grant (and their count). The time from the grant to its first listed span then holds the
 unlisted steps: it counts as their work, and the difference to their standalone time as ``slower``.
@@ -123,6 +133,11 @@ class TraceGrant:
     first_of_task: bool = False  # a grant before the task's first step, or the one that ran it
     #: When the manager froze the worker during this grant (its ``freeze`` record), if it did.
     frozen_ns: int | None = None
+    #: The worker's CPU time read at that freeze, when its last listed step began, and at the grant
+    #: (None: not known).
+    frozen_cpu_ns: int | None = None
+    start_cpu_ns: int | None = None
+    granted_cpu_ns: int | None = None
     #: Why the worker's report of this grant ended it (``"frozen"``: the next grant thawed it); None
     #: without a report (a grant that only finished a step an earlier one began, frozen again).
     reason: str | None = None
@@ -166,7 +181,7 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
     """
     grants: dict[tuple[str, int], Mapping[str, Any]] = {}
     steps: dict[tuple[str, int], Mapping[str, Any]] = {}
-    freezes: dict[str, list[int]] = {}
+    freezes: dict[str, list[tuple[int, int | None]]] = {}
     for r in records:
         ev = r.get("ev")
         if ev == "grant":
@@ -174,28 +189,33 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
         elif ev == "steps":
             steps[(str(r["task"]), int(r["grant"]))] = r
         elif ev == "freeze":
-            freezes.setdefault(str(r["task"]), []).append(int(r["at_ns"]))
+            cpu = r.get("cpu_ns")
+            freezes.setdefault(str(r["task"]), []).append((int(r["at_ns"]), None if cpu is None else int(cpu)))
     ordered = sorted(grants.items(), key=lambda kv: (int(kv[1]["at_ns"]), kv[0][1]))
     by_task: dict[str, list[tuple[int, tuple[str, int]]]] = {}
     for key, g in ordered:
         by_task.setdefault(key[0], []).append((int(g["at_ns"]), key))
-    frozen_at: dict[tuple[str, int], int] = {}
+    frozen_at: dict[tuple[str, int], tuple[int, int | None]] = {}
     for task, ats in freezes.items():
         mine = by_task.get(task, [])
         starts = [at for at, _ in mine]
-        for at in ats:
+        for at, cpu in ats:
             i = bisect.bisect_right(starts, at) - 1
             if i >= 0:
-                frozen_at.setdefault(mine[i][1], at)
+                frozen_at.setdefault(mine[i][1], (at, cpu))
     out = []
     stepped: set[str] = set()  # tasks that have run a step: their probe grants are over
     for key, g in ordered:
         s = steps.get(key, {})
         spans = tuple(sorted((int(a), max(int(a), int(z))) for a, z in s.get("spans") or ()))
         count = max(len(spans), int(s.get("count", len(spans))))
+        frozen, frozen_cpu = frozen_at.get(key, (None, None))
+        start_cpu, granted_cpu = s.get("start_cpu_ns"), g.get("cpu_ns")
         out.append(TraceGrant(task=key[0], grant=key[1], at_ns=int(g["at_ns"]), deadline_ns=int(g["deadline_ns"]),
                               spans=spans, count=count, thaw=bool(g.get("thaw", False)),
-                              first_of_task=key[0] not in stepped, frozen_ns=frozen_at.get(key),
+                              first_of_task=key[0] not in stepped, frozen_ns=frozen, frozen_cpu_ns=frozen_cpu,
+                              start_cpu_ns=None if start_cpu is None else int(start_cpu),
+                              granted_cpu_ns=None if granted_cpu is None else int(granted_cpu),
                               reason=str(s["reason"]) if "reason" in s else None))
         if count:
             stepped.add(key[0])
@@ -215,6 +235,10 @@ class BubbleAccount:
     overrun_s: float = 0.0  # step time after the real end
     overrun_ms: float | None = None  # how far the last step ran past the end; None when nothing was granted
     steps: dict[str, int] = field(default_factory=dict)  # task -> steps of the bubble's grants
+    #: ``overrun_ms`` with a frozen grant's part past the end bounded by the worker's CPU time up to the
+    #: freeze (module doc): what it could run, not how long it was held unfrozen. The same as
+    #: ``overrun_ms`` where no frozen grant has the figures.
+    cpu_overrun_ms: float | None = None
 
     @property
     def work_s(self) -> float:
@@ -250,6 +274,7 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
     work_past_ns = 0.0
     overrun_ns = 0
     last_step_end: int | None = None
+    last_ran_end: int | None = None  # last_step_end, a frozen step's part past the end bounded by CPU time
     steps: dict[str, int] = {}
     if not grants:
         sweep.add("idle", bubble.start_ns, bubble.end_ns)
@@ -287,6 +312,7 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             work_past_ns += unlisted * w_ns - work_in
             if not g.spans:
                 last_step_end = until if last_step_end is None else max(last_step_end, until)
+                last_ran_end = until if last_ran_end is None else max(last_ran_end, until)
         elif g.spans:
             sweep.add("probe" if g.first_of_task else "wakeup", g.at_ns, g.spans[0][0])
         elif g.first_of_task:
@@ -304,11 +330,18 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             overrun_ns += max(0, ran_until - max(a, bubble.end_ns))
             previous_step_end = z
             last_step_end = ran_until if last_step_end is None else max(last_step_end, ran_until)
+            ran_end = (_cpu_bounded_until(g, max(a, bubble.end_ns), (a, g.start_cpu_ns))
+                       if frozen_at is not None and k == last else ran_until)
+            last_ran_end = ran_end if last_ran_end is None else max(last_ran_end, ran_end)
         if frozen_at is not None and not g.spans:
             # No step of its own finished in it (a step an earlier grant began, frozen again): the
             # worker ran until the freeze all the same.
             overrun_ns += max(0, frozen_at - max(g.at_ns, bubble.end_ns))
             last_step_end = frozen_at if last_step_end is None else max(last_step_end, frozen_at)
+            # Before a grant given past the end its worker was parked or frozen: what it ran past the end
+            # began at the grant.
+            ran_end = bubble.end_ns + _cpu_bounded_until(g, max(g.at_ns, bubble.end_ns)) - max(g.at_ns, bubble.end_ns)
+            last_ran_end = ran_end if last_ran_end is None else max(last_ran_end, ran_end)
         if previous_step_end is not None:
             previous_end = previous_step_end
         else:
@@ -318,18 +351,37 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
     sweep.add("margin", tail_from, min(deadline, bubble.end_ns))
     sweep.add("past_predicted", max(tail_from, deadline), bubble.end_ns)
     overrun_ms = max(0, last_step_end - bubble.end_ns) / 1e6 if last_step_end is not None else 0.0
-    return _finish(bubble, sweep, work_past_ns, overrun_ns, overrun_ms, steps)
+    cpu_overrun_ms = max(0, last_ran_end - bubble.end_ns) / 1e6 if last_ran_end is not None else 0.0
+    return _finish(bubble, sweep, work_past_ns, overrun_ns, overrun_ms, steps, cpu_overrun_ms)
+
+
+def _cpu_bounded_until(g: TraceGrant, since: int, step: tuple[int, int | None] = (0, None)) -> int:
+    """Until when a frozen grant's worker ran from ``since`` (the later of the bubble's end and the start of
+    what it ran: its last step, or the grant), as a time: until the freeze, or less where the worker's CPU
+    time from a reading no later than ``since`` to the freeze is shorter.
+
+    Such a reading is the CPU time at the last step's start (``step``: its start and reading) or at the
+    grant. What it ran between that reading and ``since`` counts as after it, so this bounds what it ran
+    from above: on a core shared with the trainer, a worker at nice 19 that the trainer's wake took the
+    core from stays unfrozen, and idle, until its manager gets a core to freeze it.
+    """
+    assert g.frozen_ns is not None
+    held = max(0, g.frozen_ns - since)
+    readings = [cpu for at, cpu in ((step[0], step[1]), (g.at_ns, g.granted_cpu_ns)) if cpu is not None and at <= since]
+    if g.frozen_cpu_ns is None or not readings:
+        return since + held
+    return since + min(held, max(0, g.frozen_cpu_ns - max(readings)))
 
 
 def _finish(bubble: TraceBubble, sweep: _Sweep, work_past_ns: float, overrun_ns: int, overrun_ms: float | None,
-            steps: dict[str, int]) -> BubbleAccount:
+            steps: dict[str, int], cpu_overrun_ms: float | None = None) -> BubbleAccount:
     # The pieces are contiguous by construction (each starts where the previous one ended, or
     # later only by a piece of its own); whatever a malformed trace leaves uncovered is margin.
     left = max(0, bubble.end_ns - bubble.start_ns) - sum(sweep.ns.values())
     if left > 1e-6:
         sweep.ns["idle" if not steps else "margin"] += left
     return BubbleAccount(bubble, {k: v / _NS for k, v in sweep.ns.items()}, work_past_ns / _NS, overrun_ns / _NS,
-                         overrun_ms, steps)
+                         overrun_ms, steps, overrun_ms if cpu_overrun_ms is None else cpu_overrun_ms)
 
 
 # ------------------------------------------------------------------ a run
@@ -370,6 +422,9 @@ class Harvest:
     overrun_s: float
     overruns_ms: tuple[float, ...]  # per granted bubble, zeros included
     steps: dict[str, int]
+    #: Per granted bubble, as ``overruns_ms``: a frozen step's part bounded by the worker's CPU time
+    #: (:attr:`BubbleAccount.cpu_overrun_ms`).
+    cpu_overruns_ms: tuple[float, ...] = ()
 
     @property
     def efficiency(self) -> float | None:
@@ -384,7 +439,8 @@ class Harvest:
         return {"bubbles": self.bubbles, "bubble_s": self.bubble_s, "work_s": self.work_s,
                 "efficiency": self.efficiency, "seconds": dict(self.seconds),
                 "work_past_end_s": self.work_past_end_s, "overrun_s": self.overrun_s,
-                "overruns_ms": list(self.overruns_ms), "steps": dict(self.steps)}
+                "overruns_ms": list(self.overruns_ms), "cpu_overruns_ms": list(self.cpu_overruns_ms),
+                "steps": dict(self.steps)}
 
 
 def summarize(accounts: Iterable[BubbleAccount], min_bubble_s: float = 0.0) -> Harvest:
@@ -394,6 +450,7 @@ def summarize(accounts: Iterable[BubbleAccount], min_bubble_s: float = 0.0) -> H
     n = 0
     bubble_s = work_past = overrun = 0.0
     overruns: list[float] = []
+    cpu_overruns: list[float] = []
     for acc in accounts:
         if acc.bubble.length_s < min_bubble_s:
             continue
@@ -405,9 +462,11 @@ def summarize(accounts: Iterable[BubbleAccount], min_bubble_s: float = 0.0) -> H
         overrun += acc.overrun_s
         if acc.overrun_ms is not None and acc.steps:
             overruns.append(acc.overrun_ms)
+            cpu_overruns.append(acc.overrun_ms if acc.cpu_overrun_ms is None else acc.cpu_overrun_ms)
         for task, count in acc.steps.items():
             steps[task] = steps.get(task, 0) + count
-    return Harvest(n, bubble_s, seconds["work"] + work_past, seconds, work_past, overrun, tuple(overruns), steps)
+    return Harvest(n, bubble_s, seconds["work"] + work_past, seconds, work_past, overrun, tuple(overruns), steps,
+                   tuple(cpu_overruns))
 
 
 def harvest(traces: Iterable[Iterable[Mapping[str, Any]]], step_s: Mapping[str, float],

@@ -182,7 +182,8 @@ class ManagerLoop:
                            self._counters, config.core.margin_ns)
         self.watchers = Watchers()
         self.ends = EndPath(now_ns)
-        self.trace = LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns) if config.trace_path else None
+        self.trace = (LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns, self.workers.cpu_ns)
+                      if config.trace_path else None)
         self._local: LocalEvents | None = None
         self._local_rejects_unlogged = 0
         self._local_reject_log_ns = 0  # when the next rejected local message may be logged
@@ -461,12 +462,14 @@ class ManagerLoop:
         follow: list[Any] | None = None
         for action in actions:
             try:
-                if self.trace is not None:
-                    self.trace.action(action)
                 more = self._apply_by_type[type(action)](action)
             except Exception:
                 log.exception("[%s] failed to apply %r", self.device, action)
                 continue
+            finally:
+                if self.trace is not None:
+                    # Once applied: a grant's or a freeze's worker CPU time is read after it was sent.
+                    self.trace.action(action)
             if more:
                 follow = more if follow is None else follow + more
         if self.watchers.queues and isinstance(event, (C.BubbleStarted, C.BubbleEnded)):

@@ -43,7 +43,7 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import worker_environment
+from freeride._task_process import process_cpu_ns, worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
@@ -155,6 +155,11 @@ class Supervisor:
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
         return [C.WorkerStepsSeen(task_id, handle.board.steps_done(), handle.board.step() < 0)]
+
+    def cpu_ns(self, task_id: str) -> int | None:
+        """The worker process's CPU time so far (its own threads; not its children's); None without one."""
+        handle = self.workers.get(task_id)
+        return None if handle is None else process_cpu_ns(handle.proc.pid)
 
     def kill_all(self) -> None:
         for handle in list(self.workers.values()):

@@ -11,8 +11,13 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
 * ``end_seen``: ``task, grant, end_ns, at_ns``: the trainer's end of that grant's bubble, from its local event
 * ``grant``: ``task, grant, deadline_ns, margin_ns, at_ns`` (``thaw`` when it also thawed a frozen worker)
 * ``park`` / ``freeze``: ``task, grant`` / ``task``, ``at_ns`` (what the manager sent or did)
+
+  A grant and a freeze carry ``cpu_ns``: the worker process's CPU time, read once the action was applied
+  (the grant sent, the stop signalled), where it could be. With the steps' ``start_cpu_ns`` they bound
+  what a worker ran between a bubble's end and its freeze (:mod:`freeride.harvest`).
 * ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are
-  [start_ns, end_ns] of the most recent of them, at most 64, as the worker reported them)
+  [start_ns, end_ns] of the most recent of them, at most 64, as the worker reported them), and
+  ``start_cpu_ns``: the worker process's CPU time when the last of them began
 * ``state``: ``task, old, new, reason, at_ns``
 * ``opened``: ``pid, at_ns``: a manager began writing. The file is appended to, so a restarted
   manager (``kill -9``, a supervisor's restart) adds its records after the earlier run's, and a
@@ -89,9 +94,12 @@ class TraceWriter:
 class LoopTrace:
     """What the loop traces: the core's inputs and decisions, and the steps workers report."""
 
-    def __init__(self, writer: TraceWriter, now_ns: Callable[[], int]) -> None:
+    def __init__(self, writer: TraceWriter, now_ns: Callable[[], int],
+                 cpu_of: Callable[[str], int | None] = lambda task_id: None) -> None:
         self.writer = writer
         self.now_ns = now_ns
+        #: A task's worker's CPU time so far (None: no worker, or unreadable).
+        self.cpu_of = cpu_of
         self._next_flush_ns = 0
 
     def event(self, event: Any) -> None:
@@ -113,23 +121,30 @@ class LoopTrace:
                   stage_devices=list(lay.stage_devices), at_ns=lay.at_ns, received_ns=event.received_ns)
 
     def action(self, action: Any) -> None:
+        """An action, once the loop applied it."""
         write = self.writer.write
         if isinstance(action, C.Grant):
+            cpu = self._cpu(action.task_id)  # read before the time it is stamped with: a bound stays a bound
             write("grant", task=action.task_id, grant=action.grant_id, deadline_ns=action.deadline_ns,
-                  margin_ns=action.margin_ns, thaw=action.thaw, at_ns=self.now_ns())
+                  margin_ns=action.margin_ns, thaw=action.thaw, at_ns=self.now_ns(), **cpu)
         elif isinstance(action, C.Park):
             write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
         elif isinstance(action, C.Freeze):
-            write("freeze", task=action.task_id, at_ns=self.now_ns())
+            write("freeze", task=action.task_id, at_ns=self.now_ns(), **self._cpu(action.task_id))
         elif isinstance(action, C.StateChanged):
             write("state", task=action.task_id, old=action.old.value if action.old else None, new=action.new.value,
                   reason=action.reason, at_ns=self.now_ns())
 
+    def _cpu(self, task_id: str) -> dict[str, int]:
+        cpu = self.cpu_of(task_id)
+        return {} if cpu is None else {"cpu_ns": cpu}
+
     def steps(self, task_id: str, parked: Parked) -> None:
         # A worker of an older version sends no starts: its grant then has no spans.
         spans = [[s, s + d] for s, d in zip(parked.starts_ns, parked.durations_ns, strict=False)]
+        extra = {"start_cpu_ns": parked.last_start_cpu_ns} if parked.last_start_cpu_ns else {}
         self.writer.write("steps", task=task_id, grant=parked.grant_id, reason=parked.reason, count=parked.steps,
-                          spans=spans)
+                          spans=spans, **extra)
 
     def poll(self, now: int) -> None:
         """Once a second: the trace can be followed while the manager runs, and a kill -9 loses at most

@@ -299,6 +299,7 @@ class WorkerRuntime:
         #: This grant's step times so far: a failure report counts them (no park follows a failure).
         self._grant_durations = durations
         starts: list[int] = []
+        last_start_cpu_ns = 0
         warmup_in_grant = False
         count = 0
         first_step_ns = 0
@@ -307,7 +308,7 @@ class WorkerRuntime:
         while True:
             if self._done():
                 self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                  last_end_ns, "done", seen_end_ns)
+                                  last_end_ns, "done", seen_end_ns, last_start_cpu_ns)
                 self.chan.send(Finished(total_steps=self.steps, progress=self._progress()))
                 self._close_task()
                 return True
@@ -323,10 +324,10 @@ class WorkerRuntime:
                         # them as statistics): under the new grant they would count as its steps, in its
                         # bubble, and the frozen grant's as none.
                         self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                          last_end_ns, "frozen", seen_end_ns)
+                                          last_end_ns, "frozen", seen_end_ns, last_start_cpu_ns)
                         durations, starts = [], []
                         self._grant_durations = durations
-                        count, warmup_in_grant, seen_end_ns, last_end_ns = 0, False, 0, 0
+                        count, warmup_in_grant, seen_end_ns, last_end_ns, last_start_cpu_ns = 0, False, 0, 0, 0
                     grant_id = msg.grant_id
                     deadline = msg.deadline_ns
                     margin = msg.margin_ns
@@ -341,7 +342,7 @@ class WorkerRuntime:
                     first_step_ns = min(first_step_ns, 1)
                 elif isinstance(msg, Stop):
                     self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                      last_end_ns, "stop", seen_end_ns)
+                                      last_end_ns, "stop", seen_end_ns, last_start_cpu_ns)
                     self._stop(msg.checkpoint)
                     return True
                 msg = self.chan.recv_nowait()
@@ -411,6 +412,7 @@ class WorkerRuntime:
                 self.estimator.add(ran)
             durations.append(ran)
             starts.append(now)
+            last_start_cpu_ns = cpu_start
             if len(durations) > MAX_REPORTED_DURATIONS:
                 del durations[0]
                 del starts[0]
@@ -422,7 +424,7 @@ class WorkerRuntime:
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)
         self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns, last_end_ns, reason,
-                          seen_end_ns)
+                          seen_end_ns, last_start_cpu_ns)
         return False
 
     def _done(self) -> bool:
@@ -443,6 +445,7 @@ class WorkerRuntime:
         last: int,
         reason: str,
         end_ns: int = 0,
+        last_start_cpu_ns: int = 0,
     ) -> None:
         self._grant_durations = []  # reported here: a later failure must not count them again
         self.chan.send(Parked(
@@ -463,6 +466,7 @@ class WorkerRuntime:
             # What the device holds for this worker, as the worker itself measures it: the manager's
             # figure where NVML cannot see the worker's process (containers).
             device_bytes=self.device.used_bytes(),
+            last_start_cpu_ns=last_start_cpu_ns,
         ))
 
     # ------------------------------------------------------------------ setup and checkpoints

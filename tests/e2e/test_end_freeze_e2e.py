@@ -76,13 +76,17 @@ def test_a_long_step_running_at_an_early_end_is_frozen_at_the_trainers_end_plus_
         assert counters.local == 4 and counters.local_fallbacks == 0
     finally:
         reporter.close()
-    wait_for(lambda: {"end_seen", "freeze"} <= {r["ev"] for r in read_trace(trace)}, 10,
-             what="the trace to carry the end seen and the freeze")
+    wait_for(lambda: {"end_seen", "freeze", "frozen"} <= {r.get("reason", r["ev"]) for r in read_trace(trace)}, 10,
+             what="the trace to carry the end seen, the freeze and the frozen grant's steps")
     records = read_trace(trace)
     seen = next(r for r in records if r["ev"] == "end_seen")
     freeze = next(r for r in records if r["ev"] == "freeze")
     assert seen["end_ns"] == t0 - 10 * S
     assert 0 <= freeze["at_ns"] - seen["at_ns"] < 5 * S, "the freeze was counted from the end's arrival"
+    # The worker's CPU time when its frozen step began, and when the manager froze it: what bounds the
+    # part of that step past the end (freeride.harvest).
+    frozen = next(r for r in records if r["ev"] == "steps" and r["reason"] == "frozen")
+    assert 0 < frozen["start_cpu_ns"] <= freeze["cpu_ns"]
 
 
 def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_manager_serves_on(

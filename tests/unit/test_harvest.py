@@ -179,6 +179,43 @@ def test_a_freeze_of_a_worker_that_had_parked_already_is_no_overrun() -> None:
     assert first.overrun_s == pytest.approx(0.001)
 
 
+def _with_cpu(records: list[dict[str, Any]], freeze_cpu: int, start_cpu: int) -> list[dict[str, Any]]:
+    """The run with the CPU figures: the worker's CPU time at the freeze and at its last step's start."""
+    out = []
+    for r in records:
+        if r["ev"] == "freeze":
+            r = {**r, "cpu_ns": freeze_cpu}
+        elif r["ev"] == "steps" and r["grant"] == 1:
+            r = {**r, "start_cpu_ns": start_cpu}
+        out.append(r)
+    return out
+
+
+def test_a_frozen_step_that_got_no_core_past_the_end_ran_only_its_cpu_time_there() -> None:
+    # The step began at 8 ms with 50 ms of CPU used; at the freeze (12 ms) 50.3 ms: it ran at most 0.3 ms
+    # past the end (10 ms), though it was held unfrozen 2 ms.
+    first, second = account_trace(_with_cpu(_frozen_run("frozen"), 50_300_000, 50 * MS), {"a": 0.005})
+    assert first.overrun_ms == pytest.approx(2.0)
+    assert first.cpu_overrun_ms == pytest.approx(0.3)
+    assert second.cpu_overrun_ms == 0.0
+    h = harvest([_with_cpu(_frozen_run("frozen"), 50_300_000, 50 * MS)], {"a": 0.005})
+    assert h.overruns_ms == pytest.approx((2.0, 0.0)) and h.cpu_overruns_ms == pytest.approx((0.3, 0.0))
+
+
+def test_a_frozen_step_that_used_more_cpu_than_the_time_held_counts_the_time_held() -> None:
+    # 4 ms of CPU from the step's start (8 ms) to the freeze: the bound is no tighter than the 2 ms held.
+    first, _ = account_trace(_with_cpu(_frozen_run("frozen"), 54 * MS, 50 * MS), {"a": 0.005})
+    assert first.cpu_overrun_ms == pytest.approx(2.0)
+
+
+def test_without_cpu_figures_what_ran_past_the_end_is_the_time_held() -> None:
+    first, _ = account_trace(_frozen_run("frozen"), {"a": 0.005})
+    assert first.cpu_overrun_ms == first.overrun_ms == pytest.approx(2.0)
+    # A worker that had parked before the freeze: its own last step's end, with or without figures.
+    parked, _ = account_trace(_with_cpu(_frozen_run("deadline"), 50_300_000, 50 * MS), {"a": 0.005})
+    assert parked.cpu_overrun_ms == parked.overrun_ms == pytest.approx(1.0)
+
+
 def test_a_grant_that_only_finished_an_earlier_step_and_was_frozen_again_ran_until_that_freeze() -> None:
     records = _trace_records(
         [(0, 10 * MS)],
@@ -187,6 +224,30 @@ def test_a_grant_that_only_finished_an_earlier_step_and_was_frozen_again_ran_unt
     (acc,) = account_trace(records, {"a": 0.005})
     assert acc.overrun_ms == pytest.approx(3.0)
     assert sum(acc.seconds.values()) == pytest.approx(0.010)
+
+
+def test_a_thawed_worker_frozen_again_before_it_reported_ran_its_cpu_time_since_the_grant() -> None:
+    # Thawed at 1 ms (CPU 40 ms then), frozen again 3 ms past the end with CPU 40.1 ms: it ran 0.1 ms.
+    records = _trace_records(
+        [(0, 10 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 5, "at_ns": 1 * MS, "deadline_ns": 10 * MS, "thaw": True,
+          "cpu_ns": 40 * MS},
+         {"ev": "freeze", "task": "a", "at_ns": 13 * MS, "cpu_ns": 40_100_000}])
+    (acc,) = account_trace(records, {"a": 0.005})
+    assert acc.overrun_ms == pytest.approx(3.0)
+    assert acc.cpu_overrun_ms == pytest.approx(0.1)
+
+
+def test_a_grant_given_after_its_bubble_ended_ran_past_the_end_only_from_the_grant() -> None:
+    # The end (10 ms) reached the manager late: granted at 11 ms (CPU 40 ms), frozen at 14 ms (CPU 40.5 ms).
+    records = _trace_records(
+        [(0, 10 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 5, "at_ns": 11 * MS, "deadline_ns": 12 * MS, "thaw": True,
+          "cpu_ns": 40 * MS},
+         {"ev": "freeze", "task": "a", "at_ns": 14 * MS, "cpu_ns": 40_500_000}])
+    (acc,) = account_trace(records, {"a": 0.005})
+    assert acc.overrun_ms == pytest.approx(4.0)  # the time held is counted from the end
+    assert acc.cpu_overrun_ms == pytest.approx(0.5)  # parked or frozen until the grant, then 0.5 ms of CPU
 
 
 def test_standalone_step_seconds() -> None:

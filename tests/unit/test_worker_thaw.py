@@ -160,6 +160,8 @@ def test_a_grant_a_freeze_ended_is_reported_with_its_own_steps_and_the_next_gran
     assert thawing.starts_ns[0] > frozen.starts_ns[-1]
     assert thawing.first_step_ns == 0  # "not measured": it came after the rest of grant 1's step
     assert thawing.total_steps == 3
+    # Each report carries the process's CPU time at its own last step's start, in order.
+    assert 0 < frozen.last_start_cpu_ns <= thawing.last_start_cpu_ns <= time.process_time_ns()
 
 
 def test_a_second_thaw_before_any_step_of_the_first_reports_nothing_for_it(
