@@ -60,6 +60,7 @@ from freeride._manager.views import Counters, Failures, Views
 from freeride._manager.watchers import Watchers
 from freeride._manager.worker_log import check_limits
 from freeride.devices import Device
+from freeride.devices.time_slice import LOOP_TIME_SLICE_NS, set_time_slice
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import (
     MAX_CLOCK_AHEAD_NS,
@@ -313,8 +314,10 @@ class ManagerLoop:
     # ------------------------------------------------------------------ select, timers, dispatch
 
     def run(self) -> None:
-        log.info("[%s] manager loop running", self.device)
         self.poller.start()  # its first reading comes at once
+        # After the poller's thread started: only this thread wakes for bubbles (workers put theirs back).
+        short = set_time_slice(LOOP_TIME_SLICE_NS)
+        log.info("[%s] manager loop running%s", self.device, " (short time slice)" if short else "")
         while self._running:
             for key, _ in self._selector.select(self._timeout_s()):
                 for event in key.data():

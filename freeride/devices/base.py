@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from freeride.devices.time_slice import set_time_slice
 from freeride.errors import ConfigError, FreerideError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
@@ -209,6 +210,9 @@ def lower_autogroup_priority(niceness: int) -> bool:
 
 
 def lower_priority() -> None:
-    """Nice 19 for this process and its autogroup: the trainer's threads always win a core."""
+    """Nice 19 for this process and its autogroup: the trainer's threads always win a core. And the
+    kernel's default time slice: the manager's loop thread that started it runs with a short one, which
+    a process inherits (:mod:`freeride.devices.time_slice`)."""
     os.nice(WORKER_NICENESS)
     lower_autogroup_priority(WORKER_NICENESS)
+    set_time_slice(None)
