@@ -21,6 +21,7 @@ numbers at each bubble end, done after the wait is over).
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,10 +114,12 @@ class BubblePredictor:
         self._warm: dict[SlotKey, int] = {}  # cached warm predictions, dropped at the slot's next measurement
         self._rank: dict[int, int] = {}  # the quantile's index in a sorted history of each length
         self._history: dict[SlotKey, deque[int]] = {}
+        #: Each history, kept sorted as it changes (one insort and one removal of at most ``window`` ints): a
+        #: warm prediction is then an index into it, not a sort at each slot's wait (the training thread).
+        self._sorted: dict[SlotKey, list[int]] = {}
         self._count: dict[SlotKey, int] = {}
-        self._errors: deque[float] = deque(maxlen=max_errors)
-        self._errors_warm: deque[float] = deque(maxlen=max_errors)
-        self._errors_by_slot: dict[SlotKey, deque[float]] = {}
+        #: The last ``max_errors`` scores: (slot, predicted, measured, made after warm-up).
+        self._scored: deque[tuple[SlotKey, int, int, bool]] = deque(maxlen=max_errors)
 
     def set_model(self, model: Callable[[int, int], float | None] | None) -> None:
         self._model = model
@@ -136,7 +139,7 @@ class BubblePredictor:
             index = self._rank.get(n)
             if index is None:
                 index = self._rank[n] = measure.rank_index(n, 100 * self.quantile)
-            cached = self._warm[key] = max(1, sorted(history)[index])
+            cached = self._warm[key] = max(1, self._sorted[key][index])
             return cached
         modelled = self._model(stage, slot) if self._model is not None else None
         if modelled is not None and modelled > 0:
@@ -146,26 +149,38 @@ class BubblePredictor:
         return self.fallback_ns
 
     def observe(self, stage: int, slot: int, measured_ns: int, predicted_ns: int | None = None) -> None:
-        """Learn a measured length; score ``predicted_ns`` (what was announced) against it."""
+        """Learn a measured length; score ``predicted_ns`` (what was announced) against it.
+
+        On the training thread, once per reported slot and iteration (``RankTracker._deliver``): it keeps
+        the slot's sorted history and its next warm prediction, and stores the score as it came (the
+        errors are worked out when asked for).
+        """
         if measured_ns <= 0:
             return
         key = (stage, slot)
-        warm = self._count.get(key, 0) >= self.warmup
+        count = self._count.get(key, 0)
+        measured = int(measured_ns)
         if predicted_ns is not None and predicted_ns > 0:
-            error = abs(predicted_ns - measured_ns) / measured_ns
-            self._errors.append(error)
-            if warm:
-                self._errors_warm.append(error)
-                by_slot = self._errors_by_slot.get(key)
-                if by_slot is None:
-                    by_slot = self._errors_by_slot[key] = deque(maxlen=1000)
-                by_slot.append(error)
+            self._scored.append((key, int(predicted_ns), measured, count >= self.warmup))
         history = self._history.get(key)
         if history is None:
             history = self._history[key] = deque(maxlen=self.window)
-        history.append(int(measured_ns))
-        self._count[key] = self._count.get(key, 0) + 1
-        self._warm.pop(key, None)
+            ordered = self._sorted[key] = []
+        else:
+            ordered = self._sorted[key]
+            if len(history) == self.window:
+                del ordered[bisect.bisect_left(ordered, history[0])]  # the length the append below drops
+        history.append(measured)
+        bisect.insort(ordered, measured)
+        self._count[key] = count = count + 1
+        if count >= self.warmup:
+            n = len(ordered)
+            index = self._rank.get(n)
+            if index is None:
+                index = self._rank[n] = measure.rank_index(n, 100 * self.quantile)
+            self._warm[key] = max(1, ordered[index])
+        else:
+            self._warm.pop(key, None)
 
     def recent_max_ns(self, stage: int, slot: int) -> int:
         """The longest of the slot's recent measured lengths (0 before any)."""
@@ -173,8 +188,10 @@ class BubblePredictor:
         return max(history) if history else 0
 
     def prediction_error(self, after_warmup: bool = True) -> ErrorSummary:
-        """Relative error of the predictions scored so far (by default only after warm-up)."""
-        return summarize(list(self._errors_warm if after_warmup else self._errors))
+        """Relative error of the last ``max_errors`` predictions scored (by default only after warm-up)."""
+        return summarize([abs(p - m) / m for _, p, m, warm in self._scored if warm or not after_warmup])
 
     def slot_error(self, stage: int, slot: int) -> ErrorSummary:
-        return summarize(list(self._errors_by_slot.get((stage, slot), ())))
+        """The same, of one slot's predictions after its warm-up."""
+        key = (stage, slot)
+        return summarize([abs(p - m) / m for k, p, m, warm in self._scored if warm and k == key])

@@ -12,6 +12,7 @@ from conftest import now_ns, wait_for
 
 from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
+from freeride.measure import rank_index as percentile_index
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary, TrainerLayout
 from freeride.training.predictor import BubblePredictor, ComputeProfile, percentile
 from freeride.training.reporter import MAX_BATCH_EVENTS, BubbleReporter
@@ -263,6 +264,23 @@ def test_predictor_starts_from_model_then_learns() -> None:
     assert warm.count == 197 and cold.count == 200
     assert warm.p90 <= 0.10
     assert cold.max >= warm.p50
+
+
+def test_a_warm_prediction_is_the_quantile_of_the_slots_last_lengths_as_they_come_and_go() -> None:
+    # The predictor keeps each history sorted as it changes (no sort at each wait): the same as sorting it.
+    rng = random.Random(7)
+    pred = BubblePredictor(window=16, warmup=3, quantile=0.1)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(500):
+        slot = rng.randrange(2)
+        length = rng.choice([rng.randrange(1, 5 * MS), 2 * MS])  # repeats too: a removal must take one copy
+        pred.observe(0, slot, length, predicted_ns=pred.predict_ns(0, slot))
+        seen[slot].append(length)
+        recent = sorted(seen[slot][-16:])
+        if len(seen[slot]) >= 3:
+            assert pred.predict_ns(0, slot) == recent[percentile_index(len(recent), 10)]
+    per_slot = [pred.slot_error(0, slot).count for slot in (0, 1)]
+    assert sum(per_slot) == pred.prediction_error().count == 500 - 2 * 3  # each slot's first 3 are cold
 
 
 def test_compute_profile_ewma_and_percentile() -> None:
