@@ -11,6 +11,7 @@ from demo_data import MS, T0, trace
 
 from freeride.harvest import (
     CATEGORIES,
+    BubbleAccount,
     TraceBubble,
     TraceGrant,
     account_bubble,
@@ -226,26 +227,29 @@ def test_a_grant_that_only_finished_an_earlier_step_and_was_frozen_again_ran_unt
     assert sum(acc.seconds.values()) == pytest.approx(0.010)
 
 
-def test_a_thawed_worker_frozen_again_before_it_reported_ran_its_cpu_time_since_the_grant() -> None:
-    # Thawed at 1 ms (CPU 40 ms then), frozen again 3 ms past the end with CPU 40.1 ms: it ran 0.1 ms.
+def _thaw_then_freeze(granted_ms: float, granted_cpu_ms: float, frozen_ms: float,
+                      frozen_cpu_ms: float) -> BubbleAccount:
+    """A bubble of [0, 10 ms) whose one grant thawed the worker, which was frozen again before it reported,
+    with the worker's CPU time read at both."""
     records = _trace_records(
         [(0, 10 * MS)],
-        [{"ev": "grant", "task": "a", "grant": 5, "at_ns": 1 * MS, "deadline_ns": 10 * MS, "thaw": True,
-          "cpu_ns": 40 * MS},
-         {"ev": "freeze", "task": "a", "at_ns": 13 * MS, "cpu_ns": 40_100_000}])
+        [{"ev": "grant", "task": "a", "grant": 5, "at_ns": int(granted_ms * MS), "deadline_ns": 12 * MS,
+          "thaw": True, "cpu_ns": int(granted_cpu_ms * MS)},
+         {"ev": "freeze", "task": "a", "at_ns": int(frozen_ms * MS), "cpu_ns": int(frozen_cpu_ms * MS)}])
     (acc,) = account_trace(records, {"a": 0.005})
+    return acc
+
+
+def test_a_thawed_worker_frozen_again_before_it_reported_ran_its_cpu_time_since_the_grant() -> None:
+    # Thawed at 1 ms (CPU 40 ms then), frozen again 3 ms past the end with CPU 40.1 ms: it ran 0.1 ms.
+    acc = _thaw_then_freeze(1, 40, 13, 40.1)
     assert acc.overrun_ms == pytest.approx(3.0)
     assert acc.cpu_overrun_ms == pytest.approx(0.1)
 
 
 def test_a_grant_given_after_its_bubble_ended_ran_past_the_end_only_from_the_grant() -> None:
     # The end (10 ms) reached the manager late: granted at 11 ms (CPU 40 ms), frozen at 14 ms (CPU 40.5 ms).
-    records = _trace_records(
-        [(0, 10 * MS)],
-        [{"ev": "grant", "task": "a", "grant": 5, "at_ns": 11 * MS, "deadline_ns": 12 * MS, "thaw": True,
-          "cpu_ns": 40 * MS},
-         {"ev": "freeze", "task": "a", "at_ns": 14 * MS, "cpu_ns": 40_500_000}])
-    (acc,) = account_trace(records, {"a": 0.005})
+    acc = _thaw_then_freeze(11, 40, 14, 40.5)
     assert acc.overrun_ms == pytest.approx(4.0)  # the time held is counted from the end
     assert acc.cpu_overrun_ms == pytest.approx(0.5)  # parked or frozen until the grant, then 0.5 ms of CPU
 
