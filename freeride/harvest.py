@@ -330,8 +330,11 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             overrun_ns += max(0, ran_until - max(a, bubble.end_ns))
             previous_step_end = z
             last_step_end = ran_until if last_step_end is None else max(last_step_end, ran_until)
-            ran_end = (_cpu_bounded_until(g, max(a, bubble.end_ns), (a, g.start_cpu_ns))
-                       if frozen_at is not None and k == last else ran_until)
+            if frozen_at is not None and k == last:
+                since = max(a, bubble.end_ns)
+                ran_end = since + _ran_until_freeze_ns(g, since, ((a, g.start_cpu_ns), (g.at_ns, g.granted_cpu_ns)))
+            else:
+                ran_end = ran_until
             last_ran_end = ran_end if last_ran_end is None else max(last_ran_end, ran_end)
         if frozen_at is not None and not g.spans:
             # No step of its own finished in it (a step an earlier grant began, frozen again): the
@@ -340,7 +343,8 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             last_step_end = frozen_at if last_step_end is None else max(last_step_end, frozen_at)
             # Before a grant given past the end its worker was parked or frozen: what it ran past the end
             # began at the grant.
-            ran_end = bubble.end_ns + _cpu_bounded_until(g, max(g.at_ns, bubble.end_ns)) - max(g.at_ns, bubble.end_ns)
+            since = max(g.at_ns, bubble.end_ns)
+            ran_end = bubble.end_ns + _ran_until_freeze_ns(g, since, ((g.at_ns, g.granted_cpu_ns),))
             last_ran_end = ran_end if last_ran_end is None else max(last_ran_end, ran_end)
         if previous_step_end is not None:
             previous_end = previous_step_end
@@ -355,22 +359,21 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
     return _finish(bubble, sweep, work_past_ns, overrun_ns, overrun_ms, steps, cpu_overrun_ms)
 
 
-def _cpu_bounded_until(g: TraceGrant, since: int, step: tuple[int, int | None] = (0, None)) -> int:
-    """Until when a frozen grant's worker ran from ``since`` (the later of the bubble's end and the start of
-    what it ran: its last step, or the grant), as a time: until the freeze, or less where the worker's CPU
-    time from a reading no later than ``since`` to the freeze is shorter.
+def _ran_until_freeze_ns(g: TraceGrant, since: int, readings: tuple[tuple[int, int | None], ...]) -> int:
+    """What a frozen grant's worker ran from ``since`` to the freeze: the time between, or less where the
+    worker's CPU time from its latest reading at or before ``since`` (``readings``: when, and the CPU time
+    then, or None) to the freeze is shorter.
 
-    Such a reading is the CPU time at the last step's start (``step``: its start and reading) or at the
-    grant. What it ran between that reading and ``since`` counts as after it, so this bounds what it ran
-    from above: on a core shared with the trainer, a worker at nice 19 that the trainer's wake took the
-    core from stays unfrozen, and idle, until its manager gets a core to freeze it.
+    What it ran between that reading and ``since`` counts as after it, so this bounds what it ran from
+    above: on a core shared with the trainer, a worker at nice 19 that the trainer's wake took the core
+    from stays unfrozen, and idle, until its manager gets a core to freeze it.
     """
     assert g.frozen_ns is not None
     held = max(0, g.frozen_ns - since)
-    readings = [cpu for at, cpu in ((step[0], step[1]), (g.at_ns, g.granted_cpu_ns)) if cpu is not None and at <= since]
-    if g.frozen_cpu_ns is None or not readings:
-        return since + held
-    return since + min(held, max(0, g.frozen_cpu_ns - max(readings)))
+    before = [cpu for at, cpu in readings if cpu is not None and at <= since]
+    if g.frozen_cpu_ns is None or not before:
+        return held
+    return min(held, max(0, g.frozen_cpu_ns - max(before)))
 
 
 def _finish(bubble: TraceBubble, sweep: _Sweep, work_past_ns: float, overrun_ns: int, overrun_ms: float | None,

@@ -47,6 +47,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from freeride import _checkpoints
@@ -127,6 +128,35 @@ def _die_with_parent(parent_pid: int) -> None:
     if parent_pid and os.getppid() != parent_pid:
         # The manager died between fork and prctl: there is nobody to work for.
         os._exit(0)
+
+
+@dataclass(slots=True)
+class _GrantSteps:
+    """What ran in one grant, until its report (:meth:`WorkerRuntime._send_parked`)."""
+
+    #: The last ``MAX_REPORTED_DURATIONS`` steps' running times and starts.
+    durations: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    count: int = 0  # every step, listed or not
+    warmup: bool = False  # the first listed step is the process's first (no step-time sample)
+    #: "bubble start -> first step": the first step's start; 1: not measured (after setup, or after the rest
+    #: of an earlier grant's step); 0: no step yet.
+    first_ns: int = 0
+    last_end_ns: int = 0
+    #: The process's CPU time when the last step began (the manager's bound on what ran past an end).
+    last_start_cpu_ns: int = 0
+    #: The trainer's end of this bubble, read on a board (0: none).
+    seen_end_ns: int = 0
+
+    def add(self, start_ns: int, ran_ns: int, end_ns: int, cpu_start_ns: int) -> None:
+        self.durations.append(ran_ns)
+        self.starts.append(start_ns)
+        self.last_start_cpu_ns = cpu_start_ns
+        if len(self.durations) > MAX_REPORTED_DURATIONS:
+            del self.durations[0]
+            del self.starts[0]
+            self.warmup = False  # the warm-up step was the one dropped
+        self.last_end_ns = end_ns
 
 
 class WorkerRuntime:
@@ -287,7 +317,6 @@ class WorkerRuntime:
         bubble = self._bubble_of(grant)
         survival = self._survival_of(grant)
         grace = grant.grace_ns
-        seen_end_ns = 0
         if grant.probe:
             # The manager suspects a stale estimate: forget it and run at least one step.
             self.estimator = StepEstimator(hint_ns=0)
@@ -295,20 +324,13 @@ class WorkerRuntime:
         if set_up_now:
             self._setup()
         self._maybe_checkpoint(deadline, margin)
-        durations: list[int] = []
+        record = _GrantSteps()
         #: This grant's step times so far: a failure report counts them (no park follows a failure).
-        self._grant_durations = durations
-        starts: list[int] = []
-        last_start_cpu_ns = 0
-        warmup_in_grant = False
-        count = 0
-        first_step_ns = 0
-        last_end_ns = 0
+        self._grant_durations = record.durations
         reason = "deadline"
         while True:
             if self._done():
-                self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                  last_end_ns, "done", seen_end_ns, last_start_cpu_ns)
+                self._send_parked(grant_id, record, "done")
                 self.chan.send(Finished(total_steps=self.steps, progress=self._progress()))
                 self._close_task()
                 return True
@@ -319,15 +341,13 @@ class WorkerRuntime:
                     reason = "park"
                     stop_now = True
                 elif isinstance(msg, Grant):  # a newer grant supersedes this one (thawed after a freeze)
-                    if count:
+                    if record.count:
                         # The steps of the grant a freeze ended, reported on their own (the manager takes
                         # them as statistics): under the new grant they would count as its steps, in its
                         # bubble, and the frozen grant's as none.
-                        self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                          last_end_ns, "frozen", seen_end_ns, last_start_cpu_ns)
-                        durations, starts = [], []
-                        self._grant_durations = durations
-                        count, warmup_in_grant, seen_end_ns, last_end_ns, last_start_cpu_ns = 0, False, 0, 0, 0
+                        self._send_parked(grant_id, record, "frozen")
+                        record = _GrantSteps(first_ns=record.first_ns)
+                        self._grant_durations = record.durations
                     grant_id = msg.grant_id
                     deadline = msg.deadline_ns
                     margin = msg.margin_ns
@@ -339,10 +359,9 @@ class WorkerRuntime:
                     # After a step of the earlier grant, this one's first step comes after the rest of
                     # that step: its latency (bubble start -> first step) is not measured (0 and 1 both
                     # mean "none"; 0 before any step: the next step measures it).
-                    first_step_ns = min(first_step_ns, 1)
+                    record.first_ns = min(record.first_ns, 1)
                 elif isinstance(msg, Stop):
-                    self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns,
-                                      last_end_ns, "stop", seen_end_ns, last_start_cpu_ns)
+                    self._send_parked(grant_id, record, "stop")
                     self._stop(msg.checkpoint)
                     return True
                 msg = self.chan.recv_nowait()
@@ -353,7 +372,7 @@ class WorkerRuntime:
             # for its overrun and could backfill a bubble that was over.
             ended = self._ended(grant_id, bubble)
             if ended is not None:
-                reason, seen_end_ns = ended
+                reason, record.seen_end_ns = ended
                 break
             now = time.monotonic_ns()
             est = self.estimator.estimate_ns()
@@ -383,7 +402,7 @@ class WorkerRuntime:
                 raise _TaskError(_failure_kind(exc), f"step {self.steps}", exc) from exc
             end = time.monotonic_ns()
             self.steps += 1
-            count += 1
+            record.count += 1
             self._steps_in_process += 1
             if self._board is not None:
                 self._board.publish_done(self._steps_in_process)
@@ -407,24 +426,16 @@ class WorkerRuntime:
                     ran = min(ran, max(time.process_time_ns() - cpu_start, known[1] - now))
             if self._warmup_pending:
                 self._warmup_pending = False
-                warmup_in_grant = True
+                record.warmup = True
             else:
                 self.estimator.add(ran)
-            durations.append(ran)
-            starts.append(now)
-            last_start_cpu_ns = cpu_start
-            if len(durations) > MAX_REPORTED_DURATIONS:
-                del durations[0]
-                del starts[0]
-                warmup_in_grant = False  # the warm-up step was the one dropped
+            record.add(now, ran, end, cpu_start)
             # A grant that ran setup first, or began inside an earlier grant and was frozen, does
             # not measure "bubble start -> first step".
-            first_step_ns = first_step_ns or (1 if set_up_now or frozen else now)
-            last_end_ns = end
+            record.first_ns = record.first_ns or (1 if set_up_now or frozen else now)
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)
-        self._send_parked(grant_id, count, durations, starts, int(warmup_in_grant), first_step_ns, last_end_ns, reason,
-                          seen_end_ns, last_start_cpu_ns)
+        self._send_parked(grant_id, record, reason)
         return False
 
     def _done(self) -> bool:
@@ -434,39 +445,27 @@ class WorkerRuntime:
         except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "done()", exc) from exc
 
-    def _send_parked(
-        self,
-        grant_id: int,
-        count: int,
-        durations: list[int],
-        starts: list[int],
-        warmup_steps: int,
-        first: int,
-        last: int,
-        reason: str,
-        end_ns: int = 0,
-        last_start_cpu_ns: int = 0,
-    ) -> None:
+    def _send_parked(self, grant_id: int, record: _GrantSteps, reason: str) -> None:
         self._grant_durations = []  # reported here: a later failure must not count them again
         self.chan.send(Parked(
             grant_id=grant_id,
-            steps=count,
-            durations_ns=tuple(durations),
-            starts_ns=tuple(starts),
-            warmup_steps=warmup_steps,
-            first_step_ns=first if first > 1 else 0,
-            last_end_ns=last,
+            steps=record.count,
+            durations_ns=tuple(record.durations),
+            starts_ns=tuple(record.starts),
+            warmup_steps=int(record.warmup),
+            first_step_ns=record.first_ns if record.first_ns > 1 else 0,
+            last_end_ns=record.last_end_ns,
             parked_ns=time.monotonic_ns(),
             reason=reason,
             # "ended": the trainer's end of this bubble, read on the end board before the manager
             # knew of it (the manager then neither parks nor backfills this bubble).
-            end_ns=end_ns,
+            end_ns=record.seen_end_ns,
             progress=self._progress(),
             total_steps=self.steps,
             # What the device holds for this worker, as the worker itself measures it: the manager's
             # figure where NVML cannot see the worker's process (containers).
             device_bytes=self.device.used_bytes(),
-            last_start_cpu_ns=last_start_cpu_ns,
+            last_start_cpu_ns=record.last_start_cpu_ns,
         ))
 
     # ------------------------------------------------------------------ setup and checkpoints

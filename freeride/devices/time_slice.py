@@ -26,6 +26,7 @@ nothing changes and :func:`set_time_slice` says so (False); :func:`time_slice_ns
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import struct
@@ -43,6 +44,7 @@ _ATTR = struct.Struct("<IIQiIQQQII")
 _SCHED_OTHER = 0
 
 
+@functools.cache
 def _calls() -> tuple[ctypes.CDLL, int, int] | None:
     numbers = _SYSCALLS.get(platform.machine())
     if numbers is None or not hasattr(os, "sched_getaffinity"):  # Linux only

@@ -111,7 +111,7 @@ class BubblePredictor:
         self.warmup = warmup
         self.fallback_ns = fallback_ns
         self.quantile = quantile
-        self._warm: dict[SlotKey, int] = {}  # cached warm predictions, dropped at the slot's next measurement
+        self._warm: dict[SlotKey, int] = {}  # each warm slot's prediction, set at its every measurement
         self._rank: dict[int, int] = {}  # the quantile's index in a sorted history of each length
         self._history: dict[SlotKey, deque[int]] = {}
         #: Each history, kept sorted as it changes (one insort and one removal of at most ``window`` ints): a
@@ -130,17 +130,10 @@ class BubblePredictor:
     def predict_ns(self, stage: int, slot: int) -> int:
         """The expected length of this slot's next occurrence (>= 1 ns)."""
         key = (stage, slot)
-        cached = self._warm.get(key)
-        if cached is not None:
-            return cached
+        warm = self._warm.get(key)  # :meth:`observe` keeps it for a slot past its warm-up
+        if warm is not None:
+            return warm
         history = self._history.get(key)
-        if history and self._count.get(key, 0) >= self.warmup:
-            n = len(history)
-            index = self._rank.get(n)
-            if index is None:
-                index = self._rank[n] = measure.rank_index(n, 100 * self.quantile)
-            cached = self._warm[key] = max(1, self._sorted[key][index])
-            return cached
         modelled = self._model(stage, slot) if self._model is not None else None
         if modelled is not None and modelled > 0:
             return max(1, int(modelled))

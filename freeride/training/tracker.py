@@ -362,9 +362,9 @@ class RankTracker:
                 iteration, waits, actions, gaps, between_ns = self._timeline.done.popleft()
             except IndexError:
                 return
-            observe, rank = self.predictor.observe, self.rank
-            for _, slot, _, start, end, predicted, _, _ in waits:  # MeasuredBubble, unpacked: ~24 a step here
-                observe(rank, slot, end - start, predicted)
+            observe = self.predictor.observe
+            for b in waits:
+                observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
             if self._remodel_left > 0 and actions:
                 for kind, stage, _mb, begin, end in actions:
                     self.profile.observe(kind, end - begin)
