@@ -53,7 +53,10 @@ is missing): ``schedule._stage`` (single-stage schedules) or ``schedule._stages`
 ``.pipeline_order`` or ``.pipeline_order_with_comms`` (multi-stage ones), and
 ``_maybe_compute_loss`` on a rank holding the last stage; ``stage.stage_index``,
 ``stage.num_stages``, and the three compute methods with their first argument the micro-batch index
-and ``full_backward`` the third of ``backward_one_chunk``.
+and ``full_backward`` the third of ``backward_one_chunk``. On the host clock, a runtime schedule's
+``fwd_recv_ops`` / ``bwd_recv_ops`` instance dicts, where present: their ``pop`` is where the rank
+starts waiting for a receive (``RankTracker.wait_blocks``), so that a position where the rank only does
+host work (posting, the runtime's own Python) goes quiet however long that takes (docs/bubbles.md).
 """
 
 from __future__ import annotations
@@ -145,6 +148,21 @@ def _single_schedule_name(schedule: object) -> str:
 
 
 _ABSENT = object()
+_RECV_OPS = ("fwd_recv_ops", "bwd_recv_ops")
+
+
+class _RecvOps(dict):
+    """The runtime's dict of posted receives, on the instance: where it pops one to wait for it, the rank's
+    host work of the gap is done and its wait for the other rank begins (:meth:`RankTracker.wait_blocks`)."""
+
+    def __init__(self, own: dict[Any, Any], blocks: Callable[[], None]) -> None:
+        super().__init__(own)
+        self.own = own
+        self._blocks = blocks
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._blocks()
+        return dict.pop(self, key, *default)
 
 
 class InstrumentedSchedule:
@@ -184,6 +202,9 @@ class InstrumentedSchedule:
         )
         self.rank = rank
         self._restore: list[tuple[object, str, Any]] = []  # (object, attribute, its own value or _ABSENT)
+        #: Whether the pops of posted receives are watched (a runtime schedule on the host clock: module doc).
+        self.watches_receives = self.tracker.clock.synchronous and all(
+            isinstance(vars(schedule).get(name), dict) for name in _RECV_OPS)
         self.attach()
 
     # ---------------------------------------------------------------- construction
@@ -279,6 +300,9 @@ class InstrumentedSchedule:
             return
         for stage in self._stages:
             self._wrap(stage)
+        if self.watches_receives:
+            for name in _RECV_OPS:
+                self._set(self.schedule, name, _RecvOps(getattr(self.schedule, name), self.tracker.wait_blocks))
         holds_last = any(int(stage.stage_index) == self.tracker.plan.num_stages - 1 for stage in self._stages)
         if holds_last:  # the loss follows the last stage's forwards: the wait after one starts after it
             compute_loss = _require(self.schedule, "_maybe_compute_loss", type(self.schedule).__name__)
@@ -290,6 +314,10 @@ class InstrumentedSchedule:
         Used by A/B measurements (instrumented and bare iterations interleaved in one run).
         """
         for obj, attr, saved in reversed(self._restore):
+            watched = vars(obj).get(attr)
+            if isinstance(watched, _RecvOps):  # receives posted meanwhile stay the runtime's
+                watched.own.clear()
+                watched.own.update(watched)
             if saved is not _ABSENT:
                 setattr(obj, attr, saved)
             else:

@@ -23,7 +23,11 @@ at ``iteration_begin`` for position 0, and where the action before a wait positi
 framework that does only host work between an action and the wait that follows (posting transfers,
 as torch's schedules do: on a GPU the device is idle from the action's end), and saves the adapter a
 call per action. The one exception is a forward of the last model stage, whose loss the framework
-computes after it: the adapter calls ``wait_begin()`` once the loss is done.
+computes after it: the adapter calls ``wait_begin()`` once the loss is done. Where the host's time is the
+device's (the host clock), that host work occupies the device: an adapter that sees where the rank starts
+waiting for another rank in the open wait (torch's runtime popping the receive it waits for) calls
+``wait_blocks()`` there, and a position whose waits from there are all short goes quiet (below): the
+rank only posts and computes in it, it never idles.
 
 Each mark costs a microsecond or two and never blocks: nothing on the training thread waits for
 freeride or for the device. Compute actions are stamped only while the model profiles them (the
@@ -48,10 +52,10 @@ online-profiled costs (per model stage and kind; stages of other ranks at this r
 and its measured time between iterations (profiled over the first ``remodel_iterations``: once a
 slot has been measured the model no longer speaks for it); then the 10th percentile of its last 16
 lengths (:class:`~freeride.training.predictor.BubblePredictor`): conservative where a slot varies, so
-a grant cut to it rarely outlives the real wait. A modelled slot none of whose recent lengths (at
-least 3 of them) reached ``report_min_ns`` is measured but not reported (a bubble nothing fits in,
-sent every iteration, would only cost the reporter's thread); it is reported again from its first
-wait that does.
+a grant cut to it rarely outlives the real wait. A modelled slot none of whose recent waits (at
+least 3 of them; each from its ``wait_blocks`` where the adapter marked one, else whole) reached
+``report_min_ns`` is measured but not reported (a bubble nothing fits in, sent every iteration, would
+only cost the reporter's thread and the manager); it is reported again from its first wait that does.
 
 **Device time.** ``device`` picks the clock: on ``cuda:N`` each mark records a CUDA event on the
 current stream, resolved off the training thread (:mod:`freeride.training.device_clock`; the only
@@ -109,6 +113,12 @@ ActionKey = tuple[str, int, int]  # (kind, model stage, micro-batch)
 DEFAULT_COSTS_NS = {FORWARD: 1e6, BACKWARD: 2e6, BACKWARD_INPUT: 1e6, BACKWARD_WEIGHT: 1e6}
 
 
+#: A modelled slot goes quiet when none of its last ``QUIET_WINDOW`` waits (at least ``QUIET_AFTER``) reached
+#: ``report_min_ns`` (module doc).
+QUIET_WINDOW = 16
+QUIET_AFTER = 3
+
+
 class BubbleSink(Protocol):
     """Where bubbles go: a :class:`freeride.training.reporter.BubbleReporter`, or a recorder in tests."""
 
@@ -137,6 +147,9 @@ class MeasuredBubble(NamedTuple):
     predicted_ns: int
     free_memory_bytes: int
     reported: bool = True
+    #: How long the rank waited for another rank in it: the whole wait, or from where the adapter saw it
+    #: start waiting (:meth:`RankTracker.wait_blocks`; the host work before that excluded). -1: not known.
+    waited_ns: int = -1
 
     @property
     def length_ns(self) -> int:
@@ -226,12 +239,13 @@ class RankTracker:
         for k in self.plan.positions:
             self._modelled[k] = self.plan.slot(k)
         self._quiet: frozenset[int] = frozenset()  # modelled slots not reported (module doc)
+        self._recent_waited: dict[int, collections.deque[int]] = {}  # per slot: its last waits (waited_ns)
         self._remodel()
         #: Recurring waits the model does not list, learned into slots (``learning``; max_slots=0: off).
         self.learned = WaitLearner(rank, order, learning)
         timeline = self._timeline = _Timeline(self)
         self._on_enter, self._on_leave, self._on_wait = timeline.enter, timeline.leave, timeline.wait
-        self._on_wait_end = timeline.wait_end
+        self._on_wait_end, self._on_blocks = timeline.wait_end, timeline.blocks
         self._timed = time_actions or remodel_iterations > 0  # compute actions stamped (module doc)
         # Per position: whether its wait starts by itself where the action before it ends (module doc).
         self._follows = [False] * (len(order) + 1)
@@ -248,6 +262,12 @@ class RankTracker:
         self._actions: list[tuple[str, int, int, int, int]] = []
         self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(timeline.handle)
         self._emit = _emitter(self.clock)
+        #: In the open wait, the rank now waits for another rank (the host work before is done): what follows
+        #: decides whether the position is quiet (module doc). No wait open: nothing. An adapter calls it at
+        #: every such point (torch's runtime: each receive it pops), so on the host clock it is one call.
+        self.wait_blocks: Callable[[], None] = self._wait_blocks_marked
+        if isinstance(self.clock, HostClock):
+            self.wait_blocks = timeline.blocks_now
 
     # ---------------------------------------------------------------- marks (training thread)
 
@@ -310,6 +330,10 @@ class RankTracker:
         if self._waiting:
             self._waiting = False
             self._emit(self._on_wait_end, None, None)
+
+    def _wait_blocks_marked(self) -> None:
+        if self._waiting:
+            self._emit(self._on_blocks, None, None)
 
     @property
     def position(self) -> int:
@@ -387,14 +411,18 @@ class RankTracker:
                     log.exception("on_iteration callback failed")
 
     def _update_quiet(self, waits: list[MeasuredBubble]) -> None:
-        quiet, least, predictor = self._quiet, self.report_min_ns, self.predictor
+        quiet, least, recent = self._quiet, self.report_min_ns, self._recent_waited
         changed = set(quiet)
         for b in waits:
-            if b.length_ns >= least:
+            waited = b.length_ns if b.waited_ns < 0 else b.waited_ns
+            history = recent.get(b.slot)
+            if history is None:
+                history = recent[b.slot] = collections.deque(maxlen=QUIET_WINDOW)
+            history.append(waited)
+            if waited >= least:
                 changed.discard(b.slot)  # long enough (again): reported
-            elif (b.slot not in quiet and b.kind != LEARNED_KIND
-                  and predictor.measurements(self.rank, b.slot) >= predictor.warmup
-                  and predictor.recent_max_ns(self.rank, b.slot) < least):
+            elif (b.slot not in quiet and b.kind != LEARNED_KIND and len(history) >= QUIET_AFTER
+                  and max(history) < least):
                 changed.add(b.slot)
         if changed != quiet:
             self._quiet = frozenset(changed)
@@ -484,6 +512,7 @@ class _Timeline:
         self.unplanned_wait_ns = 0
         self._iteration = 0
         self._open: tuple[Site, _Opens, int] | None = None  # site, what it opens, start
+        self._blocks_ns: int | None = None  # where the rank started waiting for another rank in the open wait
         self._entered: dict[ActionKey, int] = {}
         self._waits: list[MeasuredBubble] = []
         self._actions: list[_Action] = []
@@ -521,6 +550,15 @@ class _Timeline:
         if self._open is not None:
             self._close(at_ns)
 
+    def blocks(self, _a: None, _b: None, at_ns: int) -> None:
+        if self._open is not None and self._blocks_ns is None:
+            self._blocks_ns = at_ns
+
+    def blocks_now(self) -> None:
+        """:meth:`blocks` on the host clock, read here: the mark's one call."""
+        if self._open is not None and self._blocks_ns is None:
+            self._blocks_ns = time.monotonic_ns()
+
     def begin(self, iteration: int, _: None, at_ns: int) -> None:
         self._iteration, self._waits, self._actions, self._gaps = iteration, [], [], []
         self._entered.clear()
@@ -539,6 +577,7 @@ class _Timeline:
             return
         self._open = None
         site, opens, start = opened
+        blocks, self._blocks_ns = self._blocks_ns, None
         if opens is None:
             self.unplanned_waits += 1
             self.unplanned_wait_ns += at_ns - start
@@ -550,4 +589,4 @@ class _Timeline:
             if sink is not None:
                 sink.bubble_end(self._iteration, slot.index, at_ns)
         self._waits.append(MeasuredBubble(self._iteration, slot.index, slot.kind, start, at_ns, predicted, free,
-                                          reported))
+                                          reported, at_ns - (start if blocks is None else blocks)))

@@ -315,3 +315,32 @@ def test_a_runtime_schedules_waits_are_reported_from_the_end_of_the_action_befor
     inst.close()  # torch's own dicts and methods are back
     assert type(real.fwd_recv_ops) is dict and type(real.bwd_recv_ops) is dict
     assert "forward_one_chunk" not in vars(real._stages[0]) and "step" in vars(real)
+
+
+def test_on_the_host_clock_a_runtime_position_that_only_posts_goes_quiet_and_the_waited_ones_stay() -> None:
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    clock = [10**12]
+    held = [0, 2]
+    real = torch_schedules.ScheduleInterleaved1F1B([TimedStage(s, 4, 2, 0, clock) for s in held], 4)
+    real._maybe_compute_loss = lambda *args: None
+    waits = {("F", 2, mb): 3.0 for mb in range(4)}  # the peer's activations arrive 3 ms late; the rest is there
+    runner = RuntimeStep(real, clock, waits)
+    real.step = runner.step
+    sink = RecordingSink()
+    inst = InstrumentedSchedule(real, sink=sink, clock=lambda consumer: StepClock(consumer, clock))
+    assert inst.watches_receives and type(real.fwd_recv_ops) is not dict
+    order = inst.tracker.plan.order
+    waited = {k for k, a in enumerate(order) if (a.kind, a.stage, a.microbatch) in waits}
+    inst.step()
+    first = {b.slot: b for b in inst.last_bubbles}
+    posting_only = {k for k, b in first.items() if b.waited_ns == 0 and b.length_ns >= inst.tracker.report_min_ns}
+    assert posting_only  # gaps of >= 0.2 ms of posting in which the rank never waited: reported at first
+    assert all(first[k].waited_ns == 3_000_000 for k in waited)
+    for _ in range(4):
+        inst.step()
+    last = {e[2] for e in sink.events if e[0] == "start" and e[1] == inst.iteration - 1}
+    assert waited <= last and not posting_only & last
+    real.fwd_recv_ops[(2, 0)] = ["posted before detaching"]
+    inst.close()
+    assert type(real.fwd_recv_ops) is dict and real.fwd_recv_ops == {(2, 0): ["posted before detaching"]}
