@@ -53,7 +53,7 @@ and its measured time between iterations (profiled over the first ``remodel_iter
 slot has been measured the model no longer speaks for it); then the 10th percentile of its last 16
 lengths (:class:`~freeride.training.predictor.BubblePredictor`): conservative where a slot varies, so
 a grant cut to it rarely outlives the real wait. A modelled slot none of whose recent waits (at
-least 3 of them; each from its ``wait_blocks`` where the adapter marked one, else whole) reached
+least 3 of them, all 16 where they are measured from ``wait_blocks`` marks, else whole) reached
 ``report_min_ns`` is measured but not reported (a bubble nothing fits in, sent every iteration, would
 only cost the reporter's thread and the manager); it is reported again from its first wait that does.
 
@@ -113,8 +113,9 @@ ActionKey = tuple[str, int, int]  # (kind, model stage, micro-batch)
 DEFAULT_COSTS_NS = {FORWARD: 1e6, BACKWARD: 2e6, BACKWARD_INPUT: 1e6, BACKWARD_WEIGHT: 1e6}
 
 
-#: A modelled slot goes quiet when none of its last ``QUIET_WINDOW`` waits (at least ``QUIET_AFTER``) reached
-#: ``report_min_ns`` (module doc).
+#: A modelled slot goes quiet when none of its last ``QUIET_WINDOW`` waits (at least ``QUIET_AFTER``; all
+#: ``QUIET_WINDOW`` where they are measured from a ``wait_blocks`` mark, whose positions may wait only now
+#: and then) reached ``report_min_ns`` (module doc).
 QUIET_WINDOW = 16
 QUIET_AFTER = 3
 
@@ -147,8 +148,8 @@ class MeasuredBubble(NamedTuple):
     predicted_ns: int
     free_memory_bytes: int
     reported: bool = True
-    #: How long the rank waited for another rank in it: the whole wait, or from where the adapter saw it
-    #: start waiting (:meth:`RankTracker.wait_blocks`; the host work before that excluded). -1: not known.
+    #: How long the rank waited for another rank in it, from where the adapter saw it start waiting
+    #: (:meth:`RankTracker.wait_blocks`; the host work before that excluded). -1: no such mark.
     waited_ns: int = -1
 
     @property
@@ -414,15 +415,16 @@ class RankTracker:
         quiet, least, recent = self._quiet, self.report_min_ns, self._recent_waited
         changed = set(quiet)
         for b in waits:
-            waited = b.length_ns if b.waited_ns < 0 else b.waited_ns
+            marked = b.waited_ns >= 0
+            waited = b.waited_ns if marked else b.length_ns
             history = recent.get(b.slot)
             if history is None:
                 history = recent[b.slot] = collections.deque(maxlen=QUIET_WINDOW)
             history.append(waited)
             if waited >= least:
                 changed.discard(b.slot)  # long enough (again): reported
-            elif (b.slot not in quiet and b.kind != LEARNED_KIND and len(history) >= QUIET_AFTER
-                  and max(history) < least):
+            elif (b.slot not in quiet and b.kind != LEARNED_KIND
+                  and len(history) >= (QUIET_WINDOW if marked else QUIET_AFTER) and max(history) < least):
                 changed.add(b.slot)
         if changed != quiet:
             self._quiet = frozenset(changed)
@@ -589,4 +591,4 @@ class _Timeline:
             if sink is not None:
                 sink.bubble_end(self._iteration, slot.index, at_ns)
         self._waits.append(MeasuredBubble(self._iteration, slot.index, slot.kind, start, at_ns, predicted, free,
-                                          reported, at_ns - (start if blocks is None else blocks)))
+                                          reported, -1 if blocks is None else at_ns - blocks))
