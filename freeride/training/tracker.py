@@ -27,7 +27,9 @@ computes after it: the adapter calls ``wait_begin()`` once the loss is done. Whe
 device's (the host clock), that host work occupies the device: an adapter that sees where the rank starts
 waiting for another rank in the open wait (torch's runtime popping the receive it waits for) calls
 ``wait_blocks()`` there, and a position whose waits from there are all short goes quiet (below): the
-rank only posts and computes in it, it never idles.
+rank only posts and computes in it, it never idles. Such a position may still wait when the pipeline's
+timing moves (the other rank slows): a long wait from its mark wakes every quiet position at once, so
+that the rest of that iteration's waits are reported (:meth:`RankTracker.wake_quiet`).
 
 Each mark costs a microsecond or two and never blocks: nothing on the training thread waits for
 freeride or for the device. Compute actions are stamped only while the model profiles them (the
@@ -429,6 +431,13 @@ class RankTracker:
         if changed != quiet:
             self._quiet = frozenset(changed)
 
+    def wake_quiet(self) -> None:
+        """A quiet position's wait, measured from its block mark, was long: the pipeline's timing moved (the
+        other rank slowed, the machine got busy), and the other quiet positions may wait too. Every slot is
+        reported again at once, from the rest of this iteration on, until each is short 16 times again."""
+        self._quiet = frozenset()
+        self._recent_waited.clear()
+
     def _learn(self, gaps: list[tuple[Site, int]], waits: list[MeasuredBubble]) -> None:
         learned = [(b.slot, b.length_ns) for b in waits if b.kind == LEARNED_KIND]
         for slot in self.learned.observe(gaps, learned):
@@ -586,6 +595,8 @@ class _Timeline:
             self._gaps.append((site, at_ns - start))
             return
         slot, predicted, free, reported = opens
+        if not reported and blocks is not None and at_ns - blocks >= self._owner.report_min_ns:
+            self._owner.wake_quiet()  # host clock only (marks from wait_blocks): the training thread
         if reported:
             sink = self._owner.sink
             if sink is not None:

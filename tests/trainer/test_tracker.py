@@ -218,7 +218,20 @@ def test_a_position_where_the_rank_only_does_host_work_goes_quiet_although_the_g
     assert bubbles[4].length_ns == 3_500_000 and bubbles[4].waited_ns == 3 * MS  # reported from the action's end
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0, 5: 1.0})
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0, 5: 1.0})
-    assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5]  # it waited again: reported again
+    assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5, 6, 7]  # it waited again: reported again (and
+    # the other quiet ones with it: see the next test)
+
+
+def test_a_long_wait_at_a_quiet_position_reports_the_other_quiet_ones_in_the_same_iteration() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)
+    for _ in range(17):
+        run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
+    assert [s[1] for s in sink.starts if s[0] == 16] == [4]  # 5, 6 and 7 quiet
+    run_posting_iteration(tracker, clock, 0.5, {4: 3.0, 5: 1.0, 6: 1.0, 7: 1.0})  # the other rank slowed
+    assert [s[1] for s in sink.starts if s[0] == 17] == [4, 6, 7]  # 5's wait missed; the rest reported
+    run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
+    assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5, 6, 7]  # until each is short 16 times again
 
 
 def test_without_block_marks_a_long_gap_of_host_work_stays_reported() -> None:
