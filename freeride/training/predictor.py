@@ -175,11 +175,6 @@ class BubblePredictor:
         else:
             self._warm.pop(key, None)
 
-    def recent_max_ns(self, stage: int, slot: int) -> int:
-        """The longest of the slot's recent measured lengths (0 before any)."""
-        history = self._history.get((stage, slot))
-        return max(history) if history else 0
-
     def prediction_error(self, after_warmup: bool = True) -> ErrorSummary:
         """Relative error of the last ``max_errors`` predictions scored (by default only after warm-up)."""
         return summarize([abs(p - m) / m for _, p, m, warm in self._scored if warm or not after_warmup])

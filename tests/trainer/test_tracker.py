@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -232,6 +233,25 @@ def test_a_long_wait_at_a_quiet_position_reports_the_other_quiet_ones_in_the_sam
     assert [s[1] for s in sink.starts if s[0] == 17] == [4, 6, 7]  # 5's wait missed; the rest reported
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
     assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5, 6, 7]  # until each is short 16 times again
+
+
+def test_on_the_host_clock_a_block_mark_measures_the_wait_from_itself() -> None:
+    # The host clock takes the mark's one-call path (RankTracker.wait_blocks is the timeline's blocks_now).
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker = RankTracker(orders, 0, None)
+    tracker.iteration_begin()
+    for k, a in enumerate(tracker.plan.order):
+        if k == 4:
+            tracker.wait_begin()
+            begun = time.monotonic_ns()
+            while time.monotonic_ns() == begun:  # some host work before the mark (the clock moves on)
+                pass
+            tracker.wait_blocks()
+        tracker.compute_begin(a.kind, a.stage, a.microbatch)
+        tracker.compute_end(a.kind, a.stage, a.microbatch)
+    tracker.iteration_end()
+    (bubble,) = [b for b in tracker.last_bubbles if b.slot == 4]
+    assert 0 <= bubble.waited_ns < bubble.length_ns
 
 
 def test_without_block_marks_a_long_gap_of_host_work_stays_reported() -> None:
