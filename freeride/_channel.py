@@ -166,6 +166,10 @@ class Parked:
     #: The worker process's CPU time (``CLOCK_PROCESS_CPUTIME_ID``) when its last listed step began; 0
     #: without one. With the CPU time the manager reads at a freeze it bounds what ran past a bubble's end.
     last_start_cpu_ns: int = 0
+    #: The listed steps' costs, where they differ from ``durations_ns``: each less what the step waited for
+    #: the device (a CPU core the trainer or the manager had). Step-time estimates learn these; a worker
+    #: of an earlier version, or one whose steps never waited, sends none (the durations are the costs).
+    costs_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,8 @@ class _GrantSteps:
     #: The last ``MAX_REPORTED_DURATIONS`` steps' running times and starts.
     durations: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
+    #: Their costs: each duration less what the step waited for the device (``WorkerDevice.waited_ns``).
+    costs: list[int] = field(default_factory=list)
     count: int = 0  # every step, listed or not
     warmup: bool = False  # the first listed step is the process's first (no step-time sample)
     #: "bubble start -> first step": the first step's start; 1: not measured (after setup, or after the rest
@@ -148,13 +150,15 @@ class _GrantSteps:
     #: The trainer's end of this bubble, read on a board (0: none).
     seen_end_ns: int = 0
 
-    def add(self, start_ns: int, ran_ns: int, end_ns: int, cpu_start_ns: int) -> None:
+    def add(self, start_ns: int, ran_ns: int, end_ns: int, cpu_start_ns: int, cost_ns: int) -> None:
         self.durations.append(ran_ns)
         self.starts.append(start_ns)
+        self.costs.append(cost_ns)
         self.last_start_cpu_ns = cpu_start_ns
         if len(self.durations) > MAX_REPORTED_DURATIONS:
             del self.durations[0]
             del self.starts[0]
+            del self.costs[0]
             self.warmup = False  # the warm-up step was the one dropped
         self.last_end_ns = end_ns
 
@@ -392,6 +396,7 @@ class WorkerRuntime:
                 self._board.publish_step(self.steps)
             thaws = self.thaws.count
             step_deadline = deadline
+            waited_start = self.device.waited_ns()
             cpu_start = time.process_time_ns()
             try:
                 self.task.step()
@@ -424,12 +429,19 @@ class WorkerRuntime:
                     # bubble or its CPU time, whichever is more: timed to its end, each step that met an end
                     # raised the estimate until the short bubbles fitted no step.
                     ran = min(ran, max(time.process_time_ns() - cpu_start, known[1] - now))
+            # Its cost: what it ran, less what it waited for the device meanwhile (a core another thread had:
+            # ``WorkerDevice.waited_ns``). The span keeps ``ran``: it says where the step was.
+            cost = ran
+            if waited_start is not None:
+                waited_end = self.device.waited_ns()
+                if waited_end is not None:
+                    cost = min(ran, max(0, end - now - (waited_end - waited_start)))
             if self._warmup_pending:
                 self._warmup_pending = False
                 record.warmup = True
             else:
-                self.estimator.add(ran)
-            record.add(now, ran, end, cpu_start)
+                self.estimator.add(cost)
+            record.add(now, ran, end, cpu_start, cost)
             # A grant that ran setup first, or began inside an earlier grant and was frozen, does
             # not measure "bubble start -> first step".
             record.first_ns = record.first_ns or (1 if set_up_now or frozen else now)
@@ -466,6 +478,7 @@ class WorkerRuntime:
             # figure where NVML cannot see the worker's process (containers).
             device_bytes=self.device.used_bytes(),
             last_start_cpu_ns=record.last_start_cpu_ns,
+            costs_ns=tuple(record.costs) if record.costs != record.durations else (),
         ))
 
     # ------------------------------------------------------------------ setup and checkpoints

@@ -155,6 +155,15 @@ class WorkerDevice(abc.ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional: a CPU core has no queue to wait for
         """Return once the work this process queued on the device is done (no-op on a CPU core)."""
 
+    def waited_ns(self) -> int | None:
+        """How long, in all, the calling thread has waited for the device while it could have run on it: the
+        part of a step's wall time that is the device busy with others, not the step's own cost. None where
+        the device keeps no such count (a GPU: a step's device time is what it costs there).
+
+        A step's cost (what the worker's admission estimate and the manager's placement learn) is its
+        wall time less what this count grew by over it."""
+        return None
+
     def used_bytes(self) -> int:
         """Device memory this process holds as the device counts it; 0 where the manager measures it."""
         return 0

@@ -193,6 +193,8 @@ class WorkerParked:
     #: The bubble's real end as the worker saw it on a board (the trainer's end board, or its ended word
     #: set on a servicer thread), maybe before the loop handed that end to this core; 0: none seen.
     seen_end_ns: int = 0
+    #: ``durations_ns`` less what each step waited for the device (``Parked.costs_ns``); empty: the same.
+    costs_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

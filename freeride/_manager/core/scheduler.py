@@ -293,7 +293,9 @@ class SchedulerCore:
         if task is None:
             return
         task.finishing_frozen_step = False  # the worker is back at its loop: any frozen step is done
-        task.estimator.extend(list(event.durations_ns[event.warmup_steps:]))
+        # The estimate learns what each step cost, not what the device's other users added to it.
+        samples = event.costs_ns if len(event.costs_ns) == len(event.durations_ns) else event.durations_ns
+        task.estimator.extend(list(samples[event.warmup_steps:]))
         harvested = sum(event.durations_ns)
         task.harvested_ns += harvested
         task.share_ns += harvested

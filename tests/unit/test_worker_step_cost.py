@@ -1,0 +1,105 @@
+"""What a worker learns of its step time: a step's cost, less what it waited for the device.
+
+A fake device stands for a CPU core whose kernel counts the stepping thread's run delay
+(:meth:`freeride.devices.CpuWorkerDevice.waited_ns`; the real count is tested in ``test_process_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from freeride._channel import MANAGER_MESSAGES, Channel, Grant, Init, Parked, socketpair
+from freeride._worker.runtime import WorkerRuntime
+from freeride.devices import DeviceName, WorkerDevice
+from freeride.task import SideTask, TaskContext
+
+MS = 1_000_000
+
+
+class WaitingCore(WorkerDevice):
+    """A core that says its thread waited ``waits_ns`` of each step's wall time (None: it keeps no count)."""
+
+    def __init__(self, counts: bool = True) -> None:
+        super().__init__(DeviceName("cpu", 0))
+        self.counts = counts
+        self.waited = 0
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu"
+
+    def prepare(self, memory_limit_bytes: int, *, command: bool = False) -> None:
+        pass
+
+    def waited_ns(self) -> int | None:
+        return self.waited if self.counts else None
+
+
+class Delayed(SideTask):
+    """Each step takes 5 ms of wall time, 4 of them (the device says) spent waiting for the core."""
+
+    def __init__(self, device: WaitingCore) -> None:
+        self.device = device
+        self.n = 0
+
+    def setup(self, ctx: TaskContext) -> None:
+        pass
+
+    def step(self) -> None:
+        end = time.monotonic_ns() + 5 * MS
+        self.device.waited += 4 * MS
+        while time.monotonic_ns() < end:
+            pass
+        self.n += 1
+
+    def done(self) -> bool:
+        return self.n >= 3
+
+    def progress(self) -> float:
+        return float(self.n)
+
+
+@pytest.fixture
+def channels() -> Iterator[tuple[Channel, Channel]]:
+    ours, theirs = socketpair()
+    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
+    yield manager, worker
+    manager.close()
+    worker.close()
+
+
+def run_grant(worker: Channel, manager: Channel, tmp_path: Path, device: WaitingCore) -> tuple[WorkerRuntime, Parked]:
+    rt = WorkerRuntime(worker, Init(task_id="t-1", memory_limit_bytes=2**30, work_dir=str(tmp_path / "work"),
+                                    checkpoint_dir=str(tmp_path / "ckpt"), device="cpu:0"))
+    rt.device = device
+    rt.task, rt.setup_done = Delayed(device), True
+    rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+    parked = manager.recv_nowait()
+    assert isinstance(parked, Parked)
+    return rt, parked
+
+
+def test_a_step_that_waited_for_its_core_costs_its_wall_time_less_the_wait(
+    tmp_path: Path, channels: tuple[Channel, Channel]
+) -> None:
+    manager, worker = channels
+    rt, parked = run_grant(worker, manager, tmp_path, WaitingCore())
+    assert parked.steps == 3
+    # The spans keep where each step was (its wall time); the costs, what it would take on an idle core.
+    assert all(d >= 5 * MS for d in parked.durations_ns)
+    assert len(parked.costs_ns) == 3
+    assert all(c == d - 4 * MS for c, d in zip(parked.costs_ns, parked.durations_ns, strict=True))
+    assert rt.estimator.estimate_ns() == max(parked.costs_ns), "the worker's admission learns the costs too"
+
+
+def test_a_device_that_keeps_no_count_reports_no_costs_and_learns_the_wall_time(
+    tmp_path: Path, channels: tuple[Channel, Channel]
+) -> None:
+    manager, worker = channels
+    rt, parked = run_grant(worker, manager, tmp_path, WaitingCore(counts=False))
+    assert parked.costs_ns == ()
+    assert rt.estimator.estimate_ns() == max(parked.durations_ns) >= 5 * MS
