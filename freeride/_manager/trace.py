@@ -120,13 +120,18 @@ class LoopTrace:
             write("layout", schedule=lay.schedule, stages=lay.stages, microbatches=lay.microbatches,
                   stage_devices=list(lay.stage_devices), at_ns=lay.at_ns, received_ns=event.received_ns)
 
-    def action(self, action: Any) -> None:
-        """An action, once the loop applied it."""
+    def sent(self, grant: C.Grant) -> dict[str, int]:
+        """What a grant's record says of when it went (its worker's CPU time, then the time), read as it is
+        sent, for :meth:`action` to write later."""
+        cpu = self._cpu(grant.task_id)  # read before the time it is stamped with: a bound stays a bound
+        return {"at_ns": self.now_ns(), **cpu}
+
+    def action(self, action: Any, sent: dict[str, int] | None = None) -> None:
+        """An action, once the loop applied it (a grant: ``sent`` from :meth:`sent`, else read now)."""
         write = self.writer.write
         if isinstance(action, C.Grant):
-            cpu = self._cpu(action.task_id)  # read before the time it is stamped with: a bound stays a bound
             write("grant", task=action.task_id, grant=action.grant_id, deadline_ns=action.deadline_ns,
-                  margin_ns=action.margin_ns, thaw=action.thaw, at_ns=self.now_ns(), **cpu)
+                  margin_ns=action.margin_ns, thaw=action.thaw, **(sent or self.sent(action)))
         elif isinstance(action, C.Park):
             write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
         elif isinstance(action, C.Freeze):

@@ -17,6 +17,7 @@ from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.requests import SubmitTask
 from freeride.devices import open_device
 from freeride.messages import TaskSpec
+from freeride.states import TaskState
 
 LOG: list[str] = []
 
@@ -89,3 +90,43 @@ def test_a_request_is_answered_after_the_events_it_causes_are_fed(loop: ManagerL
     info = future.result(0)
     assert info.task_id == "c-1" and info.state in ("SUBMITTED", "STARTING")
     assert loop.core.tasks["c-1"].spec.name == "c"
+
+
+class Records:
+    """Stands for the trace: logs each record as it is written."""
+
+    def event(self, event: Any) -> None:
+        LOG.append(f"record {type(event).__name__}")
+
+    def sent(self, grant: C.Grant) -> dict[str, int]:
+        LOG.append(f"stamp {grant.task_id}")
+        return {"at_ns": 1}
+
+    def action(self, action: Any, sent: dict[str, int] | None = None) -> None:
+        LOG.append(f"record {type(action).__name__}" + (" as sent" if sent else ""))
+
+
+def test_a_grant_after_records_only_goes_out_first_and_the_records_keep_their_order(loop: ManagerLoop) -> None:
+    # A bubble's start: the core says PARKED -> RUNNING, then the grant. The worker gets the grant before the
+    # loop applies the state change and writes any record; the trace still reads start, state, grant.
+    changed = C.StateChanged("a-1", TaskState.PARKED, TaskState.RUNNING, "granted")
+    loop.core = ScriptedCore({C.Tick: [changed, C.Grant("a-1", 7, 100, 1, thaw=False)]})
+    loop.workers = FakeWorkers()  # type: ignore[assignment]
+    loop.trace = Records()  # type: ignore[assignment]
+    applied = loop._apply_by_type[C.StateChanged]
+    loop._apply_by_type[C.StateChanged] = lambda action: LOG.append("apply StateChanged")  # type: ignore[func-returns-value]
+    try:
+        loop._feed(C.Tick(), 0)
+    finally:
+        loop._apply_by_type[C.StateChanged] = applied
+    assert LOG == ["core <- Tick", "send Grant to a-1", "stamp a-1", "record Tick", "apply StateChanged",
+                   "record StateChanged", "record Grant as sent"]
+
+
+def test_a_grant_after_an_action_on_a_worker_keeps_its_place(loop: ManagerLoop) -> None:
+    loop.core = ScriptedCore({C.Tick: [C.Kill("b-2"), C.Grant("a-1", 7, 100, 1, thaw=False)]})
+    loop.workers = FakeWorkers()  # type: ignore[assignment]
+    loop.trace = Records()  # type: ignore[assignment]
+    loop._feed(C.Tick(), 0)
+    assert ["core <- Tick", "record Tick", f"signal {int(signal.SIGKILL)} to b-2", "record Kill",
+                   "send Grant to a-1", "record Grant"] == LOG
