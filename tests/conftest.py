@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from freeride._channel import MANAGER_MESSAGES, Channel, socketpair
 from freeride._manager.core import CoreConfig
 from freeride._manager.daemon import Manager
 from freeride._wire.client import BubbleStream, ControlClient
@@ -258,3 +259,12 @@ def read_steps(work_dir: Path) -> list[tuple[int, int]]:
         return []
     return [tuple(int(x) for x in line.split()) for line in path.read_text().splitlines() if line.strip()]  # type: ignore[misc]
 
+
+@pytest.fixture
+def channels() -> Iterator[tuple[Channel, Channel]]:
+    """Both ends of a worker channel: the manager's, then the worker's."""
+    ours, theirs = socketpair()
+    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
+    yield manager, worker
+    manager.close()
+    worker.close()

@@ -9,6 +9,7 @@ from freeride._manager.core import (
     BubbleStarted,
     Grant,
     StateChanged,
+    TaskRuntime,
     WorkerParked,
     WorkerReady,
 )
@@ -266,9 +267,8 @@ def test_a_warm_up_step_counts_as_harvest_but_not_as_a_step_time_sample() -> Non
     assert grants(sim.start(predicted_ms=30)) == ["a"], "a task without an estimate gets its probe"
 
 
-def test_a_step_estimate_learns_what_steps_cost_not_what_they_waited_for_the_device() -> None:
-    # On a CPU core a 0.2 ms step that waited for the trainer's host work measured 1-2 ms; as the estimate, that
-    # fit no bubble of ~0.8 ms, and the task was granted none again.
+def parked_with_costs(costs_ns: tuple[int, ...]) -> TaskRuntime:
+    """Task ``a`` after one grant whose two steps took 2 and 3 ms and reported ``costs_ns``."""
     sim = Sim()
     sim.resident("a")
     sim.start(predicted_ms=100)
@@ -276,18 +276,17 @@ def test_a_step_estimate_learns_what_steps_cost_not_what_they_waited_for_the_dev
     sim.end()
     task = sim.core.tasks["a"]
     sim.send(WorkerParked("a", task.grant_id, 2, (2 * MS, 3 * MS), 0, sim.now, sim.now, "park", 2.0, 2,
-                          costs_ns=(MS // 5, MS // 5)))
+                          costs_ns=costs_ns))
+    return task
+
+
+def test_a_step_estimate_learns_what_steps_cost_not_what_they_waited_for_the_device() -> None:
+    # On a CPU core a 0.2 ms step that waited for the trainer's host work measured 1-2 ms; as the estimate, that
+    # fit no bubble of ~0.8 ms, and the task was granted none again.
+    task = parked_with_costs((MS // 5, MS // 5))
     assert task.known_step_ns == MS // 5
     assert task.harvested_ns == 5 * MS, "the bubble time the steps held is still harvest"
 
 
 def test_costs_that_do_not_match_the_durations_are_not_learned() -> None:
-    sim = Sim()
-    sim.resident("a")
-    sim.start(predicted_ms=100)
-    sim.advance_ms(10)
-    sim.end()
-    task = sim.core.tasks["a"]
-    sim.send(WorkerParked("a", task.grant_id, 2, (2 * MS, 3 * MS), 0, sim.now, sim.now, "park", 2.0, 2,
-                          costs_ns=(MS // 5,)))
-    assert task.known_step_ns == 3 * MS
+    assert parked_with_costs((MS // 5,)).known_step_ns == 3 * MS

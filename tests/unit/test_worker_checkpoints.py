@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,21 +10,12 @@ import pytest
 from conftest import cpu_devices
 from sample_tasks import Counter, UnpicklableState
 
-from freeride._channel import MANAGER_MESSAGES, Channel, Checkpointed, CheckpointFailed, Init, Message, socketpair
+from freeride._channel import Channel, Checkpointed, CheckpointFailed, Init, Message
 from freeride._checkpoints import checkpoint_files
 from freeride._estimator import StepEstimator
 from freeride._worker.runtime import CHECKPOINT_OVERDUE_INTERVALS, WorkerRuntime, _TaskError
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
-
-
-@pytest.fixture
-def manager_end() -> Iterator[tuple[Channel, Channel]]:
-    ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
-    yield manager, worker
-    manager.close()
-    worker.close()
 
 
 def runtime(worker: Channel, checkpoint_dir: Path, task: Any, interval_s: float = 30.0) -> WorkerRuntime:
@@ -46,9 +36,9 @@ def messages(manager: Channel) -> list[Message]:
 
 
 def test_checkpoint_the_disk_refuses_is_reported_and_retried_an_interval_later(
-    tmp_path: Path, manager_end: tuple[Channel, Channel]
+    tmp_path: Path, channels: tuple[Channel, Channel]
 ) -> None:
-    manager, worker = manager_end
+    manager, worker = channels
     (tmp_path / "not-a-dir").write_text("")
     rt = runtime(worker, tmp_path / "not-a-dir" / "checkpoints", Counter(), interval_s=30.0)
     rt.steps = 7
@@ -62,9 +52,9 @@ def test_checkpoint_the_disk_refuses_is_reported_and_retried_an_interval_later(
 
 
 def test_state_that_does_not_serialise_fails_the_task_with_a_checkpoint_record(
-    tmp_path: Path, manager_end: tuple[Channel, Channel]
+    tmp_path: Path, channels: tuple[Channel, Channel]
 ) -> None:
-    _, worker = manager_end
+    _, worker = channels
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     rt = runtime(worker, checkpoints, UnpicklableState())
@@ -78,10 +68,10 @@ def test_state_that_does_not_serialise_fails_the_task_with_a_checkpoint_record(
 
 
 def test_regression_overdue_checkpoint_is_written_although_its_estimate_fits_no_grant(
-    tmp_path: Path, manager_end: tuple[Channel, Channel]
+    tmp_path: Path, channels: tuple[Channel, Channel]
 ) -> None:
     """One slow write under load used to keep every later checkpoint out for good."""
-    manager, worker = manager_end
+    manager, worker = channels
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     rt = runtime(worker, checkpoints, Counter(), interval_s=0.05)

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from conftest import wait_for
 
-from freeride._channel import MANAGER_MESSAGES, Channel, Failed, Grant, Init, Message, Parked, Ready, Stop, socketpair
+from freeride._channel import Channel, Failed, Grant, Init, Message, Parked, Ready, Stop
 from freeride._worker.runtime import WorkerRuntime
 from freeride.devices import DeviceName, WorkerDevice, WorkerSetupError
 from freeride.task import SideTask, TaskContext
@@ -72,15 +70,6 @@ class Launcher(SideTask):
 
     def progress(self) -> float:
         return float(self.n)
-
-
-@pytest.fixture
-def channels() -> Iterator[tuple[Channel, Channel]]:
-    ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
-    yield manager, worker
-    manager.close()
-    worker.close()
 
 
 def make_runtime(worker: Channel, tmp_path: Path, device: WorkerDevice, target: str = "",

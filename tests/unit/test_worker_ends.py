@@ -9,7 +9,7 @@ it kept starting steps until that message came (about 1% of steps began after th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from conftest import cpu_devices
 from sample_tasks import Counter
 
 from freeride._boards import EndBoard, WorkerBoard
-from freeride._channel import MANAGER_MESSAGES, Channel, Grant, Init, Parked, socketpair
+from freeride._channel import Channel, Grant, Init, Parked
 from freeride._worker.runtime import WorkerRuntime
 
 DEVICE = cpu_devices(1)[0]
@@ -36,15 +36,6 @@ class CallsBack(Counter):
     def step(self) -> None:
         self.hook(self.count)
         super().step()
-
-
-@pytest.fixture
-def channels() -> Iterator[tuple[Channel, Channel]]:
-    ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
-    yield manager, worker
-    manager.close()
-    worker.close()
 
 
 def worker(tmp_path: Path, channel: Channel, task: Counter) -> tuple[WorkerRuntime, WorkerBoard, EndBoard]:

@@ -7,12 +7,9 @@ A fake device stands for a CPU core whose kernel counts the stepping thread's ru
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from freeride._channel import MANAGER_MESSAGES, Channel, Grant, Init, Parked, socketpair
+from freeride._channel import Channel, Grant, Init, Parked
 from freeride._worker.runtime import WorkerRuntime
 from freeride.devices import DeviceName, WorkerDevice
 from freeride.task import SideTask, TaskContext
@@ -61,15 +58,6 @@ class Delayed(SideTask):
 
     def progress(self) -> float:
         return float(self.n)
-
-
-@pytest.fixture
-def channels() -> Iterator[tuple[Channel, Channel]]:
-    ours, theirs = socketpair()
-    manager, worker = Channel(ours), Channel(theirs, accepts=MANAGER_MESSAGES)
-    yield manager, worker
-    manager.close()
-    worker.close()
 
 
 def run_grant(worker: Channel, manager: Channel, tmp_path: Path, device: WaitingCore) -> tuple[WorkerRuntime, Parked]:
