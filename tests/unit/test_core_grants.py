@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from core_sim import MS, T0, S, Sim, grants, of
 
 from freeride._manager.core import (
@@ -251,16 +253,23 @@ def test_task_whose_estimate_fits_no_bubble_gets_a_reprobe_after_enough_bubbles(
     assert sim.core.tasks["a"].known_step_ns is None
 
 
-def test_a_warm_up_step_counts_as_harvest_but_not_as_a_step_time_sample() -> None:
-    # Regression: a small LSTM's first step (75 ms, lazy initialisation) became its estimate and fit
-    # no 30 ms bubble until a re-probe 200 bubbles later; its other steps take 3 ms.
+def parked_after_one_grant(held_ms: int, durations_ns: tuple[int, ...], **fields: Any) -> tuple[Sim, TaskRuntime]:
+    """Task ``a``, granted a bubble that lasted ``held_ms``, parked with ``durations_ns`` (and ``fields``)."""
     sim = Sim()
     sim.resident("a")
     sim.start(predicted_ms=100)
-    sim.advance_ms(80)
+    sim.advance_ms(held_ms)
     sim.end()
     task = sim.core.tasks["a"]
-    sim.send(WorkerParked("a", task.grant_id, 1, (75 * MS,), 0, sim.now, sim.now, "park", 1.0, 1, warmup_steps=1))
+    n = len(durations_ns)
+    sim.send(WorkerParked("a", task.grant_id, n, durations_ns, 0, sim.now, sim.now, "park", float(n), n, **fields))
+    return sim, task
+
+
+def test_a_warm_up_step_counts_as_harvest_but_not_as_a_step_time_sample() -> None:
+    # Regression: a small LSTM's first step (75 ms, lazy initialisation) became its estimate and fit
+    # no 30 ms bubble until a re-probe 200 bubbles later; its other steps take 3 ms.
+    sim, task = parked_after_one_grant(80, (75 * MS,), warmup_steps=1)
     assert task.known_step_ns is None, "the warm-up step became the estimate"
     assert task.harvested_ns == 75 * MS
     sim.advance_ms(10)
@@ -269,15 +278,7 @@ def test_a_warm_up_step_counts_as_harvest_but_not_as_a_step_time_sample() -> Non
 
 def parked_with_costs(costs_ns: tuple[int, ...]) -> TaskRuntime:
     """Task ``a`` after one grant whose two steps took 2 and 3 ms and reported ``costs_ns``."""
-    sim = Sim()
-    sim.resident("a")
-    sim.start(predicted_ms=100)
-    sim.advance_ms(10)
-    sim.end()
-    task = sim.core.tasks["a"]
-    sim.send(WorkerParked("a", task.grant_id, 2, (2 * MS, 3 * MS), 0, sim.now, sim.now, "park", 2.0, 2,
-                          costs_ns=costs_ns))
-    return task
+    return parked_after_one_grant(10, (2 * MS, 3 * MS), costs_ns=costs_ns)[1]
 
 
 def test_a_step_estimate_learns_what_steps_cost_not_what_they_waited_for_the_device() -> None:
