@@ -42,7 +42,9 @@ so the categories of a bubble, and of a run, sum to 100% of its bubble time:
     after the last step, up to the grant's deadline: the next step (p95 estimate plus the task's
     margin) would not fit.
 ``past_predicted``
-    after the grant's deadline, up to the real end: the bubble lasted longer than predicted.
+    after the grant's deadline, up to the real end: the bubble lasted longer than predicted. Also, in a
+    bubble whose prediction fitted no step, the wait from the predicted end to the grant made once the
+    bubble had outlived it (a ``late`` grant: ``OpenBubble.next_chance_ns``).
 ``idle``
     bubbles in which nothing was granted (too short for any task's step, or no task to run).
 
@@ -138,6 +140,8 @@ class TraceGrant:
     frozen_cpu_ns: int | None = None
     start_cpu_ns: int | None = None
     granted_cpu_ns: int | None = None
+    #: The bubble's first grant, made only once the bubble outlived its prediction (the trace's ``late``).
+    late: bool = False
     #: Why the worker's report of this grant ended it (``"frozen"``: the next grant thawed it); None
     #: without a report (a grant that only finished a step an earlier one began, frozen again).
     reason: str | None = None
@@ -216,6 +220,7 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
                               first_of_task=key[0] not in stepped, frozen_ns=frozen, frozen_cpu_ns=frozen_cpu,
                               start_cpu_ns=None if start_cpu is None else int(start_cpu),
                               granted_cpu_ns=None if granted_cpu is None else int(granted_cpu),
+                              late=bool(g.get("late", False)),
                               reason=str(s["reason"]) if "reason" in s else None))
         if count:
             stepped.add(key[0])
@@ -281,7 +286,14 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
         return _finish(bubble, sweep, 0.0, 0, None, steps)
     received = bubble.received_ns if bubble.received_ns is not None else bubble.start_ns
     sweep.add("delivery", bubble.start_ns, min(received, grants[0].at_ns))
-    sweep.add("decision", received, grants[0].at_ns)
+    decided = grants[0].at_ns
+    predicted_end = bubble.start_ns + bubble.predicted_ns
+    if grants[0].late and received <= predicted_end < decided:
+        # Granted only once it outlived its prediction (no step fitted what the prediction left): the wait
+        # past the predicted end is the bubble lasting longer than predicted, not the loop's decision.
+        decided = predicted_end
+    sweep.add("decision", received, decided)
+    sweep.add("past_predicted", decided, grants[0].at_ns)
     previous_end: int | None = None
 
     def step_time(label: str, a: int, z: int, work_ns: float) -> float:

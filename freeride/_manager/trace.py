@@ -131,7 +131,8 @@ class LoopTrace:
         write = self.writer.write
         if isinstance(action, C.Grant):
             write("grant", task=action.task_id, grant=action.grant_id, deadline_ns=action.deadline_ns,
-                  margin_ns=action.margin_ns, thaw=action.thaw, **(sent or self.sent(action)))
+                  margin_ns=action.margin_ns, thaw=action.thaw, **({"late": True} if action.late else {}),
+                  **(sent or self.sent(action)))
         elif isinstance(action, C.Park):
             write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
         elif isinstance(action, C.Freeze):

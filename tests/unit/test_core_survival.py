@@ -125,3 +125,89 @@ def test_the_reference_policy_grants_to_its_own_fixed_end_and_carries_no_lengths
     [grant] = of(sim.tick(), Grant)
     assert grant.survival_ns == ()
     assert grant.deadline_ns == start + 30 * MS
+
+
+# ---------------------------------------------------------------- offered again once it outlives its prediction
+
+
+def _spread_slot(sim: Sim) -> None:
+    """Slot 0 waits either 0.3 ms or 5 ms (a runtime schedule's slot whose wait depends on the other rank)."""
+    _measure(sim, [0.3, 5.0] * 8)
+
+
+def test_a_bubble_whose_prediction_fits_no_step_is_granted_once_it_outlives_its_slots_short_lengths() -> None:
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _spread_slot(sim)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    start = sim.now
+    assert of(sim.start(predicted_ms=0.3), Grant) == []  # 0.3 ms left: no 0.2 ms step plus 0.2 ms of margin
+    assert sim.core.next_timer_ns() == start + 3 * MS // 10 + 1  # just past the short lengths
+    sim.at(start + 3 * MS // 10 + 1)
+    [grant] = of(sim.tick(), Grant)
+    assert grant.deadline_ns == start + 5 * MS  # the low percentile of the lengths it may still reach
+    assert grant.late
+
+
+def test_a_bubble_granted_at_its_start_is_not_late() -> None:
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _spread_slot(sim)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    [grant] = of(sim.start(predicted_ms=2), Grant)
+    assert not grant.late
+
+
+def test_a_bubble_whose_end_came_first_is_not_offered_again() -> None:
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _spread_slot(sim)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    start = sim.now
+    sim.start(predicted_ms=0.3)
+    sim.advance_ms(0.25)
+    sim.end()
+    assert sim.core.next_timer_ns() is None
+    sim.at(start + MS)
+    assert of(sim.tick(), Grant) == []
+
+
+def test_a_bubble_longer_than_every_length_of_its_slot_is_not_offered_again() -> None:
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _measure(sim, [0.3] * 16)
+    sim.resident("a")
+    sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    sim.start(predicted_ms=0.3)
+    assert sim.core.next_timer_ns() is None  # past 0.3 ms nothing is known to be left
+
+
+def test_a_bubble_is_not_offered_again_with_no_task_to_take_it() -> None:
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _spread_slot(sim)
+    sim.start(predicted_ms=0.3)
+    assert sim.core.next_timer_ns() is None
+
+
+def test_a_task_unfit_for_a_bubble_offered_again_counts_it_once() -> None:
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _measure(sim, [0.5, 1.0] * 8)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([2 * MS] * 8)  # fits neither length
+    start = sim.now
+    sim.start(predicted_ms=0.5)  # 0.5 ms left: ranked, and unfit
+    assert task.health.unfit_bubbles == 1
+    assert sim.core.next_timer_ns() == start + MS // 2 + 1
+    sim.at(start + MS // 2 + 1)
+    assert of(sim.tick(), Grant) == []  # ranked again, 1 ms: still unfit
+    assert task.health.unfit_bubbles == 1
+    assert sim.core.next_timer_ns() is None
+
+
+def test_the_reference_policy_never_offers_a_bubble_again() -> None:
+    sim = Sim(policy="paper", paper_profile_ns={(0, 0): MS // 10})  # type: ignore[arg-type]
+    _spread_slot(sim)
+    sim.resident("a")
+    sim.tick()
+    sim.start(predicted_ms=0.3)
+    assert sim.core.bubble is not None and sim.core.bubble.next_chance_ns(sim.now, 0) == 0

@@ -128,6 +128,25 @@ def test_a_grant_after_the_real_end_leaves_the_bubble_to_the_decision() -> None:
     assert acc.work_past_end_s == pytest.approx(0.0015)
 
 
+def test_a_late_grant_leaves_the_wait_past_the_predicted_end_to_past_predicted_not_to_the_decision() -> None:
+    # Predicted 0.3 ms, no step fitted: offered again once the bubble outlived 0.3 ms, granted at 0.4 ms.
+    b = TraceBubble(0, 0, 0, 0, 0, int(5 * MS), int(0.3 * MS), int(0.1 * MS))
+    late = TraceGrant("a", 1, int(0.4 * MS), int(5 * MS), ((int(0.5 * MS), int(4.5 * MS)),), 1, late=True)
+    assert ms(account_bubble(b, [late], {"a": 0.004}).seconds) == pytest.approx(
+        {"delivery": 0.1, "decision": 0.2, "past_predicted": 0.1, "wakeup": 0.1, "work": 4.0, "margin": 0.5})
+    # The same grant at its start's decision (not late): the loop's time, whatever the prediction said.
+    on_time = TraceGrant("a", 1, int(0.4 * MS), int(5 * MS), ((int(0.5 * MS), int(4.5 * MS)),), 1)
+    assert ms(account_bubble(b, [on_time], {"a": 0.004}).seconds)["decision"] == pytest.approx(0.3)
+
+
+def test_a_late_grant_is_read_from_the_trace() -> None:
+    records = _trace_records([(0, 5 * MS)], [{"ev": "grant", "task": "a", "grant": 1, "deadline_ns": 5 * MS,
+                                               "at_ns": MS // 2, "late": True},
+                                              {"ev": "grant", "task": "a", "grant": 2, "deadline_ns": 5 * MS,
+                                               "at_ns": MS}])
+    assert [g.late for g in grants_from_trace(records)] == [True, False]
+
+
 def _trace_records(bubbles: list[tuple[int, int]], grants: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, (s, e) in enumerate(bubbles):

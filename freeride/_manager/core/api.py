@@ -319,6 +319,9 @@ class Grant:
     #: The overrun past the real end tolerated before a freeze: a step whose high-percentile time is within it is
     #: sized to the longest of ``survival_ns`` (``surviving_end_ns``).
     grace_ns: int = 0
+    #: The bubble's first grant, made only once it outlived its prediction (none fitted what that left):
+    #: the core offered it again (``OpenBubble.next_chance_ns``). For the trace; the worker ignores it.
+    late: bool = False
 
 
 @dataclass(frozen=True)

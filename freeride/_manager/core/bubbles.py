@@ -43,6 +43,12 @@ class OpenBubble:
     #: The recent lengths of its slot, sorted (at most ``SURVIVAL_LENGTHS``): what its deadline is extended
     #: to while it outlives it (:meth:`deadline_at`).
     survival_ns: tuple[int, ...] = ()
+    #: Not granted for want of time: when the core tries again (:meth:`next_chance_ns`; 0: not armed).
+    retry_at_ns: int = 0
+    #: Ranked for a grant at least once (an unfit task counts the bubble once, however often it is offered).
+    ranked: bool = False
+    #: Offered again at :attr:`retry_at_ns` (its first grant, if one comes, is late).
+    offered_again: bool = False
 
     @property
     def end_learned_ns(self) -> int:
@@ -74,6 +80,29 @@ class OpenBubble:
         if self.fixed_deadline_ns:
             return self.fixed_deadline_ns
         return self.end_ns or self.seen_end_ns or self.sized_end_ns(now_ns)
+
+    def next_chance_ns(self, now_ns: int, floor_ns: int) -> int:
+        """The earliest time after ``now_ns`` at which this bubble, still open with no end known, leaves a grant
+        more than ``floor_ns`` (:meth:`deadline_at`); 0 when none comes before its slot's longest length.
+
+        Its deadline moves only as the bubble outlives one of its slot's recent lengths (``surviving_end_ns``),
+        and between two of them the time left only shrinks: the candidates are the instants just past each
+        length longer than what has passed. A slot whose waits are spread (0.3 ms or 5 ms at the same place in
+        the schedule) gets a start prediction that fits no step; once the bubble has outlived the short ones,
+        what is left is the long ones' low percentile. A fixed deadline (the reference policy's) never moves.
+        """
+        if self.fixed_deadline_ns or self.end_ns or self.seen_end_ns or self.phase is not BubblePhase.OPEN:
+            return 0
+        start = self.event.start_ns
+        previous = -1
+        for length in self.survival_ns:
+            at = start + length + 1
+            if at <= now_ns or length == previous:
+                continue
+            previous = length
+            if self.sized_end_ns(at) - at > floor_ns:
+                return at
+        return 0
 
     @property
     def latest_deadline_ns(self) -> int:

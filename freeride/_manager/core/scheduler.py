@@ -26,6 +26,7 @@ refused with a :class:`Note`.
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -126,7 +127,17 @@ class SchedulerCore:
         poll = self.policy.next_timer_ns()
         if poll:
             times.append(poll)
+        retry = self._retry_ns()
+        if retry:
+            times.append(retry)
         return min(times) if times else None
+
+    def _retry_ns(self) -> int:
+        """When the open bubble, ungranted for want of time, is offered again (0: not armed)."""
+        bubble = self.bubbles.open
+        if bubble is None or not bubble.retry_at_ns or bubble.running or bubble.end_ns or bubble.seen_end_ns:
+            return 0
+        return bubble.retry_at_ns
 
     def next_freeze_ns(self) -> int | None:
         """When a step still running is frozen (one of :meth:`next_timer_ns`'s times), if one is armed."""
@@ -242,8 +253,10 @@ class SchedulerCore:
         closing = self.bubbles.closing
         if closing is not None and closing.running:
             return  # the last bubble's worker is finishing its step: one task at a time
+        bubble.retry_at_ns = 0
         remaining = bubble.deadline_at(now_ns) - now_ns
         if remaining <= self.policy.grant_floor_ns:
+            self._retry_later(bubble, now_ns)
             return
         granted = bubble.granted
         first = not granted
@@ -251,11 +264,14 @@ class SchedulerCore:
         if first:
             self._fail_hung_too_long(now_ns, out)
         ranking = self.policy.rank(self._tasks.grantable(), granted, remaining, longest)
-        if first:
-            for unfit in ranking.unfit:
+        if first and not bubble.ranked:
+            for unfit in ranking.unfit:  # once a bubble, however often it is offered again
                 unfit.health.unfit_bubbles += 1
+        bubble.ranked = True
         task = ranking.best
         if task is None:
+            if ranking.unfit:
+                self._retry_later(bubble, now_ns)
             return
         if first:
             for other in self._tasks.frozen.values():
@@ -277,7 +293,14 @@ class SchedulerCore:
         granted.add(task.task_id)
         bubble.running = task.task_id
         self._tasks.move(task, _RUNNING, "granted", out)
-        out.append(self.policy.grant(self, task, bubble, thaw, probe, now_ns))
+        grant = self.policy.grant(self, task, bubble, thaw, probe, now_ns)
+        out.append(dataclasses.replace(grant, late=True) if first and bubble.offered_again else grant)
+
+    def _retry_later(self, bubble: OpenBubble, now_ns: int) -> None:
+        """No step fits what the open bubble has left: try again once it has outlived one more of its slot's
+        lengths and its deadline moves out (``OpenBubble.next_chance_ns``), if a task could take it."""
+        if any(True for _ in self._tasks.grantable()):
+            bubble.retry_at_ns = bubble.next_chance_ns(now_ns, self.policy.grant_floor_ns)
 
     def _fail_hung_too_long(self, now_ns: int, out: list[Action]) -> None:
         """At a bubble's first grant: fail each frozen step that has looked hung for ``step_timeout``."""
@@ -332,6 +355,11 @@ class SchedulerCore:
 
     def _fire_timers(self, now_ns: int, out: list[Action]) -> None:
         self.policy.poll(self, now_ns, out)
+        retry = self._retry_ns()
+        if retry and now_ns >= retry and self.bubbles.open is not None:
+            # The bubble outlived its slot's next length with no end known: what it has left grew.
+            self.bubbles.open.offered_again = True
+            self.grant_next(now_ns, out)
         freeze_at = self.overruns.freeze_at_ns
         if freeze_at and now_ns >= freeze_at:
             self.overruns.disarm()
