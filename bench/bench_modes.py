@@ -79,6 +79,7 @@ from bench.modes_report import (
     update_readme,
     write_markdown,
 )
+from freeride._cli.launch import set_pdeathsig as die_with_parent
 from freeride._demo.plan import plan_tasks, trainer_model_args
 from freeride._manager.trace import read_trace
 from freeride._wire.client import ControlClient, health_status
@@ -306,7 +307,12 @@ def managers(layout: Layout, run_dir: Path, sock_dir: Path, policy: str,
             if policy == "paper":
                 argv += ["--policy", "paper"] + (["--paper-profile", str(profile)] if profile else [])
             log = (run_dir / f"manager-{_slug(dev)}.log").open("wb")
-            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+            # As ``freeride launch`` starts them: each in a session, so an autogroup, of its own. In the bench's
+            # session the two managers shared one autogroup, whose weight on a core follows where the group's
+            # load is: the manager of the slower stage got a sliver of its core beside that stage's trainer
+            # (its own autogroup, torchrun's doing) and waited up to ~60 ms to read a bubble's start.
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=die_with_parent))
             endpoints[dev] = Endpoint("unix", str(sock))
         for proc, ep in zip(procs, endpoints.values(), strict=True):
             deadline = time.monotonic() + 60

@@ -90,7 +90,8 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
                         help="with --devices auto: cuda when this node has GPUs, else cpu (default auto)")
 
 
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+def set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """SIGTERM when the parent dies (a ``preexec_fn``): a manager in a session of its own gets no terminal's signal."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -147,7 +148,7 @@ def start_managers(
         with log_path.open("ab") as out:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_set_pdeathsig, env=None if env is None else dict(env),
+                start_new_session=True, preexec_fn=set_pdeathsig, env=None if env is None else dict(env),
             )
         log.info("started manager for %s (pid %d, log %s)", device, proc.pid, log_path)
         started.append(ManagedManager(device, endpoint, proc, log_path))
@@ -229,7 +230,7 @@ def _job_preexec(die_with_parent: bool) -> Callable[[], None]:
     def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
         os.setpgrp()
         if die_with_parent:
-            _set_pdeathsig()
+            set_pdeathsig()
 
     return preexec
 
