@@ -307,10 +307,8 @@ def managers(layout: Layout, run_dir: Path, sock_dir: Path, policy: str,
             if policy == "paper":
                 argv += ["--policy", "paper"] + (["--paper-profile", str(profile)] if profile else [])
             log = (run_dir / f"manager-{_slug(dev)}.log").open("wb")
-            # As ``freeride launch`` starts them: each in a session, so an autogroup, of its own. In the bench's
-            # session the two managers shared one autogroup, whose weight on a core follows where the group's
-            # load is: the manager of the slower stage got a sliver of its core beside that stage's trainer
-            # (its own autogroup, torchrun's doing) and waited up to ~60 ms to read a bubble's start.
+            # As ``freeride launch`` and the demo start them: each in a session, so an autogroup, of its own
+            # (not sharing the bench's, which users' managers never do).
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=die_with_parent))
             endpoints[dev] = Endpoint("unix", str(sock))
