@@ -135,11 +135,17 @@ def _spread_slot(sim: Sim) -> None:
     _measure(sim, [0.3, 5.0] * 8)
 
 
-def test_a_bubble_whose_prediction_fits_no_step_is_granted_once_it_outlives_its_slots_short_lengths() -> None:
+def _short_steps_on_a_spread_slot() -> Sim:
+    """A parked task of 0.2 ms steps beside the spread slot; margin 0.2 ms."""
     sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
     _spread_slot(sim)
     sim.resident("a")
     sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    return sim
+
+
+def test_a_bubble_whose_prediction_fits_no_step_is_granted_once_it_outlives_its_slots_short_lengths() -> None:
+    sim = _short_steps_on_a_spread_slot()
     start = sim.now
     assert of(sim.start(predicted_ms=0.3), Grant) == []  # 0.3 ms left: no 0.2 ms step plus 0.2 ms of margin
     assert sim.core.next_timer_ns() == start + 3 * MS // 10 + 1  # just past the short lengths
@@ -150,19 +156,13 @@ def test_a_bubble_whose_prediction_fits_no_step_is_granted_once_it_outlives_its_
 
 
 def test_a_bubble_granted_at_its_start_is_not_late() -> None:
-    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
-    _spread_slot(sim)
-    sim.resident("a")
-    sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    sim = _short_steps_on_a_spread_slot()
     [grant] = of(sim.start(predicted_ms=2), Grant)
     assert not grant.late
 
 
 def test_a_bubble_whose_end_came_first_is_not_offered_again() -> None:
-    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
-    _spread_slot(sim)
-    sim.resident("a")
-    sim.core.tasks["a"].estimator.extend([MS // 5] * 8)
+    sim = _short_steps_on_a_spread_slot()
     start = sim.now
     sim.start(predicted_ms=0.3)
     sim.advance_ms(0.25)
