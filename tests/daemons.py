@@ -25,14 +25,16 @@ def health(endpoint: Endpoint) -> str:
         return "DOWN"
 
 
-def start_daemon(sock: Path, state: Path, *options: str, device: str = DEVICE) -> subprocess.Popen[bytes]:
+def start_daemon(sock: Path, state: Path, *options: str, device: str = DEVICE,
+                 new_session: bool = False) -> subprocess.Popen[bytes]:
     """``freeride manager`` on ``device`` (an allowed core by default), on ``sock`` with ``state``; returns
-    once it is SERVING."""
+    once it is SERVING. ``new_session``: in a session of its own, as ``freeride launch`` starts it."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "freeride.cli", "manager", "--device", device, "--endpoint", f"unix:{sock}",
          "--state-dir", str(state), *options],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        start_new_session=new_session,
     )
     endpoint = Endpoint("unix", str(sock))
 

@@ -17,12 +17,18 @@ port, announced on stderr); without it no metrics are served. A port in use exit
 manager then also runs tasks it claims from the queue, checkpointing them in ``--checkpoint-dir``, a
 directory every node shares. A malformed URL exits 2, refused credentials exit 5; a queue that
 cannot be reached does not stop the manager (it retries with backoff and serves its local tasks).
+
+A manager that leads its session (``freeride launch`` and the demo start it so) and may lower a nice
+gives its autogroup nice -10 (``freeride.devices.set_autogroup_nice``): where the kernel shares a core
+between sessions first, a mostly sleeping manager beside a busy trainer rank otherwise waited tens of
+milliseconds for the core to read a bubble's start. Its log says which it did, and why not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -32,11 +38,13 @@ from typing import Any
 from freeride._manager.core import MS, POLICIES, CoreConfig
 from freeride._manager.daemon import Manager
 from freeride._manager.metrics import DEFAULT_ADDRESS
-from freeride.devices import open_device
+from freeride.devices import MANAGER_AUTOGROUP_NICE, open_device, set_autogroup_nice
 from freeride.devices.mps import DEFAULT_SM_PERCENT, MpsMode
 from freeride.endpoints import ENDPOINT_ENV, TOKEN_ENV, read_token, resolve_endpoint
 from freeride.errors import ConfigError
 from freeride.units import parse_size
+
+log = logging.getLogger(__name__)
 
 #: The largest value accepted for a time option, in milliseconds (a day): beyond is a unit mistake.
 _MAX_MS = 86_400_000.0
@@ -297,5 +305,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         device.close()
         raise ConfigError(f"cannot prepare the manager's state directory: {exc}") from None
+    why_not = set_autogroup_nice(MANAGER_AUTOGROUP_NICE)
+    if why_not:
+        # A CPU device shares its core with a trainer rank by design: there the wait costs harvest.
+        log.log(logging.WARNING if device.name.kind == "cpu" else logging.INFO,
+                "[%s] the manager's autogroup keeps its nice: %s; beside a busy trainer rank on the same core, "
+                "bubble reports can wait for the core (start it with 'freeride launch', or in a session of its "
+                "own with CAP_SYS_NICE)", args.device, why_not)
+    else:
+        log.info("[%s] the manager's autogroup runs at nice %d: it reads a report as soon as it comes",
+                 args.device, MANAGER_AUTOGROUP_NICE)
     manager.serve_forever()
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from freeride.devices.base import (
+    MANAGER_AUTOGROUP_NICE,
     WORKER_NICENESS,
     Device,
     DeviceError,
@@ -24,6 +25,7 @@ from freeride.devices.base import (
     WorkerSetupError,
     lower_autogroup_priority,
     parse_device_name,
+    set_autogroup_nice,
 )
 from freeride.devices.cpu import CpuDevice, CpuWorkerDevice, check_cpu_device
 from freeride.devices.cuda import CudaDevice, default_driver, resolve_uuid
@@ -49,7 +51,9 @@ __all__ = [
     "SubprocessCudaDriver",
     "WorkerDevice",
     "WorkerSetupError",
+    "MANAGER_AUTOGROUP_NICE",
     "lower_autogroup_priority",
+    "set_autogroup_nice",
     "open_device",
     "parse_device_name",
     "worker_device",

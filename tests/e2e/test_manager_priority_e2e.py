@@ -1,0 +1,42 @@
+"""End-to-end: ``freeride manager`` in a session of its own (as ``freeride launch`` starts it) raises its
+autogroup's priority; one in its caller's session leaves the session alone and says why."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from daemons import socket_path, start_daemon, stop_daemon
+
+from freeride.devices import MANAGER_AUTOGROUP_NICE
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")]
+
+
+def _group_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a nice below 0 needs CAP_SYS_NICE (CI runs as root)")
+def test_a_manager_leading_its_session_runs_its_autogroup_at_the_managers_nice(tmp_path: Path) -> None:
+    daemon = start_daemon(socket_path("prio-own"), tmp_path / "state", new_session=True)
+    try:
+        assert _group_nice(daemon.pid) == MANAGER_AUTOGROUP_NICE
+    finally:
+        stop_daemon(daemon)
+    assert daemon.stderr is not None
+    assert "keeps its nice" not in daemon.stderr.read().decode()
+
+
+def test_a_manager_in_its_callers_session_leaves_that_sessions_autogroup_alone_and_says_why(
+        tmp_path: Path) -> None:
+    before = _group_nice(os.getpid())
+    daemon = start_daemon(socket_path("prio-shared"), tmp_path / "state")
+    try:
+        assert _group_nice(daemon.pid) == before  # this test's session: the shell's, pytest's
+    finally:
+        stop_daemon(daemon)
+    assert daemon.stderr is not None
+    assert "does not lead its session" in daemon.stderr.read().decode()
