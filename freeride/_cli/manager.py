@@ -3,7 +3,7 @@
     freeride manager --device cpu:0 [--endpoint unix:/p.sock | tcp://host:port] [--state-dir DIR]
                      [--token-file FILE] [--headroom 256MiB] [--grace-ms 0.5] [--margin-ms 0.2]
                      [--step-timeout-s 60] [--stop-timeout-s 10] [--memory-poll-ms 50] [--trace FILE]
-                     [--policy freeride|paper [--paper-profile FILE]]
+                     [--policy freeride|paper [--paper-profile FILE]] [--autogroup-nice N]
                      [--metrics-port N [--metrics-address 127.0.0.1]]
                      [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
                       [--queue-hold-ms 5000] [--node NAME]]
@@ -19,9 +19,10 @@ directory every node shares. A malformed URL exits 2, refused credentials exit 5
 cannot be reached does not stop the manager (it retries with backoff and serves its local tasks).
 
 A manager that leads its session (``freeride launch`` and the demo start it so) and may lower a nice
-gives its autogroup nice -10 (``freeride.devices.set_autogroup_nice``): where the kernel shares a core
-between sessions first, a mostly sleeping manager beside a busy trainer rank otherwise waited tens of
-milliseconds for the core to read a bubble's start. Its log says which it did, and why not.
+gives its autogroup nice -10 (``--autogroup-nice``, 0 to leave it; ``freeride.devices.set_autogroup_nice``):
+where the kernel shares a core between sessions first, a mostly sleeping manager beside a busy trainer rank
+otherwise waited tens of milliseconds for the core to read a bubble's start. Its log says which it did, and
+why not.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--trace", default=None,
                         help="write a JSON-lines timeline of bubbles, grants and steps to FILE (see the demo)")
+    parser.add_argument("--autogroup-nice", type=int, default=MANAGER_AUTOGROUP_NICE, metavar="N",
+                        help="the nice (-20..19) a manager that leads its session gives its autogroup where it may "
+                        "(default %(default)s: it reads reports before a busy trainer rank's time slice ends; "
+                        "0: the kernel's default)")
     parser.add_argument("--policy", choices=POLICIES, default="freeride",
                         help="scheduling policy: freeride (default) or paper, an emulation of the reference "
                         "system's policy for the bench (10 ms polling, predicted ends only, 1.2x median admission)")
@@ -267,6 +272,8 @@ class _AnnouncingManager(Manager):
 
 
 def run(args: argparse.Namespace) -> int:
+    if not -20 <= args.autogroup_nice <= 19:
+        raise ConfigError(f"--autogroup-nice must be -20..19, got {args.autogroup_nice}")
     config = core_config(args)
     device = open_device(args.device, mps=args.mps, mps_sm_percent=args.mps_sm_percent)
     memory_poll_ms = _ms("memory-poll-ms", args.memory_poll_ms, positive=True)
@@ -305,15 +312,21 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         device.close()
         raise ConfigError(f"cannot prepare the manager's state directory: {exc}") from None
-    why_not = set_autogroup_nice(MANAGER_AUTOGROUP_NICE)
-    if why_not:
-        # A CPU device shares its core with a trainer rank by design: there the wait costs harvest.
-        log.log(logging.WARNING if device.name.kind == "cpu" else logging.INFO,
-                "[%s] the manager's autogroup keeps its nice: %s; beside a busy trainer rank on the same core, "
-                "bubble reports can wait for the core (start it with 'freeride launch', or in a session of its "
-                "own with CAP_SYS_NICE)", args.device, why_not)
-    else:
-        log.info("[%s] the manager's autogroup runs at nice %d: it reads a report as soon as it comes",
-                 args.device, MANAGER_AUTOGROUP_NICE)
+    _set_autogroup_nice(args.autogroup_nice, args.device, device.name.kind)
     manager.serve_forever()
     return 0
+
+
+def _set_autogroup_nice(niceness: int, device: str, kind: str) -> None:
+    """The manager's autogroup at ``niceness`` where it may (0: left alone); what happened, logged."""
+    if niceness == 0:
+        return
+    why_not = set_autogroup_nice(niceness)
+    if not why_not:
+        log.info("[%s] the manager's autogroup runs at nice %d", device, niceness)
+        return
+    # A CPU device shares its core with a trainer rank by design: there the wait costs harvest.
+    log.log(logging.WARNING if kind == "cpu" else logging.INFO,
+            "[%s] the manager's autogroup keeps its nice: %s; beside a busy trainer rank on the same core, bubble "
+            "reports can wait for the core (start it with 'freeride launch', or in a session of its own with "
+            "CAP_SYS_NICE; --autogroup-nice 0 says nothing of it)", device, why_not)

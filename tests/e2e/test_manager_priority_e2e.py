@@ -4,10 +4,12 @@ autogroup's priority; one in its caller's session leaves the session alone and s
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from daemons import socket_path, start_daemon, stop_daemon
+from daemons import DEVICE, socket_path, start_daemon, stop_daemon
 
 from freeride.devices import MANAGER_AUTOGROUP_NICE
 
@@ -40,3 +42,23 @@ def test_a_manager_in_its_callers_session_leaves_that_sessions_autogroup_alone_a
         stop_daemon(daemon)
     assert daemon.stderr is not None
     assert "does not lead its session" in daemon.stderr.read().decode()
+
+
+def test_autogroup_nice_zero_leaves_the_managers_autogroup_alone_and_says_nothing(tmp_path: Path) -> None:
+    daemon = start_daemon(socket_path("prio-zero"), tmp_path / "state", "--autogroup-nice", "0", new_session=True)
+    try:
+        assert _group_nice(daemon.pid) == 0
+    finally:
+        stop_daemon(daemon)
+    assert daemon.stderr is not None
+    assert "keeps its nice" not in daemon.stderr.read().decode()
+
+
+@pytest.mark.parametrize("value", ["-21", "20"])
+def test_an_autogroup_nice_out_of_range_exits_2_with_one_line(value: str, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "freeride.cli", "manager", "--device", DEVICE, "--endpoint",
+                          f"unix:{socket_path('prio-bad')}", "--state-dir", str(tmp_path / "state"),
+                          "--autogroup-nice", value], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"--autogroup-nice must be -20..19, got {value}" in out.stderr
+    assert not (tmp_path / "state").exists()  # refused before anything was made
