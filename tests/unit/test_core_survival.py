@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from freeride._estimator import SURVIVAL_LENGTHS, surviving_end_ns
-from freeride._manager.core import Freeze, Grant
+from freeride._manager.core import DrainRequested, Freeze, Grant
 
 
 def _measure(sim: Sim, lengths_ms: list[float]) -> None:
@@ -211,3 +211,17 @@ def test_the_reference_policy_never_offers_a_bubble_again() -> None:
     sim.tick()
     sim.start(predicted_ms=0.3)
     assert sim.core.bubble is not None and sim.core.bubble.next_chance_ns(sim.now, 0) == 0
+
+
+def test_an_offer_that_comes_while_the_device_drains_is_spent_not_due_at_every_turn_of_the_loop() -> None:
+    # An offer left armed in the past (nothing granted while draining) turned the loop into a busy wait.
+    sim = _short_steps_on_a_spread_slot()
+    start = sim.now
+    sim.start(predicted_ms=0.3)
+    offer = start + 3 * MS // 10 + 1
+    assert sim.core.next_timer_ns() == offer
+    sim.send(DrainRequested())
+    sim.at(offer)
+    assert of(sim.tick(), Grant) == []
+    next_timer = sim.core.next_timer_ns()
+    assert next_timer is None or next_timer > sim.now

@@ -357,8 +357,11 @@ class SchedulerCore:
         self.policy.poll(self, now_ns, out)
         retry = self._retry_ns()
         if retry and now_ns >= retry and self.bubbles.open is not None:
-            # The bubble outlived its slot's next length with no end known: what it has left grew.
+            # The bubble outlived its slot's next length with no end known: what it has left grew. The timer is
+            # spent whatever comes of it (grant_next arms the next one where nothing fits; a worker still
+            # finishing the last bubble's step backfills this one when it parks).
             self.bubbles.open.offered_again = True
+            self.bubbles.open.retry_at_ns = 0
             self.grant_next(now_ns, out)
         freeze_at = self.overruns.freeze_at_ns
         if freeze_at and now_ns >= freeze_at:
