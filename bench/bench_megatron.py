@@ -22,12 +22,13 @@ efficiency** (:func:`freeride.harvest.harvest`), **freezes**, **overrun** past t
 / ran, as in ``bench.bench_schedules``),
 the side task's step time against the typical bubble (``bench.bench_schedules.analyse_device``).
 
-**Instrumentation cost** per iteration on the training thread: the timer calls Megatron's real schedule
-function makes in one iteration of each rank (recorded in process: ``tests/frameworks/megatron_sim.py``)
-replayed with no compute, bare (skipped, as Megatron does without trainer timers) and through the
-instrumentation with a reporter that only enqueues, in paired batches; the median difference over the
-real run's median iteration time. That is the cost where the reporter's sender
-thread has a core of its own (a GPU host); on these two shared cores it also takes turns with the ranks.
+**Instrumentation cost** per iteration on the training thread, per route (``queue``: the reporter's
+sender thread on another core streams the events; ``local``: the training thread sends them on the
+manager's local socket): the timer calls Megatron's real schedule function makes in one iteration of
+each rank (recorded in process: ``tests/frameworks/megatron_sim.py``) replayed with 1 ms of compute per
+compute timer, bare (skipped, as Megatron does without trainer timers) and through the instrumentation,
+every planned wait reported to a real reporter and manager (:mod:`bench.hot_path`); the median
+difference over the real run's median iteration time.
 
 Results: ``<out>/<results-name>.json`` and ``.md`` (``megatron`` by default), with the machine and the load average
 before and after each run.
@@ -39,14 +40,13 @@ import argparse
 import functools
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from bench.bench_schedules import (  # noqa: E402
     side_task,
     standalone_rate,
 )
+from bench.hot_path import COMPUTE_US, Case, costs_ns, spin  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
@@ -72,6 +73,7 @@ from freeride.harvest import standalone_step_s, window_of  # noqa: E402
 from freeride.measure import median  # noqa: E402
 from freeride.messages import TaskSpec  # noqa: E402
 from freeride.training.learned_slots import LEARNED_SLOT_BASE  # noqa: E402
+from freeride.training.reporter import BubbleReporter  # noqa: E402
 
 SCHEDULES = ("1f1b", "interleaved")
 
@@ -200,59 +202,55 @@ def _timer_calls(virtual: int, rank: int, microbatches: int) -> list[tuple[str, 
     return recorder.events
 
 
-def hot_path_ns(name: str, microbatches: int, batches: int = 30, per_batch: int = 200) -> list[float]:
-    """Training-thread ns per iteration that the instrumentation adds, per rank (module doc).
-
-    Megatron's timer calls of one iteration (recorded from its real schedule function, run in process)
-    are replayed by a function under Megatron's name, with no compute: bare, it skips them as Megatron
-    does when the trainer set no timers; instrumented, every call goes through the chained timers and
-    the tracker's marks to a reporter that only enqueues.
-    """
+def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
+    """Megatron's timer calls of one iteration of ``rank`` (recorded from its real schedule function, run in
+    process) replayed by a function under Megatron's name, each compute timer ``COMPUTE_US`` of busy time
+    (:mod:`bench.hot_path`): bare, it skips the timers as Megatron does when the trainer set none;
+    instrumented, every call goes through the chained timers and the tracker's marks to the reporter."""
     sys.path.insert(0, str(FRAMEWORK_TESTS))
     import megatron_sim
-    from framework_support import one_process_group
 
-    from freeride.endpoints import Endpoint
     from freeride.training.megatron import instrument
-    from freeride.training.reporter import BubbleReporter
 
     virtual = 2 if name == "interleaved" else 1
-    out = []
+    calls = _timer_calls(virtual, rank, microbatches)
+
+    def replay_function(config: Any) -> Callable[..., None]:
+        def replay(**kwargs: Any) -> None:
+            timers = config.timers
+            for timer_name, start in calls:
+                if timers is not None:
+                    if start:
+                        timers(timer_name, log_level=2).start()
+                    else:
+                        timers(timer_name).stop()
+                if start and timer_name.endswith("-compute"):
+                    spin(COMPUTE_US)
+
+        replay.__name__ = megatron_sim.schedule_function(virtual).__name__
+        return replay
+
+    def call_of(function: Callable[..., None], config: Any) -> Callable[[], object]:
+        model = [types.SimpleNamespace(config=config) for _ in range(virtual)]
+        return functools.partial(function, model=model if virtual > 1 else model[0], num_microbatches=microbatches,
+                                 p2p_communicator=types.SimpleNamespace(pp_group=megatron_sim.Group(rank, 2)))
+
+    def instrumented(reporter: BubbleReporter) -> tuple[Callable[[], object], Callable[[], None]]:
+        config = megatron_sim.make_config(2, virtual)
+        wrapped = instrument(replay_function(config), reporter, device="cpu:0", report_min_ns=0)
+        return call_of(wrapped, config), wrapped.close
+
+    config = megatron_sim.make_config(2, virtual)
+    return Case(call_of(replay_function(config), config), instrumented)
+
+
+def hot_path_ns(name: str, microbatches: int) -> dict[str, list[float]]:
+    """Per route, the training-thread ns per iteration the instrumentation adds, per rank (bench.hot_path)."""
+    sys.path.insert(0, str(FRAMEWORK_TESTS))
+    from framework_support import one_process_group
+
     with one_process_group():
-        for rank in (0, 1):
-            calls = _timer_calls(virtual, rank, microbatches)
-            config = megatron_sim.make_config(2, virtual)
-
-            def replay(*, _config: Any = config, _calls: list[tuple[str, bool]] = calls, **kwargs: Any) -> None:
-                timers = _config.timers
-                for timer_name, start in _calls:
-                    if timers is not None:
-                        if start:
-                            timers(timer_name, log_level=2).start()
-                        else:
-                            timers(timer_name).stop()
-
-            replay.__name__ = megatron_sim.schedule_function(virtual).__name__
-            model = [types.SimpleNamespace(config=config) for _ in range(virtual)]
-            kwargs: dict[str, Any] = {"model": model if virtual > 1 else model[0], "num_microbatches": microbatches,
-                      "p2p_communicator": types.SimpleNamespace(pp_group=megatron_sim.Group(rank, 2))}
-            offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=Endpoint("unix", "/nonexistent"),
-                                     start=False, queue_size=10**8)
-            instrumented = instrument(replay, offline, device="cpu:0")
-            samples: dict[str, list[float]] = {"bare": [], "inst": []}
-            for _ in range(batches):
-                pair = [("bare", functools.partial(replay, **kwargs)),
-                        ("inst", functools.partial(instrumented, **kwargs))]
-                random.shuffle(pair)
-                for key, step in pair:
-                    t0 = time.perf_counter_ns()
-                    for _ in range(per_batch):
-                        step()
-                    samples[key].append((time.perf_counter_ns() - t0) / per_batch)
-            instrumented.close()
-            offline.close()
-            out.append(median([i - b for i, b in zip(samples["inst"], samples["bare"], strict=True)]))
-    return out
+        return costs_ns(lambda rank: _megatron_case(name, microbatches, rank))
 
 
 def write_markdown(doc: dict[str, Any], path: Path) -> None:

@@ -48,15 +48,14 @@ the end the trainer's wake takes the core from the worker (nice 19), which then 
 unfrozen, until its manager gets a core to freeze it; "ran" is what competed with the trainer. Then
 the side task's step time against the typical bubble.
 
-**Instrumentation cost** per iteration on the training thread (DeepSpeed: its real schedule replayed
-through the adapter's hooks, :func:`bench.deepspeed_replay.hot_path_ns`; torchtitan: the 1F1B walk
-through its wrapper): the schedule's real action order
-(torch's ``pipeline_order_with_comms``) driven through :class:`InstrumentedSchedule` with empty
-compute, torch's calls emulated (a runtime schedule's walk over its lowered order, a single-stage
-schedule's loop, the loss after each forward), a reporter that only enqueues; paired batches against the bare loop, the
-median difference, over the real run's median iteration time. That is the cost where the reporter's
-sender thread has a core of its own (a GPU host); on these two shared cores the sender also takes
-turns with the stages.
+**Instrumentation cost** per iteration on the training thread, twice: with the events streamed by the
+reporter's sender thread on another core (``queue``) and sent by the training thread on the manager's
+local socket (``local``, the default on one host). :mod:`bench.hot_path` replays the rank's real order
+(torch's ``pipeline_order_with_comms`` walked as the runtime walks it, a single-stage schedule's loop,
+DeepSpeed's instruction stream: :func:`bench.deepspeed_replay.deepspeed_case`; torchtitan: its 1F1B
+through the torchtitan wrapper) with 1 ms of compute per action, bare and instrumented with every planned
+wait reported to a real reporter and manager; the median difference per iteration, over the real run's
+median iteration time.
 
 Results: ``<out>/schedules.json`` (everything) and ``<out>/schedules.md``, with the machine and the
 load average before and after each schedule's run.
@@ -68,13 +67,12 @@ import argparse
 import bisect
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -83,12 +81,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
+from bench.hot_path import COMPUTE_US, Case, costs_ns, spin  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
 from freeride.harvest import harvest, measurement_window, standalone_step_s, steady_window  # noqa: E402
 from freeride.measure import median, percentile  # noqa: E402
 from freeride.messages import TaskSpec  # noqa: E402
+from freeride.training.reporter import BubbleReporter  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev", "csv")
 #: Frameworks, each through its adapter (module doc), and the job that runs it.
@@ -290,28 +290,29 @@ def _bubbles(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# ---------------------------------------------------------------- the hot path, deterministic
+# ---------------------------------------------------------------- the hot path (bench.hot_path)
 
 
 class _FakeStage:
-    """What torch's schedule constructors and InstrumentedSchedule read of a stage; compute is empty."""
+    """What torch's schedule constructors and InstrumentedSchedule read of a stage; compute is a spin."""
 
-    def __init__(self, index: int, stages: int, rank: int) -> None:
+    def __init__(self, index: int, stages: int, rank: int, compute_us: float = 0.0) -> None:
         import torch
 
         self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, 2, rank
         self.is_first, self.is_last = index == 0, index == stages - 1
         self.submod = torch.nn.Linear(1, 1)
         self.stage_index_to_group_rank: dict[int, int] = {}
+        self.compute_us = compute_us
 
     def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
-        pass
+        spin(self.compute_us)
 
     def backward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
-        pass
+        spin(self.compute_us)
 
     def backward_weight_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
-        pass
+        spin(self.compute_us)
 
 
 class _RuntimeWalk:
@@ -371,16 +372,16 @@ class _SingleWalk:
                 self._stage.backward_one_chunk(a.microbatch, None, True)
 
 
-def _walker(name: str, rank: int, microbatches: int, csv_path: Path) -> Any:
+def _walker(name: str, rank: int, microbatches: int, csv_path: Path, compute_us: float = 0.0) -> Any:
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from freeride.workload import pipelines
 
     if name in pipelines.SINGLE:
         named = type("Schedule1F1B" if name == "1f1b" else "ScheduleGPipe", (_SingleWalk,), {})
-        return named(name, _FakeStage(rank, 2, rank), microbatches)
+        return named(name, _FakeStage(rank, 2, rank, compute_us), microbatches)
     chunks = pipelines.local_chunks(name, rank, 2, 2, str(csv_path))
-    stages = [_FakeStage(c, 4, rank) for c in chunks]
+    stages = [_FakeStage(c, 4, rank, compute_us) for c in chunks]
     cls = getattr(torch_schedules, pipelines._CLASSES[name])
     real = cls(stages, microbatches)
     if name == "csv":
@@ -388,38 +389,32 @@ def _walker(name: str, rank: int, microbatches: int, csv_path: Path) -> Any:
     return _RuntimeWalk(real)
 
 
-def hot_path_ns(name: str, microbatches: int, csv_path: Path, batches: int = 30, per_batch: int = 200) -> list[float]:
-    """Training-thread ns per iteration that the instrumentation adds, per rank (module doc)."""
-    from freeride.endpoints import Endpoint
+def _torch_case(name: str, rank: int, microbatches: int, csv_path: Path) -> Case:
+    """A torch schedule's rank (torchtitan: its 1F1B through the torchtitan wrapper), replayed (bench.hot_path)."""
     from freeride.training.instrument import InstrumentedSchedule
-    from freeride.training.reporter import BubbleReporter
     from freeride.training.torchtitan import InstrumentedPipelineSchedule
 
-    if name.startswith("deepspeed"):
-        from bench.deepspeed_replay import hot_path_ns as deepspeed_hot_path_ns
+    walked_name = "1f1b" if name == "torchtitan" else name
 
-        return deepspeed_hot_path_ns(name.endswith("dualpipev"), microbatches, batches, per_batch)
-    out = []
-    for rank in (0, 1):
-        bare = _walker("1f1b" if name == "torchtitan" else name, rank, microbatches, csv_path)
-        walked = _walker("1f1b" if name == "torchtitan" else name, rank, microbatches, csv_path)
-        offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=Endpoint("unix", "/nonexistent"),
-                                 start=False, queue_size=10**8)
-        inst: Any = (InstrumentedPipelineSchedule(walked, sink=offline, device="cpu:0") if name == "torchtitan"
-                     else InstrumentedSchedule(walked, sink=offline, device="cpu:0"))
-        samples: dict[str, list[float]] = {"bare": [], "inst": []}
-        for _ in range(batches):
-            pair = [("bare", bare.step), ("inst", inst.step)]
-            random.shuffle(pair)
-            for key, step in pair:
-                t0 = time.perf_counter_ns()
-                for _ in range(per_batch):
-                    step()
-                samples[key].append((time.perf_counter_ns() - t0) / per_batch)
-        inst.close()
-        offline.close()
-        out.append(median([i - b for i, b in zip(samples["inst"], samples["bare"], strict=True)]))
-    return out
+    def instrument(reporter: BubbleReporter) -> tuple[Callable[[], object], Callable[[], None]]:
+        walked = _walker(walked_name, rank, microbatches, csv_path, COMPUTE_US)
+        if name == "torchtitan":
+            wrapped = InstrumentedPipelineSchedule(walked, sink=reporter, device="cpu:0")
+            wrapped.instrumented.tracker.report_min_ns = 0
+            return wrapped.step, wrapped.close
+        inst = InstrumentedSchedule(walked, sink=reporter, device="cpu:0", report_min_ns=0)
+        return inst.step, inst.close
+
+    return Case(_walker(walked_name, rank, microbatches, csv_path, COMPUTE_US).step, instrument)
+
+
+def hot_path_ns(name: str, microbatches: int, csv_path: Path) -> dict[str, list[float]]:
+    """Per route, the training-thread ns per iteration the instrumentation adds, per rank (module doc)."""
+    if name.startswith("deepspeed"):
+        from bench.deepspeed_replay import deepspeed_case
+
+        return costs_ns(lambda rank: deepspeed_case(name.endswith("dualpipev"), microbatches, rank))
+    return costs_ns(lambda rank: _torch_case(name, rank, microbatches, csv_path))
 
 
 # ---------------------------------------------------------------- report
@@ -452,7 +447,8 @@ def results_table(doc: dict[str, Any]) -> list[str]:
     lines = [
         "| schedule | rank | reported / idle in gaps >= 0.5 ms | idle ms/it | idle / reported "
         "| slots modelled + learned | predicted past end | harvest eff. | freezes "
-        "| overrun held p50 / p99 ms | overrun ran p50 / p99 ms | step p95 / bubble p50 ms | instr. cost | load |",
+        "| overrun held p50 / p99 ms | overrun ran p50 / p99 ms | step p95 / bubble p50 ms "
+        "| instr. cost: queue / local | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in doc["runs"]:
@@ -466,13 +462,13 @@ def results_table(doc: dict[str, Any]) -> list[str]:
             steps = (f"{dev['step_ms_p95']:.2f} / {dev['bubble_ms_p50']:.2f}"
                      if dev["step_ms_p95"] is not None and dev["bubble_ms_p50"] is not None else "-")
             past = f"{100 * rank['predicted_past_end']:.0f}%" if rank["predicted_past_end"] is not None else "-"
-            cost = run["hot_path_ns"][rank["rank"]] / 1e6 / rank["iteration_ms_p50"] if rank["iteration_ms_p50"] else 0
+            cost = instrumentation_cost(run["hot_path_ns"], rank["rank"], rank["iteration_ms_p50"])
             reported = rank.get("reported_ms_per_iteration") or 0.0
             ceiling = f"{100 * rank['idle_ms_per_iteration'] / reported:.0f}%" if reported else "-"
             lines.append(
                 f"| {run['schedule']} | {rank['rank']} | {ratio:.2f} | {rank['idle_in_gaps_ms_per_iteration']:.1f} "
                 f"| {ceiling} | {rank['modelled_slots_reported']} + {rank['learned_slots']} | {past} | {eff} "
-                f"| {dev['freezes']} | {over} | {ran} | {steps} | {100 * cost:.3f}% "
+                f"| {dev['freezes']} | {over} | {ran} | {steps} | {cost} "
                 f"| {run['loadavg_before'][0]:.1f} / {run['loadavg_after'][0]:.1f} |"
                 if ratio is not None else f"| {run['schedule']} | {rank['rank']} | no idle measured |" + " |" * 11)
     for name, error in doc.get("failed", {}).items():
@@ -480,8 +476,27 @@ def results_table(doc: dict[str, Any]) -> list[str]:
     lines += ["", "Targets (issue 21): reported >= 90% of the idle in gaps >= 0.5 ms on each rank; harvest >= 50% "
               "where the side task's steps are under a third of the typical bubble; overrun p99 <= 1 ms (ran: what "
               "competed with the trainer; held: until frozen); "
-              "instrumentation cost <= 0.2% where the sender has its own core.", ""]
+              "instrumentation cost <= 0.2% where the sender has its own core (queue: the reporter's sender thread "
+              "on another core streams the events; local, the default on the manager's host: the training thread "
+              "sends each event on the manager's local socket; every planned wait reported: bench.hot_path).", ""]
     return lines
+
+
+def instrumentation_cost(hot_path_ns: dict[str, list[float]] | list[float], rank: int, iteration_ms: float) -> str:
+    """The training thread's instrumentation cost of ``rank`` over its median iteration, per route
+    (:mod:`bench.hot_path`; a results file from before it holds one figure, without the events)."""
+    if not iteration_ms:
+        return "-"
+    routes = hot_path_ns.values() if isinstance(hot_path_ns, dict) else [hot_path_ns]
+    return " / ".join(f"{100 * ns[rank] / 1e6 / iteration_ms:.3f}%" for ns in routes)
+
+
+def write_csv_order(path: Path, microbatches: int) -> None:
+    """The order the ``csv`` schedule loads: Megatron's interleaved one (2 ranks, 2 model stages each)."""
+    from freeride.training.schedules import build_schedule
+
+    megatron = build_schedule("interleaved-1f1b", 2, microbatches, virtual=2)
+    path.write_text("\n".join(",".join(str(a) for a in megatron.orders[r]) for r in (0, 1)) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -511,10 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown schedule(s): {', '.join(unknown)}")
     work = Path(tempfile.mkdtemp(prefix="bench-schedules-"))
     csv_path = work / "megatron-interleaved.csv"
-    from freeride.training.schedules import build_schedule
-
-    megatron = build_schedule("interleaved-1f1b", 2, args.microbatches, virtual=2)
-    csv_path.write_text("\n".join(",".join(str(a) for a in megatron.orders[r]) for r in (0, 1)) + "\n")
+    write_csv_order(csv_path, args.microbatches)
     devices = two_stage_cpu(sorted(os.sched_getaffinity(0))).devices
     rates = {}
     for i, dev in enumerate(devices):

@@ -7,14 +7,18 @@ stage and dispatches every instruction exactly as ``PipelineEngine._exec_schedul
 ``clip_fp32_gradients``, which asks ``self.mpu`` for its model-parallel group, as DeepSpeed's does.
 So :func:`freeride.training.deepspeed.instrument`'s hooks see the call sequence of a real engine
 and nothing else runs: the tests check the marks it makes, and ``bench/bench_schedules.py`` times
-what the hooks cost the training thread per iteration (:func:`hot_path_ns`).
+what the hooks cost the training thread per iteration (:func:`deepspeed_case`, :mod:`bench.hot_path`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import MethodType
 from typing import Any
+
+from bench.hot_path import COMPUTE_US, Case, spin
+from freeride.training.reporter import BubbleReporter
 
 _WAITING = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P")
 
@@ -33,7 +37,8 @@ class Grid:
 class ReplayEngine:
     """One stage of a DeepSpeed pipeline with empty instructions (module doc); not an ``nn.Module``."""
 
-    def __init__(self, schedule_type: Any, micro_batches: int, stages: int, stage_id: int, wait_s: float = 0.0) -> None:
+    def __init__(self, schedule_type: Any, micro_batches: int, stages: int, stage_id: int, wait_s: float = 0.0,
+                 compute_us: float = 0.0, record: bool = True) -> None:
         from deepspeed.runtime.pipe import schedule
 
         self._schedule_type = schedule_type
@@ -44,7 +49,12 @@ class ReplayEngine:
         #: How long each waiting instruction, the loss broadcast and the clipping's all-reduce sleep: a
         #: sleep costs the thread no CPU time, so the hooks' own cost stays measurable beside it.
         self.wait_s = wait_s
-        self.ran: list[tuple[str, dict[str, Any]]] = []  # every instruction run (cleared by the caller)
+        #: Busy time of each ``ForwardPass`` and ``BackwardPass`` (:mod:`bench.hot_path`).
+        self.compute_us = compute_us
+        #: Every instruction run (cleared by the caller), where ``record``: a benchmark records none (a list
+        #: growing by thousands of tuples made the garbage collector's passes most of its noise).
+        self.ran: list[tuple[str, dict[str, Any]]] = []
+        self.record = record
         self.losses = 0
         names = ["OptimizerStep", "ReduceGrads", "ReduceTiedGrads", "LoadMicroBatch", "ForwardPass", "BackwardPass",
                  "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P"]
@@ -54,8 +64,13 @@ class ReplayEngine:
 
     @staticmethod
     def _instruction(name: str) -> Any:
+        computes = name in ("ForwardPass", "BackwardPass")
+
         def run(self: ReplayEngine, **kwargs: Any) -> None:
-            self.ran.append((name, kwargs))
+            if self.record:
+                self.ran.append((name, kwargs))
+            if computes and self.compute_us:
+                spin(self.compute_us)
             if name in _WAITING and self.wait_s:
                 time.sleep(self.wait_s)
             if name == "OptimizerStep":
@@ -88,40 +103,21 @@ class ReplayEngine:
             time.sleep(self.wait_s)
 
 
-def hot_path_ns(dualpipev: bool, micro_batches: int, batches: int = 30, per_batch: int = 200) -> list[float]:
-    """Training-thread ns per iteration that ``freeride.training.deepspeed``'s hooks and tracker add, per
-    rank of a two-rank pipeline: paired batches of replayed iterations, bare and instrumented, in random
-    order, with a reporter that only enqueues (its sender thread has a core of its own); the median
-    difference."""
-    import random
-    import time
-
+def deepspeed_case(dualpipev: bool, micro_batches: int, rank: int) -> Case:
+    """One rank of a two-rank DeepSpeed pipeline, replayed for :mod:`bench.hot_path`: its compute spins, its
+    instructions are not recorded, and instrumented it reports every planned position."""
     from deepspeed.runtime.pipe.schedule import DualPipeVSchedule, TrainSchedule
 
-    from freeride.endpoints import Endpoint
-    from freeride.measure import median
     from freeride.training import deepspeed as fds
-    from freeride.training.reporter import BubbleReporter
 
     schedule_type = DualPipeVSchedule if dualpipev else TrainSchedule
-    out = []
-    for rank in (0, 1):
-        bare = ReplayEngine(schedule_type, micro_batches, 2, rank)
-        walked = ReplayEngine(schedule_type, micro_batches, 2, rank)
-        offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=Endpoint("unix", "/nonexistent"),
-                                 start=False, queue_size=10**8)
-        fds._install(walked, offline, device="cpu:0")
-        samples: dict[str, list[float]] = {"bare": [], "inst": []}
-        for _ in range(batches):
-            pair = [("bare", bare), ("inst", walked)]
-            random.shuffle(pair)
-            for key, engine in pair:
-                t0 = time.perf_counter_ns()
-                for _ in range(per_batch):
-                    engine.train_batch()
-                samples[key].append((time.perf_counter_ns() - t0) / per_batch)
-                engine.ran.clear()
-        fds.uninstrument(walked)
-        offline.close()
-        out.append(median([i - b for i, b in zip(samples["inst"], samples["bare"], strict=True)]))
-    return out
+
+    def replay() -> ReplayEngine:
+        return ReplayEngine(schedule_type, micro_batches, 2, rank, compute_us=COMPUTE_US, record=False)
+
+    def instrument(reporter: BubbleReporter) -> tuple[Callable[[], object], Callable[[], None]]:
+        engine = replay()
+        fds._install(engine, reporter, device="cpu:0").tracker.report_min_ns = 0
+        return engine.train_batch, lambda: fds.uninstrument(engine)
+
+    return Case(replay().train_batch, instrument)

@@ -1,0 +1,213 @@
+"""What the instrumentation costs the training thread per iteration: one harness for every adapter.
+
+``bench.bench_schedules`` (torch's schedules, DeepSpeed, torchtitan) and ``bench.bench_megatron`` measure
+their adapters here. A :class:`Case` is one pipeline rank's iteration replayed on its framework's real
+action order (torch's ``pipeline_order_with_comms``, DeepSpeed's instruction stream, Megatron's timer
+calls), each compute action ``compute_us`` of busy time and every transfer free: bare, and through the
+adapter's hooks, the rank tracker and a real :class:`~freeride.training.reporter.BubbleReporter`
+connected to a real manager. Batches of the two alternate in a fresh random order; the figure is the
+median over pairs of the per-iteration difference, on the training thread pinned to one core, with the
+manager (and the reporter's sender thread) on the others, as on a GPU host.
+
+**Two routes**, the two a trainer on the manager's host can take (:class:`BubbleReporter`):
+
+``queue``
+    ``local_events=False``: the training thread puts each event on the reporter's queue, and its
+    sender thread, on a core of its own, streams it over gRPC (issue 21's "sender on its own core").
+``local``
+    the default: the training thread itself sends each event as one message on the manager's local
+    socket (:mod:`freeride._local_events`), which wakes the manager's loop.
+
+**Everything the real run reports is reported.** No wait lasts in a replay, and the tracker stops
+reporting a planned position whose waits are all short (a bubble nothing fits in): the harness makes
+every planned position report (``report_min_ns=0``), as the real runs' long waits do, so that the
+events' cost is in the figure. (Until this harness, the replays reported nothing after their second
+iteration, and the figures held the hooks and the bookkeeping only.)
+
+**Spaced as in training.** Each action computes ``compute_us`` (300 us: longer than the manager takes to
+handle an event), so the manager's loop is asleep when an event comes, as between a trainer's actions,
+and the reporter's sender thread has sent the last event: a replay without compute would send a burst
+that finds the manager awake (cheaper sends) or a queue still draining. Both sides spin alike; the
+difference is the instrumentation's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.bench_control_plane import control_cpus, start_manager
+from freeride.endpoints import Endpoint
+from freeride.measure import median
+from freeride.training.reporter import BubbleReporter
+
+ROUTES = ("queue", "local")
+#: Busy time per compute action of a replay (module doc).
+COMPUTE_US = 1000.0
+
+
+def _bytes_per_us() -> float:
+    """How many bytes SHA-256 hashes per microsecond here (best of a few tries)."""
+    data = bytes(1 << 18)
+    best = min(_timed_hash(data) for _ in range(5))
+    return len(data) / max(best / 1000, 1.0)
+
+
+def _timed_hash(data: bytes) -> int:
+    t0 = time.perf_counter_ns()
+    hashlib.sha256(data)
+    return time.perf_counter_ns() - t0
+
+
+_compute_buffers: dict[float, bytes] = {}
+#: Wall ns spent in :func:`spin` so far: a batch's time less this is the time between compute actions.
+_computed_ns = 0
+
+
+def spin(us: float) -> None:
+    """A replayed compute action of about ``us`` microseconds, as a framework's compute is: one call into C
+    that holds the GIL released throughout and touches memory (hashing ``us`` worth of bytes), so that the
+    training thread's own Python runs cache-cold after it and the reporter's sender thread may take the GIL
+    meanwhile, as beside torch's kernels. (A Python spin would hold the GIL and bill the sender thread's
+    Python to the training thread; a sleep would leave the core idle.)"""
+    global _computed_ns
+    if us <= 0:
+        return
+    data = _compute_buffers.get(us)
+    if data is None:
+        data = _compute_buffers[us] = bytes(int(us * _bytes_per_us()))
+    t0 = time.perf_counter_ns()
+    hashlib.sha256(data)
+    _computed_ns += time.perf_counter_ns() - t0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipeline rank's replayed iteration: ``bare()`` runs it uninstrumented; ``instrument(reporter)``
+    returns an instrumented one that reports to ``reporter`` (every planned position reported) and the
+    call that undoes it."""
+
+    bare: Callable[[], object]
+    instrument: Callable[[BubbleReporter], tuple[Callable[[], object], Callable[[], None]]]
+
+
+@contextmanager
+def _manager() -> Iterator[Endpoint]:
+    """A real manager on a fresh unix socket, its threads on every core but the training thread's."""
+    work = Path(tempfile.mkdtemp(prefix="fr-hot-"))
+    sock = Path(f"/tmp/fr-hot-{os.getpid()}.sock")
+    proc = start_manager(sock, work / "state", cpus=control_cpus())
+    try:
+        yield Endpoint("unix", str(sock))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _reporter(endpoint: Endpoint, rank: int, route: str) -> BubbleReporter:
+    reporter = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=endpoint, local_events=route == "local",
+                              cpu_affinity=control_cpus())
+    deadline = time.monotonic() + 30
+    while not (reporter.counters().connected and (route != "local" or reporter._local is not None)):
+        if time.monotonic() > deadline:
+            reporter.close()
+            raise SystemExit(f"hot path: the {route} reporter did not connect to {endpoint}")
+        time.sleep(0.01)
+    return reporter
+
+
+def paired_ns(bare: Callable[[], object], inst: Callable[[], object], rounds: int, per_batch: int) -> float:
+    """The median over ``rounds`` pairs of batches (each ``per_batch`` iterations, the pair in random order)
+    of the instrumented iteration's ns less the bare one's, each counted outside its compute actions (a
+    batch's wall time less the time in :func:`spin`: the compute's own jitter, a few percent of it, would
+    otherwise swamp the difference)."""
+    for _ in range(3):  # warm-up: the tracker's model and the reporter's route settle
+        bare()
+        inst()
+    diffs = []
+    for _ in range(rounds):
+        means: dict[str, float] = {}
+        pair = [("bare", bare), ("inst", inst)]
+        random.shuffle(pair)
+        for key, step in pair:
+            computed, t0 = _computed_ns, time.perf_counter_ns()
+            for _ in range(per_batch):
+                step()
+            means[key] = (time.perf_counter_ns() - t0 - (_computed_ns - computed)) / per_batch
+        diffs.append(means["inst"] - means["bare"])
+    return median(diffs)
+
+
+def costs_ns(case_of: Callable[[int], Case], ranks: tuple[int, ...] = (0, 1), *, rounds: int = 10,
+             per_batch: int = 20) -> dict[str, list[float]]:
+    """Per route (:data:`ROUTES`), the training thread's ns per iteration the instrumentation adds, per rank."""
+    allowed = os.sched_getaffinity(0)
+    training_core = {min(allowed - control_cpus() or allowed)}
+    out: dict[str, list[float]] = {route: [] for route in ROUTES}
+    with _manager() as endpoint:
+        for rank in ranks:
+            case = case_of(rank)
+            for route in ROUTES:
+                reporter = _reporter(endpoint, rank, route)
+                step, undo = case.instrument(reporter)
+                os.sched_setaffinity(0, training_core)  # this (the training) thread only
+                try:
+                    out[route].append(paired_ns(case.bare, step, rounds, per_batch))
+                finally:
+                    os.sched_setaffinity(0, allowed)
+                    undo()
+                    reporter.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.hot_path [--schedules a,b]``: the figures alone, per rank and route, in us per
+    iteration and as a share of the median iteration of the last committed run of the same schedule
+    (``bench/results/cpu/{schedules,frameworks,megatron}-spin.json``)."""
+    import argparse
+    import json
+    import tempfile
+
+    from bench import bench_megatron, bench_schedules
+
+    p = argparse.ArgumentParser(prog="python -m bench.hot_path", description=main.__doc__)
+    p.add_argument("--schedules", default=",".join(bench_schedules.SCHEDULES),
+                   help="comma-separated torch schedules, frameworks (deepspeed, deepspeed-dualpipev, torchtitan) "
+                        "and megatron-1f1b, megatron-interleaved")
+    p.add_argument("--microbatches", type=int, default=8)
+    args = p.parse_args(argv)
+    results = Path(__file__).resolve().parent / "results" / "cpu"
+    iteration_ms: dict[str, list[float]] = {}
+    for name, prefix in (("schedules-spin", ""), ("frameworks-spin", ""), ("megatron-spin", "megatron-")):
+        path = results / f"{name}.json"
+        if path.exists():
+            for run in json.loads(path.read_text())["runs"]:
+                iteration_ms[prefix + run["schedule"]] = [r["iteration_ms_p50"] for r in run["ranks"]]
+    csv_path = Path(tempfile.mkdtemp(prefix="fr-hot-")) / "megatron-interleaved.csv"
+    bench_schedules.write_csv_order(csv_path, args.microbatches)
+    for name in [n.strip() for n in args.schedules.split(",") if n.strip()]:
+        if name.startswith("megatron-"):
+            costs = bench_megatron.hot_path_ns(name.removeprefix("megatron-"), args.microbatches)
+        else:
+            costs = bench_schedules.hot_path_ns(name, args.microbatches, csv_path)
+        for rank in (0, 1):
+            its = iteration_ms.get(name)
+            shares = " / ".join(f"{100 * costs[r][rank] / 1e6 / its[rank]:.3f}%" for r in ROUTES) if its else "-"
+            print(f"{name} rank {rank}: " + " / ".join(f"{costs[r][rank] / 1e3:.0f}" for r in ROUTES)
+                  + f" us an iteration ({' / '.join(ROUTES)}); {shares} of the last run's median iteration",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
