@@ -22,37 +22,41 @@ class MemorySampler:
         self._cuda_index: int | None = None
         if device and device.startswith("cuda"):
             self._cuda_index = int(device.split(":", 1)[1]) if ":" in device else 0
-        self._free = UNKNOWN_MEMORY
+        #: The last sample: free bytes, or ``UNKNOWN_MEMORY``.
+        self.sampled = UNKNOWN_MEMORY
         self._reserved_at_sample = 0
         self._enabled = device is not None
+        #: Whether :meth:`free_bytes` moves between samples (CUDA: by what the allocator reserved since);
+        #: where it does not, :attr:`sampled` is the figure, read without a call.
+        self.live = self._cuda_index is not None
 
     def refresh(self) -> None:
         if not self._enabled:
             return
         now = time.monotonic_ns()
-        if now - self._last_ns < self._interval_ns and self._free >= 0:
+        if now - self._last_ns < self._interval_ns and self.sampled >= 0:
             return
         self._last_ns = now
         try:
             if self._cuda_index is None:
                 import psutil
 
-                self._free = int(psutil.virtual_memory().available)
+                self.sampled = int(psutil.virtual_memory().available)
             else:
                 import torch
 
-                self._free = int(torch.cuda.mem_get_info(self._cuda_index)[0])
+                self.sampled = int(torch.cuda.mem_get_info(self._cuda_index)[0])
                 self._reserved_at_sample = int(torch.cuda.memory_reserved(self._cuda_index))
         except Exception:  # noqa: BLE001 - a missing figure is reported as unknown, never raised
-            self._free = UNKNOWN_MEMORY
+            self.sampled = UNKNOWN_MEMORY
 
     def free_bytes(self) -> int:
-        if self._cuda_index is None or self._free < 0:
-            return self._free
+        if self._cuda_index is None or self.sampled < 0:
+            return self.sampled
         try:
             import torch
 
             grown = int(torch.cuda.memory_reserved(self._cuda_index)) - self._reserved_at_sample
         except Exception:  # noqa: BLE001
-            return self._free
-        return max(0, self._free - grown)
+            return self.sampled
+        return max(0, self.sampled - grown)

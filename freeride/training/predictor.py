@@ -21,9 +21,9 @@ numbers at each bubble end, done after the wait is over).
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from freeride import measure
@@ -84,6 +84,19 @@ class ComputeProfile:
 SlotKey = tuple[int, int]  # (stage, slot)
 
 
+class _Lengths:
+    """One slot's recent lengths: in order (the window) and sorted (one insort and one removal of at most
+    ``window`` ints as it changes: a warm prediction is then an index into it, not a sort at each slot's
+    wait), and how many were ever measured."""
+
+    __slots__ = ("count", "history", "ordered")
+
+    def __init__(self, window: int) -> None:
+        self.history: deque[int] = deque(maxlen=window)
+        self.ordered: list[int] = []
+        self.count = 0
+
+
 class BubblePredictor:
     """Per-(stage, slot) bubble length prediction, seeded by a model and learned online.
 
@@ -111,13 +124,12 @@ class BubblePredictor:
         self.warmup = warmup
         self.fallback_ns = fallback_ns
         self.quantile = quantile
-        self._warm: dict[SlotKey, int] = {}  # each warm slot's prediction, set at its every measurement
-        self._rank: dict[int, int] = {}  # the quantile's index in a sorted history of each length
-        self._history: dict[SlotKey, deque[int]] = {}
-        #: Each history, kept sorted as it changes (one insort and one removal of at most ``window`` ints): a
-        #: warm prediction is then an index into it, not a sort at each slot's wait (the training thread).
-        self._sorted: dict[SlotKey, list[int]] = {}
-        self._count: dict[SlotKey, int] = {}
+        #: Each warm slot's prediction, set at its every measurement: read-only for others (the tracker's
+        #: marks read it directly: one lookup on the training thread, no call).
+        self.warm: dict[SlotKey, int] = {}
+        #: The quantile's index in a sorted history of each length (0 .. ``window``).
+        self._rank = [0] + [measure.rank_index(n, 100 * quantile) for n in range(1, window + 1)]
+        self._lengths: dict[SlotKey, _Lengths] = {}
         #: The last ``max_errors`` scores: (slot, predicted, measured, made after warm-up).
         self._scored: deque[tuple[SlotKey, int, int, bool]] = deque(maxlen=max_errors)
 
@@ -125,55 +137,58 @@ class BubblePredictor:
         self._model = model
 
     def measurements(self, stage: int, slot: int) -> int:
-        return self._count.get((stage, slot), 0)
+        lengths = self._lengths.get((stage, slot))
+        return 0 if lengths is None else lengths.count
 
     def predict_ns(self, stage: int, slot: int) -> int:
         """The expected length of this slot's next occurrence (>= 1 ns)."""
         key = (stage, slot)
-        warm = self._warm.get(key)  # :meth:`observe` keeps it for a slot past its warm-up
+        warm = self.warm.get(key)  # :meth:`observe` keeps it for a slot past its warm-up
         if warm is not None:
             return warm
-        history = self._history.get(key)
+        lengths = self._lengths.get(key)
         modelled = self._model(stage, slot) if self._model is not None else None
         if modelled is not None and modelled > 0:
             return max(1, int(modelled))
-        if history:
-            return max(1, int(history[-1]))
+        if lengths is not None and lengths.history:
+            return max(1, int(lengths.history[-1]))
         return self.fallback_ns
 
     def observe(self, stage: int, slot: int, measured_ns: int, predicted_ns: int | None = None) -> None:
-        """Learn a measured length; score ``predicted_ns`` (what was announced) against it.
+        """Learn a measured length; score ``predicted_ns`` (what was announced) against it."""
+        self.observe_all(stage, ((slot, measured_ns, predicted_ns),))
 
-        On the training thread, once per reported slot and iteration (``RankTracker._deliver``): it keeps
-        the slot's sorted history and its next warm prediction, and stores the score as it came (the
-        errors are worked out when asked for).
+    def observe_all(self, stage: int, measured: Iterable[tuple[int, int, int | None]]) -> None:
+        """:meth:`observe` of each ``(slot, measured_ns, predicted_ns)``, in order.
+
+        On the training thread, once per iteration with its waits (``RankTracker._deliver``): each slot keeps
+        its sorted history and its next warm prediction, and the score is stored as it came (the errors are
+        worked out when asked for). One call an iteration, its lookups made once: a call per wait cost the
+        training thread as much again, cache-cold between compute actions.
         """
-        if measured_ns <= 0:
-            return
-        key = (stage, slot)
-        count = self._count.get(key, 0)
-        measured = int(measured_ns)
-        if predicted_ns is not None and predicted_ns > 0:
-            self._scored.append((key, int(predicted_ns), measured, count >= self.warmup))
-        history = self._history.get(key)
-        if history is None:
-            history = self._history[key] = deque(maxlen=self.window)
-            ordered = self._sorted[key] = []
-        else:
-            ordered = self._sorted[key]
-            if len(history) == self.window:
-                del ordered[bisect.bisect_left(ordered, history[0])]  # the length the append below drops
-        history.append(measured)
-        bisect.insort(ordered, measured)
-        self._count[key] = count = count + 1
-        if count >= self.warmup:
-            n = len(ordered)
-            index = self._rank.get(n)
-            if index is None:
-                index = self._rank[n] = measure.rank_index(n, 100 * self.quantile)
-            self._warm[key] = max(1, ordered[index])
-        else:
-            self._warm.pop(key, None)
+        window, warmup, rank = self.window, self.warmup, self._rank
+        all_lengths, warm, score = self._lengths, self.warm, self._scored.append
+        for slot, measured_ns, predicted_ns in measured:
+            if measured_ns <= 0:
+                continue
+            key = (stage, slot)
+            lengths = all_lengths.get(key)
+            if lengths is None:
+                lengths = all_lengths[key] = _Lengths(window)
+            count = lengths.count
+            measured_ns = int(measured_ns)
+            if predicted_ns is not None and predicted_ns > 0:
+                score((key, int(predicted_ns), measured_ns, count >= warmup))
+            history, ordered = lengths.history, lengths.ordered
+            if len(history) == window:
+                del ordered[bisect_left(ordered, history[0])]  # the length the append below drops
+            history.append(measured_ns)
+            insort(ordered, measured_ns)
+            lengths.count = count = count + 1
+            if count >= warmup:
+                warm[key] = ordered[rank[len(ordered)]]  # every length is >= 1 ns
+            else:
+                warm.pop(key, None)
 
     def prediction_error(self, after_warmup: bool = True) -> ErrorSummary:
         """Relative error of the last ``max_errors`` predictions scored (by default only after warm-up)."""

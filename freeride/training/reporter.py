@@ -175,7 +175,10 @@ class BubbleReporter:
         self._dropped_hot = 0
         self._dropped_bg = 0
         self._sent = 0
-        self._sent_local = 0
+        self._sent_local = 0  # events the training thread sent as local datagrams (counted enqueued and sent)
+        self._drained_local = 0  # queued events the background thread sent as datagrams at a connection
+        #: Set at :meth:`close` (a plain attribute: the hot path reads it without a call).
+        self._closing = False
         self._local_fallbacks = 0
         self._messages = 0
         self._connects = 0
@@ -212,10 +215,9 @@ class BubbleReporter:
                 if local.send_start(self.stage, self.rank, iteration, slot, kind, start_ns, max(1, predicted_ns),
                                     free_memory_bytes, learned):
                     self._sent_local += 1
-                    self._enqueued += 1
                     return
                 epoch = self._local_failed(local)
-            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+            if self._closing or self._queue.qsize() >= self._queue_size:
                 self._dropped_hot += 1
                 return
             self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned, epoch))
@@ -244,10 +246,9 @@ class BubbleReporter:
             if local is not None:
                 if local.send_end(self.stage, self.rank, iteration, slot, end_ns):
                     self._sent_local += 1
-                    self._enqueued += 1
                     return
                 epoch = self._local_failed(local)
-            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+            if self._closing or self._queue.qsize() >= self._queue_size:
                 self._dropped_hot += 1
                 return
             self._queue.put((_END, iteration, slot, end_ns, epoch))
@@ -282,10 +283,9 @@ class BubbleReporter:
                                        tuple(str(d) for d in stage_devices), int(at_ns), int(free_memory_bytes))
                 if local.send(layout):
                     self._sent_local += 1
-                    self._enqueued += 1
                     return
                 epoch = self._local_failed(local)
-            if self._queue.qsize() >= self._queue_size or self._closed.is_set():
+            if self._closing or self._queue.qsize() >= self._queue_size:
                 self._dropped_hot += 1
                 return
             self._queue.put((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes,
@@ -299,7 +299,7 @@ class BubbleReporter:
     @property
     def sent(self) -> int:
         """Events handed to the manager: over the wire (to gRPC) and as local datagrams."""
-        return self._sent + self._sent_local
+        return self._sent + self._sent_local + self._drained_local
 
     @property
     def dropped(self) -> int:
@@ -311,7 +311,7 @@ class BubbleReporter:
 
     def counters(self) -> ReporterCounters:
         return ReporterCounters(
-            enqueued=self._enqueued,
+            enqueued=self._enqueued + self._sent_local,
             sent=self.sent,
             dropped=self.dropped,
             connects=self._connects,
@@ -321,7 +321,7 @@ class BubbleReporter:
             accepted=self._accepted,
             rejected=self._rejected,
             manager_dropped=self._manager_dropped,
-            local=self._sent_local,
+            local=self._sent_local + self._drained_local,
             local_fallbacks=self._local_fallbacks,
         )
 
@@ -329,6 +329,7 @@ class BubbleReporter:
         """Flush what is queued (up to ``timeout_s``) and stop the background thread."""
         if self._closed.is_set():
             return
+        self._closing = True
         self._closed.set()
         self._queue.put(_STOP)
         if self._thread.is_alive():
@@ -540,7 +541,7 @@ class BubbleReporter:
                     if _STOP in drained[i:]:
                         self._queue.put(_STOP)
                     return  # the manager is gone (or far behind): this connection stays on the wire
-                self._sent_local += 1
+                self._drained_local += 1
             self._route = (local, epoch)
             self._wire_from = epoch + 1
 

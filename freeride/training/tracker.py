@@ -109,6 +109,11 @@ from freeride.training.schedules import (
 
 log = logging.getLogger(__name__)
 
+_now = time.monotonic_ns
+#: A :class:`MeasuredBubble` made from a tuple of its fields without the named tuple's Python-level
+#: ``__new__`` (a frame less for every wait on the training thread).
+_new_tuple = tuple.__new__
+
 ActionKey = tuple[str, int, int]  # (kind, model stage, micro-batch)
 
 #: Costs (ns) the model assumes before any action was measured: the reference 1 : 2 ratio.
@@ -231,6 +236,7 @@ class RankTracker:
         self.profile = ComputeProfile()
         self.memory = MemorySampler(device)
         self.predictor = predictor or BubblePredictor(window=16, warmup=3, quantile=0.1)
+        self._warm = self.predictor.warm
         self._model_ns: dict[int, float] = {}
         self.predictor.set_model(lambda stage, slot: self._model_ns.get(slot))
         self._remodel_left = remodel_iterations
@@ -265,6 +271,10 @@ class RankTracker:
         self._actions: list[tuple[str, int, int, int, int]] = []
         self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(timeline.handle)
         self._emit = _emitter(self.clock)
+        #: The host clock's marks call the timeline at once, with the time read at the call (the same thing
+        #: as through :meth:`_emit`, one call less on the training thread's path, which runs cache-cold
+        #: between compute actions: each frame there costs a microsecond or more).
+        self._inline = isinstance(self.clock, HostClock)
         #: In the open wait, the rank now waits for another rank (the host work before is done): what follows
         #: decides whether the position is quiet (module doc). No wait open: nothing. An adapter calls it at
         #: every such point (torch's runtime: each receive it pops), so on the host clock it is one call.
@@ -293,15 +303,19 @@ class RankTracker:
 
     def compute_begin(self, kind: str, stage: int, microbatch: int) -> None:
         cursor = self._cursor
-        keys = self._keys
-        if cursor < len(keys) and keys[cursor] != (kind, stage, microbatch) and not self._order_warned:
-            self._order_mismatch((kind, stage, microbatch))
+        if not self._order_warned:
+            keys = self._keys
+            if cursor < len(keys) and keys[cursor] != (kind, stage, microbatch):
+                self._order_mismatch((kind, stage, microbatch))
         self._cursor = cursor + 1
         self._ordinal = 0
         if self._timed:  # its start closes an open wait
             self._emit(self._on_enter, (kind, stage, microbatch), None)
         elif self._waiting:
-            self._emit(self._on_wait_end, None, None)
+            if self._inline:
+                self._timeline.close_now()
+            else:
+                self._emit(self._on_wait_end, None, None)
         self._waiting = False
 
     def compute_end(self, kind: str, stage: int, microbatch: int) -> None:
@@ -309,8 +323,11 @@ class RankTracker:
             self.on_action_end(kind, stage, microbatch)
         if self._timed:
             self._emit(self._on_leave, (kind, stage, microbatch), None)
-        cursor = self._cursor
-        if cursor < len(self._follows) and self._follows[cursor]:
+        try:
+            follows = self._follows[self._cursor]
+        except IndexError:  # the framework ran more actions than its order has
+            return
+        if follows:
             self.wait_begin()
 
     def wait_begin(self) -> None:
@@ -319,20 +336,36 @@ class RankTracker:
         self._waiting = True
         cursor, ordinal = self._cursor, self._ordinal
         self._ordinal = ordinal + 1
-        slot = self._modelled[cursor] if ordinal == 0 and cursor < len(self._modelled) else None
+        slot = None
+        if ordinal == 0:
+            try:
+                slot = self._modelled[cursor]
+            except IndexError:  # the framework ran more actions than its order has
+                pass
         if slot is None and self.learned.opens:
             slot = self.learned.opens.get((cursor, ordinal))
         if slot is None:
-            self._emit(self._on_wait, (cursor, ordinal), None)
-            return
-        index = slot.index
-        opens = (slot, self.predictor.predict_ns(self.rank, index), self.memory.free_bytes(), index not in self._quiet)
-        self._emit(self._on_wait, (cursor, ordinal), opens)
+            opens: _Opens = None
+        else:
+            index = slot.index
+            predicted = self._warm.get((self.rank, index))  # the predictor's, kept as it learns
+            if predicted is None:
+                predicted = self.predictor.predict_ns(self.rank, index)
+            memory = self.memory
+            opens = (slot, predicted, memory.free_bytes() if memory.live else memory.sampled,
+                     index not in self._quiet)
+        if self._inline:
+            self._on_wait((cursor, ordinal), opens, _now())
+        else:
+            self._emit(self._on_wait, (cursor, ordinal), opens)
 
     def wait_end(self) -> None:
         if self._waiting:
             self._waiting = False
-            self._emit(self._on_wait_end, None, None)
+            if self._inline:
+                self._timeline.close_now()
+            else:
+                self._emit(self._on_wait_end, None, None)
 
     def _wait_blocks_marked(self) -> None:
         if self._waiting:
@@ -389,9 +422,7 @@ class RankTracker:
                 iteration, waits, actions, gaps, between_ns = self._timeline.done.popleft()
             except IndexError:
                 return
-            observe = self.predictor.observe
-            for b in waits:
-                observe(self.rank, b.slot, b.length_ns, b.predicted_ns)
+            self._observe(waits)
             if self._remodel_left > 0 and actions:
                 for kind, stage, _mb, begin, end in actions:
                     self.profile.observe(kind, end - begin)
@@ -404,7 +435,6 @@ class RankTracker:
                 self._timed = self.time_actions or self._remodel_left > 0
             if gaps or self.learned.active:
                 self._learn(gaps, waits)
-            self._update_quiet(waits)
             bubbles = [b for b in waits if b.reported]
             self._bubbles, self._actions = bubbles, actions
             if self.on_iteration is not None:
@@ -413,22 +443,35 @@ class RankTracker:
                 except Exception:  # noqa: BLE001 - a logging callback must not break training
                     log.exception("on_iteration callback failed")
 
-    def _update_quiet(self, waits: list[MeasuredBubble]) -> None:
+    def _observe(self, waits: list[MeasuredBubble]) -> None:
+        """Learn each wait's length (the predictor) and whether its slot is still worth reporting (module doc:
+        quiet slots). One pass, fields unpacked: on the training thread, once an iteration."""
         quiet, least, recent = self._quiet, self.report_min_ns, self._recent_waited
-        changed = set(quiet)
-        for b in waits:
-            marked = b.waited_ns >= 0
-            waited = b.waited_ns if marked else b.length_ns
-            history = recent.get(b.slot)
+        changed: set[int] | None = None  # the quiet set, once something changes it
+        lengths = []
+        for _iteration, slot, kind, start, end, predicted, _free, _reported, waited in waits:
+            length = end - start
+            lengths.append((slot, length, predicted))
+            marked = waited >= 0
+            if not marked:
+                waited = length
+            history = recent.get(slot)
             if history is None:
-                history = recent[b.slot] = collections.deque(maxlen=QUIET_WINDOW)
+                history = recent[slot] = collections.deque(maxlen=QUIET_WINDOW)
             history.append(waited)
-            if waited >= least:
-                changed.discard(b.slot)  # long enough (again): reported
-            elif (b.slot not in quiet and b.kind != LEARNED_KIND
+            if waited >= least:  # long enough (again): reported
+                if changed is not None:
+                    changed.discard(slot)
+                elif slot in quiet:
+                    changed = set(quiet)
+                    changed.discard(slot)
+            elif (slot not in quiet and kind != LEARNED_KIND
                   and len(history) >= (QUIET_WINDOW if marked else QUIET_AFTER) and max(history) < least):
-                changed.add(b.slot)
-        if changed != quiet:
+                if changed is None:
+                    changed = set(quiet)
+                changed.add(slot)
+        self.predictor.observe_all(self.rank, lengths)
+        if changed is not None and changed != quiet:
             self._quiet = frozenset(changed)
 
     def wake_quiet(self) -> None:
@@ -561,6 +604,11 @@ class _Timeline:
         if self._open is not None:
             self._close(at_ns)
 
+    def close_now(self) -> None:
+        """:meth:`wait_end` on the host clock, read here."""
+        if self._open is not None:
+            self._close(_now())
+
     def blocks(self, _a: None, _b: None, at_ns: int) -> None:
         if self._open is not None and self._blocks_ns is None:
             self._blocks_ns = at_ns
@@ -568,7 +616,7 @@ class _Timeline:
     def blocks_now(self) -> None:
         """:meth:`blocks` on the host clock, read here: the mark's one call."""
         if self._open is not None and self._blocks_ns is None:
-            self._blocks_ns = time.monotonic_ns()
+            self._blocks_ns = _now()
 
     def begin(self, iteration: int, _: None, at_ns: int) -> None:
         self._iteration, self._waits, self._actions, self._gaps = iteration, [], [], []
@@ -601,5 +649,5 @@ class _Timeline:
             sink = self._owner.sink
             if sink is not None:
                 sink.bubble_end(self._iteration, slot.index, at_ns)
-        self._waits.append(MeasuredBubble(self._iteration, slot.index, slot.kind, start, at_ns, predicted, free,
-                                          reported, -1 if blocks is None else at_ns - blocks))
+        self._waits.append(_new_tuple(MeasuredBubble, (self._iteration, slot.index, slot.kind, start, at_ns, predicted,
+                                                       free, reported, -1 if blocks is None else at_ns - blocks)))
