@@ -283,6 +283,24 @@ def test_a_warm_prediction_is_the_quantile_of_the_slots_last_lengths_as_they_com
     assert sum(per_slot) == pred.prediction_error().count == 500 - 2 * 3  # each slot's first 3 are cold
 
 
+def test_an_iterations_lengths_learned_at_once_predict_and_score_as_one_by_one() -> None:
+    # The tracker hands the predictor an iteration's waits in one call (observe_all): the same histories,
+    # predictions, counts and scores as a call per wait, zero lengths skipped alike.
+    rng = random.Random(11)
+    batched, single = (BubblePredictor(window=16, warmup=3, quantile=0.1) for _ in range(2))
+    for _ in range(60):
+        waits = [(slot, rng.choice([0, rng.randrange(1, 4 * MS)]), rng.choice([None, rng.randrange(1, 4 * MS)]))
+                 for slot in rng.sample(range(6), 4)]
+        batched.observe_all(0, waits)
+        for slot, length, predicted in waits:
+            single.observe(0, slot, length, predicted)
+        for slot in range(6):
+            assert batched.predict_ns(0, slot) == single.predict_ns(0, slot)
+            assert batched.measurements(0, slot) == single.measurements(0, slot)
+    assert batched.prediction_error(after_warmup=False) == single.prediction_error(after_warmup=False)
+    assert batched.prediction_error().count > 0
+
+
 def test_compute_profile_ewma_and_percentile() -> None:
     prof = ComputeProfile(alpha=0.5)
     assert prof.mean_ns("F", 7.0) == 7.0
