@@ -13,12 +13,14 @@ What it measures, all in one run:
    block and the warm-up are left out. Both stages and the managers share the two cores here: the
    stress layout; ``bench/bench_modes.py``'s ``instrumented`` mode measures the same end to end in
    the layout that mirrors a GPU host (the stage on a core of its own).
-2. **Hot-path cost.** The same instrumentation driven by fake stages whose compute is empty, with a
-   reporter streaming to an in-process manager: the training-thread time the instrumentation
-   adds per iteration, free of the machine's noise. Divided by the measured iteration time it is
-   the overhead's deterministic part. Two layouts: on a GPU host (and in the single-stage CPU layout)
-   the reporter's sender thread has a core of its own, so only the training thread's own work is on
-   the critical path; where the sender shares the stage's core, each bubble-end send is too.
+2. **Hot-path cost.** The same instrumentation on 1F1B's order replayed with 1 ms of compute per
+   action (:mod:`bench.hot_path`), every planned wait reported to a real reporter and manager: the
+   training-thread time the instrumentation adds per iteration, on both routes (events to the
+   reporter's sender thread, or sent on the manager's local socket). Divided by the measured
+   iteration time it is the overhead's precise part. Two layouts: on a GPU host (and in the
+   single-stage CPU layout) the reporter's sender thread has a core of its own, so only the
+   training thread's own work is on the critical path; where the sender shares the stage's core,
+   each bubble-end send is too (its CPU per event, measured with a paced reporter).
 3. **Prediction error** of bubble lengths after warm-up: ``|predicted - measured| / measured`` of
    every reported bubble, from the trainer's own log and from the managers' Bubbles statistics.
 
@@ -32,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import socket
 import statistics
@@ -214,42 +215,27 @@ def analyse_prediction(records: list[dict[str, Any]], warmup: int) -> dict[str, 
 # ---------------------------------------------------------------- 2: hot-path cost
 
 
-def hot_path_cost(microbatches: int, work: Path, iterations: int = 40000) -> dict[str, Any]:
-    """Training-thread ns per iteration added by instrumentation + reporting (fake, empty compute)."""
+def hot_path_cost(microbatches: int, work: Path) -> dict[str, Any]:
+    """Training-thread ns per iteration added by instrumentation + reporting (:mod:`bench.hot_path`), and
+    the sender thread's CPU per event."""
+    from bench.bench_schedules import _torch_case, _walker
+    from bench.hot_path import costs_ns
     from freeride.endpoints import Endpoint
     from freeride.training.instrument import InstrumentedSchedule
     from freeride.training.reporter import BubbleReporter
-    from freeride.training.schedules import build_schedule
 
-    class Stage:
-        def __init__(self, index: int) -> None:
-            self.stage_index, self.num_stages = index, 2
-
-        def forward_one_chunk(self, i: int, *a: Any, **k: Any) -> None:
-            pass
-
-        def backward_one_chunk(self, i: int, *a: Any, **k: Any) -> None:
-            pass
-
-        def backward_weight_one_chunk(self, i: int, *a: Any, **k: Any) -> None:
-            pass
-
-    class Schedule1F1B:
-        def __init__(self, stage: Stage) -> None:
-            self._stage, self._n_microbatches = stage, microbatches
-            self.order = build_schedule("1f1b", 2, microbatches).orders[stage.stage_index]
-
-        def step(self) -> None:
-            for a in self.order:  # as torch does: a forward, then its loss (computed on the last stage)
-                if a.kind == "F":
-                    self._stage.forward_one_chunk(a.microbatch, (), {})
-                    self._maybe_compute_loss()
-                else:
-                    self._stage.backward_one_chunk(a.microbatch, loss=None, full_backward=True)
-
-        def _maybe_compute_loss(self, *args: Any) -> None:
-            pass
-
+    # (a) the training thread's cost, both routes: 1F1B's real order replayed with 1 ms of compute per
+    # action, every planned wait reported to a real reporter and manager (bench.hot_path).
+    costs = costs_ns(lambda rank: _torch_case("1f1b", rank, microbatches, work / "unused.csv"))
+    out: dict[str, Any] = {}
+    for rank in (0, 1):
+        planned = InstrumentedSchedule(_walker("1f1b", rank, microbatches, work / "unused.csv"), sink=None,
+                                       device="cpu:0").slots
+        out[f"stage{rank}"] = {
+            "queue_ns_per_iteration": costs["queue"][rank],
+            "local_ns_per_iteration": costs["local"][rank],
+            "bubbles_per_iteration": len(planned),
+        }
     # The manager runs in its own process, as in production: its work must not be billed here.
     endpoint = Endpoint("unix", str(work / "hot.sock"))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -258,42 +244,16 @@ def hot_path_cost(microbatches: int, work: Path, iterations: int = 40000) -> dic
          "--state-dir", str(work / "hot-state")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    out: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + 30
         while not _serving(endpoint):
             if time.monotonic() > deadline or manager.poll() is not None:
                 raise SystemExit("hot-path bench: the manager did not start")
             time.sleep(0.1)
-        # (a) the training thread's own cost: hooks + bubble bookkeeping, and the enqueue calls.
-        for rank in (0, 1):
-            offline = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=endpoint, start=False,
-                                     queue_size=10**8)
-            bare = Schedule1F1B(Stage(rank))
-            measured = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=None, device="cpu:0")
-            enqueued = InstrumentedSchedule(Schedule1F1B(Stage(rank)), sink=offline, device="cpu:0")
-            batches: dict[str, list[float]] = {"bare": [], "measured": [], "enqueued": []}
-            for _ in range(iterations // 1000):  # interleaved batches of 1000, in a fresh order each time
-                order: list[tuple[str, Any]] = [("bare", bare), ("measured", measured), ("enqueued", enqueued)]
-                random.shuffle(order)
-                for name, sched in order:
-                    t0 = time.perf_counter_ns()
-                    for _ in range(1000):
-                        sched.step()
-                    batches[name].append((time.perf_counter_ns() - t0) / 1000)
-            # Paired per batch, then the median over batches: a burst of other load on a shared machine
-            # lands in a few batches and moves a median of differences far less than a difference of sums.
-            own = [m - b for m, b in zip(batches["measured"], batches["bare"], strict=True)]
-            enq = [e - m for e, m in zip(batches["enqueued"], batches["measured"], strict=True)]
-            out[f"stage{rank}"] = {
-                "instrumentation_ns_per_iteration": median(own),
-                "enqueue_ns_per_iteration": median(enq),
-                "bubbles_per_iteration": len(measured.slots),
-            }
         # (b) the sender thread's CPU per event (gRPC serialisation and write), paced like a trainer.
         # On a CPU device it shares the stage's core: bubble-end events are sent while the stage
         # computes again (on the critical path); bubble-start events while it waits (free).
-        reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=endpoint)
+        reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=endpoint, local_events=False)
         time.sleep(0.3)
         events = 2000
         # Pinned like a CPU stage: process CPU time then counts every thread's share on that core.
@@ -319,7 +279,7 @@ def hot_path_cost(microbatches: int, work: Path, iterations: int = 40000) -> dic
         out["pacing_wall_s"] = idle_wall
         for rank in (0, 1):
             st = out[f"stage{rank}"]
-            own = st["instrumentation_ns_per_iteration"] + st["enqueue_ns_per_iteration"]
+            own = st["queue_ns_per_iteration"]
             st["own_ns_per_iteration"] = own  # the sender on a core of its own (a GPU host)
             st["critical_path_ns_per_iteration"] = own + st["bubbles_per_iteration"] * out["sender_cpu_ns_per_event"]
             st["upper_bound_ns_per_iteration"] = own + 2 * st["bubbles_per_iteration"] * out["sender_cpu_ns_per_event"]
@@ -373,11 +333,12 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
         f"(95% t interval {o['overhead_ci95_t'][0]:+.3%} .. {o['overhead_ci95_t'][1]:+.3%}; BCa bootstrap "
         f"{o['overhead_ci95'][0]:+.3%} .. {o['overhead_ci95'][1]:+.3%}) |",
         f"| overhead, median of pair ratios | {o['overhead_median_of_pairs']:+.3%} |",
-        f"| training-thread cost per iteration, stage 0 / stage 1: hooks + bookkeeping | "
-        f"{h['stage0']['instrumentation_ns_per_iteration'] / 1e3:.1f} / "
-        f"{h['stage1']['instrumentation_ns_per_iteration'] / 1e3:.1f} us |",
-        f"| ... + enqueue of the events | {h['stage0']['enqueue_ns_per_iteration'] / 1e3:.1f} / "
-        f"{h['stage1']['enqueue_ns_per_iteration'] / 1e3:.1f} us |",
+        f"| training-thread cost per iteration, stage 0 / stage 1, events to the reporter's sender thread "
+        f"on another core (queue) | {h['stage0']['queue_ns_per_iteration'] / 1e3:.1f} / "
+        f"{h['stage1']['queue_ns_per_iteration'] / 1e3:.1f} us |",
+        f"| ... events sent by the training thread on the manager's local socket (local, the default on one "
+        f"host) | {h['stage0']['local_ns_per_iteration'] / 1e3:.1f} / "
+        f"{h['stage1']['local_ns_per_iteration'] / 1e3:.1f} us |",
         f"| sender thread CPU per event (gRPC stream write) | {h['sender_cpu_ns_per_event'] / 1e3:.1f} us |",
         f"| **sender on a core of its own (GPU host, single-stage layout): training-thread cost / bare "
         f"iteration time (target <= 0.2%)** | **{own_ns / 1e6 / it_ms:.3%}** |",
@@ -392,11 +353,13 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
         f"Reading: the end-to-end A/B interval is {o['overhead_ci95_t'][1] - o['overhead_ci95_t'][0]:.1%} wide "
         f"(bare iterations vary by {o['iteration_ms_bare_stdev'] / it_ms:.0%}, load average "
         f"{m['loadavg_at_start'][0]:.1f} on {m['cores_usable']} cores), so on this machine it bounds the "
-        "overhead only coarsely; the hot-path rows are the precise figure. Of those, the training "
-        "thread's own work (hooks, bookkeeping, enqueue) is tens of microseconds; the rest is gRPC's "
-        "per-message CPU in the sender thread, which only costs training time where it shares the "
-        "stage's core (the CPU device here; on a GPU host, and in bench_modes' single-stage layout, it runs on a "
-        "core of its own and only the training thread's work counts).",
+        "overhead only coarsely; the hot-path rows are the precise figure (bench.hot_path: 1F1B's order replayed "
+        "with 1 ms of compute per action, every planned wait reported to a real reporter and manager, the "
+        "training thread pinned, the manager and the sender thread on the other core). The training thread "
+        "pays its marks, which run cache-cold after each compute action (microseconds each), the events' "
+        "hand-off, and on the queue route the GIL while the sender thread's Python writes a message; the "
+        "sender's own CPU per message only costs training time where it shares the stage's core (the CPU "
+        "device here; on a GPU host it runs on a core of its own).",
         "",
         "## Bubble length prediction error after warm-up (|predicted - measured| / measured)",
         "",
