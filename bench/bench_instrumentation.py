@@ -229,8 +229,10 @@ def hot_path_cost(microbatches: int, work: Path) -> dict[str, Any]:
     costs = costs_ns(lambda rank: _torch_case("1f1b", rank, microbatches, work / "unused.csv"))
     out: dict[str, Any] = {}
     for rank in (0, 1):
-        planned = InstrumentedSchedule(_walker("1f1b", rank, microbatches, work / "unused.csv"), sink=None,
-                                       device="cpu:0").slots
+        counted = InstrumentedSchedule(_walker("1f1b", rank, microbatches, work / "unused.csv"), sink=None,
+                                       device="cpu:0")
+        planned = counted.slots
+        counted.close()
         out[f"stage{rank}"] = {
             "queue_ns_per_iteration": costs["queue"][rank],
             "local_ns_per_iteration": costs["local"][rank],

@@ -65,7 +65,7 @@ from bench.bench_schedules import (  # noqa: E402
     side_task,
     standalone_rate,
 )
-from bench.hot_path import COMPUTE_US, Case, costs_ns, spin  # noqa: E402
+from bench.hot_path import COMPUTE_US, Case, compute, costs_ns  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
@@ -73,7 +73,7 @@ from freeride.harvest import standalone_step_s, window_of  # noqa: E402
 from freeride.measure import median  # noqa: E402
 from freeride.messages import TaskSpec  # noqa: E402
 from freeride.training.learned_slots import LEARNED_SLOT_BASE  # noqa: E402
-from freeride.training.reporter import BubbleReporter  # noqa: E402
+from freeride.training.tracker import BubbleSink  # noqa: E402
 
 SCHEDULES = ("1f1b", "interleaved")
 
@@ -225,7 +225,7 @@ def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
                     else:
                         timers(timer_name).stop()
                 if start and timer_name.endswith("-compute"):
-                    spin(COMPUTE_US)
+                    compute(COMPUTE_US)
 
         replay.__name__ = megatron_sim.schedule_function(virtual).__name__
         return replay
@@ -235,7 +235,7 @@ def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
         return functools.partial(function, model=model if virtual > 1 else model[0], num_microbatches=microbatches,
                                  p2p_communicator=types.SimpleNamespace(pp_group=megatron_sim.Group(rank, 2)))
 
-    def instrumented(reporter: BubbleReporter) -> tuple[Callable[[], object], Callable[[], None]]:
+    def instrumented(reporter: BubbleSink) -> tuple[Callable[[], object], Callable[[], None]]:
         config = megatron_sim.make_config(2, virtual)
         wrapped = instrument(replay_function(config), reporter, device="cpu:0", report_min_ns=0)
         return call_of(wrapped, config), wrapped.close

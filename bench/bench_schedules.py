@@ -81,14 +81,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
-from bench.hot_path import COMPUTE_US, Case, costs_ns, spin  # noqa: E402
+from bench.hot_path import COMPUTE_US, Case, compute, costs_ns  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
 from freeride.harvest import harvest, measurement_window, standalone_step_s, steady_window  # noqa: E402
 from freeride.measure import median, percentile  # noqa: E402
 from freeride.messages import TaskSpec  # noqa: E402
-from freeride.training.reporter import BubbleReporter  # noqa: E402
+from freeride.training.tracker import BubbleSink  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev", "csv")
 #: Frameworks, each through its adapter (module doc), and the job that runs it.
@@ -294,7 +294,8 @@ def _bubbles(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class _FakeStage:
-    """What torch's schedule constructors and InstrumentedSchedule read of a stage; compute is a spin."""
+    """What torch's schedule constructors and InstrumentedSchedule read of a stage; compute is replayed
+    (:func:`bench.hot_path.compute`)."""
 
     def __init__(self, index: int, stages: int, rank: int, compute_us: float = 0.0) -> None:
         import torch
@@ -306,13 +307,13 @@ class _FakeStage:
         self.compute_us = compute_us
 
     def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
-        spin(self.compute_us)
+        compute(self.compute_us)
 
     def backward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
-        spin(self.compute_us)
+        compute(self.compute_us)
 
     def backward_weight_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
-        spin(self.compute_us)
+        compute(self.compute_us)
 
 
 class _RuntimeWalk:
@@ -396,7 +397,7 @@ def _torch_case(name: str, rank: int, microbatches: int, csv_path: Path) -> Case
 
     walked_name = "1f1b" if name == "torchtitan" else name
 
-    def instrument(reporter: BubbleReporter) -> tuple[Callable[[], object], Callable[[], None]]:
+    def instrument(reporter: BubbleSink) -> tuple[Callable[[], object], Callable[[], None]]:
         walked = _walker(walked_name, rank, microbatches, csv_path, COMPUTE_US)
         if name == "torchtitan":
             wrapped = InstrumentedPipelineSchedule(walked, sink=reporter, device="cpu:0")

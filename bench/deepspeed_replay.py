@@ -17,8 +17,8 @@ from collections.abc import Callable
 from types import MethodType
 from typing import Any
 
-from bench.hot_path import COMPUTE_US, Case, spin
-from freeride.training.reporter import BubbleReporter
+from bench.hot_path import COMPUTE_US, Case, compute
+from freeride.training.tracker import BubbleSink
 
 _WAITING = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P")
 
@@ -70,7 +70,7 @@ class ReplayEngine:
             if self.record:
                 self.ran.append((name, kwargs))
             if computes and self.compute_us:
-                spin(self.compute_us)
+                compute(self.compute_us)
             if name in _WAITING and self.wait_s:
                 time.sleep(self.wait_s)
             if name == "OptimizerStep":
@@ -115,7 +115,7 @@ def deepspeed_case(dualpipev: bool, micro_batches: int, rank: int) -> Case:
     def replay() -> ReplayEngine:
         return ReplayEngine(schedule_type, micro_batches, 2, rank, compute_us=COMPUTE_US, record=False)
 
-    def instrument(reporter: BubbleReporter) -> tuple[Callable[[], object], Callable[[], None]]:
+    def instrument(reporter: BubbleSink) -> tuple[Callable[[], object], Callable[[], None]]:
         engine = replay()
         fds._install(engine, reporter, device="cpu:0").tracker.report_min_ns = 0
         return engine.train_batch, lambda: fds.uninstrument(engine)

@@ -27,7 +27,7 @@ iteration, and the figures held the hooks and the bookkeeping only.)
 **Spaced as in training.** Each action computes ``compute_us`` (300 us: longer than the manager takes to
 handle an event), so the manager's loop is asleep when an event comes, as between a trainer's actions,
 and the reporter's sender thread has sent the last event: a replay without compute would send a burst
-that finds the manager awake (cheaper sends) or a queue still draining. Both sides spin alike; the
+that finds the manager awake (cheaper sends) or a queue still draining. Both sides compute alike; the
 difference is the instrumentation's.
 """
 
@@ -49,6 +49,7 @@ from bench.bench_control_plane import control_cpus, start_manager
 from freeride.endpoints import Endpoint
 from freeride.measure import median
 from freeride.training.reporter import BubbleReporter
+from freeride.training.tracker import BubbleSink
 
 ROUTES = ("queue", "local")
 #: Busy time per compute action of a replay (module doc).
@@ -58,22 +59,20 @@ COMPUTE_US = 1000.0
 def _bytes_per_us() -> float:
     """How many bytes SHA-256 hashes per microsecond here (best of a few tries)."""
     data = bytes(1 << 18)
-    best = min(_timed_hash(data) for _ in range(5))
-    return len(data) / max(best / 1000, 1.0)
-
-
-def _timed_hash(data: bytes) -> int:
-    t0 = time.perf_counter_ns()
-    hashlib.sha256(data)
-    return time.perf_counter_ns() - t0
+    best_ns = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        hashlib.sha256(data)
+        best_ns = min(best_ns, time.perf_counter_ns() - t0)
+    return len(data) / max(best_ns / 1000, 1.0)
 
 
 _compute_buffers: dict[float, bytes] = {}
-#: Wall ns spent in :func:`spin` so far: a batch's time less this is the time between compute actions.
+#: Wall ns spent in :func:`compute` so far: a batch's time less this is the time between compute actions.
 _computed_ns = 0
 
 
-def spin(us: float) -> None:
+def compute(us: float) -> None:
     """A replayed compute action of about ``us`` microseconds, as a framework's compute is: one call into C
     that holds the GIL released throughout and touches memory (hashing ``us`` worth of bytes), so that the
     training thread's own Python runs cache-cold after it and the reporter's sender thread may take the GIL
@@ -97,7 +96,7 @@ class Case:
     call that undoes it."""
 
     bare: Callable[[], object]
-    instrument: Callable[[BubbleReporter], tuple[Callable[[], object], Callable[[], None]]]
+    instrument: Callable[[BubbleSink], tuple[Callable[[], object], Callable[[], None]]]
 
 
 @contextmanager
@@ -129,7 +128,7 @@ def _reporter(endpoint: Endpoint, rank: int, route: str) -> BubbleReporter:
 def paired_ns(bare: Callable[[], object], inst: Callable[[], object], rounds: int, per_batch: int) -> float:
     """The median over ``rounds`` pairs of batches (each ``per_batch`` iterations, the pair in random order)
     of the instrumented iteration's ns less the bare one's, each counted outside its compute actions (a
-    batch's wall time less the time in :func:`spin`: the compute's own jitter, a few percent of it, would
+    batch's wall time less the time in :func:`compute`: the compute's own jitter, a few percent of it, would
     otherwise swamp the difference)."""
     for _ in range(3):  # warm-up: the tracker's model and the reporter's route settle
         bare()

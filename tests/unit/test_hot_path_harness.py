@@ -42,7 +42,7 @@ class Recorder:
 
 def _reported(case: hot_path.Case) -> Recorder:
     recorder = Recorder()
-    step, undo = case.instrument(recorder)  # type: ignore[arg-type]
+    step, undo = case.instrument(recorder)
     try:
         for _ in range(ITERATIONS):
             step()
@@ -85,11 +85,11 @@ def test_deepspeed_replay_reports_every_planned_wait_of_every_iteration(dualpipe
 
 
 def test_replayed_compute_is_counted_apart_from_the_gaps() -> None:
-    """``paired_ns`` subtracts the time spent in :func:`hot_path.spin`: the counter it reads grows by each
+    """``paired_ns`` subtracts the time spent in :func:`hot_path.compute`: the counter it reads grows by each
     compute action's own time, and only there."""
     before = hot_path._computed_ns
-    hot_path.spin(200.0)
+    hot_path.compute(200.0)
     grown = hot_path._computed_ns - before
     assert grown > 0
-    hot_path.spin(0.0)
+    hot_path.compute(0.0)
     assert hot_path._computed_ns - before == grown
