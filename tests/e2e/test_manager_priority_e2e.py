@@ -17,8 +17,14 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")]
 
 
+def _group(pid: int) -> str:
+    """The autogroup ``pid`` runs in, as the kernel names it ("/autogroup-N nice K"); "" for the default
+    group that a process whose session began before autogroups (a container's init, say) stays in."""
+    return Path(f"/proc/{pid}/autogroup").read_text().strip()
+
+
 def _group_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    return int(_group(pid).split()[-1])
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a nice below 0 needs CAP_SYS_NICE (CI runs as root)")
@@ -34,12 +40,13 @@ def test_a_manager_leading_its_session_runs_its_autogroup_at_the_managers_nice(t
 
 def test_a_manager_in_its_callers_session_leaves_that_sessions_autogroup_alone_and_says_why(
         tmp_path: Path) -> None:
-    before = _group_nice(os.getpid())
+    before = _group(os.getpid())
     daemon = start_daemon(socket_path("prio-shared"), tmp_path / "state")
     try:
-        assert _group_nice(daemon.pid) == before  # this test's session: the shell's, pytest's
+        assert _group(daemon.pid) == before  # this test's session: the shell's, pytest's
     finally:
         stop_daemon(daemon)
+    assert _group(os.getpid()) == before
     assert daemon.stderr is not None
     assert "does not lead its session" in daemon.stderr.read().decode()
 

@@ -358,7 +358,15 @@ def test_close_never_waits_long_behind_a_stuck_nvml_call() -> None:
     device = cuda(0, nvml, {})
     stuck = threading.Event()
     nvml.module.hang_on["nvmlDeviceGetComputeRunningProcesses"] = stuck
-    reader = threading.Thread(target=device.process_memory_bytes, args=([1],), daemon=True)
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            device.process_memory_bytes([1])
+        except DeviceError as exc:
+            failures.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     wait_for(lambda: nvml.calls[-1] == "nvmlDeviceGetComputeRunningProcesses", 10)
     started = time.monotonic()
@@ -366,6 +374,8 @@ def test_close_never_waits_long_behind_a_stuck_nvml_call() -> None:
     assert time.monotonic() - started < 2 and nvml.shutdowns == 0
     stuck.set()
     reader.join(10)
+    assert not reader.is_alive()
+    assert len(failures) == 1 and "NVML was shut down" in str(failures[0])  # told, not given a stale figure
 
 
 def test_inherited_cuda_settings_are_named_once_at_start(caplog: pytest.LogCaptureFixture) -> None:
