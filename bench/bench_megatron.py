@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 FRAMEWORK_TESTS = REPO / "tests" / "frameworks"
 sys.path.insert(0, str(REPO))
 
+from bench import hot_path  # noqa: E402
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
 from bench.bench_schedules import (  # noqa: E402
     GAP_NS,
@@ -65,7 +66,7 @@ from bench.bench_schedules import (  # noqa: E402
     side_task,
     standalone_rate,
 )
-from bench.hot_path import COMPUTE_US, Case, compute, costs_ns  # noqa: E402
+from bench.hot_path import ROUTES, Case, compute, costs_ns  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
@@ -204,7 +205,7 @@ def _timer_calls(virtual: int, rank: int, microbatches: int) -> list[tuple[str, 
 
 def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
     """Megatron's timer calls of one iteration of ``rank`` (recorded from its real schedule function, run in
-    process) replayed by a function under Megatron's name, each compute timer ``COMPUTE_US`` of busy time
+    process) replayed by a function under Megatron's name, each compute timer ``hot_path.COMPUTE_US`` of busy time
     (:mod:`bench.hot_path`): bare, it skips the timers as Megatron does when the trainer set none;
     instrumented, every call goes through the chained timers and the tracker's marks to the reporter."""
     sys.path.insert(0, str(FRAMEWORK_TESTS))
@@ -214,6 +215,7 @@ def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
 
     virtual = 2 if name == "interleaved" else 1
     calls = _timer_calls(virtual, rank, microbatches)
+    compute_us = hot_path.COMPUTE_US
 
     def replay_function(config: Any) -> Callable[..., None]:
         def replay(**kwargs: Any) -> None:
@@ -225,7 +227,7 @@ def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
                     else:
                         timers(timer_name).stop()
                 if start and timer_name.endswith("-compute"):
-                    compute(COMPUTE_US)
+                    compute(compute_us)
 
         replay.__name__ = megatron_sim.schedule_function(virtual).__name__
         return replay
@@ -244,13 +246,13 @@ def _megatron_case(name: str, microbatches: int, rank: int) -> Case:
     return Case(call_of(replay_function(config), config), instrumented)
 
 
-def hot_path_ns(name: str, microbatches: int) -> dict[str, list[float]]:
+def hot_path_ns(name: str, microbatches: int, routes: tuple[str, ...] = ROUTES) -> dict[str, list[float]]:
     """Per route, the training-thread ns per iteration the instrumentation adds, per rank (bench.hot_path)."""
     sys.path.insert(0, str(FRAMEWORK_TESTS))
     from framework_support import one_process_group
 
     with one_process_group():
-        return costs_ns(lambda rank: _megatron_case(name, microbatches, rank))
+        return costs_ns(lambda rank: _megatron_case(name, microbatches, rank), routes=routes)
 
 
 def write_markdown(doc: dict[str, Any], path: Path) -> None:

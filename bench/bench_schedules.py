@@ -80,8 +80,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import hot_path  # noqa: E402
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
-from bench.hot_path import COMPUTE_US, Case, compute, costs_ns  # noqa: E402
+from bench.hot_path import ROUTES, Case, compute, costs_ns  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from freeride._manager.trace import read_trace  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
@@ -398,7 +399,7 @@ def _torch_case(name: str, rank: int, microbatches: int, csv_path: Path) -> Case
     walked_name = "1f1b" if name == "torchtitan" else name
 
     def instrument(reporter: BubbleSink) -> tuple[Callable[[], object], Callable[[], None]]:
-        walked = _walker(walked_name, rank, microbatches, csv_path, COMPUTE_US)
+        walked = _walker(walked_name, rank, microbatches, csv_path, hot_path.COMPUTE_US)
         if name == "torchtitan":
             wrapped = InstrumentedPipelineSchedule(walked, sink=reporter, device="cpu:0")
             wrapped.instrumented.tracker.report_min_ns = 0
@@ -406,16 +407,17 @@ def _torch_case(name: str, rank: int, microbatches: int, csv_path: Path) -> Case
         inst = InstrumentedSchedule(walked, sink=reporter, device="cpu:0", report_min_ns=0)
         return inst.step, inst.close
 
-    return Case(_walker(walked_name, rank, microbatches, csv_path, COMPUTE_US).step, instrument)
+    return Case(_walker(walked_name, rank, microbatches, csv_path, hot_path.COMPUTE_US).step, instrument)
 
 
-def hot_path_ns(name: str, microbatches: int, csv_path: Path) -> dict[str, list[float]]:
+def hot_path_ns(name: str, microbatches: int, csv_path: Path,
+                routes: tuple[str, ...] = ROUTES) -> dict[str, list[float]]:
     """Per route, the training-thread ns per iteration the instrumentation adds, per rank (module doc)."""
     if name.startswith("deepspeed"):
         from bench.deepspeed_replay import deepspeed_case
 
-        return costs_ns(lambda rank: deepspeed_case(name.endswith("dualpipev"), microbatches, rank))
-    return costs_ns(lambda rank: _torch_case(name, rank, microbatches, csv_path))
+        return costs_ns(lambda rank: deepspeed_case(name.endswith("dualpipev"), microbatches, rank), routes=routes)
+    return costs_ns(lambda rank: _torch_case(name, rank, microbatches, csv_path), routes=routes)
 
 
 # ---------------------------------------------------------------- report

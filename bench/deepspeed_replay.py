@@ -17,7 +17,8 @@ from collections.abc import Callable
 from types import MethodType
 from typing import Any
 
-from bench.hot_path import COMPUTE_US, Case, compute
+from bench import hot_path
+from bench.hot_path import Case, compute
 from freeride.training.tracker import BubbleSink
 
 _WAITING = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P")
@@ -113,7 +114,7 @@ def deepspeed_case(dualpipev: bool, micro_batches: int, rank: int) -> Case:
     schedule_type = DualPipeVSchedule if dualpipev else TrainSchedule
 
     def replay() -> ReplayEngine:
-        return ReplayEngine(schedule_type, micro_batches, 2, rank, compute_us=COMPUTE_US, record=False)
+        return ReplayEngine(schedule_type, micro_batches, 2, rank, compute_us=hot_path.COMPUTE_US, record=False)
 
     def instrument(reporter: BubbleSink) -> tuple[Callable[[], object], Callable[[], None]]:
         engine = replay()

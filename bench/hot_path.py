@@ -24,6 +24,10 @@ every planned position report (``report_min_ns=0``), as the real runs' long wait
 events' cost is in the figure. (Until this harness, the replays reported nothing after their second
 iteration, and the figures held the hooks and the bookkeeping only.)
 
+``tracker``
+    not a route: the adapter's hooks and the rank tracker with a sink that drops every event, so that the
+    marks' own share of the figure shows (``python -m bench.hot_path --routes tracker,queue,local``).
+
 **Spaced as in training.** Each action computes ``compute_us`` (300 us: longer than the manager takes to
 handle an event), so the manager's loop is asleep when an event comes, as between a trainer's actions,
 and the reporter's sender thread has sent the last event: a replay without compute would send a burst
@@ -44,6 +48,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.bench_control_plane import control_cpus, start_manager
 from freeride.endpoints import Endpoint
@@ -52,7 +57,9 @@ from freeride.training.reporter import BubbleReporter
 from freeride.training.tracker import BubbleSink
 
 ROUTES = ("queue", "local")
-#: Busy time per compute action of a replay (module doc).
+#: The marks alone: every event dropped at the sink (module doc).
+TRACKER = "tracker"
+#: Busy time per compute action of a replay (module doc); the replays read it when they are built.
 COMPUTE_US = 1000.0
 
 
@@ -113,6 +120,17 @@ def _manager() -> Iterator[Endpoint]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+class _Dropped:
+    """The ``tracker`` part's sink: every event dropped."""
+
+    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
+                     start_ns: int | None = None, learned: bool = False) -> None:
+        pass
+
+    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
+        pass
+
+
 def _reporter(endpoint: Endpoint, rank: int, route: str) -> BubbleReporter:
     reporter = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=endpoint, local_events=route == "local",
                               cpu_affinity=control_cpus())
@@ -148,43 +166,62 @@ def paired_ns(bare: Callable[[], object], inst: Callable[[], object], rounds: in
 
 
 def costs_ns(case_of: Callable[[int], Case], ranks: tuple[int, ...] = (0, 1), *, rounds: int = 10,
-             per_batch: int = 20) -> dict[str, list[float]]:
-    """Per route (:data:`ROUTES`), the training thread's ns per iteration the instrumentation adds, per rank."""
+             per_batch: int = 20, routes: tuple[str, ...] = ROUTES) -> dict[str, list[float]]:
+    """Per route (:data:`ROUTES`, or :data:`TRACKER`), the training thread's ns per iteration the
+    instrumentation adds, per rank."""
+    unknown = set(routes) - {*ROUTES, TRACKER}
+    if unknown:
+        raise ValueError(f"unknown route(s) {sorted(unknown)}: pick from {', '.join((*ROUTES, TRACKER))}")
     allowed = os.sched_getaffinity(0)
     training_core = {min(allowed - control_cpus() or allowed)}
-    out: dict[str, list[float]] = {route: [] for route in ROUTES}
+    out: dict[str, list[float]] = {route: [] for route in routes}
     with _manager() as endpoint:
         for rank in ranks:
             case = case_of(rank)
-            for route in ROUTES:
-                reporter = _reporter(endpoint, rank, route)
-                step, undo = case.instrument(reporter)
+            for route in routes:
+                reporter = None if route == TRACKER else _reporter(endpoint, rank, route)
+                step, undo = case.instrument(_Dropped() if reporter is None else reporter)
                 os.sched_setaffinity(0, training_core)  # this (the training) thread only
                 try:
                     out[route].append(paired_ns(case.bare, step, rounds, per_batch))
                 finally:
                     os.sched_setaffinity(0, allowed)
                     undo()
-                    reporter.close()
+                    if reporter is not None:
+                        reporter.close()
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.hot_path [--schedules a,b]``: the figures alone, per rank and route, in us per
-    iteration and as a share of the median iteration of the last committed run of the same schedule
-    (``bench/results/cpu/{schedules,frameworks,megatron}-spin.json``)."""
+    """``python -m bench.hot_path [--schedules a,b] [--routes r,s] [--compute-us N] [--results-name NAME]``: the
+    figures alone, per rank and route, in us per iteration and as a share of the median iteration of the last
+    committed run of the same schedule (``bench/results/cpu/{schedules,frameworks,megatron}-spin.json``);
+    with ``--results-name``, also written to ``bench/results/cpu/NAME.{json,md}``."""
     import argparse
     import json
-    import tempfile
+    import sys
 
     from bench import bench_megatron, bench_schedules
+    from bench.machine import machine_info
 
+    global COMPUTE_US
     p = argparse.ArgumentParser(prog="python -m bench.hot_path", description=main.__doc__)
     p.add_argument("--schedules", default=",".join(bench_schedules.SCHEDULES),
                    help="comma-separated torch schedules, frameworks (deepspeed, deepspeed-dualpipev, torchtitan) "
                         "and megatron-1f1b, megatron-interleaved")
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--routes", default=",".join(ROUTES),
+                   help=f"comma-separated, of {', '.join((*ROUTES, TRACKER))} ({TRACKER}: the marks alone, every "
+                        "event dropped)")
+    p.add_argument("--compute-us", type=float, default=COMPUTE_US,
+                   help="busy time per compute action (0: the marks back to back, cache-warm)")
+    p.add_argument("--results-name", help="also write bench/results/cpu/NAME.json and NAME.md")
     args = p.parse_args(argv)
+    routes = tuple(r.strip() for r in args.routes.split(",") if r.strip())
+    bad = [r for r in routes if r not in (*ROUTES, TRACKER)]
+    if bad or not routes or args.compute_us < 0:
+        p.error(f"--routes takes {', '.join((*ROUTES, TRACKER))}; --compute-us 0 or more")
+    COMPUTE_US = args.compute_us
     results = Path(__file__).resolve().parent / "results" / "cpu"
     iteration_ms: dict[str, list[float]] = {}
     for name, prefix in (("schedules-spin", ""), ("frameworks-spin", ""), ("megatron-spin", "megatron-")):
@@ -194,18 +231,57 @@ def main(argv: list[str] | None = None) -> int:
                 iteration_ms[prefix + run["schedule"]] = [r["iteration_ms_p50"] for r in run["ranks"]]
     csv_path = Path(tempfile.mkdtemp(prefix="fr-hot-")) / "megatron-interleaved.csv"
     bench_schedules.write_csv_order(csv_path, args.microbatches)
+    rows: list[dict[str, object]] = []
     for name in [n.strip() for n in args.schedules.split(",") if n.strip()]:
         if name.startswith("megatron-"):
-            costs = bench_megatron.hot_path_ns(name.removeprefix("megatron-"), args.microbatches)
+            costs = bench_megatron.hot_path_ns(name.removeprefix("megatron-"), args.microbatches, routes)
         else:
-            costs = bench_schedules.hot_path_ns(name, args.microbatches, csv_path)
+            costs = bench_schedules.hot_path_ns(name, args.microbatches, csv_path, routes)
         for rank in (0, 1):
             its = iteration_ms.get(name)
-            shares = " / ".join(f"{100 * costs[r][rank] / 1e6 / its[rank]:.3f}%" for r in ROUTES) if its else "-"
-            print(f"{name} rank {rank}: " + " / ".join(f"{costs[r][rank] / 1e3:.0f}" for r in ROUTES)
-                  + f" us an iteration ({' / '.join(ROUTES)}); {shares} of the last run's median iteration",
+            row = {"schedule": name, "rank": rank, "us_per_iteration": {r: costs[r][rank] / 1e3 for r in routes},
+                   "last_iteration_ms_p50": its[rank] if its else None}
+            rows.append(row)
+            shares = " / ".join(f"{100 * costs[r][rank] / 1e6 / its[rank]:.3f}%" for r in routes) if its else "-"
+            print(f"{name} rank {rank}: " + " / ".join(f"{costs[r][rank] / 1e3:.0f}" for r in routes)
+                  + f" us an iteration ({' / '.join(routes)}); {shares} of the last run's median iteration",
                   flush=True)
+    if args.results_name:
+        command = " ".join(["python -m bench.hot_path", *(sys.argv[1:] if argv is None else argv)])
+        doc = {"command": command, "machine": machine_info(), "compute_us": COMPUTE_US,
+               "microbatches": args.microbatches, "routes": list(routes), "rows": rows}
+        (results / f"{args.results_name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        write_markdown(doc, results / f"{args.results_name}.md")
     return 0
+
+
+def write_markdown(doc: dict[str, Any], path: Path) -> None:
+    """``doc`` (:func:`main`'s results) as a table: us per iteration per route, and each as a share of the last
+    committed run's median iteration."""
+    m = doc["machine"]
+    routes = doc["routes"]
+    lines = [
+        "# What the instrumentation costs the training thread, by part",
+        "",
+        f"`{doc['command']}` on {m['cpu']} ({m['cores']} cores), {doc['microbatches']} micro-batches, "
+        f"{doc['compute_us']:g} us of compute per action (`bench.hot_path`: the median over paired, shuffled "
+        "batches of the time outside compute; the training thread pinned to one core, the manager and the "
+        f"reporter's sender thread on the others). `{TRACKER}`: the adapter's hooks and the tracker, every "
+        "event dropped at the sink; `queue`: events to the reporter's sender thread; `local`: each event sent "
+        "on the manager's local socket by the training thread. Share: of the median iteration of the last "
+        "committed bench run of that schedule (`*-spin.json`).",
+        "",
+        "| schedule | rank | " + " | ".join(f"{r} us/it" for r in routes) + " | " + " | ".join(
+            f"{r} share" for r in routes) + " |",
+        "|---|---|" + "---|" * (2 * len(routes)),
+    ]
+    for row in doc["rows"]:
+        us = row["us_per_iteration"]
+        its = row["last_iteration_ms_p50"]
+        shares = [f"{100 * us[r] / 1e3 / its:.3f}%" if its else "-" for r in routes]
+        lines.append(f"| {row['schedule']} | {row['rank']} | " + " | ".join(f"{us[r]:.0f}" for r in routes)
+                     + " | " + " | ".join(shares) + " |")
+    path.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

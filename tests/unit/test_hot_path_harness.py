@@ -66,7 +66,7 @@ def test_torch_replay_reports_every_planned_wait_of_every_iteration(name: str, t
     pytest.importorskip("torch")
     from bench import bench_schedules
 
-    monkeypatch.setattr(bench_schedules, "COMPUTE_US", 0.0)
+    monkeypatch.setattr(hot_path, "COMPUTE_US", 0.0)
     csv_path = tmp_path / "order.csv"
     bench_schedules.write_csv_order(csv_path, 4)
     for rank in (0, 1):
@@ -79,7 +79,7 @@ def test_deepspeed_replay_reports_every_planned_wait_of_every_iteration(dualpipe
     pytest.importorskip("deepspeed")
     from bench import deepspeed_replay
 
-    monkeypatch.setattr(deepspeed_replay, "COMPUTE_US", 0.0)
+    monkeypatch.setattr(hot_path, "COMPUTE_US", 0.0)
     for rank in (0, 1):
         _every_iteration(_reported(deepspeed_replay.deepspeed_case(dualpipev, 4, rank)))
 
@@ -93,3 +93,26 @@ def test_replayed_compute_is_counted_apart_from_the_gaps() -> None:
     assert grown > 0
     hot_path.compute(0.0)
     assert hot_path._computed_ns - before == grown
+
+
+def test_an_unknown_route_is_refused_before_any_manager_starts() -> None:
+    def no_case(rank: int) -> hot_path.Case:
+        raise AssertionError("no case is built for a refused route")
+
+    with pytest.raises(ValueError, match=r"unknown route\(s\) \['wire'\]: pick from queue, local, tracker"):
+        hot_path.costs_ns(no_case, routes=("queue", "wire"))
+
+
+def test_the_parts_table_gives_each_route_per_iteration_and_as_a_share_of_the_last_runs_iteration(
+        tmp_path: Path) -> None:
+    doc = {"command": "python -m bench.hot_path --routes tracker,queue", "compute_us": 1000.0, "microbatches": 8,
+           "machine": {"cpu": "a CPU", "cores": 2}, "routes": ["tracker", "queue"],
+           "rows": [{"schedule": "1f1b", "rank": 0, "us_per_iteration": {"tracker": 300.0, "queue": 450.0},
+                     "last_iteration_ms_p50": 150.0},
+                    {"schedule": "zbv", "rank": 1, "us_per_iteration": {"tracker": 80.0, "queue": 95.0},
+                     "last_iteration_ms_p50": None}]}
+    hot_path.write_markdown(doc, tmp_path / "parts.md")
+    text = (tmp_path / "parts.md").read_text()
+    assert "| schedule | rank | tracker us/it | queue us/it | tracker share | queue share |" in text
+    assert "| 1f1b | 0 | 300 | 450 | 0.200% | 0.300% |" in text
+    assert "| zbv | 1 | 80 | 95 | - | - |" in text
