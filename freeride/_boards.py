@@ -33,14 +33,18 @@ Each record's identity word is written last and read first; a stale companion wo
 could only skew a measurement, never a decision.
 
 Files are written whole when made (``pwrite`` of zeros, not ``ftruncate``): a sparse page would be
-allocated on the first store, and a full disk then answers with SIGBUS instead of an error here.
+allocated on the first store, and a full disk then answers with SIGBUS instead of an error here. For the
+same reason a board is never reset in place: a restarted manager renames a fresh one over it (``_make``),
+and a trainer still mapping the old one writes there, harmlessly, until it reconnects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
+import tempfile
 from pathlib import Path
 
 _WORD = struct.Struct("<q")
@@ -55,12 +59,23 @@ _STEP, _ENDED_GRANT, _ENDED_AT, _DONE = 0, 8, 16, 24
 
 
 def _make(path: Path, size: int, initial: bytes = b"") -> None:
-    """Create (or reset) ``path`` with ``size`` bytes written: ``initial`` then zeros; owner-only."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    """Create (or replace) ``path`` with ``size`` bytes written: ``initial`` then zeros; owner-only.
+
+    Made aside and renamed into place, never truncated where it lies: a process may still map the old
+    file (a trainer's reporter keeps the board of a manager that was killed until it reconnects; an
+    orphaned worker keeps its board), and a store to a mapped page that a truncate took away is a
+    SIGBUS, which no ``except`` catches. The old file lives on, unlinked, for whoever maps it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600
     try:
-        os.pwrite(fd, initial.ljust(size, b"\0"), 0)
-    finally:
-        os.close(fd)
+        try:
+            os.pwrite(fd, initial.ljust(size, b"\0"), 0)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _map(path: Path, size: int, writable: bool) -> mmap.mmap:
