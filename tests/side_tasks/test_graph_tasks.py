@@ -190,3 +190,28 @@ def test_a_graph_file_that_does_not_exist_is_refused_when_the_task_is_built(task
 
     with pytest.raises(DataFormatError, match=r"nope\.mtx: graph file not found"):
         task(graph=str(tmp_path / "nope.mtx"))
+
+
+@pytest.mark.parametrize("task, graph", [(PageRank, "rmat:14"), (BFS, "rmat:12"), (ConnectedComponents, "rmat:18")])
+def test_a_bundled_graph_task_runs_under_its_own_estimate_as_its_memory_cap(task: type[PageRank | BFS |
+                                                                                       ConnectedComponents],
+                                                                             graph: str, tmp_path: Path) -> None:
+    """``run-task`` without ``--memory`` caps the task at its estimate, as a submission without one does.
+    Regression: every size ran 1-3 MiB over it (the README's own ``run-task`` example failed), and
+    ConnectedComponents' step on rmat:18 over 100 MiB."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-m", "freeride.cli", "run-task", f"side_tasks.graphs:{task.__name__}",
+                          "--arg", f"graph={graph}", "--device", "cpu:0", "--seconds", "2", "--work-dir",
+                          str(tmp_path / "w"), "--json"], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["steps"] >= 1
+    assert report["memory_limit_bytes"] == task.estimate_memory(graph=graph)
+    assert 0 < report["peak_memory_bytes"] <= report["memory_limit_bytes"]
