@@ -433,7 +433,8 @@ def _install(
 
     def make_tracker(p: PlannedOrders) -> RankTracker:
         return RankTracker(p.orders, rank, reporter, num_stages=p.num_stages, device=device,
-                           on_iteration=on_iteration, learning=learning)
+                           on_iteration=on_iteration, learning=learning,
+                           schedule=f"deepspeed-{schedule_type.__name__}")
 
     handle = Instrumentation(engine, make_tracker, plan, schedule_type)
     handle._hooks.install()

@@ -198,7 +198,7 @@ class InstrumentedSchedule:
             orders, rank, sink, num_stages=num_stages, device=device, clock=clock, predictor=predictor,
             learning=learning, on_iteration=on_iteration, on_action_end=on_action_end,
             report_min_ns=report_min_ns, remodel_iterations=remodel_iterations, time_actions=time_actions,
-            waits_follow_compute=True,
+            waits_follow_compute=True, schedule=type(schedule).__name__,
         )
         self.rank = rank
         self._restore: list[tuple[object, str, Any]] = []  # (object, attribute, its own value or _ABSENT)

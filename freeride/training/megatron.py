@@ -495,7 +495,8 @@ class InstrumentedForwardBackward:
                      self._shape, shape)
             self.tracker.close()
         self.tracker = RankTracker(orders, shape.rank, self.sink, num_stages=shape.ranks * shape.virtual,
-                                   device=self.device, receive_at=receive_at, **self._options)
+                                   device=self.device, receive_at=receive_at,
+                                   schedule=f"megatron-{self.schedule}", **self._options)
         self._current_marks = _Marks(self.tracker, orders[shape.rank], gaps_as_waits=shape.overlap)
         self._shape = shape
 

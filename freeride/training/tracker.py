@@ -201,7 +201,11 @@ class RankTracker:
     thread with each delivered iteration's reported bubbles; ``on_action_end(kind, stage, mb)`` at
     every ``compute_end``, before its mark (a measuring hook: it must return in microseconds).
     ``receive_at`` tells where a framework that receives ahead waits for an action's input
-    (:mod:`freeride.training.rank_slots`).
+    (:mod:`freeride.training.rank_slots`). ``schedule`` names the schedule (an adapter passes its class or
+    function name): before the first iteration's first bubble, a sink that takes layouts (a
+    :class:`~freeride.training.reporter.BubbleReporter`) is told the job's layout (the schedule, the model
+    stages, the micro-batches of ``orders``), so that a manager that served an earlier job of another shape
+    forgets that job's bubbles (``freeride bubbles`` then shows this job's only).
     """
 
     def __init__(
@@ -222,10 +226,15 @@ class RankTracker:
         time_actions: bool = False,
         waits_follow_compute: bool = False,
         receive_at: ReceiveAt | None = None,
+        schedule: str | None = None,
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
         self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at)
+        microbatches = 1 + max((a.microbatch for order in orders.values() for a in order), default=-1)
+        #: (schedule, model stages, micro-batches), until it has been reported (class doc).
+        self._layout: tuple[str, int, int] | None = (
+            (schedule, self.plan.num_stages, microbatches) if schedule and hasattr(sink, "report_layout") else None)
         self.rank = rank
         self.sink = sink
         self.on_iteration = on_iteration
@@ -287,12 +296,24 @@ class RankTracker:
     def iteration_begin(self) -> None:
         self._deliver()
         self.memory.refresh()
+        if self._layout is not None:
+            self._report_layout()
         self._cursor = 0
         self._ordinal = 0
         self._waiting = False
         self._emit(self._timeline.begin, self.iteration, None)
         if self._follows[0]:
             self.wait_begin()
+
+    def _report_layout(self) -> None:
+        assert self._layout is not None
+        schedule, stages, microbatches = self._layout
+        self._layout = None
+        try:
+            self.sink.report_layout(schedule, stages, microbatches,  # type: ignore[union-attr]
+                                    free_memory_bytes=self.memory.free_bytes())
+        except Exception:  # noqa: BLE001 - a sink's failure never reaches the training loop
+            log.debug("layout not reported", exc_info=True)
 
     def iteration_end(self) -> None:
         self._waiting = False

@@ -304,3 +304,58 @@ def test_orders_the_tracker_cannot_use_are_refused_clearly() -> None:
         RankTracker({0: [Action("F", 0, 0)], 1: [Action("F", 0, 1)]}, 0)
     with pytest.raises(ConfigError, match="report_min_ns"):
         RankTracker({0: [Action("F", 0, 0)]}, 0, report_min_ns=-1)
+
+
+class LayoutSink(Sink):
+    """A sink that takes layouts, as a BubbleReporter does; ``calls`` holds every call in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def bubble_start(self, *args: Any, **kwargs: Any) -> None:
+        super().bubble_start(*args, **kwargs)
+        self.calls.append(("start",))
+
+    def report_layout(self, schedule: str, stages: int, microbatches: int, stage_devices: tuple[str, ...] = (),
+                      free_memory_bytes: int = -1, at_ns: int | None = None) -> None:
+        self.calls.append(("layout", schedule, stages, microbatches))
+
+
+def test_a_named_schedule_reports_its_layout_once_before_the_first_bubble() -> None:
+    """A manager that served a job of another shape forgets its bubbles at a new layout: without one, ``freeride
+    bubbles`` mixed two jobs' slots (found trying Interleaved1F1B after a CSV schedule on long-lived managers)."""
+    orders = build_schedule("1f1b", 2, 6).orders
+    sink = LayoutSink()
+    tracker = RankTracker(orders, 1, sink, clock=FakeClock, schedule="Schedule1F1B")
+    clock = tracker.clock
+    assert isinstance(clock, FakeClock)
+    for _ in range(3):
+        run_iteration(tracker, clock, {"F": 1, "B": 2}, {(0, 0): 3, (2, 0): 0.5})
+    assert sink.calls[0] == ("layout", "Schedule1F1B", 2, 6)
+    assert [c for c in sink.calls if c[0] == "layout"] == [sink.calls[0]] and len(sink.starts) == 6
+
+
+def test_no_layout_is_reported_without_a_schedule_name_or_to_a_sink_that_takes_none() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    sink = LayoutSink()
+    tracker = RankTracker(orders, 0, sink, clock=FakeClock)
+    run_iteration(tracker, tracker.clock, {"F": 1, "B": 2}, {(4, 0): 3})  # type: ignore[arg-type]
+    assert all(c[0] == "start" for c in sink.calls) and sink.calls
+    plain = Sink()  # no report_layout: a recorder, a user's own sink
+    tracker = RankTracker(orders, 0, plain, clock=FakeClock, schedule="ScheduleGPipe")
+    run_iteration(tracker, tracker.clock, {"F": 1, "B": 2}, {(4, 0): 3})  # type: ignore[arg-type]
+    assert len(plain.starts) == 1
+
+
+def test_a_sink_whose_layout_report_raises_never_stops_the_training_loop() -> None:
+    class Broken(LayoutSink):
+        def report_layout(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("sink broke")
+
+    orders = build_schedule("gpipe", 2, 4).orders
+    sink = Broken()
+    tracker = RankTracker(orders, 0, sink, clock=FakeClock, schedule="ScheduleGPipe")
+    run_iteration(tracker, tracker.clock, {"F": 1, "B": 2}, {(4, 0): 3})  # type: ignore[arg-type]
+    run_iteration(tracker, tracker.clock, {"F": 1, "B": 2}, {(4, 0): 3})  # type: ignore[arg-type]
+    assert len(sink.starts) == 2
