@@ -8,8 +8,9 @@
                      [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
                       [--queue-hold-ms 5000] [--node NAME]]
 
-It serves until SIGTERM or SIGINT, then parks and checkpoints every task and exits 0 (a second
-signal stops at once). Bad options exit 2 with one line; a TCP endpoint needs a token.
+It serves until SIGTERM or SIGINT, then parks and checkpoints every task and exits 0 (a SIGINT
+meanwhile stops at once; a second SIGTERM changes nothing). Bad options exit 2 with one line; a TCP
+endpoint needs a token.
 ``--metrics-port`` also serves Prometheus metrics at ``http://ADDRESS:PORT/metrics`` (0: a free
 port, announced on stderr); without it no metrics are served. A port in use exits 2.
 
@@ -267,8 +268,8 @@ class _AnnouncingManager(Manager):
             return  # the loop warns of an immediate stop itself; a repeated SIGTERM changes nothing
         self._stop_announced = True
         print(f"freeride manager for {self.device}: stopping: draining first (parking and checkpointing every "
-              "task; one that does not stop is killed after --stop-timeout-s); Ctrl-C again stops at once, "
-              "without checkpoints", file=sys.stderr, flush=True)
+              "task; one that does not stop is killed after --stop-timeout-s); a Ctrl-C (SIGINT) now stops "
+              "at once, without checkpoints", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -110,7 +110,10 @@ def make_schedule(schedule: str, stages: Sequence[Any], microbatches: int, loss_
         return cls(stages[0], microbatches, loss_fn=loss_fn)
     sched = cls(list(stages), microbatches, loss_fn=loss_fn)
     if schedule == "csv":
-        sched._load_csv(str(csv_path), format="compute_only")
+        try:
+            sched._load_csv(str(csv_path), format="compute_only")
+        except (RuntimeError, ValueError, KeyError, IndexError) as exc:  # torch's parse of a cell or a row
+            raise ConfigError(f"the schedule CSV {csv_path} is not one torch can run: {exc}") from None
     return sched
 
 

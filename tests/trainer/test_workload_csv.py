@@ -1,0 +1,44 @@
+"""The reference trainer's schedule CSV: every malformed file is one ConfigError line, never torch's traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freeride.errors import ConfigError
+from freeride.workload import pipelines
+
+torch = pytest.importorskip("torch")
+
+
+class _Stage:
+    """What torch's runtime schedule reads of a stage at construction and while loading a CSV."""
+
+    def __init__(self, index: int, stages: int, rank: int) -> None:
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, 2, rank
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        self.submod = torch.nn.Linear(1, 1)
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def _schedule(path: Path) -> Any:
+    stages = [_Stage(c, 4, 0) for c in pipelines.local_chunks("csv", 0, 2, 2, str(path))]
+    return pipelines.make_schedule("csv", stages, 4, lambda out, target: out, str(path))
+
+
+def test_a_schedule_csv_cell_torch_cannot_parse_is_one_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0X3,2F0\n1F0,3F0,1B0\n")  # "0X3": a stage, then no action torch knows
+    with pytest.raises(ConfigError, match=r"the schedule CSV .*bad.csv is not one torch can run: .*0X3"):
+        _schedule(bad)
+
+
+def test_a_cell_without_a_stage_or_a_missing_file_is_one_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("F0,0F1\n1F0,1F1\n")
+    with pytest.raises(ConfigError, match=r"'F0' is no action"):
+        _schedule(bad)
+    with pytest.raises(ConfigError, match="cannot read the schedule CSV"):
+        _schedule(tmp_path / "missing.csv")
