@@ -109,6 +109,11 @@ class ReporterCounters:
     local_fallbacks: int = 0
 
 
+#: A reporter whose manager's unix socket is not there says so, once, after this long (it retries on: a
+#: manager started after the trainer is served from then on).
+ABSENT_WARNING_S = 5.0
+
+
 class BubbleReporter:
     """Streams one trainer rank's bubble events to the manager of its device.
 
@@ -440,6 +445,8 @@ class BubbleReporter:
             except OSError as exc:
                 log.debug("reporter thread affinity %s not applied: %s", self._cpu_affinity, exc)
         backoff = self._backoff_initial_s
+        absent_since: float | None = None  # since when no manager's socket has been at the endpoint
+        absent_told = False
         while not self._closed.is_set():
             alive = threading.Event()
             alive.set()
@@ -471,6 +478,17 @@ class BubbleReporter:
                 if self.sent > sent_before or self._connects <= 1:
                     log.info("[%s stage=%d] bubble stream to %s ended: %s", self.device, self.stage,
                              self.endpoint, exc)
+                # A typo in the device or the endpoint would otherwise go unnoticed: say it once, when no
+                # manager's socket has been there for a while (a killed manager's stays: not this case).
+                absent = self.endpoint.kind == "unix" and not os.path.exists(self.endpoint.address)
+                now = time.monotonic()
+                absent_since = (absent_since or now) if absent else None
+                if absent_since is not None and not absent_told and now - absent_since >= ABSENT_WARNING_S:
+                    absent_told = True
+                    log.warning("[%s stage=%d] no freeride manager listens at %s (for %.0f s): this rank's "
+                                "bubbles are dropped until one does (is `freeride manager --device %s` running, "
+                                "and is the device name right?)", self.device, self.stage, self.endpoint,
+                                now - absent_since, self.device)
             finally:
                 with self._route_lock:  # the training thread may be sending on it: dropped, never closed here
                     self._route = (None, self._route[1] + 1)

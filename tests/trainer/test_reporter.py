@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import now_ns, wait_for
@@ -14,6 +16,7 @@ from freeride.endpoints import Endpoint
 from freeride.errors import ManagerUnavailable
 from freeride.measure import rank_index as percentile_index
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary, TrainerLayout
+from freeride.training import reporter as reporter_module
 from freeride.training.predictor import BubblePredictor, ComputeProfile, percentile
 from freeride.training.reporter import MAX_BATCH_EVENTS, BubbleReporter
 
@@ -38,6 +41,32 @@ def test_reporter_returns_immediately_and_raises_nothing_without_manager(tmp_pat
     # What piled up with nobody listening was discarded and counted.
     assert reporter.dropped > 0
     assert reporter.dropped + reporter.sent == reporter.counters().enqueued
+
+
+def test_a_reporter_that_never_reaches_a_manager_says_so_once_naming_the_device_and_endpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong device name or endpoint on the trainer's side used to go unnoticed: every bubble was dropped."""
+    monkeypatch.setattr(reporter_module, "ABSENT_WARNING_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
+    attempts: list[int] = []
+    open_stream = BubbleReporter._open_stream
+
+    def counted(self: BubbleReporter, alive: threading.Event) -> Any:
+        attempts.append(1)
+        return open_stream(self, alive)
+
+    monkeypatch.setattr(BubbleReporter, "_open_stream", counted)
+    reporter = BubbleReporter("cpu:7", stage=0, rank=0, endpoint=_absent(tmp_path), backoff_initial_s=0.01,
+                              backoff_max_s=0.01)
+    try:
+        wait_for(lambda: any("no freeride manager listens" in r.getMessage() for r in caplog.records), 10)
+        tried = len(attempts)
+        wait_for(lambda: len(attempts) >= tried + 3, 10)  # it goes on trying, quietly
+    finally:
+        reporter.close()
+    told = [r.getMessage() for r in caplog.records if "no freeride manager listens" in r.getMessage()]
+    assert len(told) == 1
+    assert "nobody-here.sock" in told[0] and "freeride manager --device cpu:7" in told[0]
 
 
 def test_reporter_calls_return_while_the_connection_attempt_hangs(tmp_path: Path) -> None:
