@@ -260,6 +260,24 @@ def test_a_step_that_looks_hung_fails_after_the_step_timeout_in_wall_time() -> N
     assert sim.core.tasks["a"].health.stuck_ns < 200 * MS  # far less granted time than the limit
 
 
+def test_a_step_that_looks_hung_fails_after_the_step_timeout_with_no_bubble_coming() -> None:
+    """After the training ended, a hung step stayed FROZEN until the next job's first bubble (found trying a
+    side task whose step sleeps forever)."""
+    sim = Sim(step_timeout_ns=200 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    sim.tick()  # the training is over: from here on only the loop's ticks come
+    assert sim.state("a") == S.FROZEN
+    sim.advance_ms(199)
+    sim.tick()
+    assert sim.state("a") == S.FROZEN  # not yet a step timeout of wall time looking hung
+    sim.advance_ms(1)
+    actions = sim.tick()
+    failed = sim.core.tasks["a"].failure
+    assert failed is not None and failed.kind == "STEP_TIMEOUT" and "looked hung" in failed.message
+    assert any(isinstance(a, Kill) and a.task_id == "a" for a in actions)
+    assert sim.state("b") == S.PARKED  # a task whose steps finish is left alone
+
+
 def _steps_once_or_thaw(sim: Sim) -> str:
     """One 10 ms bubble: "b" steps and parks, or "a" is thawed and frozen again; who went first."""
     granted = grants(sim.start(predicted_ms=10))

@@ -303,7 +303,8 @@ class SchedulerCore:
             bubble.retry_at_ns = bubble.next_chance_ns(now_ns, self.policy.grant_floor_ns)
 
     def _fail_hung_too_long(self, now_ns: int, out: list[Action]) -> None:
-        """At a bubble's first grant: fail each frozen step that has looked hung for ``step_timeout``."""
+        """At a bubble's first grant, and at each tick: fail each frozen step that has looked hung for
+        ``step_timeout`` of wall time."""
         timeout = self.config.step_timeout_ns
         for task in list(self._tasks.frozen.values()):
             health = task.health
@@ -528,7 +529,10 @@ class SchedulerCore:
         self.memory.problem = event.problem
 
     def _on_tick(self, event: Tick, now_ns: int, out: list[Action]) -> None:
-        pass
+        # A step that looks hung times out in wall time whether bubbles come or not: after the training
+        # ended, it stayed FROZEN (holding its memory) until the next job's first bubble.
+        if self._tasks.frozen:
+            self._fail_hung_too_long(now_ns, out)
 
     def _check_cap(self, task: TaskRuntime, out: list[Action]) -> bool:
         """Fail a task over its cap (``memory.over_cap``; not while it starts); True if so."""
