@@ -371,9 +371,12 @@ def _import_megatron() -> tuple[Any, Any, Any]:
     except ModuleNotFoundError as exc:
         if exc.name in ("megatron", "megatron.core"):
             raise FrameworkNotInstalled(
-                "freeride.training.megatron needs Megatron Core: pip install 'freeride[megatron]'"
+                "freeride.training.megatron needs Megatron Core: pip install 'freeride[megatron]' (on Python "
+                "3.11 add --ignore-requires-python: the release declares 3.12 and runs on 3.11)"
             ) from None
-        raise ConfigError(f"Megatron Core is installed but cannot be imported: {exc}") from exc
+        hint = " (Megatron Core imports triton; on a machine without a GPU see FRAMEWORKS.md's stand-in)" \
+            if exc.name == "triton" else ""
+        raise ConfigError(f"Megatron Core is installed but cannot be imported: {exc}{hint}") from exc
     return schedules, parallel_state, get_model_config
 
 
@@ -510,13 +513,19 @@ class InstrumentedForwardBackward:
 def instrument(forward_backward_func: Callable[..., Any], sink: Any = None, *, device: str | None = None,
                **tracker_options: Any) -> InstrumentedForwardBackward:
     """Wrap a Megatron Core forward-backward function so that its pipeline waits are reported (module doc)."""
+    if isinstance(forward_backward_func, InstrumentedForwardBackward):
+        raise ConfigError("this forward-backward function is instrumented already: call the wrapper you have "
+                          "(or uninstrument(wrapper) first)")
     return InstrumentedForwardBackward(forward_backward_func, sink, device=device, **tracker_options)
 
 
-def uninstrument(instrumented: InstrumentedForwardBackward) -> Callable[..., Any]:
-    """Stop reporting (delivering what is left) and give back the function that was wrapped.
+def uninstrument(instrumented: InstrumentedForwardBackward | Callable[..., Any]) -> Callable[..., Any]:
+    """Stop reporting (delivering what is left) and give back the function that was wrapped; a function
+    that is not a wrapper comes back as it is (nothing to undo), as the other adapters do.
 
     Megatron's config and communicator are already as they were: they are only hooked during a call.
     """
+    if not isinstance(instrumented, InstrumentedForwardBackward):
+        return instrumented
     instrumented.close()
     return instrumented.forward_backward_func

@@ -134,7 +134,8 @@ def test_importing_the_adapter_does_not_import_megatron_and_a_missing_megatron_i
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == ("FrameworkNotInstalled freeride.training.megatron needs Megatron Core: "
-                          "pip install 'freeride[megatron]'\n")
+                          "pip install 'freeride[megatron]' (on Python 3.11 add --ignore-requires-python: the "
+                          "release declares 3.12 and runs on 3.11)\n")
 
 
 # ------------------------------------------------------------------ Megatron's real schedules
@@ -323,6 +324,17 @@ def test_forward_only_calls_run_bare_with_one_warning(sim: Any, caplog: pytest.L
         rank.step(function, forward_only=True)
     assert function.tracker is None and not sink.starts
     assert len([r for r in caplog.records if "forward-only" in r.getMessage()]) == 1
+
+
+def test_instrumenting_a_wrapper_again_says_so_and_uninstrumenting_a_bare_function_gives_it_back(
+        sim: Any) -> None:
+    """As the DeepSpeed and torchtitan adapters do (a user's trial got Megatron's list of schedule functions for
+    the first, and an AttributeError for the second)."""
+    function = instrument(sim.schedule_function(1), _Recorder())
+    with pytest.raises(ConfigError, match="instrumented already"):
+        instrument(function, _Recorder())
+    bare = sim.schedule_function(1)
+    assert uninstrument(bare) is bare
 
 
 def test_uninstrument_delivers_and_later_calls_run_bare(sim: Any) -> None:
