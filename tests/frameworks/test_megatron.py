@@ -138,6 +138,26 @@ def test_importing_the_adapter_does_not_import_megatron_and_a_missing_megatron_i
                           "release declares 3.12 and runs on 3.11)\n")
 
 
+def test_a_megatron_without_triton_is_named_with_what_to_do_in_one_line() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:  # CI installs it
+        pytest.skip("Megatron Core is not installed")
+    script = (
+        "import sys\n"
+        "import freeride.training.megatron as m\n"
+        "sys.modules['triton'] = None  # as on a machine without it and without the tests' stand-in\n"
+        "try:\n"
+        "    m.instrument(lambda **kw: None)\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ConfigError Megatron Core is installed but cannot be imported:")
+    assert "pip install triton" in out.stdout and out.stdout.count("\n") == 1
+
+
 # ------------------------------------------------------------------ Megatron's real schedules
 
 
