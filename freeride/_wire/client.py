@@ -72,7 +72,9 @@ def map_rpc_errors(endpoint: Endpoint) -> Iterator[None]:
         details = (exc.details() if hasattr(exc, "details") else None) or str(code)
         if code == grpc.StatusCode.UNAVAILABLE and details.startswith(MANAGER_UNAVAILABLE_PREFIX):
             raise ManagerUnavailable(f"{details} (at {endpoint})") from None
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        # CANCELLED: a manager stopping cancels the calls still in flight after its grace period
+        # (our clients cancel no call of their own through here: a cancelled future raises elsewhere).
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             raise ManagerUnavailable(
                 f"no manager answers at {endpoint}: none runs there, or it is stopping "
                 "(start one with `freeride manager --device ...`)"
