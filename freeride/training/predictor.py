@@ -161,10 +161,11 @@ class BubblePredictor:
     def observe_all(self, stage: int, measured: Iterable[tuple[int, int, int | None]]) -> None:
         """:meth:`observe` of each ``(slot, measured_ns, predicted_ns)``, in order.
 
-        On the training thread, once per iteration with its waits (``RankTracker._deliver``): each slot keeps
-        its sorted history and its next warm prediction, and the score is stored as it came (the errors are
-        worked out when asked for). One call an iteration, its lookups made once: a call per wait cost the
-        training thread as much again, cache-cold between compute actions.
+        On the training thread, once per learning batch with its iterations' waits (``RankTracker._deliver``:
+        each iteration while the model profiles, then every ``learn_every``): each slot keeps its sorted
+        history and its next warm prediction, and the score is stored as it came (the errors are worked out
+        when asked for). One call a batch, its lookups made once: a call per wait cost the training thread as
+        much again, cache-cold between compute actions.
         """
         window, warmup, rank = self.window, self.warmup, self._rank
         all_lengths, warm, score = self._lengths, self.warm, self._scored.append

@@ -57,14 +57,16 @@ lengths (:class:`~freeride.training.predictor.BubblePredictor`): conservative wh
 a grant cut to it rarely outlives the real wait. A modelled slot none of whose recent waits (at
 least 3 of them, all 16 where they are measured from ``wait_blocks`` marks, else whole) reached
 ``report_min_ns`` is measured but not reported (a bubble nothing fits in, sent every iteration, would
-only cost the reporter's thread and the manager); it is reported again from its first wait that does.
+only cost the reporter's thread and the manager); it is reported again once its first wait that does is
+learned (below).
 
 **Device time.** ``device`` picks the clock: on ``cuda:N`` each mark records a CUDA event on the
 current stream, resolved off the training thread (:mod:`freeride.training.device_clock`; the only
 path that imports torch, when the tracker is made); elsewhere the host clock, inline. Bubbles are
 reported to the ``sink`` as the clock delivers them; what an iteration measured is learned on the
 training thread at the next ``iteration_begin`` (or :meth:`RankTracker.flush`) after the clock
-delivered it.
+delivered it: each iteration while the model profiles the rank, then every ``learn_every``
+(:data:`LEARN_EVERY`, 4) delivered iterations at once.
 
 Example: an adapter for a framework that runs one rank's actions in a loop::
 
@@ -124,6 +126,13 @@ DEFAULT_COSTS_NS = {FORWARD: 1e6, BACKWARD: 2e6, BACKWARD_INPUT: 1e6, BACKWARD_W
 #: ``QUIET_WINDOW`` where they are measured from a ``wait_blocks`` mark, whose positions may wait only now
 #: and then) reached ``report_min_ns`` (module doc).
 QUIET_WINDOW = 16
+#: Once the model has profiled the rank, its waits are learned (the predictor, the quiet positions) every
+#: ``LEARN_EVERY`` iterations, all at once: each slot's history is then touched cold once for that many
+#: iterations instead of once each, on the training thread between compute actions (``bench.hot_path``: 40-70
+#: us an iteration less on torch's 1F1B and interleaved 1F1B, of 8 micro-batches). A slot's prediction, a 10th
+#: percentile of its last 16 waits, moves slowly anyway; a long wait at a quiet position still wakes the
+#: others at once (:meth:`RankTracker.wake_quiet`).
+LEARN_EVERY = 4
 QUIET_AFTER = 3
 
 
@@ -277,6 +286,10 @@ class RankTracker:
         self._waiting = False  # a wait is open
         self._order_warned = False
         self._bubbles: list[MeasuredBubble] = []
+        #: Once the model has profiled the rank, its waits are learned every ``learn_every`` delivered iterations
+        #: (:data:`LEARN_EVERY`; 1: each), all at once; :meth:`flush` learns what is left.
+        self.learn_every = LEARN_EVERY
+        self._unlearned: list[list[MeasuredBubble]] = []  # delivered iterations' waits not learned yet
         self._actions: list[tuple[str, int, int, int, int]] = []
         self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(timeline.handle)
         self._emit = _emitter(self.clock)
@@ -438,12 +451,13 @@ class RankTracker:
 
     def _deliver(self) -> None:
         """Learn from, and hand out, every iteration the clock has finished (training thread)."""
-        while True:
-            try:
-                iteration, waits, actions, gaps, between_ns = self._timeline.done.popleft()
-            except IndexError:
-                return
-            self._observe(waits)
+        done = self._timeline.done
+        while done:  # (tested, not caught: an exception per call costs the training thread more)
+            iteration, waits, actions, gaps, between_ns = done.popleft()
+            unlearned = self._unlearned
+            unlearned.append(waits)
+            if self._remodel_left > 0 or len(unlearned) >= self.learn_every:
+                self._observe_unlearned()
             if self._remodel_left > 0 and actions:
                 for kind, stage, _mb, begin, end in actions:
                     self.profile.observe(kind, end - begin)
@@ -464,9 +478,16 @@ class RankTracker:
                 except Exception:  # noqa: BLE001 - a logging callback must not break training
                     log.exception("on_iteration callback failed")
 
+    def _observe_unlearned(self) -> None:
+        """Learn every delivered iteration not learned yet, oldest first (:data:`LEARN_EVERY`)."""
+        unlearned = self._unlearned
+        waits = unlearned[0] if len(unlearned) == 1 else [w for ws in unlearned for w in ws]
+        unlearned.clear()
+        self._observe(waits)
+
     def _observe(self, waits: list[MeasuredBubble]) -> None:
         """Learn each wait's length (the predictor) and whether its slot is still worth reporting (module doc:
-        quiet slots). One pass, fields unpacked: on the training thread, once an iteration."""
+        quiet slots). One pass, fields unpacked: on the training thread, once a learning batch."""
         quiet, least, recent = self._quiet, self.report_min_ns, self._recent_waited
         changed: set[int] | None = None  # the quiet set, once something changes it
         lengths = []
@@ -516,6 +537,8 @@ class RankTracker:
         training, or in a test). True when everything was delivered."""
         done = self.clock.flush(timeout_s)
         self._deliver()
+        if self._unlearned:
+            self._observe_unlearned()
         return done
 
     def close(self) -> None:

@@ -121,9 +121,11 @@ def test_predictions_learn_the_measured_lengths() -> None:
     inst = InstrumentedSchedule(Schedule1F1B(stage, 4), sink=None)
     for _ in range(12):
         inst.step()
+    first_backward = [a.kind for a in inst.tracker.plan.order].index("B")
+    assert inst.predictor.measurements(0, first_backward) >= 12 - (inst.tracker.learn_every - 1)
+    inst.flush()
     err = inst.predictor.prediction_error()
     assert err.count > 0
-    first_backward = [a.kind for a in inst.tracker.plan.order].index("B")
     assert inst.predictor.measurements(0, first_backward) == 12
 
 
@@ -329,6 +331,7 @@ def test_on_the_host_clock_a_runtime_position_that_only_posts_goes_quiet_and_the
     real.step = runner.step
     sink = RecordingSink()
     inst = InstrumentedSchedule(real, sink=sink, clock=lambda consumer: StepClock(consumer, clock))
+    inst.tracker.learn_every = 1  # each iteration learned as it ends: quiet after exactly 16
     assert inst.watches_receives and type(real.fwd_recv_ops) is not dict
     order = inst.tracker.plan.order
     waited = {k for k, a in enumerate(order) if (a.kind, a.stage, a.microbatch) in waits}

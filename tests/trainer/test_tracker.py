@@ -17,7 +17,7 @@ import pytest
 from freeride.errors import ConfigError
 from freeride.training.learned_slots import LEARNED_KIND, LEARNED_SLOT_BASE, WAITS_PER_GAP, LearningConfig
 from freeride.training.schedules import BOUNDARY, Action, build_schedule
-from freeride.training.tracker import RankTracker
+from freeride.training.tracker import LEARN_EVERY, RankTracker
 
 MS = 1_000_000
 
@@ -211,6 +211,7 @@ def run_posting_iteration(tracker: RankTracker, clock: FakeClock, posting_ms: fl
 def test_a_position_where_the_rank_only_does_host_work_goes_quiet_although_the_gap_is_long() -> None:
     orders = build_schedule("gpipe", 2, 4).orders
     tracker, clock, sink = make(orders, 0)  # report_min_ns 0.2 ms; the gaps below are 0.5 ms of posting
+    tracker.learn_every = 1  # each iteration learned as it ends: the iterations below are exact
     for _ in range(17):
         run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
     bubbles = {b.slot: b for b in tracker.last_bubbles}
@@ -226,6 +227,7 @@ def test_a_position_where_the_rank_only_does_host_work_goes_quiet_although_the_g
 def test_a_long_wait_at_a_quiet_position_reports_the_other_quiet_ones_in_the_same_iteration() -> None:
     orders = build_schedule("gpipe", 2, 4).orders
     tracker, clock, sink = make(orders, 0)
+    tracker.learn_every = 1
     for _ in range(17):
         run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
     assert [s[1] for s in sink.starts if s[0] == 16] == [4]  # 5, 6 and 7 quiet
@@ -233,6 +235,23 @@ def test_a_long_wait_at_a_quiet_position_reports_the_other_quiet_ones_in_the_sam
     assert [s[1] for s in sink.starts if s[0] == 17] == [4, 6, 7]  # 5's wait missed; the rest reported
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
     assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5, 6, 7]  # until each is short 16 times again
+
+
+def test_after_profiling_the_waits_are_learned_every_learn_every_iterations_and_flush_learns_the_rest() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)  # the model profiles the first 5 iterations: each learned at once
+    assert tracker.learn_every == LEARN_EVERY == 4
+    for n in range(1, 6):
+        run_posting_iteration(tracker, clock, 0.0, {4: 3.0})
+        assert tracker.predictor.measurements(0, 4) == n
+    for n in range(1, 10):
+        run_posting_iteration(tracker, clock, 0.0, {4: 3.0 + n})
+        assert tracker.predictor.measurements(0, 4) == 5 + n // 4 * 4  # then 4 at a time, in order
+    assert [b.length_ns for b in tracker.last_bubbles if b.slot == 4] == [12 * MS]  # handed out at once
+    assert tracker.flush()
+    assert tracker.predictor.measurements(0, 4) == 14  # nothing measured is lost
+    tracker.flush()
+    assert tracker.predictor.measurements(0, 4) == 14  # nor learned twice
 
 
 def test_on_the_host_clock_a_block_mark_measures_the_wait_from_itself() -> None:
