@@ -215,6 +215,21 @@ class BubbleStream:
         self._future = stub.StreamBubbles.future(
             (bubble_message_to_pb(m) for m in messages), metadata=auth_metadata(token)
         )
+        self._token = token
+
+    def answers(self, timeout_s: float) -> bool:
+        """Whether the manager answers a health check on this stream's channel within ``timeout_s`` (the
+        channel's connection waited for meanwhile). gRPC connects lazily: an open call alone says nothing
+        about whether anyone listens."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=True,
+                metadata=auth_metadata(self._token))
+        except (grpc.RpcError, ValueError):  # ValueError: the channel was closed meanwhile
+            return False
+        return True
 
     def done(self) -> bool:
         return bool(self._future.done())

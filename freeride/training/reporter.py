@@ -90,6 +90,8 @@ class ReporterCounters:
     (a stream is summarised only when it closes; a manager that died sends none; local datagrams are
     not in them: the manager counts those it rejects in its own ``events_rejected``);
     ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
+    ``connected``: a manager has taken the open stream's connection (``connects`` counts streams opened,
+    answered or not).
     """
 
     #: Events taken from the training thread: queued for the wire, or sent as local datagrams.
@@ -158,6 +160,7 @@ class BubbleReporter:
         self._use_end_board = end_board  # False: ends reach side tasks over the wire only (measurements)
         self._use_local_events = local_events
         self._closed = threading.Event()
+        #: Whether the manager answered on the open stream's channel (the sender thread checks at connecting).
         self._connected = False
         #: The manager's end board, mapped at each connection (a restarted manager makes a new one); the
         #: training thread writes to whichever mapping it reads here. A replaced mapping is not closed
@@ -314,6 +317,11 @@ class BubbleReporter:
     def reconnects(self) -> int:
         return max(0, self._connects - 1)
 
+    @property
+    def connected(self) -> bool:
+        """Whether a manager answers on this reporter's open stream (not only that the stream is open)."""
+        return self._connected
+
     def counters(self) -> ReporterCounters:
         return ReporterCounters(
             enqueued=self._enqueued + self._sent_local,
@@ -321,7 +329,7 @@ class BubbleReporter:
             dropped=self.dropped,
             connects=self._connects,
             reconnects=self.reconnects,
-            connected=self._connected,
+            connected=self.connected,
             messages=self._messages,
             accepted=self._accepted,
             rejected=self._rejected,
@@ -458,11 +466,13 @@ class BubbleReporter:
                     self._use_local(self._open_local())  # before the wire takes anything from the queue
                 stream = self._open_stream(alive)
                 self._connects += 1
-                self._connected = True
                 while not stream.done():
                     if self._closed.is_set():
                         break
-                    time.sleep(0.05)
+                    if self._connected:
+                        time.sleep(0.05)
+                    else:  # until the manager answers (gRPC connects lazily): waits as long as the sleep
+                        self._connected = stream.answers(timeout_s=0.05) and not stream.done()
                 if self._closed.is_set():
                     try:
                         self._add_summary(stream.summary(timeout_s=2.0))

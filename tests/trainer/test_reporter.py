@@ -92,6 +92,33 @@ def test_reporter_calls_return_while_the_connection_attempt_hangs(tmp_path: Path
     reporter.close(timeout_s=5)
 
 
+def test_a_stream_open_to_a_listener_that_is_no_manager_is_not_connected() -> None:
+    # Regression: `connected` read true as soon as the stream was opened, and gRPC connects lazily: a
+    # reporter whose endpoint took connections but never answered (no manager there) said it was connected.
+    import os
+    import socket
+
+    path = f"/tmp/fr-mute-{os.getpid()}.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=Endpoint("unix", path), end_board=False,
+                              local_events=False)
+    try:
+        conn, _ = listener.accept()  # gRPC's connection attempt reached the listener: the stream is open
+        try:
+            wait_for(lambda: reporter.counters().connects >= 1, 10, what="the stream to open")
+            reporter.bubble_start(0, 0, "test", predicted_ns=MS)
+            counters = reporter.counters()
+            assert counters.connects == 1 and not counters.connected and not reporter.connected
+        finally:
+            conn.close()
+    finally:
+        reporter.close(timeout_s=5)
+        listener.close()
+        os.unlink(path)
+
+
 def test_reporter_bounded_queue_drops_and_counts(tmp_path: Path) -> None:
     reporter = BubbleReporter("cpu:0", 0, 0, endpoint=_absent(tmp_path), queue_size=10, start=False)
     for i in range(25):
@@ -175,6 +202,9 @@ class FakeStream:
     def done(self) -> bool:
         return self._dead.is_set()
 
+    def answers(self, timeout_s: float) -> bool:
+        return not self._dead.is_set()
+
     def summary(self, timeout_s: float | None = None) -> StreamSummary:
         if self._die_after is not None:
             raise ManagerUnavailable("gone")
@@ -235,6 +265,9 @@ class PullingStream:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def answers(self, timeout_s: float) -> bool:
+        return not self.done()
 
     def close(self) -> None:
         pass
