@@ -262,9 +262,11 @@ class RankTracker:
         order = self.plan.order
         self._keys: list[ActionKey] = [(a.kind, a.stage, a.microbatch) for a in order]
         # The modelled slot of the first wait at each position (None where the rank has nothing to wait for).
-        self._modelled: list[IdleSlot | None] = [None] * (len(order) + 1)
+        # As (slot id, kind): a wait reads two fields of a tuple where it would read a slot object's.
+        self._modelled: list[tuple[int, str] | None] = [None] * (len(order) + 1)
         for k in self.plan.positions:
-            self._modelled[k] = self.plan.slot(k)
+            modelled = self.plan.slot(k)
+            self._modelled[k] = (modelled.index, modelled.kind)
         self._quiet: frozenset[int] = frozenset()  # modelled slots not reported (module doc)
         self._recent_waited: dict[int, collections.deque[int]] = {}  # per slot: its last waits (waited_ns)
         self._remodel()
@@ -377,16 +379,18 @@ class RankTracker:
             except IndexError:  # the framework ran more actions than its order has
                 pass
         if slot is None and self.learned.opens:
-            slot = self.learned.opens.get((cursor, ordinal))
+            learned = self.learned.opens.get((cursor, ordinal))
+            if learned is not None:
+                slot = (learned.index, learned.kind)
         if slot is None:
             opens: _Opens = None
         else:
-            index = slot.index
+            index, kind = slot
             predicted = self._warm.get((self.rank, index))  # the predictor's, kept as it learns
             if predicted is None:
                 predicted = self.predictor.predict_ns(self.rank, index)
             memory = self.memory
-            opens = (slot, predicted, memory.free_bytes() if memory.live else memory.sampled,
+            opens = (index, kind, predicted, memory.free_bytes() if memory.live else memory.sampled,
                      index not in self._quiet)
         if self._inline:
             self._on_wait((cursor, ordinal), opens, _now())
@@ -569,7 +573,7 @@ class RankTracker:
         return [MeasuredAction(*a) for a in self._actions]
 
 
-_Opens = tuple[IdleSlot, int, int, bool] | None  # slot, predicted ns, free bytes, reported
+_Opens = tuple[int, str, int, int, bool] | None  # slot id, its kind, predicted ns, free bytes, reported
 _Handler = Callable[[Any, Any, int], None]
 
 
@@ -600,6 +604,9 @@ class _Timeline:
     wherever the clock delivers (the training thread on CPU, the device clock's thread on CUDA); it
     reports to the sink as it goes and queues each finished iteration for the training thread.
     """
+
+    __slots__ = ("_actions", "_between_ns", "_blocks_ns", "_entered", "_finished_ns", "_gaps", "_iteration", "_open",
+                 "_owner", "_waits", "done", "unplanned_wait_ns", "unplanned_waits")
 
     def __init__(self, owner: RankTracker) -> None:
         self._owner = owner
@@ -635,14 +642,14 @@ class _Timeline:
         if self._open is not None:
             self._close(at_ns)
         self._open = (site, opens, at_ns)
-        if opens is not None and opens[3]:
+        if opens is not None and opens[4]:
             sink = self._owner.sink
             if sink is not None:
-                slot, predicted, free, _ = opens
-                if slot.kind == LEARNED_KIND:
-                    sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns, learned=True)
+                index, kind, predicted, free, _ = opens
+                if kind == LEARNED_KIND:
+                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns, learned=True)
                 else:
-                    sink.bubble_start(self._iteration, slot.index, slot.kind, predicted, free, at_ns)
+                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns)
 
     def wait_end(self, _a: None, _b: None, at_ns: int) -> None:
         if self._open is not None:
@@ -686,12 +693,12 @@ class _Timeline:
             self.unplanned_wait_ns += at_ns - start
             self._gaps.append((site, at_ns - start))
             return
-        slot, predicted, free, reported = opens
+        index, kind, predicted, free, reported = opens
         if not reported and blocks is not None and at_ns - blocks >= self._owner.report_min_ns:
             self._owner.wake_quiet()  # host clock only (marks from wait_blocks): the training thread
         if reported:
             sink = self._owner.sink
             if sink is not None:
-                sink.bubble_end(self._iteration, slot.index, at_ns)
-        self._waits.append(_new_tuple(MeasuredBubble, (self._iteration, slot.index, slot.kind, start, at_ns, predicted,
+                sink.bubble_end(self._iteration, index, at_ns)
+        self._waits.append(_new_tuple(MeasuredBubble, (self._iteration, index, kind, start, at_ns, predicted,
                                                        free, reported, -1 if blocks is None else at_ns - blocks)))
