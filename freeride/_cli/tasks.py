@@ -347,6 +347,17 @@ def _when(unix_s: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s)) if unix_s else "-"
 
 
+def _progress_line(info: TaskInfo) -> str:
+    """Progress and steps as the worker last reported them (at its last park or checkpoint). A worker frozen
+    mid-grant never reported the steps it finished in that grant, so a failure's step (read from its board)
+    may be further on: say so rather than show two counts that disagree without a word."""
+    line = f"{_progress(info)} ({info.steps} steps)"
+    failure = info.failure
+    if failure is not None and failure.step > info.steps:
+        line += f", as last reported: it had finished {failure.step} steps when it failed"
+    return line
+
+
 def render_task(info: TaskInfo) -> str:
     spec = info.spec
     what = spec.target or " ".join(spec.command)
@@ -358,7 +369,7 @@ def render_task(info: TaskInfo) -> str:
         ("args", json.dumps(spec.args, sort_keys=True) if spec.args else "-"),
         ("memory", format_size(spec.memory_bytes)),
         ("priority", str(spec.priority)),
-        ("progress", f"{_progress(info)} ({info.steps} steps)"),
+        ("progress", _progress_line(info)),
         ("step p50", format_ms(info.step_p50_ms)),
         ("step p95", format_ms(info.step_p95_ms)),
         ("harvested", f"{info.harvested_s:.3f} s"),

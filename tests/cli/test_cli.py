@@ -439,6 +439,22 @@ def test_show_renders_failure_record_of_a_task_that_crashed_in_setup(
     assert task_id in out and "FAILED" in out
 
 
+def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -> None:
+    # Regression: a task frozen mid-grant and then failed as hung showed "progress: 45 steps (45 steps)"
+    # beside "at step: 50": the steps of its last grant were never reported (it never parked).
+    from freeride._cli.tasks import render_task
+    from freeride.messages import FailureRecord, TaskInfo, TaskProgress, TaskSpec
+
+    spec = TaskSpec(target="sample_tasks:Counter", memory_bytes=2**26)
+    hung = FailureRecord(kind="STEP_TIMEOUT", message="looks hung", step=50)
+    out = render_task(TaskInfo("t-1", spec, "FAILED", TaskProgress(steps=45, progress=45.0), failure=hung))
+    assert "progress:   45 steps (45 steps), as last reported: it had finished 50 steps when it failed" in out
+    assert "at step:   50" in out
+    crashed = FailureRecord(kind="EXCEPTION", message="boom", step=45)
+    out = render_task(TaskInfo("t-2", spec, "FAILED", TaskProgress(steps=45, progress=45.0), failure=crashed))
+    assert "progress:   45 steps (45 steps)\n" in out  # the counts agree: nothing added
+
+
 # ------------------------------------------------------------------ real processes
 
 
