@@ -73,7 +73,7 @@ def encode(event: TrainerEvent) -> bytes:
     if isinstance(event, BubbleEnd):
         return _END.pack(_TAG_END, event.stage, event.rank, event.iteration, event.slot, event.end_ns)
     return _LAYOUT.pack(_TAG_LAYOUT, event.stages, event.microbatches, event.at_ns, event.free_memory_bytes) + \
-        json.dumps([event.schedule, list(event.stage_devices)]).encode()
+        json.dumps([event.schedule, list(event.stage_devices), event.job]).encode()
 
 
 def decode(data: bytes) -> TrainerEvent:
@@ -91,14 +91,17 @@ def decode(data: bytes) -> TrainerEvent:
             return BubbleEnd(stage, rank, iteration, slot, end_ns)
         if tag == _TAG_LAYOUT and len(data) >= _LAYOUT.size:
             _, stages, microbatches, at_ns, free = _LAYOUT.unpack_from(data)
-            schedule, devices = json.loads(data[_LAYOUT.size:].decode())
-            if not isinstance(schedule, str) or not isinstance(devices, list) or \
+            text = json.loads(data[_LAYOUT.size:].decode())
+            if not isinstance(text, list) or len(text) not in (2, 3):  # [schedule, devices] from before jobs
+                raise ConfigError("a layout datagram's text must be [schedule, [stage devices], job]")
+            schedule, devices, job = (*text, "") if len(text) == 2 else text
+            if not isinstance(schedule, str) or not isinstance(devices, list) or not isinstance(job, str) or \
                     not all(isinstance(d, str) for d in devices):
-                raise ConfigError("a layout datagram's text must be [schedule, [stage devices]]")
-            return TrainerLayout(schedule, stages, microbatches, tuple(devices), at_ns, free)
+                raise ConfigError("a layout datagram's text must be [schedule, [stage devices], job]")
+            return TrainerLayout(schedule, stages, microbatches, tuple(devices), at_ns, free, job)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"a datagram's text is not UTF-8: {exc}") from None
-    except ValueError as exc:  # json.JSONDecodeError, or a text that is no pair
+    except ValueError as exc:  # json.JSONDecodeError, or a text that does not unpack
         raise ConfigError(f"a layout datagram's text is malformed: {exc}") from None
     raise ConfigError(f"a datagram of {len(data)} bytes with tag {tag} is no bubble event")
 

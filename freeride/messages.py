@@ -117,6 +117,8 @@ class TrainerLayout:
     ``cuda:0`` (this node) or ``node/cuda:0``; empty when the reporting rank does not know the
     whole map. ``free_memory_bytes`` is this device's free memory under the new layout, when the
     trainer knows it (it seeds the manager's memory budget at once instead of at the next bubble).
+    ``job`` says which run of the trainer reports it: the same shape from another job is a new layout
+    (its bubbles are not the last job's); empty where unknown.
     """
 
     schedule: str
@@ -125,11 +127,16 @@ class TrainerLayout:
     stage_devices: tuple[str, ...] = ()
     at_ns: int = 0
     free_memory_bytes: int = UNKNOWN_MEMORY
+    job: str = ""
 
     def same_shape(self, other: TrainerLayout | None) -> bool:
         """True if ``other`` describes the same layout (the time and memory figure aside)."""
         return other is not None and (self.schedule, self.stages, self.microbatches, self.stage_devices) == (
             other.schedule, other.stages, other.microbatches, other.stage_devices)
+
+    def same_job(self, other: TrainerLayout | None) -> bool:
+        """True if ``other`` came from the same job as far as both know (either's job unknown: assumed)."""
+        return other is not None and (not self.job or not other.job or self.job == other.job)
 
     def describe(self) -> str:
         """Short text form, e.g. ``1f1b stages=4 microbatches=8 [cuda:0 cuda:1 cuda:2 cuda:3]``."""
@@ -172,6 +179,8 @@ def validate_layout(layout: TrainerLayout, latest_ns: int | None = None) -> None
     for entry in layout.stage_devices:
         if not entry or len(entry) > MAX_LAYOUT_TEXT_CHARS or not entry.isprintable():
             raise ConfigError(f"a layout stage device must be 1 to {MAX_LAYOUT_TEXT_CHARS} printable characters")
+    if len(layout.job) > MAX_LAYOUT_TEXT_CHARS or not layout.job.isprintable():
+        raise ConfigError(f"a layout's job must be up to {MAX_LAYOUT_TEXT_CHARS} printable characters")
     if layout.free_memory_bytes < UNKNOWN_MEMORY:
         raise ConfigError(f"layout free_memory_bytes must be >= 0 or -1, got {layout.free_memory_bytes}")
     if layout.at_ns <= 0:

@@ -49,6 +49,7 @@ def bubble_event_to_pb(event: TrainerEvent) -> _pb.BubbleEvent:
         return _pb.BubbleEvent(layout=_pb.TrainerLayout(
             schedule=event.schedule, stages=event.stages, microbatches=event.microbatches,
             stage_devices=list(event.stage_devices), at_ns=event.at_ns, free_memory_bytes=event.free_memory_bytes,
+            job=event.job,
         ))
     if isinstance(event, BubbleStart):
         return _pb.BubbleEvent(start=_bubble_start_to_pb(event))
@@ -98,7 +99,7 @@ def trainer_event_from_pb(msg: _pb.BubbleEvent, latest_ns: int | None = None) ->
     if which == "layout":
         m = msg.layout
         layout = TrainerLayout(m.schedule, m.stages, m.microbatches, tuple(m.stage_devices), m.at_ns,
-                               m.free_memory_bytes)
+                               m.free_memory_bytes, m.job)
         validate_layout(layout, latest_ns)
         return layout
     event: BubbleEvent

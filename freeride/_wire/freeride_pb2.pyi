@@ -55,20 +55,22 @@ class BubbleEvent(_message.Message):
     def __init__(self, start: _Optional[_Union[BubbleStart, _Mapping]] = ..., end: _Optional[_Union[BubbleEnd, _Mapping]] = ..., batch: _Optional[_Union[BubbleEventBatch, _Mapping]] = ..., layout: _Optional[_Union[TrainerLayout, _Mapping]] = ...) -> None: ...
 
 class TrainerLayout(_message.Message):
-    __slots__ = ("schedule", "stages", "microbatches", "stage_devices", "at_ns", "free_memory_bytes")
+    __slots__ = ("schedule", "stages", "microbatches", "stage_devices", "at_ns", "free_memory_bytes", "job")
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STAGE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     AT_NS_FIELD_NUMBER: _ClassVar[int]
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     schedule: str
     stages: int
     microbatches: int
     stage_devices: _containers.RepeatedScalarFieldContainer[str]
     at_ns: int
     free_memory_bytes: int
-    def __init__(self, schedule: _Optional[str] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., stage_devices: _Optional[_Iterable[str]] = ..., at_ns: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
+    job: str
+    def __init__(self, schedule: _Optional[str] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., stage_devices: _Optional[_Iterable[str]] = ..., at_ns: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class BubbleEventBatch(_message.Message):
     __slots__ = ("events",)

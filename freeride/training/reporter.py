@@ -48,6 +48,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,7 +57,9 @@ from freeride._boards import EndBoard, end_board_path
 from freeride._local_events import LocalEventSender, local_events_path
 from freeride.devices import parse_device_name
 from freeride.endpoints import Endpoint, resolve_endpoint
+from freeride.errors import ConfigError
 from freeride.messages import (
+    MAX_LAYOUT_TEXT_CHARS,
     UNKNOWN_MEMORY,
     BubbleEnd,
     BubbleStart,
@@ -145,8 +148,14 @@ class BubbleReporter:
         cpu_affinity: set[int] | None = None,
         end_board: bool = True,
         local_events: bool = True,
+        job: str | None = None,
     ) -> None:
         parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
+        if job is not None and (not job or len(job) > MAX_LAYOUT_TEXT_CHARS or not job.isprintable()):
+            raise ConfigError(f"job must be 1 to {MAX_LAYOUT_TEXT_CHARS} printable characters, got {job!r}")
+        #: Which run of the trainer this reporter's layouts come from (:meth:`report_layout`): the trainer's
+        #: name for it, else one of the reporter's own, so that a manager tells this run from the last one.
+        self.job = job or uuid.uuid4().hex[:12]
         self.device = device
         self.stage = int(stage)
         self.rank = int(rank)
@@ -280,7 +289,8 @@ class BubbleReporter:
         ``node/cuda:0``; empty if this rank does not know the whole map); ``free_memory_bytes`` is
         this device's free memory under the new layout, when known. The manager drops its bubble
         statistics and re-learns them; tasks that no longer fit its memory budget are evicted (and,
-        from a cluster queue, placed again elsewhere). Reporting the same layout again changes nothing.
+        from a cluster queue, placed again elsewhere). Reporting the same layout again changes nothing;
+        the same layout from another reporter's job (``job``: the trainer run again) is a new one.
         """
         try:
             if at_ns is None:
@@ -288,7 +298,8 @@ class BubbleReporter:
             local, epoch = self._route
             if local is not None:
                 layout = TrainerLayout(str(schedule), int(stages), int(microbatches),
-                                       tuple(str(d) for d in stage_devices), int(at_ns), int(free_memory_bytes))
+                                       tuple(str(d) for d in stage_devices), int(at_ns), int(free_memory_bytes),
+                                       self.job)
                 if local.send(layout):
                     self._sent_local += 1
                     return
@@ -369,6 +380,7 @@ class BubbleReporter:
                 stage_devices=tuple(str(d) for d in devices),  # type: ignore[attr-defined]
                 at_ns=int(at_ns),  # type: ignore[call-overload]
                 free_memory_bytes=int(free),  # type: ignore[call-overload]
+                job=self.job,
             )
         if item[0] == _START:
             _, iteration, slot, kind, start_ns, predicted_ns, free, learned = item

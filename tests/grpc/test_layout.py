@@ -3,9 +3,11 @@ reporter, in order with the bubbles around it, checked at the edge, reflected in
 
 from __future__ import annotations
 
+import pytest
 from conftest import ManagerHarness, now_ns, wait_for
 
 from freeride._wire.client import BubbleStream
+from freeride.errors import ConfigError
 from freeride.messages import BubbleEnd, BubbleStart, TrainerLayout
 from freeride.training.reporter import BubbleReporter
 
@@ -30,6 +32,35 @@ def test_a_reported_layout_resets_the_managers_bubble_statistics(harness: Manage
     assert stats.bubbles == 4 and stats.events_rejected == 0
 
 
+def test_a_trainer_run_again_with_the_same_shape_starts_the_managers_statistics_afresh(
+        harness: ManagerHarness) -> None:
+    device = str(harness.manager.device)
+    for run, slot in enumerate((0, 1)):  # each run its own reporter, as each trainer process has
+        with BubbleReporter(device, stage=0, rank=0, endpoint=harness.endpoint) as reporter:
+            reporter.report_layout("1f1b", 2, 4, (), 2**30)
+            for it in range(3):
+                reporter.bubble_start(it, slot, "k", 5 * MS, 2**30)
+                reporter.bubble_end(it, slot)
+            seen = 3 * (run + 1)
+            wait_for(lambda: harness.client.stats().bubbles == seen)  # noqa: B023 - waited for here, in the loop
+        assert [(s.slot, s.count) for s in harness.client.bubbles()] == [(slot, 3)]  # this run's only
+    assert harness.client.stats().layout_changes == 2
+    with BubbleReporter(device, stage=0, rank=0, endpoint=harness.endpoint, job="named-run") as a, \
+            BubbleReporter(device, stage=1, rank=1, endpoint=harness.endpoint, job="named-run") as b:
+        a.report_layout("1f1b", 2, 4, (), 2**30)
+        b.report_layout("1f1b", 2, 4, (), 2**30)  # two ranks of one named job on one device
+        a.bubble_start(9, 2, "k", 5 * MS, 2**30)
+        a.bubble_end(9, 2)
+        wait_for(lambda: harness.client.stats().bubbles == 7)
+    assert harness.client.stats().layout_changes == 3
+
+
+def test_a_reporters_job_must_be_printable_text() -> None:
+    for job in ("", "x" * 129, "run\n2"):
+        with pytest.raises(ConfigError, match="job must be"):
+            BubbleReporter("cpu:0", stage=0, rank=0, job=job, start=False)
+
+
 def test_a_malformed_layout_is_rejected_alone_and_the_stream_goes_on(harness: ManagerHarness) -> None:
     t = now_ns()
     events = [
@@ -37,12 +68,13 @@ def test_a_malformed_layout_is_rejected_alone_and_the_stream_goes_on(harness: Ma
         TrainerLayout("1f1b", 0, 8, (), t),  # no stages
         TrainerLayout("1f1b", 2, 8, ("cuda:0",), t),  # a map that does not cover the stages
         TrainerLayout("gpipe\x1b[2J", 2, 8, (), t),  # a kind that would reach a terminal
+        TrainerLayout("gpipe", 2, 8, (), t, job="run\x1b[2J"),  # so would this job
         TrainerLayout("gpipe", 2, 4, (), t + 3600 * 10**9),  # ahead of this host's clock
         BubbleEnd(0, 0, 0, 0, t + MS),
     ]
     stream = BubbleStream(harness.endpoint, [events])
     summary = stream.summary(timeout_s=30)
     stream.close()
-    assert (summary.accepted, summary.rejected) == (2, 4)
+    assert (summary.accepted, summary.rejected) == (2, 5)
     assert "CLOCK_MONOTONIC" in summary.last_error
     assert harness.client.stats().layout_changes == 0

@@ -421,7 +421,7 @@ def test_on_the_managers_host_every_event_goes_as_a_datagram_after_the_board_and
         reporter.report_layout("1F1B", stages=2, microbatches=4, stage_devices=("cpu:0", "cpu:1"), at_ns=start + 800)
         assert [decode(d) for d in local.read()] == [
             BubbleStart(1, 5, 3, 2, "drain", start, 1), BubbleEnd(1, 5, 3, 2, start + 700),
-            TrainerLayout("1F1B", 2, 4, ("cpu:0", "cpu:1"), start + 800),
+            TrainerLayout("1F1B", 2, 4, ("cpu:0", "cpu:1"), start + 800, job=reporter.job),
         ]
         assert reporter.counters().local == 3 and reporter._queue.qsize() == 0
         local.close()  # the manager is gone

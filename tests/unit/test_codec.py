@@ -39,7 +39,7 @@ START = BubbleStart(stage=1, rank=2, iteration=3, slot=4, kind="cooldown", start
                     free_memory_bytes=7 * 2**20, learned=True)
 END = BubbleEnd(stage=1, rank=2, iteration=3, slot=4, end_ns=9_000)
 LAYOUT = TrainerLayout(schedule="1f1b", stages=2, microbatches=8, stage_devices=("n1/cuda:0", "cuda:1"), at_ns=100,
-                       free_memory_bytes=2**30)
+                       free_memory_bytes=2**30, job="run-7")
 FAILURE = FailureRecord(kind="EXIT", message="exit 3", exit_code=3, signal=9, step=17, traceback="tb", log_tail="tail",
                         at_unix_s=1.25)
 #: What a TaskInfo carries of its spec (no working directory, interval or hint; the name as given).

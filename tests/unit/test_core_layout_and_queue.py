@@ -25,9 +25,10 @@ from freeride.messages import TaskSpec, TrainerLayout
 LAYOUT = TrainerLayout("1f1b", 4, 8, ("n1/cuda:0", "n1/cuda:1", "n2/cuda:0", "n2/cuda:1"), 0)
 
 
-def _layout(sim: Sim, free_mib: int | None = None, hosts_stage: bool = True, microbatches: int = 8) -> list:
+def _layout(sim: Sim, free_mib: int | None = None, hosts_stage: bool = True, microbatches: int = 8,
+            job: str = "") -> list:
     layout = TrainerLayout(LAYOUT.schedule, LAYOUT.stages, microbatches, LAYOUT.stage_devices, sim.now,
-                           -1 if free_mib is None else free_mib * MiB)
+                           -1 if free_mib is None else free_mib * MiB, job)
     return sim.send(LayoutChanged(layout, sim.now, hosts_stage))
 
 
@@ -70,6 +71,19 @@ def test_the_same_layout_again_changes_nothing() -> None:
     _bubbles(sim, 3, free_mib=4000)
     assert _layout(sim) == []
     assert sim.core.slots and sim.core.stats.layout_changes == 1
+
+
+def test_the_same_layout_from_another_job_is_a_new_layout_and_from_the_same_job_changes_nothing() -> None:
+    # Regression: a trainer run again with the same shape added its bubbles to the last run's statistics.
+    sim = Sim()
+    _layout(sim, job="run-1")
+    sim.resident("a")
+    _bubbles(sim, 3, free_mib=4000)
+    assert _layout(sim, job="run-1") == [] and sim.core.slots  # the same job reporting again
+    assert _layout(sim) == [] and sim.core.slots  # a layout of no known job: the shape decides
+    out = _layout(sim, job="run-2")
+    assert sim.core.slots == {} and sim.core.stats.layout_changes == 2
+    assert any("another job" in getattr(a, "message", "") for a in out)
 
 
 def test_a_layout_change_inside_a_bubble_parks_the_running_task() -> None:

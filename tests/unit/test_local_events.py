@@ -24,7 +24,7 @@ KEY = (1, 0, 5, 2)
 EVENTS = [
     BubbleStart(1, 0, 5, 2, "fwd-recv · ünïcode", 1_000, 2_000_000, 16 * 2**30, learned=True),
     BubbleEnd(1, 0, 5, 2, 1_500_000),
-    TrainerLayout("Interleaved1F1B", 4, 8, ("cuda:0", "node-b/cuda:1"), 3_000, 2**30),
+    TrainerLayout("Interleaved1F1B", 4, 8, ("cuda:0", "node-b/cuda:1"), 3_000, 2**30, job="run-7"),
     TrainerLayout("", 2, 2, (), 4_000, -1),
 ]
 
@@ -48,6 +48,11 @@ def test_the_senders_packing_of_hot_events_is_the_encoders() -> None:
     b.close()
 
 
+def test_a_layout_datagram_from_before_jobs_reads_as_one_of_no_known_job() -> None:
+    old = encode(EVENTS[2]).replace(b', "run-7"]', b"]")
+    assert decode(old) == TrainerLayout("Interleaved1F1B", 4, 8, ("cuda:0", "node-b/cuda:1"), 3_000, 2**30)
+
+
 @pytest.mark.parametrize("data, why", [
     (b"", "empty"),
     (b"\x09" + bytes(40), "tag 9"),
@@ -56,9 +61,11 @@ def test_the_senders_packing_of_hot_events_is_the_encoders() -> None:
     (encode(EVENTS[0])[:20], "tag 1"),  # a start cut short
     (encode(EVENTS[0]).replace("ünïcode".encode(), b"\xff\xfe"), "UTF-8"),
     (encode(EVENTS[2])[:-3], "malformed"),  # a layout whose JSON is cut
-    (encode(EVENTS[3]).replace(b'["", []]', b'{"a": 1}'), "malformed"),  # not a pair
-    (encode(EVENTS[3]).replace(b'["", []]', b'[1, ["x"]]'), "must be"),
-    (encode(EVENTS[3]).replace(b'["", []]', b'["s", [2]]'), "must be"),
+    (encode(EVENTS[3]).replace(b'["", [], ""]', b'{"a": 1}'), "must be"),  # not a list
+    (encode(EVENTS[3]).replace(b'["", [], ""]', b'[1, ["x"], ""]'), "must be"),
+    (encode(EVENTS[3]).replace(b'["", [], ""]', b'["s", [2], ""]'), "must be"),
+    (encode(EVENTS[3]).replace(b'["", [], ""]', b'["s", [], 7]'), "must be"),  # a job that is no text
+    (encode(EVENTS[3]).replace(b'["", [], ""]', b'["s", [], "", 1]'), "must be"),  # one item too many
 ])
 def test_a_datagram_that_is_no_event_says_why(data: bytes, why: str) -> None:
     with pytest.raises(ConfigError, match=why):

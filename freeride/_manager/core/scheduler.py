@@ -421,11 +421,15 @@ class SchedulerCore:
         own iterations replace it; without one, nothing is admitted until a figure arrives. Kept: side
         tasks' own step estimates (they describe the task, not the trainer) and the run's totals. A device
         with no stage in the new layout hands its cluster tasks back to the queue: it will see no bubbles.
+        The same layout again from the same job changes nothing; from another job (the trainer run again,
+        its shape unchanged) it is a new layout: that run's bubbles are its own.
         """
         layout = event.layout
-        if layout.same_shape(self.layout):
+        if layout.same_shape(self.layout) and layout.same_job(self.layout):
             return
         was = self.layout.describe() if self.layout else "-"
+        if layout.same_shape(self.layout):
+            was += ", another job"
         out.append(Note(NoteLevel.INFO, f"trainer layout: {layout.describe()} (was {was})"))
         self.layout = layout
         self.stats.layout_changes += 1
