@@ -42,7 +42,7 @@ computes and where it waits, hooked on *instances* only (no class or module is p
 in order), else ``pipeline_order``; for ``ScheduleGPipe`` and ``Schedule1F1B``, whose
 ``pipeline_order`` is a drawing (and in torch 2.13 numbers the last rank's forwards from 1), from
 :func:`freeride.training.schedules.build_schedule`. A runtime check logs once if torch runs an action
-the order did not predict.
+the order did not predict (in the first 8 iterations: a schedule's order does not change once it ran).
 
 **Device time on CUDA**: every mark is a CUDA event, resolved off the training thread
 (:mod:`freeride.training.device_clock`); results of an iteration are delivered at a later

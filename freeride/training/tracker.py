@@ -133,6 +133,8 @@ QUIET_WINDOW = 16
 #: percentile of its last 16 waits, moves slowly anyway; a long wait at a quiet position still wakes the
 #: others at once (:meth:`RankTracker.wake_quiet`).
 LEARN_EVERY = 4
+#: The iterations whose actions are checked against the planned order (a mismatch is logged once).
+ORDER_CHECKED_ITERATIONS = 8
 QUIET_AFTER = 3
 
 
@@ -286,7 +288,10 @@ class RankTracker:
         self._cursor = 0  # compute actions begun in this iteration (training thread)
         self._ordinal = 0  # waits begun in the current gap
         self._waiting = False  # a wait is open
-        self._order_warned = False
+        #: Whether ``compute_begin`` still checks the framework's actions against the planned order: for the
+        #: first :data:`ORDER_CHECKED_ITERATIONS`, until a mismatch is logged (a schedule's order does not change
+        #: later; the check touches a key per action, cache-cold between compute actions).
+        self._checks_order = True
         self._bubbles: list[MeasuredBubble] = []
         #: Once the model has profiled the rank, its waits are learned every ``learn_every`` delivered iterations
         #: (:data:`LEARN_EVERY`; 1: each), all at once; :meth:`flush` learns what is left.
@@ -316,6 +321,8 @@ class RankTracker:
         self._cursor = 0
         self._ordinal = 0
         self._waiting = False
+        if self.iteration == ORDER_CHECKED_ITERATIONS:
+            self._checks_order = False
         self._emit(self._timeline.begin, self.iteration, None)
         if self._follows[0]:
             self.wait_begin()
@@ -339,7 +346,7 @@ class RankTracker:
 
     def compute_begin(self, kind: str, stage: int, microbatch: int) -> None:
         cursor = self._cursor
-        if not self._order_warned:
+        if self._checks_order:
             keys = self._keys
             if cursor < len(keys) and keys[cursor] != (kind, stage, microbatch):
                 self._order_mismatch((kind, stage, microbatch))
@@ -415,7 +422,7 @@ class RankTracker:
         return self._cursor
 
     def _order_mismatch(self, key: ActionKey) -> None:
-        self._order_warned = True
+        self._checks_order = False
         kind, stage, mb = self._keys[self._cursor]
         log.warning("[rank %d] the framework ran %s%s%d where the planned order has %s%s%d at position %d: "
                     "bubble slots may be misattributed", self.rank, key[1], key[0], key[2], stage, kind, mb,

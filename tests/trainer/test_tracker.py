@@ -7,6 +7,7 @@ an adapter would: so no test depends on real time.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 from freeride.errors import ConfigError
 from freeride.training.learned_slots import LEARNED_KIND, LEARNED_SLOT_BASE, WAITS_PER_GAP, LearningConfig
 from freeride.training.schedules import BOUNDARY, Action, build_schedule
-from freeride.training.tracker import LEARN_EVERY, RankTracker
+from freeride.training.tracker import LEARN_EVERY, ORDER_CHECKED_ITERATIONS, RankTracker
 
 MS = 1_000_000
 
@@ -235,6 +236,34 @@ def test_a_long_wait_at_a_quiet_position_reports_the_other_quiet_ones_in_the_sam
     assert [s[1] for s in sink.starts if s[0] == 17] == [4, 6, 7]  # 5's wait missed; the rest reported
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
     assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5, 6, 7]  # until each is short 16 times again
+
+
+def run_swapped(tracker: RankTracker) -> None:
+    """One iteration whose first two actions run swapped: not the planned order."""
+    order = list(tracker.plan.order)
+    order[0], order[1] = order[1], order[0]
+    tracker.iteration_begin()
+    for a in order:
+        tracker.compute_begin(a.kind, a.stage, a.microbatch)
+        tracker.compute_end(a.kind, a.stage, a.microbatch)
+    tracker.iteration_end()
+
+
+def test_the_order_is_checked_in_the_first_iterations_and_a_mismatch_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    orders = build_schedule("1f1b", 2, 4).orders
+    with caplog.at_level(logging.WARNING, logger="freeride.training.tracker"):
+        late, clock, _ = make(orders, 1)
+        for _ in range(ORDER_CHECKED_ITERATIONS - 1):
+            run_iteration(late, clock, {"F": 1, "B": 2}, {})
+        run_swapped(late)  # the last checked iteration: logged
+        run_swapped(late)  # and once only
+        assert sum("misattributed" in r.message for r in caplog.records) == 1
+        later, clock, _ = make(orders, 1)
+        for _ in range(ORDER_CHECKED_ITERATIONS):
+            run_iteration(later, clock, {"F": 1, "B": 2}, {})
+        run_swapped(later)  # a schedule's order does not change once it ran: no longer checked
+        assert sum("misattributed" in r.message for r in caplog.records) == 1
 
 
 def test_after_profiling_the_waits_are_learned_every_learn_every_iterations_and_flush_learns_the_rest() -> None:
