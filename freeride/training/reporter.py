@@ -93,7 +93,7 @@ class ReporterCounters:
     (a stream is summarised only when it closes; a manager that died sends none; local datagrams are
     not in them: the manager counts those it rejects in its own ``events_rejected``);
     ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
-    ``connected``: a manager has taken the open stream's connection (``connects`` counts streams opened,
+    ``connected``: the manager answered on the open stream's channel (``connects`` counts streams opened,
     answered or not).
     """
 
