@@ -149,7 +149,10 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
                 raise ManagerUnavailable(f"no manager answers at {endpoint}, and none can run on {name} here: "
                                          f"{exc}") from None
         start = f"freeride manager --device {args.device}" + (f" --endpoint {endpoint}" if args.endpoint else "")
-        raise ManagerUnavailable(f"no manager answers at {endpoint}; start one with `{start}`") from None
+        # "Or it is stopping": a manager that is draining or exiting answers no call either, and starting a second
+        # one then would be the wrong advice without it.
+        raise ManagerUnavailable(f"no manager answers at {endpoint} (none runs there, or it is stopping); start one "
+                                 f"with `{start}`") from None
 
 
 @contextlib.contextmanager

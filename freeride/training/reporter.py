@@ -151,8 +151,10 @@ class BubbleReporter:
         job: str | None = None,
     ) -> None:
         parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
-        if job is not None and (not job or len(job) > MAX_LAYOUT_TEXT_CHARS or not job.isprintable()):
-            raise ConfigError(f"job must be 1 to {MAX_LAYOUT_TEXT_CHARS} printable characters, got {job!r}")
+        if job is not None and (not isinstance(job, str) or not job.strip() or len(job) > MAX_LAYOUT_TEXT_CHARS
+                                or not job.isprintable()):
+            raise ConfigError(f"job must be text of 1 to {MAX_LAYOUT_TEXT_CHARS} printable characters, not all "
+                              f"blank; got {job!r}")
         #: Which run of the trainer this reporter's layouts come from (:meth:`report_layout`): the trainer's
         #: name for it, else one of the reporter's own, so that a manager tells this run from the last one.
         self.job = job or uuid.uuid4().hex[:12]

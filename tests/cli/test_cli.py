@@ -400,6 +400,7 @@ def test_no_manager_exits_3_naming_endpoint(
         assert out == ""
         lines = err.strip().splitlines()
         assert len(lines) == 1 and endpoint in lines[0] and "freeride manager --device cpu:0" in lines[0]
+        assert "or it is stopping" in lines[0]  # a manager that is exiting answers nothing either
 
 
 def test_unknown_task_id_exits_4(manager: Manager, ep: list[str], capsys: pytest.CaptureFixture[str]) -> None:

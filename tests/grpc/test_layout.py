@@ -56,9 +56,9 @@ def test_a_trainer_run_again_with_the_same_shape_starts_the_managers_statistics_
 
 
 def test_a_reporters_job_must_be_printable_text() -> None:
-    for job in ("", "x" * 129, "run\n2"):
+    for job in ("", "   ", "x" * 129, "run\n2", 123):
         with pytest.raises(ConfigError, match="job must be"):
-            BubbleReporter("cpu:0", stage=0, rank=0, job=job, start=False)
+            BubbleReporter("cpu:0", stage=0, rank=0, job=job, start=False)  # type: ignore[arg-type]
 
 
 def test_a_malformed_layout_is_rejected_alone_and_the_stream_goes_on(harness: ManagerHarness) -> None:
