@@ -173,6 +173,10 @@ class BubbleReporter:
         self._closed = threading.Event()
         #: Whether the manager answered on the open stream's channel (the sender thread checks at connecting).
         self._connected = False
+        #: The job's last layout as reported (schedule, stages, micro-batches, stage devices, at_ns, free bytes):
+        #: told again at every reconnection, since the manager there may be a restarted one that never heard it.
+        self._last_layout: tuple[str, int, int, tuple[str, ...], int, int] | None = None
+        self._resent_local = 0  # layouts told again as local datagrams (the sender thread's count)
         #: The manager's end board, mapped at each connection (a restarted manager makes a new one); the
         #: training thread writes to whichever mapping it reads here. A replaced mapping is not closed
         #: (the training thread may be writing to it), only dropped.
@@ -297,6 +301,8 @@ class BubbleReporter:
         try:
             if at_ns is None:
                 at_ns = time.monotonic_ns()
+            self._last_layout = (str(schedule), int(stages), int(microbatches), tuple(str(d) for d in stage_devices),
+                                 int(at_ns), int(free_memory_bytes))
             local, epoch = self._route
             if local is not None:
                 layout = TrainerLayout(str(schedule), int(stages), int(microbatches),
@@ -320,7 +326,7 @@ class BubbleReporter:
     @property
     def sent(self) -> int:
         """Events handed to the manager: over the wire (to gRPC) and as local datagrams."""
-        return self._sent + self._sent_local + self._drained_local
+        return self._sent + self._sent_local + self._drained_local + self._resent_local
 
     @property
     def dropped(self) -> int:
@@ -347,7 +353,7 @@ class BubbleReporter:
             accepted=self._accepted,
             rejected=self._rejected,
             manager_dropped=self._manager_dropped,
-            local=self._sent_local + self._drained_local,
+            local=self._sent_local + self._drained_local + self._resent_local,
             local_fallbacks=self._local_fallbacks,
         )
 
@@ -478,6 +484,8 @@ class BubbleReporter:
                 self._end_board = self._open_end_board()
                 if self._end_board is not None and self._use_local_events:
                     self._use_local(self._open_local())  # before the wire takes anything from the queue
+                if self._connects:
+                    self._resend_layout()
                 stream = self._open_stream(alive)
                 self._connects += 1
                 while not stream.done():
@@ -526,6 +534,20 @@ class BubbleReporter:
                 break
             backoff = min(self._backoff_max_s, backoff * 2)
         self._discard_queued()
+
+    def _resend_layout(self) -> None:
+        """Tell a reconnection's manager the job's last layout again (sender thread): a restarted manager never
+        heard it, and one that had it changes nothing (the same job). Queued for the wire where the local
+        route is not up or fails; not an event of the training thread's (``enqueued`` does not count it)."""
+        last = self._last_layout
+        if last is None:
+            return
+        local, epoch = self._route
+        if local is not None and local.send(TrainerLayout(*last, job=self.job)):
+            self._resent_local += 1
+            return
+        schedule, stages, microbatches, devices, at_ns, free = last
+        self._queue.put((_LAYOUT, schedule, stages, microbatches, devices, at_ns, free, epoch))
 
     def _open_end_board(self) -> EndBoard | None:
         """The manager's end board, when it listens on a unix socket and keeps one (else None)."""

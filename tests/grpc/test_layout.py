@@ -3,10 +3,15 @@ reporter, in order with the bubbles around it, checked at the edge, reflected in
 
 from __future__ import annotations
 
-import pytest
-from conftest import ManagerHarness, now_ns, wait_for
+import os
+from pathlib import Path
 
-from freeride._wire.client import BubbleStream
+import pytest
+from conftest import ManagerHarness, cpu_devices, now_ns, wait_for
+
+from freeride._manager.daemon import Manager
+from freeride._wire.client import BubbleStream, ControlClient
+from freeride.endpoints import Endpoint
 from freeride.errors import ConfigError
 from freeride.messages import BubbleEnd, BubbleStart, TrainerLayout
 from freeride.training.reporter import BubbleReporter
@@ -53,6 +58,27 @@ def test_a_trainer_run_again_with_the_same_shape_starts_the_managers_statistics_
         a.bubble_end(9, 2)
         wait_for(lambda: harness.client.stats().bubbles == 7)
     assert harness.client.stats().layout_changes == 3
+
+
+def test_a_manager_restarted_under_a_running_trainer_learns_its_layout_again(tmp_path: Path) -> None:
+    device = cpu_devices(1)[0]
+    endpoint = Endpoint("unix", f"/tmp/fr-relayout-{os.getpid()}.sock")
+    first = Manager(device, endpoint=endpoint, state_dir=tmp_path / "a")
+    first.start()
+    with BubbleReporter(device, stage=0, rank=0, endpoint=endpoint, backoff_initial_s=0.01,
+                        backoff_max_s=0.05) as reporter:
+        reporter.report_layout("1f1b", 2, 4, (), 2**30)
+        with ControlClient(endpoint) as client:
+            wait_for(lambda: client.stats().layout.startswith("1f1b"))
+        first.stop()
+        second = Manager(device, endpoint=endpoint, state_dir=tmp_path / "b")
+        second.start()
+        try:
+            with ControlClient(endpoint) as client:
+                wait_for(lambda: client.stats().layout == "1f1b stages=2 microbatches=4", what="the layout told again")
+                assert client.stats().layout_changes == 1
+        finally:
+            second.stop()
 
 
 def test_a_reporters_job_must_be_printable_text() -> None:

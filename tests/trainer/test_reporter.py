@@ -246,6 +246,36 @@ def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp
     assert reporter.sent == 5
 
 
+def test_a_reconnection_tells_the_manager_the_jobs_layout_again(tmp_path: Path) -> None:
+    # Found by a stranger: a manager restarted under a running trainer took its bubbles but never learned its
+    # layout (it was reported once, to the manager that died).
+    received: list = []
+    streams: list[FakeStream] = []
+    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
+                              backoff_initial_s=0.01, job="run-1")
+
+    def open_stream(alive):  # type: ignore[no-untyped-def]
+        # The first manager dies after 3 events; the second one stays.
+        stream = FakeStream(reporter._batches(alive), received, die_after=3 if not streams else None)
+        streams.append(stream)
+        return stream
+
+    reporter._open_stream = open_stream  # type: ignore[method-assign]
+    reporter._thread.start()
+    reporter.report_layout("1f1b", 2, 4, at_ns=50)
+    reporter.bubble_start(7, 1, "k", predicted_ns=MS, start_ns=100)
+    reporter.bubble_end(7, 1, end_ns=200)
+    wait_for(lambda: len(streams) >= 2 and len(received) >= 4, 5)
+    reporter.bubble_end(8, 1, end_ns=300)
+    wait_for(lambda: len(received) >= 5, 5)
+    reporter.close()
+    layout = TrainerLayout("1f1b", 2, 4, (), 50, -1, job="run-1")
+    assert received == [layout, BubbleStart(2, 5, 7, 1, "k", 100, MS, -1), BubbleEnd(2, 5, 7, 1, 200), layout,
+                        BubbleEnd(2, 5, 8, 1, 300)]
+    counters = reporter.counters()
+    assert counters.enqueued == 4 and counters.sent == 5  # the layout told again is the reporter's, not training's
+
+
 class PullingStream:
     """Stands in for BubbleStream: a gRPC-like sender thread that asks for a message when told to."""
 
