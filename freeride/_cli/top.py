@@ -328,13 +328,18 @@ def _text_main(refresh: Callable[[], Snapshot], first: Snapshot, interval_s: flo
         before = previous.stats if previous else None
         print(render(current.stats, current.tasks, current.bubbles, width, previous=before,
                      previous_tasks=previous.tasks if previous else ()), end="\n\n", flush=True)
+        told = ""  # the outage said already: once, not once a refresh (a log of a long outage stays readable)
         while True:
             sleep(interval_s)
             try:
                 fresh = refresh()
                 break
             except ManagerUnavailable as exc:
-                print(f"freeride top: {exc}; retrying in {interval_s:g} s", file=sys.stderr, flush=True)
+                if str(exc) != told:
+                    told = str(exc)
+                    print(f"freeride top: {exc}; retrying every {interval_s:g} s", file=sys.stderr, flush=True)
+        if told:
+            print("freeride top: the manager answers again", file=sys.stderr, flush=True)
         previous, current = current, fresh
 
 

@@ -266,6 +266,29 @@ def test_live_view_shows_a_vanished_manager_and_recovers_when_it_returns() -> No
     assert screen.frames[2][1].split()[1] == "12"
 
 
+def test_the_text_view_says_an_outage_once_and_when_the_manager_answers_again(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Found by a stranger: without a terminal, every refresh of an outage printed its line (2,970 lines in 30 s).
+    gone = ManagerUnavailable("no manager answers at unix:/m.sock")
+    answers: list[Snapshot | Exception] = [gone, gone, gone, gone, snapshot(12)]
+
+    def refresh() -> Snapshot:
+        if not answers:
+            raise KeyboardInterrupt
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(top, "sleep", lambda seconds: None)
+    with pytest.raises(KeyboardInterrupt):
+        top._text_main(refresh, snapshot(10), interval_s=0.2, width=100)
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["freeride top: no manager answers at unix:/m.sock; retrying every 0.2 s",
+                                "freeride top: the manager answers again"]
+    assert out.count("freeride top - ") == 2
+
+
 # ------------------------------------------------------------------ the command against a real manager
 
 
