@@ -129,7 +129,7 @@ def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
 def test_a_call_the_stopping_server_cancels_reads_as_manager_unavailable() -> None:
     # Regression: a health check that reached the manager as it stopped raised a bare FreerideError
     # ("manager error (CANCELLED)"): gRPC's server answers CANCELLED to a call that arrives while it
-    # shuts down (about 1 call in 250 of a client polling through the stop). That race is rare, so a
+    # shuts down (about 1 call in 600 of a client polling through the stop). That race is rare, so a
     # real server here answers the same status every time.
     from concurrent import futures
 
