@@ -176,7 +176,8 @@ class BubbleReporter:
         #: The job's last layout as reported (schedule, stages, micro-batches, stage devices, at_ns, free bytes):
         #: told again at every reconnection, since the manager there may be a restarted one that never heard it.
         self._last_layout: tuple[str, int, int, tuple[str, ...], int, int] | None = None
-        self._resent_local = 0  # layouts told again as local datagrams (the sender thread's count)
+        #: The layout still to tell this connection's manager again (sender thread; :meth:`_resend_layout`).
+        self._relayout: TrainerLayout | None = None
         #: The manager's end board, mapped at each connection (a restarted manager makes a new one); the
         #: training thread writes to whichever mapping it reads here. A replaced mapping is not closed
         #: (the training thread may be writing to it), only dropped.
@@ -326,7 +327,7 @@ class BubbleReporter:
     @property
     def sent(self) -> int:
         """Events handed to the manager: over the wire (to gRPC) and as local datagrams."""
-        return self._sent + self._sent_local + self._drained_local + self._resent_local
+        return self._sent + self._sent_local + self._drained_local
 
     @property
     def dropped(self) -> int:
@@ -353,7 +354,7 @@ class BubbleReporter:
             accepted=self._accepted,
             rejected=self._rejected,
             manager_dropped=self._manager_dropped,
-            local=self._sent_local + self._drained_local + self._resent_local,
+            local=self._sent_local + self._drained_local,
             local_fallbacks=self._local_fallbacks,
         )
 
@@ -413,6 +414,9 @@ class BubbleReporter:
         message carries everything that piled up while the previous one was being sent.
         """
         q = self._queue
+        relayout, self._relayout = self._relayout, None
+        if relayout is not None and alive.is_set():
+            yield [relayout]
         while alive.is_set():
             try:
                 item = q.get(timeout=0.2)
@@ -537,17 +541,17 @@ class BubbleReporter:
 
     def _resend_layout(self) -> None:
         """Tell a reconnection's manager the job's last layout again (sender thread): a restarted manager never
-        heard it, and one that had it changes nothing (the same job). Queued for the wire where the local
-        route is not up or fails; not an event of the training thread's (``enqueued`` does not count it)."""
+        heard it, and one that had it changes nothing (the same job). As a local datagram where that route is
+        up, else as the new stream's first message. Not an event of the training thread's: no counter counts
+        it, so that ``sent + dropped == enqueued`` holds however often the reporter reconnects."""
         last = self._last_layout
+        self._relayout = None
         if last is None:
             return
-        local, epoch = self._route
-        if local is not None and local.send(TrainerLayout(*last, job=self.job)):
-            self._resent_local += 1
-            return
-        schedule, stages, microbatches, devices, at_ns, free = last
-        self._queue.put((_LAYOUT, schedule, stages, microbatches, devices, at_ns, free, epoch))
+        layout = TrainerLayout(*last, job=self.job)
+        local, _ = self._route
+        if local is None or not local.send(layout):
+            self._relayout = layout  # :meth:`_batches` sends it first
 
     def _open_end_board(self) -> EndBoard | None:
         """The manager's end board, when it listens on a unix socket and keeps one (else None)."""
