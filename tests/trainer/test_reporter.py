@@ -214,20 +214,26 @@ class FakeStream:
         pass
 
 
-def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp_path: Path) -> None:
+def _first_manager_dies_after(reporter: BubbleReporter, events: int) -> tuple[list, list[FakeStream]]:
+    """Start ``reporter`` on fake streams whose first manager dies after ``events`` events and whose second
+    stays; returns what the managers received, and the streams opened."""
     received: list = []
     streams: list[FakeStream] = []
-    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
-                              backoff_initial_s=0.01)
 
     def open_stream(alive):  # type: ignore[no-untyped-def]
-        # The first manager dies after 4 events; the second one stays.
-        stream = FakeStream(reporter._batches(alive), received, die_after=4 if not streams else None)
+        stream = FakeStream(reporter._batches(alive), received, die_after=events if not streams else None)
         streams.append(stream)
         return stream
 
     reporter._open_stream = open_stream  # type: ignore[method-assign]
     reporter._thread.start()
+    return received, streams
+
+
+def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp_path: Path) -> None:
+    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
+                              backoff_initial_s=0.01)
+    received, streams = _first_manager_dies_after(reporter, 4)
     reporter.bubble_start(7, 1, "drain", predicted_ns=2_000_000, free_memory_bytes=4096, start_ns=100)
     reporter.bubble_end(7, 1, end_ns=200)
     reporter.bubble_start(8, 0, "boundary", predicted_ns=0, start_ns=300)
@@ -249,19 +255,9 @@ def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp
 def test_a_reconnection_tells_the_manager_the_jobs_layout_again(tmp_path: Path) -> None:
     # Found by a stranger: a manager restarted under a running trainer took its bubbles but never learned its
     # layout (it was reported once, to the manager that died).
-    received: list = []
-    streams: list[FakeStream] = []
     reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
                               backoff_initial_s=0.01, job="run-1")
-
-    def open_stream(alive):  # type: ignore[no-untyped-def]
-        # The first manager dies after 3 events; the second one stays.
-        stream = FakeStream(reporter._batches(alive), received, die_after=3 if not streams else None)
-        streams.append(stream)
-        return stream
-
-    reporter._open_stream = open_stream  # type: ignore[method-assign]
-    reporter._thread.start()
+    received, streams = _first_manager_dies_after(reporter, 3)
     reporter.report_layout("1f1b", 2, 4, at_ns=50)
     reporter.bubble_start(7, 1, "k", predicted_ns=MS, start_ns=100)
     reporter.bubble_end(7, 1, end_ns=200)
