@@ -126,16 +126,16 @@ DEFAULT_COSTS_NS = {FORWARD: 1e6, BACKWARD: 2e6, BACKWARD_INPUT: 1e6, BACKWARD_W
 #: ``QUIET_WINDOW`` where they are measured from a ``wait_blocks`` mark, whose positions may wait only now
 #: and then) reached ``report_min_ns`` (module doc).
 QUIET_WINDOW = 16
+QUIET_AFTER = 3
 #: Once the model has profiled the rank, its waits are learned (the predictor, the quiet positions) every
 #: ``LEARN_EVERY`` iterations, all at once: each slot's history is then touched cold once for that many
-#: iterations instead of once each, on the training thread between compute actions (``bench.hot_path``: 40-70
-#: us an iteration less on torch's 1F1B and interleaved 1F1B, of 8 micro-batches). A slot's prediction, a 10th
-#: percentile of its last 16 waits, moves slowly anyway; a long wait at a quiet position still wakes the
-#: others at once (:meth:`RankTracker.wake_quiet`).
+#: iterations instead of once each, on the training thread between compute actions
+#: (``bench.hot_path_learning``, paired: 21-140 us an iteration less on five torch schedules, both ranks, 8
+#: micro-batches). A slot's prediction, a 10th percentile of its last 16 waits, moves slowly anyway; a long
+#: wait at a quiet position still wakes the others at once (:meth:`RankTracker.wake_quiet`).
 LEARN_EVERY = 4
 #: The iterations whose actions are checked against the planned order (a mismatch is logged once).
 ORDER_CHECKED_ITERATIONS = 8
-QUIET_AFTER = 3
 
 
 class BubbleSink(Protocol):
