@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from freeride.errors import ConfigError
 from freeride.training.schedules import (
@@ -135,6 +136,46 @@ class SteadyState:
     period: float
 
 
+@dataclass(frozen=True)
+class _Numbered:
+    """The cost-free part of :func:`steady_state`'s simulation, worked out once per set of orders.
+
+    Every action is numbered once: the simulation's tables are lists indexed by number (an Action's hash
+    is a frozen dataclass's, Python code: keyed by Action, it was most of a large schedule's simulation).
+    ``needs[r][k]``: the inputs rank ``r`` waits for before its action at position ``k`` (an input from the
+    rank itself is never moved: its own order provides it), each as (its number, the number of the action
+    that stands in for it: a B for an I and the reverse; -1: none, or not in any order).
+    """
+
+    orders: Mapping[int, Sequence[Action]]
+    actions: tuple[Action, ...]
+    numbered: Mapping[int, tuple[int, ...]]
+    needs: Mapping[int, tuple[tuple[tuple[int, int], ...], ...]]
+
+    @classmethod
+    def of(cls, orders: Mapping[int, Sequence[Action]], num_stages: int, receive_at: ReceiveAt | None) -> _Numbered:
+        moved = _check_receive_at(orders, receive_at)
+        owner = stage_ranks(orders) if moved else {}
+        number: dict[Action, int] = {}
+        for order in orders.values():
+            for action in order:
+                number.setdefault(action, len(number))
+        needs = {}
+        for r, order in orders.items():
+            at: list[list[tuple[int, int]]] = [[] for _ in order]
+            for k, action in enumerate(order):
+                dep = input_dependency(action, num_stages)
+                if dep is not None:
+                    other = -1
+                    if dep.kind in (BACKWARD, BACKWARD_INPUT):
+                        swapped = BACKWARD_INPUT if dep.kind == BACKWARD else BACKWARD
+                        other = number.get(Action(swapped, dep.stage, dep.microbatch), -1)
+                    at[moved.get(r, {}).get(k, k) if owner.get(dep.stage, r) != r else k].append(
+                        (number.get(dep, -1), other))
+            needs[r] = tuple(tuple(x) for x in at)
+        return cls(orders, tuple(number), {r: tuple(number[a] for a in o) for r, o in orders.items()}, needs)
+
+
 def steady_state(
     orders: Mapping[int, Sequence[Action]],
     num_stages: int,
@@ -145,30 +186,25 @@ def steady_state(
 ) -> SteadyState:
     """Simulate ``iterations`` back-to-back iterations (see the module doc); ConfigError on a deadlock.
 
-    ``cost(action)`` is an action's duration; ``between`` what each rank spends between two
-    iterations (one figure for all, or per rank). Three iterations reach the steady state of every
-    schedule torch offers (the warm-up of iteration ``k+1`` overlaps only the cool-down of ``k``).
+    ``cost(action)`` is an action's duration (asked once per action); ``between`` what each rank spends
+    between two iterations (one figure for all, or per rank). Three iterations reach the steady state of
+    every schedule torch offers (the warm-up of iteration ``k+1`` overlaps only the cool-down of ``k``).
     ``receive_at`` blocks a rank, before its action at a position, on the inputs it receives there.
     """
     if iterations < 2:
         raise ConfigError("steady_state needs at least 2 iterations")
+    return _simulate(_Numbered.of(orders, num_stages, receive_at), cost, between, iterations)
+
+
+def _simulate(tables: _Numbered, cost: Callable[[Action], float], between: Mapping[int, float] | float,
+              iterations: int = 3) -> SteadyState:
+    orders, numbered, needs = tables.orders, tables.numbered, tables.needs
     gap_of = {r: float(between) for r in orders} if isinstance(between, (int, float)) else dict(between)
     ranks = list(orders)
     length = {r: len(orders[r]) for r in ranks}
-    moved = _check_receive_at(orders, receive_at)
-    owner = stage_ranks(orders) if moved else {}
-    # Per rank and position: the inputs the rank waits for there, before it starts that position's action
-    # (an input from the rank itself is never moved: its own order provides it).
-    needs: dict[int, list[list[Action]]] = {}
-    for r in ranks:
-        at: list[list[Action]] = [[] for _ in orders[r]]
-        for k, action in enumerate(orders[r]):
-            dep = input_dependency(action, num_stages)
-            if dep is not None:
-                at[moved.get(r, {}).get(k, k) if owner.get(dep.stage, r) != r else k].append(dep)
-        needs[r] = at
-    ends: dict[tuple[int, Action], float] = {}
-    starts: dict[tuple[int, int, int], float] = {}  # (rank, iteration, position) -> start
+    cost_of = [cost(action) for action in tables.actions]
+    ends: list[list[float | None]] = [[None] * len(cost_of) for _ in range(iterations)]  # [iteration][number]
+    starts = {r: [0.0] * (length[r] * iterations) for r in ranks}  # per rank, over iterations * positions
     cursor = {r: 0 for r in ranks}  # over iterations * positions
     free_at = {r: 0.0 for r in ranks}
     total = sum(length.values()) * iterations
@@ -176,42 +212,48 @@ def steady_state(
     while placed < total:
         progressed = False
         for r in ranks:
-            order = orders[r]
-            while cursor[r] < length[r] * iterations:
-                it, k = divmod(cursor[r], length[r])
-                action = order[k]
-                ready = free_at[r] + (gap_of.get(r, 0.0) if k == 0 and it > 0 else 0.0)
+            ids, rank_needs, rank_starts, between_r = numbered[r], needs[r], starts[r], gap_of.get(r, 0.0)
+            n, end_of = length[r], length[r] * iterations
+            c = cursor[r]
+            while c < end_of:
+                it, k = divmod(c, n)
+                ends_it = ends[it]
+                ready = free_at[r] + (between_r if k == 0 and it > 0 else 0.0)
                 blocked = False
-                for dep in needs[r][k]:
-                    done = ends.get((it, dep))
-                    if done is None and dep.kind in (BACKWARD, BACKWARD_INPUT):
-                        other = BACKWARD_INPUT if dep.kind == BACKWARD else BACKWARD
-                        done = ends.get((it, Action(other, dep.stage, dep.microbatch)))
+                for dep, other in rank_needs[k]:
+                    done = ends_it[dep] if dep >= 0 else None
+                    if done is None and other >= 0:
+                        done = ends_it[other]
                     if done is None:
                         blocked = True
                         break
-                    ready = max(ready, done)
+                    if done > ready:
+                        ready = done
                 if blocked:
                     break
-                starts[(r, it, k)] = ready
-                free_at[r] = ends[(it, action)] = ready + cost(action)
-                cursor[r] += 1
+                rank_starts[c] = ready
+                action = ids[k]
+                free_at[r] = ends_it[action] = ready + cost_of[action]
+                c += 1
                 placed += 1
                 progressed = True
+            cursor[r] = c
         if not progressed:
             stuck = {r: str(orders[r][cursor[r] % length[r]]) for r in ranks if cursor[r] < length[r] * iterations}
             raise ConfigError(f"schedule deadlocks: ranks wait on {stuck}")
     last = iterations - 1
     gaps: dict[int, tuple[float, ...]] = {}
     for r in ranks:
-        order = orders[r]
+        ids, n = numbered[r], length[r]
         row = []
-        for k in range(length[r]):
-            prev_end = ends[(last, order[k - 1])] if k else ends[(last - 1, order[-1])] + gap_of.get(r, 0.0)
-            row.append(max(0.0, starts[(r, last, k)] - prev_end))
+        for k in range(n):
+            prev = ends[last][ids[k - 1]] if k else ends[last - 1][ids[-1]]
+            assert prev is not None  # every action of every iteration was placed
+            prev_end = prev if k else prev + gap_of.get(r, 0.0)
+            row.append(max(0.0, starts[r][last * n + k] - prev_end))
         gaps[r] = tuple(row)
     first = next(r for r in ranks if length[r])
-    period = starts[(first, last, 0)] - starts[(first, last - 1, 0)]
+    period = starts[first][last * length[first]] - starts[first][(last - 1) * length[first]]
     return SteadyState(gaps, period)
 
 
@@ -248,6 +290,12 @@ class RankPlan:
     def order(self) -> tuple[Action, ...]:
         return self.orders[self.rank]
 
+    @cached_property
+    def _numbered(self) -> _Numbered:
+        """The simulation's cost-free tables, worked out at the first :meth:`modelled_lengths` (a tracker
+        remodels the same orders at each of its first iterations)."""
+        return _Numbered.of(self.orders, self.num_stages, self.receive_at)
+
     @property
     def stages(self) -> tuple[int, ...]:
         """The model stages this rank holds."""
@@ -276,5 +324,5 @@ class RankPlan:
     def modelled_lengths(self, cost: Callable[[Action], float], between: Mapping[int, float] | float = 0.0
                          ) -> dict[int, float]:
         """The steady-state gap before each wait position for these costs (see :func:`steady_state`)."""
-        gaps = steady_state(self.orders, self.num_stages, cost, between, receive_at=self.receive_at).gaps[self.rank]
+        gaps = _simulate(self._numbered, cost, between).gaps[self.rank]
         return {k: gaps[k] if k < len(gaps) else 0.0 for k in self.positions}

@@ -447,8 +447,17 @@ class RankTracker:
 
     def _remodel(self) -> None:
         """Re-simulate the steady state with the profiled costs; refresh the modelled slot lengths."""
+        known: dict[tuple[str, int], float] = {}  # an action's cost depends on its kind and stage only
+
+        def cost(action: Action) -> float:
+            key = (action.kind, action.stage)
+            found = known.get(key)
+            if found is None:
+                found = known[key] = self.cost_ns(action)
+            return found
+
         try:
-            self._model_ns = self.plan.modelled_lengths(self.cost_ns, self._between_ns or 0.0)
+            self._model_ns = self.plan.modelled_lengths(cost, self._between_ns or 0.0)
         except ConfigError as exc:  # an order that deadlocks in the model: predictions fall back
             log.warning("[rank %d] the schedule's order cannot be simulated: %s", self.rank, exc)
             self._model_ns = {}

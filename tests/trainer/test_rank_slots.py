@@ -156,3 +156,24 @@ def test_orders_that_cannot_be_modelled_are_refused() -> None:
         RankPlan.from_orders({0: [Action("F", 0, 0)], 1: [Action("F", 1, 0)]}, 0, num_stages=1)
     with pytest.raises(ConfigError, match="at least 2 iterations"):
         steady_state({0: [Action("F", 0, 0)]}, 1, lambda a: 1.0, iterations=1)
+
+
+def test_the_simulation_asks_each_actions_cost_once_and_a_plan_remodels_as_a_fresh_simulation_would() -> None:
+    orders = build_schedule("interleaved-1f1b", 4, 8).orders
+    asked: list[Action] = []
+
+    def cost(action: Action) -> float:
+        asked.append(action)
+        return 1.0 + action.stage / 10 + (1.0 if action.is_backward else 0.0)
+
+    steady_state(orders, 8, cost, 0.5)
+    assert sorted(asked, key=str) == sorted({a for o in orders.values() for a in o}, key=str)
+
+    plan = RankPlan.from_orders(orders, 1)
+    for scale, between in ((1.0, 0.0), (3.0, 2.0), (0.5, 0.25)):  # the plan's tables, reused with new costs
+        def scaled(action: Action, scale: float = scale) -> float:
+            return scale * cost(action)
+
+        fresh = steady_state(orders, 8, scaled, between).gaps[1]
+        assert plan.modelled_lengths(scaled, between) == {
+            k: fresh[k] if k < len(fresh) else 0.0 for k in plan.positions}
