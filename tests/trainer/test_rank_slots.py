@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stand_in_stage import StandInStage
 
 from freeride.errors import ConfigError
 from freeride.training.instrument import torch_orders
@@ -19,18 +20,6 @@ from freeride.training.rank_slots import RankPlan, gap_length, stage_ranks, stea
 from freeride.training.schedules import BOUNDARY, Action, build_schedule
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-
-
-class StandInStage:
-    """What torch's schedule constructors read of a PipelineStage."""
-
-    def __init__(self, index: int, stages: int, ranks: int, rank: int) -> None:
-        import torch
-
-        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, ranks, rank
-        self.is_first, self.is_last = index == 0, index == stages - 1
-        self.submod = torch.nn.Linear(1, 1)
-        self.stage_index_to_group_rank: dict[int, int] = {}
 
 
 MULTI = {  # torch class -> placement of rank r's stages (p ranks, 2 stages each)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stand_in_stage import StandInStage
 
 from freeride.errors import ConfigError
 from freeride.workload import pipelines
@@ -13,18 +14,8 @@ from freeride.workload import pipelines
 torch = pytest.importorskip("torch")
 
 
-class _Stage:
-    """What torch's runtime schedule reads of a stage at construction and while loading a CSV."""
-
-    def __init__(self, index: int, stages: int, rank: int) -> None:
-        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, stages, 2, rank
-        self.is_first, self.is_last = index == 0, index == stages - 1
-        self.submod = torch.nn.Linear(1, 1)
-        self.stage_index_to_group_rank: dict[int, int] = {}
-
-
 def _schedule(path: Path) -> Any:
-    stages = [_Stage(c, 4, 0) for c in pipelines.local_chunks("csv", 0, 2, 2, str(path))]
+    stages = [StandInStage(c, 4, 2, 0) for c in pipelines.local_chunks("csv", 0, 2, 2, str(path))]
     return pipelines.make_schedule("csv", stages, 4, lambda out, target: out, str(path))
 
 
