@@ -200,7 +200,7 @@ def test_waiting_reason_names_step_and_longest_bubble_when_the_step_fits_no_bubb
         sim.end()
     reason = sim.core.waiting_reason(sim.core.tasks["slow"])
     assert "fits no bubble" in reason
-    assert "20.0 ms" in reason and "1.0 ms margin" in reason and "longest 10.0 ms" in reason
+    assert "20.0 ms" in reason and "1.00 ms margin" in reason and "longest 10.0 ms" in reason
 
 
 def test_margin_counts_against_the_fit() -> None:

@@ -120,10 +120,25 @@ def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_fro
     sim.parked("a", [1.0])
     margin = (sim.core.config.margin_ns + task.margin_ns) / MS
     assert margin > 1.0
-    widened = f"margin {margin:.1f} ms, widened by overruns from 1.0 ms"
+    widened = f"margin {margin:.2f} ms, widened by overruns from 1.00 ms"
     assert sim.core.waiting_reason(task) == f"waiting for a bubble ({widened})"
     task.estimator.extend([40 * MS] * 64)  # a step that now fits no bubble says the same
-    assert f"+ {margin:.1f} ms margin, widened by overruns from 1.0 ms) fits no bubble" in sim.core.waiting_reason(task)
+    assert f"+ {margin:.2f} ms margin, widened by overruns from 1.00 ms) fits no bubble" in sim.core.waiting_reason(task)
+
+
+def test_a_margin_widened_by_less_than_its_figures_show_is_not_said_to_be_widened() -> None:
+    # Stranger trial: "waiting for a bubble (margin 0.2 ms, widened by overruns from 0.2 ms)".
+    sim = Sim(margin_ns=200_000)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    sim.start(predicted_ms=10)
+    sim.advance_ms(2)
+    sim.parked("a", [1.0])
+    task.margin_ns = 3_000  # 0.203 ms in all: shown as 0.20, as the base is
+    assert sim.core.waiting_reason(task) == "waiting for a bubble"
+    task.margin_ns = 30_000
+    assert sim.core.waiting_reason(task) == "waiting for a bubble (margin 0.23 ms, widened by overruns from 0.20 ms)"
 
 
 def test_frozen_task_is_thawed_by_the_grant_at_the_next_bubble() -> None:

@@ -25,6 +25,11 @@ class Circumstances:
     reprobes: bool
 
 
+def _ms(ns: int) -> str:
+    """A margin in ms: two decimals under 10 ms (margins start at fractions of a millisecond), else one."""
+    return f"{ns / MS:.2f}" if ns < 10 * MS else f"{ns / MS:.1f}"
+
+
 def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
     """Why a non-running task is not running ("" for a running or finished one)."""
     if task.state == TaskState.SUBMITTED:
@@ -42,8 +47,10 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
     if task.state == TaskState.PARKED:
         est = task.known_step_ns
         margin = now.margin_ns + task.margin_ns
-        # Overruns widen a task's margin (and clean grants narrow it again): say so, from what to what.
-        widened = f", widened by overruns from {now.margin_ns / MS:.1f} ms" if task.margin_ns else ""
+        # Overruns widen a task's margin (and clean grants narrow it again): say so, from what to what, where
+        # the figures shown differ (a widening of microseconds is nothing to say "from 0.2 ms to 0.2 ms" about).
+        base, total = _ms(now.margin_ns), _ms(margin)
+        widened = f", widened by overruns from {base} ms" if task.margin_ns and base != total else ""
         longest = now.longest_bubble_ns
         if est is not None and longest and est + margin > longest:
             again = ""
@@ -51,12 +58,12 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
                 left = max(0, now.reprobe_after_bubbles - task.health.unfit_bubbles)
                 again = f"; its step time is measured again in {left} more bubbles"
             return (
-                f"its step ({est / MS:.1f} ms p95 + {margin / MS:.1f} ms margin{widened}) fits no bubble seen "
+                f"its step ({est / MS:.1f} ms p95 + {total} ms margin{widened}) fits no bubble seen "
                 f"(longest {longest / MS:.1f} ms){again}"
             )
         if longest == 0:
             return "no bubble reported yet"
-        return "waiting for a bubble" + (f" (margin {margin / MS:.1f} ms{widened})" if widened else "")
+        return "waiting for a bubble" + (f" (margin {total} ms{widened})" if widened else "")
     if task.state == TaskState.FROZEN:
         if task.health.in_setup:
             return "frozen in setup() after overrunning a bubble; resumes at its next grant"
