@@ -431,6 +431,11 @@ class ManagerStats:
     end_to_worker_ms: Percentiles = field(default_factory=Percentiles)
     #: The manager's part in the cluster queue; None without ``--queue``.
     queue: QueueStats | None = None
+    #: Trainer ranks that share the device now, the one whose waits it follows first (empty: one rank, or
+    #: none yet); while several do, nothing is granted (a device is idle only while all of them wait).
+    shared_by_ranks: tuple[int, ...] = ()
+    #: Bubble events of ranks other than the followed one: counted, not otherwise used.
+    events_other_ranks: int = 0
 
 
 @dataclass(frozen=True)

@@ -460,16 +460,25 @@ def render_stats(s: ManagerStats) -> str:
         ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),
         ("tasks", by_state),
         ("events", f"{s.events_received} received, {s.events_rejected} rejected"
-                   + (f", {s.events_dropped} dropped" if s.events_dropped else "")),
+                   + (f", {s.events_dropped} dropped" if s.events_dropped else "")
+                   + (f", {s.events_other_ranks} from other trainer ranks (ignored)" if s.events_other_ranks else "")),
         ("event delay", _pct_line(s.event_delay_ms)),
     ]
     if s.queue is not None:
         from freeride._cli.cluster import queue_line
 
         fields.append(("queue", queue_line(s.queue)))
+    if s.shared_by_ranks:
+        fields.append(("shared", shared_line(s.shared_by_ranks)))
     if s.layout:
         fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
+
+
+def shared_line(ranks: Sequence[int]) -> str:
+    """What ``stats`` and ``top`` say of a device that trainer ranks share (the followed one first)."""
+    return (f"trainer ranks {', '.join(str(r) for r in ranks)} share this device: nothing is granted while they do "
+            f"(it is idle only while all of them wait; rank {ranks[0]}'s waits are the bubbles shown)")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

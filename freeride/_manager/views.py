@@ -178,6 +178,8 @@ class Views:
             layout_changes=s.layout_changes,
             layout=core.layout.describe() if core.layout is not None else "",
             queue=self.cluster.queue_stats(),
+            shared_by_ranks=core.shared_by,
+            events_other_ranks=s.other_rank_events,
         )
 
 

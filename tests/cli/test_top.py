@@ -103,6 +103,17 @@ def test_a_manager_on_a_queue_shows_the_queues_figures_in_top_and_stats() -> Non
     assert "queue:       UNREACHABLE (3 failed polls: cannot reach the queue)" in render_stats(stats(queue=cut_off))
 
 
+def test_a_device_that_trainer_ranks_share_says_so_in_top_and_stats() -> None:
+    shared = stats(shared_by_ranks=(0, 2), events_other_ranks=41)
+    line = ("trainer ranks 0, 2 share this device: nothing is granted while they do (it is idle only while all of "
+            "them wait; rank 0's waits are the bubbles shown)")
+    assert line in render(shared, TASKS, BUBBLES, width=300).splitlines()
+    text = render_stats(shared)
+    assert f"shared:      {line}" in text.splitlines()
+    assert ", 41 from other trainer ranks (ignored)" in text
+    assert "share this device" not in render(stats(), TASKS, BUBBLES, width=300) + render_stats(stats())
+
+
 def test_task_table_lists_live_tasks_first_with_why_each_waits_or_failed() -> None:
     frame = render(stats(), TASKS, BUBBLES, width=160)
     rows = [line.split()[0] for line in frame.splitlines() if line.split() and "-" in line.split()[0]]

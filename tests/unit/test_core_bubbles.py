@@ -319,3 +319,73 @@ def test_a_bubble_whose_end_came_with_its_start_is_measured_and_never_granted() 
     assert sim.core.stats.bubbles == 1 and sim.core.stats.bubble_ns == MS
     assert sim.state("a") == S.PARKED
     assert grants(sim.start(predicted_ms=10)) == ["a"]  # the next bubble, still open, is granted
+
+
+def _notes(actions: list) -> list[str]:
+    from freeride._manager.core import Note
+
+    return [a.message for a in actions if isinstance(a, Note)]
+
+
+def test_a_second_rank_on_the_device_stops_grants_and_its_events_are_counted_apart_not_rejected() -> None:
+    # Stranger trial: 4 ranks on 2 CPU devices; each rank's start closed the other's bubble as a lost end, whose
+    # real end then counted as rejected (a quarter of the events), and side tasks ran while the other rank computed.
+    sim = Sim()
+    sim.resident("a")
+    assert grants(sim.start(predicted_ms=10, rank=0)) == ["a"]
+    sim.advance_ms(2)
+    actions = sim.start(predicted_ms=10, rank=2)  # rank 2 starts waiting on the same device
+    assert [n for n in _notes(actions) if "trainer ranks 0 and 2 report bubbles to this device" in n]
+    assert not of(actions, Park) and sim.core.bubble is not None and sim.core.bubble.event.rank == 0
+    assert sim.core.shared_by == (0, 2)
+    sim.advance_ms(1)
+    parked = of(sim.end(sim.core.bubble.event), Park)  # rank 0's own end still ends rank 0's bubble
+    assert [p.task_id for p in parked] == ["a"]
+    sim.parked("a", [1.0])
+    for _ in range(3):  # rank 0's bubbles are measured but never granted while rank 2 shares the device
+        sim.advance_ms(2)
+        assert grants(sim.start(predicted_ms=10, rank=0)) == []
+        sim.advance_ms(5)
+        sim.end()
+        sim.start(predicted_ms=10, rank=2)
+        sim.advance_ms(1)
+        sim.end()
+    stats = sim.core.stats
+    assert (stats.anomalies, stats.ignored_events) == (0, 0)
+    assert stats.other_rank_events == 7 and stats.bubbles == 4
+    assert "trainer ranks 0, 2 share this device" in sim.core.waiting_reason(sim.core.tasks["a"])
+
+
+def test_once_the_other_rank_falls_silent_the_device_is_granted_again() -> None:
+    sim = Sim()
+    sim.resident("a")
+    assert grants(sim.start(predicted_ms=10, rank=1)) == ["a"]
+    sim.advance_ms(1)
+    sim.end()
+    sim.parked("a", [0.5])
+    sim.start(predicted_ms=10, rank=3)
+    sim.advance_ms(1)
+    sim.end()
+    sim.advance_ms(1)
+    assert sim.state("a") == S.PARKED
+    assert grants(sim.start(predicted_ms=10, rank=1)) == []
+    sim.advance_ms(1)
+    sim.end()
+    sim.advance_ms(6_000)  # rank 3 sent nothing for longer than RANK_LEFT_NS
+    actions = sim.start(predicted_ms=10, rank=1)
+    assert grants(actions) == ["a"]
+    assert [n for n in _notes(actions) if "only trainer rank 1 reports bubbles to this device now" in n]
+    assert sim.core.shared_by == () and sim.core.waiting_reason(sim.core.tasks["a"]) == ""
+
+
+def test_when_the_followed_rank_falls_silent_the_device_follows_the_rank_that_reports() -> None:
+    # A new run of the trainer on another rank of this device: its waits are the device's bubbles.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10, rank=0)
+    sim.advance_ms(1)
+    sim.end()
+    sim.advance_ms(6_000)
+    assert grants(sim.start(predicted_ms=10, rank=5)) == ["a"]
+    assert sim.core.followed_rank == 5 and sim.core.shared_by == ()
+    assert sim.core.stats.other_rank_events == 0

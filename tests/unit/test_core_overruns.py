@@ -123,7 +123,8 @@ def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_fro
     widened = f"margin {margin:.2f} ms, widened by overruns from 1.00 ms"
     assert sim.core.waiting_reason(task) == f"waiting for a bubble ({widened})"
     task.estimator.extend([40 * MS] * 64)  # a step that now fits no bubble says the same
-    assert f"+ {margin:.2f} ms margin, widened by overruns from 1.00 ms) fits no bubble" in sim.core.waiting_reason(task)
+    reason = sim.core.waiting_reason(task)
+    assert f"+ {margin:.2f} ms margin, widened by overruns from 1.00 ms) fits no bubble" in reason
 
 
 def test_a_margin_widened_by_less_than_its_figures_show_is_not_said_to_be_widened() -> None:

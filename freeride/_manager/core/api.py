@@ -442,6 +442,8 @@ class CoreStats:
     #: Out-of-order events dropped: an end without its open start, an end before its start, a start
     #: older than the open bubble's. Counted with the rejected events in the manager's stats.
     ignored_events: int = 0
+    #: Bubble events of a trainer rank other than the one the device follows (``SchedulerCore._follows``).
+    other_rank_events: int = 0
     overrun_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     grant_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     park_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))

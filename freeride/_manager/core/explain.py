@@ -23,6 +23,8 @@ class Circumstances:
     reprobe_after_bubbles: int
     #: The policy measures a step that fits no bubble again after ``reprobe_after_bubbles`` (freeride's does).
     reprobes: bool
+    #: The trainer ranks that share the device, the followed one first (empty: one rank, or none yet).
+    sharing_ranks: tuple[int, ...] = ()
 
 
 def _ms(ns: int) -> str:
@@ -44,6 +46,10 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
             f"needs {task.memory_bytes / 2**20:.0f} MiB; the device budget has "
             f"{max(0, budget) / 2**20:.0f} MiB free"
         )
+    if task.state in (TaskState.PARKED, TaskState.FROZEN) and now.sharing_ranks and not now.draining:
+        ranks = ", ".join(str(r) for r in now.sharing_ranks)
+        return (f"trainer ranks {ranks} share this device: it is idle only while all of them wait, so nothing is "
+                "granted here (run one pipeline rank per device)")
     if task.state == TaskState.PARKED:
         est = task.known_step_ns
         margin = now.margin_ns + task.margin_ns

@@ -75,6 +75,9 @@ from freeride.messages import BubbleSlotStats, TrainerLayout
 from freeride.states import TaskState
 
 MS = 1_000_000
+#: A trainer rank that sent this device no bubble event for this long has left it (its run ended, or moved):
+#: the device no longer counts it as sharing (:meth:`SchedulerCore._follows`).
+RANK_LEFT_NS = 5_000 * MS
 _PARKED, _RUNNING, _FROZEN = TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN
 _SERVING, _DRAINING = DrainPhase.SERVING, DrainPhase.DRAINING
 
@@ -98,6 +101,12 @@ class SchedulerCore:
         #: The trainer's current layout, once one was reported.
         self.layout: TrainerLayout | None = None
         self._grant_seq = 0
+        #: Each trainer rank whose bubble events reached this device, and when it was last heard (:meth:`_follows`).
+        self._ranks_heard: dict[int, int] = {}
+        #: The rank whose waits are this device's bubbles (None before any event).
+        self.followed_rank: int | None = None
+        #: Other ranks heard beside it within :data:`RANK_LEFT_NS`: while there are any, nothing is granted.
+        self.sharing_ranks: tuple[int, ...] = ()
         self.stopping = Stopping(self._tasks, self.bubbles, self.overruns, self.config.stop_timeout_ns)
 
     # ------------------------------------------------------------------ entry point
@@ -185,15 +194,65 @@ class SchedulerCore:
             draining=self.draining, device_problem=self.memory.problem, budget_bytes=self.budget_bytes(),
             longest_bubble_ns=self.bubbles.longest_ns, margin_ns=self.config.margin_ns,
             reprobe_after_bubbles=self.config.reprobe_after_bubbles, reprobes=self.policy.reprobes,
+            sharing_ranks=self.shared_by,
         ))
+
+    @property
+    def shared_by(self) -> tuple[int, ...]:
+        """The trainer ranks that share this device now, the followed one first; empty while one reports."""
+        if self.followed_rank is None or not self.sharing_ranks:
+            return ()
+        return (self.followed_rank, *self.sharing_ranks)
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         return self.bubbles.slot_stats()
 
     # ------------------------------------------------------------------ bubbles
 
+    def _follows(self, rank: int, now_ns: int, out: list[Action]) -> bool:
+        """Whether a bubble event of ``rank`` is one of this device's bubbles.
+
+        A device is idle only while every trainer rank on it waits. The core follows one rank's waits (the
+        first it heard; another once that one has been silent for :data:`RANK_LEFT_NS`): a second rank's
+        starts and ends, taken as the device's, would close the first rank's bubbles as lost ends, and their
+        real ends then count as out of order (a stranger's 4 ranks on 2 CPU devices: a quarter of the events
+        rejected). The others' events are counted (``other_rank_events``) and otherwise ignored, and while any
+        other rank shares the device nothing is granted (:meth:`grant_next`): one rank's wait there is another's
+        compute, which a side task would slow. Said once as a warning, and again when the device is the
+        followed rank's alone."""
+        heard = self._ranks_heard
+        heard[rank] = now_ns
+        followed = self.followed_rank
+        if len(heard) == 1 and rank == followed:
+            return True  # the usual case: one rank per device
+        for other, at in list(heard.items()):
+            if now_ns - at > RANK_LEFT_NS:
+                del heard[other]
+        if followed not in heard:
+            followed = self.followed_rank = rank
+        sharing = tuple(sorted(r for r in heard if r != followed))
+        if sharing != self.sharing_ranks:
+            if sharing and not self.sharing_ranks:
+                others = ", ".join(str(r) for r in sharing)
+                out.append(Note(NoteLevel.WARNING, (
+                    f"trainer ranks {followed} and {others} report bubbles to this device: it is idle only while "
+                    f"all of them wait, which freeride does not follow, so it grants nothing here while they "
+                    f"share it (run one pipeline rank per device to harvest it); rank {followed}'s waits are "
+                    f"measured, the others' events are counted and ignored")))
+            elif not sharing:
+                out.append(Note(NoteLevel.INFO, (
+                    f"only trainer rank {followed} reports bubbles to this device now: its bubbles are granted "
+                    "again")))
+            self.sharing_ranks = sharing
+        if rank == followed:
+            return True
+        self.stats.other_rank_events += 1
+        return False
+
     def _on_bubble_started(self, event: BubbleStarted, now_ns: int, out: list[Action]) -> None:
         b = event.bubble
+        if not self._follows(b.rank, now_ns, out):
+            return
         current = self.bubbles.open
         if current is not None and b.start_ns < current.event.start_ns:
             # A stale start (an old iteration delivered late): the open bubble is the newer truth.
@@ -216,6 +275,8 @@ class SchedulerCore:
 
     def _on_bubble_ended(self, event: BubbleEnded, now_ns: int, out: list[Action]) -> None:
         e = event.bubble
+        if not self._follows(e.rank, now_ns, out):
+            return
         bubble = self.bubbles.open
         if bubble is None or bubble.event.key != e.key or e.end_ns < bubble.event.start_ns:
             # An end without its start (nothing to park), or before its start.
@@ -246,7 +307,7 @@ class SchedulerCore:
     def grant_next(self, now_ns: int, out: list[Action]) -> None:
         """Grant the open bubble to the best candidate (``grants.py``), if it has time left and nobody holds it."""
         bubble = self.bubbles.open
-        if bubble is None or bubble.running or self.drain is not _SERVING:
+        if bubble is None or bubble.running or self.drain is not _SERVING or self.sharing_ranks:
             return
         if bubble.phase is not BubblePhase.OPEN:
             return  # a worker saw its end on a board
