@@ -402,6 +402,8 @@ class ManagerStats:
     bubble_time_s: float
     granted_s: float
     harvested_s: float
+    #: Grants whose step still ran at the bubble's real end: a step longer than the bubbles it is given is
+    #: frozen and thawed, and overruns each of them (there can be more overruns than finished steps).
     overruns: int
     overrun_ms: Percentiles
     grant_latency_ms: Percentiles
