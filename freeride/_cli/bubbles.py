@@ -113,12 +113,15 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str]) -> s
             continue
         for s in slots:
             free = format_size(s.min_free_memory_bytes) if s.min_free_memory_bytes >= 0 else "?"
+            if s.count:
+                figures = (f"{_ms(s.length_ms.p50):>8} {_ms(s.length_ms.p90):>8} {_ms(s.length_ms.p99):>8} "
+                           f"{_ms(s.length_ms.max):>8} {_ms(s.predicted_ms.p50):>8} "
+                           f"{_pct(s.abs_error_pct.p50):>7} {_pct(s.abs_error_pct.p90):>7}")
+            else:  # started, but no end measured yet (or only lost ones): nothing to show, not zeros
+                figures = f"{'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>7} {'-':>7}"
             lines.append(
                 f"{device:<8} {s.stage:>5} {s.rank:>4} {s.slot:>6} {'learned' if s.learned else 'model':<7} "
-                f"{s.kind:<10} {s.count:>6} "
-                f"{_ms(s.length_ms.p50):>8} {_ms(s.length_ms.p90):>8} {_ms(s.length_ms.p99):>8} "
-                f"{_ms(s.length_ms.max):>8} {_ms(s.predicted_ms.p50):>8} "
-                f"{_pct(s.abs_error_pct.p50):>7} {_pct(s.abs_error_pct.p90):>7} {free:>9}"
+                f"{s.kind:<10} {s.count:>6} {figures} {free:>9}"
             )
         per_stage: dict[int, list[float]] = {}
         for s in slots:

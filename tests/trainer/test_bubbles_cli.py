@@ -148,3 +148,20 @@ def test_learned_slots_reach_the_manager_flagged_and_the_cli_shows_them_apart(
     code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
     (rows_json,) = json.loads(out)["devices"].values()
     assert sorted((r["slot"], r["learned"]) for r in rows_json) == [(0, False), (learned_id, True)]
+
+
+def test_a_slot_seen_but_never_measured_shows_dashes_not_zero_lengths() -> None:
+    # Stranger trial: rows of count 0 read "0.00 ms" in every column, as if the slot's bubbles were empty.
+    from freeride.messages import BubbleSlotStats, Percentiles
+
+    measured = BubbleSlotStats(stage=0, rank=0, slot=3, kind="steady", count=2,
+                               length_ms=Percentiles(2, 1.5, 1.5, 1.5, 1.5),
+                               predicted_ms=Percentiles(2, 1.0, 1.0, 1.0, 1.0),
+                               abs_error_pct=Percentiles(2, 33.3, 33.3, 33.3, 33.3), min_free_memory_bytes=-1)
+    unmeasured = BubbleSlotStats(stage=0, rank=0, slot=11, kind="steady", count=0, length_ms=Percentiles(),
+                                 predicted_ms=Percentiles(), abs_error_pct=Percentiles(), min_free_memory_bytes=-1)
+    rows = bubbles_cli.render({"cpu:0": [measured, unmeasured]}, {}).splitlines()
+    (never,) = [r for r in rows if r.split()[:4] == ["cpu:0", "0", "0", "11"]]
+    assert never.split()[6:] == ["0", "-", "-", "-", "-", "-", "-", "-", "?"]
+    (seen,) = [r for r in rows if r.split()[:4] == ["cpu:0", "0", "0", "3"]]
+    assert seen.split()[6:9] == ["2", "1.50", "1.50"]
