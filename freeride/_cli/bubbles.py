@@ -40,6 +40,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--token-file", default=None, help=f"token for a TCP endpoint (else ${TOKEN_ENV})")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="per-manager RPC timeout")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--summary", action="store_true",
+                        help="one line per device (slots, measured, bubble time per iteration per stage) instead "
+                             "of a row per slot: a schedule of many micro-batches has hundreds of slots")
     parser.set_defaults(func=run)
 
 
@@ -99,19 +102,19 @@ def _pct(value: float) -> str:
     return f"{value:.1f}%"
 
 
-def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str]) -> str:
-    """The human table."""
+def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summary: bool = False) -> str:
+    """The human table (``summary``: only each device's summary line)."""
     header = (
         f"{'device':<8} {'stage':>5} {'rank':>4} {'slot':>6} {'source':<7} {'kind':<10} {'count':>6} "
         f"{'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'pred ms':>8} "
         f"{'err p50':>7} {'err p90':>7} {'min free':>9}"
     )
-    lines = [header]
+    lines = [] if summary else [header]
     for device, slots in stats.items():
         if not slots:
             lines.append(f"{device:<8} (no bubbles reported yet)")
             continue
-        for s in slots:
+        for s in () if summary else slots:
             free = format_size(s.min_free_memory_bytes) if s.min_free_memory_bytes >= 0 else "?"
             if s.count:
                 figures = (f"{_ms(s.length_ms.p50):>8} {_ms(s.length_ms.p90):>8} {_ms(s.length_ms.p99):>8} "
@@ -127,11 +130,16 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str]) -> s
         for s in slots:
             sums = per_stage.setdefault(s.stage, [0.0, 0.0])
             sums[1 if s.learned else 0] += s.length_ms.p50
-        summary = ", ".join(
+        per = ", ".join(
             f"stage {k}: {_ms(m)} ms" + (f" + {_ms(learned)} ms learned" if learned else "")
             for k, (m, learned) in sorted(per_stage.items())
         )
-        lines.append(f"{'':<8} median bubble time per iteration: {summary}")
+        if summary:
+            measured = sum(1 for s in slots if s.count)
+            lines.append(f"{device:<8} {len(slots)} slots ({measured} measured, "
+                         f"{sum(1 for s in slots if s.learned)} learned); median bubble time per iteration: {per}")
+        else:
+            lines.append(f"{'':<8} median bubble time per iteration: {per}")
     for device, message in errors.items():
         lines.append(f"{device:<8} unavailable: {message}")
     return "\n".join(lines)
@@ -151,6 +159,6 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(render(stats, errors))
+        print(render(stats, errors, summary=args.summary))
     return 1 if errors else 0
 

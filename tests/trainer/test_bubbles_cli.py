@@ -165,3 +165,22 @@ def test_a_slot_seen_but_never_measured_shows_dashes_not_zero_lengths() -> None:
     assert never.split()[6:] == ["0", "-", "-", "-", "-", "-", "-", "-", "?"]
     (seen,) = [r for r in rows if r.split()[:4] == ["cpu:0", "0", "0", "3"]]
     assert seen.split()[6:9] == ["2", "1.50", "1.50"]
+
+
+def test_the_summary_is_one_line_per_device_with_its_slots_and_bubble_time_per_stage() -> None:
+    from freeride.messages import BubbleSlotStats, Percentiles
+
+    def slot(stage: int, index: int, count: int, p50: float, learned: bool = False) -> BubbleSlotStats:
+        return BubbleSlotStats(stage=stage, rank=stage, slot=index, kind="steady", count=count,
+                               length_ms=Percentiles(count, p50, p50, p50, p50), predicted_ms=Percentiles(),
+                               abs_error_pct=Percentiles(), min_free_memory_bytes=-1, learned=learned)
+
+    stats = {"cpu:0": [slot(0, 1, 5, 1.5), slot(0, 2, 0, 0.0), slot(0, 65536, 4, 0.5, learned=True)],
+             "cpu:1": []}
+    text = bubbles_cli.render(stats, {"cpu:2": "no manager answers"}, summary=True)
+    assert text.splitlines() == [
+        "cpu:0    3 slots (2 measured, 1 learned); median bubble time per iteration: stage 0: 1.50 ms + 0.50 ms "
+        "learned",
+        "cpu:1    (no bubbles reported yet)",
+        "cpu:2    unavailable: no manager answers",
+    ]
