@@ -184,3 +184,26 @@ def test_the_summary_is_one_line_per_device_with_its_slots_and_bubble_time_per_s
         "cpu:1    (no bubbles reported yet)",
         "cpu:2    unavailable: no manager answers",
     ]
+
+
+def test_two_ranks_reporting_to_one_manager_are_told_apart_end_to_end(
+    manager: Any, endpoint: Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Stranger trial: 4 ranks on 2 CPU devices; a quarter of the events were counted as rejected.
+    with BubbleReporter(DEVICE, stage=0, rank=0, endpoint=endpoint, job="two") as first, \
+            BubbleReporter(DEVICE, stage=2, rank=2, endpoint=endpoint, job="two") as second:
+        for it in range(6):  # the two ranks' waits interleave, as on a shared device
+            t = now_ns() - 20 * MS
+            first.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t)
+            second.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t + MS)
+            first.bubble_end(it, 1, end_ns=t + 3 * MS)
+            second.bubble_end(it, 1, end_ns=t + 4 * MS)
+        _wait_count(endpoint, 6)
+        with ControlClient(endpoint, timeout_s=2) as client:
+            wait_for(lambda: client.stats().events_other_ranks == 12, 10)
+            stats = client.stats()
+    assert stats.events_rejected == 0 and stats.bubbles == 6
+    assert {s.rank for s in _wait_count(endpoint, 6)} == {stats.shared_by_ranks[0]}
+    assert sorted(stats.shared_by_ranks) == [0, 2]
+    code, out = _cli(["--endpoint", str(endpoint)], capsys)
+    assert code == 0 and " 6 " in out
