@@ -411,7 +411,12 @@ def local_devices(
         raise ConfigError("no CPU core is available to this process")
     # The reference trainer pins local rank r to core r when it may, else to the r-th allowed core.
     picked = [r if r in allowed else allowed[r % len(allowed)] for r in range(count)]
-    return [f"cpu:{c}" for c in dict.fromkeys(picked)], source
+    unique = list(dict.fromkeys(picked))
+    if len(unique) < count:
+        log.warning("%d ranks on %d CPU cores: ranks share devices, and a device that ranks share grants nothing "
+                    "(it is idle only while all of its ranks wait); give the job a core per rank to harvest it",
+                    count, len(unique))
+    return [f"cpu:{c}" for c in unique], source
 
 
 def spans_nodes(env: Mapping[str, str], command: Sequence[str]) -> bool:

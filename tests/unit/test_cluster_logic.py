@@ -256,6 +256,19 @@ def test_launch_refuses_to_guess_when_nothing_says_how_many_ranks_run_here() -> 
         "cuda:0", "cuda:1"]
 
 
+def test_more_cpu_ranks_than_cores_warns_that_the_shared_devices_grant_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="freeride._cli.launch"):
+        devices, _ = local_devices({}, ["torchrun", "--nproc-per-node", "4", "t.py"], _no_gpu, [0, 1])
+    assert devices == ["cpu:0", "cpu:1"]
+    assert "4 ranks on 2 CPU cores: ranks share devices, and a device that ranks share grants nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="freeride._cli.launch"):
+        local_devices({}, ["torchrun", "--nproc-per-node", "2", "t.py"], _no_gpu, [0, 1])
+    assert caplog.text == ""
+
+
 def test_a_job_spans_nodes_by_torchrun_nnodes_or_slurm() -> None:
     assert spans_nodes({}, ["torchrun", "--nnodes", "4", "t.py"])
     assert spans_nodes({}, ["torchrun", "--nnodes=1:8", "t.py"])
