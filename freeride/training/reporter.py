@@ -94,7 +94,8 @@ class ReporterCounters:
     not in them: the manager counts those it rejects in its own ``events_rejected``);
     ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
     ``connected``: the manager answered on the open stream's channel (``connects`` counts streams opened,
-    answered or not).
+    answered or not; ``reconnects``, the connections a manager answered after the first: a manager that was
+    absent for a while opens many streams, and reconnects none until it answers).
     """
 
     #: Events taken from the training thread: queued for the wire, or sent as local datagrams.
@@ -206,6 +207,7 @@ class BubbleReporter:
         self._local_fallbacks = 0
         self._messages = 0
         self._connects = 0
+        self._answered = 0  # connections a manager answered (``reconnects``)
         self._accepted = self._rejected = self._manager_dropped = 0
         self._thread = threading.Thread(
             target=self._run, name=f"freeride-reporter-{self.stage}", daemon=True
@@ -335,7 +337,8 @@ class BubbleReporter:
 
     @property
     def reconnects(self) -> int:
-        return max(0, self._connects - 1)
+        """Connections a manager answered, after the first (streams that none answered are not counted)."""
+        return max(0, self._answered - 1)
 
     @property
     def connected(self) -> bool:
@@ -499,6 +502,7 @@ class BubbleReporter:
                         time.sleep(0.05)
                     else:  # until the manager answers (gRPC connects lazily): waits as long as the sleep
                         self._connected = stream.answers(timeout_s=0.05) and not stream.done()
+                        self._answered += self._connected
                 if self._closed.is_set():
                     try:
                         self._add_summary(stream.summary(timeout_s=2.0))

@@ -119,6 +119,19 @@ def test_a_stream_open_to_a_listener_that_is_no_manager_is_not_connected() -> No
         os.unlink(path)
 
 
+def test_streams_that_no_manager_answered_are_not_reconnects(tmp_path: Path) -> None:
+    # Stranger trial: `reconnects` read 18 after two real connections: it counted every stream opened while
+    # no manager listened.
+    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=_absent(tmp_path), backoff_initial_s=0.001,
+                              backoff_max_s=0.002)
+    try:
+        wait_for(lambda: reporter.counters().connects >= 3, 10, what="three streams to open")
+        counters = reporter.counters()
+        assert counters.reconnects == 0 and not counters.connected
+    finally:
+        reporter.close()
+
+
 def test_reporter_bounded_queue_drops_and_counts(tmp_path: Path) -> None:
     reporter = BubbleReporter("cpu:0", 0, 0, endpoint=_absent(tmp_path), queue_size=10, start=False)
     for i in range(25):
@@ -239,9 +252,9 @@ def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp
     reporter.bubble_start(8, 0, "boundary", predicted_ns=0, start_ns=300)
     reporter.bubble_end(8, 0, end_ns=400)
     wait_for(lambda: len(streams) >= 2, 5)
-    assert len(streams) == 2 and reporter.reconnects == 1
     # While a connection is up, events flow through it at once.
     wait_for(lambda: reporter.counters().connected, 5)
+    assert len(streams) == 2 and reporter.reconnects == 1
     reporter.bubble_end(9, 2, end_ns=500)
     wait_for(lambda: len(received) >= 5, 5)
     reporter.close()
