@@ -389,3 +389,22 @@ def test_when_the_followed_rank_falls_silent_the_device_follows_the_rank_that_re
     assert grants(sim.start(predicted_ms=10, rank=5)) == ["a"]
     assert sim.core.followed_rank == 5 and sim.core.shared_by == ()
     assert sim.core.stats.other_rank_events == 0
+
+
+def test_a_new_runs_layout_starts_the_ranks_afresh_so_its_rank_is_not_taken_for_a_second_one() -> None:
+    from freeride._manager.core import LayoutChanged
+    from freeride.messages import TrainerLayout
+
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10, rank=0)  # the last run: rank 0 on this device
+    sim.advance_ms(1)
+    sim.end()
+    sim.parked("a", [0.5])
+    sim.advance_ms(100)
+    layout = TrainerLayout("1f1b", 2, 8, (), sim.now, -1, "run-2")
+    notes = _notes(sim.send(LayoutChanged(layout, sim.now, True)))
+    assert notes and "trainer layout" in notes[0]
+    actions = sim.start(predicted_ms=10, rank=1)  # the new run put rank 1 here, within 5 s of rank 0's last event
+    assert grants(actions) == ["a"] and not [n for n in _notes(actions) if "report bubbles" in n]
+    assert sim.core.followed_rank == 1 and sim.core.shared_by == ()

@@ -483,7 +483,8 @@ class SchedulerCore:
         tasks' own step estimates (they describe the task, not the trainer) and the run's totals. A device
         with no stage in the new layout hands its cluster tasks back to the queue: it will see no bubbles.
         The same layout again from the same job changes nothing; from another job (the trainer run again,
-        its shape unchanged) it is a new layout: that run's bubbles are its own.
+        its shape unchanged) it is a new layout: that run's bubbles are its own, and so are its ranks
+        (:meth:`_follows`: a new run on another rank of this device is not a second rank beside the last run's).
         """
         layout = event.layout
         if layout.same_shape(self.layout) and layout.same_job(self.layout):
@@ -494,6 +495,9 @@ class SchedulerCore:
         out.append(Note(NoteLevel.INFO, f"trainer layout: {layout.describe()} (was {was})"))
         self.layout = layout
         self.stats.layout_changes += 1
+        # A new run: the ranks heard were the last run's (ranks that share the device are heard again at once).
+        self._ranks_heard.clear()
+        self.followed_rank, self.sharing_ranks = None, ()
         current = self.bubbles.open
         if current is not None:
             self._end_bubble(current, max(layout.at_ns, current.event.start_ns), now_ns, out, measured=False)
