@@ -374,7 +374,7 @@ def test_once_the_other_rank_falls_silent_the_device_is_granted_again() -> None:
     sim.advance_ms(6_000)  # rank 3 sent nothing for longer than RANK_LEFT_NS
     actions = sim.start(predicted_ms=10, rank=1)
     assert grants(actions) == ["a"]
-    assert [n for n in _notes(actions) if "only trainer rank 1 reports bubbles to this device now" in n]
+    assert [n for n in _notes(actions) if "no longer shared by trainer ranks (only trainer rank 1 reports" in n]
     assert sim.core.shared_by == () and sim.core.waiting_reason(sim.core.tasks["a"]) == ""
 
 
@@ -408,3 +408,44 @@ def test_a_new_runs_layout_starts_the_ranks_afresh_so_its_rank_is_not_taken_for_
     actions = sim.start(predicted_ms=10, rank=1)  # the new run put rank 1 here, within 5 s of rank 0's last event
     assert grants(actions) == ["a"] and not [n for n in _notes(actions) if "report bubbles" in n]
     assert sim.core.followed_rank == 1 and sim.core.shared_by == ()
+
+
+def test_after_training_a_shared_device_stops_being_shared_on_its_own_5_s_after_the_other_ranks_last_event() -> None:
+    # Stranger trial: 80 s after a 4-rank run ended, `ls` still said the ranks share the device: the state changed
+    # only on events, and none came.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10, rank=0)
+    sim.advance_ms(1)
+    sim.end()
+    sim.start(predicted_ms=10, rank=2)
+    last = sim.now
+    sim.advance_ms(1)
+    sim.end()  # rank 2's last event; rank 0's came before
+    assert sim.core.shared_by == (0, 2)
+    assert sim.core.next_timer_ns() == last + MS + 5_000 * MS + 1  # rank 2's end was its last event
+    sim.advance_ms(4_000)
+    assert not _notes(sim.tick()) and sim.core.shared_by == (0, 2)
+    sim.at(last + MS + 5_000 * MS + 1)
+    notes = _notes(sim.tick())
+    assert notes == ["this device is no longer shared by trainer ranks (no trainer rank has reported for 5 s): its "
+                     "bubbles are granted again"]
+    assert sim.core.shared_by == () and sim.core.next_timer_ns() is None
+    assert "share" not in sim.core.waiting_reason(sim.core.tasks["a"])
+    assert grants(sim.start(predicted_ms=10, rank=2)) == ["a"]  # the next job's rank, alone: granted
+
+
+def test_a_ranks_waits_on_a_shared_device_are_not_counted_as_its_bubble_time() -> None:
+    sim = Sim()
+    sim.start(predicted_ms=10, rank=0)
+    sim.advance_ms(2)
+    sim.end()
+    alone = sim.core.stats.bubble_ns
+    assert alone == 2 * MS
+    sim.start(predicted_ms=10, rank=1)
+    sim.advance_ms(1)
+    sim.end()
+    sim.start(predicted_ms=10, rank=0)
+    sim.advance_ms(3)
+    sim.end()
+    assert sim.core.stats.bubble_ns == alone and sim.core.stats.bubbles == 2

@@ -139,6 +139,9 @@ class SchedulerCore:
         retry = self._retry_ns()
         if retry:
             times.append(retry)
+        if self.sharing_ranks:  # when the device stops being shared, if no event comes (_update_ranks)
+            heard = self._ranks_heard
+            times.append(min(heard[r] for r in self.sharing_ranks if r in heard) + RANK_LEFT_NS + 1)
         return min(times) if times else None
 
     def _retry_ns(self) -> int:
@@ -213,41 +216,50 @@ class SchedulerCore:
         """Whether a bubble event of ``rank`` is one of this device's bubbles.
 
         A device is idle only while every trainer rank on it waits. The core follows one rank's waits (the
-        first it heard; another once that one has been silent for :data:`RANK_LEFT_NS`): a second rank's
-        starts and ends, taken as the device's, would close the first rank's bubbles as lost ends, and their
-        real ends then count as out of order (a stranger's 4 ranks on 2 CPU devices: a quarter of the events
-        rejected). The others' events are counted (``other_rank_events``) and otherwise ignored, and while any
-        other rank shares the device nothing is granted (:meth:`grant_next`): one rank's wait there is another's
-        compute, which a side task would slow. Said once as a warning, and again when the device is the
-        followed rank's alone."""
+        first it heard; another once that one has been silent for :data:`RANK_LEFT_NS`, or after a new run's
+        layout): a second rank's starts and ends, taken as the device's, would close the first rank's bubbles
+        as lost ends, and their real ends then count as out of order (a stranger's 4 ranks on 2 CPU devices: a
+        quarter of the events rejected). The others' events are counted (``other_rank_events``) and otherwise
+        ignored, and while any other rank shares the device nothing is granted (:meth:`grant_next`) and its
+        waits are not counted as the device's bubble time: one rank's wait there is another's compute, which a
+        side task would slow. (A bubble granted before the second rank was first heard runs to its end.) Said
+        in the log when it starts and when it ends (:meth:`_update_ranks`, also on ticks: a device is no longer
+        shared 5 s after the other rank's last event, whether bubbles come or not)."""
         heard = self._ranks_heard
         heard[rank] = now_ns
-        followed = self.followed_rank
-        if len(heard) == 1 and rank == followed:
+        if len(heard) == 1 and rank == self.followed_rank:
             return True  # the usual case: one rank per device
-        for other, at in list(heard.items()):
-            if now_ns - at > RANK_LEFT_NS:
-                del heard[other]
-        if followed not in heard:
-            followed = self.followed_rank = rank
-        sharing = tuple(sorted(r for r in heard if r != followed))
-        if sharing != self.sharing_ranks:
-            if sharing and not self.sharing_ranks:
-                others = ", ".join(str(r) for r in sharing)
-                out.append(Note(NoteLevel.WARNING, (
-                    f"trainer ranks {followed} and {others} report bubbles to this device: it is idle only while "
-                    f"all of them wait, which freeride does not follow, so it grants nothing here while they "
-                    f"share it (run one pipeline rank per device to harvest it); rank {followed}'s waits are "
-                    f"measured, the others' events are counted and ignored")))
-            elif not sharing:
-                out.append(Note(NoteLevel.INFO, (
-                    f"only trainer rank {followed} reports bubbles to this device now: its bubbles are granted "
-                    "again")))
-            self.sharing_ranks = sharing
-        if rank == followed:
+        self._update_ranks(now_ns, out, rank)
+        if rank == self.followed_rank:
             return True
         self.stats.other_rank_events += 1
         return False
+
+    def _update_ranks(self, now_ns: int, out: list[Action], arriving: int | None = None) -> None:
+        """Forget the ranks silent for :data:`RANK_LEFT_NS`; the followed rank, once gone, is the ``arriving``
+        one's; say when the device starts or stops being shared (:meth:`_follows`)."""
+        heard = self._ranks_heard
+        for other, at in list(heard.items()):
+            if now_ns - at > RANK_LEFT_NS:
+                del heard[other]
+        if self.followed_rank not in heard:
+            self.followed_rank = arriving
+        followed = self.followed_rank
+        sharing = tuple(sorted(r for r in heard if r != followed)) if followed is not None else ()
+        if sharing == self.sharing_ranks:
+            return
+        if sharing and not self.sharing_ranks:
+            out.append(Note(NoteLevel.WARNING, (
+                f"trainer ranks {followed} and {', '.join(str(r) for r in sharing)} report bubbles to this device: "
+                "it is idle only while all of them wait, which freeride does not follow, so it grants nothing here "
+                f"while they share it (run one pipeline rank per device to harvest it); rank {followed}'s waits are "
+                "measured, the others' events are counted and ignored")))
+        elif not sharing:
+            alone = (f"only trainer rank {followed} reports bubbles to it now" if followed in heard
+                     else "no trainer rank has reported for 5 s")
+            out.append(Note(NoteLevel.WARNING, f"this device is no longer shared by trainer ranks ({alone}): its "
+                                               "bubbles are granted again"))
+        self.sharing_ranks = sharing
 
     def _on_bubble_started(self, event: BubbleStarted, now_ns: int, out: list[Action]) -> None:
         b = event.bubble
@@ -297,7 +309,9 @@ class SchedulerCore:
         self.policy.end_seen(self, bubble, event.end_ns, now_ns)
 
     def _end_bubble(self, bubble: OpenBubble, end_ns: int, now_ns: int, out: list[Action], measured: bool) -> None:
-        self.stats.bubble_ns += self.bubbles.measure_end(bubble, end_ns, measured)
+        length = self.bubbles.measure_end(bubble, end_ns, measured)
+        if not self.sharing_ranks:  # a rank's wait on a shared device is not the device's idle time (_follows)
+            self.stats.bubble_ns += length
         if bubble.running:
             self.policy.bubble_ended(self, bubble, self.tasks[bubble.running], end_ns, measured, now_ns, out)
         self.bubbles.close(bubble, end_ns, now_ns)
@@ -602,6 +616,8 @@ class SchedulerCore:
         # ended, it stayed FROZEN (holding its memory) until the next job's first bubble.
         if self._tasks.frozen:
             self._fail_hung_too_long(now_ns, out)
+        if self.sharing_ranks:
+            self._update_ranks(now_ns, out)
 
     def _check_cap(self, task: TaskRuntime, out: list[Action]) -> bool:
         """Fail a task over its cap (``memory.over_cap``; not while it starts); True if so."""
