@@ -102,6 +102,24 @@ def _pct(value: float) -> str:
     return f"{value:.1f}%"
 
 
+def bubble_time_per_stage(slots: list[BubbleSlotStats]) -> dict[int, tuple[float, float]]:
+    """Per model stage, in order: the median bubble time per iteration (ms) of its modelled and of its learned
+    slots (the sum of their p50 lengths)."""
+    per_stage: dict[int, list[float]] = {}
+    for s in slots:
+        sums = per_stage.setdefault(s.stage, [0.0, 0.0])
+        sums[1 if s.learned else 0] += s.length_ms.p50
+    return {k: (m, learned) for k, (m, learned) in sorted(per_stage.items())}
+
+
+def summary_doc(slots: list[BubbleSlotStats]) -> dict[str, Any]:
+    """``--summary --json``: a device's slots counted, and its bubble time per iteration per stage."""
+    return {"slots": len(slots), "measured": sum(1 for s in slots if s.count),
+            "learned": sum(1 for s in slots if s.learned),
+            "bubble_ms_per_iteration": {str(k): {"modelled": m, "learned": learned}
+                                        for k, (m, learned) in bubble_time_per_stage(slots).items()}}
+
+
 def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summary: bool = False) -> str:
     """The human table (``summary``: only each device's summary line)."""
     header = (
@@ -126,13 +144,10 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summ
                 f"{device:<8} {s.stage:>5} {s.rank:>4} {s.slot:>6} {'learned' if s.learned else 'model':<7} "
                 f"{s.kind:<10} {s.count:>6} {figures} {free:>9}"
             )
-        per_stage: dict[int, list[float]] = {}
-        for s in slots:
-            sums = per_stage.setdefault(s.stage, [0.0, 0.0])
-            sums[1 if s.learned else 0] += s.length_ms.p50
+        per_stage = bubble_time_per_stage(slots)
         per = ", ".join(
             f"stage {k}: {_ms(m)} ms" + (f" + {_ms(learned)} ms learned" if learned else "")
-            for k, (m, learned) in sorted(per_stage.items())
+            for k, (m, learned) in per_stage.items()
         )
         if summary:
             measured = sum(1 for s in slots if s.count)
@@ -153,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
         raise ManagerUnavailable("; ".join(errors.values()))
     if args.json:
         doc = {
-            "devices": {d: [asdict(s) for s in slots] for d, slots in stats.items()},
+            "devices": {d: summary_doc(slots) if args.summary else [asdict(s) for s in slots]
+                        for d, slots in stats.items()},
             "unavailable": errors,
         }
         json.dump(doc, sys.stdout, indent=2)

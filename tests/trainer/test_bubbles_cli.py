@@ -93,6 +93,13 @@ def test_reported_bubbles_reach_the_manager_and_the_cli(
     assert list(doc["devices"]) == [DEVICE]  # the manager's device, not the endpoint it was reached by
     (rows,) = doc["devices"].values()
     assert sorted((r["slot"], r["count"]) for r in rows) == [(0, 6), (1, 6)]
+    # --summary applies to --json too (a stranger found it ignored there)
+    code, out = _cli(["--endpoint", str(endpoint), "--json", "--summary"], capsys)
+    (summary,) = json.loads(out)["devices"].values()
+    assert code == 0 and (summary["slots"], summary["measured"], summary["learned"]) == (2, 2, 0)
+    assert list(summary["bubble_ms_per_iteration"]) == ["1"]
+    assert summary["bubble_ms_per_iteration"]["1"]["modelled"] == pytest.approx(
+        sum(r["length_ms"]["p50"] for r in rows))
 
 
 def test_reporter_reconnects_after_the_manager_restarts(tmp_path: Path, endpoint: Endpoint) -> None:
