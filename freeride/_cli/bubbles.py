@@ -20,6 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from freeride._cli.tasks import uncomputed_as_null
 from freeride._wire.client import ControlClient
 from freeride.devices import parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, default_endpoint, parse_endpoint, read_token, runtime_dir
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                         for d, slots in stats.items()},
             "unavailable": errors,
         }
-        json.dump(doc, sys.stdout, indent=2)
+        json.dump(uncomputed_as_null(doc), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render(stats, errors, summary=args.summary))

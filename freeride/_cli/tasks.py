@@ -163,9 +163,25 @@ def _client(args: argparse.Namespace) -> Iterator[ControlClient]:
         yield client
 
 
+_PERCENTILE_KEYS = frozenset(f.name for f in dataclasses.fields(Percentiles))
+
+
+def uncomputed_as_null(value: Any) -> Any:
+    """JSON-ready ``value`` (made of dicts and lists) with each percentile block's ``p999`` null where it was not
+    computed (:class:`~freeride.messages.Percentiles`: 0 beside a non-zero max), not a 0.0 that reads as a
+    measured figure."""
+    if isinstance(value, dict):
+        if value.keys() == _PERCENTILE_KEYS and not value["p999"] and value["max"]:
+            return {**value, "p999": None}
+        return {k: uncomputed_as_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [uncomputed_as_null(v) for v in value]
+    return value
+
+
 def _to_json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+        return uncomputed_as_null(dataclasses.asdict(value))
     if isinstance(value, list):
         return [_to_json(v) for v in value]
     return value

@@ -114,6 +114,16 @@ def test_a_device_that_trainer_ranks_share_says_so_in_top_and_stats() -> None:
     assert "share this device" not in render(stats(), TASKS, BUBBLES, width=300) + render_stats(stats())
 
 
+def test_json_says_null_for_a_p999_that_was_not_computed_not_zero() -> None:
+    from freeride._cli.tasks import _to_json
+
+    doc = _to_json(stats(overrun_ms=Percentiles(4, 1.0, 2.0, 3.0, 3.5), end_to_worker_ms=Percentiles(
+        9, 0.1, 0.2, 0.3, 0.4, 0.35), park_latency_ms=Percentiles()))
+    assert doc["overrun_ms"]["p999"] is None and doc["overrun_ms"]["p99"] == 3.0
+    assert doc["end_to_worker_ms"]["p999"] == 0.35  # a whole-run histogram computes it
+    assert doc["park_latency_ms"] == {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "p999": 0.0}
+
+
 def test_task_table_lists_live_tasks_first_with_why_each_waits_or_failed() -> None:
     frame = render(stats(), TASKS, BUBBLES, width=160)
     rows = [line.split()[0] for line in frame.splitlines() if line.split() and "-" in line.split()[0]]
