@@ -22,7 +22,7 @@ from typing import Any
 
 from freeride._cli.tasks import uncomputed_as_null
 from freeride._wire.client import ControlClient
-from freeride.devices import parse_device_name
+from freeride.devices import check_cpu_device, parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, default_endpoint, parse_endpoint, read_token, runtime_dir
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import BubbleSlotStats
@@ -91,8 +91,22 @@ def collect(
                     name = client.stats().device
                 stats[name] = slots
         except ManagerUnavailable as exc:
-            errors[name] = str(exc)
+            errors[name] = _not_here(name) or str(exc)
     return stats, errors
+
+
+def _not_here(name: str) -> str:
+    """Why no manager can run on device ``name`` on this machine (a CPU core it does not offer), or "" (where
+    one could: the advice to start one stands)."""
+    if name.startswith("<"):  # a manager named by its endpoint
+        return ""
+    try:
+        device = parse_device_name(name)
+        if device.kind == "cpu":
+            check_cpu_device(device)
+    except ConfigError as exc:
+        return f"no manager answers, and none can run on {name} here: {exc}"
+    return ""
 
 
 def _ms(value: float) -> str:

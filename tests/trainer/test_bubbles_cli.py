@@ -214,3 +214,13 @@ def test_two_ranks_reporting_to_one_manager_are_told_apart_end_to_end(
     assert sorted(stats.shared_by_ranks) == [0, 2]
     code, out = _cli(["--endpoint", str(endpoint)], capsys)
     assert code == 0 and " 6 " in out
+
+
+def test_a_cpu_device_this_machine_does_not_offer_is_named_as_such_not_advised_a_manager(endpoint: Endpoint) -> None:
+    import os
+
+    missing = f"cpu:{max(os.sched_getaffinity(0)) + 1}"
+    stats, errors = bubbles_cli.collect([(missing, Endpoint("unix", f"{endpoint.address}.none"))], None, 1.0)
+    assert stats == {} and list(errors) == [missing]
+    assert errors[missing].startswith(f"no manager answers, and none can run on {missing} here: unknown device")
+    assert "start one" not in errors[missing]
