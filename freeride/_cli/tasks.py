@@ -493,8 +493,8 @@ def render_stats(s: ManagerStats) -> str:
 
 def shared_line(ranks: Sequence[int]) -> str:
     """What ``stats`` and ``top`` say of a device that trainer ranks share (the followed one first)."""
-    return (f"trainer ranks {', '.join(str(r) for r in ranks)} share this device: nothing is granted while they do "
-            f"(it is idle only while all of them wait; rank {ranks[0]}'s waits are the bubbles shown)")
+    return (f"trainer ranks {', '.join(str(r) for r in sorted(ranks))} share this device: nothing is granted while "
+            f"they do (it is idle only while all of them wait; the bubbles shown are rank {ranks[0]}'s)")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

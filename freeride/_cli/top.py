@@ -32,7 +32,7 @@ from time import monotonic, sleep
 from typing import Any, Protocol
 
 from freeride._cli.cluster import queue_line
-from freeride._cli.tasks import _endpoint, _manager_hint, display_state, shared_line, why
+from freeride._cli.tasks import _endpoint, _manager_hint, display_state, why
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
@@ -153,7 +153,9 @@ def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
         f"park p99 {format_ms(stats.park_latency_ms.p99)}  memory budget {budget}",
         f"tasks: {counts or 'none'}  events {stats.events_received} ({stats.events_rejected} rejected)",
         *([f"queue: {queue_line(stats.queue)}"] if stats.queue is not None else []),
-        *([shared_line(stats.shared_by_ranks)] if stats.shared_by_ranks else []),
+        # Short enough for a narrow terminal (a cut line loses its point): `stats` says it in full.
+        *([f"SHARED by trainer ranks {', '.join(str(r) for r in sorted(stats.shared_by_ranks))}: no grants "
+           "(idle only while all of them wait)"] if stats.shared_by_ranks else []),
     ]
 
 
