@@ -47,7 +47,7 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
             f"{max(0, budget) / 2**20:.0f} MiB free"
         )
     if task.state in (TaskState.PARKED, TaskState.FROZEN) and now.sharing_ranks and not now.draining:
-        ranks = ", ".join(str(r) for r in now.sharing_ranks)
+        ranks = ", ".join(str(r) for r in sorted(now.sharing_ranks))
         return (f"trainer ranks {ranks} share this device: it is idle only while all of them wait, so nothing is "
                 "granted here (run one pipeline rank per device)")
     if task.state == TaskState.PARKED:
