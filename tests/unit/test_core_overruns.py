@@ -4,6 +4,7 @@ look hung, step timeouts."""
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import pytest
 from core_sim import MS, T0, S, Sim, grants, non_state, of
@@ -17,6 +18,7 @@ from freeride._manager.core import (
     StateChanged,
     WorkerStepsSeen,
 )
+from freeride._manager.core.tasks import TaskRuntime
 from freeride.messages import BubbleEnd
 
 
@@ -101,15 +103,21 @@ def test_a_thawed_step_frozen_again_before_it_finished_does_not_widen_the_margin
     assert task.margin_ns == widened
 
 
-def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_from_what_to_what() -> None:
-    # Stranger trial: `show` reported a margin of 17.5 ms without saying that overruns had widened it from 0.2 ms.
-    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+def _parked_after_one_grant(**config: Any) -> tuple[Sim, TaskRuntime]:
+    """Task "a", of 1 ms steps, parked after one grant of a 10 ms bubble (the waiting reason then has a bubble)."""
+    sim = Sim(**config)
     sim.resident("a")
     task = sim.core.tasks["a"]
     task.estimator.extend([MS] * 8)
     sim.start(predicted_ms=10)
     sim.advance_ms(2)
     sim.parked("a", [1.0])
+    return sim, task
+
+
+def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_from_what_to_what() -> None:
+    # Stranger trial: `show` reported a margin of 17.5 ms without saying that overruns had widened it from 0.2 ms.
+    sim, task = _parked_after_one_grant(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
     assert sim.core.waiting_reason(task) == "waiting for a bubble"  # nothing widened: nothing to say
     for _ in range(3):
         sim.advance_ms(5)
@@ -129,13 +137,7 @@ def test_a_parked_tasks_waiting_reason_says_that_overruns_widened_its_margin_fro
 
 def test_a_margin_widened_by_less_than_its_figures_show_is_not_said_to_be_widened() -> None:
     # Stranger trial: "waiting for a bubble (margin 0.2 ms, widened by overruns from 0.2 ms)".
-    sim = Sim(margin_ns=200_000)
-    sim.resident("a")
-    task = sim.core.tasks["a"]
-    task.estimator.extend([MS] * 8)
-    sim.start(predicted_ms=10)
-    sim.advance_ms(2)
-    sim.parked("a", [1.0])
+    sim, task = _parked_after_one_grant(margin_ns=200_000)
     task.margin_ns = 3_000  # 0.203 ms in all: shown as 0.20, as the base is
     assert sim.core.waiting_reason(task) == "waiting for a bubble"
     task.margin_ns = 30_000
