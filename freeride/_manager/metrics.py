@@ -203,8 +203,14 @@ class ManagerCollector:
         yield counter("freeride_granted_seconds_total", "bubble time granted to side tasks", stats.granted_s)
         yield counter("freeride_harvested_seconds_total", "bubble time side tasks spent stepping",
                       stats.harvested_s)
-        yield counter("freeride_overruns_total", "side-task steps still running past a bubble's real end",
+        yield counter("freeride_overruns_total", "grants whose side-task step still ran at the bubble's real end",
                       stats.overruns)
+        yield counter("freeride_events_other_ranks_total",
+                      "bubble events of trainer ranks other than the one the device follows (ignored)",
+                      stats.events_other_ranks)
+        yield gauge("freeride_shared_by_ranks",
+                    "trainer ranks that share the device now (0: one rank, or none); nothing is granted while they do",
+                    len(stats.shared_by_ranks))
         yield _quantiles("freeride_overrun_seconds", "how far overrunning steps ran past the bubble's real end "
                          "(recent window; quantile 1 is the maximum)", device, stats.overrun_ms)
         yield _quantiles("freeride_grant_latency_seconds", "bubble start received to a side task's first step "
