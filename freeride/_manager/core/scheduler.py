@@ -141,7 +141,8 @@ class SchedulerCore:
             times.append(retry)
         if self.sharing_ranks:  # when the device stops being shared, if no event comes (_update_ranks)
             heard = self._ranks_heard
-            times.append(min(heard[r] for r in self.sharing_ranks if r in heard) + RANK_LEFT_NS + 1)
+            last = min((heard[r] for r in self.sharing_ranks if r in heard), default=None)
+            times.append(0 if last is None else last + RANK_LEFT_NS + 1)  # (none heard: due at once)
         return min(times) if times else None
 
     def _retry_ns(self) -> int:
