@@ -121,6 +121,7 @@ class CoreMachine(RuleBasedStateMachine):
                 self.replayed[action.task_id] = action.new
             elif isinstance(action, Grant):
                 assert not self.drain_asked, "granted while draining"
+                assert not self.core.sharing_ranks, f"granted on a device that ranks share: {action}"
                 assert (action.bubble_key, action.bubble_start_ns) not in self.ended, f"granted after the end: {action}"
                 assert action.deadline_ns > self.now, f"granted with no time left: {action}"
                 bubble = self.core.bubbles.open
@@ -224,6 +225,14 @@ class CoreMachine(RuleBasedStateMachine):
         if end_after_ms is not None:
             self.now += int(end_after_ms * MS)
             self.bubble_end(True, 0)
+
+    @rule(rank=st.sampled_from([1, 2]), predicted_ms=st.sampled_from([1, 10]), ends=st.booleans())
+    def another_rank_waits(self, rank: int, predicted_ms: float, ends: bool) -> None:
+        """A second trainer rank reports to the device (ranks that share it): the core follows one of them."""
+        start = BubbleStart(0, rank, self.iteration, 0, "fwd", self.now, int(predicted_ms * MS), -1)
+        self.send(BubbleStarted(start, self.now))
+        if ends:
+            self.send(BubbleEnded(BubbleEnd(0, rank, start.iteration, 0, self.now), self.now))
 
     @rule(own=st.booleans(), lag_ms=st.sampled_from([0, 0, 0.5, 5]))
     def bubble_end(self, own: bool, lag_ms: float) -> None:
