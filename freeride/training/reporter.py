@@ -337,8 +337,9 @@ class BubbleReporter:
 
     @property
     def reconnects(self) -> int:
-        """Connections a manager answered, after the first (streams that none answered are not counted)."""
-        return max(0, self._answered - 1)
+        """Connections a manager answered (or that carried events), after the first; counted as each ends, and the
+        open one once it is answered. Streams that no manager answered are not counted."""
+        return max(0, self._answered + self._connected - 1)
 
     @property
     def connected(self) -> bool:
@@ -487,6 +488,7 @@ class BubbleReporter:
             alive.set()
             sent_before = self.sent
             stream = None
+            answered = False  # the manager answered on this connection (``reconnects``)
             try:
                 self._end_board = self._open_end_board()
                 if self._end_board is not None and self._use_local_events:
@@ -502,7 +504,7 @@ class BubbleReporter:
                         time.sleep(0.05)
                     else:  # until the manager answers (gRPC connects lazily): waits as long as the sleep
                         self._connected = stream.answers(timeout_s=0.05) and not stream.done()
-                        self._answered += self._connected
+                        answered = self._connected
                 if self._closed.is_set():
                     try:
                         self._add_summary(stream.summary(timeout_s=2.0))
@@ -533,6 +535,8 @@ class BubbleReporter:
                 with self._route_lock:  # the training thread may be sending on it: dropped, never closed here
                     self._route = (None, self._route[1] + 1)
                 alive.clear()
+                # A connection that carried events was answered too, whether or not its health check ran first.
+                self._answered += answered or self.sent > sent_before
                 self._connected = False
                 if stream is not None:
                     stream.close()
