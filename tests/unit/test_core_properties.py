@@ -230,6 +230,7 @@ class CoreMachine(RuleBasedStateMachine):
     def another_rank_waits(self, rank: int, predicted_ms: float, ends: bool) -> None:
         """A second trainer rank reports to the device (ranks that share it): the core follows one of them."""
         start = BubbleStart(0, rank, self.iteration, 0, "fwd", self.now, int(predicted_ms * MS), -1)
+        self.ended.discard((start.key, start.start_ns))  # a start sent again is a new bubble (bubble_start)
         self.send(BubbleStarted(start, self.now))
         if ends:
             self.send(BubbleEnded(BubbleEnd(0, rank, start.iteration, 0, self.now), self.now))
