@@ -165,9 +165,9 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summ
             for k, (m, learned) in per_stage.items()
         )
         if summary:
-            measured = sum(1 for s in slots if s.count)
-            lines.append(f"{device:<8} {len(slots)} slots ({measured} measured, "
-                         f"{sum(1 for s in slots if s.learned)} learned); median bubble time per iteration: {per}")
+            counted = summary_doc(slots)
+            lines.append(f"{device:<8} {counted['slots']} slots ({counted['measured']} measured, "
+                         f"{counted['learned']} learned); median bubble time per iteration: {per}")
         else:
             lines.append(f"{'':<8} median bubble time per iteration: {per}")
     for device, message in errors.items():
