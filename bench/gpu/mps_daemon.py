@@ -14,7 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from freeride.devices.mps import probe_mps
+import psutil
+
+from freeride.devices.mps import PID_FILE, probe_mps
 
 CONTROL = "nvidia-cuda-mps-control"
 
@@ -53,10 +55,27 @@ class MpsDaemon:
         deadline = time.monotonic() + self.up_timeout_s
         while not (status := probe_mps(env)).live:
             if time.monotonic() > deadline:
+                why = self.diagnosis()
                 self.stop()
-                return f"the daemon did not come up within {self.up_timeout_s:.0f} s ({status.detail})"
+                return f"the daemon did not come up within {self.up_timeout_s:.0f} s ({status.detail}){why}"
             time.sleep(0.05)
         return ""
+
+    def diagnosis(self) -> str:
+        """Why a daemon that started is not live, as far as this machine tells (appended to the reason; the
+        directories are removed afterwards): whether its process still runs, and the end of its log."""
+        parts = []
+        try:
+            pid = int((self.pipes / PID_FILE).read_text().split()[0])
+            parts.append(f"pid {pid} {'still runs' if psutil.pid_exists(pid) else 'has exited'}")
+        except (OSError, ValueError, IndexError):
+            parts.append(f"no readable {PID_FILE}")
+        try:
+            lines = (self.logs / "control.log").read_text(errors="replace").strip().splitlines()
+            parts.append("control.log ends: " + " | ".join(lines[-4:]) if lines else "control.log is empty")
+        except OSError:
+            parts.append("no control.log")
+        return "; " + "; ".join(parts)
 
     def stop(self) -> None:
         """Tell it to quit (its server goes with it once its clients are gone); remove its directories."""
