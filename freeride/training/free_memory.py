@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from freeride.messages import UNKNOWN_MEMORY
+
+
+def allocator_bytes(torch: Any, index: int, stat: str) -> int:
+    """The caching allocator's current ``stat`` (``reserved_bytes``, ``allocated_bytes``) on GPU ``index``.
+
+    ``torch.cuda.memory_reserved`` and ``memory_allocated`` flatten every allocator statistic into a sorted
+    dict of dotted names to return one: about 0.3 ms of Python a call, which every bubble start paid on the
+    training thread (the H200 run: 3.65 ms an iteration instrumented against 1.74 ms bare). The nested
+    statistics they flatten are read here directly; the public call stays the fallback for a torch
+    without them.
+    """
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:
+        return int(getattr(torch.cuda, "memory_reserved" if stat == "reserved_bytes" else "memory_allocated")(index))
+    return int(stats(index)[stat]["all"]["current"])
 
 
 class MemorySampler:
@@ -46,7 +62,7 @@ class MemorySampler:
                 import torch
 
                 self.sampled = int(torch.cuda.mem_get_info(self._cuda_index)[0])
-                self._reserved_at_sample = int(torch.cuda.memory_reserved(self._cuda_index))
+                self._reserved_at_sample = allocator_bytes(torch, self._cuda_index, "reserved_bytes")
         except Exception:  # noqa: BLE001 - a missing figure is reported as unknown, never raised
             self.sampled = UNKNOWN_MEMORY
 
@@ -56,7 +72,7 @@ class MemorySampler:
         try:
             import torch
 
-            grown = int(torch.cuda.memory_reserved(self._cuda_index)) - self._reserved_at_sample
+            grown = allocator_bytes(torch, self._cuda_index, "reserved_bytes") - self._reserved_at_sample
         except Exception:  # noqa: BLE001
             return self.sampled
         return max(0, self.sampled - grown)

@@ -6,8 +6,9 @@ two actions, while it waits in a bubble or not. The probe samples the same thing
 ``on_action_end``), at every bubble start, and after the schedule's step (before the optimizer
 step) -- relative to a baseline taken before the model is built.
 
-* ``cuda:N``: ``torch.cuda.memory_allocated``, the caching allocator's count of bytes in live
-  tensors (a host-side counter; no device synchronisation).
+* ``cuda:N``: the caching allocator's ``allocated_bytes`` (what ``torch.cuda.memory_allocated`` returns,
+  read without its flattening of every statistic: :func:`freeride.training.free_memory.allocator_bytes`),
+  its count of bytes in live tensors (a host-side counter; no device synchronisation).
 * ``cpu``: torch's CPU allocator takes its memory from the C library's ``malloc``
   (``posix_memalign``), so glibc's ``mallinfo2()`` -- bytes in chunks handed out and not freed, from
   every arena (``uordblks``) plus mmapped chunks (``hblkhd``) -- counts live tensors exactly, unlike
@@ -59,8 +60,10 @@ def heap_reader(device: str) -> Callable[[], int] | None:
     if device.startswith("cuda"):
         import torch
 
+        from freeride.training.free_memory import allocator_bytes
+
         index = int(device.split(":", 1)[1]) if ":" in device else 0
-        return lambda: int(torch.cuda.memory_allocated(index))
+        return lambda: allocator_bytes(torch, index, "allocated_bytes")
     return _mallinfo2()
 
 
