@@ -79,7 +79,9 @@ STEPS: dict[str, Step] = {s.name: s for s in (
          (*_PYTEST, "--timeout", "90", "tests/gpu/test_gpu_manager.py", "-k", _TASKS,
           "--junitxml", "{results}/tasks.xml"), 200, needs=_TEST_NEEDS),
     Step("caps", "each task's NVML peak against its cap; raw cudaMalloc's overshoot",
-         ("-m", "bench.gpu.caps", "--seconds", "5"), 100),
+         # 3 s of bubbles once each worker is ready, and on until its first steps (caps.SETUP_LIMIT_S): 9 tasks
+         # in about 80 s by estimate, most of it workers starting and setups.
+         ("-m", "bench.gpu.caps", "--seconds", "3"), 100),
     Step("timing", "step time: the runtime's host timer against CUDA events",
          ("-m", "bench.gpu.step_timing", "--steps", "30"), 75),
     Step("bubbles", "device-timed bubbles against the profiler; the instrumentation's cost",
@@ -91,7 +93,8 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("park-mps", "park and SIGSTOP tails, side tasks as MPS clients",
          ("-m", "bench.gpu.park_tail", "--mps", "require", "--trials", "8"), 90, mps=True),
     Step("backends", "CuPy against torch per bundled task",
-         ("-m", "bench.gpu.backends", "--seconds", "4"), 90, needs=("torch", "cupy", "freeride")),
+         # 8 runs of 3 s, each after a setup of its own (a graph generated on the host per run).
+         ("-m", "bench.gpu.backends", "--seconds", "3"), 90, needs=("torch", "cupy", "freeride")),
     Step("modes", "the bench's five modes on one real GPU stage (shortened)",
          ("-m", "bench.bench_modes", "--single-stage", "cuda:0", "--out", "{results}", "--min-trials", "2",
           "--budget-min", "2.5", "--standalone-s", "1", "--label", "GPU run (shortened to fit one command)"),

@@ -6,6 +6,7 @@ scripts' arithmetic gives the figures it claims on known inputs."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
@@ -21,7 +22,7 @@ import pytest
 import tomllib
 from conftest import wait_for
 
-from bench.gpu import ensure_deps, steps
+from bench.gpu import backends, caps, ensure_deps, park_tail, step_timing, steps
 from bench.gpu.bubble_timing import LABEL, action_label, action_spans
 from bench.gpu.caps import verdict
 from bench.gpu.mps_daemon import MpsDaemon
@@ -29,6 +30,9 @@ from bench.gpu.nccl_latency import summarise as nccl_summary
 from bench.gpu.park_tail import FreeRun
 from bench.gpu.step_timing import summarise as timing_summary
 from freeride.devices.mps import probe_mps
+from freeride.task import TaskContext
+from side_tasks.graphs import PageRank
+from side_tasks.graphs.tasks import parse_graph_spec
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -248,14 +252,15 @@ def test_fetch_wheels_downloads_the_pins_for_the_gpu_machines_python(tmp_path: P
 
 def test_an_allocator_cap_holds_or_is_over_and_a_raw_allocation_is_caught_or_not() -> None:
     cap = 1024 * MiB
-    assert verdict({}, cap, 1000 * MiB, "")["verdict"] == "held"
-    over = verdict({}, cap, 1100 * MiB, "")
+    assert verdict({}, cap, 1000 * MiB, "", 5)["verdict"] == "held"
+    over = verdict({}, cap, 1100 * MiB, "", 5)
     assert (over["verdict"], over["overshoot_bytes"], over["ok"]) == ("OVER", 76 * MiB, False)
-    raw = verdict({"via": "raw"}, cap, 1792 * MiB, "MEMORY_LIMIT")  # past the cap until the poll saw it
+    raw = verdict({"via": "raw"}, cap, 1792 * MiB, "MEMORY_LIMIT", 3)  # past the cap until the poll saw it
     assert (raw["enforcement"], raw["overshoot_bytes"], raw["verdict"], raw["ok"]) == (
         "watchdog", 768 * MiB, "caught", True)
-    assert verdict({"via": "raw"}, cap, None, "")["verdict"] == "NOT CAUGHT"
-    assert verdict({}, cap, None, "")["overshoot_bytes"] is None
+    assert verdict({"via": "raw"}, cap, None, "", 5)["verdict"] == "NOT CAUGHT"
+    assert verdict({"via": "raw"}, cap, 2048 * MiB, "", 0)["verdict"] == "NOT CAUGHT"
+    assert verdict({}, cap, None, "", 5)["overshoot_bytes"] is None
 
 
 def test_step_timing_compares_host_and_device_step_by_step() -> None:
@@ -302,3 +307,130 @@ def test_a_side_tasks_added_latency_is_against_the_same_mps_setting() -> None:
     assert out["added_us"]["beside a side task"]["p50"] == pytest.approx(20.0)
     assert out["added_us"]["beside a side task, MPS"] == {"p50": pytest.approx(2.0), "p99": pytest.approx(2.0)}
     assert set(nccl_summary({"alone": [1.0]})["added_us"]) == set()
+
+
+# ---------------------------------------------------------------------- what a measurement exercises
+
+
+def test_caps_calls_a_task_that_took_no_step_not_exercised_rather_than_held() -> None:
+    cap = 3072 * MiB
+    # The first GPU run: graph tasks frozen in setup, training tasks still starting, each at its context's peak.
+    idle = verdict({"graph": "rmat:20"}, cap, 710 * MiB, "", 0)
+    assert (idle["verdict"], idle["ok"]) == ("not exercised", False)
+    assert verdict({"via": "raw"}, cap, 710 * MiB, "", 0)["verdict"] == "not exercised"
+    assert verdict({}, cap, None, "", 0)["verdict"] == "not exercised"
+    # A failure exercised it: the watchdog fails a raw allocation mid-grant, before a park reported a step.
+    assert verdict({"via": "raw"}, cap, 23748 * MiB, "MEMORY_LIMIT", 0)["verdict"] == "caught"
+    assert verdict({}, cap, 2756 * MiB, "MEMORY_LIMIT", 8)["verdict"] == "held"
+    assert verdict({}, cap, 3100 * MiB, "", 0)["verdict"] == "OVER"  # a context past the cap is over it
+
+
+def test_caps_bubbles_go_on_past_the_seconds_until_a_long_setup_has_given_a_few_steps() -> None:
+    go = caps.keep_stepping
+    assert go(1.0, 3.0, 50, "PARKED")  # the seconds are not over
+    assert go(10.0, 3.0, 0, "FROZEN") and go(10.0, 3.0, caps.MIN_STEPS - 1, "PARKED")  # setup, first steps
+    assert not go(3.5, 3.0, caps.MIN_STEPS, "PARKED")
+    assert not go(1.0, 3.0, 0, "FAILED") and not go(1.0, 3.0, 2, "FINISHED")
+    assert not go(3.0 + caps.SETUP_LIMIT_S, 3.0, 0, "FROZEN")  # bounded: the row then says "not exercised"
+
+
+@pytest.mark.parametrize("module", [caps, step_timing, park_tail, backends], ids=lambda m: m.__name__)
+def test_a_bench_pagerank_steps_for_as_long_as_the_bench_asks(module: Any, tmp_path: Path) -> None:
+    """PageRank stops once its L1 change < n * tol: at the default tol that is its first step on an R-MAT graph
+    of a million vertices (the first GPU run's step_timing had no PageRank sample). Run on rmat:8 with the tol
+    scaled to the same n * tol."""
+    default_tol = PageRank.__init__.__defaults__[1]  # type: ignore[index]
+    found = 0
+    for name, target, args in module.TASKS:
+        if not target.endswith(":PageRank"):
+            continue
+        found += 1
+        spec = parse_graph_spec(args["graph"])
+        assert spec is not None
+        task = PageRank(**{**args, "graph": "rmat:8", "tol": args.get("tol", default_tol) * 2 ** (spec[0] - 8)})
+        task.setup(TaskContext(device="cpu", device_name="cpu", memory_limit_bytes=2**30, task_id=name,
+                               work_dir=tmp_path, logger=logging.getLogger(name)))
+        for _ in range(100):
+            task.step()
+        assert not task.done(), f"{module.__name__}'s {name} finished after {task.iteration} steps"
+    assert found == 1
+
+
+def test_step_timing_says_a_task_that_gave_no_sample_finished_in_warm_up() -> None:
+    rows = [{"task": "pagerank", "steps": 1, "finished": True, **timing_summary([], [], [])},
+            {"task": "lstm", "steps": 33, "finished": False, **timing_summary([2.0], [1.5], [0.1])}]
+    text = step_timing.table(rows)
+    assert "| pagerank | no steps: finished in warm-up (done after 1 steps" in text and "nan" not in text
+    assert "| lstm | 1.500 | 2.000 | 0.500 / 0.500 | 0.100 |" in text
+
+
+def test_caps_writes_its_rows_as_it_goes_so_a_run_cut_off_keeps_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    def measure(name: str, target: str, args: dict[str, Any], cap: int, seconds: float) -> dict[str, Any]:
+        if name == "components":
+            raise TimeoutError("killed at the step's limit")
+        return {"task": name, "cap_bytes": cap, "nvml_peak_bytes": 700 * MiB, "nvml_visible": True, "state": "PARKED",
+                "steps": 5, "failure": "", "message": "", "enforcement": "allocator", "overshoot_bytes": 0,
+                "verdict": "held", "ok": True}
+
+    written: list[tuple[list[str], str]] = []  # the tasks of each write, and its table
+    monkeypatch.setattr(caps, "measure", measure)
+    monkeypatch.setattr(caps, "write_results", lambda name, data, table, command: written.append(
+        ([r["task"] for r in data["rows"]], table)))
+    with pytest.raises(TimeoutError):
+        caps.main(["--seconds", "1"])
+    assert [tasks for tasks, _ in written] == [["pagerank"], ["pagerank", "bfs"]]
+    assert "| bfs | allocator | 3.0 GiB | 700 MiB | 0 MiB | held | PARKED (5 steps) |" in written[-1][1]
+    assert "Not measured (the run ended or is still going): components, watermark" in written[-1][1]
+
+
+def test_backends_prints_and_writes_each_run_as_it_ends_and_a_failed_run_is_a_row(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first GPU run's backends ran past its limit and left nothing."""
+    calls: list[tuple[str, str]] = []
+
+    def run_standalone(target: str, args: dict[str, Any], device: str, seconds: float, limit: int) -> Any:
+        calls.append((target, args["backend"]))
+        if len(calls) == 4:
+            raise RuntimeError("CUDA error: no kernel image")
+        if len(calls) == 6:
+            raise KeyboardInterrupt  # killed at the step's limit
+        return SimpleNamespace(step_ms_p50=1.0, step_ms_p99=2.0, progress_per_s=100.0 * len(calls),
+                               progress_unit="iterations", steps=10 * len(calls), finished=len(calls) == 3,
+                               setup_s=0.5, peak_memory_bytes=700 * MiB)
+
+    written: list[str] = []
+    monkeypatch.setattr(backends, "run_standalone", run_standalone)
+    monkeypatch.setattr(backends, "fresh_cuda_memory", lambda: None)
+    monkeypatch.setattr(backends, "write_results", lambda name, data, table, command: written.append(table))
+    with pytest.raises(KeyboardInterrupt):
+        backends.main(["--seconds", "1"])
+    assert len(written) == 5 and len(capsys.readouterr().out.splitlines()) == 5
+    table = written[-1].splitlines()
+    assert table[2] == "| pagerank | 1.000 / 2.000 | 1.000 / 2.000 | 2.00x | 700 / 700 | 10 / 20 |"
+    assert table[3].startswith("| bfs | 1.000 / 2.000 | failed: RuntimeError: CUDA error: no kernel image | - |")
+    assert table[4] == "| components | 1.000 / 2.000 | not run | - | 700 / - | 50 / - |"
+    assert table[-1] == "Not measured (the run ended or is still going): watermark."
+    assert "30 (done)" in table[3]
+
+
+def test_park_tail_writes_its_rows_as_it_goes_and_a_task_that_never_stepped_is_not_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Any, mps: str) -> dict[str, Any]:
+        if name == "watermark":
+            raise TimeoutError("killed at the step's limit")
+        if name == "pagerank":
+            return {"task": name, "not_measured": "0 steps in 30 s of bubbles before the trials (FROZEN)"}
+        figures = {"count": 8, "p50": 1.0, "p99": 2.0, "max": 2.0}
+        return {"task": name, "park_ms": figures, "sigstop_ms": figures, "manager_park_latency_ms": {"p99": 0.5},
+                "samples_ms": {"park": [1.0], "sigstop": [1.0]}}
+
+    written: list[str] = []
+    monkeypatch.setattr(park_tail, "Probe", lambda: SimpleNamespace(idle_s=50e-6))
+    monkeypatch.setattr(park_tail, "measure", measure)
+    monkeypatch.setattr(park_tail, "write_results", lambda name, data, table, command: written.append(table))
+    with pytest.raises(TimeoutError):
+        park_tail.main(["--trials", "1"])
+    assert len(written) == 2
+    assert "| kernel-storm | 1.00 / 2.00 | 1.00 / 2.00 | 0.50 |" in written[-1]
+    assert "| pagerank | not measured: 0 steps in 30 s of bubbles before the trials (FROZEN) | - | - |" in written[-1]
+
