@@ -90,7 +90,7 @@ class CSRGraph:
         if not directed:
             src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
         # One sort of a combined key both orders the edges by (src, dst) and finds duplicates.
-        keys = np.unique(src * n + dst)
+        keys = sorted_unique(src * n + dst)
         src_sorted, indices = np.divmod(keys, n)
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(src_sorted, minlength=n), out=indptr[1:])
@@ -103,6 +103,21 @@ class CSRGraph:
         node_ids, inverse = np.unique(np.concatenate([src_ids, dst_ids]), return_inverse=True)
         m = src_ids.shape[0]
         return cls.from_edges(inverse[:m], inverse[m:], node_ids.shape[0], directed=directed, node_ids=node_ids)
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` by one sort and a mask of where the sorted values change.
+
+    NumPy 2.4's ``np.unique`` took 33 s on 16M random int64 keys (an R-MAT graph of 2^20 vertices: a
+    PageRank task's whole setup), where this takes 0.4 s; the result is the same sorted array.
+    """
+    ordered = np.sort(np.asarray(values), kind="quicksort")
+    if ordered.size == 0:
+        return ordered
+    changes = np.empty(ordered.shape, dtype=bool)
+    changes[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=changes[1:])
+    return ordered[changes]
 
 
 def _open_text(path: Path) -> IO[str]:

@@ -13,6 +13,7 @@ import scipy.sparse
 from freeride.errors import ConfigError
 from side_tasks.errors import DataFormatError
 from side_tasks.graphs import CSRGraph, load_graph, load_graph_cached, rmat_edges
+from side_tasks.graphs.formats import sorted_unique
 
 
 def _dense(graph: CSRGraph) -> np.ndarray:
@@ -157,3 +158,15 @@ def test_graph_cache_is_reused_and_invalidated_when_the_source_changes(tmp_path:
     assert changed.num_edges == 4 and changed.node_ids.tolist() == [0, 1, 2, 5]
     with pytest.raises(DataFormatError, match="graph file not found"):
         load_graph_cached(tmp_path / "gone.txt", tmp_path / "cache")
+
+
+@pytest.mark.parametrize("values", [
+    np.array([], dtype=np.int64),
+    np.array([7], dtype=np.int64),
+    np.array([3, 1, 3, 3, 0, 1, 2**40, -5], dtype=np.int64),
+    np.random.default_rng(1).integers(0, 50, 1000),
+])
+def test_sorted_unique_gives_what_np_unique_gives(values: np.ndarray) -> None:
+    got = sorted_unique(values)
+    assert got.dtype == values.dtype
+    np.testing.assert_array_equal(got, np.unique(values))
