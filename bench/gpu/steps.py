@@ -1,11 +1,18 @@
 """The GPU run, in steps that fit the lent GPU machine: which commands, in which order, within what time.
 
 The machine (see the device tool's notes) has one GPU, no network, at most 10 minutes per command and
-30 minutes per session, counted from the machine's start (a minute or two) to its return; files come
-back only from ``$OUT``, and a command cut off at its limit returns what it left there. So the run is
-:data:`PARTS`, four commands of steps, each step under a time limit of its own, and after every step
-its results are already under ``bench/results/gpu-<model>/`` and packed into ``$OUT/gpu-results.tgz``:
-a step that overruns is killed (with every process it started) and costs only itself.
+15 minutes of device time per session, counted from the machine's start (about half a minute) to its
+return; files come back only from ``$OUT``, and a command cut off at its limit returns what it left
+there. So the run is :data:`PARTS`, commands of steps, two to a session (:data:`SESSIONS`), each step
+under a time limit of its own, and after every step its results are already under
+``bench/results/gpu-<model>/`` and packed into ``$OUT/gpu-results.tgz``: a step that overruns is killed
+(with every process it started) and costs only itself.
+
+The first session's parts hold what the first GPU run (an H200, ``bench/results/gpu-h200/``) did not
+measure or must measure again after its fixes: the instrumentation's cost, step times with PageRank,
+caps with steps taken, every task stepping in bubbles, and the bench modes to a decision. The second's
+hold what that run measured (its regression checks), the park tails with each task stepping first,
+CuPy against torch and MPS. The limits are about one and a half times what each step took there.
 
     bash bench/gpu/run.sh --plan          # the plan, with each step's limit
     bash bench/gpu/run.sh --part 1        # the first command of the plan
@@ -38,8 +45,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: costs beyond its steps (a machine's start, a minute or more where none is warm; the transfers; the
 #: idle time after it).
 COMMAND_LIMIT_S = 600
-LEASE_S = 1800
-OVERHEAD_PER_COMMAND_S = 120
+LEASE_S = 900
+#: The H200 run: 32 s for the first command (the machine's start and the transfers), 6 s for the next.
+OVERHEAD_PER_COMMAND_S = 45
 #: What one command of the plan may take at most: well under the 10-minute cap.
 PART_LIMIT_S = 540
 ARCHIVE = "gpu-results.tgz"
@@ -70,11 +78,11 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     DEPS,
     Step("clock", "the device clock on the GPU: order, device times, graph capture, one hardware queue",
          (*_PYTEST, "--timeout", "60", "tests/gpu/test_device_clock.py", "--junitxml", "{results}/clock.xml"),
-         60, needs=_TEST_NEEDS),
+         30, needs=_TEST_NEEDS),
     Step("tests", "pytest -m gpu: caps, host memory, restarts, parks and freezes, NVML, MPS, the GPU trainer",
          (*_PYTEST, "--timeout", "150", "tests/gpu", "tests/trainer/test_single_stage.py", "-k", f"not {_TASKS}",
           "--deselect", "tests/gpu/test_device_clock.py", "--junitxml", "{results}/tests.xml"),
-         270, needs=_TEST_NEEDS),
+         260, needs=_TEST_NEEDS),
     Step("tasks", "pytest -m gpu: every bundled task steps on the GPU inside bubbles",
          (*_PYTEST, "--timeout", "90", "tests/gpu/test_gpu_manager.py", "-k", _TASKS,
           "--junitxml", "{results}/tasks.xml"), 200, needs=_TEST_NEEDS),
@@ -83,32 +91,36 @@ STEPS: dict[str, Step] = {s.name: s for s in (
          # in about 80 s by estimate, most of it workers starting and setups.
          ("-m", "bench.gpu.caps", "--seconds", "3"), 100),
     Step("timing", "step time: the runtime's host timer against CUDA events",
-         ("-m", "bench.gpu.step_timing", "--steps", "30"), 75),
+         ("-m", "bench.gpu.step_timing", "--steps", "30"), 60),
     Step("bubbles", "device-timed bubbles against the profiler; the instrumentation's cost",
-         ("-m", "bench.gpu.bubble_timing", "--iterations", "40"), 60),
+         ("-m", "bench.gpu.bubble_timing", "--iterations", "40"), 45),
     Step("nccl", "a neighbour's receive beside a side task, with and without MPS",
-         ("-m", "bench.gpu.nccl_latency", "--samples", "200"), 80),
+         ("-m", "bench.gpu.nccl_latency", "--samples", "200"), 60),
     Step("park", "park and SIGSTOP tails, side tasks outside MPS",
-         ("-m", "bench.gpu.park_tail", "--mps", "off", "--trials", "8"), 90),
+         ("-m", "bench.gpu.park_tail", "--mps", "off", "--trials", "8"), 120),
     Step("park-mps", "park and SIGSTOP tails, side tasks as MPS clients",
-         ("-m", "bench.gpu.park_tail", "--mps", "require", "--trials", "8"), 90, mps=True),
+         ("-m", "bench.gpu.park_tail", "--mps", "require", "--trials", "8"), 120, mps=True),
     Step("backends", "CuPy against torch per bundled task",
          # 8 runs of 3 s, each after a setup of its own (a graph generated on the host per run).
          ("-m", "bench.gpu.backends", "--seconds", "3"), 90, needs=("torch", "cupy", "freeride")),
-    Step("modes", "the bench's five modes on one real GPU stage (shortened)",
+    # A trial of the five modes took 148 s on the H200: two trials, then the budget stops it.
+    Step("modes", "the bench's five modes on one real GPU stage, two trials",
          ("-m", "bench.bench_modes", "--single-stage", "cuda:0", "--out", "{results}", "--min-trials", "2",
-          "--budget-min", "2.5", "--standalone-s", "1", "--label", "GPU run (shortened to fit one command)"),
-         210),
+          "--budget-min", "4", "--standalone-s", "1", "--label", "GPU run (two trials, to fit one command)"),
+         330),
     Step("demo", "freeride demo --quick on this GPU",
          ("-m", "freeride.cli", "demo", "--device", "cuda", "--quick", "--out", "{results}/demo"), 240),
 )}
 
-#: The 30 minutes of GPU time, as commands: ``bash bench/gpu/run.sh --part N`` runs ``PARTS[N-1]``.
+#: The GPU run, as commands: ``bash bench/gpu/run.sh --part N`` runs ``PARTS[N-1]``.
 PARTS: tuple[tuple[str, ...], ...] = (
-    ("deps", "clock", "tests", "bubbles", "timing"),
-    ("deps", "tasks", "caps", "nccl", "park"),
-    ("deps", "park-mps", "backends", "modes"),
+    ("deps", "bubbles", "timing", "caps", "tasks"),
+    ("deps", "modes"),
+    ("deps", "clock", "tests", "park"),
+    ("deps", "backends", "nccl", "park-mps"),
 )
+#: The parts each session of 15 device minutes runs (numbers as ``--part`` takes them), most wanted first.
+SESSIONS: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4))
 
 
 def part_limit_s(part: Sequence[str]) -> int:
@@ -121,24 +133,32 @@ def plan_problems() -> list[str]:
     for i, part in enumerate(PARTS, 1):
         if part_limit_s(part) > PART_LIMIT_S:
             problems.append(f"part {i} may take {part_limit_s(part)} s, over {PART_LIMIT_S} s")
-    total = sum(part_limit_s(p) for p in PARTS)
-    room = LEASE_S - OVERHEAD_PER_COMMAND_S * len(PARTS)
-    if total > room:
-        problems.append(f"the parts may take {total} s together, over the {room} s a session leaves them")
+    for i, session in enumerate(SESSIONS, 1):
+        total = sum(part_limit_s(PARTS[n - 1]) for n in session)
+        room = LEASE_S - OVERHEAD_PER_COMMAND_S * len(session)
+        if total > room:
+            problems.append(f"session {i}'s parts may take {total} s together, over the {room} s a session "
+                            "leaves them")
+    scheduled = sorted(n for session in SESSIONS for n in session)
+    if scheduled != list(range(1, len(PARTS) + 1)):
+        problems.append(f"the sessions run parts {scheduled}, not each of 1 to {len(PARTS)} once")
     planned = {name for part in PARTS for name in part}
     problems += [f"step {name} is in no part" for name in STEPS if name not in planned and name != "demo"]
     return problems
 
 
 def plan_text() -> str:
-    lines = [f"The GPU run in {len(PARTS)} commands (limits: {COMMAND_LIMIT_S // 60} min a command, "
-             f"{LEASE_S // 60} min a session):"]
-    for i, part in enumerate(PARTS, 1):
-        lines.append(f"  {i}. bash bench/gpu/run.sh {' '.join(part)}   # at most {part_limit_s(part) / 60:.1f} min")
-        lines += [f"       {name:<9} {STEPS[name].limit_s:>4} s  {STEPS[name].what}" for name in part]
-    lines.append(f"  Together at most {sum(part_limit_s(p) for p in PARTS) / 60:.1f} min, and about "
-                 f"{OVERHEAD_PER_COMMAND_S // 60} min per command for the machine's start, transfers and idle time. "
-                 f"Not in the plan: demo ({STEPS['demo'].what}).")
+    lines = [f"The GPU run in {len(PARTS)} commands, {len(SESSIONS)} sessions (limits: {COMMAND_LIMIT_S // 60} min "
+             f"a command, {LEASE_S // 60} min of device time a session):"]
+    for j, session in enumerate(SESSIONS, 1):
+        total = sum(part_limit_s(PARTS[n - 1]) for n in session)
+        lines.append(f" session {j} (at most {total / 60:.1f} min, and about {OVERHEAD_PER_COMMAND_S} s per "
+                     "command for the machine's start and the transfers):")
+        for i in session:
+            part = PARTS[i - 1]
+            lines.append(f"  {i}. bash bench/gpu/run.sh {' '.join(part)}   # at most {part_limit_s(part) / 60:.1f} min")
+            lines += [f"       {name:<9} {STEPS[name].limit_s:>4} s  {STEPS[name].what}" for name in part]
+    lines.append(f"Not in the plan: demo ({STEPS['demo'].what}).")
     return "\n".join(lines)
 
 

@@ -46,6 +46,13 @@ def test_the_plan_fits_the_lent_machine() -> None:
         assert part[0] == "deps" and steps.part_limit_s(part) <= steps.PART_LIMIT_S < steps.COMMAND_LIMIT_S
 
 
+def test_a_session_whose_parts_outlast_its_device_time_is_a_plan_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(steps, "SESSIONS", ((1, 2, 3), (4,)))
+    assert any(p.startswith("session 1's parts may take") for p in steps.plan_problems())
+    monkeypatch.setattr(steps, "SESSIONS", ((1,), (2, 4)))
+    assert "the sessions run parts [1, 2, 4], not each of 1 to 4 once" in steps.plan_problems()
+
+
 def test_run_sh_lists_the_plans_commands_in_order() -> None:
     header = (REPO / "bench/gpu/run.sh").read_text()
     listed = re.findall(r"^#\s+\d\. bash bench/gpu/run\.sh ([a-z -]+?)\s+# <= ([\d.]+) min$", header, re.M)
@@ -59,13 +66,13 @@ def test_steps_are_chosen_by_name_part_or_all() -> None:
     assert [s.name for s in steps.select(["all"])][-1] == "demo"
     with pytest.raises(ValueError, match="unknown step.*nope"):
         steps.select(["nope"])
-    with pytest.raises(ValueError, match="--part must be 1 to 3"):
-        steps.select([], part=4)
+    with pytest.raises(ValueError, match="--part must be 1 to 4"):
+        steps.select([], part=5)
 
 
 def test_no_arguments_print_the_plan_and_run_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     assert steps.main([]) == 0
-    assert "bash bench/gpu/run.sh deps clock tests bubbles timing" in capsys.readouterr().out
+    assert "bash bench/gpu/run.sh deps bubbles timing caps tasks" in capsys.readouterr().out
 
 
 def test_run_sh_without_a_gpu_says_so_and_measures_nothing(tmp_path: Path) -> None:
