@@ -236,9 +236,15 @@ class PageRank(GraphTask):
     The rank vector is float64: float32 loses the ``tol`` on graphs of millions of vertices.
 
     Args (besides :class:`GraphTask`'s): damping (0.85), tol (1e-6), max_iterations (100).
+
+    The test scales with n: on a graph of a million vertices the default tol makes n * tol = 1, and an L1
+    change (at most 2) passes it within a step or two, as in networkx. Setup logs a warning where
+    n * tol >= :data:`LOOSE_TOL` and the test may pass before the ranking has converged; pass a smaller tol.
     """
 
     memory_estimate_bytes: ClassVar[int | None] = 512 << 20
+    #: n * tol from which setup warns that the L1 test may pass after a step or two (class doc).
+    LOOSE_TOL: ClassVar[float] = 0.1
 
     def __init__(
         self,
@@ -267,6 +273,15 @@ class PageRank(GraphTask):
         self.inv_out_degree = torch.where(self.dangling, 0.0, 1.0 / out_degree.clamp(min=1.0))
         self.rank = torch.full((self.n,), 1.0 / self.n, dtype=torch.float64, device=self.device)
         self.last_change = float("inf")
+        self._warn_if_loose()
+
+    def _warn_if_loose(self) -> None:
+        bound = self.n * self.tol
+        if bound >= self.LOOSE_TOL:
+            (self.ctx.logger if self.ctx is not None else log).warning(
+                "PageRank on %d vertices with tol %g stops once the L1 change is under n * tol = %.3g (it is "
+                "at most 2): that can pass after a step or two, before the ranking converges; pass a smaller "
+                "tol (e.g. --arg tol=%g) for a converged result", self.n, self.tol, bound, 1e-3 / self.n)
 
     def _init_state_array(self, ab: ArrayBackend) -> None:
         xp = ab.xp
@@ -276,6 +291,7 @@ class PageRank(GraphTask):
         self.matrix = self._adjacency(ab, xp.float64)
         self.rank = xp.full(self.n, 1.0 / self.n, dtype=xp.float64)
         self.last_change = float("inf")
+        self._warn_if_loose()
 
     def step(self) -> None:
         if self.finished:

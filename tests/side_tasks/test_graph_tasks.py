@@ -3,6 +3,7 @@ GPU), resume gives the same result (across backends too), memory is checked."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import networkx as nx
@@ -215,3 +216,16 @@ def test_a_bundled_graph_task_runs_under_its_own_estimate_as_its_memory_cap(task
     assert report["steps"] >= 1
     assert report["memory_limit_bytes"] == task.estimate_memory(graph=graph)
     assert 0 < report["peak_memory_bytes"] <= report["memory_limit_bytes"]
+
+
+def test_pagerank_warns_where_its_l1_test_would_pass_before_convergence(
+    tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    loose = PageRank("rmat:8", tol=1e-3, backend=backend)  # n * tol = 0.256
+    with caplog.at_level(logging.WARNING):
+        loose.setup(make_ctx(tmp_path / "loose"))
+    assert "with tol 0.001 stops once the L1 change is under n * tol = 0.256" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        PageRank("rmat:8", backend=backend).setup(make_ctx(tmp_path / "default"))  # n * tol = 0.000256
+    assert "PageRank on" not in caplog.text
