@@ -44,6 +44,11 @@ REQUIREMENTS = (
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
 )
+#: What only some GPU tests import (the Megatron adapter's device-time test): installed where a carried
+#: wheel meets it, else left missing (those tests skip, naming it); never a reason to install nothing.
+OPTIONAL = (
+    "megatron-core>=0.19.2",
+)
 
 VersionOf = Callable[[str], "str | None"]
 
@@ -156,12 +161,16 @@ def ensure(wheel_dir: Path = WHEELS, target: Path = TARGET, version_of: VersionO
            installer: Callable[[list[Path], Path], None] = install) -> tuple[list[str], list[Path]]:
     """Install what is unmet from ``wheel_dir`` into ``target``: (what was unmet, the wheels installed).
 
-    Raises LookupError when a requirement is unmet and no carried wheel meets it.
+    Raises LookupError when a requirement is unmet and no carried wheel meets it. An unmet
+    :data:`OPTIONAL` one is installed only where a wheel of it is carried.
     """
-    missing = unmet(version_of=version_of)
+    carried = sorted(wheel_dir.glob("*.whl"))
+    names = {wheel_name_version(w)[0] for w in carried}
+    missing = unmet(version_of=version_of) + [r for r in unmet(OPTIONAL, version_of)
+                                              if split_requirement(r)[0] in names]
     if not missing:
         return [], []
-    wheels = choose_wheels(missing, sorted(wheel_dir.glob("*.whl")), version_of)
+    wheels = choose_wheels(missing, carried, version_of)
     installer(wheels, target)
     return missing, wheels
 

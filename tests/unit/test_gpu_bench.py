@@ -217,6 +217,17 @@ def test_only_what_is_missing_or_too_old_is_installed_with_its_unmet_requirement
     assert ensure_deps.choose_wheels(["grpcio-health-checking>=1.85.1"], [health, grpcio], version_of) == [health]
 
 
+def test_an_optional_requirement_is_installed_only_where_its_wheel_is_carried(tmp_path: Path) -> None:
+    def version_of(name: str) -> str | None:  # every requirement met but Megatron Core
+        return {"megatron-core": None, "protobuf": "7.36.2"}.get(name, "99")
+
+    installed: list[list[Path]] = []
+    assert ensure_deps.ensure(tmp_path, tmp_path / "site", version_of, lambda w, t: installed.append(w)) == ([], [])
+    megatron = wheel(tmp_path, "megatron-core", "0.19.2", ("torch>=2.6.0", "numpy", "packaging>=24.2"))
+    missing, chosen = ensure_deps.ensure(tmp_path, tmp_path / "site", version_of, lambda w, t: installed.append(w))
+    assert missing == ["megatron-core>=0.19.2"] and chosen == installed[0] == [megatron]
+
+
 def test_a_requirement_no_carried_wheel_meets_is_named(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match="grpcio-health-checking>=1.85.1"):
         ensure_deps.choose_wheels(["grpcio-health-checking>=1.85.1"], [wheel(tmp_path, "grpcio", "1.85.3")],
@@ -251,7 +262,8 @@ def test_fetch_wheels_downloads_the_pins_for_the_gpu_machines_python(tmp_path: P
                    check=True, capture_output=True, timeout=60)
     args = (tmp_path / "args").read_text().split()
     assert args[args.index("--python-version") + 1] == "3.12" and "--no-deps" in args
-    assert {a for a in args if "==" in a} == {"grpcio-health-checking==1.85.1", "grpcio==1.85.3", "protobuf==7.36.2"}
+    assert {a for a in args if "==" in a} == {"grpcio-health-checking==1.85.1", "grpcio==1.85.3", "protobuf==7.36.2",
+                                              "megatron-core==0.19.2"}
 
 
 # ---------------------------------------------------------------------- the measurements' arithmetic
