@@ -18,6 +18,8 @@ def allocator_bytes(torch: Any, index: int, stat: str) -> int:
     without them.
     """
     stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is not None and not torch.cuda.is_initialized():
+        return 0  # as the public calls answer before CUDA starts
     if stats is None:
         return int(getattr(torch.cuda, "memory_reserved" if stat == "reserved_bytes" else "memory_allocated")(index))
     return int(stats(index)[stat]["all"]["current"])

@@ -29,8 +29,9 @@ class FakeTorch:
         self._C = SimpleNamespace()
         if with_nested_stats:
             self._C._cuda_memoryStats = self._stats
+        self.initialized = True
         self.cuda = SimpleNamespace(memory_reserved=self._flat("reserved"), memory_allocated=self._flat("allocated"),
-                                    mem_get_info=self._mem_get_info)
+                                    mem_get_info=self._mem_get_info, is_initialized=lambda: self.initialized)
 
     def _stats(self, index: int) -> dict[str, Any]:
         assert index == 1
@@ -60,6 +61,12 @@ def test_allocator_bytes_reads_the_nested_statistics_without_flattening_them() -
     assert allocator_bytes(fake, 1, "reserved_bytes") == 2 * GiB
     assert allocator_bytes(fake, 1, "allocated_bytes") == GiB
     assert fake.flattening_calls == 0
+
+
+def test_allocator_bytes_is_zero_before_cuda_starts_as_the_public_calls_say() -> None:
+    fake = FakeTorch()
+    fake.initialized = False
+    assert allocator_bytes(fake, 1, "reserved_bytes") == 0
 
 
 def test_allocator_bytes_falls_back_to_the_public_calls_where_torch_lacks_the_nested_ones() -> None:
