@@ -103,10 +103,13 @@ STEPS: dict[str, Step] = {s.name: s for s in (
     Step("backends", "CuPy against torch per bundled task",
          # 8 runs of 3 s, each after a setup of its own (a graph generated on the host per run).
          ("-m", "bench.gpu.backends", "--seconds", "3"), 90, needs=("torch", "cupy", "freeride")),
-    # A trial of the five modes took 148 s on the H200: two trials, then the budget stops it.
-    Step("modes", "the bench's five modes on one real GPU stage, two trials",
-         ("-m", "bench.bench_modes", "--single-stage", "cuda:0", "--out", "{results}", "--min-trials", "2",
-          "--budget-min", "4", "--standalone-s", "1", "--label", "GPU run (two trials, to fit one command)"),
+    # A trial of every task set is 14 runs of 18-48 s each on the H200 (it was killed inside the first):
+    # one task set makes a trial 5 runs (none, instrumented, freeride, freeride-paper, naive), about
+    # 2 min; two trials, then the budget stops it.
+    Step("modes", "the bench's five modes on one real GPU stage, the LSTM task, two trials",
+         ("-m", "bench.bench_modes", "--single-stage", "cuda:0", "--out", "{results}", "--task-sets", "training",
+          "--min-trials", "2", "--budget-min", "3", "--standalone-s", "1",
+          "--label", "GPU run (one task set, two trials, to fit one command)"),
          330),
     Step("demo", "freeride demo --quick on this GPU",
          ("-m", "freeride.cli", "demo", "--device", "cuda", "--quick", "--out", "{results}/demo"), 240),
