@@ -3,13 +3,15 @@
 One GPU, one stage, the exact device behaviour of a pipeline receive: compute actions launch matrix
 products on the current stream; before each action that needs a neighbour's output, a "receive" makes
 the stream (not the host) wait for an event recorded on a communication stream behind a timed sleep
-kernel, as NCCL's receive wait does. The host runs ahead; only the device idles. The stage runs under
-:class:`InstrumentedSchedule` (CUDA events, resolved off the training thread) and under the torch
-profiler, each action bracketed by ``record_function`` with a label of its own; the profiler's device
-span of each action is the span of the kernels launched under its label (:func:`action_spans`), so no
-kernel's name matters (torch's sleep kernel is ``spin_kernel``, not "sleep"). For every reported bubble
-the error is taken against the profiler's gap between the actions around it, both relative to the
-iteration's first action (the two have different clock bases), for the start and the end.
+kernel, as NCCL's receive wait does. The sleep starts once the stage's work before it is done, so every
+modelled slot is a gap of the sleep's length on the device. The host runs ahead; only the device idles.
+The stage runs under :class:`InstrumentedSchedule` (CUDA events, resolved off the training thread)
+and under the torch profiler, each action bracketed by ``record_function`` with a label of its own;
+the profiler's device span of each action is the span of the kernels launched under its label
+(:func:`action_spans`), so no kernel's name matters (torch's sleep kernel is ``spin_kernel``, not
+"sleep"). For every reported bubble the error is taken against the profiler's gap between the actions
+around it, both relative to the iteration's first action (the two have different clock bases), for
+the start and the end.
 
 The mechanism's cost is the training thread's time per iteration with the instrumentation attached
 against detached, interleaved, as a trainer runs it: marks only where waits begin and end (no
@@ -81,7 +83,13 @@ class Schedule1F1B:
         it, self.iteration = self.iteration, self.iteration + 1
         for j, action in enumerate(self.order):
             if action in self.waits_before:
+                # The neighbour's send arrives wait_cycles after this stage's work so far is done (the H200
+                # run timed the sleep from its launch: the host runs ahead, so every wait but the
+                # iteration's first was over before the stream reached it, and only 10 bubbles were seen).
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream())
                 with torch.cuda.stream(self.comm):
+                    self.comm.wait_event(done)
                     torch.cuda._sleep(self.wait_cycles)  # the neighbour's send, still in flight
                     arrived = torch.cuda.Event()
                     arrived.record(self.comm)
