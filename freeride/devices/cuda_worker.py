@@ -40,6 +40,7 @@ from freeride.devices.cuda_driver import (
     MiB,
 )
 from freeride.devices.nvml import NvmlError, usage_by_pid
+from freeride.devices.torch_allocator import allocator_bytes
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +255,10 @@ class TorchCudaRuntime:
         return int(self._torch.cuda.get_device_properties(ordinal).total_memory)
 
     def reserved_bytes(self, ordinal: int) -> int:
-        return int(self._torch.cuda.memory_reserved(ordinal))
+        return allocator_bytes(self._torch, ordinal, "reserved_bytes")
 
     def max_reserved_bytes(self, ordinal: int) -> int:
-        return int(self._torch.cuda.max_memory_reserved(ordinal))
+        return allocator_bytes(self._torch, ordinal, "reserved_bytes", "peak")
 
     def set_allocator_limit(self, ordinal: int, limit_bytes: int) -> None:
         fraction = min(1.0, max(0.0, limit_bytes / self.total_bytes(ordinal)))

@@ -7,7 +7,7 @@ two actions, while it waits in a bubble or not. The probe samples the same thing
 step) -- relative to a baseline taken before the model is built.
 
 * ``cuda:N``: the caching allocator's ``allocated_bytes`` (what ``torch.cuda.memory_allocated`` returns,
-  read without its flattening of every statistic: :func:`freeride.training.free_memory.allocator_bytes`),
+  read without its flattening of every statistic: :func:`freeride.devices.torch_allocator.allocator_bytes`),
   its count of bytes in live tensors (a host-side counter; no device synchronisation).
 * ``cpu``: torch's CPU allocator takes its memory from the C library's ``malloc``
   (``posix_memalign``), so glibc's ``mallinfo2()`` -- bytes in chunks handed out and not freed, from
@@ -60,7 +60,7 @@ def heap_reader(device: str) -> Callable[[], int] | None:
     if device.startswith("cuda"):
         import torch
 
-        from freeride.training.free_memory import allocator_bytes
+        from freeride.devices.torch_allocator import allocator_bytes
 
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         return lambda: allocator_bytes(torch, index, "allocated_bytes")

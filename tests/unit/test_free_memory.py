@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from freeride.training.free_memory import MemorySampler, allocator_bytes
+from freeride.devices.torch_allocator import allocator_bytes
+from freeride.training.free_memory import MemorySampler
 from freeride.workload.memory_probe import heap_reader
 
 GiB = 2**30
@@ -31,11 +32,12 @@ class FakeTorch:
             self._C._cuda_memoryStats = self._stats
         self.initialized = True
         self.cuda = SimpleNamespace(memory_reserved=self._flat("reserved"), memory_allocated=self._flat("allocated"),
+                                    max_memory_reserved=self._flat("reserved"),
                                     mem_get_info=self._mem_get_info, is_initialized=lambda: self.initialized)
 
     def _stats(self, index: int) -> dict[str, Any]:
         assert index == 1
-        return {"reserved_bytes": {"all": {"current": self.reserved, "peak": 0}},
+        return {"reserved_bytes": {"all": {"current": self.reserved, "peak": 3 * self.reserved}},
                 "allocated_bytes": {"all": {"current": self.allocated, "peak": 0}}}
 
     def _flat(self, name: str) -> Any:
@@ -60,6 +62,7 @@ def test_allocator_bytes_reads_the_nested_statistics_without_flattening_them() -
     fake = FakeTorch()
     assert allocator_bytes(fake, 1, "reserved_bytes") == 2 * GiB
     assert allocator_bytes(fake, 1, "allocated_bytes") == GiB
+    assert allocator_bytes(fake, 1, "reserved_bytes", "peak") == 6 * GiB
     assert fake.flattening_calls == 0
 
 
@@ -73,7 +76,8 @@ def test_allocator_bytes_falls_back_to_the_public_calls_where_torch_lacks_the_ne
     fake = FakeTorch(with_nested_stats=False)
     assert allocator_bytes(fake, 1, "reserved_bytes") == 2 * GiB
     assert allocator_bytes(fake, 1, "allocated_bytes") == GiB
-    assert fake.flattening_calls == 2
+    assert allocator_bytes(fake, 1, "reserved_bytes", "peak") == 2 * GiB  # torch.cuda.max_memory_reserved's
+    assert fake.flattening_calls == 3
 
 
 def test_a_bubble_start_sees_what_the_allocator_reserved_since_the_last_sample(torch_fake: FakeTorch) -> None:
