@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -301,21 +301,29 @@ def load_graph_cached(path: str | Path, cache_dir: Path, *, format: str = "auto"
 
     A side task is set up again after every restart or eviction; parsing a text file of a
     hundred million edges takes minutes, loading the binary arrays takes seconds. The cache is
-    keyed by the source's resolved path, size and modification time and the load options, and
-    written atomically (a crash leaves no half-written cache behind).
+    keyed by the source's resolved path, size and modification time and the load options
+    (:func:`cached_graph`).
     """
     source = Path(path)
     try:
         stat = source.stat()
     except OSError:
         return load_graph(source, format=format, directed=directed)  # reports the missing file
-    key = f"{_CACHE_VERSION}|{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{format}|{directed}"
+    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{format}|{directed}"
+    return cached_graph(key, cache_dir, lambda: load_graph(source, format=format, directed=directed), str(source))
+
+
+def cached_graph(key: str, cache_dir: Path, build: Callable[[], CSRGraph], what: str) -> CSRGraph:
+    """The graph cached under ``key`` in ``cache_dir`` (one ``graph-cache.npz``: a task has one graph), or
+    ``build()``'s, then cached. Written atomically (a crash leaves no half-written cache behind); a cache
+    that cannot be read or written is logged and ignored, never the task's failure."""
+    key = f"{_CACHE_VERSION}|{key}"
     cache = Path(cache_dir) / "graph-cache.npz"
     if cache.exists():
         try:
             with np.load(cache, allow_pickle=False) as archive:
                 if str(archive["key"]) == key:
-                    log.info("loaded %s from cache %s", source, cache)
+                    log.info("loaded %s from cache %s", what, cache)
                     return CSRGraph(
                         indptr=archive["indptr"],
                         indices=archive["indices"],
@@ -324,7 +332,7 @@ def load_graph_cached(path: str | Path, cache_dir: Path, *, format: str = "auto"
                     )
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring unreadable graph cache %s: %s", cache, exc)
-    graph = load_graph(source, format=format, directed=directed)
+    graph = build()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp.npz")

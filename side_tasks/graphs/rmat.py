@@ -17,6 +17,8 @@ GRAPH500_A = 0.57
 GRAPH500_B = 0.19
 GRAPH500_C = 0.19
 GRAPH500_EDGE_FACTOR = 16
+#: Bumped whenever :func:`rmat_edges` would give other edges for the same arguments: graph caches name it.
+RMAT_VERSION = 1
 
 
 def rmat_edges(

@@ -35,8 +35,8 @@ from freeride.task import SideTask, TaskContext
 from side_tasks._io import atomic_write_bytes
 from side_tasks.arrays import ArrayBackend, array_backend, check_backend
 from side_tasks.errors import DataFormatError, check_fits
-from side_tasks.graphs.formats import CSRGraph, load_graph_cached, sorted_unique
-from side_tasks.graphs.rmat import GRAPH500_EDGE_FACTOR, rmat_edges
+from side_tasks.graphs.formats import CSRGraph, cached_graph, load_graph_cached, sorted_unique
+from side_tasks.graphs.rmat import GRAPH500_EDGE_FACTOR, RMAT_VERSION, rmat_edges
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,15 @@ class GraphTask(SideTask):
                 ctx.memory_limit_bytes,
                 "use a smaller scale or edge factor, or raise the task's memory limit",
             )
-            src, dst = rmat_edges(scale, factor, seed=self.seed)
-            graph = CSRGraph.from_edges(src, dst, n, directed=self.directed)
-            del src, dst
+
+            def generate() -> CSRGraph:
+                src, dst = rmat_edges(scale, factor, seed=self.seed)
+                return CSRGraph.from_edges(src, dst, n, directed=self.directed)
+
+            # Cached in the work dir as a file's CSR is: generating rmat:20 takes seconds (10 s on a 2-core VM),
+            # and every restart or eviction sets the task up again. The key names the generator's version.
+            key = f"rmat-v{RMAT_VERSION}|{scale}|{factor}|{self.seed}|{self.directed}"
+            graph = cached_graph(key, Path(ctx.work_dir), generate, self.graph_spec)
         else:
             # Cached in the work dir (which survives restarts): a resumed task skips the parse.
             graph = load_graph_cached(self.graph_spec, Path(ctx.work_dir), format=self.format, directed=self.directed)

@@ -229,3 +229,25 @@ def test_pagerank_warns_where_its_l1_test_would_pass_before_convergence(
     with caplog.at_level(logging.WARNING):
         PageRank("rmat:8", backend=backend).setup(make_ctx(tmp_path / "default"))  # n * tol = 0.000256
     assert "PageRank on" not in caplog.text
+
+
+def test_an_rmat_graph_is_cached_in_the_work_dir_and_reused_after_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    work = tmp_path / "w"
+    first = PageRank("rmat:10")
+    first.setup(make_ctx(work))
+    assert (work / "graph-cache.npz").exists()
+    with caplog.at_level(logging.INFO, logger="side_tasks.graphs.formats"):
+        again = PageRank("rmat:10")  # the same task set up again, as after a restart
+        again.setup(make_ctx(work))
+    assert "loaded rmat:10 from cache" in caplog.text
+    assert first.graph is not None and again.graph is not None
+    np.testing.assert_array_equal(first.graph.indptr, again.graph.indptr)
+    np.testing.assert_array_equal(first.graph.indices, again.graph.indices)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="side_tasks.graphs.formats"):
+        other = PageRank("rmat:10", seed=1)  # another graph: generated, not the cached one
+        other.setup(make_ctx(work))
+    assert "from cache" not in caplog.text
+    assert other.graph is not None and not np.array_equal(other.graph.indices, first.graph.indices)
