@@ -216,7 +216,6 @@ class Device:
         self.feed(self.M.WorkerParked(
             tid, grant_id, len(durations), durations, w.begun_ns + 1000 if durations else 0,
             plan[-1] if plan else self.now, self.now, reason, w.total / 1000, w.total,
-            device_bytes=self.rng.choice([0, 0, 0, 50 * MiB]),
         ))
 
     def freeze(self, tid: str) -> None:
@@ -303,11 +302,21 @@ class Device:
 
 
 def translate(events: list[tuple[Any, int]], module: ModuleType) -> list[tuple[Any, int]]:
-    """The same events as instances of ``module``'s classes (the two cores define their own)."""
+    """The same events as instances of ``module``'s classes (the two cores define their own). A field that
+    ``module``'s class no longer has (the worker's own memory figure left the park report for a ``WorkerUsage``
+    of its own) must hold its default: the recording never sets it."""
     out = []
     for event, now in events:
         cls = getattr(module, type(event).__name__)
-        out.append((cls(**{f.name: getattr(event, f.name) for f in dataclasses.fields(event)}), now))
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {}
+        for f in dataclasses.fields(event):
+            value = getattr(event, f.name)
+            if f.name in known:
+                fields[f.name] = value
+            elif value != f.default:
+                raise ValueError(f"{type(event).__name__}.{f.name}={value!r}: no such field in {module.__name__}")
+        out.append((cls(**fields), now))
     return out
 
 

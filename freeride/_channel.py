@@ -161,8 +161,6 @@ class Parked:
     warmup_steps: int = 0
     #: ``ended``: the trainer's end of the bubble, read on the end board before the manager knew of it.
     end_ns: int = 0
-    #: What the device holds for the worker, as the worker measures it.
-    device_bytes: int = field(default=0, metadata=_BYTE_COUNT)
     #: The worker process's CPU time (``CLOCK_PROCESS_CPUTIME_ID``) when its last listed step began; 0
     #: without one. With the CPU time the manager reads at a freeze it bounds what ran past a bubble's end.
     last_start_cpu_ns: int = 0
@@ -170,6 +168,18 @@ class Parked:
     #: the device (a CPU core the trainer or the manager had). Step-time estimates learn these; a worker
     #: of an earlier version, or one whose steps never waited, sends none (the durations are the costs).
     costs_ns: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What the device holds for the worker, as the worker measures it, sent right after a ``parked``.
+
+    Apart from the report, so that measuring (on CUDA, NVML's process list: a driver call of a millisecond
+    or so) never delays a park: the manager freezes a worker still ``RUNNING`` half a millisecond past the
+    bubble's end. A worker whose device leaves the count to the manager (a CPU core) sends none."""
+
+    TAG: ClassVar[str] = "usage"
+    device_bytes: int = field(metadata=_BYTE_COUNT)
 
 
 @dataclass(frozen=True)
@@ -231,12 +241,12 @@ class Bye:
 
 
 ManagerMessage = Init | Grant | Park | Stop
-WorkerMessage = Ready | Parked | Checkpointed | CheckpointFailed | Finished | Failed | ProcessGroup | Bye
+WorkerMessage = Ready | Parked | Usage | Checkpointed | CheckpointFailed | Finished | Failed | ProcessGroup | Bye
 Message = ManagerMessage | WorkerMessage
 
 MANAGER_MESSAGES: tuple[type[Any], ...] = (Init, Grant, Park, Stop)
-WORKER_MESSAGES: tuple[type[Any], ...] = (Ready, Parked, Checkpointed, CheckpointFailed, Finished, Failed,
-                                          ProcessGroup, Bye)
+WORKER_MESSAGES: tuple[type[Any], ...] = (Ready, Parked, Usage, Checkpointed, CheckpointFailed, Finished,
+                                          Failed, ProcessGroup, Bye)
 
 
 # ---------------------------------------------------------------- the codec

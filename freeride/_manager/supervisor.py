@@ -297,7 +297,9 @@ class Supervisor:
             return [StepsReported(tid, msg), C.WorkerParked(
                 tid, msg.grant_id, msg.steps, msg.durations_ns, msg.first_step_ns, msg.last_end_ns, msg.parked_ns,
                 msg.reason, msg.progress, msg.total_steps, warmup_steps=msg.warmup_steps,
-                device_bytes=msg.device_bytes, seen_end_ns=msg.end_ns, costs_ns=msg.costs_ns)]
+                seen_end_ns=msg.end_ns, costs_ns=msg.costs_ns)]
+        if isinstance(msg, W.Usage):
+            return [C.WorkerUsage(tid, msg.device_bytes)]
         if isinstance(msg, W.Ready):
             return [C.WorkerReady(tid, msg.pid, msg.progress_unit, msg.context_bytes, msg.baseline_bytes,
                                   msg.host_baseline_bytes)]

@@ -24,7 +24,8 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
    ended-grant word, which it sets before it sends a park, and the trainer's end of this grant's
    bubble, which the trainer writes before its end even reaches the wire. Either stops the loop, so
    no step starts after an end the worker could know of. Then report ``parked`` with the step
-   durations and the device memory the worker holds, and go back to waiting. Nothing runs outside
+   durations, then (``usage``, apart, so that measuring never delays the park) the device memory the
+   worker holds, and go back to waiting. Nothing runs outside
    grants.
 4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
    ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
@@ -69,6 +70,7 @@ from freeride._channel import (
     ProtocolError,
     Ready,
     Stop,
+    Usage,
 )
 from freeride._estimator import StepEstimator, surviving_end_ns, within_grace
 from freeride._task_process import prepare_process
@@ -474,12 +476,22 @@ class WorkerRuntime:
             end_ns=record.seen_end_ns,
             progress=self._progress(),
             total_steps=self.steps,
-            # What the device holds for this worker, as the worker itself measures it: the manager's
-            # figure where NVML cannot see the worker's process (containers).
-            device_bytes=self.device.used_bytes(),
             last_start_cpu_ns=record.last_start_cpu_ns,
             costs_ns=tuple(record.costs) if record.costs != record.durations else (),
         ))
+        if reason != "frozen":
+            self._report_usage()
+
+    def _report_usage(self) -> None:
+        """What the device holds for this worker, as the worker itself measures it (the manager's figure where
+        NVML cannot see the worker's process: containers), sent after the park it follows. On CUDA measuring
+        asks NVML for the GPU's processes, a driver call that can take a millisecond: inside the report it
+        delayed every park, and a worker not parked half a millisecond past the bubble's end is frozen. Not
+        after a frozen grant's late report, which the next grant's first step waits for: that grant's own
+        park measures."""
+        used = self.device.used_bytes()
+        if used:
+            self.chan.send(Usage(device_bytes=used))
 
     # ------------------------------------------------------------------ setup and checkpoints
 

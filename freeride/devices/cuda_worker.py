@@ -175,9 +175,9 @@ class CudaWorkerDevice(WorkerDevice):
         self._peak = self.context_bytes + reserved
         self._remeasures = EARLY_REMEASURES
 
-    def _remeasure(self) -> int:
+    def _remeasure(self) -> tuple[int, int | None]:
         """Measure the context again; lower the allocator's share by what it grew past the headroom.
-        Returns what the allocator holds now."""
+        Returns what the allocator holds now and NVML's figure for this process (None: NVML cannot see it)."""
         rt = self.runtime
         reserved = rt.reserved_bytes(self.ordinal)
         own = rt.own_device_bytes()
@@ -194,7 +194,7 @@ class CudaWorkerDevice(WorkerDevice):
                 log.info("the allocator may now hold %.0f MiB", fits / MiB)
         self._peak = max(self._peak, max(own or 0, self.context_bytes + reserved),
                          self.context_bytes + rt.max_reserved_bytes(self.ordinal))
-        return reserved
+        return reserved, own
 
     def synchronize(self) -> None:
         if self._command:
@@ -205,10 +205,10 @@ class CudaWorkerDevice(WorkerDevice):
             self._remeasure()
 
     def used_bytes(self) -> int:
+        """One NVML process query (it can take a millisecond), shared with the context's remeasure."""
         if self._command:
             return 0
-        reserved = self._remeasure()
-        own = self.runtime.own_device_bytes()
+        reserved, own = self._remeasure()
         return max(own or 0, self.context_bytes + reserved)
 
     def peak_bytes(self) -> int:

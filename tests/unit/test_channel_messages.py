@@ -36,6 +36,7 @@ from freeride._channel import (
     ProtocolError,
     Ready,
     Stop,
+    Usage,
     decode,
     encode,
     socketpair,
@@ -54,7 +55,8 @@ EVERY_MESSAGE: list[Message] = [
     Ready(pid=4242, progress_unit="edges", context_bytes=480 * 2**20, baseline_bytes=2**27, host_baseline_bytes=2**28),
     Parked(grant_id=7, steps=3, durations_ns=(10, 20, 30), first_step_ns=5, last_end_ns=65, parked_ns=70,
            reason="ended", progress=3.5, total_steps=40, starts_ns=(5, 15, 35), warmup_steps=1, end_ns=66,
-           device_bytes=2**31, last_start_cpu_ns=12, costs_ns=(8, 20, 11)),
+           last_start_cpu_ns=12, costs_ns=(8, 20, 11)),
+    Usage(device_bytes=2**31),
     Checkpointed(step=40, path="/s/c/ckpt-40.pt", progress=0.25),
     CheckpointFailed(step=41, error="No space left on device"),
     Finished(total_steps=100, progress=1.0),
@@ -85,10 +87,11 @@ def test_on_the_channel_a_message_is_a_json_object_tagged_t_with_the_grant_id_as
 
 def test_a_parked_report_of_an_earlier_worker_without_the_later_fields_decodes_with_their_defaults() -> None:
     legacy = {"t": "parked", "g": 1, "steps": 2, "durations_ns": [3, 4], "first_step_ns": 0, "last_end_ns": 9,
-              "parked_ns": 10, "reason": "deadline", "progress": 2.0, "total_steps": 2, "added_later": "ignored"}
+              "parked_ns": 10, "reason": "deadline", "progress": 2.0, "total_steps": 2, "added_later": "ignored",
+              "device_bytes": 2**30}  # an earlier worker's memory figure: a ``usage`` of its own now
     msg = decode(json.dumps(legacy).encode(), WORKER_MESSAGES)
     assert msg == Parked(1, 2, (3, 4), 0, 9, 10, "deadline", 2.0, 2)
-    assert (msg.starts_ns, msg.warmup_steps, msg.end_ns, msg.device_bytes, msg.costs_ns) == ((), 0, 0, 0, ())
+    assert (msg.starts_ns, msg.warmup_steps, msg.end_ns, msg.costs_ns) == ((), 0, 0, ())
 
 
 def test_a_whole_number_travels_as_a_float_where_a_float_is_expected() -> None:

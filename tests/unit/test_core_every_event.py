@@ -35,6 +35,7 @@ from freeride._manager.core import (
     WorkerParked,
     WorkerReady,
     WorkerStepsSeen,
+    WorkerUsage,
 )
 from freeride._manager.core.machines import BubblePhase, DrainPhase, StepPhase, StopPhase
 from freeride.messages import BubbleEnd, BubbleStart, FailureRecord, TaskSpec, TrainerLayout
@@ -218,8 +219,8 @@ EVENTS: dict[str, Callable[[Sim], Event]] = {
     "its board, in setup": lambda sim: WorkerStepsSeen("a", 0, in_setup=True),
     "parked": lambda sim: WorkerParked("a", _grant_of(sim), 1, (MS,), sim.now - MS, sim.now, sim.now, "park", 0.5, 9),
     "parked, stale": lambda sim: WorkerParked("a", _grant_of(sim) + 5, 0, (), 0, sim.now, sim.now, "park", 0.5, 9),
-    "parked over its cap": lambda sim: WorkerParked("a", _grant_of(sim), 0, (), 0, sim.now, sim.now, "stop", 0.5, 9,
-                                                    device_bytes=10_000 * MiB),
+    "its own usage": lambda sim: WorkerUsage("a", 100 * MiB),
+    "its own usage, over its cap": lambda sim: WorkerUsage("a", 10_000 * MiB),
     "checkpointed": lambda sim: WorkerCheckpointed("a", 4, "/ck", 0.5),
     "finished": lambda sim: WorkerFinished("a", 9, 1.0),
     "failed": lambda sim: WorkerFailed("a", FailureRecord(kind="EXCEPTION", message="x"), (MS,)),

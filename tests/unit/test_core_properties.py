@@ -52,6 +52,7 @@ from freeride._manager.core import (
     WorkerParked,
     WorkerReady,
     WorkerStepsSeen,
+    WorkerUsage,
 )
 from freeride._manager.core.bubbles import OpenBubble
 from freeride.messages import BubbleEnd, BubbleStart, FailureRecord, TaskSpec, TrainerLayout
@@ -268,7 +269,9 @@ class CoreMachine(RuleBasedStateMachine):
             self.ended.add((bubble.event.key, bubble.event.start_ns))
         self.send(WorkerParked(task_id, grant_id - 1 if stale else grant_id, steps, durations,
                                self.now - sum(durations) if steps else 0, self.now, self.now, reason, 0.5,
-                               done + steps, device_bytes=device_mib * MiB, seen_end_ns=seen))
+                               done + steps, seen_end_ns=seen))
+        if device_mib:
+            self.send(WorkerUsage(task_id, device_mib * MiB))
 
     # The rules above send events for any id, mostly stale or out of place; these follow a worker's own
     # protocol, so that the sequences reach deep states (grants, backfills, freezes, thaws) often.

@@ -280,7 +280,8 @@ def test_a_worker_invisible_to_nvml_is_accounted_by_its_own_report() -> None:
     core.on_event(C.WorkerReady("t", 123, context_bytes=500 * MiB), 0)
     core.on_event(C.TaskMemorySampled("t", 0), 0)
     assert core.tasks["t"].state.value == "PARKED"
-    out = core.on_event(C.WorkerParked("t", 0, 0, (), 0, 0, 0, "deadline", 0.0, 0, device_bytes=1200 * MiB), 0)
+    core.on_event(C.WorkerParked("t", 0, 0, (), 0, 0, 0, "deadline", 0.0, 0), 0)
+    out = core.on_event(C.WorkerUsage("t", 1200 * MiB), 0)
     assert core.tasks["t"].state.value == "FAILED"
     failure = core.tasks["t"].failure
     assert failure is not None and failure.kind == "MEMORY_LIMIT" and "1200 MiB" in failure.message

@@ -88,9 +88,11 @@ def parked(grant_id: int = 3) -> W.Parked:
 def test_worker_messages_become_core_events_in_order(rig: Rig) -> None:
     rig.worker.send(W.encode(W.Ready(pid=rig.proc.pid, progress_unit="edges")))
     rig.worker.send(W.encode(parked()))
+    rig.worker.send(W.encode(W.Usage(device_bytes=700 * 2**20)))
     events = rig.ready()
     assert events == [C.WorkerReady(TID, rig.proc.pid, "edges", 0, 0), StepsReported(TID, parked()),
-                      C.WorkerParked(TID, 3, 2, (5, 6), 1, 20, 21, "deadline", 2.0, 9)]
+                      C.WorkerParked(TID, 3, 2, (5, 6), 1, 20, 21, "deadline", 2.0, 9),
+                      C.WorkerUsage(TID, 700 * 2**20)]
     assert rig.watched == {TID: [rig.proc.pid]}
 
 

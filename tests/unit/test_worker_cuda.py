@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from conftest import wait_for
 
-from freeride._channel import Channel, Failed, Grant, Init, Message, Parked, Ready, Stop
+from freeride._channel import Channel, Failed, Grant, Init, Message, Parked, Ready, Stop, Usage
 from freeride._worker.runtime import WorkerRuntime
 from freeride.devices import DeviceName, WorkerDevice, WorkerSetupError
 from freeride.task import SideTask, TaskContext
@@ -101,7 +101,37 @@ def test_a_step_ends_when_the_device_has_done_its_work_not_when_its_kernels_are_
     # Every step's measured end comes after the device finished it: its duration holds the device time.
     for start, duration, synced in zip(parked.starts_ns, parked.durations_ns, device.synced_at, strict=True):
         assert start + duration >= synced
-    assert parked.device_bytes == 700 * 2**20  # the worker's own measure, for the manager's watchdog
+
+
+def test_a_park_is_reported_before_the_device_is_measured_and_its_usage_follows(
+    tmp_path: Path, channels: tuple[Channel, Channel]
+) -> None:
+    # On CUDA the worker's measure asks NVML for the GPU's processes (a millisecond or so): inside the park
+    # report it delayed every park, and the manager freezes a worker still running half a millisecond past
+    # the bubble's end. The report goes first; the measure follows it, for the manager's watchdog.
+    manager, worker = channels
+    device = FakeGpuWorkerDevice()
+    rt = make_runtime(worker, tmp_path, device)
+    rt.task, rt.setup_done = Launcher(), True
+    sent: list[str] = []
+    send = rt.chan.send
+
+    def recording_send(msg: Message) -> None:
+        sent.append(msg.TAG)
+        send(msg)
+
+    measure = device.used_bytes
+
+    def recording_measure() -> int:
+        sent.append("measured")
+        return measure()
+
+    rt.chan.send = recording_send  # type: ignore[method-assign]
+    device.used_bytes = recording_measure  # type: ignore[method-assign]
+    rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+    assert sent[:3] == ["parked", "measured", "usage"]
+    usage = next(m for m in drain(manager) if isinstance(m, Usage))
+    assert usage.device_bytes == 700 * 2**20  # the worker's own measure, for the manager's watchdog
 
 
 def test_a_cap_the_context_cannot_fit_in_fails_at_start_with_memory_limit(

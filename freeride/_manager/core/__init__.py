@@ -44,6 +44,7 @@ from freeride._manager.core.api import (
     WorkerParked,
     WorkerReady,
     WorkerStepsSeen,
+    WorkerUsage,
 )
 from freeride._manager.core.scheduler import SchedulerCore
 from freeride._manager.core.tasks import TaskRuntime
@@ -88,5 +89,6 @@ __all__ = [
     "WorkerParked",
     "WorkerReady",
     "WorkerStepsSeen",
+    "WorkerUsage",
     "percentiles",
 ]

@@ -188,13 +188,20 @@ class WorkerParked:
     total_steps: int
     #: Leading ``durations_ns`` that are a process's warm-up step: harvested work, no estimate sample.
     warmup_steps: int = 0
-    #: Device memory the worker holds by its own measure (0: it leaves that to the device's figure).
-    device_bytes: int = 0
     #: The bubble's real end as the worker saw it on a board (the trainer's end board, or its ended word
     #: set on a servicer thread), maybe before the loop handed that end to this core; 0: none seen.
     seen_end_ns: int = 0
     #: ``durations_ns`` less what each step waited for the device (``Parked.costs_ns``); empty: the same.
     costs_ns: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerUsage:
+    """Device memory the worker holds by its own measure, sent after each park (``Usage`` on the channel): the
+    figure where the device's own (NVML's process list) cannot see the worker's process."""
+
+    task_id: str
+    device_bytes: int
 
 
 @dataclass(frozen=True)
@@ -275,6 +282,7 @@ Event = (
     | WorkerReady
     | WorkerStepsSeen
     | WorkerParked
+    | WorkerUsage
     | WorkerCheckpointed
     | WorkerFinished
     | WorkerFailed

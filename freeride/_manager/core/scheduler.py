@@ -63,6 +63,7 @@ from freeride._manager.core.api import (
     WorkerParked,
     WorkerReady,
     WorkerStepsSeen,
+    WorkerUsage,
 )
 from freeride._manager.core.bubbles import Bubbles, OpenBubble, SlotStats
 from freeride._manager.core.machines import DRAIN, BubblePhase, DrainPhase, StopPhase
@@ -404,10 +405,6 @@ class SchedulerCore:
         task.steps = event.total_steps
         if event.steps:
             task.health.finished_steps()
-        if event.device_bytes:
-            task.reported_bytes = event.device_bytes
-            if task.state.is_resident and self._check_cap(task, out):
-                return
         if event.grant_id != task.grant_id or task.state != _RUNNING:
             return  # a park for a grant that a freeze already closed; stats only
         bubble = self.bubbles.held_by(task.task_id)
@@ -594,6 +591,13 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ memory
 
+    def _on_worker_usage(self, event: WorkerUsage, now_ns: int, out: list[Action]) -> None:
+        task = self.tasks.get(event.task_id)
+        if task is None or not task.state.is_resident:
+            return
+        task.reported_bytes = event.device_bytes
+        self._check_cap(task, out)
+
     def _on_task_memory_sampled(self, event: TaskMemorySampled, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
         if task is None or not task.state.is_resident:
@@ -683,6 +687,7 @@ _HANDLERS: dict[type, _Handler] = {
     WorkerReady: SchedulerCore._on_worker_ready,
     WorkerStepsSeen: SchedulerCore._on_worker_steps_seen,
     WorkerParked: SchedulerCore._on_worker_parked,
+    WorkerUsage: SchedulerCore._on_worker_usage,
     WorkerCheckpointed: SchedulerCore._on_worker_checkpointed,
     WorkerFinished: SchedulerCore._on_worker_finished,
     WorkerFailed: SchedulerCore._on_worker_failed,
