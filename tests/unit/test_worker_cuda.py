@@ -126,7 +126,7 @@ def test_a_park_is_reported_before_the_device_is_measured_and_its_usage_follows(
         sent.append("measured")
         return measure()
 
-    rt.chan.send = recording_send  # type: ignore[method-assign]
+    rt.chan.send = recording_send  # type: ignore[method-assign,assignment]
     device.used_bytes = recording_measure  # type: ignore[method-assign]
     rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
     assert sent[:3] == ["parked", "measured", "usage"]
