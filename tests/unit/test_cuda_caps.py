@@ -94,6 +94,25 @@ def test_growth_past_the_headroom_shrinks_the_allocators_share_after_the_first_s
     assert rt.limits[-1] == 2 * GiB - 900 * MiB
 
 
+def test_a_parks_measure_asks_nvml_for_the_processes_once() -> None:
+    # NVML's process list is a driver call of up to a millisecond or so: the park's measure and the context's
+    # remeasure share one.
+    class Counting(FakeCudaRuntime):
+        queries = 0
+
+        def own_device_bytes(self) -> int | None:
+            self.queries += 1
+            return super().own_device_bytes()
+
+    rt = Counting(context_bytes=400 * MiB, workspace_bytes=0)
+    dev = worker(rt)
+    dev.prepare(2 * GiB)
+    rt.reserve(GiB)
+    rt.queries = 0
+    assert dev.used_bytes() == 400 * MiB + GiB
+    assert rt.queries == 1
+
+
 def test_the_share_never_drops_below_what_the_allocator_already_holds() -> None:
     rt = FakeCudaRuntime(context_bytes=400 * MiB, workspace_bytes=0)
     dev = worker(rt)
