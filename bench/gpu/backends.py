@@ -21,14 +21,12 @@ import argparse
 import sys
 from typing import Any
 
-from bench.gpu.caps import RMAT18_BFS_SOURCE
-from bench.gpu.common import GiB, MiB, fresh_cuda_memory, write_results
+from bench.gpu.common import RMAT18_BFS_SOURCE, GiB, MiB, fresh_cuda_memory, not_measured, pagerank_args, write_results
 from freeride.standalone import run_standalone
 
 BACKENDS = ("torch", "array")
 TASKS: list[tuple[str, str, dict[str, Any]]] = [
-    # tol 0: PageRank's test (L1 change < n * tol) never passes; it runs to max_iterations, past any --seconds.
-    ("pagerank", "side_tasks.graphs:PageRank", {"graph": "rmat:18", "max_iterations": 1_000_000, "tol": 0.0}),
+    ("pagerank", "side_tasks.graphs:PageRank", pagerank_args("rmat:18")),
     ("bfs", "side_tasks.graphs:BFS", {"graph": "rmat:18", "source": RMAT18_BFS_SOURCE}),
     ("components", "side_tasks.graphs:ConnectedComponents", {"graph": "rmat:18"}),
     ("watermark", "side_tasks.images:ImageWatermark", {"repeat": 10000, "max_side": 2048}),
@@ -73,9 +71,7 @@ def table(rows: list[dict[str, Any]], left: list[str] | None = None) -> str:
         x = ratio(r)
         lines.append(f"| {r['task']} | {t_step} | {a_step} | {'-' if x is None else f'{x:.2f}x'} | "
                      f"{t_peak} / {a_peak} | {t_steps} / {a_steps} |")
-    if left:
-        lines += ["", f"Not measured (the run ended or is still going): {', '.join(left)}."]
-    return "\n".join(lines)
+    return "\n".join(lines + not_measured(left))
 
 
 def main(argv: list[str] | None = None) -> int:

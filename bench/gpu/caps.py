@@ -29,19 +29,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.common import REPO, GiB, MiB, NvmlSampler, Trainer, client, gpu_manager, wait_until, write_results
+from bench.gpu.common import (
+    REPO,
+    RMAT18_BFS_SOURCE,
+    GiB,
+    MiB,
+    NvmlSampler,
+    Trainer,
+    client,
+    gpu_manager,
+    not_measured,
+    pagerank_args,
+    wait_until,
+    write_results,
+)
 from freeride.devices import CudaDevice
 from freeride.messages import TaskSpec
 from freeride.units import parse_size
 
-#: rmat:18's (seed 0) vertex of most out-edges: a BFS from it takes 6 levels. From vertex 0, isolated there
-#: as in rmat:20, it ends after one step that reaches nothing.
-RMAT18_BFS_SOURCE = 75061
 #: Graphs of rmat:18: generating one takes seconds on the host (rmat:20's did not finish in the first GPU
-#: run's 5 s), once per task. PageRank's L1 test (change < n * tol) passes after one step on R-MAT graphs of a
-#: million vertices at the default tol; tol 0 runs it to max_iterations.
+#: run's 5 s), once per task.
 TASKS: list[tuple[str, str, dict[str, Any]]] = [
-    ("pagerank", "side_tasks.graphs:PageRank", {"graph": "rmat:18", "tol": 0.0, "max_iterations": 1_000_000}),
+    ("pagerank", "side_tasks.graphs:PageRank", pagerank_args("rmat:18")),
     ("bfs", "side_tasks.graphs:BFS", {"graph": "rmat:18", "source": RMAT18_BFS_SOURCE}),
     ("components", "side_tasks.graphs:ConnectedComponents", {"graph": "rmat:18"}),
     ("watermark", "side_tasks.images:ImageWatermark", {"repeat": 1000}),
@@ -154,9 +163,7 @@ def table(rows: list[dict[str, Any]], left: list[str] | None = None) -> str:
         over = "-" if r["overshoot_bytes"] is None else f"{r['overshoot_bytes'] / MiB:.0f} MiB"
         lines.append(f"| {r['task']} | {r['enforcement']} | {r['cap_bytes'] / GiB:.1f} GiB | {peak} | {over} | "
                      f"{r['verdict']} | {r['state']} ({r['steps']} steps) | {r['failure']} {r['message'][:80]} |")
-    if left:
-        lines += ["", f"Not measured (the run ended or is still going): {', '.join(left)}."]
-    return "\n".join(lines)
+    return "\n".join(lines + not_measured(left))
 
 
 if __name__ == "__main__":

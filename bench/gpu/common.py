@@ -38,6 +38,23 @@ GiB = 2**30
 MiB = 2**20
 
 
+#: rmat:18's (seed 0) vertex of most out-edges: a BFS from it takes 6 levels. From vertex 0, isolated there
+#: as in rmat:20, it ends after one step that reaches nothing.
+RMAT18_BFS_SOURCE = 75061
+
+
+def pagerank_args(graph: str) -> dict[str, Any]:
+    """PageRank on ``graph`` for as long as a bench asks: its L1 test (change < n * tol) passes after a step or
+    two on R-MAT graphs of a million vertices at the default tol (the first GPU run's rows had no sample);
+    tol 0 runs it to ``max_iterations``, far past any bench's steps or seconds."""
+    return {"graph": graph, "tol": 0.0, "max_iterations": 1_000_000}
+
+
+def not_measured(left: list[str] | None) -> list[str]:
+    """The lines a table ends with while some of its rows are missing (results are written row by row)."""
+    return ["", f"Not measured (the run ended or is still going): {', '.join(left)}."] if left else []
+
+
 def results_dir() -> Path:
     """``bench/results/gpu-<model>/`` (``$FREERIDE_GPU_RESULTS`` overrides), created."""
     override = os.environ.get("FREERIDE_GPU_RESULTS")
