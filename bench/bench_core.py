@@ -8,11 +8,13 @@ queued behind a memory budget that moves; with ``--chaos``, also out-of-order bu
 drains, layout changes and events for unknown tasks), then replays that sequence into fresh
 instances of both cores, trials interleaved, and reports nanoseconds per event (all events, and by
 event type). Before timing it checks that both cores returned the same actions for every event
-(apart from the :class:`Note` actions only the new core returns): a replay is only a fair comparison
+(apart from :class:`Note` actions, which are log lines): a replay is only a fair comparison
 of two cores that decide alike, and the check doubles as a differential test of the redesign.
 
-The baseline core is read from git (``--baseline REV``, default: the last commit with the single-module
-core, ``freeride/_manager/core.py``) and imported from a temporary file.
+The baseline core is read from git (``--baseline REV``, default ``HEAD``: this tree's core against the one
+committed, a change's cost before it lands): the package ``freeride/_manager/core/``, or at a revision
+before the redesign the single module ``freeride/_manager/core.py`` (the committed ``core.md`` compares the
+redesign with it; the policy has changed since, so that comparison no longer replays on this tree).
 
 Run: ``python -m bench.bench_core [--bubbles 4000] [--trials 7] [--seeds 1,2,3] [--chaos]
 [--baseline REV] [--out bench/results/cpu]``.
@@ -28,6 +30,7 @@ import itertools
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,7 @@ from freeride.messages import BubbleEnd, BubbleStart, FailureRecord, TaskSpec, T
 
 REPO = Path(__file__).resolve().parents[1]
 OLD_PATH = "freeride/_manager/core.py"
+NEW_PATH = "freeride/_manager/core"
 MS = 1_000_000
 MiB = 2**20
 T0 = 1_000_000 * MS
@@ -54,27 +58,53 @@ T0 = 1_000_000 * MS
 
 
 def baseline_rev() -> str:
-    """The last commit whose core was the single module ``freeride/_manager/core.py``."""
-    deleted = subprocess.run(
-        ["git", "log", "-1", "--format=%H", "--diff-filter=D", "--", OLD_PATH],
-        cwd=REPO, check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    return f"{deleted}^" if deleted else "HEAD"
+    """The last commit: this tree's core against the one committed (a change's cost, before it lands)."""
+    return "HEAD"
+
+
+def _git_show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _load_source(name: str, source: str, folder: Path) -> ModuleType:
+    path = folder / f"{name.replace('.', '_')}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_baseline(rev: str) -> ModuleType:
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{OLD_PATH}"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout
+    """The core of ``rev``, as the module ``baseline_core``: the package ``freeride/_manager/core/`` (its modules'
+    imports of one another renamed), or before the redesign the single module ``core.py``. A freeride module
+    the single module imports that this tree no longer has (its step estimator moved out of
+    ``freeride._manager``) is loaded from ``rev`` too, under its old name. Everything else (messages, states)
+    is this tree's: a baseline far older than it may not run, and :func:`check_same` says where two cores
+    decide differently."""
     folder = Path(tempfile.mkdtemp(prefix="freeride-core-baseline-"))
-    path = folder / "baseline_core.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("baseline_core", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["baseline_core"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{NEW_PATH}"], cwd=REPO, capture_output=True,
+                            text=True)
+    if listed.returncode == 0:
+        package = folder / "baseline_core"
+        package.mkdir()
+        for name in listed.stdout.split():
+            if name.endswith(".py"):
+                source = _git_show(rev, f"{NEW_PATH}/{name}")
+                (package / name).write_text(re.sub(r"\bfreeride\._manager\.core\b", "baseline_core", source))
+        sys.path.insert(0, str(folder))
+        try:
+            return importlib.import_module("baseline_core")
+        finally:
+            sys.path.remove(str(folder))
+    source = _git_show(rev, OLD_PATH)
+    for name in re.findall(r"^from (freeride[\w.]*) import", source, re.MULTILINE):
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            _load_source(name, _git_show(rev, name.replace(".", "/") + ".py"), folder)
+    return _load_source("baseline_core", source, folder)
 
 
 # ====================================================================== a simulated device
@@ -330,7 +360,7 @@ def check_same(events: list[tuple[Any, int]], old: ModuleType, policy: str) -> i
     new_core = C.SchedulerCore(C.CoreConfig(headroom_bytes=0, policy=policy))
     for k, ((old_event, now), (new_event, _)) in enumerate(zip(translate(events, old), translate(events, C),
                                                                strict=True)):
-        before = [_plain(a) for a in old_core.on_event(old_event, now)]
+        before = [_plain(a) for a in old_core.on_event(old_event, now) if type(a).__name__ != "Note"]
         after = [_plain(a) for a in new_core.on_event(new_event, now) if not isinstance(a, C.Note)]
         if before != after:
             raise AssertionError(f"event {k} ({new_event!r}) at {now}: baseline {before} != new {after}")
