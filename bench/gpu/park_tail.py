@@ -109,6 +109,7 @@ class FreeRun:
 
 def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Probe, mps: str) -> dict[str, Any]:
     park, stop = [], []
+    frozen = 0
     log = results_dir() / f"park_tail-{'mps' if mps == 'require' else 'no-mps'}-manager.log"
     with tempfile.TemporaryDirectory() as tmp, \
             ManagerProcess(Path(tmp) / "state", "--mps", mps, "--memory-poll-ms", "10", log_path=log) as manager, \
@@ -141,6 +142,10 @@ def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Pr
                 os.kill(pid, signal.SIGCONT)
                 trainer.end()
             wait_until(lambda: c.get(task).state in ("PARKED", "FROZEN", "FAILED"), 10, "parked")
+            if i % 2 == 0:
+                # Frozen: the worker had not reported its park by the grace past the end: a step still running
+                # then, or a report that came late (an NVML query held every report until the usage left it).
+                frozen += c.get(task).state == "FROZEN"
             time.sleep(0.05)
         trainer.close()
         stats = c.stats()
@@ -148,7 +153,7 @@ def measure(name: str, target: str, args: dict[str, Any], trials: int, probe: Pr
     if mps == "require" and "MPS client" not in stats.device_info:
         raise RuntimeError(f"the manager does not run its tasks as MPS clients: {stats.device_info}")
     return {"task": name, "park_ms": pct([v * ms for v in park]), "sigstop_ms": pct([v * ms for v in stop]),
-            "manager_park_latency_ms": stats.park_latency_ms.__dict__, "samples_ms": {
+            "manager_park_latency_ms": stats.park_latency_ms.__dict__, "parks_frozen": frozen, "samples_ms": {
                 "park": [v * ms for v in park], "sigstop": [v * ms for v in stop]}}
 
 
@@ -173,15 +178,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(idle_s: float, rows: list[dict[str, Any]], left: list[str] | None = None) -> str:
     lines = [f"Idle probe latency {idle_s * 1e6:.0f} us; free = {FREE_RUN} probes in a row within twice that.",
-             "", "| task | park -> free p50 / p99 ms | SIGSTOP -> free p50 / p99 ms | manager park latency p99 ms |",
-             "|---|---|---|---|"]
+             "", "| task | park -> free p50 / p99 ms | SIGSTOP -> free p50 / p99 ms | manager park latency p99 ms "
+             "| parks ended by a freeze |", "|---|---|---|---|---|"]
     for r in rows:
         if "not_measured" in r:
-            lines.append(f"| {r['task']} | not measured: {r['not_measured']} | - | - |")
+            lines.append(f"| {r['task']} | not measured: {r['not_measured']} | - | - | - |")
             continue
         lines.append(f"| {r['task']} | {r['park_ms']['p50']:.2f} / {r['park_ms']['p99']:.2f} | "
                      f"{r['sigstop_ms']['p50']:.2f} / {r['sigstop_ms']['p99']:.2f} | "
-                     f"{r['manager_park_latency_ms'].get('p99', 0):.2f} |")
+                     f"{r['manager_park_latency_ms'].get('p99', 0):.2f} | "
+                     f"{r.get('parks_frozen', '-')} of {r['park_ms']['count']} |")
     return "\n".join(lines + not_measured(left))
 
 
