@@ -89,7 +89,8 @@ def register(subparsers: Any) -> None:
         "--step-timeout-s",
         type=float,
         default=defaults.step_timeout_ns / 1e9,
-        help="a single step holding grants longer than this fails its task (default %(default)s)",
+        help="a single step holding grants longer than this, or looking hung this long while the trainer makes "
+             "bubbles, fails its task (default %(default)s)",
     )
     parser.add_argument(
         "--stop-timeout-s",

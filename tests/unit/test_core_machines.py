@@ -29,7 +29,7 @@ from freeride._manager.core.machines import (
     StepPhase,
     StopPhase,
 )
-from freeride._manager.core.steps import StepHealth
+from freeride._manager.core.steps import TRAINER_PAUSE_NS, StepHealth
 from freeride.errors import InvalidTransition
 from freeride.messages import TaskSpec, TrainerLayout
 
@@ -108,13 +108,48 @@ def test_a_step_looks_hung_only_after_the_process_finished_one_and_a_finished_st
     health.finished_steps()
     health.ran_past_end(100 * MS)
     assert health.looks_hung(longest_bubble_ns=10 * MS) and not health.looks_hung(longest_bubble_ns=60 * MS)
-    assert not health.hung_too_long(now_ns=5 * MS, step_timeout_ns=MS)  # first seen now
-    assert health.phase is StepPhase.HUNG and health.hung_since_ns == 5 * MS
-    assert health.hung_too_long(now_ns=6 * MS, step_timeout_ns=MS)
+    assert not health.hung_too_long(now_ns=5 * MS, step_timeout_ns=MS, last_bubble_ns=4 * MS)  # first seen now
+    assert health.phase is StepPhase.HUNG and health.hung_seen_ns == 5 * MS
+    assert health.hung_too_long(now_ns=6 * MS, step_timeout_ns=MS, last_bubble_ns=4 * MS)
     health.finished_steps()
-    assert (health.phase, health.hung_since_ns, health.stuck_ns) == (StepPhase.STEPPED, 0, 0)
+    assert (health.phase, health.hung_seen_ns, health.stuck_ns) == (StepPhase.STEPPED, 0, 0)
     health.new_process()
     assert health.phase is StepPhase.FRESH
+
+
+def test_a_step_of_a_task_whose_steps_are_short_for_a_hang_never_looks_hung() -> None:
+    # Stranger trial: 3-5 ms steps, 0.3-1.4 ms predicted bubbles on Interleaved1F1B: one ordinary step frozen
+    # across three grants looked hung, and the task was failed STEP_TIMEOUT once the training stopped.
+    health = StepHealth()
+    health.finished_steps()
+    for _ in range(3):
+        health.ran_past_end(MS)
+    assert health.looks_hung(longest_bubble_ns=int(1.4 * MS))  # the bubbles alone say hung ...
+    assert not health.looks_hung(longest_bubble_ns=int(1.4 * MS), step_ns=4 * MS)  # ... its steps say not
+    for _ in range(40):
+        health.ran_past_end(MS)
+    assert health.looks_hung(longest_bubble_ns=int(1.4 * MS), step_ns=4 * MS)  # ten of its steps: hung
+
+
+def test_a_hung_steps_clock_runs_only_while_the_trainer_makes_bubbles() -> None:
+    s = 1_000 * MS
+    health = StepHealth()
+    health.finished_steps()
+    assert not health.hung_too_long(now_ns=10 * s, step_timeout_ns=60 * s, last_bubble_ns=10 * s)
+    assert not health.hung_too_long(now_ns=13 * s, step_timeout_ns=60 * s, last_bubble_ns=12 * s)
+    assert health.hung_ns == 3 * s  # training: every second counts
+    # The training pauses after a bubble at 13 s: the clock runs for TRAINER_PAUSE_NS after it, then stops.
+    for now in range(14, 600):
+        assert not health.hung_too_long(now_ns=now * s, step_timeout_ns=60 * s, last_bubble_ns=13 * s)
+    before = health.hung_ns
+    assert before == 3 * s + TRAINER_PAUSE_NS
+    # Bubbles again at 600 s: it counts on, and fails once it has looked hung for 60 s of training (the first
+    # check after the pause also counts the idle second since the check before it).
+    now, failed = 600 * s, False
+    while not failed:
+        failed = health.hung_too_long(now_ns=now, step_timeout_ns=60 * s, last_bubble_ns=now)
+        now += s
+    assert now - s == 600 * s + (60 * s - before) - s
 
 
 def test_a_respawned_task_starts_its_step_health_afresh() -> None:

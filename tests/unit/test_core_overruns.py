@@ -18,6 +18,7 @@ from freeride._manager.core import (
     StateChanged,
     WorkerStepsSeen,
 )
+from freeride._manager.core.steps import TRAINER_PAUSE_NS
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.messages import BubbleEnd
 
@@ -278,9 +279,9 @@ def test_a_step_that_looks_hung_fails_after_the_step_timeout_in_wall_time() -> N
     assert sim.core.tasks["a"].health.stuck_ns < 200 * MS  # far less granted time than the limit
 
 
-def test_a_step_that_looks_hung_fails_after_the_step_timeout_with_no_bubble_coming() -> None:
-    """After the training ended, a hung step stayed FROZEN until the next job's first bubble (found trying a
-    side task whose step sleeps forever)."""
+def test_a_step_that_looks_hung_fails_after_the_step_timeout_between_bubbles() -> None:
+    """The loop's ticks count a hung step's time between bubbles too (found trying a side task whose step
+    sleeps forever: it waited for the next bubble to be failed)."""
     sim = Sim(step_timeout_ns=200 * MS, grace_ns=MS)
     _hung_and_other(sim)
     sim.tick()  # the training is over: from here on only the loop's ticks come
@@ -294,6 +295,24 @@ def test_a_step_that_looks_hung_fails_after_the_step_timeout_with_no_bubble_comi
     assert failed is not None and failed.kind == "STEP_TIMEOUT" and "looked hung" in failed.message
     assert any(isinstance(a, Kill) and a.task_id == "a" for a in actions)
     assert sim.state("b") == S.PARKED  # a task whose steps finish is left alone
+
+
+def test_a_step_that_looks_hung_is_not_failed_while_the_trainer_pauses_and_fails_once_it_has_not_finished_in_training(
+) -> None:
+    # Stranger trials: once the training stopped (or paused for an evaluation), a frozen step could not finish
+    # without a grant, and a minute later the task was failed STEP_TIMEOUT, its work since its last
+    # checkpoint lost. The step's clock runs only while bubbles come, and up to a pause after the last one.
+    sim = Sim(step_timeout_ns=TRAINER_PAUSE_NS + 2_000 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    for _ in range(300):  # ten minutes without a bubble
+        sim.advance_ms(2_000)
+        sim.tick()
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].failure is None
+    while sim.state("a") == S.FROZEN:  # the training resumes: bubbles every 15 ms
+        _steps_once_or_thaw(sim)
+    failed = sim.core.tasks["a"].failure
+    assert failed is not None and failed.kind == "STEP_TIMEOUT" and "s of training" in failed.message
+    assert sim.core.tasks["a"].health.hung_ns >= TRAINER_PAUSE_NS + 2_000 * MS
 
 
 def _steps_once_or_thaw(sim: Sim) -> str:

@@ -137,11 +137,14 @@ class Bubbles:
         self.slots: dict[tuple[int, int, int], SlotStats] = {}
         #: The longest bubble predicted since the start or the last layout change (0: none yet).
         self.longest_ns = 0
+        #: When the last bubble started (received; 0: none yet): whether the trainer is making bubbles.
+        self.last_start_ns = 0
         self._max_slots = max_slots
 
     def start(self, b: BubbleStart, received_ns: int) -> OpenBubble:
         """Open ``b`` (the last open bubble was closed before) and note its slot."""
         self.longest_ns = max(self.longest_ns, b.predicted_ns)
+        self.last_start_ns = received_ns
         slot = self.slots.get((b.stage, b.rank, b.slot))
         if slot is None and len(self.slots) < self._max_slots:
             slot = self.slots[(b.stage, b.rank, b.slot)] = SlotStats(kind=b.kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from freeride._manager.core.steps import HUNG_STEPS
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.states import TaskState
 
@@ -73,8 +74,9 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
     if task.state == TaskState.FROZEN:
         if task.health.in_setup:
             return "frozen in setup() after overrunning a bubble; resumes at its next grant"
-        if task.health.hung_since_ns:
-            return ("frozen in a step that looks hung (more granted time than two of the longest bubbles); "
-                    "thawed every other bubble until it finishes or reaches its step timeout")
+        if task.health.hung_seen_ns:
+            return ("frozen in a step that looks hung (more granted time than two of the longest bubbles and than "
+                    f"{HUNG_STEPS} of its step estimate); thawed every other bubble until it finishes or reaches "
+                    "its step timeout of training")
         return "frozen mid-step after overrunning a bubble; resumes at its next grant"
     return ""

@@ -69,7 +69,7 @@ def rank(
         est = task.known_step_ns
         frozen = task.state is _FROZEN
         health = task.health
-        hung = frozen and health.looks_hung(longest_bubble_ns)
+        hung = frozen and health.looks_hung(longest_bubble_ns, est)
         if hung and not first_grant:
             continue
         thaw_rank = (0 if health.passed_over else 2) if hung else (0 if frozen else 1)

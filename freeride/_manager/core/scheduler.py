@@ -352,7 +352,8 @@ class SchedulerCore:
             return
         if first:
             for other in self._tasks.frozen.values():
-                if other is not task and not other.stopping and other.health.looks_hung(longest):
+                if other is not task and not other.stopping and other.health.looks_hung(longest,
+                                                                                         other.known_step_ns):
                     other.health.passed_over += 1
         task.health.passed_over = 0
         task.health.unfit_bubbles = 0
@@ -381,13 +382,14 @@ class SchedulerCore:
 
     def _fail_hung_too_long(self, now_ns: int, out: list[Action]) -> None:
         """At a bubble's first grant, and at each tick: fail each frozen step that has looked hung for
-        ``step_timeout`` of wall time."""
+        ``step_timeout`` of wall time while the trainer made bubbles (``StepHealth.hung_too_long``)."""
         timeout = self.config.step_timeout_ns
+        longest, last = self.bubbles.longest_ns, self.bubbles.last_start_ns
         for task in list(self._tasks.frozen.values()):
             health = task.health
-            if not task.stopping and health.looks_hung(self.bubbles.longest_ns) and health.hung_too_long(now_ns,
-                                                                                                        timeout):
-                self.stopping.fail(task, health.hung_failure(now_ns, timeout, task.steps), out)
+            if (not task.stopping and health.looks_hung(longest, task.known_step_ns)
+                    and health.hung_too_long(now_ns, timeout, last)):
+                self.stopping.fail(task, health.hung_failure(timeout, task.steps), out)
 
     def _on_worker_parked(self, event: WorkerParked, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
@@ -617,8 +619,9 @@ class SchedulerCore:
         self.memory.problem = event.problem
 
     def _on_tick(self, event: Tick, now_ns: int, out: list[Action]) -> None:
-        # A step that looks hung times out in wall time whether bubbles come or not: after the training
-        # ended, it stayed FROZEN (holding its memory) until the next job's first bubble.
+        # A step that looks hung times out in wall time while bubbles come, between bubbles too: the ticks count
+        # it up to a pause after the last bubble (``TRAINER_PAUSE_NS``). Once the trainer pauses or ends, its
+        # clock stops: the step is frozen and cannot finish, and failing it then lost healthy tasks.
         if self._tasks.frozen:
             self._fail_hung_too_long(now_ns, out)
         if self.sharing_ranks:

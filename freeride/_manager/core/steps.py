@@ -1,8 +1,9 @@
 """A task's step health: where its current process is in its steps, and whether a step looks hung.
 
 The rule that calls a step hung (:meth:`StepHealth.looks_hung`) and what becomes of one (thawed only every
-other whole bubble, failed ``STEP_TIMEOUT`` after ``step_timeout`` of wall time looking hung: see the
-grant ranking and :meth:`StepHealth.hung_too_long`) are here and in ``grants.py``, nowhere else.
+other whole bubble, failed ``STEP_TIMEOUT`` after ``step_timeout`` of wall time looking hung while the
+trainer makes bubbles: see the grant ranking and :meth:`StepHealth.hung_too_long`) are here and in
+``grants.py``, nowhere else.
 """
 
 from __future__ import annotations
@@ -12,12 +13,22 @@ from dataclasses import dataclass
 from freeride._manager.core.machines import STEP, StepPhase
 from freeride.messages import FailureRecord
 
+#: A step looks hung only once its granted time is more than this many of the task's step estimates (and more
+#: than two of the longest bubbles): a task whose finished steps are short for a hang is never taken for one.
+HUNG_STEPS = 10
+#: For how long after a bubble's start the trainer counts as making bubbles: a frozen step's looked-hung clock
+#: runs only then. A trainer that pauses (evaluation, a checkpoint, the end of training) grants nothing, and a
+#: frozen step cannot finish without a grant: failing it then (a healthy task's step, frozen at the last
+#: bubble's end) lost a task and its work since the last checkpoint for no hang.
+TRAINER_PAUSE_NS = 5_000_000_000
+
 
 @dataclass
 class StepHealth:
     phase: StepPhase = StepPhase.FRESH
     stuck_ns: int = 0  # granted time spent inside one step that has not finished yet
-    hung_since_ns: int = 0  # when the current step was first seen to look hung (phase HUNG; 0: not)
+    hung_ns: int = 0  # wall time the current step has looked hung while the trainer made bubbles (phase HUNG)
+    hung_seen_ns: int = 0  # when that was last counted (0: the step does not look hung)
     unfit_bubbles: int = 0  # bubbles in a row whose time the task's step estimate did not fit
     passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
     board_steps: int = 0  # steps its process had finished at the last reading of its board
@@ -38,14 +49,14 @@ class StepHealth:
 
     def new_process(self) -> None:
         """Its process is (re)started: no step finished yet. The granted time of a stuck step is kept."""
-        self.hung_since_ns = 0
+        self.hung_ns = self.hung_seen_ns = 0
         self.board_steps = 0
         self._to(StepPhase.FRESH)
 
     def finished_steps(self) -> None:
         """A park reported finished steps: nothing is stuck."""
         self.stuck_ns = 0
-        self.hung_since_ns = 0
+        self.hung_ns = self.hung_seen_ns = 0
         self._to(StepPhase.STEPPED)
 
     def seen_on_board(self, steps_done: int, in_setup: bool) -> None:
@@ -59,7 +70,7 @@ class StepHealth:
         """
         if steps_done > self.board_steps:
             self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)
-            self.hung_since_ns = 0
+            self.hung_ns = self.hung_seen_ns = 0
             if self.phase is StepPhase.HUNG:
                 self._to(StepPhase.STEPPED)
         self.board_steps = max(self.board_steps, steps_done)
@@ -74,39 +85,50 @@ class StepHealth:
         self.stuck_ns += granted_ns
         self.last_grant_ns = granted_ns
 
-    def looks_hung(self, longest_bubble_ns: int) -> bool:
-        """A step that has run more granted time than two of the longest bubbles seen.
+    def looks_hung(self, longest_bubble_ns: int, step_ns: int | None = None) -> bool:
+        """A step that has run more granted time than two of the longest bubbles seen, and than
+        :data:`HUNG_STEPS` of the task's step estimate ``step_ns`` (None: none yet).
 
-        It fits no bubble, so it is a step far longer than its estimate, or a hang. Setup and the first
-        step of a process are expected to be long (a graph is generated, a model built): until the worker
-        has finished a step (its park reports, or its board read when it was frozen), it never looks hung,
-        and keeps the first turn until it finishes or times out.
+        It fits no bubble and is far longer than the task's steps: a step far longer than its estimate, or a
+        hang. The bubbles alone did not say that: predictions are a low percentile, so a task whose steps are
+        a few bubbles long (3-5 ms steps, 0.3-1.4 ms bubbles on a torch runtime schedule) looked hung in the
+        middle of an ordinary step. Setup and the first step of a process are expected to be long (a graph is
+        generated, a model built): until the worker has finished a step (its park reports, or its board read
+        when it was frozen), it never looks hung, and keeps the first turn until it finishes or times out.
         """
         if not self.has_stepped or longest_bubble_ns <= 0:
             return False
-        return self.stuck_ns > 2 * longest_bubble_ns
+        stuck = self.stuck_ns
+        return stuck > 2 * longest_bubble_ns and (step_ns is None or stuck > HUNG_STEPS * step_ns)
 
-    def hung_too_long(self, now_ns: int, step_timeout_ns: int) -> bool:
+    def hung_too_long(self, now_ns: int, step_timeout_ns: int, last_bubble_ns: int) -> bool:
         """Note that its step looks hung (from ``now_ns`` if it was not seen so before); True once it has
-        looked hung for ``step_timeout`` of wall time.
+        looked hung for ``step_timeout`` of wall time while the trainer made bubbles: up to
+        :data:`TRAINER_PAUSE_NS` after each bubble's start (``last_bubble_ns``: the latest one's).
 
         Granted only every other whole bubble, a hung step would take many times its step timeout of wall
         time to use up that much granted time (13 minutes for the default 60 s at a 20% bubble fraction,
-        with an overrun into training at each of its bubbles).
+        with an overrun into training at each of its bubbles). While the trainer pauses, the clock stops: the
+        step is frozen and cannot finish, and the next bubbles give it its turns again.
         """
         if self.phase is not StepPhase.HUNG:
-            self.hung_since_ns = now_ns
+            self.hung_ns, self.hung_seen_ns = 0, now_ns
             self._to(StepPhase.HUNG)
             return False
-        return now_ns - self.hung_since_ns >= step_timeout_ns
+        counted_to = min(now_ns, last_bubble_ns + TRAINER_PAUSE_NS)
+        # At most a pause's worth at once: a check that comes at the first bubble after a pause counts from
+        # the check before it, which the pause's idle wakes keep recent.
+        self.hung_ns += max(0, min(counted_to - self.hung_seen_ns, TRAINER_PAUSE_NS))
+        self.hung_seen_ns = max(self.hung_seen_ns, now_ns)
+        return self.hung_ns >= step_timeout_ns
 
-    def hung_failure(self, now_ns: int, step_timeout_ns: int, step: int) -> FailureRecord:
+    def hung_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         return FailureRecord(
             kind="STEP_TIMEOUT",
-            message=(f"one step looked hung (more granted time than two of the longest bubbles) for "
-                     f"{(now_ns - self.hung_since_ns) / 1e9:.1f} s without finishing; it ran for "
-                     f"{self.stuck_ns / 1e9:.1f} s of granted time (limit {step_timeout_ns / 1e9:.1f} s "
-                     "of either)"),
+            message=(f"one step looked hung (more granted time than two of the longest bubbles and than "
+                     f"{HUNG_STEPS} of its step estimate) for {self.hung_ns / 1e9:.1f} s of training without "
+                     f"finishing; it ran for {_seconds(self.stuck_ns)} of granted time (limit "
+                     f"{step_timeout_ns / 1e9:.1f} s of either)"),
             step=step,
         )
 
@@ -115,8 +137,13 @@ class StepHealth:
         return FailureRecord(
             kind="STEP_TIMEOUT",
             message=(
-                f"{'setup()' if self.in_setup else 'one step'} ran for {self.stuck_ns / 1e9:.1f} s "
+                f"{'setup()' if self.in_setup else 'one step'} ran for {_seconds(self.stuck_ns)} "
                 f"of granted time without finishing (limit {step_timeout_ns / 1e9:.1f} s)"
             ),
             step=step,
         )
+
+
+def _seconds(ns: int) -> str:
+    """A duration as a reader wants it: ``3.2 ms`` under a second (``0.0 s`` read as none at all)."""
+    return f"{ns / 1e9:.1f} s" if ns >= 1_000_000_000 else f"{ns / 1e6:.1f} ms"
