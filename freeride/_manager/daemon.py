@@ -28,6 +28,7 @@ from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
 from freeride._manager.servicers import TokenInterceptor, add_raw_service, add_servicers
+from freeride._manager.state_lock import StateDirLock
 from freeride.devices import Device, open_device
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
 from freeride.errors import ConfigError
@@ -99,21 +100,27 @@ class Manager:
         #: Where a trainer on this host (as this user: the socket's directory is owner-only) writes its
         #: bubble ends for the workers to read at once (:mod:`freeride._boards`). TCP: none.
         self.end_board = end_board_path(self.endpoint.address) if self.endpoint.kind == "unix" else None
-        self.loop = ManagerLoop(
-            self.device,
-            LoopConfig(
-                state_dir=self.state_dir,
-                core=core or CoreConfig(),
-                memory_poll_ms=memory_poll_ms,
-                device_poll_ms=device_poll_ms,
-                trace_path=trace_path,
-                node=self.node,
-                checkpoint_root=queue.checkpoint_dir if queue is not None else None,
-                worker_log_max_bytes=worker_log_max_bytes,
-                worker_log_backups=worker_log_backups,
-                end_board_path=self.end_board,
-            ),
-        )
+        # Before the loop recovers the directory's tasks (and kills what it takes for a dead manager's workers).
+        self.state_lock = StateDirLock(self.state_dir, str(self.endpoint))
+        try:
+            self.loop = ManagerLoop(
+                self.device,
+                LoopConfig(
+                    state_dir=self.state_dir,
+                    core=core or CoreConfig(),
+                    memory_poll_ms=memory_poll_ms,
+                    device_poll_ms=device_poll_ms,
+                    trace_path=trace_path,
+                    node=self.node,
+                    checkpoint_root=queue.checkpoint_dir if queue is not None else None,
+                    worker_log_max_bytes=worker_log_max_bytes,
+                    worker_log_backups=worker_log_backups,
+                    end_board_path=self.end_board,
+                ),
+            )
+        except BaseException:
+            self.state_lock.release()
+            raise
         self.agent: QueueAgent | None = None
         if queue is not None:
             from freeride._cluster.agent import QueueAgent
@@ -204,6 +211,7 @@ class Manager:
             self.loop.poller.stop()
             if self.metrics is not None:
                 self.metrics.stop()
+            self.state_lock.release()
             raise
         self.server.start()
         if self.endpoint.kind == "unix":
@@ -262,6 +270,7 @@ class Manager:
             self.loop.poller.stop()  # stopped by the loop already, unless the loop never ran
             self.loop.release()
             self.device.close()
+            self.state_lock.release()
         if self.endpoint.kind == "unix":
             for path in (self.endpoint.address, self.end_board):
                 try:

@@ -115,6 +115,35 @@ def test_second_manager_on_the_same_socket_is_refused(harness: ManagerHarness, t
     assert health_status(harness.endpoint) == 'SERVING'
 
 
+def test_a_second_manager_on_the_same_state_dir_is_refused_and_the_first_ones_task_goes_on(
+    harness: ManagerHarness, tmp_path: Path
+) -> None:
+    # Stranger trials: the default state directory depends on the device only; a second manager of it (another
+    # endpoint) recovered the first one's tasks as its own and killed their workers as a dead manager's.
+    task = harness.submit("sample_tasks:Counter")
+    pid = harness.wait_state(task.task_id, "PARKED").pid
+    other = Endpoint("unix", f"/tmp/fr-second-{os.getpid()}.sock")
+    with pytest.raises(ConfigError, match=rf"another manager \(pid {os.getpid()}, endpoint {harness.endpoint}\) uses "
+                                          r"the state directory .*: stop it first, or give this one its own --state-dir"):
+        Manager(DEVICE, endpoint=other, state_dir=harness.manager.state_dir)
+    assert not os.path.exists(other.address)
+    os.kill(pid, 0)  # its worker lives
+    info = harness.client.get(task.task_id)
+    assert info.state == "PARKED" and info.pid == pid and health_status(harness.endpoint) == "SERVING"
+
+
+def test_a_stopped_managers_state_dir_is_taken_by_the_next_one(tmp_path: Path) -> None:
+    first = Manager(DEVICE, endpoint=Endpoint("unix", f"/tmp/fr-next-{os.getpid()}.sock"), state_dir=tmp_path / "s")
+    first.start()
+    first.stop()
+    second = Manager(DEVICE, endpoint=first.endpoint, state_dir=tmp_path / "s")
+    second.start()
+    try:
+        assert health_status(second.endpoint) == "SERVING"
+    finally:
+        second.stop()
+
+
 def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
     sock = Path(f"/tmp/fr-stale-{os.getpid()}.sock")
     sock.write_text("")  # a leftover file nobody listens on
