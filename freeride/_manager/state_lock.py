@@ -29,9 +29,12 @@ class StateDirLock:
 
     def __init__(self, state_dir: Path, endpoint: str) -> None:
         self._fd: int | None = None  # (a refusal below leaves nothing for __del__ to close)
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = state_dir / LOCK_NAME
-        fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # read-only, not a directory, not ours: the store would say the same
+            raise ConfigError(f"state directory {state_dir} is not writable: {exc}") from None
         assert fd is not None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

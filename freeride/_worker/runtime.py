@@ -191,7 +191,10 @@ class WorkerRuntime:
         self.setup_done = False
         self.steps = 0
         self.last_checkpoint_ns = time.monotonic_ns()
-        self.checkpointed_steps = -1
+        #: Steps of the last checkpoint (restored or written). 0 before any: what setup makes is no work to keep
+        #: (a restart sets up again before it restores), and a first grant's checkpoint of step 0 only cost its
+        #: bubble a ``state_dict()``.
+        self.checkpointed_steps = 0
         #: The step and ended-grant words the manager shares with this worker (:mod:`freeride._boards`).
         self._board: WorkerBoard | None = None
         if init.board_file:

@@ -123,8 +123,9 @@ def test_a_second_manager_on_the_same_state_dir_is_refused_and_the_first_ones_ta
     task = harness.submit("sample_tasks:Counter")
     pid = harness.wait_state(task.task_id, "PARKED").pid
     other = Endpoint("unix", f"/tmp/fr-second-{os.getpid()}.sock")
-    with pytest.raises(ConfigError, match=rf"another manager \(pid {os.getpid()}, endpoint {harness.endpoint}\) uses "
-                                          r"the state directory .*: stop it first, or give this one its own --state-dir"):
+    refusal = (rf"another manager \(pid {os.getpid()}, endpoint {harness.endpoint}\) uses the state directory .*: "
+               r"stop it first, or give this one its own --state-dir")
+    with pytest.raises(ConfigError, match=refusal):
         Manager(DEVICE, endpoint=other, state_dir=harness.manager.state_dir)
     assert not os.path.exists(other.address)
     os.kill(pid, 0)  # its worker lives
