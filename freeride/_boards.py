@@ -14,7 +14,9 @@ memory access, no system call:
   which the worker reports, so that the manager knows the bubble is over even if the worker's report
   overtakes the end on its way to the scheduler. Word 3, **steps done**: how many steps this worker
   process has finished, published after each; the manager reads it when it freezes the worker, to tell
-  a step that hangs after others from a setup or first step that is long by nature.
+  a step that hangs after others from a setup or first step that is long by nature. Word 4, **doing**:
+  whether the worker is in a step or writing a checkpoint (``state_dict()``; 0 before either), so that a
+  hang in a task's ``state_dict()`` is named as one.
 * :class:`EndBoard`, one per manager on a unix socket (``<socket>.ends``, in the socket's owner-only
   directory), written by the trainer: when a rank's bubble ends, its reporter writes the bubble's
   start time (its identity) and its end time into the record of that rank, from the training thread,
@@ -55,7 +57,9 @@ END_BOARD_RANKS = 64
 END_BOARD_BYTES = END_BOARD_RANKS * _RECORD.size
 WORKER_BOARD_BYTES = 64
 
-_STEP, _ENDED_GRANT, _ENDED_AT, _DONE = 0, 8, 16, 24
+_STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING = 0, 8, 16, 24, 32
+#: What the worker is doing (word 4): setting up (or nothing yet), a step, a checkpoint's ``state_dict()``.
+DOING_SETUP, DOING_STEP, DOING_CHECKPOINT = 0, 1, 2
 
 
 def _make(path: Path, size: int, initial: bytes = b"") -> None:
@@ -118,6 +122,13 @@ class WorkerBoard:
 
     def steps_done(self) -> int:
         return int(_WORD.unpack_from(self._mm, _DONE)[0])
+
+    def publish_doing(self, doing: int) -> None:
+        """:data:`DOING_STEP` or :data:`DOING_CHECKPOINT` (the worker, as it begins either)."""
+        _WORD.pack_into(self._mm, _DOING, doing)
+
+    def doing(self) -> int:
+        return int(_WORD.unpack_from(self._mm, _DOING)[0])
 
     def end_grant(self, grant_id: int, end_ns: int) -> bool:
         """Say that ``grant_id``'s bubble ended at ``end_ns`` (the end first: the grant id is what the

@@ -106,6 +106,15 @@ class Hanger(Counter):
         super().step()
 
 
+class CheckpointHanger(Counter):
+    """Steps as a Counter does; its ``state_dict`` never returns (a checkpoint that hangs)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        self.mark_fault()
+        while True:
+            pass
+
+
 class MemoryHog(Counter):
     """Allocates ``mib_per_step`` MiB per step and keeps it; with ``hold_at``, only in that step, which
     then never returns (so the step it is killed in is known)."""

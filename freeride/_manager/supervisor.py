@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride import _channel as W
-from freeride._boards import WorkerBoard
+from freeride._boards import DOING_CHECKPOINT, WorkerBoard
 from freeride._channel import Channel, ChannelClosed, ChannelFull, ProtocolError, socketpair
 from freeride._manager import core as C
 from freeride._manager import orphans
@@ -154,7 +154,8 @@ class Supervisor:
             return []
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
-        return [C.WorkerStepsSeen(task_id, handle.board.steps_done(), handle.board.step() < 0)]
+        board = handle.board
+        return [C.WorkerStepsSeen(task_id, board.steps_done(), board.step() < 0, board.doing() == DOING_CHECKPOINT)]
 
     def cpu_ns(self, task_id: str) -> int | None:
         """The worker process's CPU time so far (its own threads; not its children's); None without one."""

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from freeride import _checkpoints
-from freeride._boards import EndBoard, WorkerBoard
+from freeride._boards import DOING_CHECKPOINT, DOING_STEP, EndBoard, WorkerBoard
 from freeride._channel import (
     MANAGER_MESSAGES,
     Bye,
@@ -399,6 +399,7 @@ class WorkerRuntime:
                 deadline = extended
             if self._board is not None:
                 self._board.publish_step(self.steps)
+                self._board.publish_doing(DOING_STEP)
             thaws = self.thaws.count
             step_deadline = deadline
             waited_start = self.device.waited_ns()
@@ -564,6 +565,8 @@ class WorkerRuntime:
     def _checkpoint(self) -> bool:
         """Write a checkpoint of the current step; False if the disk refused it (reported, retried later)."""
         assert self.task is not None
+        if self._board is not None:
+            self._board.publish_doing(DOING_CHECKPOINT)  # a hang from here on is the checkpoint's, not a step's
         try:
             state = self.task.state_dict()
         except _TASK_ERRORS as exc:

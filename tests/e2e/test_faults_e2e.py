@@ -70,6 +70,11 @@ FAULTS = [
           step=5),
     Fault("busy-loop-ignoring-deadlines", "sample_tasks:Hanger", {"hang_at": 2}, kind="STEP_TIMEOUT",
           says="without finishing", core={"step_timeout_ns": 400 * MS}, step=2),
+    # Stranger trial: a hang in state_dict() was failed as a hang in setup() (its first checkpoint came before any
+    # step) or in a step.
+    Fault("hangs-in-its-checkpoint", "sample_tasks:CheckpointHanger", kind="STEP_TIMEOUT",
+          says="a checkpoint (state_dict())", core={"step_timeout_ns": 400 * MS},
+          spec={"checkpoint_interval_s": 0.05}),
     Fault("allocates-past-its-cap", "sample_tasks:MemoryHog", {"mib_per_step": 256}, kind="MEMORY_LIMIT",
           says="over its cap of 200 MiB", memory_mib=200),
     # Issue 13: a task killed over its cap in its third step was said to have died in step 0.

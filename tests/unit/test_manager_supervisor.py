@@ -18,7 +18,7 @@ import pytest
 from conftest import wait_for
 
 from freeride import _channel as W
-from freeride._boards import WorkerBoard
+from freeride._boards import DOING_CHECKPOINT, WorkerBoard
 from freeride._channel import ProtocolError, socketpair
 from freeride._manager import core as C
 from freeride._manager.paths import TaskPaths
@@ -158,6 +158,9 @@ def test_a_frozen_worker_reports_the_steps_its_board_says_it_finished(rig: Rig) 
     rig.board.publish_done(6)
     rig.board.publish_step(6)
     assert rig.sup.freeze(TID) == [C.WorkerStepsSeen(TID, 6, False)]
+    rig.sup.signal(TID, signal.SIGCONT)
+    rig.board.publish_doing(DOING_CHECKPOINT)  # then it began writing a checkpoint
+    assert rig.sup.freeze(TID) == [C.WorkerStepsSeen(TID, 6, False, in_checkpoint=True)]
     rig.sup.signal(TID, signal.SIGCONT)
     assert rig.sup.freeze("nobody-2") == []
 

@@ -45,10 +45,36 @@ def test_checkpoint_the_disk_refuses_is_reported_and_retried_an_interval_later(
     assert rt._checkpoint() is False  # NotADirectoryError: as a full or read-only disk would refuse it
     [msg] = messages(manager)
     assert isinstance(msg, CheckpointFailed) and msg.step == 7 and "Not a directory" in msg.error
-    assert rt.checkpointed_steps == -1  # nothing acknowledged
+    assert rt.checkpointed_steps == 0  # nothing acknowledged
     rt.steps = 8
     rt._maybe_checkpoint(deadline=time.monotonic_ns() + 10**9, margin=0)
     assert messages(manager) == [], "retried at once instead of an interval later"
+
+
+def test_no_checkpoint_is_written_before_the_first_step_and_one_is_after_it(
+    tmp_path: Path, channels: tuple[Channel, Channel]
+) -> None:
+    # Stranger trial: a first grant after a setup longer than the interval checkpointed step 0 (what setup
+    # makes, which a restart makes again), so a hang in state_dict() was failed as a hang in setup().
+    manager, worker = channels
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    calls: list[int] = []
+
+    class Watched(Counter):
+        def state_dict(self) -> dict[str, Any]:
+            calls.append(self.count)
+            return super().state_dict()
+
+    rt = runtime(worker, checkpoints, Watched(log_steps=False), interval_s=1.0)
+    rt.last_checkpoint_ns -= 60 * 10**9  # setup took a minute: the interval is long past
+    rt._maybe_checkpoint(deadline=time.monotonic_ns() + 10**9, margin=0)
+    assert calls == [] and messages(manager) == []
+    rt.task.step()  # type: ignore[union-attr]
+    rt.steps = 1
+    rt._maybe_checkpoint(deadline=time.monotonic_ns() + 10**9, margin=0)
+    assert calls == [1]
+    assert [m.step for m in messages(manager) if isinstance(m, Checkpointed)] == [1]
 
 
 def test_state_that_does_not_serialise_fails_the_task_with_a_checkpoint_record(

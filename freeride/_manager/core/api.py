@@ -236,6 +236,7 @@ class WorkerStepsSeen:
     task_id: str
     steps_done: int
     in_setup: bool = False  # it has begun no step yet: it is inside setup()
+    in_checkpoint: bool = False  # it is writing a checkpoint: inside the task's state_dict()
 
 
 @dataclass(frozen=True)

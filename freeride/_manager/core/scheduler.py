@@ -584,7 +584,7 @@ class SchedulerCore:
         task = self.tasks.get(event.task_id)
         if task is None or not task.state.is_resident:
             return
-        task.health.seen_on_board(event.steps_done, event.in_setup)
+        task.health.seen_on_board(event.steps_done, event.in_setup, event.in_checkpoint)
 
     def _on_worker_exited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)

@@ -33,6 +33,7 @@ class StepHealth:
     passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
     board_steps: int = 0  # steps its process had finished at the last reading of its board
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
+    in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
 
     def _to(self, new: StepPhase) -> None:
         STEP.check(self.phase, new)
@@ -59,7 +60,7 @@ class StepHealth:
         self.hung_ns = self.hung_seen_ns = 0
         self._to(StepPhase.STEPPED)
 
-    def seen_on_board(self, steps_done: int, in_setup: bool) -> None:
+    def seen_on_board(self, steps_done: int, in_setup: bool, in_checkpoint: bool = False) -> None:
         """What its board showed when it was frozen. Boards only move forward: a process that has finished
         a step is past its setup, whatever else the board says.
 
@@ -68,6 +69,7 @@ class StepHealth:
         steps, frozen mid-step at the end of grant after grant (its park never came before the freeze),
         used to add every such grant to one "stuck" step and was soon held as looking hung.
         """
+        self.in_checkpoint = in_checkpoint
         if steps_done > self.board_steps:
             self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)
             self.hung_ns = self.hung_seen_ns = 0
@@ -122,10 +124,15 @@ class StepHealth:
         self.hung_seen_ns = max(self.hung_seen_ns, now_ns)
         return self.hung_ns >= step_timeout_ns
 
+    @property
+    def _what(self) -> str:
+        """What its process was in when it was last frozen: a checkpoint, or a step."""
+        return "a checkpoint (state_dict())" if self.in_checkpoint else "one step"
+
     def hung_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         return FailureRecord(
             kind="STEP_TIMEOUT",
-            message=(f"one step looked hung (more granted time than two of the longest bubbles and than "
+            message=(f"{self._what} looked hung (more granted time than two of the longest bubbles and than "
                      f"{HUNG_STEPS} of its step estimate) for {self.hung_ns / 1e9:.1f} s of training without "
                      f"finishing; it ran for {_seconds(self.stuck_ns)} of granted time (limit "
                      f"{step_timeout_ns / 1e9:.1f} s of either)"),
@@ -137,7 +144,7 @@ class StepHealth:
         return FailureRecord(
             kind="STEP_TIMEOUT",
             message=(
-                f"{'setup()' if self.in_setup else 'one step'} ran for {_seconds(self.stuck_ns)} "
+                f"{'setup()' if self.in_setup else self._what} ran for {_seconds(self.stuck_ns)} "
                 f"of granted time without finishing (limit {step_timeout_ns / 1e9:.1f} s)"
             ),
             step=step,
