@@ -53,11 +53,15 @@ class CommandTask(SideTask):
 
     def setup(self, ctx: TaskContext) -> None:
         # The manager's threads are irrelevant here: a worker process is single-threaded.
-        self.proc = subprocess.Popen(  # noqa: S603 - argv list, never a shell
-            self.argv,
-            cwd=str(ctx.work_dir),
-            preexec_fn=_child_preexec,  # noqa: PLW1509
-        )
+        try:
+            self.proc = subprocess.Popen(  # noqa: S603 - argv list, never a shell
+                self.argv,
+                cwd=str(ctx.work_dir),
+                preexec_fn=_child_preexec,  # noqa: PLW1509
+            )
+        except (FileNotFoundError, PermissionError) as exc:  # the user's argv, not freeride: one line, no traceback
+            raise ConfigError(f"cannot run {self.argv[0]!r} (in {ctx.work_dir}, on this host's PATH): "
+                              f"{exc.strerror}") from None
         # Setup runs inside a grant, so the few instructions the command runs before this stop
         # are inside a bubble too. (Stopping in preexec would deadlock: Popen waits for exec.)
         os.killpg(self.proc.pid, signal.SIGSTOP)

@@ -377,13 +377,14 @@ def _progress_line(info: TaskInfo) -> str:
     return line
 
 
-def render_task(info: TaskInfo) -> str:
+def render_task(info: TaskInfo, draining: bool = False) -> str:
+    """One task, field by field; its state as ``ls`` shows it (:func:`display_state`)."""
     spec = info.spec
     what = spec.target or " ".join(spec.command)
     fields = [
         ("task", info.task_id),
         ("name", spec.display_name),
-        ("state", info.state),
+        ("state", display_state(info, draining)),
         ("command" if spec.command else "target", what),
         ("args", json.dumps(spec.args, sort_keys=True) if spec.args else "-"),
         ("memory", format_size(spec.memory_bytes)),
@@ -417,7 +418,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         return _EXIT_OK
     with _client(args) as client:
         info = client.get(args.task_id)
-    print(json.dumps(_to_json(info), indent=2, sort_keys=True) if args.json else render_task(info))
+        # As ``ls`` shows it: a draining manager's SUBMITTED task is DRAINED. JSON keeps the lifecycle's state.
+        draining = False if args.json else client.stats().draining
+    print(json.dumps(_to_json(info), indent=2, sort_keys=True) if args.json else render_task(info, draining))
+    if display_state(info, draining) == DRAINED:
+        print(_DRAINED_NOTE)
     return _EXIT_OK
 
 

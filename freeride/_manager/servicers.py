@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import queue
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,7 +23,7 @@ import grpc
 
 from freeride._manager import requests as R
 from freeride._manager.loop import ManagerLoop
-from freeride._validation import validate_submission
+from freeride._validation import shown, validate_submission
 from freeride._wire import codec
 from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
@@ -44,8 +46,24 @@ ANSWER_MARGIN_S = 0.2
 
 
 def spec_from_pb(msg: _pb.SubmitRequest) -> TaskSpec:
-    """Validate a submission (:func:`validate_submission`); raises :class:`RequestRejected`."""
-    return validate_submission(codec.submission_from_pb(msg))
+    """Validate a submission (:func:`validate_submission`, and a command's program: here is where it runs);
+    raises :class:`RequestRejected`."""
+    spec = validate_submission(codec.submission_from_pb(msg))
+    if spec.command:
+        check_program(spec.command[0])
+    return spec
+
+
+def check_program(program: str) -> None:
+    """A command's program must be one this host can run: a bare name on the manager's ``PATH`` (its workers
+    inherit it), or an absolute path to an executable file. A relative path runs from the task's work
+    directory, which does not exist yet: it is tried when the task sets up. A missing program was accepted
+    and the task then failed in setup with a traceback through freeride's own code."""
+    if "/" not in program:
+        if shutil.which(program) is None:
+            raise RequestRejected(f"the command's program {shown(program)} is not on the manager's PATH")
+    elif os.path.isabs(program) and not (os.path.isfile(program) and os.access(program, os.X_OK)):
+        raise RequestRejected(f"the command's program {shown(program)} is not an executable file on the manager's host")
 
 
 def check_task_id(task_id: str) -> None:

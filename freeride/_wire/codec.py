@@ -18,9 +18,9 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-from freeride._validation import Submission
+from freeride._validation import MAX_PRIORITY, Submission
 from freeride._wire import freeride_pb2 as _pb
-from freeride.errors import ConfigError
+from freeride.errors import ConfigError, RequestRejected
 from freeride.messages import (
     BubbleEnd,
     BubbleEvent,
@@ -125,11 +125,23 @@ def summary_from_pb(msg: _pb.StreamSummary) -> StreamSummary:
 
 
 def spec_to_pb(spec: TaskSpec) -> _pb.SubmitRequest:
-    return _pb.SubmitRequest(
-        target=spec.target, args_json=json.dumps(spec.args), memory_bytes=spec.memory_bytes, priority=spec.priority,
-        name=spec.name, command=list(spec.command), working_dir=spec.working_dir,
-        checkpoint_interval_s=spec.checkpoint_interval_s, step_time_hint_ms=spec.step_time_hint_ms,
-    )
+    """The submission on the wire. What the wire cannot carry (arguments JSON cannot encode, a number past its
+    field's width) is refused here as the manager refuses what it can read, with :class:`RequestRejected`:
+    protobuf's own ``ValueError`` or ``TypeError`` named no field a user set."""
+    if abs(spec.priority) > MAX_PRIORITY:
+        raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {spec.priority}")
+    try:
+        args_json = json.dumps(spec.args, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise RequestRejected(f"task arguments must be JSON (numbers, strings, lists, objects): {exc}") from None
+    try:
+        return _pb.SubmitRequest(
+            target=spec.target, args_json=args_json, memory_bytes=spec.memory_bytes, priority=spec.priority,
+            name=spec.name, command=list(spec.command), working_dir=spec.working_dir,
+            checkpoint_interval_s=spec.checkpoint_interval_s, step_time_hint_ms=spec.step_time_hint_ms,
+        )
+    except (TypeError, ValueError) as exc:  # e.g. memory_bytes past 2**63, a str where a number goes
+        raise RequestRejected(f"the task's spec cannot be sent: {exc}") from None
 
 
 def submission_from_pb(msg: _pb.SubmitRequest) -> Submission:

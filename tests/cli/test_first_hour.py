@@ -162,7 +162,7 @@ def test_a_failure_the_user_can_fix_shows_as_one_line(
     assert "Traceback" in out  # kept in the record
 
 
-def test_after_drain_ls_shows_the_tasks_as_drained_not_submitted(
+def test_after_drain_ls_and_show_show_the_tasks_as_drained_not_submitted(
     harness: ManagerHarness, capsys: pytest.CaptureFixture[str], in_tests_dir: None
 ) -> None:
     info = harness.submit("sample_tasks:Counter", memory_mib=64)
@@ -173,6 +173,9 @@ def test_after_drain_ls_shows_the_tasks_as_drained_not_submitted(
     row = next(line for line in out.splitlines() if line.startswith(info.task_id))
     assert row.split()[2] == "DRAINED" and "SUBMITTED" not in out
     assert "start again when a manager starts on this state directory" in out
+    # Stranger trial: show said SUBMITTED where ls said DRAINED.
+    code, out, _ = run_cli(capsys, "show", info.task_id, *at(harness))
+    assert code == EXIT_OK and "state:      DRAINED" in out and "start again when a manager starts" in out
     assert harness.client.get(info.task_id).state == "SUBMITTED"  # the record itself is unchanged
 
 

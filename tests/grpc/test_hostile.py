@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -389,9 +390,13 @@ FIELDS: dict[str, tuple[st.SearchStrategy[object], st.SearchStrategy[object], st
         "task reference",
     ),
     "command": (
-        st.one_of(st.lists(st.text(min_size=1, max_size=12).filter(lambda a: "\x00" not in a), min_size=1, max_size=5),
+        # A program this host has (the manager checks it), then any arguments.
+        st.one_of(st.tuples(st.sampled_from(["true", "/bin/echo", sys.executable]),
+                            st.lists(st.text(min_size=1, max_size=12).filter(lambda a: "\x00" not in a), max_size=4))
+                  .map(lambda t: [t[0], *t[1]]),
                   st.just(["/bin/echo", "a;b", "$(id)", "`id`", "|", "&&", "> /tmp/x", "*"])),
-        st.sampled_from([[""], ["ok", ""], ["a\x00b"], ["x"] * 1025, ["x" * 20_000]]),
+        st.sampled_from([[""], ["true", ""], ["a\x00b"], ["true"] * 1025, ["x" * 20_000], ["/nonexistent/prog"],
+                         ["no-such-program-on-path"]]),
         "command",
     ),
     "args_json": (

@@ -29,7 +29,7 @@ from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import ControlClient
 from freeride.endpoints import Endpoint, default_endpoint, runtime_dir
-from freeride.errors import ConfigError, Unauthenticated
+from freeride.errors import ConfigError, RequestRejected, Unauthenticated
 from freeride.messages import TaskSpec
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
@@ -190,6 +190,31 @@ def test_command_arguments_with_shell_syntax_run_literally(harness: ManagerHarne
     assert harness.client.get(info.task_id).state == "FINISHED", harness.client.get(info.task_id).failure
     assert json.loads(out.read_text()) == literal
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(("program", "says"), [
+    ("/nonexistent/prog", r"program '/nonexistent/prog' is not an executable file on the manager's host"),
+    ("no-such-program-on-this-path", r"program 'no-such-program-on-this-path' is not on the manager's PATH"),
+])
+def test_a_command_whose_program_this_host_lacks_is_refused_at_submit(
+    harness: ManagerHarness, program: str, says: str
+) -> None:
+    # Stranger trial: it was accepted, and the task failed in setup with a traceback through freeride's code.
+    with pytest.raises(RequestRejected, match=says):
+        harness.client.submit(TaskSpec(command=(program, "--flag"), memory_bytes=256 * 2**20))
+    assert harness.client.list() == []
+
+
+@pytest.mark.e2e
+def test_a_command_whose_relative_program_is_missing_fails_in_setup_in_one_line(harness: ManagerHarness) -> None:
+    # A relative path runs from the task's work directory, made at its start: only setup can tell.
+    info = harness.client.submit(TaskSpec(command=("./not-here", "x"), memory_bytes=256 * 2**20))
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(info.task_id).state == "FAILED", length_ms=30)
+    feeder.close()
+    failure = harness.client.get(info.task_id).failure
+    assert failure is not None and failure.kind == "CONFIG", failure
+    assert "cannot run './not-here'" in failure.message and "No such file or directory" in failure.message
 
 
 # ------------------------------------------------------------------ paths stay inside the state directory

@@ -17,7 +17,7 @@ from google.protobuf.message import Message as PbMessage
 from freeride._validation import validate_submission
 from freeride._wire import codec
 from freeride._wire import freeride_pb2 as pb
-from freeride.errors import ConfigError
+from freeride.errors import ConfigError, RequestRejected
 from freeride.messages import (
     BubbleEnd,
     BubbleSlotStats,
@@ -164,3 +164,18 @@ def test_decoding_a_trainer_event_validates_it() -> None:
 
 def test_a_live_view_event_of_a_kind_this_version_does_not_know_is_skipped() -> None:
     assert codec.event_from_pb(pb.ManagerEvent(at_unix_s=1.0)) is None
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"priority": -(2**40)}, "priority must be within"),  # int32 on the wire: protobuf's ValueError named no field
+    ({"args": {"x": object()}}, "task arguments must be JSON"),
+    ({"args": {"x": float("nan")}}, "task arguments must be JSON"),
+    ({"memory_bytes": 2**70}, "the task's spec cannot be sent"),
+], ids=["priority", "an-object-argument", "nan", "memory-past-int64"])
+def test_a_spec_the_wire_cannot_carry_is_refused_as_the_manager_refuses_what_it_reads(
+    change: dict[str, Any], says: str
+) -> None:
+    # Stranger trial: ControlClient.submit raised protobuf's bare ValueError for a large negative priority.
+    spec = dataclasses.replace(TaskSpec(target="m:C", memory_bytes=2**26), **change)
+    with pytest.raises(RequestRejected, match=says):
+        codec.spec_to_pb(spec)
