@@ -26,8 +26,10 @@ state directory on a shared file system is never shared by two nodes. ``--queue`
 3. Run the command as an argument list (no shell) in its own process group; SIGINT and SIGTERM
    received by ``launch`` are forwarded to it (the handlers only record the signal; the wait loop
    forwards it).
-4. Stop the managers: SIGTERM to each manager's process group (they drain and exit 0), one
-   deadline for all (``--stop-timeout-s``), then SIGKILL.
+4. Print what each started manager harvested (bubbles, bubble time, harvested time, overruns, tasks by
+   state: its figures go with it), then stop the managers: SIGTERM to each manager's process group (they
+   drain and exit 0), one deadline for all (``--stop-timeout-s``), then SIGKILL. A temporary log
+   directory that no manager of this launch wrote to (all were already serving) is removed.
 5. Exit with the command's exit code (128 + N if a signal N ended it).
 """
 
@@ -177,6 +179,28 @@ def wait_ready(managers: Sequence[ManagedManager], timeout_s: float) -> None:
                 f"{pending[0].log_tail()}"
             )
         time.sleep(0.1)
+
+
+def summary_lines(managers: Sequence[ManagedManager]) -> list[str]:
+    """What each manager this launch started harvested, read before it stops (its figures go with it; a
+    manager found running keeps serving and is not summed up). A manager that does not answer is skipped."""
+    from freeride._wire.client import ControlClient
+
+    lines = []
+    for m in managers:
+        if m.proc is None or m.proc.poll() is not None:
+            continue
+        try:
+            with ControlClient(m.endpoint, timeout_s=2.0) as client:
+                s = client.stats()
+        except FreerideError as exc:
+            log.debug("no figures from the manager of %s: %s", m.device, exc)
+            continue
+        share = f" ({100 * s.harvested_s / s.bubble_time_s:.1f}% of it)" if s.bubble_time_s > 0 else ""
+        tasks = ", ".join(f"{k} {v}" for k, v in sorted(s.tasks_by_state.items())) or "none"
+        lines.append(f"freeride launch: {m.device}: {s.bubbles} bubbles, {s.bubble_time_s:.2f} s of bubble time, "
+                     f"{s.harvested_s:.2f} s harvested{share}, {s.overruns} overruns; tasks: {tasks}")
+    return lines
 
 
 def stop_managers(managers: Sequence[ManagedManager], timeout_s: float) -> None:
@@ -498,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir = state_dir
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="launch-", dir=runtime_dir()))
+    made_log_dir = not args.log_dir and state_dir is None
     log_dir.mkdir(parents=True, exist_ok=True)
 
     managers: list[ManagedManager] = []
@@ -512,4 +537,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return run_command(command)
     finally:
+        for line in summary_lines(managers):
+            print(line, file=sys.stderr, flush=True)
         stop_managers(managers, args.stop_timeout_s)
+        if made_log_dir and not any(log_dir.iterdir()):
+            log_dir.rmdir()  # every manager was already serving: nothing of this launch's to keep

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import cpu_devices, wait_for
 
+from freeride._manager.daemon import Manager
+from freeride._wire.client import health_status
+from freeride.endpoints import default_endpoint, runtime_dir
 from freeride.training.learned_slots import LEARNED_SLOT_BASE
 from freeride.training.rank_slots import RankPlan
 from freeride.training.schedules import build_schedule
@@ -99,6 +102,22 @@ def test_launch_fails_clearly_when_a_manager_cannot_start(runtime: Path) -> None
     _no_managers_left(runtime)
 
 
+def test_launch_with_every_manager_already_serving_uses_them_and_leaves_no_log_directory(runtime: Path) -> None:
+    device = cpu_devices(1)[0]
+    env = _env(runtime)
+    manager = Manager(device, endpoint=default_endpoint(device, environ=env), state_dir=runtime / "theirs")
+    manager.start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "freeride.cli", "launch", "--devices", device, "--",
+                               sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=90, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "already serves" in proc.stderr
+        assert not list(runtime_dir(environ=env).glob("launch-*")), "an empty log directory was left behind"
+        assert health_status(manager.endpoint) == "SERVING"  # left running: it is not launch's
+    finally:
+        manager.stop()
+
+
 def test_launch_rejects_missing_command(runtime: Path) -> None:
     proc = _launch(runtime, "--devices", cpu_devices(1)[0])
     assert proc.returncode == 2 and "no command" in proc.stderr
@@ -140,6 +159,10 @@ def test_trainer_under_launch_reports_the_modelled_bubbles_to_each_manager(runti
     proc = _launch(runtime, "--devices", ",".join(devices), "--", sys.executable, str(driver))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _no_managers_left(runtime)
+    # Stranger trial: what the managers harvested went with them. Launch prints it before it stops them.
+    for device in devices:
+        [line] = [x for x in proc.stderr.splitlines() if x.startswith(f"freeride launch: {device}: ")]
+        assert int(line.split(": ")[2].split()[0]) >= iterations and "s harvested" in line, line
     doc = json.loads(out.read_text())
     for rank, device in enumerate(devices):
         got = {(s["stage"], s["slot"], s["kind"]): s["count"] for s in doc[device] if not s["learned"]}
