@@ -338,7 +338,11 @@ def test_corrupt_checkpoint_on_disk_falls_back_to_the_previous_one_or_fails_sayi
             task = client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=2**28,
                                           working_dir=str(TESTS_DIR), checkpoint_interval_s=0.02))
             feeder = BubbleFeeder(manager.endpoint)
-            feeder.run_until(lambda: client.get(task.task_id).checkpoint_step >= 20, length_ms=LONG_MS)
+            written = state / "tasks" / task.task_id / "checkpoints"
+            # Two checkpoints on disk before the drain (whose own is written only after steps since the last):
+            # none is written before the first step, so the first grants may leave one.
+            feeder.run_until(lambda: client.get(task.task_id).checkpoint_step >= 20
+                             and len(list(written.glob("ckpt-*.pt"))) >= 2, length_ms=LONG_MS)
             feeder.close()
     finally:
         manager.stop(drain=True)
