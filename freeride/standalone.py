@@ -19,7 +19,9 @@ Memory: on CUDA, the peak as the GPU counts it -- the CUDA context plus the most
 so that a cap copied from the report holds in a worker, whose cap covers the same things. On CPU,
 the growth of the process's resident set over its size once the task is constructed (what a
 worker's cap covers too: the interpreter and the task's libraries are the worker's baseline),
-sampled after setup and after every step (a short-lived spike inside a step can be missed). The
+sampled after setup, every :data:`SAMPLE_EVERY_S` of steps and after the last (a short-lived spike can be
+missed, as a manager's poll can miss it; the run's own record of step times is left out). The reads are
+left out of the run's elapsed time, so a task of 20 us steps is measured at its own rate. The
 limit is enforced as a worker's is: a run whose peak goes over it fails as the task would fail
 with MEMORY_LIMIT under the manager. There is no step timeout: a step that never returns holds
 the run until it is interrupted (Ctrl-C), where a manager would fail the task with STEP_TIMEOUT.
@@ -31,9 +33,12 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 import traceback
+from array import array
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +68,8 @@ __all__ = ["StandaloneReport", "TaskRunError", "check_target_syntax", "load_task
 
 #: Other processes' share of a core above which ``freeride run-task`` warns that its figures are slow.
 BUSY_CORE_SHARE = 0.10
+#: How often a run reads its memory between steps (and once after the last): a read is a psutil call.
+SAMPLE_EVERY_S = 0.01
 
 
 class MemoryLimitExceeded(Exception):
@@ -189,8 +196,10 @@ class MemoryProbe:
     ``device=None``: a CPU core, the resident set's growth since the probe was made.
     """
 
-    def __init__(self, device: WorkerDevice | None = None) -> None:
+    def __init__(self, device: WorkerDevice | None = None, own_bytes: Callable[[], int] | None = None) -> None:
+        """``own_bytes``: what the measuring process holds for its own bookkeeping (left out on a CPU core)."""
         self.device = device
+        self._own_bytes = own_bytes
         self.cuda = device is not None and device.torch_device.startswith("cuda")
         self.process = psutil.Process()
         self.peak = 0
@@ -204,7 +213,8 @@ class MemoryProbe:
         if self.cuda and self.device is not None:
             self.peak = max(self.peak, self.device.peak_bytes())
         else:
-            self.peak = max(self.peak, int(self.process.memory_info().rss) - self.baseline)
+            own = self._own_bytes() if self._own_bytes is not None else 0
+            self.peak = max(self.peak, int(self.process.memory_info().rss) - self.baseline - own)
 
     def peak_bytes(self) -> int:
         return max(0, self.peak)
@@ -302,7 +312,11 @@ def run_standalone(
     with tempfile.TemporaryDirectory(prefix="freeride-standalone-") as scratch:
         directory = Path(work_dir) if work_dir is not None else Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
-        load = CoreLoad.of(name) if prepare_device else None
+        # The core's load where this process runs on that core alone (a worker's setup pins it; so does the
+        # bench's yardstick, which keeps its own priority): the share of it others took says how far to trust
+        # the rate. Unpinned, this process's own time may be another core's.
+        pinned = name.kind == "cpu" and os.sched_getaffinity(0) == {name.index}
+        load = CoreLoad.of(name) if prepare_device or pinned else None
         return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps, load)
 
 
@@ -325,8 +339,10 @@ def _run(
         work_dir=work_dir,
         logger=logging.getLogger(f"freeride.task.{type(task).__name__}"),
     )
-    probe = MemoryProbe(dev)
-    step_ms: list[float] = []
+    # Step times in an array of doubles, whose size the memory probe leaves out: a list of floats grew by
+    # 32 bytes a step inside the measured process, and a fast task failed a small cap on its own bookkeeping.
+    step_ms = array("d")
+    probe = MemoryProbe(dev, own_bytes=lambda: sys.getsizeof(step_ms))
     try:
         start = time.perf_counter()
         try:
@@ -341,6 +357,11 @@ def _run(
         _check_limit(probe, limit, target, "setup", 0)
         loop_start = time.perf_counter()
         deadline = loop_start + seconds
+        # Memory is read every SAMPLE_EVERY_S of steps (and after the last), as a manager polls a worker's:
+        # read after every step (a psutil call, ~30 us), it cost a 20 us step more than the step and the
+        # run reported a sixth of the task's throughput. The reads are left out of the elapsed time.
+        next_sample = loop_start + SAMPLE_EVERY_S
+        sampling_s = 0.0
         while not task.done() and time.perf_counter() < deadline:
             if max_steps is not None and len(step_ms) >= max_steps:
                 break
@@ -350,16 +371,24 @@ def _run(
                 dev.synchronize()
             except Exception as exc:
                 raise TaskRunError(target, "step", len(step_ms), exc) from None
-            step_ms.append((time.perf_counter() - t0) * 1000.0)
-            probe.sample()
-            _check_limit(probe, limit, target, "step", len(step_ms) - 1)
-        elapsed = time.perf_counter() - loop_start
+            t1 = time.perf_counter()
+            step_ms.append((t1 - t0) * 1000.0)
+            if t1 >= next_sample:
+                probe.sample()
+                _check_limit(probe, limit, target, "step", len(step_ms) - 1)
+                t2 = time.perf_counter()
+                sampling_s += t2 - t1
+                next_sample = t2 + SAMPLE_EVERY_S
+        elapsed = time.perf_counter() - loop_start - sampling_s
+        probe.sample()
+        _check_limit(probe, limit, target, "step", max(0, len(step_ms) - 1))
         reported = task.progress()
         progress = float(len(step_ms) if reported is None else reported)
         finished = bool(task.done())
     finally:
         task.close()
     unit = type(task).progress_unit if reported is not None else "steps"
+    times = step_ms.tolist()
     report = StandaloneReport(
         target=target,
         device=str(dev.name),
@@ -371,9 +400,9 @@ def _run(
         elapsed_s=elapsed,
         progress_per_s=progress / elapsed if elapsed > 0 else 0.0,
         steps_per_s=len(step_ms) / elapsed if elapsed > 0 else 0.0,
-        step_ms_p50=percentile(step_ms, 50),
-        step_ms_p90=percentile(step_ms, 90),
-        step_ms_p99=percentile(step_ms, 99),
+        step_ms_p50=percentile(times, 50),
+        step_ms_p90=percentile(times, 90),
+        step_ms_p99=percentile(times, 99),
         peak_memory_bytes=probe.peak_bytes(),
         memory_measure=probe.measure,
         memory_limit_bytes=limit,

@@ -42,6 +42,7 @@ from freeride._wire.client import ControlClient
 from freeride.endpoints import ENDPOINT_ENV
 from freeride.errors import FreerideError
 from freeride.messages import ManagerStats, TaskInfo, TaskSpec
+from freeride.standalone import BUSY_CORE_SHARE
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,11 @@ class Runner:
                 raise BenchFailed(f"side task {entry['name']} made no progress in {seconds:g} s alone on {device} "
                                   "(a step longer than that?): raise --standalone-s")
             rates[entry["name"]] = rate
+            busy = entry["report"].get("core_busy_share")
+            if busy is not None and busy > BUSY_CORE_SHARE:
+                log.warning("other processes took %.0f%% of %s while side task %s was measured alone: its rate, "
+                            "the yardstick of the side work, reads low, and the work and H of this trial read high "
+                            "(bench on idle cores)", 100 * busy, device, entry["name"])
         missing = [t.name for t in self.tasks if t.name not in rates]
         if missing:
             raise BenchFailed(f"measuring {', '.join(missing)} alone on {device} failed; its log ({path}) ends "
