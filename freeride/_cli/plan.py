@@ -558,15 +558,23 @@ def run(args: argparse.Namespace) -> int:
         candidate = Candidate(candidate.schedule, candidate.microbatches, 2)
     plan = plan_config(inputs, candidate)
     detailed = inputs.memory is not None or bool(inputs.tasks)
+    t_step = inputs.costs.t_step_ms
     if args.json:
         doc = plan_json(plan.schedule, cyclic=args.cyclic)
-        if detailed or inputs.costs.t_step_ms:
+        if t_step:
+            # The schedule's figures above leave the optimizer step out; these take it in (as "plan" does).
+            doc["with_step"] = {"t_step_ms": t_step, "iteration_ms": _num(plan.iteration_ms),
+                                "bubble_fraction": _num(plan.bubble_fraction)}
+        if detailed or t_step:
             doc["plan"] = config_json(plan)
             doc["inputs"] = _inputs_json(inputs)
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     text = render_plan(plan.schedule, cyclic=args.cyclic, grid=not args.no_grid)
+    if t_step:
+        text += (f"\n\nWith the optimizer step (--t-step {t_step:g} ms, every stage busy): iteration "
+                 f"{plan.iteration_ms:.1f} ms, bubble fraction {100 * plan.bubble_fraction:.1f}%")
     if inputs.memory is not None:
         text += "\n\n" + render_memory(plan)
     if inputs.tasks:

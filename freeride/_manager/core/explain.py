@@ -76,7 +76,7 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
             return "frozen in setup() after overrunning a bubble; resumes at its next grant"
         if task.health.hung_seen_ns:
             return ("frozen in a step that looks hung (more granted time than two of the longest bubbles and than "
-                    f"{HUNG_STEPS} of its step estimate); thawed every other bubble until it finishes or reaches "
-                    "its step timeout of training")
+                    f"{HUNG_STEPS} of its step estimate); thawed every other bubble until it finishes, or fails once "
+                    "it has looked hung for its step timeout while the trainer makes bubbles")
         return "frozen mid-step after overrunning a bubble; resumes at its next grant"
     return ""
