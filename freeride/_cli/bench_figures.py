@@ -217,13 +217,19 @@ def _task_row(name: str, task_runs: Mapping[int, Run], works: Mapping[int, Mappi
 # ------------------------------------------------------------------ text
 
 
-def fmt_interval(iv: Mapping[str, Any] | None, pct: bool = True, digits: int = 1) -> str:
-    """``+1.2% (+0.3 .. +2.1)``, ``0.81 (0.77 .. 0.85)``; ``(one trial)`` where unbounded; ``-`` if none."""
+def fmt_interval(iv: Mapping[str, Any] | None, pct: bool = True, digits: int = 1, share: bool = False) -> str:
+    """``+1.2% (+0.3 .. +2.1)``, ``0.81 (0.77 .. 0.85)``; ``(one trial)`` where unbounded; ``-`` if none.
+
+    ``share``: a part of a whole (``35.0% (12.0 .. 58.0)``): no sign, and the interval kept within 0 .. 100%
+    (a t interval of two trials ran to -160 .. +270%)."""
     if not iv or iv.get("estimate") is None:
         return "-"
     est, low, high = iv["estimate"], iv.get("low"), iv.get("high")
+    if share:
+        low, high = (None if low is None else max(0.0, low)), (None if high is None else min(1.0, high))
     if pct:
-        head, scale, spec = f"{100 * est:+.{digits}f}%", 100.0, f"+.{digits}f"
+        sign = "" if share else "+"
+        head, scale, spec = f"{100 * est:{sign}.{digits}f}%", 100.0, f"{sign}.{digits}f"
     else:
         head, scale, spec = f"{est:.{max(digits, 2)}f}", 1.0, f".{max(digits, 2)}f"
     if low is None or high is None:
@@ -252,12 +258,18 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
     if not summary["with_tasks"]:
         return [*out, "  no side task given (--task): the managers' own overhead only"]
     out += [f"  harvested: {fmt_interval(summary['harvested_s'], pct=False)} s a run stepping in bubbles, "
-            f"{fmt_interval(summary['harvested_share'])} of the bubble time",
+            f"{fmt_interval(summary['harvested_share'], share=True)} of the bubble time",
             f"  side work: {fmt_interval(summary['work_s'], pct=False)} s a run of standalone work; harvest "
             f"efficiency H = work / bubble time {fmt_interval(summary['harvest_efficiency'], pct=False)}"]
+    h, share = summary["harvest_efficiency"], summary["harvested_share"]
+    if h and share and h.get("estimate") is not None and share.get("estimate") is not None \
+            and h["estimate"] > share["estimate"]:
+        out.append("  note: H is more than the share of the bubble time the tasks stepped in: they did more work in "
+                   "bubbles than their rate alone allows, so that rate (the yardstick) read low: was its core busy?")
     for row in summary["tasks"]:
         out.append(f"    {row['name']:20s} {row['progress']:.4g} {row['progress_unit']} a run = {row['work_s']:.2f} s "
-                   f"alone ({row['standalone_per_s']:.4g} {row['progress_unit']}/s alone)")
+                   f"of work alone (each trial at its own rate alone; their mean {row['standalone_per_s']:.4g} "
+                   f"{row['progress_unit']}/s)")
     if summary.get("finished"):
         out.append(f"  finished during a run (its work stopped there): {', '.join(summary['finished'])}")
     out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {summary['overrun_p99_ms']:.2f} ms; "

@@ -136,6 +136,22 @@ def test_an_interval_of_one_trial_reads_as_one() -> None:
     assert fmt_interval(None) == "-"
 
 
+def test_a_share_reads_without_a_sign_and_its_interval_stays_within_0_and_100_percent() -> None:
+    # Stranger trial: "+35.0% of the bubble time (-160.0 .. +270.0)".
+    assert fmt_interval({"estimate": 0.35, "low": -1.6, "high": 2.7}, share=True) == "35.0% (0.0 .. 100.0)"
+    assert fmt_interval({"estimate": 0.35, "low": 0.3, "high": 0.4}, share=True) == "35.0% (30.0 .. 40.0)"
+
+
+def test_the_report_says_when_the_side_work_is_more_than_the_time_stepped_in_bubbles() -> None:
+    # Stranger trial: H 0.89 against a harvested share of 0.55, printed without a word: the yardstick read low.
+    meta = {"command_text": "train", "devices": ["cpu:0"], "stop": "s", "loadavg": "1"}
+    runs = _trial(0, 100.0, 100.5, 101.0, progress=30.0) + _trial(1, 100.0, 100.0, 100.0, progress=40.0)
+    over = summarize(runs, {0: {"pr": 10.0}, 1: {"pr": 10.0}}, devices=2, price_ratios=(1.0,))  # H 1.75, share 0.75
+    assert "note: H is more than the share of the bubble time" in "\n".join(render(over, meta))
+    within = summarize(runs, {0: {"pr": 100.0}, 1: {"pr": 100.0}}, devices=2, price_ratios=(1.0,))  # H 0.175
+    assert "note: H is more" not in "\n".join(render(within, meta))
+
+
 # ------------------------------------------------------------------ input
 
 
