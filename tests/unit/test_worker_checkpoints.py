@@ -28,6 +28,14 @@ def runtime(worker: Channel, checkpoint_dir: Path, task: Any, interval_s: float 
     return rt
 
 
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    """An existing checkpoint directory."""
+    path = tmp_path / "checkpoints"
+    path.mkdir()
+    return path
+
+
 def messages(manager: Channel) -> list[Message]:
     out = []
     while (msg := manager.recv_nowait()) is not None:
@@ -52,13 +60,11 @@ def test_checkpoint_the_disk_refuses_is_reported_and_retried_an_interval_later(
 
 
 def test_no_checkpoint_is_written_before_the_first_step_and_one_is_after_it(
-    tmp_path: Path, channels: tuple[Channel, Channel]
+    checkpoints: Path, channels: tuple[Channel, Channel]
 ) -> None:
     # Stranger trial: a first grant after a setup longer than the interval checkpointed step 0 (what setup
     # makes, which a restart makes again), so a hang in state_dict() was failed as a hang in setup().
     manager, worker = channels
-    checkpoints = tmp_path / "checkpoints"
-    checkpoints.mkdir()
     calls: list[int] = []
 
     class Watched(Counter):
@@ -78,11 +84,9 @@ def test_no_checkpoint_is_written_before_the_first_step_and_one_is_after_it(
 
 
 def test_state_that_does_not_serialise_fails_the_task_with_a_checkpoint_record(
-    tmp_path: Path, channels: tuple[Channel, Channel]
+    tmp_path: Path, checkpoints: Path, channels: tuple[Channel, Channel]
 ) -> None:
     _, worker = channels
-    checkpoints = tmp_path / "checkpoints"
-    checkpoints.mkdir()
     rt = runtime(worker, checkpoints, UnpicklableState())
     rt.task.work_dir = str(tmp_path)  # type: ignore[union-attr]
     rt.steps = 3
@@ -94,12 +98,10 @@ def test_state_that_does_not_serialise_fails_the_task_with_a_checkpoint_record(
 
 
 def test_regression_overdue_checkpoint_is_written_although_its_estimate_fits_no_grant(
-    tmp_path: Path, channels: tuple[Channel, Channel]
+    checkpoints: Path, channels: tuple[Channel, Channel]
 ) -> None:
     """One slow write under load used to keep every later checkpoint out for good."""
     manager, worker = channels
-    checkpoints = tmp_path / "checkpoints"
-    checkpoints.mkdir()
     rt = runtime(worker, checkpoints, Counter(), interval_s=0.05)
     rt.checkpoint_estimator.add(10**9)  # a 1 s write once seen
     rt.steps = 5
