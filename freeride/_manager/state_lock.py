@@ -52,11 +52,6 @@ class StateDirLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()}, endpoint {endpoint}\n".encode(), 0)
         self._fd = fd
-        self.path = path
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def release(self) -> None:
         """Let another manager use the directory (the holder's tasks are stopped or handed over)."""

@@ -563,10 +563,19 @@ class WorkerRuntime:
             self.checkpoint_estimator.add(time.monotonic_ns() - now)
 
     def _checkpoint(self) -> bool:
-        """Write a checkpoint of the current step; False if the disk refused it (reported, retried later)."""
+        """Write a checkpoint of the current step; False if the disk refused it (reported, retried later).
+        The board says so meanwhile: a hang here is the checkpoint's, not a step's."""
+        board = self._board
+        if board is None:
+            return self._write_checkpoint()
+        board.publish_doing(DOING_CHECKPOINT)
+        try:
+            return self._write_checkpoint()
+        finally:
+            board.publish_doing(DOING_STEP)  # (checkpoints come after a step: setup is over)
+
+    def _write_checkpoint(self) -> bool:
         assert self.task is not None
-        if self._board is not None:
-            self._board.publish_doing(DOING_CHECKPOINT)  # a hang from here on is the checkpoint's, not a step's
         try:
             state = self.task.state_dict()
         except _TASK_ERRORS as exc:
