@@ -457,7 +457,8 @@ def render_memory(plan: ConfigPlan) -> str:
 def render_fit(plan: ConfigPlan, margin_ms: float) -> str:
     """Per task and stage: the slots its step fits, and whether its memory fits the stage's budget."""
     out = [f"side tasks (a slot fits a step when step + {margin_ms:g} ms margin <= its length; memory is checked "
-           "against the stage's budget, device - peak - headroom):",
+           "against the stage's budget, device - peak - headroom; slots are numbered as in the cyclic layout, "
+           "the one a running job has, which --cyclic lists):",
            f"{'task':<16} {'stage':>5}  {'fits':<4} {'slots':<14} {'usable ms':>10}  memory"]
     for f in plan.fits:
         memory = {None: "unknown", True: "fits", False: "over budget"}[f.memory_fits]

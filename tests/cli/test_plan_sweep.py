@@ -78,6 +78,8 @@ def test_one_configuration_shows_memory_per_slot_and_where_tasks_fit(capsys: pyt
     assert code == EXIT_OK
     assert "memory per stage at its peak" in out and "held" in out and "free" in out
     assert "pagerank" in out and "over budget" in out  # lstm's 2 GiB cannot fit a 1 GiB device
+    # Stranger trial: the fit table's slot numbers are the cyclic layout's, the listing above it the iteration's.
+    assert "slots are numbered as in the cyclic layout, the one a running job has, which --cyclic lists" in out
 
 
 def test_tasks_come_from_a_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
