@@ -15,8 +15,8 @@ memory access, no system call:
   overtakes the end on its way to the scheduler. Word 3, **steps done**: how many steps this worker
   process has finished, published after each; the manager reads it when it freezes the worker, to tell
   a step that hangs after others from a setup or first step that is long by nature. Word 4, **doing**:
-  whether the worker is in a step or writing a checkpoint (``state_dict()``; 0 before either), so that a
-  hang in a task's ``state_dict()`` is named as one.
+  whether the worker is writing a checkpoint (``state_dict()``), set as it begins one and cleared once it is
+  written (the step loop stores nothing there), so that a hang in a task's ``state_dict()`` is named as one.
 * :class:`EndBoard`, one per manager on a unix socket (``<socket>.ends``, in the socket's owner-only
   directory), written by the trainer: when a rank's bubble ends, its reporter writes the bubble's
   start time (its identity) and its end time into the record of that rank, from the training thread,
@@ -124,7 +124,8 @@ class WorkerBoard:
         return int(_WORD.unpack_from(self._mm, _DONE)[0])
 
     def publish_doing(self, doing: int) -> None:
-        """:data:`DOING_STEP` or :data:`DOING_CHECKPOINT` (the worker, as it begins either)."""
+        """:data:`DOING_CHECKPOINT` as the worker begins a checkpoint, :data:`DOING_STEP` once it is written
+        (checkpoints come after a step; the step loop stores nothing here)."""
         _WORD.pack_into(self._mm, _DOING, doing)
 
     def doing(self) -> int:

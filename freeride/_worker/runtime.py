@@ -399,7 +399,6 @@ class WorkerRuntime:
                 deadline = extended
             if self._board is not None:
                 self._board.publish_step(self.steps)
-                self._board.publish_doing(DOING_STEP)
             thaws = self.thaws.count
             step_deadline = deadline
             waited_start = self.device.waited_ns()
@@ -572,7 +571,7 @@ class WorkerRuntime:
         try:
             return self._write_checkpoint()
         finally:
-            board.publish_doing(DOING_STEP)  # (checkpoints come after a step: setup is over)
+            board.publish_doing(DOING_STEP)  # until the next checkpoint: its steps need no store of their own
 
     def _write_checkpoint(self) -> bool:
         assert self.task is not None
