@@ -145,13 +145,14 @@ class Supervisor:
             self._signal(handle, sig)
 
     def freeze(self, task_id: str) -> list[Any]:
-        """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board."""
+        """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
+        answered: the core judges a step that used up its timeout on this read, ``WorkerStepsSeen``)."""
         handle = self.workers.get(task_id)
         if handle is None:
             return []
         self._signal(handle, signal.SIGSTOP)
         if handle.board is None:
-            return []
+            return [C.WorkerStepsSeen(task_id, -1)]  # nothing to read
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
         board = handle.board

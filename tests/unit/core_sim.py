@@ -15,6 +15,7 @@ from freeride._manager.core import (
     CoreConfig,
     DeviceMemorySampled,
     Event,
+    Freeze,
     Grant,
     SchedulerCore,
     StateChanged,
@@ -23,6 +24,7 @@ from freeride._manager.core import (
     WorkerExited,
     WorkerParked,
     WorkerReady,
+    WorkerStepsSeen,
 )
 from freeride._manager.core.machines import StopPhase
 from freeride.messages import UNKNOWN_MEMORY, BubbleEnd, BubbleStart, TaskSpec
@@ -46,6 +48,10 @@ class Sim:
         self.iteration = 0
         self.open: BubbleStart | None = None
         self.actions: list[Action] = []
+        #: What each worker's board shows when it is frozen (steps done, in setup, in a checkpoint): the
+        #: loop answers every Freeze with its board read (``WorkerStepsSeen``); a worker not named here has
+        #: no board (nothing read).
+        self.boards: dict[str, tuple[int, bool, bool]] = {}
 
     # -- clock and raw events
 
@@ -58,8 +64,12 @@ class Sim:
         return self.at(self.now + int(ms * MS))
 
     def send(self, event: Event) -> list[Action]:
+        """Feed ``event``; the actions it gives, then those of the board reads that answer its freezes."""
         actions = self.core.on_event(event, self.now)
         self.actions.extend(actions)
+        for action in [a for a in actions if isinstance(a, Freeze)]:
+            done, in_setup, in_checkpoint = self.boards.get(action.task_id, (-1, False, False))
+            actions = actions + self.send(WorkerStepsSeen(action.task_id, done, in_setup, in_checkpoint))
         return actions
 
     def tick(self) -> list[Action]:

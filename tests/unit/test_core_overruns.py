@@ -16,6 +16,7 @@ from freeride._manager.core import (
     Grant,
     Kill,
     StateChanged,
+    Tick,
     WorkerStepsSeen,
 )
 from freeride._manager.core.steps import TRAINER_PAUSE_NS
@@ -343,6 +344,70 @@ def test_a_setup_past_its_step_timeout_says_setup_and_frozen_in_setup_says_so() 
         _overrun(sim)
     failure = sim.core.tasks["a"].failure
     assert failure is not None and failure.kind == "STEP_TIMEOUT" and failure.message.startswith("setup() ran for")
+
+
+def test_a_step_timeout_reached_at_a_freeze_names_what_that_freezes_board_read_shows() -> None:
+    # A hang in state_dict() that used up its timeout at its first freeze read "one step ran for": the
+    # failure was decided before the loop read the board of the freeze it ordered.
+    sim = Sim(step_timeout_ns=5 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    sim.boards["a"] = (1, False, True)  # one step done, then inside its checkpoint
+    _overrun(sim)
+    failure = sim.core.tasks["a"].failure
+    assert sim.state("a") == S.FAILED and failure is not None and failure.kind == "STEP_TIMEOUT"
+    assert failure.message.startswith("a checkpoint (state_dict()) ran for 11.0 ms")
+
+
+def test_a_setup_that_reaches_its_step_timeout_at_its_first_freeze_says_setup() -> None:
+    sim = Sim(step_timeout_ns=5 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (0, True, False)
+    _overrun(sim)
+    failure = sim.core.tasks["a"].failure
+    assert failure is not None and failure.message.startswith("setup() ran for 11.0 ms")
+
+
+def test_a_step_past_its_timeout_by_the_core_count_is_not_failed_when_the_freezes_board_shows_steps_done() -> None:
+    # The board showed steps finished in the grant it was frozen in: only that grant's time is stuck.
+    sim = Sim(step_timeout_ns=15 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (3, False, False)
+    _overrun(sim)
+    sim.advance_ms(5)
+    sim.boards["a"] = (5, False, False)
+    _overrun(sim)  # 22 ms of grants without a park, but steps finished in each: 11 ms stuck
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].health.stuck_ns == 11 * MS
+
+
+def test_a_step_whose_timeout_verdict_awaits_its_board_read_is_granted_nothing_until_then() -> None:
+    sim = Sim(step_timeout_ns=5 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()
+    sim.advance_ms(1)
+    actions = sim.core.on_event(Tick(), sim.now)  # the freeze, not yet answered by the loop's board read
+    assert of(actions, Freeze) == [Freeze("a")] and sim.core.tasks["a"].health.verdict_due
+    assert grants(sim.start(predicted_ms=10)) == []
+    sim.send(WorkerStepsSeen("a", 0, in_setup=True))
+    assert sim.state("a") == S.FAILED
+
+
+def test_a_board_read_that_clears_a_timeout_verdict_grants_the_open_bubble() -> None:
+    sim = Sim(step_timeout_ns=15 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (3, False, False)
+    _overrun(sim)
+    sim.advance_ms(5)
+    sim.start(predicted_ms=10)
+    sim.advance_ms(10)
+    sim.end()
+    sim.advance_ms(1)
+    sim.core.on_event(Tick(), sim.now)  # 22 ms counted: the verdict waits for the board
+    sim.start(predicted_ms=10)  # a bubble opens meanwhile: nobody may take it
+    assert sim.state("a") == S.FROZEN
+    actions = sim.send(WorkerStepsSeen("a", 5))  # steps done in that grant: 11 ms stuck, not 22
+    assert grants(actions) == ["a"]
 
 
 def test_a_long_setup_keeps_the_first_turn_until_it_finishes() -> None:

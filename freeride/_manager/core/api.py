@@ -231,7 +231,12 @@ class WorkerFailed:
 
 @dataclass(frozen=True)
 class WorkerStepsSeen:
-    """Steps the worker's current process has finished, read from its board (when it was frozen)."""
+    """Steps the worker's current process has finished, read from its board when it was frozen.
+
+    The loop answers every :class:`Freeze` of a worker with one, before anything else reaches the core: a
+    step that used up the step timeout at that freeze is judged on it (``StepHealth.verdict_due``).
+    ``steps_done`` -1: the worker has no board (its state directory refused one), nothing was read.
+    """
 
     task_id: str
     steps_done: int

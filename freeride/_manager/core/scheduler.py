@@ -443,7 +443,7 @@ class SchedulerCore:
         if freeze_at and now_ns >= freeze_at:
             self.overruns.disarm()
             for stuck in self.overruns.freeze_running(now_ns, out):
-                self.stopping.fail(stuck, stuck.health.stuck_failure(self.config.step_timeout_ns, stuck.steps), out)
+                stuck.health.verdict_due = True  # judged on this freeze's board read (_on_worker_steps_seen)
             # A bubble that opened while the frozen worker overran is free now: use what is left.
             self.grant_next(now_ns, out)
         if self.stopping.timers:
@@ -584,7 +584,15 @@ class SchedulerCore:
         task = self.tasks.get(event.task_id)
         if task is None or not task.state.is_resident:
             return
-        task.health.seen_on_board(event.steps_done, event.in_setup, event.in_checkpoint)
+        health = task.health
+        health.seen_on_board(event.steps_done, event.in_setup, event.in_checkpoint)
+        if not health.verdict_due:
+            return
+        health.verdict_due = False
+        if task.state is _FROZEN and not task.stopping and health.stuck_ns >= self.config.step_timeout_ns:
+            self.stopping.fail(task, health.stuck_failure(self.config.step_timeout_ns, task.steps), out)
+        elif self.bubbles.open is not None:
+            self.grant_next(now_ns, out)  # the board showed it stepping: it may take the open bubble
 
     def _on_worker_exited(self, event: WorkerExited, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)

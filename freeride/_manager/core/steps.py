@@ -34,6 +34,11 @@ class StepHealth:
     board_steps: int = 0  # steps its process had finished at the last reading of its board
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
+    #: Its step used up the step timeout of granted time at a freeze: it is failed, or not, on that freeze's
+    #: board read (``WorkerStepsSeen``), and granted nothing until then. Decided before the read, the failure
+    #: named what the board said at the freeze before (a hang in state_dict() at its first freeze read "one
+    #: step"), and counted as stuck the grants of steps the board then showed finished.
+    verdict_due: bool = False
 
     def _to(self, new: StepPhase) -> None:
         STEP.check(self.phase, new)
@@ -52,6 +57,7 @@ class StepHealth:
         """Its process is (re)started: no step finished yet. The granted time of a stuck step is kept."""
         self.hung_ns = self.hung_seen_ns = 0
         self.board_steps = 0
+        self.verdict_due = False
         self._to(StepPhase.FRESH)
 
     def finished_steps(self) -> None:
@@ -69,6 +75,8 @@ class StepHealth:
         steps, frozen mid-step at the end of grant after grant (its park never came before the freeze),
         used to add every such grant to one "stuck" step and was soon held as looking hung.
         """
+        if steps_done < 0:
+            return  # no board: nothing was read
         self.in_checkpoint = in_checkpoint
         if steps_done > self.board_steps:
             self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)

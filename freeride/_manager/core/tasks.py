@@ -160,9 +160,12 @@ class Tasks:
             yield from bucket.values()
 
     def grantable(self) -> Iterator[TaskRuntime]:
-        """The parked and the frozen tasks: who may be granted a bubble."""
+        """The parked and the frozen tasks: who may be granted a bubble (not a frozen step whose verdict on
+        the step timeout awaits its board read: ``StepHealth.verdict_due``)."""
         yield from self.parked.values()
-        yield from self.frozen.values()
+        for task in self.frozen.values():
+            if not task.health.verdict_due:
+                yield task
 
     def count_in(self, state: TaskState) -> int:
         return len(self.by_state[state])
