@@ -156,7 +156,12 @@ class Supervisor:
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
         board = handle.board
-        return [C.WorkerStepsSeen(task_id, board.steps_done(), board.step() < 0, board.doing() == DOING_CHECKPOINT)]
+        try:
+            return [C.WorkerStepsSeen(task_id, board.steps_done(), board.step() < 0,
+                                      board.doing() == DOING_CHECKPOINT)]
+        except (OSError, ValueError) as exc:  # a closed mapping: answered all the same, as nothing read
+            log.warning("[%s task=%s] its board could not be read at a freeze: %s", self.device, task_id, exc)
+            return [C.WorkerStepsSeen(task_id, -1)]
 
     def cpu_ns(self, task_id: str) -> int | None:
         """The worker process's CPU time so far (its own threads; not its children's); None without one."""

@@ -172,6 +172,12 @@ def test_a_frozen_worker_without_a_board_is_answered_with_nothing_read(rig: Rig)
     rig.sup.signal(TID, signal.SIGCONT)
 
 
+def test_a_frozen_worker_whose_board_cannot_be_read_is_answered_with_nothing_read(rig: Rig) -> None:
+    rig.board.close()
+    assert rig.sup.freeze(TID) == [C.WorkerStepsSeen(TID, -1)]
+    rig.sup.signal(TID, signal.SIGCONT)
+
+
 def test_a_message_to_a_worker_that_went_away_returns_what_it_said_before_it_closed(rig: Rig) -> None:
     # Regression: the channel was closed at once, unread: a worker that reported its failure and exited
     # just before a park (a bubble's end) reached it was recorded as exiting "without reporting an error".
