@@ -104,6 +104,26 @@ def construct_task(cls: type[SideTask], target: str, args: dict[str, Any]) -> Si
         raise ConfigError(f"{target} refused its arguments: {describe_error(exc)}") from None
 
 
+def estimate_memory(cls: type, target: str, task_args: dict[str, Any]) -> int | None:
+    """The class's ``estimate_memory(**task_args)``, its failures as one ConfigError line."""
+    try:
+        estimate = cls.estimate_memory(**task_args)  # type: ignore[attr-defined]
+    except TypeError as exc:
+        raise ConfigError(f"arguments do not fit {target}: {describe_error(exc)}") from None
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
+        raise ConfigError(f"{target}.estimate_memory raised {describe_error(exc)}") from None
+    return int(estimate) if estimate else None
+
+
+def check_target(target: str, task_args: dict[str, Any], search_path: str) -> int | None:
+    """Load ``target`` (``search_path`` first on the path), build it once with ``task_args`` and drop it:
+    what ``freeride submit`` checks of a task class. Its ``estimate_memory(**task_args)`` (None: none).
+    Raises TaskLoadError or ConfigError, in one line."""
+    cls = load_task_class(target, search_path=search_path)
+    construct_task(cls, target, task_args)
+    return estimate_memory(cls, target, task_args)
+
+
 def describe_error(exc: BaseException) -> str:
     """``Type: message`` of an exception from task code, whose ``str()`` may itself raise."""
     try:

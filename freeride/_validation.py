@@ -9,6 +9,7 @@ servicer converts its request at the protocol edge and calls :func:`validate_sub
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from freeride._loading import check_target_syntax
+from freeride._loading import check_target, check_target_syntax
 from freeride.errors import ConfigError, RequestRejected
 from freeride.messages import TaskSpec
 from freeride.units import format_size
@@ -174,6 +175,24 @@ def validate_submission(sub: Submission) -> TaskSpec:
 def validate_spec(spec: TaskSpec) -> TaskSpec:
     """:func:`validate_submission` of a spec built locally (its arguments encoded as a client sends them)."""
     return validate_submission(submission_of(spec))
+
+
+def checked_spec(spec: TaskSpec) -> TaskSpec:
+    """``spec`` checked in this process as ``freeride submit`` checks a submission
+    (``ControlClient.submit(check=True)``): its class loads (from ``working_dir`` first, else the current
+    directory), takes its arguments, and a cap of 0 becomes the class's memory estimate; then the manager's
+    own checks. The spec to send, with its cap and working directory filled in."""
+    working_dir = os.path.abspath(spec.working_dir or os.getcwd())
+    memory_bytes = spec.memory_bytes
+    if memory_bytes:
+        check_memory(memory_bytes)  # before the task's module is imported, which may take seconds
+    estimate = check_target(spec.target, dict(spec.args), working_dir) if spec.target else None
+    if not memory_bytes:
+        if not estimate:
+            what = "a command" if spec.command else f"{spec.target or 'a task'} has no memory estimate; it"
+            raise ConfigError(f"{what} needs a memory cap: set memory_bytes, e.g. 2 * 2**30")
+        memory_bytes = estimate
+    return validate_spec(dataclasses.replace(spec, memory_bytes=memory_bytes, working_dir=working_dir))
 
 
 def submission_of(spec: TaskSpec) -> Submission:

@@ -164,6 +164,17 @@ class SlowInit(Counter):
         time.sleep(init_s)
 
 
+class Estimated(Counter):
+    """Says how much memory it needs: ``mib`` MiB."""
+
+    def __init__(self, mib: int = 64, **kw: Any) -> None:
+        super().__init__(**kw)
+
+    @classmethod
+    def estimate_memory(cls, mib: int = 64, **kw: Any) -> int | None:
+        return mib * 2**20
+
+
 class _Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("str failed")

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from freeride._loading import construct_task, describe_error, load_task_class
+from freeride._loading import check_target
 from freeride._validation import check_memory, validate_spec
 from freeride.errors import ConfigError
 from freeride.messages import TaskSpec
@@ -98,17 +98,6 @@ class TaskCode:
             raise KeyboardInterrupt
 
 
-def estimate_memory(cls: type, target: str, task_args: dict[str, Any]) -> int | None:
-    """The class's ``estimate_memory(**task_args)``, its failures as one ConfigError line."""
-    try:
-        estimate = cls.estimate_memory(**task_args)  # type: ignore[attr-defined]
-    except TypeError as exc:
-        raise ConfigError(f"arguments do not fit {target}: {describe_error(exc)}") from None
-    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # task code: any exit is bad input
-        raise ConfigError(f"{target}.estimate_memory raised {describe_error(exc)}") from None
-    return int(estimate) if estimate else None
-
-
 def build_spec(args: argparse.Namespace) -> TaskSpec:
     """The submission, checked locally (see the module doc); raises ConfigError or RequestRejected."""
     task_args = parse_task_args(args.arg, args.args_json)
@@ -130,9 +119,7 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
             )
         target = args.words[0]
         with TaskCode():
-            cls = load_task_class(target, search_path=os.getcwd())
-            construct_task(cls, target, task_args)
-            estimate = estimate_memory(cls, target, task_args)
+            estimate = check_target(target, task_args, os.getcwd())
     if memory_bytes is None:
         if not estimate:
             what = "a command" if command else f"{target} has no memory estimate; it"

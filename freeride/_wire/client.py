@@ -132,7 +132,18 @@ class ControlClient:
         with map_rpc_errors(self.endpoint):
             return method(request, timeout=timeout_s or self._timeout_s, metadata=self._metadata)
 
-    def submit(self, spec: TaskSpec) -> TaskInfo:
+    def submit(self, spec: TaskSpec, check: bool = False) -> TaskInfo:
+        """Submit ``spec``; the manager checks what it can without importing user code (it never does).
+
+        ``check``: first check it in this process as ``freeride submit`` does: import its class (from
+        ``spec.working_dir``, else the current directory, first), build it once with its arguments and drop
+        it, and take its ``estimate_memory`` for a ``memory_bytes`` of 0. A bad target, argument or value
+        then raises :class:`TaskLoadError` or :class:`ConfigError` here, in one line, rather than failing
+        ``IMPORT`` or ``CONFIG`` in the worker later. It runs the task's module and constructor here."""
+        if check:
+            from freeride._validation import checked_spec
+
+            spec = checked_spec(spec)
         return codec.task_info_from_pb(self._call(self._stub.Submit, codec.spec_to_pb(spec)))
 
     def list(self, include_finished: bool = True) -> list[TaskInfo]:

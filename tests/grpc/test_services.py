@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -18,7 +20,14 @@ from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import ControlClient, health_status
 from freeride.endpoints import Endpoint
-from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, TaskNotFound, Unauthenticated
+from freeride.errors import (
+    ConfigError,
+    ManagerUnavailable,
+    RequestRejected,
+    TaskLoadError,
+    TaskNotFound,
+    Unauthenticated,
+)
 from freeride.messages import TaskSpec
 
 HOST_MEMORY = int(psutil.virtual_memory().total)
@@ -67,6 +76,34 @@ def test_client_maps_status_codes_to_the_error_tree(harness: ManagerHarness) -> 
         harness.client.get("nope-1")
     with pytest.raises(TaskNotFound):
         harness.client.cancel("nope-1")
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "message"),
+    [
+        (TaskSpec(target="sample_tasks:Counter", args={"step_mss": 1}, memory_bytes=2**26), ConfigError,
+         "'step_mss' (did you mean 'step_ms'?)"),
+        (TaskSpec(target="no_such_module:Task", memory_bytes=2**26), TaskLoadError, "unknown module"),
+        (TaskSpec(target="sample_tasks:Counter", memory_bytes=0), ConfigError, "needs a memory cap"),
+        (TaskSpec(target="sample_tasks:Counter", memory_bytes=5), RequestRejected, "below what a task can run in"),
+    ],
+)
+def test_a_client_submit_that_checks_refuses_a_bad_task_here_in_one_line_and_sends_nothing(
+    harness: ManagerHarness, spec: TaskSpec, error: type[Exception], message: str
+) -> None:
+    # Unchecked, the manager takes the first three (it never imports user code), and they fail in the worker.
+    spec = dataclasses.replace(spec, working_dir=str(TESTS_DIR))
+    with pytest.raises(error, match=re.escape(message)):
+        harness.client.submit(spec, check=True)
+    assert harness.client.list() == []
+
+
+def test_a_client_submit_that_checks_takes_the_class_memory_estimate_for_a_cap_of_zero(
+    harness: ManagerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(TESTS_DIR)
+    info = harness.client.submit(TaskSpec(target="sample_tasks:Estimated", args={"mib": 96}), check=True)
+    assert info.spec.memory_bytes == 96 * 2**20
 
 
 def test_submit_then_get_list_and_cancel_round_trip(harness: ManagerHarness) -> None:

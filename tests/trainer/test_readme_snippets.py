@@ -36,3 +36,22 @@ def test_the_snippet_harness_finds_exactly_the_marked_block(tmp_path: Path) -> N
     with pytest.raises(AssertionError, match="0 blocks marked"):
         snippet("c", doc)
     assert README.exists()
+
+
+def test_the_python_client_snippet_submits_a_checked_task_to_the_devices_manager(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    device = cpu_devices(1)[0]
+    code = snippet("python-client")
+    assert code.count('"cuda:0"') == 1
+    script = tmp_path / "submit.py"
+    script.write_text(code.replace('"cuda:0"', repr(device)))
+    with managers([device], tmp_path / "state") as running:
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=running.env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        with running.client(device) as client:
+            [task] = client.list()
+    assert done.stdout.split()[0] == task.task_id == "pagerank-1"
+    assert task.spec.memory_bytes == 2**30 and task.spec.args == {"graph": "rmat:12"}
