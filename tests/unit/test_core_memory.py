@@ -212,6 +212,41 @@ def test_running_tasks_are_not_evicted() -> None:
     assert of(sim.free(100), Stop) == []
 
 
+def _frozen(sim: Sim, task_id: str) -> None:
+    """Grant ``task_id`` a 10 ms bubble and let its step run past the end and the grace: frozen."""
+    sim.start(predicted_ms=10)
+    assert sim.state(task_id) == S.RUNNING
+    sim.advance_ms(10)
+    sim.end()
+    sim.advance_ms(5)
+    sim.tick()
+    assert sim.state(task_id) == S.FROZEN
+
+
+def test_a_frozen_task_is_killed_when_evicting_the_parked_ones_leaves_the_budget_short_and_is_placed_again() -> None:
+    # A frozen step held its memory until it finished or failed, however little the trainer left.
+    sim = Sim(grace_ns=1_000_000)
+    sim.resident("frozen", mem_mib=400, priority=1)
+    sim.resident("parked", mem_mib=300)
+    _frozen(sim, "frozen")
+    actions = sim.free(100)  # 700 held, 100 available: both must go
+    assert of(actions, Stop) == [Stop("parked", checkpoint=True)]
+    assert of(actions, Kill) == [Kill("frozen")]
+    changes = of(sim.exited("frozen", exit_code=None, sig=signal.SIGKILL), StateChanged)
+    assert [(c.old, c.new) for c in changes] == [(S.FROZEN, S.EVICTED), (S.EVICTED, S.SUBMITTED)]
+    assert sim.core.tasks["frozen"].failure is None and sim.core.tasks["frozen"].restarts == 1
+
+
+def test_a_frozen_task_keeps_running_when_evicting_parked_tasks_is_enough() -> None:
+    sim = Sim(grace_ns=1_000_000)
+    sim.resident("frozen", mem_mib=400, priority=1)
+    sim.resident("parked", mem_mib=300)
+    _frozen(sim, "frozen")
+    actions = sim.free(450)  # 700 held, 450 available: the parked one's 300 is enough
+    assert of(actions, Stop) == [Stop("parked", checkpoint=True)] and of(actions, Kill) == []
+    assert sim.state("frozen") == S.FROZEN
+
+
 def test_task_memory_over_its_cap_fails_with_memory_limit_and_is_killed() -> None:
     sim = Sim()
     sim.resident("a", mem_mib=100)

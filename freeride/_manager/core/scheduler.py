@@ -673,6 +673,17 @@ class SchedulerCore:
         for task in victims((t for t in self._tasks.parked.values() if not t.stopping), budget):
             out.append(Note(NoteLevel.INFO, "evicting: device memory budget shrank", task.task_id))
             self.stopping.stop(task, StopPhase.EVICT, now_ns, out, checkpoint=True)
+            budget += task.memory_bytes
+        if budget >= 0:
+            return
+        # Frozen steps hold their memory too. One cannot checkpoint without first running to its step's end, on
+        # the device and in training's time, which is what the shrunken budget says training needs: it is
+        # killed, and restarts from its last checkpoint once memory fits again. Kept, a frozen task held
+        # its memory until its step finished or failed, however short the trainer ran.
+        for task in victims((t for t in self._tasks.frozen.values() if not t.stopping), budget):
+            out.append(Note(NoteLevel.WARNING, "evicting a frozen step: device memory budget shrank; killed (it "
+                                               "restarts from its last checkpoint)", task.task_id))
+            self.stopping.stop(task, StopPhase.EVICT, now_ns, out, checkpoint=False, kill=True)
 
     # ------------------------------------------------------------------ stopping tasks
 

@@ -47,11 +47,14 @@ class Stopping:
         out.append(Kill(task.task_id))
         self._tasks.move(task, TaskState.FAILED, failure.kind, out, failure=failure)
 
-    def stop(self, task: TaskRuntime, why: StopPhase, now_ns: int, out: list[Action], checkpoint: bool) -> None:
+    def stop(self, task: TaskRuntime, why: StopPhase, now_ns: int, out: list[Action], checkpoint: bool,
+             kill: bool = False) -> None:
+        """Ask ``task``'s worker to (checkpoint and) exit, killed past the stop timeout; killed at once if it
+        is still starting or ``kill`` (it loses the work since its last checkpoint)."""
         task.stop_for(why)
         task.stop_deadline_ns = now_ns + self._timeout_ns
         self.timers[task.task_id] = task
-        if task.state == TaskState.STARTING:
+        if task.state == TaskState.STARTING or kill:
             out.append(Kill(task.task_id))
             return
         out.append(Stop(task.task_id, checkpoint=checkpoint))
