@@ -20,7 +20,9 @@ state directory on a shared file system is never shared by two nodes. ``--queue`
 
 1. One ``freeride manager --device D`` child per device, each in its own session and set to receive
    SIGTERM when this process dies (``PR_SET_PDEATHSIG``), its output in ``<log dir>/manager-<D>.log``.
-   A device whose default endpoint already has a SERVING manager is used as is and left running.
+   A device whose default endpoint already has a SERVING manager is used as is and left running,
+   unless this launch was given options for its managers (``--queue``, ``--checkpoint-dir``,
+   ``--state-dir``, ``--manager-arg``), which that manager was started without: then it is refused.
 2. Wait until every manager's health check says SERVING (``--ready-timeout-s``); a manager that exits
    or stays unready fails the launch with its log's tail, before the command starts.
 3. Run the command as an argument list (no shell) in its own process group; SIGINT and SIGTERM
@@ -58,6 +60,8 @@ from freeride.errors import ConfigError, FreerideError, ManagerUnavailable
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+#: A manager's exit code for bad input (``freeride.cli.EXIT_BAD_INPUT``; the CLI's layer is above this one).
+_MANAGER_BAD_INPUT = 2
 
 
 def register(subparsers: Any) -> None:
@@ -127,18 +131,25 @@ def _serving(endpoint: Endpoint) -> bool:
 
 def start_managers(
     devices: Sequence[str], state_dir: Path | None, log_dir: Path, extra_args: Sequence[str],
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, configured: Sequence[str] = (),
 ) -> list[ManagedManager]:
     """Start a manager child for each device that has none serving yet (``state_dir``: their parent).
 
     ``env`` is the managers' environment (default: this process's); they listen on the default
     endpoints of its runtime directory (``$XDG_RUNTIME_DIR``), where a job run in the same
-    environment finds them.
+    environment finds them. ``configured``: the options given for the managers (``--queue``, ...): a
+    manager found serving was started without them, so it is refused rather than used (a node whose
+    stray manager never joined the queue harvested nothing for the cluster, and nothing said so).
     """
     started: list[ManagedManager] = []
     for device in devices:
         endpoint = default_endpoint(device, environ=env)
         if _serving(endpoint):
+            if configured:
+                raise ConfigError(
+                    f"a manager already serves {device} at {endpoint}, started without this launch's "
+                    f"{', '.join(configured)}: stop it first (freeride drain --device {device}, then SIGTERM "
+                    "it), or launch without those options to use it as it is")
             log.warning("a manager already serves %s at %s: using it, and leaving it running", device, endpoint)
             started.append(ManagedManager(device, endpoint, None, None))
             continue
@@ -164,7 +175,9 @@ def wait_ready(managers: Sequence[ManagedManager], timeout_s: float) -> None:
     while pending:
         for m in list(pending):
             if m.proc is not None and m.proc.poll() is not None:
-                raise FreerideError(
+                # Its own bad input (an unknown device, a malformed option) is the launch's: exit 2 as well.
+                error = ConfigError if m.proc.returncode == _MANAGER_BAD_INPUT else FreerideError
+                raise error(
                     f"the manager for {m.device} exited with code {m.proc.returncode} before serving; "
                     f"its log ({m.log_path}) ends with:\n{m.log_tail()}"
                 )
@@ -525,16 +538,19 @@ def run(args: argparse.Namespace) -> int:
     made_log_dir = not args.log_dir and state_dir is None
     log_dir.mkdir(parents=True, exist_ok=True)
 
+    configured = [name for name, given in (("--queue", args.queue), ("--checkpoint-dir", args.checkpoint_dir),
+                                           ("--state-dir", args.state_dir), ("--manager-arg", args.manager_arg))
+                  if given]
     managers: list[ManagedManager] = []
     try:
-        managers = start_managers(devices, state_dir, log_dir, extra)
+        managers = start_managers(devices, state_dir, log_dir, extra, configured=configured)
         wait_ready(managers, args.ready_timeout_s)
-        print(
-            f"freeride launch: managers serving {', '.join(devices)} (logs in {log_dir}); running: "
-            + " ".join(command),
-            file=sys.stderr,
-            flush=True,
-        )
+        ours = [m.device for m in managers if m.proc is not None]
+        found = [m.device for m in managers if m.proc is None]
+        serving = (f"managers serving {', '.join(ours)} (logs in {log_dir})" if ours else "")
+        if found:
+            serving += ("; " if serving else "") + f"using the managers already serving {', '.join(found)}"
+        print(f"freeride launch: {serving}; running: " + " ".join(command), file=sys.stderr, flush=True)
         return run_command(command)
     finally:
         for line in summary_lines(managers):

@@ -96,7 +96,7 @@ def test_launch_fails_clearly_when_a_manager_cannot_start(runtime: Path) -> None
         runtime, "--devices", device, "--manager-arg=--headroom=lots", "--ready-timeout-s", "20", "--",
         sys.executable, "-c", f"open({str(marker)!r}, 'w')",
     )
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # the manager's bad input is the launch's
     assert f"manager for {device} exited" in proc.stderr
     assert not marker.exists()  # the command never ran
     _no_managers_left(runtime)
@@ -114,6 +114,26 @@ def test_launch_with_every_manager_already_serving_uses_them_and_leaves_no_log_d
         assert "already serves" in proc.stderr
         assert not list(runtime_dir(environ=env).glob("launch-*")), "an empty log directory was left behind"
         assert health_status(manager.endpoint) == "SERVING"  # left running: it is not launch's
+    finally:
+        manager.stop()
+
+
+def test_launch_given_manager_options_refuses_a_manager_already_serving_that_was_started_without_them(
+    runtime: Path,
+) -> None:
+    # A stranger's stray manager was used as is: the node never joined the queue, and nothing said so.
+    device = cpu_devices(1)[0]
+    marker = runtime / "ran"
+    manager = Manager(device, endpoint=default_endpoint(device, environ=_env(runtime)), state_dir=runtime / "theirs")
+    manager.start()
+    try:
+        proc = _launch(runtime, "--devices", device, "--manager-arg=--grace-ms=1", "--",
+                       sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"a manager already serves {device}" in proc.stderr
+        assert "started without this launch's --state-dir, --manager-arg: stop it first" in proc.stderr
+        assert not marker.exists()
+        assert health_status(manager.endpoint) == "SERVING"  # not launch's to stop
     finally:
         manager.stop()
 
