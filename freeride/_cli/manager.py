@@ -6,7 +6,7 @@
                      [--policy freeride|paper [--paper-profile FILE]] [--autogroup-nice N]
                      [--metrics-port N [--metrics-address 127.0.0.1]]
                      [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
-                      [--queue-hold-ms 5000] [--node NAME]]
+                      [--queue-hold-ms 5000] [--queue-spread-ms 1000] [--node NAME]]
 
 It serves until SIGTERM or SIGINT, then parks and checkpoints every task and exits 0 (a SIGINT
 meanwhile stops at once; a second SIGTERM changes nothing). Bad options exit 2 with one line; a TCP
@@ -165,6 +165,9 @@ def register(subparsers: Any) -> None:
     queue.add_argument("--queue-hold-ms", type=float, default=5_000.0,
                        help="a claimed task still waiting for memory after this long goes back to the queue "
                        "(default %(default)s)")
+    queue.add_argument("--queue-spread-ms", type=float, default=1_000.0,
+                       help="after a claim, a manager holding n queue tasks claims its next only n times this "
+                       "later, leaving it to managers that hold fewer (default %(default)s; 0: claim at once)")
     queue.add_argument("--node", default=None,
                        help="this host's name in the queue and in a trainer's stage map (default: the host name)")
     parser.set_defaults(func=run)
@@ -187,6 +190,7 @@ def queue_config(args: argparse.Namespace) -> Any:
         lease_ms=args.queue_lease_ms,
         poll_ms=args.queue_poll_ms,
         hold_ms=args.queue_hold_ms,
+        spread_ms=args.queue_spread_ms,
     )
 
 

@@ -26,7 +26,9 @@ Each poll (``poll_ms``), in this order:
    contact with it for a whole lease (the contact clock, :mod:`~freeride._cluster.scripts`): after a
    restart of Redis, or an outage every manager saw, every live holder renews before anyone takes its
    silence for death.
-6. **Claim**: peek at the waiting room; set aside what cannot be read there; rank what
+6. **Claim**: peek at the waiting room; set aside what cannot be read there; unless this manager claimed
+   less than ``spread_ms`` times the cluster tasks it holds ago (a device runs one task at a time: a
+   manager holding fewer takes the next one first), rank what
    :mod:`~freeride._cluster.placement` says this manager can place, claim the first it can (atomically;
    another manager may have been faster, then the next), read the whole record (unreadable: set aside,
    never run), validate its spec with the same function as ``Submit``, and post it to the loop. A few per
@@ -45,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import threading
@@ -92,6 +95,10 @@ class QueueConfig:
     poll_ms: float = 200.0
     #: A claimed task still waiting for memory here after this long is handed back.
     hold_ms: float = 5_000.0
+    #: After a claim, a manager holding n cluster tasks claims its next only n times this later: a manager
+    #: with fewer tasks (one whose device saw its first bubble a moment later) takes the next one first.
+    #: Bubble time, not memory, is what a device runs short of: a device runs one task at a time.
+    spread_ms: float = 1_000.0
     backoff_max_ms: float = 5_000.0
     #: How long a stopping manager keeps trying to hand its tasks back before their leases do it.
     flush_timeout_ms: float = 5_000.0
@@ -105,6 +112,8 @@ class QueueConfig:
         for name in ("hold_ms", "backoff_max_ms", "flush_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"queue {name} must be > 0")
+        if not 0 <= self.spread_ms < float("inf"):
+            raise ConfigError(f"queue spread_ms must be a finite number >= 0, got {self.spread_ms}")
 
     @classmethod
     def from_text(cls, url: str, checkpoint_dir: str | Path, **kw: Any) -> QueueConfig:
@@ -175,6 +184,7 @@ class QueueAgent:
         self._waiting_since: dict[str, float] = {}
         self._connected_at: float | None = None
         self._next_heartbeat = 0.0
+        self._claimed_at = -math.inf  # when it last claimed (``QueueConfig.spread_ms``)
         self._in_grace = False
         self.counters: dict[str, int] = collections.Counter()
         self.last_error = ""
@@ -307,6 +317,7 @@ class QueueAgent:
         for _ in range(CLAIMS_PER_POLL):
             if self._stopping.is_set() or not self._claim_one(view):
                 break
+            self._claimed_at = time.monotonic()
             view = self._view()
             if view is None:
                 break
@@ -442,7 +453,7 @@ class QueueAgent:
             if self._queue.set_aside(raw_id, why, time.time()):
                 self.counters["set_aside"] += 1
                 log.warning("[%s] set aside queue record %r: %s", self.where, raw_id, why)
-        if placement.closed_reason(view.capacity) is not None:
+        if placement.closed_reason(view.capacity) is not None or self._spreading():
             return False
         here = set(self._held) | self._leaving | {s.task_id for s in view.tasks}
         claim = self._first_claim([c for c in peek.candidates if c.task_id not in here], view.capacity)
@@ -463,6 +474,11 @@ class QueueAgent:
                  claim.record.restarts)
         self.loop.post(claimed)
         return True
+
+    def _spreading(self) -> bool:
+        """It claimed less than ``spread_ms`` times the tasks it holds ago: the more it holds, the longer it
+        leaves the next task to managers holding fewer (a device runs one task at a time)."""
+        return time.monotonic() < self._claimed_at + len(self._held) * self.config.spread_ms / 1000
 
     def _first_claim(self, candidates: list[Any], capacity: Any) -> Any:
         """Claim the first task this manager can place, in placement's order; the claim, or None."""

@@ -94,6 +94,27 @@ def test_a_task_is_claimed_by_the_manager_that_can_place_it_and_a_drain_hands_it
     queue.close()
 
 
+def test_queue_tasks_spread_over_the_managers_rather_than_all_going_to_the_first_that_saw_a_bubble(
+    tmp_path: Path, redis_server: RedisServer, nodes: list[Node]
+) -> None:
+    # A stranger's two managers: the first to see a bubble claimed all four tasks, the other device's bubbles
+    # went unused. One task per claim, and the next only a spread later for each task already held.
+    device = node_devices(1)[0]
+    first = start_node(tmp_path, "first", device, redis_server.url, tmp_path / "ckpt", spread_ms=5_000.0)
+    later = start_node(tmp_path, "later", device, redis_server.url, tmp_path / "ckpt", spread_ms=5_000.0)
+    nodes += [first, later]
+    queue = Queue(redis_server.url)
+    ids = [cluster.submit(redis_server.url, _counter(f"t{i}", memory_mib=64)).task_id for i in range(4)]
+    first.train(free_mib=2000)
+    wait_for(lambda: any(queue.record(t).device == first.where for t in ids), 30)
+    assert sorted(queue.record(t).state for t in ids)[1:] == ["QUEUED"] * 3  # it left the rest a while
+    later.train(free_mib=2000)  # its device's bubbles start a moment later
+    wait_for(lambda: all(queue.record(t).device for t in ids), 60)
+    held = [queue.record(t).device for t in ids]
+    assert sorted(held) == sorted([first.where] * 2 + [later.where] * 2), held
+    queue.close()
+
+
 def test_kill_9_of_a_manager_its_task_is_reclaimed_after_the_lease_and_resumes_from_its_checkpoint(
     tmp_path: Path, redis_server: RedisServer, nodes: list[Node]
 ) -> None:

@@ -108,7 +108,7 @@ def _status(task_id: str, state: str = "PARKED") -> TaskRecord:
 
 
 def _agent(queue: FakeQueue, loop: FakeLoop, **kw: Any) -> QueueAgent:
-    options: dict[str, Any] = {"lease_ms": 900, "poll_ms": 50.0}
+    options: dict[str, Any] = {"lease_ms": 900, "poll_ms": 50.0, "spread_ms": 0.0}
     options.update(kw)
     config = QueueConfig(parse_queue_url("unix:///nowhere/redis.sock"), Path("/ckpt"), **options)
     agent = QueueAgent(loop, config, "cpu:0", "n1", queue_factory=lambda url: queue)
@@ -132,6 +132,33 @@ def test_it_claims_what_fits_and_posts_it_to_the_loop_with_its_record() -> None:
     # The record names no checkpoint file (its step alone cannot be resumed from): the task starts afresh.
     assert (claimed.checkpoint_step, claimed.restarts, claimed.step_p95_ms, claimed.state) == (-1, 1, 2.5, "CLAIMED")
     assert ("claim", "big-q1") not in queue.calls
+
+
+def test_after_a_claim_it_leaves_the_next_task_to_managers_holding_fewer_until_its_spread_has_passed() -> None:
+    # A stranger's two queue managers: the first to see a bubble claimed all four tasks, the other device none.
+    queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1), Candidate("b-q2", MiB, 0, 2)],
+                      records={"a-q1": _record("a-q1"), "b-q2": _record("b-q2")})
+    loop = FakeLoop()
+    agent = _agent(queue, loop, spread_ms=60_000.0)
+    agent._poll()
+    agent._poll()
+    assert [c.task_id for c in loop.posted if isinstance(c, ClaimedTask)] == ["a-q1"]
+    assert "waiting" in _names(queue)  # it still peeks: the depth, and setting aside what cannot be read
+    agent._claimed_at -= 60.0  # a spread later (one task held)
+    agent._poll()
+    assert [c.task_id for c in loop.posted if isinstance(c, ClaimedTask)] == ["a-q1", "b-q2"]
+
+
+def test_a_manager_whose_tasks_all_ended_claims_at_once() -> None:
+    queue = FakeQueue(waiting_tasks=[Candidate("a-q1", MiB, 0, 1)], records={"a-q1": _record("a-q1")})
+    loop = FakeLoop()
+    agent = _agent(queue, loop, spread_ms=60_000.0)
+    agent._poll()
+    loop.queue_notes(QueueNote("ended", _status("a-q1", "FINISHED"), "done"))
+    queue.waiting_tasks = [Candidate("b-q2", MiB, 0, 2)]
+    queue.records["b-q2"] = _record("b-q2")
+    agent._poll()
+    assert [c.task_id for c in loop.posted if isinstance(c, ClaimedTask)] == ["a-q1", "b-q2"]
 
 
 def test_it_claims_nothing_while_a_task_here_waits_for_memory() -> None:
