@@ -2,9 +2,10 @@
 
 A checkpoint is ``<checkpoint dir>/ckpt-<step>.pt``, written to a temporary file, fsynced and
 renamed (and the directory fsynced), so a reader only ever sees whole files; the newest
-:data:`CHECKPOINTS_KEPT` are kept. The worker writes and restores them; the manager, at a restart
-or a claim from the cluster queue, looks for a file newer than the one it recorded (it may have
-died between the worker writing a file and recording it).
+:data:`CHECKPOINTS_KEPT` are kept, and the temporary files of writers killed mid-write (as large as
+the state: a 160 MB one outlived a manager's kill -9) go at the next write. The worker writes and
+restores them; the manager, at a restart or a claim from the cluster queue, looks for a file newer
+than the one it recorded (it may have died between the worker writing a file and recording it).
 
 The contents are ``{"format": 1, "task_id", "steps", "state"}``: written with ``torch.save`` when
 the task imported torch (its state may hold tensors), else with pickle, so a torch-free task never
@@ -95,7 +96,8 @@ def write(directory: Path, task_id: str, steps: int, state: Any) -> Path:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
-    for old in checkpoint_files(directory)[CHECKPOINTS_KEPT:]:
+    stale = [p for p in directory.glob("ckpt-*.tmp") if 0 <= step_of(p) <= steps]  # a killed writer's halves
+    for old in checkpoint_files(directory)[CHECKPOINTS_KEPT:] + stale:
         with contextlib.suppress(OSError):
             old.unlink(missing_ok=True)
     return path

@@ -75,7 +75,7 @@ FAULTS = [
     # (A failure decided at a freeze names what the board said at the freeze before: a longer timeout leaves
     # several freezes inside the hang even where a loaded machine starves the worker at first.)
     Fault("hangs-in-its-checkpoint", "sample_tasks:CheckpointHanger", kind="STEP_TIMEOUT",
-          says="a checkpoint (state_dict())", core={"step_timeout_ns": 1500 * MS},
+          says="a checkpoint (state_dict() and its write)", core={"step_timeout_ns": 1500 * MS},
           spec={"checkpoint_interval_s": 0.05}),
     Fault("allocates-past-its-cap", "sample_tasks:MemoryHog", {"mib_per_step": 256}, kind="MEMORY_LIMIT",
           says="over its cap of 200 MiB", memory_mib=200),

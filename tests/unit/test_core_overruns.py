@@ -355,7 +355,21 @@ def test_a_step_timeout_reached_at_a_freeze_names_what_that_freezes_board_read_s
     _overrun(sim)
     failure = sim.core.tasks["a"].failure
     assert sim.state("a") == S.FAILED and failure is not None and failure.kind == "STEP_TIMEOUT"
-    assert failure.message.startswith("a checkpoint (state_dict()) ran for 11.0 ms")
+    assert failure.message.startswith("a checkpoint (state_dict() and its write) ran for 11.0 ms")
+
+
+def test_a_task_frozen_in_its_checkpoint_is_said_to_wait_in_its_checkpoint_not_in_a_step() -> None:
+    # A 160 MB state written across bubbles read "frozen in a step that looks hung".
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (1, False, True)
+    _overrun(sim)
+    assert sim.core.waiting_reason(sim.core.tasks["a"]).startswith(
+        "frozen in a checkpoint (state_dict() and its write) after overrunning a bubble")
+    sim.boards["a"] = (1, False, False)
+    sim.advance_ms(5)
+    _overrun(sim)
+    assert sim.core.waiting_reason(sim.core.tasks["a"]).startswith("frozen in a step after overrunning a bubble")
 
 
 def test_a_setup_that_reaches_its_step_timeout_at_its_first_freeze_says_setup() -> None:

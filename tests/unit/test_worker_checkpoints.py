@@ -114,3 +114,13 @@ def test_regression_overdue_checkpoint_is_written_although_its_estimate_fits_no_
     assert [p.name for p in checkpoint_files(checkpoints)] == ["ckpt-5.pt"]
     assert [type(m) for m in messages(manager)] == [Checkpointed]
     assert isinstance(rt.checkpoint_estimator, StepEstimator) and rt.checkpoint_estimator.count == 1
+
+
+def test_a_killed_writers_temporary_checkpoint_goes_at_the_next_write_and_a_newer_ones_stays(tmp_path: Path) -> None:
+    # A manager killed with -9 mid-checkpoint left a 160 MB ckpt-393.tmp behind for good.
+    from freeride._checkpoints import write
+
+    (tmp_path / "ckpt-393.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "ckpt-900.tmp").write_bytes(b"someone's newer one, being written")
+    write(tmp_path, "t-1", 400, {"x": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-400.pt", "ckpt-900.tmp"]

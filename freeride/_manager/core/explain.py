@@ -74,9 +74,12 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
     if task.state == TaskState.FROZEN:
         if task.health.in_setup:
             return "frozen in setup() after overrunning a bubble; resumes at its next grant"
+        # What its board said at the freeze: a slow checkpoint (a large state written across bubbles) read as
+        # a hung step.
+        what = "a checkpoint (state_dict() and its write)" if task.health.in_checkpoint else "a step"
         if task.health.hung_seen_ns:
-            return ("frozen in a step that looks hung (more granted time than two of the longest bubbles and than "
+            return (f"frozen in {what} that looks hung (more granted time than two of the longest bubbles and than "
                     f"{HUNG_STEPS} of its step estimate); thawed every other bubble until it finishes, or fails once "
                     "it has looked hung for its step timeout while the trainer makes bubbles")
-        return "frozen mid-step after overrunning a bubble; resumes at its next grant"
+        return f"frozen in {what} after overrunning a bubble; resumes at its next grant"
     return ""

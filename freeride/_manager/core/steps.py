@@ -135,7 +135,7 @@ class StepHealth:
     @property
     def _what(self) -> str:
         """What its process was in when it was last frozen: a checkpoint, or a step."""
-        return "a checkpoint (state_dict())" if self.in_checkpoint else "one step"
+        return "a checkpoint (state_dict() and its write)" if self.in_checkpoint else "one step"
 
     def hung_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         return FailureRecord(
