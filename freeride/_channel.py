@@ -354,7 +354,11 @@ def encode(message: Message) -> bytes:
     data: dict[str, Any] = {"t": message.TAG}
     for attr, key in _KEYS[type(message)]:
         data[key] = getattr(message, attr)
-    return json.dumps(data, separators=(",", ":")).encode()
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this protocol carries")
 
 
 def decode(data: bytes, accepted: tuple[type[Any], ...]) -> Message:
@@ -365,7 +369,9 @@ def decode(data: bytes, accepted: tuple[type[Any], ...]) -> Message:
     Fields not named by the message class are ignored (a newer peer may add some).
     """
     try:
-        raw = json.loads(data)
+        # NaN and the infinities are no JSON: a NaN progress reached the manager's store, which refused it
+        # and took the manager down.
+        raw = json.loads(data, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # not JSON, an integer of 4,300+ digits, nesting too deep
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {_shown(str(exc))}") from None
     if type(raw) is not dict or type(raw.get("t")) is not str:

@@ -175,6 +175,13 @@ class Estimated(Counter):
         return mib * 2**20
 
 
+class NaNProgress(Counter):
+    """Its ``progress()`` is NaN."""
+
+    def progress(self) -> float:
+        return float("nan")
+
+
 class _Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("str failed")

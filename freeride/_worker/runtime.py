@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import signal
 import socket
@@ -281,12 +282,20 @@ class WorkerRuntime:
         return str(getattr(self.task, "progress_unit", "steps"))
 
     def _progress(self) -> float:
+        """The task's ``progress()`` as a finite number (None: the steps done); anything else fails the task.
+
+        A NaN went into the manager's store, which refused it, and took the manager of every task on the
+        device down with it (the channel now refuses one too)."""
         assert self.task is not None
+        value: object = None
         try:
             value = self.task.progress()
+            progress = float(self.steps if value is None else value)  # type: ignore[arg-type,unused-ignore]
+            if not math.isfinite(progress):
+                raise ValueError(f"progress() returned {value!r}: it must be a finite number")
         except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "progress()", exc) from exc
-        return float(self.steps if value is None else value)
+        return progress
 
     # ------------------------------------------------------------------ grants
 
@@ -613,8 +622,7 @@ class WorkerRuntime:
         progress = float(self.steps)
         if self.task is not None and self.setup_done:
             with contextlib.suppress(Exception):  # a broken task's progress() is no reason to lose the record
-                value = self.task.progress()
-                progress = float(self.steps if value is None else value)
+                progress = self._progress()
         try:
             self.chan.send(Failed(
                 kind=err.kind,

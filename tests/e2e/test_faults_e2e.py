@@ -93,7 +93,11 @@ FAULTS = [
           ("a-message-without-a-field", '{"t":"finished","progress":1.0}', "'total_steps' is missing"),
           ("an-unknown-message", '{"t":"reboot"}', "unknown message type 'reboot'"),
           ("a-managers-message", '{"t":"grant","g":1,"deadline_ns":1,"margin_ns":0}', "not one this peer may send"),
+          # A stranger's NaN progress reached the store, which refused it and took the manager down.
+          ("a-nan", '{"t":"finished","total_steps":1,"progress":NaN}', "NaN is not a number"),
       ]),
+    Fault("reports-a-nan-progress", "sample_tasks:NaNProgress", kind="EXCEPTION",
+          says="progress() returned nan: it must be a finite number"),
     Fault("unserialisable-checkpoint", "sample_tasks:UnpicklableState", kind="CHECKPOINT", says="cannot pickle",
           spec={"checkpoint_interval_s": 0.05}),
     Fault("crashes-with-a-child-running", "sample_tasks:SpawnThenCrash", {"crash_at": 5}, kind="EXCEPTION",

@@ -119,6 +119,8 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("a byte count past 2**63", b'{"t": "ready", "pid": 1, "baseline_bytes": 9223372036854775808}',
      "expected a byte count"),
     ("a manager's message", b'{"t": "park", "g": 1}', "'park' message is not one this peer may send"),
+    ("a NaN", b'{"t": "finished", "total_steps": 1, "progress": NaN}', "NaN is not a number this protocol"),
+    ("an infinity", b'{"t": "finished", "total_steps": 1, "progress": -Infinity}', "-Infinity is not a number"),
 ]
 
 
