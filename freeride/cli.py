@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import re
@@ -106,7 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except FreerideError as exc:
         print(f"freeride: error: {exc}", file=sys.stderr)
-        return exit_code_for(exc)
+        code = exit_code_for(exc)
+        if getattr(args, "json", False):
+            # A script reading the JSON finds the error there too, not an empty stdout.
+            print(json.dumps({"error": str(exc), "exit_code": code}))
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

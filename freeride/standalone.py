@@ -46,7 +46,7 @@ from typing import Any
 import psutil
 
 from freeride import measure
-from freeride._loading import check_target_syntax, construct_task, load_task_class
+from freeride._loading import check_target_syntax, construct_task, estimate_memory, load_task_class
 from freeride._task_process import enter_worker_environment, pin_to_core, prepare_process
 from freeride.devices import (
     Device,
@@ -79,14 +79,15 @@ class MemoryLimitExceeded(Exception):
 class TaskRunError(FreerideError):
     """The task itself raised in ``setup`` or ``step``; carries where and the traceback.
 
-    Raised as a record, not a traceback: ``phase`` is ``"setup"`` or ``"step"``, ``step`` the
-    0-based index of the failing step, ``traceback_text`` the formatted traceback.
+    Raised as a record, not a traceback: ``phase`` is ``"setup"``, ``"step"``, ``"done()"`` or
+    ``"progress()"``, ``step`` the 0-based index of the failing step (or of the next one),
+    ``traceback_text`` the formatted traceback.
     """
 
     def __init__(self, target: str, phase: str, step: int, exc: BaseException) -> None:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-        at = "setup" if phase == "setup" else f"step {step}"
+        at = f"step {step}" if phase == "step" else phase
         super().__init__(f"{target} failed in {at}: {type(exc).__name__}: {exc}{where}")
         self.phase = phase
         self.step = step
@@ -233,13 +234,11 @@ def _check_limit(probe: MemoryProbe, limit: int, target: str, phase: str, step: 
         raise TaskRunError(target, phase, step, exc)
 
 
-def _default_limit(cls: type[SideTask], args: dict[str, Any], device: Device) -> int:
-    try:
-        estimate = cls.estimate_memory(**args)
-    except (TypeError, ValueError) as exc:
-        log.warning("%s.estimate_memory failed (%s); using the device's free memory", cls.__name__, exc)
-        estimate = None
-    return int(estimate) if estimate else int(device.free_memory_bytes())
+def _default_limit(cls: type[SideTask], target: str, args: dict[str, Any], device: Device) -> int:
+    """The task's ``estimate_memory(**args)``, else the device's free memory; a raising estimate is a
+    ConfigError worded as ``freeride submit`` words it (it escaped as a traceback)."""
+    estimate = estimate_memory(cls, target, args)
+    return estimate if estimate else int(device.free_memory_bytes())
 
 
 def run_standalone(
@@ -294,7 +293,7 @@ def run_standalone(
             enter_worker_environment(dev, memory_limit_bytes or dev.free_memory_bytes())
             pin_to_core(name)
         cls = load_task_class(target, search_path=search_path)
-        limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, args, dev)
+        limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, target, args, dev)
         if limit <= 0:
             raise ConfigError(f"memory limit must be positive, got {limit}")
         if prepare_device:
@@ -318,6 +317,18 @@ def run_standalone(
         pinned = name.kind == "cpu" and os.sched_getaffinity(0) == {name.index}
         load = CoreLoad.of(name) if prepare_device or pinned else None
         return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps, load)
+
+
+#: What task code may raise that is its failure, not this process's: ``sys.exit()`` in a step ended ``run-task``
+#: silently, with the task's exit code as its own (0, or 3: "no manager"). A Ctrl-C stays the user's.
+_TASK_ERRORS = (Exception, SystemExit)
+
+
+def _done(task: SideTask, target: str, step: int) -> bool:
+    try:
+        return bool(task.done())
+    except _TASK_ERRORS as exc:
+        raise TaskRunError(target, "done()", step, exc) from None
 
 
 def _run(
@@ -350,7 +361,7 @@ def _run(
             dev.synchronize()
         except ConfigError:
             raise
-        except Exception as exc:
+        except _TASK_ERRORS as exc:
             raise TaskRunError(target, "setup", 0, exc) from None
         setup_s = time.perf_counter() - start
         probe.sample()
@@ -362,14 +373,14 @@ def _run(
         # run reported a sixth of the task's throughput. The reads are left out of the elapsed time.
         next_sample = loop_start + SAMPLE_EVERY_S
         sampling_s = 0.0
-        while not task.done() and time.perf_counter() < deadline:
+        while not _done(task, target, len(step_ms)) and time.perf_counter() < deadline:
             if max_steps is not None and len(step_ms) >= max_steps:
                 break
             t0 = time.perf_counter()
             try:
                 task.step()
                 dev.synchronize()
-            except Exception as exc:
+            except _TASK_ERRORS as exc:
                 raise TaskRunError(target, "step", len(step_ms), exc) from None
             t1 = time.perf_counter()
             step_ms.append((t1 - t0) * 1000.0)
@@ -382,9 +393,14 @@ def _run(
         elapsed = time.perf_counter() - loop_start - sampling_s
         probe.sample()
         _check_limit(probe, limit, target, "step", max(0, len(step_ms) - 1))
-        reported = task.progress()
-        progress = float(len(step_ms) if reported is None else reported)
-        finished = bool(task.done())
+        try:
+            reported = task.progress()
+            progress = float(len(step_ms) if reported is None else reported)  # type: ignore[arg-type,unused-ignore]
+            if not math.isfinite(progress):
+                raise ValueError(f"progress() returned {reported!r}: it must be a finite number")
+        except _TASK_ERRORS as exc:
+            raise TaskRunError(target, "progress()", len(step_ms), exc) from None
+        finished = _done(task, target, len(step_ms))
     finally:
         task.close()
     unit = type(task).progress_unit if reported is not None else "steps"

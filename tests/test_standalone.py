@@ -58,6 +58,30 @@ class FailsOnThirdStep(SideTask):
         return float(self.count)
 
 
+class ExitsInItsThirdStep(EndlessTask):
+    """Calls ``sys.exit(code)`` in its third step."""
+
+    def __init__(self, code: int = 0) -> None:
+        super().__init__()
+        self.code = code
+
+    def step(self) -> None:
+        super().step()
+        if self.count == 3:
+            sys.exit(self.code)
+
+
+class NaNProgress(EndlessTask):
+    def progress(self) -> float:
+        return float("nan")
+
+
+class RaisingEstimate(EndlessTask):
+    @classmethod
+    def estimate_memory(cls, **kwargs: Any) -> int | None:
+        return int(kwargs["size_mib"]) << 20
+
+
 class NotATask:
     pass
 
@@ -100,6 +124,24 @@ def test_failing_step_is_reported_with_its_index() -> None:
     with pytest.raises(TaskRunError, match=r"FailsOnThirdStep failed in step 2: RuntimeError: widget jammed") as info:
         run_standalone(f"{__name__}:FailsOnThirdStep", {}, DEVICE, 10.0, 1 << 20, None)
     assert info.value.step == 2 and "widget jammed" in info.value.traceback_text
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_step_that_calls_sys_exit_fails_the_run_with_its_step_not_silently_with_its_code(code: int) -> None:
+    # Stranger trial: run-task printed nothing and exited 0, or 3, which reads "no manager".
+    with pytest.raises(TaskRunError, match=rf"failed in step 2: SystemExit: {code}") as info:
+        run_standalone(f"{__name__}:ExitsInItsThirdStep", {"code": code}, DEVICE, 10.0, 1 << 20, None)
+    assert info.value.step == 2
+
+
+def test_a_progress_that_is_not_a_finite_number_fails_the_run() -> None:
+    with pytest.raises(TaskRunError, match=r"failed in progress\(\): ValueError: progress\(\) returned nan"):
+        run_standalone(f"{__name__}:NaNProgress", {}, DEVICE, 10.0, 1 << 20, None, max_steps=3)
+
+
+def test_an_estimate_memory_that_raises_is_a_one_line_config_error_as_submit_words_it() -> None:
+    with pytest.raises(ConfigError, match=r"RaisingEstimate.estimate_memory raised KeyError: 'size_mib'"):
+        run_standalone(f"{__name__}:RaisingEstimate", {}, DEVICE, 10.0, None, None, max_steps=3)
 
 
 def test_configuration_that_cannot_fit_the_memory_limit_is_refused() -> None:
@@ -229,6 +271,18 @@ def test_cli_bad_input_exits_2_with_one_line(
 ) -> None:
     code, _, err = _cli(capsys, *argv)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_cli_with_json_prints_an_error_as_json_on_stdout_too(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fails(*args: Any, **kwargs: Any) -> StandaloneReport:  # the run itself would pin this process
+        raise TaskRunError("m:T", "step", 2, SystemExit(0))
+
+    monkeypatch.setattr("freeride._cli.run_task.run_standalone", fails)
+    code, out, err = _cli(capsys, "m:T", "--json")
+    assert (code, err) == (1, "freeride: error: m:T failed in step 2: SystemExit: 0\n")
+    assert json.loads(out) == {"error": "m:T failed in step 2: SystemExit: 0", "exit_code": 1}
 
 
 def test_cli_runs_a_real_task_in_a_subprocess(tmp_path: Path) -> None:
