@@ -153,8 +153,9 @@ def check_resume(factory: Callable[[], SideTask], stop_after: int, *, steps: int
     steps and is checkpointed (:func:`checkpoint_roundtrip`); a fresh one is set up, loads that
     checkpoint, and must then report the same ``state_dict()`` as the stopped one (what the checkpoint
     held, nothing lost), and after the remaining steps the same state, ``progress()`` and ``done()`` as
-    the uninterrupted run. The interrupted and resumed instances share a work directory (it survives
-    restarts); the uninterrupted one has its own. Returns the resumed instance for further checks.
+    the uninterrupted run, in the steps that run had left (none redone). The interrupted and resumed instances
+    share a work directory (it survives restarts); the uninterrupted one has its own. Returns the resumed
+    instance for further checks.
     """
     if stop_after < 0 or (steps is not None and steps < stop_after):
         raise ValueError(f"need 0 <= stop_after <= steps, got stop_after={stop_after}, steps={steps}")
@@ -181,7 +182,15 @@ def check_resume(factory: Callable[[], SideTask], stop_after: int, *, steps: int
     _must_match("right after load_state_dict, the resumed task's state_dict()", resumed.state_dict(),
                 "the checkpointed one's", expected,
                 "load_state_dict must restore everything state_dict saved (counters, cursors, RNG states)")
-    run_steps(resumed, limit - stop_after, ctx=resumed_ctx, setup=False)
+    rest = run_steps(resumed, limit - stop_after, ctx=resumed_ctx, setup=False)
+    if rest.steps != ran.steps - stop_after:
+        # Without ``steps``, a task whose state_dict saved nothing caught up by redoing every step, and its end
+        # state, progress and done() matched: it passed.
+        raise ResumeMismatch(
+            f"the resumed task took {rest.steps} steps to the end, an uninterrupted run {ran.steps} in all, less the "
+            f"{stop_after} done before the stop, {ran.steps - stop_after} (it "
+            + ("redid work: does state_dict save how far it got?)" if rest.steps > ran.steps - stop_after
+               else "skipped work)"))
     _must_match("at the end, the resumed task's state_dict()", resumed.state_dict(),
                 "an uninterrupted run's", whole.state_dict(),
                 "everything that evolves must be in state_dict, and a step must depend on nothing else")

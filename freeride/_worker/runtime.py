@@ -542,13 +542,20 @@ class WorkerRuntime:
         for path in candidates:
             try:
                 blob = _checkpoints.load(path)
-                self.task.load_state_dict(blob["state"])
+                state = blob["state"]
             except FileNotFoundError:
                 continue
             except _TASK_ERRORS as exc:  # a torn or corrupt file: try the one before it
                 errors.append(f"{path.name}: {type(exc).__name__}: {exc}")
-                log.warning("[task=%s] cannot restore %s: %s", self.task_id, path, exc)
+                log.warning("[task=%s] cannot read %s: %s", self.task_id, path, exc)
                 continue
+            # A whole file that the task's load_state_dict() refuses is the task's bug (a stranger's KeyError
+            # read "no checkpoint is readable", with no frame of its code, and fell back to an older file):
+            # its own failure, with its traceback, and no older checkpoint is tried on a half-loaded task.
+            try:
+                self.task.load_state_dict(state)
+            except _TASK_ERRORS as exc:
+                raise _TaskError(_failure_kind(exc), f"load_state_dict() of {path.name}", exc) from exc
             self.steps = int(blob.get("steps", 0))
             self.checkpointed_steps = self.steps
             log.info("[task=%s] resumed from %s at step %d", self.task_id, path.name, self.steps)

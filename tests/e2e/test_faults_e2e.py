@@ -368,7 +368,7 @@ def test_corrupt_checkpoint_on_disk_falls_back_to_the_previous_one_or_fails_sayi
                 feeder.run_until(lambda: "resumed from" in log_path.read_text(), length_ms=LONG_MS)
                 feeder.close()
                 log = log_path.read_text()
-                assert f"cannot restore {checkpoints[-1]}" in log
+                assert f"cannot read {checkpoints[-1]}" in log
                 assert f"resumed from {checkpoints[0].name} at step {older_step}" in log
                 assert client.get(task.task_id).progress >= older_step
             else:

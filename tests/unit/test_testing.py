@@ -143,6 +143,30 @@ def test_check_resume_catches_state_that_is_never_saved(tmp_path: Path) -> None:
         check_resume(lambda: DoesNotSaveItsRng(total=40, seed=7), stop_after=10, work_dir=tmp_path)
 
 
+class SavesNothing(SideTask):
+    """Sums squares to ``total`` and keeps no checkpoint at all (the default state_dict)."""
+
+    def __init__(self, total: int = 50) -> None:
+        self.total, self.i, self.acc = total, 0, 0
+
+    def step(self) -> None:
+        self.acc += self.i * self.i
+        self.i += 1
+
+    def done(self) -> bool:
+        return self.i >= self.total
+
+    def progress(self) -> float:
+        return float(self.i)
+
+
+def test_check_resume_catches_a_task_that_saves_nothing_and_redoes_every_step(tmp_path: Path) -> None:
+    # A stranger's task without state_dict caught up by redoing all its steps, and passed.
+    with pytest.raises(ResumeMismatch, match=r"the resumed task took 50 steps to the end, an uninterrupted run 50 in "
+                                             r"all, less the 20 done before the stop, 30 \(it redid work"):
+        check_resume(lambda: SavesNothing(total=50), stop_after=20, work_dir=tmp_path)
+
+
 def test_check_resume_bounds_a_task_that_never_finishes(tmp_path: Path) -> None:
     class Endless(Walk):
         def done(self) -> bool:

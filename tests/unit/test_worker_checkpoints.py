@@ -124,3 +124,26 @@ def test_a_killed_writers_temporary_checkpoint_goes_at_the_next_write_and_a_newe
     (tmp_path / "ckpt-900.tmp").write_bytes(b"someone's newer one, being written")
     write(tmp_path, "t-1", 400, {"x": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-400.pt", "ckpt-900.tmp"]
+
+
+class LoadsTheWrongKey(Counter):
+    def load_state_dict(self, state: Any) -> None:
+        self.count = state["no such key"]
+
+
+def test_a_load_state_dict_that_raises_fails_the_task_with_its_own_traceback_and_tries_no_older_file(
+    checkpoints: Path, channels: tuple[Channel, Channel]
+) -> None:
+    # A stranger's KeyError read "no checkpoint is readable" with no frame of their code, after falling back.
+    from freeride._checkpoints import write
+
+    _, worker = channels
+    write(checkpoints, "t-1", 3, {"count": 3})
+    write(checkpoints, "t-1", 5, {"count": 5})
+    rt = runtime(worker, checkpoints, LoadsTheWrongKey())
+    with pytest.raises(_TaskError) as info:
+        rt._restore()
+    assert info.value.kind == "EXCEPTION"
+    assert str(info.value) == "load_state_dict() of ckpt-5.pt: KeyError: 'no such key'"
+    assert "in load_state_dict" in info.value.tb and __file__ in info.value.tb
+    assert rt.steps == 0
