@@ -102,6 +102,8 @@ def register(subparsers: Any) -> None:
                    help="stop a run that takes longer (default: 3 x the longest run so far + 60 s; 1 h at first)")
     p.add_argument("--price-ratios", default=",".join(f"{r:g}" for r in PRICE_RATIOS),
                    help="price ratios of the saving (default %(default)s; see the README's What it saves)")
+    p.add_argument("--ready-timeout-s", type=float, default=60.0,
+                   help="how long the managers may take to serve and the side tasks to start, each run (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seeds the order of the runs in each trial")
     p.add_argument("--manager-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every manager (repeatable), e.g. --manager-arg=--grace-ms=1")
@@ -252,8 +254,10 @@ def run(args: argparse.Namespace) -> int:
         keep.mkdir(parents=True, exist_ok=True)
     # Always a fresh directory: a manager given an old run's state directory would resume its tasks.
     work_dir = Path(tempfile.mkdtemp(prefix="freeride-bench-", dir=keep))
+    if not 0 < args.ready_timeout_s < float("inf"):
+        raise ConfigError(f"--ready-timeout-s must be a positive number, got {args.ready_timeout_s}")
     runner = Runner(tuple(command), devices, job_env(os.environ, runtime), work_dir, bench_tasks,
-                    tuple(args.manager_arg))
+                    tuple(args.manager_arg), ready_timeout_s=args.ready_timeout_s)
     command_text = shlex.join(command)
     modes = "alone, with managers" + (", with managers and side tasks" if bench_tasks else "")
     _say(f"each trial runs `{command_text}` {modes}, in a random order; {rule.min_trials} to {rule.max_trials} "

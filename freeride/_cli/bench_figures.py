@@ -270,6 +270,11 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
         out.append(f"    {row['name']:20s} {row['progress']:.4g} {row['progress_unit']} a run = {row['work_s']:.2f} s "
                    f"of work alone (each trial at its own rate alone; their mean {row['standalone_per_s']:.4g} "
                    f"{row['progress_unit']}/s)")
+    stalled = [row["name"] for row in summary["tasks"] if not row["progress"]]
+    if stalled:
+        # A task whose setup() outlasted the bubbles of every run showed 0 work and no word of why.
+        out.append(f"  note: {', '.join(stalled)} made no progress in any run: a setup() longer than the bubbles a "
+                   "run gives (it runs in them), or steps that fit no bubble? `freeride run-task` times both")
     if summary.get("finished"):
         out.append(f"  finished during a run (its work stopped there): {', '.join(summary['finished'])}")
     out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {summary['overrun_p99_ms']:.2f} ms; "

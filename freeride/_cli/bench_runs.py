@@ -167,7 +167,8 @@ class Runner:
                         waiting = "; ".join(f"{ids[m.device][i.task_id]}: {i.state}"
                                             + (f" ({i.waiting_reason})" if i.waiting_reason else "") for i in infos)
                         raise BenchFailed(f"the side tasks on {m.device} were not ready after "
-                                          f"{self.ready_timeout_s:g} s: {waiting}; manager log {m.log_path}")
+                                          f"{self.ready_timeout_s:g} s (--ready-timeout-s): {waiting}; manager log "
+                                          f"{m.log_path}")
                     time.sleep(0.05)
         return ids
 

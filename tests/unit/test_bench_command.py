@@ -152,6 +152,20 @@ def test_the_report_says_when_the_side_work_is_more_than_the_time_stepped_in_bub
     assert "note: H is more" not in "\n".join(render(within, meta))
 
 
+def test_the_report_says_when_a_task_made_no_progress_in_any_run() -> None:
+    # Stranger trial: a task whose setup() outlasted every run's bubbles showed "0 steps a run" and no word of why.
+    meta = {"command_text": "train", "devices": ["cpu:0"], "stop": "s", "loadavg": "1"}
+    frozen_in_setup = tuple(DeviceFigures(d, 100, 2.0, 1.5, 0.0, 1, 0.2, 0.5, 0.1,
+                                          (TaskFigures("pr", d, "FROZEN", 0, 0.0, "steps", 0.0),))
+                            for d in ("cpu:0", "cpu:1"))
+    runs = [r if r.mode != TASKS else Run(r.trial, TASKS, r.wall_s, frozen_in_setup)
+            for t in (0, 1) for r in _trial(t, 100.0, 100.0, 100.5)]
+    stalled = summarize(runs, {0: {"pr": 10.0}, 1: {"pr": 10.0}}, devices=2, price_ratios=(1.0,))
+    assert "note: pr made no progress in any run: a setup() longer than the bubbles" in "\n".join(render(stalled, meta))
+    going = summarize(_trial(0, 100.0, 100.0, 100.5, progress=3.0), {0: {"pr": 10.0}}, devices=2, price_ratios=(1.0,))
+    assert "made no progress" not in "\n".join(render(going, meta))
+
+
 # ------------------------------------------------------------------ input
 
 
