@@ -93,7 +93,7 @@ def construct_task(cls: type[SideTask], target: str, args: dict[str, Any]) -> Si
     except (TypeError, ValueError):  # not introspectable (a C extension): the call itself will tell
         signature = None
     if signature is not None:
-        problems = _argument_problems(signature, args)
+        problems = _argument_problems(signature, args) + _type_problems(cls, args)
         if problems:
             takes = ", ".join(name for name, p in signature.parameters.items()
                               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
@@ -131,6 +131,35 @@ def describe_error(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - task code: its __str__ is as untrusted as the rest
         text = "<unprintable>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+#: Annotations whose values are checked before the constructor runs, and what they take. Only numbers and
+#: booleans: a value the CLI parsed as JSON (``--arg damping=banana`` is text) reached PageRank's range check
+#: as "TypeError: '<' not supported between instances of 'float' and 'str'", naming no argument. A ``str``
+#: parameter is left alone (``--arg name=5`` parses as a number a task may well take as it comes).
+_TYPED: dict[Any, tuple[tuple[type, ...], str]] = {
+    float: ((int, float), "a number"),
+    int: ((int,), "a whole number"),
+    bool: ((bool,), "true or false"),
+}
+
+
+def _type_problems(cls: type, args: dict[str, Any]) -> list[str]:
+    """Each argument whose value is not what its parameter's annotation says (:data:`_TYPED` only)."""
+    try:
+        params = inspect.signature(cls, eval_str=True).parameters
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate here: nothing to check by
+        return []
+    problems = []
+    for key, value in args.items():
+        param = params.get(key)
+        typed = _TYPED.get(param.annotation) if param is not None else None
+        if typed is None:
+            continue
+        kinds, what = typed
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            problems.append(f"{key!r} must be {what}, got {value!r}")
+    return problems
 
 
 def _argument_problems(signature: inspect.Signature, args: dict[str, Any]) -> list[str]:

@@ -183,6 +183,21 @@ def test_unknown_constructor_argument_is_worded_as_submit_words_it() -> None:
         run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:4", "colour": 1}, DEVICE, 1.0, None, None)
 
 
+def test_a_value_that_is_not_what_its_parameter_is_annotated_to_take_is_named_before_the_constructor_runs() -> None:
+    # Stranger trial: --arg damping=banana reached PageRank's range check as a bare TypeError naming no argument.
+    with pytest.raises(ConfigError, match=r"'damping' must be a number, got 'banana'; 'max_iterations' must be a "
+                                          r"whole number, got 2.5; 'directed' must be true or false, got 'yes'"):
+        run_standalone("side_tasks.graphs:PageRank", {"graph": "rmat:4", "damping": "banana", "max_iterations": 2.5,
+                                                      "directed": "yes"}, DEVICE, 1.0, None, None)
+    # A whole number is a number (JSON writes 1.0 as 1 as often as not); a boolean is not a whole number.
+    from freeride._loading import construct_task
+
+    pagerank = load_task_class("side_tasks.graphs:PageRank")
+    assert construct_task(pagerank, "p:P", {"graph": "rmat:4", "tol": 1}).tol == 1.0
+    with pytest.raises(ConfigError, match="'code' must be a whole number, got True"):
+        construct_task(ExitsInItsThirdStep, "e:E", {"code": True})
+
+
 @pytest.mark.parametrize(
     ("target", "message"),
     [
