@@ -64,7 +64,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from freeride.errors import FreerideError
+from freeride.errors import ConfigError, FreerideError
 from freeride.training.device_clock import MarkClock
 from freeride.training.free_memory import MemorySampler
 from freeride.training.learned_slots import LearningConfig, WaitLearner
@@ -212,6 +212,14 @@ class InstrumentedSchedule:
     @staticmethod
     def _inspect(schedule: Any) -> tuple[list[Any], int, dict[int, list[Action]], int]:
         name = type(schedule).__name__
+        # A model, a stage or a wrapper passed by mistake read as a torch release that changed the internals
+        # this hooks into: the wrong object is named as such (the internals check is for real schedules).
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+        if not isinstance(schedule, _PipelineSchedule) and not hasattr(schedule, "_stage") \
+                and not hasattr(schedule, "_stages"):
+            raise ConfigError(f"InstrumentedSchedule takes a torch.distributed.pipelining schedule (ScheduleGPipe, "
+                              f"Schedule1F1B, ScheduleInterleaved1F1B, ...), got {name}")
         if hasattr(schedule, "_stages"):
             stages = list(schedule._stages)
             rank = int(_require(schedule, "rank", name))

@@ -6,7 +6,9 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 
+from freeride.errors import ConfigError
 from freeride.training.instrument import InstrumentedSchedule, PipeliningInternalsChanged
 from freeride.training.rank_slots import RankPlan
 from freeride.training.schedules import build_schedule
@@ -112,8 +114,12 @@ def test_unknown_schedule_or_changed_internals_fail_clearly() -> None:
     class NoStage:
         pass
 
-    with pytest.raises(PipeliningInternalsChanged, match="_stage"):
+    # Not a schedule at all (a model or a stage passed by mistake): said so, not blamed on torch's internals.
+    with pytest.raises(ConfigError, match="InstrumentedSchedule takes a torch.distributed.pipelining schedule "
+                                          r"\(ScheduleGPipe, .*\), got NoStage"):
         InstrumentedSchedule(NoStage())
+    with pytest.raises(ConfigError, match="got Linear"):
+        InstrumentedSchedule(torch.nn.Linear(2, 2))
 
 
 def test_predictions_learn_the_measured_lengths() -> None:
