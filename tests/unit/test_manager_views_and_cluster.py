@@ -168,3 +168,13 @@ def test_the_queue_view_holds_the_cluster_tasks_and_the_room_here(parts: Parts) 
     view = parts.views.answer(GetQueueView()).answer()
     assert [t.task_id for t in view.tasks] == ["pr-q7"] and view.capacity.margin_ns == 200_000
     assert view.capacity.waiting == 1 and not view.capacity.draining
+
+
+def test_a_task_recovered_with_a_record_keeps_its_progress_unit_before_its_new_worker_says_it() -> None:
+    # Stranger trial: after a restart, `ls` read "95916 steps" for 95916 matmuls while the task was STARTING.
+    from freeride._manager.figures import task_added
+
+    record = TaskRecord("m-1", TaskSpec(target="m:C", memory_bytes=MiB), "PARKED",
+                        TaskProgress(steps=3636, progress=14544.0, progress_unit="matmuls"), "", seq=1)
+    task = C.TaskRuntime.added(task_added(record))
+    assert (task.progress, task.progress_unit) == (14544.0, "matmuls")

@@ -119,6 +119,9 @@ class TaskAdded:
     checkpoint_step: int = -1
     steps: int = 0
     progress: float = 0.0
+    #: The unit of ``progress``: its worker's, once one has said (a restored figure read "95916 steps" for
+    #: 95916 matmuls until the new worker was ready).
+    progress_unit: str = "steps"
     restarts: int = 0
     #: What the task harvested and overran before a manager restart (from the store).
     harvested_ns: int = 0

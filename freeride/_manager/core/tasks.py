@@ -80,6 +80,7 @@ class TaskRuntime:
             checkpoint_step=event.checkpoint_step,
             steps=event.steps,
             progress=event.progress,
+            progress_unit=event.progress_unit,
             restarts=event.restarts,
             harvested_ns=event.harvested_ns,
             overruns=event.overruns,
