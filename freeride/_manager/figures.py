@@ -22,7 +22,8 @@ def task_added(record: TaskRecord, from_queue: bool = False) -> C.TaskAdded:
     return C.TaskAdded(
         task_id=record.task_id, spec=record.spec, seq=record.seq, checkpoint_path=record.checkpoint_path,
         checkpoint_step=figures.checkpoint_step, steps=max(figures.steps, figures.checkpoint_step),
-        progress=figures.progress, progress_unit=figures.progress_unit, restarts=figures.restarts, harvested_ns=int(figures.harvested_s * 1e9),
+        progress=figures.progress, progress_unit=figures.progress_unit, restarts=figures.restarts,
+        harvested_ns=int(figures.harvested_s * 1e9),
         overruns=figures.overruns, from_queue=from_queue,
         step_hint_ns=int(figures.step_p95_ms * 1e6) if from_queue else 0,
     )
