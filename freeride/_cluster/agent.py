@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from freeride._cluster import fencing, placement, require_client
+from freeride._cluster import fencing, placement, require_client, schema
 from freeride._cluster.records import (
     CLAIMED,
     CancelTask,
@@ -452,7 +452,7 @@ class QueueAgent:
         for raw_id, why in peek.unreadable:
             if self._queue.set_aside(raw_id, why, time.time()):
                 self.counters["set_aside"] += 1
-                log.warning("[%s] set aside queue record %r: %s", self.where, raw_id, why)
+                log.warning("[%s] set aside queue record %s: %s", self.where, schema.shown(raw_id), why)
         if placement.closed_reason(view.capacity) is not None or self._spreading():
             return False
         here = set(self._held) | self._leaving | {s.task_id for s in view.tasks}
