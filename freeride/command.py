@@ -35,6 +35,35 @@ def _child_preexec() -> None:  # pragma: no cover - runs in the child before exe
     os.setpgid(0, 0)
 
 
+def _stop_group(pid: int) -> None:
+    """SIGSTOP the command's process group and wait until its leader is stopped (or gone).
+
+    A SIGCONT between the stop and the wait (the manager thaws the worker's command group with the worker)
+    clears the stop before it is waited for: waiting for a stop alone then blocked setup() for as long as the
+    command ran free, outside any bubble, until the task failed STEP_TIMEOUT "in setup()". A stop undone
+    so is sent again."""
+    while True:
+        os.killpg(pid, signal.SIGSTOP)
+        try:
+            _, status = os.waitpid(pid, os.WUNTRACED | os.WCONTINUED)
+        except ChildProcessError:
+            return
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            return  # gone: its step sees that
+        # A reported stop may be one a thaw has undone since: the process's own state says.
+        if not os.WIFCONTINUED(status) and _stopped(pid):
+            return
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped now (its state in /proc: T)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return True  # gone: nothing runs
+
+
 class CommandTask(SideTask):
     """Run ``argv`` (no shell) in slices of ``slice_ms`` inside bubbles."""
 
@@ -64,8 +93,7 @@ class CommandTask(SideTask):
                               f"{exc.strerror}") from None
         # Setup runs inside a grant, so the few instructions the command runs before this stop
         # are inside a bubble too. (Stopping in preexec would deadlock: Popen waits for exec.)
-        os.killpg(self.proc.pid, signal.SIGSTOP)
-        os.waitpid(self.proc.pid, os.WUNTRACED)
+        _stop_group(self.proc.pid)
 
     def step(self) -> None:
         assert self.proc is not None
