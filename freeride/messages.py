@@ -9,7 +9,7 @@ processes on one machine share, unless a name says ``unix_s``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from freeride.errors import ConfigError
 
@@ -438,6 +438,15 @@ class ManagerStats:
     shared_by_ranks: tuple[int, ...] = ()
     #: Bubble events of ranks other than the followed one: counted, not otherwise used.
     events_other_ranks: int = 0
+
+
+class Drained(NamedTuple):
+    """What a drain stopped: tasks parked, of them checkpointed at their last step, of them killed because
+    they ignored their stop past the manager's stop timeout (they lost the work since their checkpoint)."""
+
+    parked: int
+    checkpointed: int
+    killed: int = 0
 
 
 @dataclass(frozen=True)

@@ -520,14 +520,16 @@ def cmd_drain(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout-s must be in (0, 3600], got {timeout_s}")
     with _client(args) as client:
         already = client.stats().draining
-        parked, checkpointed = client.drain(timeout_s)
+        parked, checkpointed, killed = client.drain(timeout_s)
     if args.json:
-        _print_json({"parked": parked, "checkpointed": checkpointed, "already_draining": already})
+        _print_json({"parked": parked, "checkpointed": checkpointed, "killed": killed, "already_draining": already})
     elif already:
         print("already drained by an earlier drain: its tasks are parked and checkpointed; the manager accepts "
               "no new tasks")
     else:
-        print(f"drained: {parked} task(s) parked, {checkpointed} checkpointed; the manager accepts no new tasks")
+        gone = (f", {killed} of them killed after ignoring the stop for the manager's --stop-timeout-s (they lost "
+                "the work since their checkpoint)" if killed else "")
+        print(f"drained: {parked} task(s) parked, {checkpointed} checkpointed{gone}; the manager accepts no new tasks")
     return _EXIT_OK
 
 

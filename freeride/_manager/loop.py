@@ -598,12 +598,14 @@ class ManagerLoop:
         """Answer (tasks parked, of them checkpointed at their last step) once nothing is resident."""
         stopping = [t.task_id for t in self.core.tasks.values() if t.state.is_resident]
 
-        def checkpointed() -> int:
-            # A task stopped in its setup has no checkpoint to claim (stranger trial: it was counted).
-            tasks = [self.core.tasks.get(tid) for tid in stopping]
-            return sum(1 for t in tasks if t is not None and t.checkpoint_path and t.checkpoint_step >= t.steps)
+        def counted() -> tuple[int, int]:
+            # A task stopped in its setup has no checkpoint to claim (stranger trial: it was counted). One killed
+            # past the stop timeout is said to be (a stranger's drain read "2 parked, 2 checkpointed").
+            tasks = [t for t in (self.core.tasks.get(tid) for tid in stopping) if t is not None]
+            return (sum(1 for t in tasks if t.checkpoint_path and t.checkpoint_step >= t.steps),
+                    sum(1 for t in tasks if t.killed_at_stop))
 
-        self._drain_waiters.append(_chain(future, len(stopping), checkpointed))
+        self._drain_waiters.append(_chain(future, len(stopping), counted))
         self._start_drain()
 
     def _start_drain(self) -> None:
@@ -660,9 +662,10 @@ class ManagerLoop:
         self.post(Shutdown(immediate=True))
 
 
-def _chain(future: Future[Any], parked: int, checkpointed: Callable[[], int]) -> Future[Any]:
+def _chain(future: Future[Any], parked: int, counted: Callable[[], tuple[int, int]]) -> Future[Any]:
     """A drain waiter: completing it answers ``future`` with (tasks parked, of them checkpointed at their
-    last step), or with its error. ``checkpointed`` is counted when the drain completes."""
+    last step, of them killed past the stop timeout), or with its error. ``counted`` gives the last two when
+    the drain completes."""
     inner: Future[Any] = Future()
 
     def done(f: Future[Any]) -> None:
@@ -672,7 +675,7 @@ def _chain(future: Future[Any], parked: int, checkpointed: Callable[[], int]) ->
         if error is not None:
             future.set_exception(error)
         else:
-            future.set_result((parked, checkpointed()))
+            future.set_result((parked, *counted()))
 
     inner.add_done_callback(done)
     return inner

@@ -210,12 +210,12 @@ class ControlServicer(_pb_grpc.ControlServicer):
         timeout = request.timeout_s if 0 < request.timeout_s <= 3600 else 60.0
         future = self._loop.call_async(R.Drain())
         try:
-            parked, checkpointed = future.result(_wait_s(context, timeout))
+            parked, checkpointed, killed = future.result(_wait_s(context, timeout))
         except FutureTimeout:
             return codec.drain_to_pb(0, 0, timed_out=True)
         except ManagerUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return codec.drain_to_pb(parked, checkpointed)
+        return codec.drain_to_pb(parked, checkpointed, killed=killed)
 
     def Watch(self, request: _pb.WatchRequest, context: grpc.ServicerContext) -> Any:
         q = self._loop.subscribe()

@@ -31,6 +31,7 @@ from freeride.errors import (
 )
 from freeride.messages import (
     BubbleSlotStats,
+    Drained,
     ManagerStats,
     StreamSummary,
     TaskEvent,
@@ -162,12 +163,13 @@ class ControlClient:
     def bubbles(self) -> builtins.list[BubbleSlotStats]:  # `list` is a method here
         return [codec.slot_from_pb(s) for s in self._call(self._stub.Bubbles, _pb.BubblesRequest()).slots]
 
-    def drain(self, timeout_s: float = 30.0) -> tuple[int, int]:
-        """Drain and wait up to ``timeout_s``: (tasks parked, checkpointed), or :class:`DrainIncomplete`.
+    def drain(self, timeout_s: float = 30.0) -> Drained:
+        """Drain and wait up to ``timeout_s``: (tasks parked, of them checkpointed at their last step, of them
+        killed past the stop timeout), or :class:`DrainIncomplete`.
 
         Idempotent: on a drained manager it returns at once.
         """
-        parked, checkpointed, timed_out = codec.drain_from_pb(
+        drained, timed_out = codec.drain_from_pb(
             self._call(self._stub.Drain, _pb.DrainRequest(timeout_s=timeout_s), timeout_s + 5))
         if timed_out:
             raise DrainIncomplete(
@@ -175,7 +177,7 @@ class ControlClient:
                 "still stopping (one that ignores its stop is killed after the manager's --stop-timeout-s); "
                 "run drain again to wait on"
             )
-        return parked, checkpointed
+        return drained
 
     def watch(self) -> Iterator[TaskEvent]:
         """Live events until the manager stops or the caller stops iterating."""

@@ -26,6 +26,7 @@ from freeride.messages import (
     BubbleEvent,
     BubbleSlotStats,
     BubbleStart,
+    Drained,
     FailureRecord,
     ManagerStats,
     Percentiles,
@@ -285,10 +286,10 @@ def event_from_pb(msg: _pb.ManagerEvent) -> TaskEvent | None:
     return None
 
 
-def drain_to_pb(parked: int, checkpointed: int, timed_out: bool = False) -> _pb.DrainResponse:
-    return _pb.DrainResponse(parked=parked, checkpointed=checkpointed, timed_out=timed_out)
+def drain_to_pb(parked: int, checkpointed: int, timed_out: bool = False, killed: int = 0) -> _pb.DrainResponse:
+    return _pb.DrainResponse(parked=parked, checkpointed=checkpointed, timed_out=timed_out, killed=killed)
 
 
-def drain_from_pb(msg: _pb.DrainResponse) -> tuple[int, int, bool]:
-    """(tasks parked, of them checkpointed at their last step, the drain's timeout ran out first)."""
-    return int(msg.parked), int(msg.checkpointed), bool(msg.timed_out)
+def drain_from_pb(msg: _pb.DrainResponse) -> tuple[Drained, bool]:
+    """What the drain stopped, and whether the drain's timeout ran out first."""
+    return Drained(int(msg.parked), int(msg.checkpointed), int(msg.killed)), bool(msg.timed_out)

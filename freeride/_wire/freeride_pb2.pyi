@@ -378,11 +378,13 @@ class DrainRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("parked", "checkpointed", "timed_out")
+    __slots__ = ("parked", "checkpointed", "timed_out", "killed")
     PARKED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    KILLED_FIELD_NUMBER: _ClassVar[int]
     parked: int
     checkpointed: int
     timed_out: bool
-    def __init__(self, parked: _Optional[int] = ..., checkpointed: _Optional[int] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+    killed: int
+    def __init__(self, parked: _Optional[int] = ..., checkpointed: _Optional[int] = ..., timed_out: _Optional[bool] = ..., killed: _Optional[int] = ...) -> None: ...

@@ -113,8 +113,21 @@ def test_a_drain_counts_as_checkpointed_only_tasks_whose_checkpoint_holds_their_
     # Stranger trial: a task drained while starting was reported "1 checkpointed" with no checkpoint.
     starting = harness.submit("sample_tasks:SlowInit", args={"init_s": 60.0})
     harness.wait_state(starting.task_id, "STARTING")
-    assert harness.client.drain(timeout_s=30) == (1, 0)
+    assert harness.client.drain(timeout_s=30) == (1, 0, 0)
     assert harness.client.get(starting.task_id).checkpoint_step == -1
+
+
+def test_a_drain_says_how_many_tasks_it_had_to_kill_past_the_stop_timeout(make_manager: object) -> None:
+    # Stranger trial: a task hung in a step was killed after the stop timeout, and the drain read "1 parked".
+    h: ManagerHarness = make_manager(stop_timeout_ns=300_000_000)  # type: ignore[operator]
+    hanger = h.submit("sample_tasks:Hanger", args={"hang_at": 2})
+    counter = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    feeder = h.feeder()
+    feeder.run_until(lambda: h.client.get(hanger.task_id).state == "FROZEN", length_ms=20, gap_ms=30)
+    feeder.close()
+    drained = h.client.drain(timeout_s=30)
+    assert (drained.parked, drained.killed) == (2, 1)
+    assert h.client.get(counter.task_id).state == "SUBMITTED"  # it went back: nothing lost
 
 
 def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarness) -> None:
@@ -268,7 +281,7 @@ def test_drain_checkpoints_every_task_and_they_resume_on_a_new_manager(make_mana
     feeder = h.feeder()
     feeder.run_until(lambda: h.client.get(task.task_id).steps >= 20)
     feeder.close()
-    parked, _ = h.client.drain(timeout_s=20)
+    parked, _, _ = h.client.drain(timeout_s=20)
     assert parked == 1
     info = h.client.get(task.task_id)
     assert info.state == "SUBMITTED"

@@ -67,8 +67,8 @@ def test_every_call_answers_while_serving_draining_drained_and_stopping(harness:
     assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2)[0] == 1
     assert client.get(task.task_id).state == "SUBMITTED"
     assert client.get(task.task_id).checkpoint_step >= 1
-    assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2) == (0, 0)
-    assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2) == (0, 0)
+    assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2) == (0, 0, 0)
+    assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2) == (0, 0, 0)
     every_query(client)
 
     # Stopping: the loop has stopped (a drained manager stops at once) but the server still answers.

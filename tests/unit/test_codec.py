@@ -22,6 +22,7 @@ from freeride.messages import (
     BubbleEnd,
     BubbleSlotStats,
     BubbleStart,
+    Drained,
     FailureRecord,
     ManagerStats,
     Percentiles,
@@ -93,7 +94,8 @@ CASES: list[tuple[str, Any, Callable[[Any], PbMessage], Callable[[Any], Any]]] =
     ("task event", TaskEvent(1.5, task=INFO), codec.event_to_pb, codec.event_from_pb),
     ("bubble start event", TaskEvent(2.5, bubble=START), codec.event_to_pb, codec.event_from_pb),
     ("bubble end event", TaskEvent(3.5, bubble=END), codec.event_to_pb, codec.event_from_pb),
-    ("drain", (4, 3, True), lambda d: codec.drain_to_pb(*d), codec.drain_from_pb),
+    ("drain", (Drained(4, 3, 1), True), lambda d: codec.drain_to_pb(*d[0][:2], timed_out=d[1], killed=d[0][2]),
+     codec.drain_from_pb),
 ]
 
 #: Requests and replies built in place by the servicers and the client: empty, one scalar, or a list of a

@@ -658,6 +658,7 @@ class SchedulerCore:
         chosen, left = admissions(waiting.values(), budget)
         for task in chosen:
             task.health.new_process()
+            task.killed_at_stop = False
             self._tasks.move(task, TaskState.STARTING, "memory fits", out)
             out.append(Spawn(task.task_id, task.spec, task.memory_bytes, task.checkpoint_path))
         self.memory.passed(self._tasks.waiting_epoch, left)

@@ -128,6 +128,7 @@ class Stopping:
                 del self.timers[task.task_id]
             elif now_ns >= task.stop_deadline_ns:
                 task.stop_deadline_ns = 0
+                task.killed_at_stop = True
                 del self.timers[task.task_id]
                 out.append(Note(NoteLevel.WARNING, "did not stop in time; killing it", task.task_id))
                 out.append(Kill(task.task_id))

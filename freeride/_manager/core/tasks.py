@@ -61,6 +61,8 @@ class TaskRuntime:
     #: ``stop`` is not NONE (kept by :meth:`stop_for`; read on every grant, so a field, not a property).
     stopping: bool = False
     stop_deadline_ns: int = 0
+    #: Its current process outlived its stop's deadline and was killed (a drain says how many were).
+    killed_at_stop: bool = False
     failure: FailureRecord | None = None
     pending_failure: FailureRecord | None = None
     finished_seen: bool = False
