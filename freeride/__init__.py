@@ -16,7 +16,7 @@ from freeride.errors import (
     TaskNotFound,
     Unauthenticated,
 )
-from freeride.messages import BubbleEnd, BubbleStart, FailureRecord, TaskInfo, TaskSpec
+from freeride.messages import BubbleEnd, BubbleStart, Drained, FailureRecord, TaskInfo, TaskSpec
 from freeride.task import SideTask, TaskContext
 
 # gRPC's fork support (pthread_atfork handlers that pause its threads around every fork) is on by
@@ -44,6 +44,7 @@ __all__ = [
     "BubbleStart",
     "ConfigError",
     "ControlClient",
+    "Drained",
     "FailureRecord",
     "FreerideError",
     "ManagerUnavailable",
