@@ -393,14 +393,19 @@ def test_a_step_past_its_timeout_by_the_core_count_is_not_failed_when_the_freeze
     assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].health.stuck_ns == 11 * MS
 
 
-def test_a_step_whose_timeout_verdict_awaits_its_board_read_is_granted_nothing_until_then() -> None:
-    sim = Sim(step_timeout_ns=5 * MS, grace_ns=MS)
-    sim.resident("a")
+def _overrun_unanswered(sim: Sim) -> list[Action]:
+    """``_overrun``, but the freeze is not yet answered by the loop's board read (the core alone)."""
     sim.start(predicted_ms=10)
     sim.advance_ms(10)
     sim.end()
     sim.advance_ms(1)
-    actions = sim.core.on_event(Tick(), sim.now)  # the freeze, not yet answered by the loop's board read
+    return sim.core.on_event(Tick(), sim.now)
+
+
+def test_a_step_whose_timeout_verdict_awaits_its_board_read_is_granted_nothing_until_then() -> None:
+    sim = Sim(step_timeout_ns=5 * MS, grace_ns=MS)
+    sim.resident("a")
+    actions = _overrun_unanswered(sim)
     assert of(actions, Freeze) == [Freeze("a")] and sim.core.tasks["a"].health.verdict_due
     assert grants(sim.start(predicted_ms=10)) == []
     sim.send(WorkerStepsSeen("a", 0, in_setup=True))
@@ -413,11 +418,7 @@ def test_a_board_read_that_clears_a_timeout_verdict_grants_the_open_bubble() -> 
     sim.boards["a"] = (3, False, False)
     _overrun(sim)
     sim.advance_ms(5)
-    sim.start(predicted_ms=10)
-    sim.advance_ms(10)
-    sim.end()
-    sim.advance_ms(1)
-    sim.core.on_event(Tick(), sim.now)  # 22 ms counted: the verdict waits for the board
+    _overrun_unanswered(sim)  # 22 ms counted: the verdict waits for the board
     sim.start(predicted_ms=10)  # a bubble opens meanwhile: nobody may take it
     assert sim.state("a") == S.FROZEN
     actions = sim.send(WorkerStepsSeen("a", 5))  # steps done in that grant: 11 ms stuck, not 22
