@@ -59,7 +59,7 @@ from freeride.devices import (
 )
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext
-from freeride.units import format_mib
+from freeride.units import format_mib_apart
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,9 @@ def _check_limit(probe: MemoryProbe, limit: int, target: str, phase: str, step: 
         cpu = probe.measure == "rss_growth"
         what = "beyond its size once constructed" if cpu else "on the device"
         hint = " (libraries first imported in setup or a step count too: import them at module level)" if cpu else ""
+        shown_peak, shown_limit = format_mib_apart(peak, limit)
         exc = MemoryLimitExceeded(
-            f"used {format_mib(peak)} {what}, over its limit of {format_mib(limit)} "
+            f"used {shown_peak} {what}, over its limit of {shown_limit} "
             f"(a worker would fail with MEMORY_LIMIT){hint}; raise --memory or shrink the task"
         )
         raise TaskRunError(target, phase, step, exc)

@@ -45,7 +45,7 @@ from typing import Any
 from freeride import _checkpoints
 from freeride.standalone import MemoryProbe
 from freeride.task import SideTask, TaskContext
-from freeride.units import format_mib
+from freeride.units import format_mib_apart
 
 __all__ = [
     "MemoryCapExceeded",
@@ -128,9 +128,10 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
 def _check_cap(probe: MemoryProbe, limit: int, where: str) -> None:
     probe.sample()
     if probe.peak_bytes() > limit:
+        shown_peak, shown_limit = format_mib_apart(probe.peak_bytes(), limit)
         raise MemoryCapExceeded(
-            f"{where} took the resident set {format_mib(probe.peak_bytes())} past its size when the task was "
-            f"handed over, over the cap of {format_mib(limit)}: a worker would fail it with MEMORY_LIMIT "
+            f"{where} took the resident set {shown_peak} past its size when the task was "
+            f"handed over, over the cap of {shown_limit}: a worker would fail it with MEMORY_LIMIT "
             "(raise the cap, or shrink the task)"
         )
 

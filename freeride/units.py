@@ -74,3 +74,16 @@ def format_ms(value_ms: float) -> str:
 def format_mib(num_bytes: int | float) -> str:
     """Whole MiB (``"150 MiB"``), the unit of memory caps in messages; :func:`format_size` below 1 MiB."""
     return f"{num_bytes / 2**20:.0f} MiB" if abs(num_bytes) >= 2**20 else format_size(num_bytes)
+
+
+def format_mib_apart(used: int | float, cap: int | float) -> tuple[str, str]:
+    """``used`` and ``cap`` as :func:`format_mib` gives them, with as many decimals as tell them apart (bytes
+    at worst): "used 64 MiB, over its limit of 64 MiB" read as no excess at all."""
+    for decimals in (0, 1, 2):
+        if min(abs(used), abs(cap)) >= 2**20:
+            a, b = f"{used / 2**20:.{decimals}f} MiB", f"{cap / 2**20:.{decimals}f} MiB"
+        else:
+            a, b = format_mib(used), format_mib(cap)
+        if a != b or used == cap:
+            return a, b
+    return f"{int(used)} B", f"{int(cap)} B"

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from freeride._manager.core.machines import BUDGET, BudgetPhase
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.messages import FailureRecord
-from freeride.units import format_mib
+from freeride.units import format_mib, format_mib_apart
 
 
 class MemoryBudget:
@@ -135,8 +135,9 @@ def over_cap(task: TaskRuntime) -> FailureRecord | None:
     elif task.baseline_bytes:
         beyond = f" beyond its worker's {format_mib(task.baseline_bytes)} baseline"
         hint = " (libraries first imported in setup or a step count too: import them at module level)"
+    shown_used, shown_cap = format_mib_apart(used, task.memory_bytes)
     return FailureRecord(
         kind="MEMORY_LIMIT",
-        message=f"used {format_mib(used)}{beyond}, over its cap of {format_mib(task.memory_bytes)}{hint}",
+        message=f"used {shown_used}{beyond}, over its cap of {shown_cap}{hint}",
         step=task.steps,
     )

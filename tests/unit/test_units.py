@@ -1,0 +1,16 @@
+"""Sizes in messages (``freeride.units``)."""
+
+from __future__ import annotations
+
+from freeride.units import format_mib_apart
+
+MiB = 2**20
+
+
+def test_a_use_over_its_cap_reads_as_more_than_the_cap_however_little_it_is_over() -> None:
+    # Stranger trial: "used 64 MiB ..., over its limit of 64 MiB".
+    assert format_mib_apart(268 * MiB, 256 * MiB) == ("268 MiB", "256 MiB")
+    assert format_mib_apart(64 * MiB + 300_000, 64 * MiB) == ("64.3 MiB", "64.0 MiB")
+    assert format_mib_apart(64 * MiB + 3, 64 * MiB) == ("67108867 B", "67108864 B")
+    assert format_mib_apart(64 * MiB, 64 * MiB) == ("64 MiB", "64 MiB")
+    assert format_mib_apart(500, 400) == ("500 B", "400 B")
