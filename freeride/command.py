@@ -68,6 +68,7 @@ class CommandTask(SideTask):
     """Run ``argv`` (no shell) in slices of ``slice_ms`` inside bubbles."""
 
     progress_unit = "slices"
+    checkpoints = False  # a program cannot be checkpointed: a restart runs it again from its beginning
 
     def __init__(self, argv: list[str], slice_ms: float = 2.0) -> None:
         if not argv or not all(isinstance(a, str) and a for a in argv):

@@ -62,6 +62,9 @@ class SideTask(abc.ABC):
     progress_unit: ClassVar[str] = "steps"
     #: Declared peak memory, used when a submission gives no ``--memory``.
     memory_estimate_bytes: ClassVar[int | None] = None
+    #: False for a task with no state to keep (a program run as it is): no checkpoint is written, and a
+    #: restart starts it afresh.
+    checkpoints: ClassVar[bool] = True
 
     @classmethod
     def estimate_memory(cls, **kwargs: Any) -> int | None:

@@ -147,3 +147,15 @@ def test_a_load_state_dict_that_raises_fails_the_task_with_its_own_traceback_and
     assert str(info.value) == "load_state_dict() of ckpt-5.pt: KeyError: 'no such key'"
     assert "in load_state_dict" in info.value.tb and __file__ in info.value.tb
     assert rt.steps == 0
+
+
+def test_a_task_that_keeps_no_state_writes_no_checkpoint(checkpoints: Path, channels: tuple[Channel, Channel]) -> None:
+    # A command task's empty checkpoint read "resumed from ckpt-310.pt" of a program started again from its beginning.
+    class Stateless(Counter):
+        checkpoints = False
+
+    manager, worker = channels
+    rt = runtime(worker, checkpoints, Stateless())
+    rt.steps = 7
+    assert rt._checkpoint() is True
+    assert checkpoint_files(checkpoints) == [] and messages(manager) == []
