@@ -164,7 +164,12 @@ class Manager:
     def _bind(self) -> None:
         if self.endpoint.kind == "unix":
             path = self.endpoint.address
-            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            parent = Path(path).parent
+            if not parent.parent.is_dir():
+                # One level is made (a runtime directory's ``freeride``); more is a typo in --endpoint, which
+                # made /nonexistent/dir and served there.
+                raise ConfigError(f"cannot listen at {self.endpoint}: {parent.parent} does not exist")
+            parent.mkdir(exist_ok=True, mode=0o700)
             if os.path.exists(path):
                 if _socket_in_use(path):
                     raise ConfigError(f"a manager is already listening at {self.endpoint}")

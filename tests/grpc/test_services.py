@@ -219,6 +219,22 @@ def test_a_call_the_stopping_server_cancels_reads_as_manager_unavailable() -> No
         sock.unlink(missing_ok=True)
 
 
+def test_a_unix_endpoint_two_missing_directories_deep_is_refused_not_made(tmp_path: Path) -> None:
+    # Stranger trial: --endpoint unix:/nonexistent/dir/m.sock made /nonexistent/dir and served there.
+    typo = tmp_path / "no-such" / "dir" / "m.sock"
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(typo)), state_dir=tmp_path / "s")
+    with pytest.raises(ConfigError, match=f"cannot listen at unix:{typo}: {typo.parent.parent} does not exist"):
+        manager.start()
+    assert not typo.parent.parent.exists()
+    one_level = tmp_path / "made" / "m.sock"  # one level is made, as a runtime directory's freeride/ is
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(one_level)), state_dir=tmp_path / "s2")
+    manager.start()
+    try:
+        assert health_status(manager.endpoint) == "SERVING"
+    finally:
+        manager.stop()
+
+
 def test_tcp_endpoint_requires_a_token(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="token"):
         Manager(DEVICE, endpoint=Endpoint("tcp", "127.0.0.1:0"), state_dir=tmp_path / "s")
