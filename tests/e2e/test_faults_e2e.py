@@ -467,12 +467,13 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def _fill(directory: Path) -> Path:
+    """Fill ``directory``'s filesystem. Unbuffered: a buffered file's close flushed what the full disk had
+    refused, and raised "No space left on device" out of here (a third of the runs on a loaded machine)."""
     filler = directory / "filler"
-    with open(filler, "wb") as fh:
+    with open(filler, "wb", buffering=0) as fh:
         try:
             while True:
                 fh.write(b"\xff" * 65536)
-                fh.flush()
         except OSError:
             pass
     return filler
