@@ -182,15 +182,20 @@ def test_a_stopped_managers_state_dir_is_taken_by_the_next_one(tmp_path: Path) -
         second.stop()
 
 
-def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
-    sock = Path(f"/tmp/fr-stale-{os.getpid()}.sock")
-    sock.write_text("")  # a leftover file nobody listens on
-    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=tmp_path / "s")
+def _serves_at(sock: Path, state_dir: Path) -> None:
+    """A manager started at ``sock`` serves; it is stopped again."""
+    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(sock)), state_dir=state_dir)
     manager.start()
     try:
         assert health_status(manager.endpoint) == "SERVING"
     finally:
         manager.stop()
+
+
+def test_stale_socket_of_a_dead_manager_is_replaced(tmp_path: Path) -> None:
+    sock = Path(f"/tmp/fr-stale-{os.getpid()}.sock")
+    sock.write_text("")  # a leftover file nobody listens on
+    _serves_at(sock, tmp_path / "s")
 
 
 def test_a_call_the_stopping_server_cancels_reads_as_manager_unavailable() -> None:
@@ -226,13 +231,7 @@ def test_a_unix_endpoint_two_missing_directories_deep_is_refused_not_made(tmp_pa
     with pytest.raises(ConfigError, match=f"cannot listen at unix:{typo}: {typo.parent.parent} does not exist"):
         manager.start()
     assert not typo.parent.parent.exists()
-    one_level = tmp_path / "made" / "m.sock"  # one level is made, as a runtime directory's freeride/ is
-    manager = Manager(DEVICE, endpoint=Endpoint("unix", str(one_level)), state_dir=tmp_path / "s2")
-    manager.start()
-    try:
-        assert health_status(manager.endpoint) == "SERVING"
-    finally:
-        manager.stop()
+    _serves_at(tmp_path / "made" / "m.sock", tmp_path / "s2")  # one level is made, as a runtime dir's freeride/ is
 
 
 def test_tcp_endpoint_requires_a_token(tmp_path: Path) -> None:

@@ -381,13 +381,19 @@ def test_a_setup_that_reaches_its_step_timeout_at_its_first_freeze_says_setup() 
     assert failure is not None and failure.message.startswith("setup() ran for 11.0 ms")
 
 
-def test_a_step_past_its_timeout_by_the_core_count_is_not_failed_when_the_freezes_board_shows_steps_done() -> None:
-    # The board showed steps finished in the grant it was frozen in: only that grant's time is stuck.
+def _frozen_after_3_steps() -> Sim:
+    """Task "a" (15 ms step timeout) frozen once, its board showing 3 steps done in that grant; 5 ms later."""
     sim = Sim(step_timeout_ns=15 * MS, grace_ns=MS)
     sim.resident("a")
     sim.boards["a"] = (3, False, False)
     _overrun(sim)
     sim.advance_ms(5)
+    return sim
+
+
+def test_a_step_past_its_timeout_by_the_core_count_is_not_failed_when_the_freezes_board_shows_steps_done() -> None:
+    # The board showed steps finished in the grant it was frozen in: only that grant's time is stuck.
+    sim = _frozen_after_3_steps()
     sim.boards["a"] = (5, False, False)
     _overrun(sim)  # 22 ms of grants without a park, but steps finished in each: 11 ms stuck
     assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].health.stuck_ns == 11 * MS
@@ -413,11 +419,7 @@ def test_a_step_whose_timeout_verdict_awaits_its_board_read_is_granted_nothing_u
 
 
 def test_a_board_read_that_clears_a_timeout_verdict_grants_the_open_bubble() -> None:
-    sim = Sim(step_timeout_ns=15 * MS, grace_ns=MS)
-    sim.resident("a")
-    sim.boards["a"] = (3, False, False)
-    _overrun(sim)
-    sim.advance_ms(5)
+    sim = _frozen_after_3_steps()
     _overrun_unanswered(sim)  # 22 ms counted: the verdict waits for the board
     sim.start(predicted_ms=10)  # a bubble opens meanwhile: nobody may take it
     assert sim.state("a") == S.FROZEN
