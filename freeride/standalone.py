@@ -58,7 +58,7 @@ from freeride.devices import (
     worker_device,
 )
 from freeride.errors import ConfigError, FreerideError
-from freeride.task import SideTask, TaskContext
+from freeride.task import SideTask, TaskContext, finite_progress
 from freeride.units import format_mib_apart
 
 log = logging.getLogger(__name__)
@@ -396,9 +396,7 @@ def _run(
         _check_limit(probe, limit, target, "step", max(0, len(step_ms) - 1))
         try:
             reported = task.progress()
-            progress = float(len(step_ms) if reported is None else reported)  # type: ignore[arg-type,unused-ignore]
-            if not math.isfinite(progress):
-                raise ValueError(f"progress() returned {reported!r}: it must be a finite number")
+            progress = finite_progress(reported, len(step_ms))
         except _TASK_ERRORS as exc:
             raise TaskRunError(target, "progress()", len(step_ms), exc) from None
         finished = _done(task, target, len(step_ms))

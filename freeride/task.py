@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -95,3 +96,13 @@ class SideTask(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release external resources; called once when the task stops for any reason."""
+
+
+def finite_progress(reported: object, steps: int) -> float:
+    """What :meth:`SideTask.progress` returned, as the runtime reads it: ``steps`` for None, else a finite
+    number, or ValueError (a NaN took a manager down through its store). The worker and ``run-task`` both
+    read it so."""
+    progress = float(steps if reported is None else reported)  # type: ignore[arg-type]
+    if not math.isfinite(progress):
+        raise ValueError(f"progress() returned {reported!r}: it must be a finite number")
+    return progress

@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import ctypes
 import logging
-import math
 import os
 import signal
 import socket
@@ -78,7 +77,7 @@ from freeride._task_process import prepare_process
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.errors import ConfigError
-from freeride.task import SideTask, TaskContext
+from freeride.task import SideTask, TaskContext, finite_progress
 
 log = logging.getLogger("freeride.worker")
 
@@ -287,15 +286,10 @@ class WorkerRuntime:
         A NaN went into the manager's store, which refused it, and took the manager of every task on the
         device down with it (the channel now refuses one too)."""
         assert self.task is not None
-        value: object = None
         try:
-            value = self.task.progress()
-            progress = float(self.steps if value is None else value)  # type: ignore[arg-type,unused-ignore]
-            if not math.isfinite(progress):
-                raise ValueError(f"progress() returned {value!r}: it must be a finite number")
+            return finite_progress(self.task.progress(), self.steps)
         except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "progress()", exc) from exc
-        return progress
 
     # ------------------------------------------------------------------ grants
 
