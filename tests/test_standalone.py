@@ -150,7 +150,7 @@ def test_configuration_that_cannot_fit_the_memory_limit_is_refused() -> None:
 
 
 def test_going_over_the_memory_limit_fails_the_run_as_a_worker_would() -> None:
-    limit_message = r"over its limit of 16 MiB \(a worker would fail with MEMORY_LIMIT\)"
+    limit_message = r"over its limit of 16(\.0+)? MiB \(a worker would fail with MEMORY_LIMIT\)"
     with pytest.raises(TaskRunError, match=limit_message) as info:
         run_standalone(f"{__name__}:GrowsEachStep", {}, DEVICE, 30.0, 16 << 20, None)
     # 16 MiB takes at least 4 steps of 4 MiB; more when the heap reuses what earlier tests freed.

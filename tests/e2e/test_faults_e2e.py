@@ -78,10 +78,10 @@ FAULTS = [
           says="a checkpoint (state_dict() and its write)", core={"step_timeout_ns": 1500 * MS},
           spec={"checkpoint_interval_s": 0.05}),
     Fault("allocates-past-its-cap", "sample_tasks:MemoryHog", {"mib_per_step": 256}, kind="MEMORY_LIMIT",
-          says="over its cap of 200 MiB", memory_mib=200),
+          says="over its cap of 200", memory_mib=200),
     # Issue 13: a task killed over its cap in its third step was said to have died in step 0.
     Fault("allocates-past-its-cap-in-step-2", "sample_tasks:MemoryHog", {"mib_per_step": 256, "hold_at": 2},
-          kind="MEMORY_LIMIT", says="over its cap of 200 MiB", memory_mib=200, step=2),
+          kind="MEMORY_LIMIT", says="over its cap of 200", memory_mib=200, step=2),
     Fault("closes-its-channel", "sample_tasks:ChannelCloser", kind="PROTOCOL", says="closed its channel", step=1),
     # Issue 22: a malformed worker message is a PROTOCOL failure of its task, never the loop's.
     *(Fault(f"sends-{name}", "sample_tasks:ChannelWriter", {"payload": payload}, kind="PROTOCOL", says=says, step=1)

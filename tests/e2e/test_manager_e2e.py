@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -137,7 +138,10 @@ def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarnes
     feeder.run_until(lambda: harness.client.get(hog.task_id).state == "FAILED", length_ms=100, timeout_s=60)
     failure = harness.client.get(hog.task_id).failure
     assert failure is not None and failure.kind == "MEMORY_LIMIT"
-    assert "over its cap of 200 MiB" in failure.message
+    # the figures have as many decimals as tell them apart, so a use just past the cap reads "200.05 ... 200.00"
+    figures = re.search(r"used ([0-9.]+) MiB .* over its cap of ([0-9.]+) MiB", failure.message)
+    assert figures is not None, failure.message
+    assert float(figures[2]) == 200 and float(figures[1]) > 200
     before = harness.client.get(other.task_id).steps
     feeder.run_until(lambda: harness.client.get(other.task_id).steps > before, length_ms=100, timeout_s=60)
     feeder.close()
