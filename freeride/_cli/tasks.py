@@ -45,6 +45,8 @@ from freeride.units import format_ms, format_size
 
 _EXIT_OK = 0
 _EXIT_FAILED = 1
+#: The device a command acts on when ``--device`` is not given.
+_DEVICE = "cpu:0"
 
 
 # ------------------------------------------------------------------ registration
@@ -52,7 +54,7 @@ _EXIT_FAILED = 1
 
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--device", default="cpu:0", help="the manager's device, cpu:N or cuda:N (default cpu:0)")
+    common.add_argument("--device", default=None, help=f"the manager's device, cpu:N or cuda:N (default {_DEVICE})")
     common.add_argument("--endpoint", default=None, help="unix:/path.sock or tcp://host:port (default: the device's)")
     common.add_argument("--token-file", default=None, help=f"token for a TCP endpoint (else ${TOKEN_ENV})")
     common.add_argument("--json", action="store_true", help="one machine-readable JSON document")
@@ -128,9 +130,26 @@ def register(subparsers: Any) -> None:
 # ------------------------------------------------------------------ plumbing
 
 
+def _device(args: argparse.Namespace) -> str:
+    return args.device or _DEVICE
+
+
 def _endpoint(args: argparse.Namespace) -> Endpoint:
-    parse_device_name(args.device)  # a mistyped device is bad input even with an explicit endpoint
-    return resolve_endpoint(args.endpoint, args.device)
+    parse_device_name(_device(args))  # a mistyped device is bad input even with an explicit endpoint
+    return resolve_endpoint(args.endpoint, _device(args))
+
+
+def _queue_url(args: argparse.Namespace) -> str | None:
+    """``--queue``'s URL, or None; with it, the options that name one manager are refused, never ignored (the
+    queue holds every device's tasks: its DEVICE column says where each one runs)."""
+    if args.queue is None:
+        return None
+    given = [flag for flag, value in (("--device", args.device), ("--endpoint", args.endpoint),
+                                      ("--token-file", args.token_file)) if value is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)} names one manager, and --queue acts on the cluster queue of every "
+                          f"device: give one or the other (the queue's DEVICE column says where each task runs)")
+    return str(args.queue)
 
 
 @contextlib.contextmanager
@@ -141,14 +160,14 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
     except ManagerUnavailable as exc:
         if not str(exc).startswith("no manager answers"):
             raise  # a manager answered: it is stopping, or its loop is stuck; it says which
-        name = parse_device_name(args.device)
+        name = parse_device_name(_device(args))
         if name.kind == "cpu":
             try:
                 check_cpu_device(name)
             except ConfigError as exc:  # advising a manager on a core that is not there helps nobody
                 raise ManagerUnavailable(f"no manager answers at {endpoint}, and none can run on {name} here: "
                                          f"{exc}") from None
-        start = f"freeride manager --device {args.device}" + (f" --endpoint {endpoint}" if args.endpoint else "")
+        start = f"freeride manager --device {_device(args)}" + (f" --endpoint {endpoint}" if args.endpoint else "")
         # "Or it is stopping": a manager that is draining or exiting answers no call either, and starting a second
         # one then would be the wrong advice without it.
         raise ManagerUnavailable(f"no manager answers at {endpoint} (none runs there, or it is stopping); start one "
@@ -195,11 +214,12 @@ def _print_json(value: Any) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    queue = _queue_url(args)
     spec = build_spec(args)
-    if args.queue is not None:
+    if queue is not None:
         from freeride._cli import cluster
 
-        record = cluster.submit(args.queue, spec)
+        record = cluster.submit(queue, spec)
         if args.json:
             cluster.print_json(cluster.to_json(record))
         else:
@@ -287,10 +307,11 @@ def hidden_note(hidden: Sequence[TaskInfo]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    if args.queue is not None:
+    queue = _queue_url(args)
+    if queue is not None:
         from freeride._cli import cluster
 
-        every = cluster.records(args.queue, include_finished=True)  # one fetch either way
+        every = cluster.records(queue, include_finished=True)  # one fetch either way
         records = every if args.all else [r for r in every if not (r.terminal or r.aside)]
         if args.json:
             cluster.print_json([cluster.to_json(r) for r in records])
@@ -409,10 +430,11 @@ def render_task(info: TaskInfo, draining: bool = False) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    if args.queue is not None:
+    queue = _queue_url(args)
+    if queue is not None:
         from freeride._cli import cluster
 
-        record = cluster.record(args.queue, args.task_id)
+        record = cluster.record(queue, args.task_id)
         print(json.dumps(cluster.to_json(record), indent=2, sort_keys=True) if args.json
               else cluster.render_record(record))
         return _EXIT_OK
@@ -427,10 +449,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    if args.queue is not None:
+    queue = _queue_url(args)
+    if queue is not None:
         from freeride._cli import cluster
 
-        outcome = cluster.cancel(args.queue, args.task_id)
+        outcome = cluster.cancel(queue, args.task_id)
         if args.json:
             cluster.print_json({"task_id": args.task_id, "outcome": outcome})
         else:

@@ -292,6 +292,22 @@ def test_submit_with_an_argument_the_constructor_does_not_take_exits_2_before_an
     assert "(it takes: step_ms, total, log_steps)" in lines[0]
 
 
+@pytest.mark.parametrize("argv", [["ls"], ["show", "x-1"], ["cancel", "x-1"],
+                                  ["submit", "sample_tasks:Counter", "--memory", "1MiB"]],
+                         ids=["ls", "show", "cancel", "submit"])
+@pytest.mark.parametrize("manager", [["--device", "cpu:1"], ["--endpoint", "unix:/tmp/m.sock"],
+                                     ["--token-file", "/tmp/token"]], ids=["device", "endpoint", "token-file"])
+def test_an_option_naming_one_manager_is_refused_beside_the_queue_not_ignored(
+    argv: list[str], manager: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Stranger trial: `ls --queue URL --device cpu:1` listed every device's tasks without a word. The queue's
+    # URL is unreachable here: the refusal comes before any connection.
+    code, out, err = run_cli(capsys, *argv, "--queue", "redis://127.0.0.1:1/0", *manager)
+    assert code == EXIT_BAD_INPUT and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{manager[0]} names one manager" in lines[0] and "DEVICE column" in lines[0], err
+
+
 def test_submit_of_values_the_constructor_refuses_exits_2_before_anything_is_sent(
     short_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
