@@ -11,6 +11,7 @@ hands back what the manager still holds when it stops.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -53,6 +54,34 @@ def _socket_in_use(path: str) -> bool:
         except OSError:
             return False
         return True
+
+
+def _tcp_bind_refusal(address: str) -> str | None:
+    """Why ``host:port`` cannot be listened on, in a few words, or None when every address it resolves to
+    binds now (a fixed port only: port 0 always binds).
+
+    Asked before gRPC binds: gRPC's own refusal is "Failed to bind to address", after a log line of its C core
+    on stderr (``E... add_port.cc``) that a user cannot act on. A port taken between this probe and the bind
+    still fails, with gRPC's words.
+    """
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"{host} does not resolve ({exc.strerror})"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no refusal
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"port {port} is in use (another manager, or another program, listens there)"
+                return f"{sockaddr[0]} port {port}: {exc.strerror}"
+    return None
 
 
 def _prepare_checkpoint_dir(path: Path) -> None:
@@ -193,6 +222,9 @@ class Manager:
             finally:
                 os.umask(old)
         else:
+            refusal = _tcp_bind_refusal(self.endpoint.address)
+            if refusal is not None:
+                raise ConfigError(f"cannot listen on {self.endpoint}: {refusal}")
             try:
                 self.port = self.server.add_insecure_port(self.endpoint.grpc_target)
             except RuntimeError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -232,6 +233,26 @@ def test_a_unix_endpoint_two_missing_directories_deep_is_refused_not_made(tmp_pa
         manager.start()
     assert not typo.parent.parent.exists()
     _serves_at(tmp_path / "made" / "m.sock", tmp_path / "s2")  # one level is made, as a runtime dir's freeride/ is
+
+
+def test_a_tcp_port_in_use_is_refused_in_freerides_one_line_without_grpcs_log(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Stranger trial: a taken port printed gRPC's C-core line (E... add_port.cc ... Failed to add port) first.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        manager = Manager(DEVICE, endpoint=Endpoint("tcp", f"127.0.0.1:{port}"), state_dir=tmp_path / "s",
+                          token="s3cret")
+        with pytest.raises(ConfigError, match=rf"cannot listen on tcp://127.0.0.1:{port}: port {port} is in use"):
+            manager.start()
+    assert "add_port" not in capfd.readouterr().err
+    manager = Manager(DEVICE, endpoint=Endpoint("tcp", f"127.0.0.1:{port}"), state_dir=tmp_path / "s",
+                      token="s3cret")
+    manager.start()  # the state directory's lock went with the refusal; the freed port serves
+    try:
+        assert manager.port == port
+    finally:
+        manager.stop()
 
 
 def test_tcp_endpoint_requires_a_token(tmp_path: Path) -> None:
