@@ -112,8 +112,8 @@ def test_run_steps_sets_up_runs_n_steps_and_stops_when_done(tmp_path: Path) -> N
 
 
 def test_run_steps_fails_a_task_over_its_cap_as_a_worker_would(tmp_path: Path) -> None:
-    with pytest.raises(MemoryCapExceeded, match=r"Hoarder's step \d+ took the resident set .* over the cap of 32(\.0+)? MiB: "
-                                                r"a worker would fail it with MEMORY_LIMIT"):
+    with pytest.raises(MemoryCapExceeded, match=r"Hoarder's step \d+ took the resident set .* over the cap of "
+                                                r"32(\.0+)? MiB: a worker would fail it with MEMORY_LIMIT"):
         run_steps(Hoarder(), 20, memory_limit_bytes=32 << 20, work_dir=tmp_path)
 
 
