@@ -53,7 +53,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from freeride.devices import parse_device_name
+from freeride.devices import check_cpu_device, parse_device_name
 from freeride.endpoints import Endpoint, default_endpoint, runtime_dir
 from freeride.errors import ConfigError, FreerideError, ManagerUnavailable
 
@@ -483,7 +483,13 @@ def _cuda_count() -> int:
 
 
 def _parse_devices(text: str) -> list[str]:
-    devices = [str(parse_device_name(d)) for d in text.split(",") if d.strip()]
+    """``--devices``' list; a CPU core this process may not run on is refused here, before any run (the bench
+    ran its warm-up first, then failed with a traceback from ``sched_setaffinity``)."""
+    names = [parse_device_name(d) for d in text.split(",") if d.strip()]
+    for name in names:
+        if name.kind == "cpu":
+            check_cpu_device(name)
+    devices = [str(name) for name in names]
     if not devices:
         raise ConfigError("--devices needs at least one device, e.g. cpu:0")
     if len(set(devices)) != len(devices):

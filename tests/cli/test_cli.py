@@ -308,6 +308,21 @@ def test_an_option_naming_one_manager_is_refused_beside_the_queue_not_ignored(
     assert len(lines) == 1 and f"{manager[0]} names one manager" in lines[0] and "DEVICE column" in lines[0], err
 
 
+@pytest.mark.parametrize("command", [["bench", "--task", "sample_tasks:Counter", "--memory", "64MiB"], ["launch"]],
+                         ids=["bench", "launch"])
+def test_a_cpu_core_this_process_cannot_run_on_exits_2_before_any_run(
+    command: list[str], tmp_path: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Stranger trial: `bench --devices cpu:7` on two cores ran the warm-up, then died in sched_setaffinity.
+    absent = f"cpu:{max(os.sched_getaffinity(0)) + 1}"
+    marker = tmp_path / "ran"
+    code, out, err = run_cli(capsys, *command, "--devices", f"{DEVICE},{absent}", "--",
+                             sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert code == EXIT_BAD_INPUT and not marker.exists()
+    assert err.strip().splitlines()[-1] == f"freeride: error: unknown device {absent}: this machine offers CPU cores " \
+        + ", ".join(f"cpu:{c}" for c in sorted(os.sched_getaffinity(0)))
+
+
 def test_submit_of_values_the_constructor_refuses_exits_2_before_anything_is_sent(
     short_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
