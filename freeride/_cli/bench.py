@@ -213,12 +213,15 @@ def _check_numbers(args: argparse.Namespace) -> StopRule:
         raise ConfigError(f"--standalone-s must be > 0, got {args.standalone_s}")
     if args.run_timeout_s is not None and not args.run_timeout_s > 0:
         raise ConfigError(f"--run-timeout-s must be > 0, got {args.run_timeout_s}")
+    # In the options' own units: StopRule's words are a fraction and seconds ("-0.01" for --target-pp -1).
+    for flag, value in (("--target-pp", args.target_pp), ("--budget-min", args.budget_min)):
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a positive number, got {value:g}")
     try:
         return StopRule(args.target_pp / 100, args.min_trials, args.max_trials, args.budget_min * 60)
     except ValueError as exc:
-        raise ConfigError(f"bad trial settings: {exc}".replace("target_half_width", "--target-pp")
-                          .replace("min_trials", "--min-trials").replace("max_trials", "--max-trials")
-                          .replace("budget_s", "--budget-min")) from None
+        raise ConfigError(f"bad trial settings: {exc}".replace("min_trials", "--min-trials")
+                          .replace("max_trials", "--max-trials")) from None
 
 
 def _say(text: str) -> None:

@@ -228,7 +228,9 @@ def test_a_tasks_file_holds_one_task_a_line_and_refuses_options_that_are_not_a_t
     (("--min-trials", "1"), "--min-trials"),
     (("--max-trials", "2", "--min-trials", "3"), "--max-trials"),
     (("--target-pp", "0"), "--target-pp"),
-    (("--budget-min", "-1"), "--budget-min"),
+    # Stranger trial: "--target-pp must be > 0, got -0.01" for -1 (the rule's fraction, not the option's value).
+    (("--target-pp", "-1"), "--target-pp must be a positive number, got -1$"),
+    (("--budget-min", "-1"), "--budget-min must be a positive number, got -1$"),
     (("--standalone-s", "0"), "--standalone-s"),
     (("--warmup-runs", "-1"), "--warmup-runs"),
     (("--run-timeout-s", "0"), "--run-timeout-s"),
