@@ -416,11 +416,16 @@ def render_task(info: TaskInfo, draining: bool = False) -> str:
         ("harvested", f"{info.harvested_s:.3f} s"),
         ("overruns", str(info.overruns)),
         ("checkpoint", f"step {info.checkpoint_step}" if info.checkpoint_step >= 0 else "-"),
+        ("ckpt every", f"{spec.checkpoint_interval_s:g} s" if spec.checkpoint_interval_s else "the manager's default"),
         ("restarts", str(info.restarts)),
         ("pid", str(info.pid) if info.pid else "-"),
         ("submitted", _when(info.submitted_unix_s)),
         ("updated", _when(info.updated_unix_s)),
     ]
+    if spec.working_dir:
+        fields.insert(4, ("directory", spec.working_dir))
+    if spec.step_time_hint_ms:
+        fields.append(("step hint", format_ms(spec.step_time_hint_ms)))
     if info.waiting_reason:
         fields.append(("waiting", info.waiting_reason))
     text = "\n".join(f"{key + ':':<11} {value}" for key, value in fields)

@@ -175,7 +175,8 @@ def task_info_to_pb(info: TaskInfo) -> _pb.TaskInfo:
         step_p50_ms=info.step_p50_ms, step_p95_ms=figures.step_p95_ms, harvested_s=figures.harvested_s,
         overruns=figures.overruns, checkpoint_step=figures.checkpoint_step, restarts=figures.restarts,
         waiting_reason=info.waiting_reason, submitted_unix_s=info.submitted_unix_s,
-        updated_unix_s=info.updated_unix_s, pid=info.pid,
+        updated_unix_s=info.updated_unix_s, pid=info.pid, working_dir=spec.working_dir,
+        checkpoint_interval_s=spec.checkpoint_interval_s, step_time_hint_ms=spec.step_time_hint_ms,
     )
     if info.failure is not None:
         msg.has_failure = True
@@ -185,7 +186,9 @@ def task_info_to_pb(info: TaskInfo) -> _pb.TaskInfo:
 
 def task_info_from_pb(msg: _pb.TaskInfo) -> TaskInfo:
     spec = TaskSpec(target=msg.target, args=json.loads(msg.args_json) if msg.args_json else {},
-                    memory_bytes=msg.memory_bytes, priority=msg.priority, name=msg.name, command=tuple(msg.command))
+                    memory_bytes=msg.memory_bytes, priority=msg.priority, name=msg.name, command=tuple(msg.command),
+                    working_dir=msg.working_dir, checkpoint_interval_s=msg.checkpoint_interval_s,
+                    step_time_hint_ms=msg.step_time_hint_ms)
     figures = TaskProgress(steps=msg.steps, progress=msg.progress, progress_unit=msg.progress_unit,
                            harvested_s=msg.harvested_s, overruns=msg.overruns, restarts=msg.restarts,
                            checkpoint_step=msg.checkpoint_step, step_p95_ms=msg.step_p95_ms)

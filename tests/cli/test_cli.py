@@ -179,6 +179,10 @@ def test_json_outputs_parse(
         '{"step_ms": 2}',
         "--arg",
         "total=7",
+        "--checkpoint-interval-s",
+        "5",
+        "--step-time-hint-ms",
+        "1.5",
     )
     assert code == EXIT_OK, err
     task = json.loads(out)
@@ -190,6 +194,12 @@ def test_json_outputs_parse(
     assert [t["task_id"] for t in json.loads(out)] == [task_id]
     _, out, _ = run_cli(capsys, "show", task_id, "--json", *ep)
     assert json.loads(out)["task_id"] == task_id
+    # Stranger trial: show --json said 0.0, "" and 0.0 of what the task was submitted with.
+    assert {key: json.loads(out)["spec"][key] for key in ("checkpoint_interval_s", "step_time_hint_ms",
+                                                         "working_dir")} == {
+        "checkpoint_interval_s": 5.0, "step_time_hint_ms": 1.5, "working_dir": str(TESTS_DIR)}
+    _, out, _ = run_cli(capsys, "show", task_id, *ep)
+    assert "ckpt every: 5 s" in out and f"directory:  {TESTS_DIR}" in out and "step hint:  1.5 ms" in out
     _, out, _ = run_cli(capsys, "stats", "--json", *ep)
     stats = json.loads(out)
     assert stats["device"] == DEVICE and "overrun_ms" in stats and "harvested_ratio" in stats

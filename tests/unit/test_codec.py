@@ -43,9 +43,11 @@ LAYOUT = TrainerLayout(schedule="1f1b", stages=2, microbatches=8, stage_devices=
                        free_memory_bytes=2**30, job="run-7")
 FAILURE = FailureRecord(kind="EXIT", message="exit 3", exit_code=3, signal=9, step=17, traceback="tb", log_tail="tail",
                         at_unix_s=1.25)
-#: What a TaskInfo carries of its spec (no working directory, interval or hint; the name as given).
+#: What a TaskInfo carries of its spec: all of it (the name as given). Stranger trial: `show --json` said
+#: checkpoint_interval_s 0.0, working_dir "" and step_time_hint_ms 0.0 of a task submitted with them.
 SPEC = TaskSpec(target="side_tasks.graph:PageRank", args={"graph": "rmat:10", "n": [1, 2.5]}, memory_bytes=2**28,
-                priority=-3, name="pr", command=())
+                priority=-3, name="pr", command=(), working_dir="/home/u/tasks", checkpoint_interval_s=5.0,
+                step_time_hint_ms=1.5)
 INFO = TaskInfo(
     task_id="pr-7", spec=SPEC, state="FAILED",
     figures=TaskProgress(steps=40, progress=4.5, progress_unit="iterations", harvested_s=2.5, overruns=3, restarts=1,
@@ -67,7 +69,8 @@ SLOT = BubbleSlotStats(stage=1, rank=2, slot=3, kind="tail", count=4, length_ms=
                        min_free_memory_bytes=5, learned=True)
 
 COMMAND_INFO = TaskInfo(
-    task_id="c-8", spec=TaskSpec(command=("python", "-c", "pass"), args={"x": 1}, memory_bytes=1, priority=2, name="c"),
+    task_id="c-8", spec=TaskSpec(command=("python", "-c", "pass"), args={"x": 1}, memory_bytes=1, priority=2, name="c",
+                                working_dir="/w", checkpoint_interval_s=1.0, step_time_hint_ms=2.0),
     state="PARKED", figures=TaskProgress(steps=1, progress=1.0, progress_unit="s", harvested_s=0.5, overruns=1,
                                          restarts=1, checkpoint_step=1, step_p95_ms=1.0),
     step_p50_ms=0.5, waiting_reason="w", submitted_unix_s=1.0, updated_unix_s=2.0, failure=FAILURE, pid=1,
