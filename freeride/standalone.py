@@ -374,7 +374,10 @@ def _run(
         # run reported a sixth of the task's throughput. The reads are left out of the elapsed time.
         next_sample = loop_start + SAMPLE_EVERY_S
         sampling_s = 0.0
-        while not _done(task, target, len(step_ms)) and time.perf_counter() < deadline:
+        # The first done() that is true finishes the run, as it finishes a worker's task: a done() that flips back
+        # was asked again after the loop, and a finished run read "finished": false.
+        finished = _done(task, target, 0)
+        while not finished and time.perf_counter() < deadline:
             if max_steps is not None and len(step_ms) >= max_steps:
                 break
             t0 = time.perf_counter()
@@ -391,6 +394,7 @@ def _run(
                 t2 = time.perf_counter()
                 sampling_s += t2 - t1
                 next_sample = t2 + SAMPLE_EVERY_S
+            finished = _done(task, target, len(step_ms))
         elapsed = time.perf_counter() - loop_start - sampling_s
         probe.sample()
         _check_limit(probe, limit, target, "step", max(0, len(step_ms) - 1))
@@ -399,7 +403,6 @@ def _run(
             progress = finite_progress(reported, len(step_ms))
         except _TASK_ERRORS as exc:
             raise TaskRunError(target, "progress()", len(step_ms), exc) from None
-        finished = _done(task, target, len(step_ms))
     finally:
         task.close()
     unit = type(task).progress_unit if reported is not None else "steps"

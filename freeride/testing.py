@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -80,7 +81,12 @@ class StepsRun:
     steps: int
     done: bool
     peak_bytes: int
-    step_s: tuple[float, ...]
+    step_s: tuple[float, ...]  # one per step: its repr shows how many, not tens of thousands of them
+
+    def __repr__(self) -> str:
+        times = f"{len(self.step_s)} step times" + (f", p50 {statistics.median(self.step_s) * 1e3:.3g} ms"
+                                                    if self.step_s else "")
+        return f"StepsRun(steps={self.steps}, done={self.done}, peak_bytes={self.peak_bytes}, step_s=<{times}>)"
 
 
 def task_context(work_dir: str | Path | None = None, *, memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT_BYTES,
@@ -102,10 +108,12 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
               memory_limit_bytes: int | None = None, setup: bool = True) -> StepsRun:
     """``setup`` the task (unless ``setup=False``: it is set up already), then run up to ``steps`` steps.
 
-    Stops early when ``done()``. The cap is ``ctx.memory_limit_bytes`` (a context is made from
-    ``work_dir`` and ``memory_limit_bytes`` when none is given); the resident set is sampled after
-    ``setup`` and after every step, from a baseline taken now, as a worker takes its baseline once the
-    task is built. Raises :class:`MemoryCapExceeded`; the task's own exceptions propagate unchanged.
+    Stops at the first ``done()`` that is true, as a worker does (the task is finished then, whatever a
+    later call says); ``done`` is checked once more after the last of ``steps``. The cap is
+    ``ctx.memory_limit_bytes`` (a context is made from ``work_dir`` and ``memory_limit_bytes`` when none is
+    given); the resident set is sampled after ``setup`` and after every step, from a baseline taken now, as a
+    worker takes its baseline once the task is built. Raises :class:`MemoryCapExceeded`; the task's own
+    exceptions propagate unchanged.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
@@ -117,12 +125,14 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
         task.setup(ctx)
         _check_cap(probe, ctx.memory_limit_bytes, f"{name}.setup()")
     times: list[float] = []
-    while len(times) < steps and not task.done():
+    done = bool(task.done())
+    while len(times) < steps and not done:
         start = time.perf_counter()
         task.step()
         times.append(time.perf_counter() - start)
         _check_cap(probe, ctx.memory_limit_bytes, f"{name}'s step {len(times) - 1}")
-    return StepsRun(len(times), bool(task.done()), probe.peak_bytes(), tuple(times))
+        done = bool(task.done())
+    return StepsRun(len(times), done, probe.peak_bytes(), tuple(times))
 
 
 def _check_cap(probe: MemoryProbe, limit: int, where: str) -> None:

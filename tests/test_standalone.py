@@ -43,6 +43,22 @@ class GrowsEachStep(SideTask):
         self.hoard.append(b"\x01" * (4 << 20))
 
 
+class DoneOnce(SideTask):
+    """done() is true once, after the third step, and false ever after (ill-behaved, as a user's may be)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.asked_when_done = 0
+
+    def step(self) -> None:
+        self.count += 1
+
+    def done(self) -> bool:
+        if self.count >= 3:
+            self.asked_when_done += 1
+        return self.asked_when_done == 1
+
+
 class FailsOnThirdStep(SideTask):
     progress_unit: ClassVar[str] = "widgets"
 
@@ -84,6 +100,12 @@ class RaisingEstimate(EndlessTask):
 
 class NotATask:
     pass
+
+
+def test_the_first_true_done_finishes_the_run_as_it_finishes_a_workers_task() -> None:
+    # Stranger trial: a done() true once, then false, read "finished": false after 3 steps (asked twice).
+    report = run_standalone(f"{__name__}:DoneOnce", {}, DEVICE, 30.0, 16 << 20, None)
+    assert report.finished and report.steps == 3
 
 
 def test_report_counts_progress_in_the_tasks_unit_until_done(tmp_path: Path) -> None:

@@ -125,6 +125,28 @@ def test_checkpoint_roundtrip_gives_back_the_state_and_refuses_what_cannot_be_sa
         checkpoint_roundtrip(Unsaveable())
 
 
+class DoneOnce(Walk):
+    """done() is true the first time it is asked once ``total`` moves are made, and false after."""
+
+    def __init__(self, total: int = 20, seed: int = 1) -> None:
+        super().__init__(total, seed)
+        self.asked_when_done = 0
+
+    def done(self) -> bool:
+        if self.moves >= self.total:
+            self.asked_when_done += 1
+        return self.asked_when_done == 1
+
+
+def test_run_steps_stops_at_the_first_true_done_and_says_done_as_a_worker_would(tmp_path: Path) -> None:
+    # Stranger trial: such a task ran 2500 steps, then run_steps said done=False (done() asked again) and
+    # check_resume failed it as "not done after 100000 steps".
+    run = run_steps(DoneOnce(total=5), 100, work_dir=tmp_path)
+    assert (run.steps, run.done) == (5, True)
+    text = repr(run)
+    assert text.startswith("StepsRun(steps=5, done=True, peak_bytes=") and "step_s=<5 step times, p50 " in text
+
+
 def test_check_resume_passes_a_task_that_keeps_the_contract(tmp_path: Path) -> None:
     resumed = check_resume(lambda: Walk(total=20, seed=7), stop_after=6, work_dir=tmp_path)
     assert isinstance(resumed, Walk) and resumed.moves == 20
