@@ -60,6 +60,16 @@ def format_size(num_bytes: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_progress(progress: float, steps: int, unit: str) -> str:
+    """A task's progress in its unit, the steps where it reports none: whole numbers plainly, others to two
+    decimals, and past ten million in three significant figures (``1.79e+20 bytes``: its twenty-one digits
+    widened every table a task was in)."""
+    value = progress if progress else float(steps)
+    if abs(value) >= 1e7:
+        return f"{value:.3g} {unit or 'steps'}"
+    return (f"{value:.0f}" if value == int(value) else f"{value:.2f}") + f" {unit or 'steps'}"
+
+
 def format_ms(value_ms: float) -> str:
     """Render a duration in milliseconds with sensible precision."""
     if value_ms <= 0:

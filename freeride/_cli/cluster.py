@@ -29,7 +29,7 @@ from freeride._cluster.url import parse_queue_url
 from freeride._validation import submission_of, validate_spec
 from freeride.errors import TaskNotFound
 from freeride.messages import QueueStats, TaskSpec
-from freeride.units import format_size
+from freeride.units import format_progress, format_size
 
 
 @contextlib.contextmanager
@@ -88,9 +88,7 @@ def to_json(rec: ClusterRecord) -> dict[str, Any]:
 
 
 def _progress(rec: ClusterRecord) -> str:
-    value = rec.progress if rec.progress else float(rec.steps)
-    text = f"{value:.0f}" if value == int(value) else f"{value:.2f}"
-    return f"{text} {rec.progress_unit}"
+    return format_progress(rec.progress, rec.steps, rec.progress_unit)
 
 
 def render_table(recs: Sequence[ClusterRecord]) -> str:

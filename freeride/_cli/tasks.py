@@ -41,7 +41,7 @@ from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
-from freeride.units import format_ms, format_size
+from freeride.units import format_ms, format_progress, format_size
 
 _EXIT_OK = 0
 _EXIT_FAILED = 1
@@ -238,9 +238,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _progress(info: TaskInfo) -> str:
-    value = info.progress if info.progress else float(info.steps)
-    text = f"{value:.0f}" if value == int(value) else f"{value:.2f}"
-    return f"{text} {info.progress_unit or 'steps'}"
+    return format_progress(info.progress, info.steps, info.progress_unit)
 
 
 def _table(rows: list[list[str]]) -> str:

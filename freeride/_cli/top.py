@@ -38,7 +38,7 @@ from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import BubbleSlotStats, ManagerStats, TaskInfo
 from freeride.states import TaskState
-from freeride.units import format_ms, format_size
+from freeride.units import format_ms, format_progress, format_size
 
 _EXIT_OK = 0
 _EXIT_INTERRUPTED = 130
@@ -113,9 +113,7 @@ def _fit(text: str, width: int) -> str:
 
 
 def _progress(info: TaskInfo) -> str:
-    value = info.progress if info.progress else float(info.steps)
-    text = f"{value:.0f}" if value == int(value) else f"{value:.2f}"
-    return f"{text} {info.progress_unit or 'steps'}"
+    return format_progress(info.progress, info.steps, info.progress_unit)
 
 
 def order_tasks(tasks: Sequence[TaskInfo]) -> list[TaskInfo]:
