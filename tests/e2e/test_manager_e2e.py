@@ -25,9 +25,13 @@ def test_task_steps_start_only_inside_bubbles(harness: ManagerHarness) -> None:
     holds_for(lambda: read_steps(work_dir(harness, task.task_id)) == [], 0.3, "no step runs while no bubble is open")
     feeder = harness.feeder()
     feeder.run(25, length_ms=25, gap_ms=15)
+    # A step frozen at the last bubble's end (a loaded machine) finishes in a later bubble and its worker parks
+    # there: until then the manager has not had the steps of that grant.
+    feeder.run_until(lambda: harness.client.get(task.task_id).state == "PARKED", length_ms=25, gap_ms=15,
+                     timeout_s=60)
     accepted, rejected = feeder.close()
-    assert (accepted, rejected) == (50, 0)
-    info = harness.wait_state(task.task_id, "PARKED")
+    assert (accepted, rejected) == (2 * len(feeder.sent), 0)
+    info = harness.client.get(task.task_id)
     steps = read_steps(work_dir(harness, task.task_id))
     assert len(steps) > 25, "the task should harvest several steps per bubble"
     assert info.steps == len(steps)
@@ -38,7 +42,7 @@ def test_task_steps_start_only_inside_bubbles(harness: ManagerHarness) -> None:
     holds_for(lambda: len(read_steps(work_dir(harness, task.task_id))) == len(steps), 0.2,
               "no step runs after the last bubble")
     stats = harness.client.stats()
-    assert stats.bubbles == 25
+    assert stats.bubbles == len(feeder.sent)
     assert 0 < stats.harvested_s <= stats.bubble_time_s
 
 
@@ -120,7 +124,9 @@ def test_a_drain_counts_as_checkpointed_only_tasks_whose_checkpoint_holds_their_
 
 def test_a_drain_says_how_many_tasks_it_had_to_kill_past_the_stop_timeout(make_manager: object) -> None:
     # Stranger trial: a task hung in a step was killed after the stop timeout, and the drain read "1 parked".
-    h: ManagerHarness = make_manager(stop_timeout_ns=300_000_000)  # type: ignore[operator]
+    # The counter has the stop timeout to checkpoint and exit: at 300 ms, a loaded machine starved its worker
+    # (nice 19) past it and the drain killed both.
+    h: ManagerHarness = make_manager(stop_timeout_ns=3_000_000_000)  # type: ignore[operator]
     hanger = h.submit("sample_tasks:Hanger", args={"hang_at": 2})
     counter = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
     feeder = h.feeder()
