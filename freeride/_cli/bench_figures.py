@@ -182,6 +182,9 @@ def summarize(runs: Sequence[Run], rates: Mapping[int, Mapping[str, float]], dev
         return doc
     task_runs = {t: modes[TASKS] for t, modes in trials.items()}
     works = {t: work_s(r, rates[t]) for t, r in task_runs.items()}
+    # The base of the harvest's shares: the bubbles of the runs with side tasks (``bubble_s`` pools the runs
+    # with managers only too, and 2.91 s over it did not read as the share printed beside it).
+    doc["task_bubble_s"] = _mean([r.bubble_s for r in task_runs.values()])
     doc["harvested_s"] = _interval([r.harvested_s for r in task_runs.values()])
     doc["harvested_share"] = _interval([r.harvested_s / r.bubble_s for r in task_runs.values() if r.bubble_s > 0])
     doc["work_s"] = _interval([math.fsum(w.values()) for w in works.values()])
@@ -189,11 +192,16 @@ def summarize(runs: Sequence[Run], rates: Mapping[int, Mapping[str, float]], dev
                                            for t, r in task_runs.items() if r.bubble_s > 0])
     names = list(dict.fromkeys(task.name for r in task_runs.values() for d in r.devices for task in d.tasks))
     doc["tasks"] = [_task_row(name, task_runs, works, rates) for name in names]
-    doc["saving"] = {}
+    doc["saving"], doc["work_value"] = {}, {}
     for ratio in price_ratios:
         values = [cost_saving(CostInputs(math.fsum(works[t].values()), trials[t][TASKS].wall_s,
                                          trials[t][ALONE].wall_s, devices), ratio) for t in trials]
         doc["saving"][f"{ratio:g}x"] = _interval(values)
+        # The saving's first term alone, W / (r n T): what the side work is worth, the saving were dT 0. Where the
+        # overhead is not resolved, dT's noise is most of the saving (a run 17 s faster by chance read +25% at
+        # every ratio, of which the work was worth under 1%).
+        doc["work_value"][f"{ratio:g}x"] = _mean([math.fsum(works[t].values()) / ratio
+                                                  / (devices * trials[t][ALONE].wall_s) for t in trials])
     overruns = [d for r in task_runs.values() for d in r.devices]
     doc["overruns_per_run"] = _mean([float(sum(d.overruns for d in r.devices)) for r in task_runs.values()])
     doc["overrun_p99_ms"] = max((d.overrun_p99_ms for d in overruns), default=None)
@@ -217,16 +225,20 @@ def _task_row(name: str, task_runs: Mapping[int, Run], works: Mapping[int, Mappi
 # ------------------------------------------------------------------ text
 
 
-def fmt_interval(iv: Mapping[str, Any] | None, pct: bool = True, digits: int = 1, share: bool = False) -> str:
+def fmt_interval(iv: Mapping[str, Any] | None, pct: bool = True, digits: int = 1, share: bool = False,
+                 nonnegative: bool = False) -> str:
     """``+1.2% (+0.3 .. +2.1)``, ``0.81 (0.77 .. 0.85)``; ``(one trial)`` where unbounded; ``-`` if none.
 
     ``share``: a part of a whole (``35.0% (12.0 .. 58.0)``): no sign, and the interval kept within 0 .. 100%
-    (a t interval of two trials ran to -160 .. +270%)."""
+    (a t interval of two trials ran to -160 .. +270%). ``nonnegative``: a quantity that cannot be below 0
+    (seconds of work): the interval's low end is kept at 0 or above."""
     if not iv or iv.get("estimate") is None:
         return "-"
     est, low, high = iv["estimate"], iv.get("low"), iv.get("high")
     if share:
         low, high = (None if low is None else max(0.0, low)), (None if high is None else min(1.0, high))
+    elif nonnegative and low is not None:
+        low = max(0.0, low)
     if pct:
         sign = "" if share else "+"
         head, scale, spec = f"{100 * est:{sign}.{digits}f}%", 100.0, f"{sign}.{digits}f"
@@ -257,10 +269,12 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
         out.append(f"  no bubble was reported on {', '.join(summary['no_bubbles'])}: is a stage of the job there?")
     if not summary["with_tasks"]:
         return [*out, "  no side task given (--task): the managers' own overhead only"]
-    out += [f"  harvested: {fmt_interval(summary['harvested_s'], pct=False)} s a run stepping in bubbles, "
-            f"{fmt_interval(summary['harvested_share'], share=True)} of the bubble time",
-            f"  side work: {fmt_interval(summary['work_s'], pct=False)} s a run of standalone work; harvest "
-            f"efficiency H = work / bubble time {fmt_interval(summary['harvest_efficiency'], pct=False)}"]
+    out += [f"  harvested: {fmt_interval(summary['harvested_s'], pct=False, nonnegative=True)} s a run stepping in "
+            f"bubbles, of the {summary['task_bubble_s']:.2f} s of bubbles a run with side tasks had: "
+            f"{fmt_interval(summary['harvested_share'], share=True)} of them (the mean of each trial's share)",
+            f"  side work: {fmt_interval(summary['work_s'], pct=False, nonnegative=True)} s a run of standalone "
+            f"work; harvest efficiency H = work / bubble time {fmt_interval(summary['harvest_efficiency'], pct=False)}"
+            " (the mean of each trial's)"]
     h, share = summary["harvest_efficiency"], summary["harvested_share"]
     if h and share and h.get("estimate") is not None and share.get("estimate") is not None \
             and h["estimate"] > share["estimate"]:
@@ -284,4 +298,13 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
     for key, iv in summary["saving"].items():
         text = PRICE_RATIO_TEXT.get(float(key.rstrip("x")), "")
         out.append(f"    {key:>5s}  {fmt_interval(iv)}" + (f"   {text}" if text else ""))
+    tasks_overhead = summary["overhead"].get(TASKS) or {}
+    low, high = tasks_overhead.get("low"), tasks_overhead.get("high")
+    unresolved = low is None or high is None or low < 0 < high
+    if unresolved and summary.get("work_value"):
+        worth = " / ".join(f"{100 * v:+.2f}%" for v in summary["work_value"].values())
+        out.append(f"  not resolved: the overhead with side tasks ({fmt_interval(tasks_overhead)}) may be 0, and its "
+                   "noise is in every saving above; the side work alone is worth "
+                   f"{worth} of the training cost at {' / '.join(summary['work_value'])} (the saving were the "
+                   "overhead 0): more trials (--min-trials) resolve it")
     return out

@@ -117,6 +117,26 @@ def test_the_report_defines_the_saving_and_every_price_ratio_where_it_prints_the
         assert words in line
 
 
+def test_an_unresolved_overhead_is_said_beside_the_saving_with_what_the_work_alone_is_worth() -> None:
+    # Stranger trial: a run with side tasks 17 s faster by chance read "+26.6%" at every price ratio, of which
+    # the side work was worth under 1%; and "2.91 s harvested, 29.6%" sat under a bubble time of both modes.
+    runs = _trial(0, 50.0, 50.0, 33.0, progress=10.0) + _trial(1, 49.0, 51.0, 51.0, progress=10.0)
+    doc = summarize(runs, {0: {"pr": 10.0}, 1: {"pr": 10.0}}, devices=2, price_ratios=(1.0, 22.0))
+    # W = 2 s a trial (10 iterations at 10/s on each of two devices), over n T = 2 x 50 and 2 x 49 s.
+    assert doc["work_value"]["1x"] == pytest.approx((2 / 100 + 2 / 98) / 2)
+    assert doc["work_value"]["22x"] == pytest.approx(doc["work_value"]["1x"] / 22)
+    assert doc["task_bubble_s"] == pytest.approx(4.0)
+    text = "\n".join(render(doc, {"command_text": "train", "devices": ["cpu:0", "cpu:1"], "stop": "s",
+                                  "loadavg": "1"}))
+    line = next(line for line in text.splitlines() if line.strip().startswith("not resolved:"))
+    assert "+2.02% / +0.09% of the training cost at 1x / 22x" in line
+    assert "of the 4.00 s of bubbles a run with side tasks had: 75.0%" in text
+    resolved = _trial(0, 100.0, 100.0, 101.0, progress=10.0) + _trial(1, 100.0, 100.0, 101.1, progress=10.0)
+    doc = summarize(resolved, {0: {"pr": 10.0}, 1: {"pr": 10.0}}, devices=2, price_ratios=(1.0,))
+    text = "\n".join(render(doc, {"command_text": "t", "devices": ["cpu:0"], "stop": "s", "loadavg": "1"}))
+    assert "not resolved" not in text
+
+
 def test_without_side_tasks_only_the_managers_overhead_is_reported() -> None:
     runs = [r for t in (0, 1) for r in _trial(t, 100.0, 100.2, 0.0) if r.mode != TASKS]
     doc = summarize(runs, {}, devices=2, price_ratios=(1.0,))
