@@ -14,7 +14,8 @@ independent samples; a trial cut short (Ctrl-C, a failure) counts for nothing.
   trial on the same kind of device (seconds the task would need with a device to itself); the
   **harvest efficiency** is ``H = W / B``.
 * **saving** at price ratio ``r``: :func:`freeride.measure.cost_saving`, per trial, then its mean and
-  interval.
+  interval; and its first term alone, ``W / (r n T)`` (``work_value``), which the report gives where the
+  overhead with side tasks is not resolved (its noise is then most of the saving).
 
 Nothing here starts a process or reads a clock: the bench (``freeride._cli.bench``) measures, this
 module adds up, so the arithmetic is tested on plain numbers.
