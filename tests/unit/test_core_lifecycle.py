@@ -401,3 +401,14 @@ def test_every_transition_emits_exactly_one_state_changed_and_they_chain() -> No
     ]:
         assert expected in seen
     assert of(sim.actions, DrainComplete) == [DrainComplete()]
+
+
+def test_a_starting_task_says_its_worker_is_starting_not_nothing() -> None:
+    # Stranger trial: after a restart, `ls` showed tasks STARTING with WHY "-" for a minute.
+    sim = Sim()
+    sim.add("a")
+    sim.free(1000)
+    assert sim.state("a") == S.STARTING
+    assert sim.core.waiting_reason(sim.core.tasks["a"]).startswith("its worker is starting: importing the task's")
+    sim.ready("a")
+    assert not sim.core.waiting_reason(sim.core.tasks["a"]).startswith("its worker is starting")

@@ -71,6 +71,11 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         if longest == 0:
             return "no bubble reported yet"
         return "waiting for a bubble" + (f" (margin {total} ms{widened})" if widened else "")
+    if task.state == TaskState.STARTING:
+        # Stranger trial: after a restart, tasks sat in STARTING for a minute with no word (workers importing torch
+        # at nice 19 on the trainer's busy core).
+        return ("its worker is starting: importing the task's module and building it, at the lowest CPU priority "
+                "(slow beside a busy trainer on the same core)")
     if task.state == TaskState.FROZEN:
         if task.health.in_setup:
             return "frozen in setup() after overrunning a bubble; resumes at its next grant"
