@@ -124,9 +124,11 @@ class Durability:
         if action.failure is not None:
             log.warning("[%s task=%s] failed: %s: %s", self.device, tid, action.failure.kind, action.failure.message)
 
-    def checkpoint_recorded(self, action: C.CheckpointRecorded, harvested_s: float) -> None:
+    def checkpoint_recorded(self, action: C.CheckpointRecorded, harvested_s: float,
+                            progress_unit: str | None = None) -> None:
         self.write(action.task_id, "checkpoint", functools.partial(
-            self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress, harvested_s))
+            self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress, harvested_s,
+            progress_unit))
 
     # ------------------------------------------------------------ start and stop
 

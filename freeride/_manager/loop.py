@@ -564,7 +564,10 @@ class ManagerLoop:
         if action.task_id in self.cluster:
             return  # the queue agent reads it from the core at its next poll
         task = self.core.tasks.get(action.task_id)
-        self.durability.checkpoint_recorded(action, task.harvested_ns / 1e9 if task is not None else 0.0)
+        if task is None:
+            self.durability.checkpoint_recorded(action, 0.0)
+        else:
+            self.durability.checkpoint_recorded(action, task.harvested_ns / 1e9, task.progress_unit)
 
     def _drain_complete(self, action: C.DrainComplete) -> None:
         for future in self._drain_waiters:

@@ -63,8 +63,10 @@ def test_kill_9_mid_bubble_then_restart_loses_no_task_resumes_from_the_checkpoin
         assert set(tasks) == {counter.task_id, spawner.task_id, waiting.task_id}
         assert tasks[counter.task_id].restarts == 1
         assert tasks[counter.task_id].progress >= checkpoint
-        # Its harvested time as of its last checkpoint survived too (it used to restart from 0).
+        # Its harvested time as of its last checkpoint survived too (it used to restart from 0), and the unit of
+        # its progress (read before its new worker says it: a restart showed "621 steps" of an images task).
         assert 0 < tasks[counter.task_id].harvested_s <= harvested
+        assert tasks[counter.task_id].progress_unit == "ticks"
         feeder = BubbleFeeder(endpoint)
         feeder.run_until(lambda: "resumed from" in (state / "tasks" / counter.task_id / "worker.log").read_text()
                          and client.get(counter.task_id).progress > checkpoint, length_ms=LONG_MS, timeout_s=60)
