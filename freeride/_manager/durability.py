@@ -124,11 +124,12 @@ class Durability:
         if action.failure is not None:
             log.warning("[%s task=%s] failed: %s: %s", self.device, tid, action.failure.kind, action.failure.message)
 
-    def checkpoint_recorded(self, action: C.CheckpointRecorded, harvested_s: float,
-                            progress_unit: str | None = None) -> None:
+    def checkpoint_recorded(self, action: C.CheckpointRecorded, task: C.TaskRuntime | None) -> None:
+        """A checkpoint, with the task's figures that a ``kill -9`` would otherwise lose (its harvested time,
+        overruns and progress unit, as the core has them now)."""
+        figures = (0.0, None, 0) if task is None else (task.harvested_ns / 1e9, task.progress_unit, task.overruns)
         self.write(action.task_id, "checkpoint", functools.partial(
-            self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress, harvested_s,
-            progress_unit))
+            self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress, *figures))
 
     # ------------------------------------------------------------ start and stop
 

@@ -563,11 +563,7 @@ class ManagerLoop:
     def _checkpoint_recorded(self, action: C.CheckpointRecorded) -> None:
         if action.task_id in self.cluster:
             return  # the queue agent reads it from the core at its next poll
-        task = self.core.tasks.get(action.task_id)
-        if task is None:
-            self.durability.checkpoint_recorded(action, 0.0)
-        else:
-            self.durability.checkpoint_recorded(action, task.harvested_ns / 1e9, task.progress_unit)
+        self.durability.checkpoint_recorded(action, self.core.tasks.get(action.task_id))
 
     def _drain_complete(self, action: C.DrainComplete) -> None:
         for future in self._drain_waiters:

@@ -162,16 +162,17 @@ class TaskStore:
                 )
 
     def record_checkpoint(self, task_id: str, step: int, path: str, progress: float, harvested_s: float = 0.0,
-                          progress_unit: str | None = None) -> None:
-        """A checkpoint, and the harvested time so far and the progress's unit (so that they survive a ``kill -9``
-        of the manager: the unit was written only at submission, and a restarted manager showed "621 steps" of a
-        task that counts images until its worker was ready again)."""
+                          progress_unit: str | None = None, overruns: int = 0) -> None:
+        """A checkpoint, and the harvested time and overruns so far and the progress's unit (so that they survive
+        a ``kill -9`` of the manager: the unit and the overruns were written only at submission, and a restarted
+        manager showed "621 steps" of a task that counts images until its worker was ready again, and 0
+        overruns)."""
         with self._writing() as db:
             db.execute(
                 "UPDATE tasks SET checkpoint_step = ?, checkpoint_path = ?, steps = MAX(steps, ?), progress = ?,"
-                " harvested_s = MAX(harvested_s, ?), progress_unit = COALESCE(?, progress_unit), updated_unix = ?"
-                " WHERE task_id = ?",
-                (step, path, step, progress, harvested_s, progress_unit, time.time(), task_id),
+                " harvested_s = MAX(harvested_s, ?), progress_unit = COALESCE(?, progress_unit),"
+                " overruns = MAX(overruns, ?), updated_unix = ? WHERE task_id = ?",
+                (step, path, step, progress, harvested_s, progress_unit, overruns, time.time(), task_id),
             )
 
     def record_progress(self, task_id: str, figures: TaskProgress) -> None:

@@ -61,13 +61,14 @@ def test_refused_state_change_is_rolled_back_and_the_store_works_again(tmp_path:
     assert store.get(task.task_id).failure == failure  # type: ignore[union-attr]
 
 
-def test_a_checkpoint_keeps_the_progress_unit_and_none_leaves_the_one_recorded(tmp_path: Path) -> None:
+def test_a_checkpoint_keeps_the_progress_unit_and_overruns_and_none_leaves_those_recorded(tmp_path: Path) -> None:
     store = TaskStore(tmp_path / "tasks.db")
     task = store.add(SPEC)
-    store.record_checkpoint(task.task_id, 7, "/x/ckpt-7.pt", 70.0, 1.5, progress_unit="images")
+    store.record_checkpoint(task.task_id, 7, "/x/ckpt-7.pt", 70.0, 1.5, progress_unit="images", overruns=3)
     store.record_checkpoint(task.task_id, 8, "/x/ckpt-8.pt", 80.0, 1.6)
     figures = store.get(task.task_id).figures  # type: ignore[union-attr]
-    assert (figures.checkpoint_step, figures.progress, figures.progress_unit) == (8, 80.0, "images")
+    assert (figures.checkpoint_step, figures.progress, figures.progress_unit, figures.overruns) == (
+        8, 80.0, "images", 3)
 
 
 def test_store_that_cannot_be_written_is_refused_at_open(tmp_path: Path) -> None:
