@@ -485,9 +485,12 @@ def render_summary(summary: DemoSummary) -> str:
                 rows.append([harvest_mod.CATEGORY_TEXT[category],
                              *(_pct((dev.breakdown or {}).get(category, 0.0)) for dev in with_breakdown)])
         lines += _table(rows)
+        # Stranger trial: "work 2.1%" here against "efficiency 2.3%" above read as two figures that disagree.
+        lines.append("  the work here is what ran inside the bubbles; the efficiency above also counts the part of "
+                     "steps that ran past a bubble's end")
     lines += [
         "",
-        "side tasks",
+        "side tasks (as the managers had them when training ended, before they were stopped)",
     ]
     rows = [["task", "device", "state", "progress", "standalone", "harvested", "step p95", "efficiency"]]
     for t in summary.tasks:

@@ -198,7 +198,8 @@ def test_the_summary_is_json_and_renders_every_figure() -> None:
     assert {t["name"] for t in doc["tasks"]} == {"lstm", "pagerank", "watermark"}
     text = render_summary(summary)
     for needle in ("bubble fraction", "30.0%", "overhead", "indicative only", "efficiency", "lstm (lstm-1)",
-                   "400 samples", "checks: harvested <= bubble time"):  # fmt: skip
+                   "400 samples", "checks: harvested <= bubble time",
+                   "side tasks (as the managers had them when training ended, before they were stopped)"):  # fmt: skip
         assert needle in text, needle
 
 
