@@ -478,6 +478,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 _PARK_NOTE = "  (end received -> parked; 0 when the worker saw the trainer's end first)"
+# Stranger trial: "grant latency n=117, park latency n=781, overruns 845" with no word of what each counts.
+_OVERRUN_NOTE = "  (grants whose side task still ran past the bubble's real end, by how much)"
+_GRANT_NOTE = "  (bubble start received -> first step; a bubble's first grant, when its worker was parked)"
 
 
 def _pct_line(p: Percentiles) -> str:
@@ -500,8 +503,8 @@ def render_stats(s: ManagerStats) -> str:
         ("bubble time", f"{s.bubble_time_s:.3f} s"),
         ("granted", f"{s.granted_s:.3f} s"),
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
-        ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}"),
-        ("grant lat.", _pct_line(s.grant_latency_ms)),
+        ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")),
+        ("grant lat.", _pct_line(s.grant_latency_ms) + (_GRANT_NOTE if s.grant_latency_ms.count else "")),
         ("park lat.", _pct_line(s.park_latency_ms) + (_PARK_NOTE if s.park_latency_ms.count else "")),
         ("end->worker", _pct_line(s.end_to_worker_ms)),
         ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),

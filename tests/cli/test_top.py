@@ -382,3 +382,13 @@ def test_top_rejects_a_bad_interval(interval: str, capsys: pytest.CaptureFixture
     code = main(["top", "--once", "--interval", interval, "--endpoint", "unix:/nonexistent/m.sock"])
     assert code == EXIT_BAD_INPUT
     assert "--interval" in capsys.readouterr().err
+
+
+def test_stats_says_what_each_latency_and_overrun_count_covers() -> None:
+    # Stranger trial: grant latency n=117, park latency n=781 and 845 overruns, with no word of what each counts.
+    lines = {line.split(":")[0]: line for line in render_stats(stats()).splitlines()}
+    assert lines["overruns"].endswith("(grants whose side task still ran past the bubble's real end, by how much)")
+    assert "(bubble start received -> first step; a bubble's first grant" in lines["grant lat."]
+    assert "(end received -> parked" in lines["park lat."]
+    quiet = render_stats(stats(overruns=0, overrun_ms=Percentiles(0, 0, 0, 0, 0)))
+    assert "ran past the bubble's real end" not in quiet
