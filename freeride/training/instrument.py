@@ -34,7 +34,10 @@ computes and where it waits, hooked on *instances* only (no class or module is p
   the wait of the iteration's first action; the compute entry that follows ends each. Posting is
   host work: on a GPU the device is idle from the action's end, and on a loaded CPU a posting that
   blocks on gloo's lock is idle too. The tail after a rank's last action is a wait where that
-  action sends to another rank. Actions the runtime hands to a ``register_custom_function``
+  action sends to another rank, and in a runtime schedule where any action does: the runtime waits for
+  every send it posted once its last action is done, and a send the peer takes late (interleaved
+  zero-bubble's rank 1 ends ``I3, SEND_B3, W2, W3``) is a wait of milliseconds past a last action that
+  sends nothing. Actions the runtime hands to a ``register_custom_function``
   bypass these hooks.
 
 **The orders.** Every rank's compute actions come from the schedule itself: for runtime schedules
@@ -194,11 +197,13 @@ class InstrumentedSchedule:
     ) -> None:
         self.schedule = schedule
         self._stages, rank, orders, num_stages = self._inspect(schedule)
+        # The runtime waits for every send it posted once its last action is done (module doc).
+        runtime = hasattr(schedule, "_stages") and hasattr(schedule, "pipeline_order_with_comms")
         self.tracker = RankTracker(
             orders, rank, sink, num_stages=num_stages, device=device, clock=clock, predictor=predictor,
             learning=learning, on_iteration=on_iteration, on_action_end=on_action_end,
             report_min_ns=report_min_ns, remodel_iterations=remodel_iterations, time_actions=time_actions,
-            waits_follow_compute=True, schedule=type(schedule).__name__,
+            waits_follow_compute=True, schedule=type(schedule).__name__, sends_waited_at_end=runtime,
         )
         self.rank = rank
         self._restore: list[tuple[object, str, Any]] = []  # (object, attribute, its own value or _ABSENT)

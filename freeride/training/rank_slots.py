@@ -7,7 +7,9 @@ stage's forwards, the loss on the last stage, a weight pass (``W``) after its ow
 V-shaped placements (rank ``r`` holds stages ``r`` and ``2p-1-r``: ZBV, DualPipeV), the hand-over
 between a rank's two stages at the bottom of the V. One more wait follows the last action: a rank
 whose last action sends to another rank waits, before its iteration ends, for that send to be taken
-(gloo's sends complete once the receiver has posted its receive; DeepSpeed's are blocking). So the
+(gloo's sends complete once the receiver has posted its receive; DeepSpeed's are blocking); in torch's
+runtime schedules, which wait for every posted send once the last action is done, so does a rank any
+of whose actions sends (``sends_waited_at_end``). So the
 order alone gives the *wait positions*: position ``k`` is the gap before the rank's ``k``-th action,
 position 0 is the wait across the iteration boundary, and the order's length is the tail
 (:class:`RankPlan`). The model's transfers are free, so it gives the tail no length: its length is
@@ -95,10 +97,12 @@ def _check_receive_at(orders: Mapping[int, Sequence[Action]], receive_at: Receiv
 
 
 def wait_positions(orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int,
-                   receive_at: ReceiveAt | None = None) -> tuple[int, ...]:
+                   receive_at: ReceiveAt | None = None, sends_waited_at_end: bool = False) -> tuple[int, ...]:
     """Positions in ``rank``'s order where it may wait: where it receives each action's input from
     another rank (before the action itself, unless ``receive_at`` moves it), and the tail (the order's
-    length) when its last action sends to another rank."""
+    length) when its last action sends to another rank, or with ``sends_waited_at_end`` (a framework that
+    waits for all its posted sends once its last action is done: torch's runtime schedules) when any of its
+    actions does: ZB's rank 1 ends ``I3, SEND_B3, W2, W3`` and waits for the send past its last W."""
     owner = stage_ranks(orders)
     order = orders[rank]
     moved = (receive_at or {}).get(rank, {})
@@ -107,10 +111,12 @@ def wait_positions(orders: Mapping[int, Sequence[Action]], rank: int, num_stages
         dep = input_dependency(action, num_stages)
         if dep is not None and owner.get(dep.stage, rank) != rank:
             positions.add(moved.get(k, k))
-    if order:
-        consumer = consumer_stage(order[-1], num_stages)
+    senders = order if sends_waited_at_end else order[-1:]
+    for action in senders:
+        consumer = consumer_stage(action, num_stages)
         if consumer is not None and owner.get(consumer, rank) != rank:
             positions.add(len(order))
+            break
     return tuple(sorted(positions))
 
 
@@ -274,7 +280,7 @@ class RankPlan:
 
     @classmethod
     def from_orders(cls, orders: Mapping[int, Sequence[Action]], rank: int, num_stages: int | None = None,
-                    receive_at: ReceiveAt | None = None) -> RankPlan:
+                    receive_at: ReceiveAt | None = None, sends_waited_at_end: bool = False) -> RankPlan:
         if rank not in orders or not orders[rank]:
             raise ConfigError(f"rank {rank} has no actions in the schedule's order (ranks: {sorted(orders)})")
         frozen = {int(r): tuple(o) for r, o in orders.items()}
@@ -284,7 +290,8 @@ class RankPlan:
         elif num_stages < stages:
             raise ConfigError(f"the orders name model stage {stages - 1} but num_stages is {num_stages}")
         moved = _check_receive_at(frozen, receive_at)
-        return cls(rank, frozen, num_stages, wait_positions(frozen, rank, num_stages, moved), moved)
+        return cls(rank, frozen, num_stages, wait_positions(frozen, rank, num_stages, moved, sends_waited_at_end),
+                   moved)
 
     @property
     def order(self) -> tuple[Action, ...]:

@@ -211,7 +211,8 @@ class RankTracker:
     ``on_iteration(iteration, bubbles)`` is called on the training
     thread with each delivered iteration's reported bubbles; ``on_action_end(kind, stage, mb)`` at
     every ``compute_end``, before its mark (a measuring hook: it must return in microseconds).
-    ``receive_at`` tells where a framework that receives ahead waits for an action's input
+    ``receive_at`` tells where a framework that receives ahead waits for an action's input, and
+    ``sends_waited_at_end`` that it waits for all its posted sends after its last action
     (:mod:`freeride.training.rank_slots`). ``schedule`` names the schedule (an adapter passes its class or
     function name): before the first iteration's first bubble, a sink that takes layouts (a
     :class:`~freeride.training.reporter.BubbleReporter`) is told the job's layout (the schedule, the model
@@ -238,10 +239,11 @@ class RankTracker:
         waits_follow_compute: bool = False,
         receive_at: ReceiveAt | None = None,
         schedule: str | None = None,
+        sends_waited_at_end: bool = False,
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
-        self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at)
+        self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at, sends_waited_at_end)
         microbatches = 1 + max((a.microbatch for order in orders.values() for a in order), default=-1)
         #: (schedule, model stages, micro-batches), until it has been reported (class doc).
         self._layout: tuple[str, int, int] | None = (

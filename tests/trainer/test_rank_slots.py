@@ -45,10 +45,10 @@ def torch_schedule(name: str, rank: int, ranks: int, microbatches: int, csv: Pat
 
 def receives(schedule: Any, rank: int) -> set[int]:
     """Positions (in the rank's compute order) of the actions torch's lowered order receives for, and
-    the tail where its last action sends."""
+    the tail where the rank posts any send: the runtime waits for every posted send after its last action
+    (``while send_ops: _wait_batch_p2p(send_ops.pop())``)."""
     positions, recv, k = set(), set(), 0
     sends: set[tuple[str, int, int]] = set()
-    last = None
     for action in schedule.pipeline_order_with_comms[rank]:
         for sub in action.sub_actions or (action,):
             kind = sub.computation_type.value
@@ -61,9 +61,8 @@ def receives(schedule: Any, rank: int) -> set[int]:
                 direction = "F" if kind == "F" else "B"
                 if kind != "W" and (direction, *key) in recv:
                     positions.add(k)
-                last = (direction, *key) if kind != "W" else None
                 k += 1
-    if last is not None and last in sends:
+    if sends:
         positions.add(k)
     return positions
 
@@ -77,7 +76,19 @@ def test_the_model_waits_exactly_where_torch_receives(name: str, ranks: int, mic
     orders = torch_orders(schedules[0].pipeline_order_with_comms)
     for rank in range(ranks):
         assert torch_orders(schedules[rank].pipeline_order_with_comms) == orders  # every rank sees one plan
-        assert set(wait_positions(orders, rank, 2 * ranks)) == receives(schedules[rank], rank), rank
+        assert set(wait_positions(orders, rank, 2 * ranks, sends_waited_at_end=True)) == receives(
+            schedules[rank], rank), rank
+
+
+def test_a_runtime_rank_whose_last_action_sends_nothing_still_waits_for_its_earlier_sends() -> None:
+    # Stranger trial: interleaved zero-bubble's rank 1 ends I3, SEND_B3, W2, W3, and waited up to 11 ms past
+    # its last W for rank 0 to take the gradient of I3: a wait no bubble reported.
+    orders = torch_orders(torch_schedule("ScheduleInterleavedZeroBubble", 1, 2, 4).pipeline_order_with_comms)
+    assert orders[1][-1].kind == "W"
+    tail = len(orders[1])
+    assert tail not in wait_positions(orders, 1, 4)  # a framework whose sends are waited where they are made
+    assert tail in wait_positions(orders, 1, 4, sends_waited_at_end=True)
+    assert tail in RankPlan.from_orders(orders, 1, sends_waited_at_end=True).positions
 
 
 @pytest.mark.parametrize("name,ranks,microbatches", CASES)
@@ -104,7 +115,7 @@ def test_an_order_loaded_from_csv_is_modelled_like_any_other(tmp_path: Path) -> 
         sched = torch_schedule("", rank, 2, 4, csv)
         orders = torch_orders(sched.pipeline_order_with_comms)
         assert orders == {r: list(o) for r, o in megatron.orders.items()}
-        assert set(wait_positions(orders, rank, 4)) == receives(sched, rank)
+        assert set(wait_positions(orders, rank, 4, sends_waited_at_end=True)) == receives(sched, rank)
 
 
 def test_v_shaped_placements_hand_over_between_a_ranks_own_stages_without_a_wait() -> None:
