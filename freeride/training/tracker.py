@@ -93,6 +93,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from freeride.devices import parse_device_name
 from freeride.errors import ConfigError
 from freeride.messages import UNKNOWN_MEMORY
 from freeride.training.device_clock import HostClock, MarkClock
@@ -190,15 +191,59 @@ class MeasuredAction(NamedTuple):
 
 
 def default_clock(device: str | None, consumer: Callable[[Any, int], None]) -> MarkClock:
-    """CUDA events on a CUDA device that torch can use; the host clock everywhere else."""
+    """CUDA events on a CUDA device; the host clock everywhere else. A CUDA device that torch cannot use is
+    refused: timed on the host clock, its marks would read kernel launches as compute (a trainer given
+    ``cuda:0`` on a machine without a GPU was accepted without a word)."""
     if device and device.startswith("cuda"):
         import torch
 
         from freeride.training.device_clock import CudaEventClock
 
-        if torch.cuda.is_available():
-            return CudaEventClock(consumer, int(device.split(":", 1)[1]) if ":" in device else 0)
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device}: torch sees no CUDA device here; name the rank's device as it "
+                              "trains (cpu:N for a CPU core)")
+        return CudaEventClock(consumer, int(device.split(":", 1)[1]) if ":" in device else 0)
     return HostClock(consumer)
+
+
+def checked_device(device: Any) -> str | None:
+    """``device`` as a device name (``cpu:N``, ``cuda:N``, or ``cpu``: the host clock, no core named), or
+    None; a ``torch.device`` is taken by its name. ConfigError for anything else (``torch.device("cpu")``
+    raised an AttributeError from deep inside the tracker)."""
+    if device is None:
+        return None
+    if not isinstance(device, str) and hasattr(device, "type") and hasattr(device, "index"):
+        if device.type == "cpu":
+            device = "cpu" if device.index is None else f"cpu:{device.index}"
+        elif device.type == "cuda" and device.index is not None:
+            device = f"cuda:{device.index}"
+        else:
+            raise ConfigError(f"device {device!r}: name the rank's device as freeride does, 'cpu:N' (its core) or "
+                              "'cuda:N'")
+    if not isinstance(device, str):
+        raise ConfigError(f"device must be a device name such as 'cpu:0' or 'cuda:1', got {type(device).__name__} "
+                          f"{device!r}")
+    return "cpu" if device == "cpu" else str(parse_device_name(device))
+
+
+def check_sink(sink: Any, device: str | None) -> None:
+    """A sink is None or takes ``bubble_start`` and ``bubble_end``; a reporter's device is the rank's.
+
+    ``InstrumentedSchedule(schedule, "cpu:0")`` (the device where the sink goes) was accepted and failed the
+    first bubble with an AttributeError, which took the peer rank down in its next receive.
+    """
+    if sink is None:
+        return
+    if not (callable(getattr(sink, "bubble_start", None)) and callable(getattr(sink, "bubble_end", None))):
+        hint = " (the argument after the schedule is the sink: pass the device as device=...)" \
+            if isinstance(sink, str) else ""
+        raise ConfigError(f"sink must be a BubbleReporter, or any object with bubble_start and bubble_end; got "
+                          f"{type(sink).__name__} {sink!r}{hint}")
+    reports_for = getattr(sink, "device", None)
+    if device is not None and isinstance(reports_for, str) and reports_for != device \
+            and not (device == "cpu" and reports_for.startswith("cpu:")):
+        raise ConfigError(f"the reporter reports bubbles of {reports_for}, and this rank's device is {device}: "
+                          "give both the device the rank trains on")
 
 
 class RankTracker:
@@ -243,6 +288,8 @@ class RankTracker:
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
+        device = checked_device(device)
+        check_sink(sink, device)
         self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at, sends_waited_at_end)
         microbatches = 1 + max((a.microbatch for order in orders.values() for a in order), default=-1)
         #: (schedule, model stages, micro-batches), until it has been reported (class doc).

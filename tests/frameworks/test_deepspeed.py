@@ -365,10 +365,18 @@ def test_on_cuda_the_marks_take_the_devices_clock(monkeypatch: pytest.MonkeyPatc
 
         def bubble_end(self, *args: Any, **kwargs: Any) -> None: ...
 
+    class Recorder:  # a sink that names no device
+        def bubble_start(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def bubble_end(self, *args: Any, **kwargs: Any) -> None: ...
+
     engine = ReplayEngine(TrainSchedule, 4, 2, 0)
     fds._install(engine, Reporter(), device=None)
     fds.uninstrument(engine)
     other = ReplayEngine(TrainSchedule, 4, 2, 1)
-    fds._install(other, Reporter(), device="cuda:1")
+    fds._install(other, Recorder(), device="cuda:1")
     fds.uninstrument(other)
     assert asked == ["cuda:3", "cuda:1"]
+    # A reporter of another device than the rank's would run side tasks there in this rank's bubbles.
+    with pytest.raises(ConfigError, match="the reporter reports bubbles of cuda:3, and this rank's device is cuda:1"):
+        fds._install(ReplayEngine(TrainSchedule, 4, 2, 1), Reporter(), device="cuda:1")

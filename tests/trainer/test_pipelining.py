@@ -122,6 +122,37 @@ def test_unknown_schedule_or_changed_internals_fail_clearly() -> None:
         InstrumentedSchedule(torch.nn.Linear(2, 2))
 
 
+def test_a_wrong_sink_or_device_is_refused_at_construction_not_at_the_first_bubble() -> None:
+    # Stranger trial: InstrumentedSchedule(schedule, "cpu:0") was accepted; the first bubble raised
+    # AttributeError ('str' object has no attribute 'bubble_start') and the peer rank died in gloo.
+    def wrap(*args: Any, **kwargs: Any) -> InstrumentedSchedule:
+        return InstrumentedSchedule(Schedule1F1B(FakeStage(1, 2), 2), *args, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"sink must be a BubbleReporter.*got str 'cpu:0' \(the argument after the "
+                                          r"schedule is the sink: pass the device as device=\.\.\.\)"):
+        wrap("cpu:0")
+    with pytest.raises(ConfigError, match="device must be a device name such as 'cpu:0'"):
+        wrap(None, device=0)
+    with pytest.raises(ConfigError, match="unknown device 'gpu:0'"):
+        wrap(None, device="gpu:0")
+    if not torch.cuda.is_available():  # timed on the host clock, a GPU rank's marks would read launches
+        with pytest.raises(ConfigError, match="device cuda:0: torch sees no CUDA device here"):
+            wrap(None, device="cuda:0")
+
+    class Reporter:
+        device = "cpu:0"
+
+        def bubble_start(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def bubble_end(self, *args: Any, **kwargs: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match="the reporter reports bubbles of cpu:0, and this rank's device is cpu:1"):
+        wrap(Reporter(), device="cpu:1")
+    # A torch.device is taken by its name (it raised AttributeError: no 'startswith').
+    assert wrap(Reporter(), device=torch.device("cpu", 0)).tracker.plan.rank == 1
+    assert wrap(None, device=torch.device("cpu")).tracker.plan.rank == 1
+
+
 def test_predictions_learn_the_measured_lengths() -> None:
     stage = FakeStage(0, 2)
     inst = InstrumentedSchedule(Schedule1F1B(stage, 4), sink=None)
