@@ -151,6 +151,8 @@ def _single_schedule_name(schedule: object) -> str:
 
 
 _ABSENT = object()
+#: The attribute that names, on a stage's hooked ``forward_one_chunk``, the InstrumentedSchedule that hooked it.
+_OWNER = "_freeride_instrumented_by"
 _RECV_OPS = ("fwd_recv_ops", "bwd_recv_ops")
 
 
@@ -166,6 +168,17 @@ class _RecvOps(dict):
     def pop(self, key: Any, *default: Any) -> Any:
         self._blocks()
         return dict.pop(self, key, *default)
+
+
+def _refuse_hooked(stages: list[Any], me: object) -> None:
+    """ConfigError if another attached InstrumentedSchedule hooks one of ``stages``: hooks over its hooks report
+    every wait twice, and the manager rejects the second of each (a schedule wrapped twice ran on with "12
+    rejected" events and no word in the trainer)."""
+    for stage in stages:
+        owner = getattr(vars(stage).get("forward_one_chunk"), _OWNER, None)
+        if owner is not None and owner is not me and owner.attached:
+            raise ConfigError(f"model stage {int(stage.stage_index)} is instrumented already, by another "
+                              "InstrumentedSchedule: close() that one first")
 
 
 class InstrumentedSchedule:
@@ -197,6 +210,7 @@ class InstrumentedSchedule:
     ) -> None:
         self.schedule = schedule
         self._stages, rank, orders, num_stages = self._inspect(schedule)
+        _refuse_hooked(self._stages, self)  # before the tracker (and a device clock's thread) is made
         # The runtime waits for every send it posted once its last action is done (module doc).
         runtime = hasattr(schedule, "_stages") and hasattr(schedule, "pipeline_order_with_comms")
         self.tracker = RankTracker(
@@ -286,6 +300,7 @@ class InstrumentedSchedule:
             finally:
                 end(BACKWARD_WEIGHT, index, bwd_chunk_id)
 
+        setattr(forward_one_chunk, _OWNER, self)
         self._set(stage, "forward_one_chunk", forward_one_chunk)
         self._set(stage, "backward_one_chunk", backward_one_chunk)
         self._set(stage, "backward_weight_one_chunk", backward_weight_one_chunk)
@@ -311,6 +326,7 @@ class InstrumentedSchedule:
         """Hook the stages' methods (done at construction; again after :meth:`detach`)."""
         if self._restore:
             return
+        _refuse_hooked(self._stages, self)
         for stage in self._stages:
             self._wrap(stage)
         if self.watches_receives:

@@ -153,6 +153,21 @@ def test_a_wrong_sink_or_device_is_refused_at_construction_not_at_the_first_bubb
     assert wrap(None, device=torch.device("cpu")).tracker.plan.rank == 1
 
 
+def test_a_schedule_wrapped_twice_is_refused_until_the_first_wrapper_is_closed() -> None:
+    # Stranger trial: a second InstrumentedSchedule on the same schedule trained on, and each manager rejected
+    # every other event ("12 rejected") with no word in the trainer.
+    schedule = Schedule1F1B(FakeStage(1, 2), 2)
+    first = InstrumentedSchedule(schedule)
+    with pytest.raises(ConfigError, match="model stage 1 is instrumented already, by another InstrumentedSchedule: "
+                                          r"close\(\) that one first"):
+        InstrumentedSchedule(schedule)
+    first.close()
+    second = InstrumentedSchedule(schedule)  # once closed, the stages are free again
+    second.step()
+    assert second.tracker.iteration == 1
+    second.close()
+
+
 def test_predictions_learn_the_measured_lengths() -> None:
     stage = FakeStage(0, 2)
     inst = InstrumentedSchedule(Schedule1F1B(stage, 4), sink=None)
