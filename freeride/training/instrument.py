@@ -64,6 +64,7 @@ host work (posting, the runtime's own Python) goes quiet however long that takes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +151,7 @@ def _single_schedule_name(schedule: object) -> str:
     )
 
 
+log = logging.getLogger(__name__)
 _ABSENT = object()
 #: The attribute that names, on a stage's hooked ``forward_one_chunk``, the InstrumentedSchedule that hooked it.
 _OWNER = "_freeride_instrumented_by"
@@ -220,6 +222,7 @@ class InstrumentedSchedule:
             waits_follow_compute=True, schedule=type(schedule).__name__, sends_waited_at_end=runtime,
         )
         self.rank = rank
+        self._closed = self._said_closed = False
         self._restore: list[tuple[object, str, Any]] = []  # (object, attribute, its own value or _ABSENT)
         #: Whether the pops of posted receives are watched (a runtime schedule on the host clock: module doc).
         self.watches_receives = self.tracker.clock.synchronous and all(
@@ -358,12 +361,17 @@ class InstrumentedSchedule:
         schedule keeps working, uninstrumented). On CUDA this waits for the device's pending work."""
         self.tracker.close()
         self.detach()
+        self._closed = True
 
     # ---------------------------------------------------------------- iteration
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Run one iteration of the wrapped schedule (same arguments as its ``step``)."""
         if not self._restore:  # detached: the bare schedule, nothing measured or reported
+            if self._closed and not self._said_closed:
+                self._said_closed = True  # a step after close() went on unmeasured without a word
+                log.warning("InstrumentedSchedule.step() after close(): the schedule runs, and its bubbles are no "
+                            "longer measured or reported")
             return self.schedule.step(*args, **kwargs)
         tracker = self.tracker
         tracker.iteration_begin()

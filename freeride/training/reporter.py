@@ -198,6 +198,7 @@ class BubbleReporter:
         # Counters: each is written by one thread only, so plain ints are race-free under the GIL.
         self._enqueued = 0
         self._dropped_hot = 0
+        self._said_closed = False  # a bubble after close() was logged
         self._dropped_bg = 0
         self._sent = 0
         self._sent_local = 0  # events the training thread sent as local datagrams (counted enqueued and sent)
@@ -232,6 +233,9 @@ class BubbleReporter:
         ``learned``: the slot is one the instrumentation learned from recurring waits, not one the
         schedule model lists (:mod:`freeride.training.learned_slots`); managers show them apart.
         """
+        if self._closing:
+            self._reported_after_close()
+            return
         try:
             if start_ns is None:
                 start_ns = time.monotonic_ns()
@@ -361,6 +365,16 @@ class BubbleReporter:
             local=self._sent_local + self._drained_local,
             local_fallbacks=self._local_fallbacks,
         )
+
+    def _reported_after_close(self) -> None:
+        """A bubble after :meth:`close` is dropped, and said once: a trainer that closed its reporter before its
+        instrumented schedule, and trained on, had its bubbles vanish without a word."""
+        self._dropped_hot += 1
+        if not self._said_closed:
+            self._said_closed = True
+            log.warning("[%s stage=%d] a bubble was reported after the reporter was closed: it and every later one "
+                        "are dropped (close the instrumented schedule first, then its reporter)", self.device,
+                        self.stage)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Flush what is queued (up to ``timeout_s``) and stop the background thread."""

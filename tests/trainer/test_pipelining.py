@@ -153,7 +153,9 @@ def test_a_wrong_sink_or_device_is_refused_at_construction_not_at_the_first_bubb
     assert wrap(None, device=torch.device("cpu")).tracker.plan.rank == 1
 
 
-def test_a_schedule_wrapped_twice_is_refused_until_the_first_wrapper_is_closed() -> None:
+def test_a_schedule_wrapped_twice_is_refused_until_the_first_wrapper_is_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # Stranger trial: a second InstrumentedSchedule on the same schedule trained on, and each manager rejected
     # every other event ("12 rejected") with no word in the trainer.
     schedule = Schedule1F1B(FakeStage(1, 2), 2)
@@ -162,6 +164,11 @@ def test_a_schedule_wrapped_twice_is_refused_until_the_first_wrapper_is_closed()
                                           r"close\(\) that one first"):
         InstrumentedSchedule(schedule)
     first.close()
+    with caplog.at_level(logging.WARNING, logger="freeride.training.instrument"):
+        first.step()
+        first.step()
+    said = [r.getMessage() for r in caplog.records if "after close()" in r.getMessage()]
+    assert len(said) == 1 and "no longer measured or reported" in said[0]  # once, not per step
     second = InstrumentedSchedule(schedule)  # once closed, the stages are free again
     second.step()
     assert second.tracker.iteration == 1

@@ -69,6 +69,21 @@ def test_a_reporter_that_never_reaches_a_manager_says_so_once_naming_the_device_
     assert "nobody-here.sock" in told[0] and "freeride manager --device cpu:7" in told[0]
 
 
+def test_bubbles_after_close_are_dropped_and_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Stranger trial: a reporter closed before its instrumented schedule, with training going on, dropped every
+    # later bubble without a word.
+    caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
+    reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=_absent(tmp_path), start=False)
+    reporter.close()
+    before = reporter.counters().dropped
+    for iteration in range(3):
+        reporter.bubble_start(iteration, 1, "test", 1_000_000)
+        reporter.bubble_end(iteration, 1)
+    said = [r.getMessage() for r in caplog.records if "after the reporter was closed" in r.getMessage()]
+    assert len(said) == 1 and "close the instrumented schedule first, then its reporter" in said[0]
+    assert reporter.counters().dropped >= before + 3
+
+
 def test_reporter_calls_return_while_the_connection_attempt_hangs(tmp_path: Path) -> None:
     # A manager that accepts the connection and never answers: the background thread is stuck in
     # its connect for good. The training thread's calls must still return (this test would hang
