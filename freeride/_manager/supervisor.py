@@ -87,6 +87,7 @@ class WorkerHandle:
     extra_pgids: list[int] = field(default_factory=list)
     closed: bool = False
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
+    killed: bool = False  # this manager sent it SIGKILL: end-of-file is expected, its exit may lag
     eof_at_ns: int = 0
 
 
@@ -189,7 +190,10 @@ class Supervisor:
         for handle in list(self.workers.values()):
             if handle.eof_at_ns and now >= handle.eof_at_ns:
                 handle.eof_at_ns = 0
-                if handle.proc.poll() is None:
+                # Killed here, it closed its channel as it died: its exit (reaped through its pidfd) may come
+                # long after on a loaded core (nice 19 runs its exit too). Judged a protocol failure, a task
+                # killed while starting in a drain was FAILED instead of going back to wait.
+                if handle.proc.poll() is None and not handle.killed:
                     events.append(self._protocol_failure(handle, "the worker closed its channel but kept running"))
                     self._signal(handle, signal.SIGKILL)
         return events
@@ -420,6 +424,7 @@ class Supervisor:
         for pgid in [handle.proc.pid, *handle.extra_pgids]:
             _killpg(pgid, sig)
         if sig == signal.SIGKILL:  # a frozen process must run to die
+            handle.killed = True
             for pgid in [handle.proc.pid, *handle.extra_pgids]:
                 _killpg(pgid, signal.SIGCONT)
 

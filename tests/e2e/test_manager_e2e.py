@@ -130,7 +130,11 @@ def test_a_drain_says_how_many_tasks_it_had_to_kill_past_the_stop_timeout(make_m
     hanger = h.submit("sample_tasks:Hanger", args={"hang_at": 2})
     counter = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
     feeder = h.feeder()
-    feeder.run_until(lambda: h.client.get(hanger.task_id).state == "FROZEN", length_ms=20, gap_ms=30)
+    # Frozen in its hang (not in an earlier step a loaded machine starved past a bubble's end: that one finished
+    # once the drain thawed it, and nothing was killed).
+    hung = work_dir(h, hanger.task_id) / "fault_at"
+    feeder.run_until(lambda: hung.exists() and h.client.get(hanger.task_id).state == "FROZEN", length_ms=20,
+                     gap_ms=30)
     feeder.close()
     drained = h.client.drain(timeout_s=30)
     assert (drained.parked, drained.killed) == (2, 1)
