@@ -1,6 +1,7 @@
 """Instrumentation of ``torch.distributed.pipelining``: every wait of a rank, as it happens.
 
-Wrap a schedule and call :meth:`InstrumentedSchedule.step` instead of ``schedule.step``::
+Wrap a schedule and call :meth:`InstrumentedSchedule.step` (or the schedule's own ``step``, which the
+wrapper hooks while attached)::
 
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
     reporter = BubbleReporter(device="cuda:0", stage=pp_rank, rank=dist.get_rank())
@@ -16,6 +17,7 @@ computes and where it waits, hooked on *instances* only (no class or module is p
 
 * **Compute.** ``forward_one_chunk``, ``backward_one_chunk`` (``full_backward=False`` is an ``I``)
   and ``backward_weight_one_chunk`` of every ``PipelineStage`` the schedule drives.
+* **Iterations.** The schedule's ``step``: one iteration, whichever of the two a trainer calls.
 * **Waits.** From torch's source (``schedules.py``): a runtime schedule (``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``,
   ``ScheduleLoopedBFS``, any ``_PipelineScheduleRuntime`` with an order loaded from CSV) walks
@@ -326,7 +328,8 @@ class InstrumentedSchedule:
         return bool(self._restore)
 
     def attach(self) -> None:
-        """Hook the stages' methods (done at construction; again after :meth:`detach`)."""
+        """Hook the stages' methods and the schedule's ``step`` (done at construction; again after
+        :meth:`detach`)."""
         if self._restore:
             return
         _refuse_hooked(self._stages, self)
@@ -335,6 +338,20 @@ class InstrumentedSchedule:
         if self.watches_receives:
             for name in _RECV_OPS:
                 self._set(self.schedule, name, _RecvOps(getattr(self.schedule, name), self.tracker.wait_blocks))
+        # The schedule's own ``step`` is measured too: a trainer that calls ``schedule.step`` while the wrapper is
+        # attached (a loop written before freeride, a library's) had its stages' marks fall outside any iteration,
+        # and half its iterations went unreported.
+        own_step = self.schedule.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            tracker = self.tracker
+            tracker.iteration_begin()
+            try:
+                return own_step(*args, **kwargs)
+            finally:
+                tracker.iteration_end()
+
+        self._set(self.schedule, "step", step)
         holds_last = any(int(stage.stage_index) == self.tracker.plan.num_stages - 1 for stage in self._stages)
         if holds_last:  # the loss follows the last stage's forwards: the wait after one starts after it
             compute_loss = _require(self.schedule, "_maybe_compute_loss", type(self.schedule).__name__)
@@ -366,19 +383,13 @@ class InstrumentedSchedule:
     # ---------------------------------------------------------------- iteration
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run one iteration of the wrapped schedule (same arguments as its ``step``)."""
-        if not self._restore:  # detached: the bare schedule, nothing measured or reported
-            if self._closed and not self._said_closed:
-                self._said_closed = True  # a step after close() went on unmeasured without a word
-                log.warning("InstrumentedSchedule.step() after close(): the schedule runs, and its bubbles are no "
-                            "longer measured or reported")
-            return self.schedule.step(*args, **kwargs)
-        tracker = self.tracker
-        tracker.iteration_begin()
-        try:
-            return self.schedule.step(*args, **kwargs)
-        finally:
-            tracker.iteration_end()
+        """Run one iteration of the wrapped schedule (same arguments as its ``step``): the schedule's ``step``,
+        measured while attached (:meth:`attach` hooks it), bare once detached."""
+        if not self._restore and self._closed and not self._said_closed:
+            self._said_closed = True  # a step after close() went on unmeasured without a word
+            log.warning("InstrumentedSchedule.step() after close(): the schedule runs, and its bubbles are no "
+                        "longer measured or reported")
+        return self.schedule.step(*args, **kwargs)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for the device clock to resolve every mark, then deliver (off the training path)."""

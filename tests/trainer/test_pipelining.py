@@ -175,6 +175,24 @@ def test_a_schedule_wrapped_twice_is_refused_until_the_first_wrapper_is_closed(
     second.close()
 
 
+def test_the_schedules_own_step_is_measured_while_the_wrapper_is_attached() -> None:
+    # Stranger trial: a trainer calling schedule.step() with the wrapper attached had 15 of 30 iterations
+    # unreported (the stages' marks fell outside any iteration).
+    schedule = Schedule1F1B(FakeStage(1, 2), 4)
+    sink = RecordingSink()
+    inst = InstrumentedSchedule(schedule, sink=sink, report_min_ns=0)  # the stand-in's waits are all short
+    for _ in range(3):
+        schedule.step()
+    inst.step()
+    inst.flush()
+    assert inst.tracker.iteration == 4
+    assert {e[1] for e in sink.events if e[0] == "start"} == {0, 1, 2, 3}  # every iteration's bubbles
+    inst.close()
+    assert "step" not in vars(schedule)  # the class's own step again
+    schedule.step()
+    assert inst.tracker.iteration == 4
+
+
 def test_predictions_learn_the_measured_lengths() -> None:
     stage = FakeStage(0, 2)
     inst = InstrumentedSchedule(Schedule1F1B(stage, 4), sink=None)
