@@ -17,7 +17,8 @@ computes and where it waits, hooked on *instances* only (no class or module is p
 
 * **Compute.** ``forward_one_chunk``, ``backward_one_chunk`` (``full_backward=False`` is an ``I``)
   and ``backward_weight_one_chunk`` of every ``PipelineStage`` the schedule drives.
-* **Iterations.** The schedule's ``step``: one iteration, whichever of the two a trainer calls.
+* **Iterations.** The schedule's ``step``: one iteration, whichever of the two a trainer calls. Its
+  ``eval`` (forward only, through ``step``) runs bare: validation is not training.
 * **Waits.** From torch's source (``schedules.py``): a runtime schedule (``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``,
   ``ScheduleLoopedBFS``, any ``_PipelineScheduleRuntime`` with an order loaded from CSV) walks
@@ -352,6 +353,18 @@ class InstrumentedSchedule:
                 tracker.iteration_end()
 
         self._set(self.schedule, "step", step)
+        own_eval = getattr(self.schedule, "eval", None)
+        if callable(own_eval):
+            # torch's ``eval`` runs ``self.step`` forward only: validation is not training, and measured, its
+            # forward-only iterations would be read against the training order. It runs bare.
+            def evaluate(*args: Any, **kwargs: Any) -> Any:
+                self.detach()
+                try:
+                    return own_eval(*args, **kwargs)
+                finally:
+                    self.attach()
+
+            self._set(self.schedule, "eval", evaluate)
         holds_last = any(int(stage.stage_index) == self.tracker.plan.num_stages - 1 for stage in self._stages)
         if holds_last:  # the loss follows the last stage's forwards: the wait after one starts after it
             compute_loss = _require(self.schedule, "_maybe_compute_loss", type(self.schedule).__name__)

@@ -42,6 +42,13 @@ class Schedule1F1B:  # named like torch's: the instrumentation models it as 1f1b
     def _maybe_compute_loss(self, stage: FakeStage, output: Any, target_mbs: Any, mb_index: int) -> None:
         self._stage.calls.append(f"loss{mb_index}")
 
+    def eval(self, *args: Any, **kwargs: Any) -> None:  # as torch's: step, forward only
+        self.evaluating = True
+        try:
+            self.step(*args, **kwargs)
+        finally:
+            self.evaluating = False
+
     def step(self, *args: Any, **kwargs: Any) -> None:
         for label in self.order:  # as torch's: each forward is followed by its loss (a no-op but last)
             mb = int(label[1:])
@@ -187,8 +194,10 @@ def test_the_schedules_own_step_is_measured_while_the_wrapper_is_attached() -> N
     inst.flush()
     assert inst.tracker.iteration == 4
     assert {e[1] for e in sink.events if e[0] == "start"} == {0, 1, 2, 3}  # every iteration's bubbles
+    schedule.eval()  # validation: through step, and not measured
+    assert inst.tracker.iteration == 4 and inst.attached and "eval" in vars(schedule)
     inst.close()
-    assert "step" not in vars(schedule)  # the class's own step again
+    assert "step" not in vars(schedule) and "eval" not in vars(schedule)  # the class's own again
     schedule.step()
     assert inst.tracker.iteration == 4
 
