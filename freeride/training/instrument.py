@@ -175,6 +175,19 @@ class _RecvOps(dict):
         return dict.pop(self, key, *default)
 
 
+def _between(before: Callable[[], None], fn: Callable[..., Any], after: Callable[[], None]) -> Callable[..., Any]:
+    """``fn``, with ``before()`` ahead of each call and ``after()`` behind it, whatever it raises."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            after()
+
+    return call
+
+
 def _refuse_hooked(stages: list[Any], me: object) -> None:
     """ConfigError if another attached InstrumentedSchedule hooks one of ``stages``: hooks over its hooks report
     every wait twice, and the manager rejects the second of each (a schedule wrapped twice ran on with "12
@@ -342,29 +355,13 @@ class InstrumentedSchedule:
         # The schedule's own ``step`` is measured too: a trainer that calls ``schedule.step`` while the wrapper is
         # attached (a loop written before freeride, a library's) had its stages' marks fall outside any iteration,
         # and half its iterations went unreported.
-        own_step = self.schedule.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            tracker = self.tracker
-            tracker.iteration_begin()
-            try:
-                return own_step(*args, **kwargs)
-            finally:
-                tracker.iteration_end()
-
-        self._set(self.schedule, "step", step)
+        tracker = self.tracker
+        self._set(self.schedule, "step", _between(tracker.iteration_begin, self.schedule.step, tracker.iteration_end))
         own_eval = getattr(self.schedule, "eval", None)
         if callable(own_eval):
             # torch's ``eval`` runs ``self.step`` forward only: validation is not training, and measured, its
             # forward-only iterations would be read against the training order. It runs bare.
-            def evaluate(*args: Any, **kwargs: Any) -> Any:
-                self.detach()
-                try:
-                    return own_eval(*args, **kwargs)
-                finally:
-                    self.attach()
-
-            self._set(self.schedule, "eval", evaluate)
+            self._set(self.schedule, "eval", _between(self.detach, own_eval, self.attach))
         holds_last = any(int(stage.stage_index) == self.tracker.plan.num_stages - 1 for stage in self._stages)
         if holds_last:  # the loss follows the last stage's forwards: the wait after one starts after it
             compute_loss = _require(self.schedule, "_maybe_compute_loss", type(self.schedule).__name__)
