@@ -71,7 +71,7 @@ from typing import Any, Protocol
 from freeride.errors import ConfigError, FrameworkNotInstalled, FreerideError
 from freeride.training.learned_slots import LearningConfig
 from freeride.training.schedules import BACKWARD, FORWARD, Action
-from freeride.training.tracker import BubbleSink, MeasuredBubble, RankTracker
+from freeride.training.tracker import BubbleSink, MeasuredBubble, RankTracker, torch_device_name
 
 log = logging.getLogger(__name__)
 
@@ -371,13 +371,6 @@ def _require(engine: Any, names: Iterable[str]) -> None:
         )
 
 
-def _engine_device(engine: Any) -> str:
-    device: Any = getattr(engine, "device", None)
-    if getattr(device, "type", None) == "cuda":
-        return f"cuda:{device.index or 0}"
-    return "cpu"
-
-
 def instrument(
     engine: Any,
     reporter: BubbleSink | None = None,
@@ -405,7 +398,7 @@ def instrument(
             f"freeride.training.deepspeed.instrument takes a DeepSpeed PipelineEngine (deepspeed.initialize with "
             f"a PipelineModule), got {type(engine).__name__}"
         )
-    device = device or getattr(reporter, "device", None) or _engine_device(engine)
+    device = device or getattr(reporter, "device", None) or torch_device_name(getattr(engine, "device", None)) or "cpu"
     return _install(engine, reporter, device=device, on_iteration=on_iteration, learning=learning)
 
 

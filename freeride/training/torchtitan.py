@@ -32,7 +32,7 @@ from typing import Any
 from freeride.errors import ConfigError
 from freeride.training.instrument import InstrumentedSchedule
 from freeride.training.learned_slots import LearningConfig
-from freeride.training.tracker import BubbleSink, MeasuredBubble
+from freeride.training.tracker import BubbleSink, MeasuredBubble, torch_device_name
 
 
 class InstrumentedPipelineSchedule:
@@ -96,10 +96,7 @@ class InstrumentedPipelineSchedule:
 
 def _stage_device(schedule: Any) -> str | None:
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
-    device: Any = getattr(stages[0], "device", None)
-    if getattr(device, "type", None) == "cuda":
-        return f"cuda:{device.index or 0}"
-    return None if device is None else "cpu"
+    return torch_device_name(getattr(stages[0], "device", None))
 
 
 def instrument(

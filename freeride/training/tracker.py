@@ -206,20 +206,34 @@ def default_clock(device: str | None, consumer: Callable[[Any, int], None]) -> M
     return HostClock(consumer)
 
 
+def torch_device_name(device: Any) -> str | None:
+    """A framework's ``torch.device`` as freeride names it, or None for None: ``cuda:N``; ``cuda`` without
+    an index is the current CUDA device, where torch itself puts such a tensor (a rank that calls
+    ``torch.cuda.set_device(local_rank)`` and builds its stage on ``"cuda"`` is on ``cuda:<local_rank>``, not
+    ``cuda:0``); ``cpu:N``; ``cpu`` (no core named: the host clock). The one translation the tracker and
+    every adapter share. ConfigError for another device type."""
+    if device is None:
+        return None
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind == "cuda":
+        if index is None:
+            import torch  # a torch.device came from torch: it is loaded already
+
+            index = torch.cuda.current_device()
+        return f"cuda:{index}"
+    if kind == "cpu":
+        return "cpu" if index is None else f"cpu:{index}"
+    raise ConfigError(f"device {device!r}: name the rank's device as freeride does, 'cpu:N' (its core) or 'cuda:N'")
+
+
 def checked_device(device: Any) -> str | None:
     """``device`` as a device name (``cpu:N``, ``cuda:N``, or ``cpu``: the host clock, no core named), or
-    None; a ``torch.device`` is taken by its name. ConfigError for anything else (``torch.device("cpu")``
-    raised an AttributeError from deep inside the tracker)."""
+    None; a ``torch.device`` is taken by its name (:func:`torch_device_name`). ConfigError for anything
+    else (``torch.device("cpu")`` raised an AttributeError from deep inside the tracker)."""
     if device is None:
         return None
     if not isinstance(device, str) and hasattr(device, "type") and hasattr(device, "index"):
-        if device.type == "cpu":
-            device = "cpu" if device.index is None else f"cpu:{device.index}"
-        elif device.type == "cuda" and device.index is not None:
-            device = f"cuda:{device.index}"
-        else:
-            raise ConfigError(f"device {device!r}: name the rank's device as freeride does, 'cpu:N' (its core) or "
-                              "'cuda:N'")
+        device = torch_device_name(device)
     if not isinstance(device, str):
         raise ConfigError(f"device must be a device name such as 'cpu:0' or 'cuda:1', got {type(device).__name__} "
                           f"{device!r}")

@@ -407,3 +407,26 @@ def test_a_sink_whose_layout_report_raises_never_stops_the_training_loop() -> No
     run_iteration(tracker, tracker.clock, {"F": 1, "B": 2}, {(4, 0): 3})  # type: ignore[arg-type]
     run_iteration(tracker, tracker.clock, {"F": 1, "B": 2}, {(4, 0): 3})  # type: ignore[arg-type]
     assert len(sink.starts) == 2
+
+
+def test_a_framework_device_is_named_once_for_the_tracker_and_every_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The DeepSpeed and torchtitan adapters each named torch.device("cuda") "cuda:0"; a rank that called
+    # torch.cuda.set_device(3) and built its stage on "cuda" is on cuda:3, and the tracker refused it.
+    import types
+
+    from freeride.training.tracker import checked_device, torch_device_name
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_device=lambda: 3))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+
+    def device(kind: str, index: int | None = None) -> Any:
+        return types.SimpleNamespace(type=kind, index=index)
+
+    assert torch_device_name(device("cuda")) == "cuda:3"
+    assert torch_device_name(device("cuda", 1)) == "cuda:1"
+    assert torch_device_name(device("cpu")) == "cpu"
+    assert torch_device_name(device("cpu", 1)) == "cpu:1"
+    assert torch_device_name(None) is None
+    assert checked_device(device("cuda")) == "cuda:3"
+    with pytest.raises(ConfigError, match=r"name the rank's device as freeride does, 'cpu:N' \(its core\) or 'cuda:N'"):
+        torch_device_name(device("meta"))
