@@ -1,13 +1,19 @@
-"""Resolving ``module:Class`` references to side-task classes and building tasks, with one-line errors."""
+"""Resolving ``module:Class`` references to side-task classes and building tasks, with one-line errors; and
+where task code runs in a process that must outlive it (the CLI, ``run-task``, ``run_steps``), its ``os._exit()``
+made the task's failure (:func:`exit_raises`)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
 import inspect
+import os
 import re
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from freeride._extras import require
@@ -17,6 +23,52 @@ from freeride.task import SideTask
 _TARGET_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 #: Longer references are refused before they are parsed or echoed in an error.
 MAX_TARGET_CHARS = 256
+
+
+class ProcessExitCalled(SystemExit):
+    """The task called ``os._exit(code)`` while it ran in this process (:func:`exit_raises`)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+
+    def __str__(self) -> str:
+        return (f"the task called os._exit({self.code}): in a worker the process ends there, and the task FAILS "
+                f"with exit code {self.code}")
+
+
+@contextmanager
+def exit_raises() -> Iterator[None]:
+    """While a task's code runs in this process (``run-task``, :func:`freeride.testing.run_steps`), its
+    ``os._exit(code)`` on this thread raises :class:`ProcessExitCalled`, which ends the run as a failure of the
+    task. It ended ``run-task`` with the task's exit code and no word (the report never printed), and took a
+    test session down the same way. A call from another process (a fork the task made, as multiprocessing's
+    children end with ``os._exit``) or another thread ends that process as it asks."""
+    real = os._exit
+    pid, thread = os.getpid(), threading.get_ident()
+
+    def _exit(code: int) -> None:
+        __tracebackhide__ = True  # noqa: F841 (task_location names the task's line, not this one)
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise ProcessExitCalled(code)
+        real(code)
+
+    os._exit = _exit  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def task_location(exc: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame of ``exc``'s traceback that is the task's, or ``""``. A stand-in
+    that raises on the task's behalf (:func:`exit_raises`) marks its frame with
+    ``__tracebackhide__``, pytest's mark, and is skipped: the location named the stand-in's line."""
+    frames = [(frame, line) for frame, line in traceback.walk_tb(exc.__traceback__)
+              if not frame.f_locals.get("__tracebackhide__")]
+    if not frames:
+        return ""
+    frame, line = frames[-1]
+    return f" ({frame.f_code.co_filename}:{line})"
 
 
 def check_target_syntax(target: str) -> None:
@@ -57,10 +109,8 @@ def load_task_class(target: str, search_path: str = "") -> type[SideTask]:
         # SystemExit and KeyboardInterrupt too: a module that calls sys.exit() at import must not end
         # the importing process (the CLI exited with the module's code and said nothing; a worker
         # died without a record). GeneratorExit cannot come from an import.
-        last = traceback.extract_tb(exc.__traceback__)[-1]
         raise TaskLoadError(
-            f"module {module_name!r} failed to import: {type(exc).__name__}: {exc} "
-            f"({last.filename}:{last.lineno})"
+            f"module {module_name!r} failed to import: {type(exc).__name__}: {exc}{task_location(exc)}"
         ) from None
     cls = getattr(module, class_name, None)
     if cls is None:

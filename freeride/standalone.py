@@ -46,7 +46,14 @@ from typing import Any
 import psutil
 
 from freeride import measure
-from freeride._loading import check_target_syntax, construct_task, estimate_memory, load_task_class
+from freeride._loading import (
+    check_target_syntax,
+    construct_task,
+    estimate_memory,
+    exit_raises,
+    load_task_class,
+    task_location,
+)
 from freeride._task_process import enter_worker_environment, pin_to_core, prepare_process
 from freeride.devices import (
     Device,
@@ -85,10 +92,8 @@ class TaskRunError(FreerideError):
     """
 
     def __init__(self, target: str, phase: str, step: int, exc: BaseException) -> None:
-        frames = traceback.extract_tb(exc.__traceback__)
-        where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
         at = f"step {step}" if phase == "step" else phase
-        super().__init__(f"{target} failed in {at}: {type(exc).__name__}: {exc}{where}")
+        super().__init__(f"{target} failed in {at}: {type(exc).__name__}: {exc}{task_location(exc)}")
         self.phase = phase
         self.step = step
         self.traceback_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -287,42 +292,44 @@ def run_standalone(
     name = parse_device_name(device)
     dev = open_device(name)
     wdev = worker_device(name)
-    try:
-        if prepare_device:
-            # As a worker, before the task's module is imported: the environment its manager gives it (on
-            # a GPU with a provisional MPS limit until the cap is known), and on cpu:N its one core.
-            enter_worker_environment(dev, memory_limit_bytes or dev.free_memory_bytes())
-            pin_to_core(name)
-        cls = load_task_class(target, search_path=search_path)
-        limit = int(memory_limit_bytes) if memory_limit_bytes is not None else _default_limit(cls, target, args, dev)
-        if limit <= 0:
-            raise ConfigError(f"memory limit must be positive, got {limit}")
-        if prepare_device:
-            # Then the rest of a worker's preparation: nice 19, and on a GPU the context and the one cap.
-            # The priority waits for the import: it changes when this process gets its core, not how its
-            # steps run, and a torch import at nice 19 beside a busy loop on the core took four minutes.
-            enter_worker_environment(dev, limit)
-            try:
-                prepare_process(wdev, limit)
-            except WorkerSetupError as exc:
-                raise ConfigError(str(exc)) from None
-    finally:
-        dev.close()
-    task = construct_task(cls, target, args)
-    with tempfile.TemporaryDirectory(prefix="freeride-standalone-") as scratch:
-        directory = Path(work_dir) if work_dir is not None else Path(scratch)
-        directory.mkdir(parents=True, exist_ok=True)
-        # The core's load where this process runs on that core alone (a worker's setup pins it; so does the
-        # bench's yardstick, which keeps its own priority): the share of it others took says how far to trust
-        # the rate. Unpinned, this process's own time may be another core's.
-        pinned = name.kind == "cpu" and os.sched_getaffinity(0) == {name.index}
-        load = CoreLoad.of(name) if prepare_device or pinned else None
-        return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps, load)
+    with exit_raises():  # the task's import, construction and run
+        try:
+            if prepare_device:
+                # As a worker, before the task's module is imported: the environment its manager gives it (on
+                # a GPU with a provisional MPS limit until the cap is known), and on cpu:N its one core.
+                enter_worker_environment(dev, memory_limit_bytes or dev.free_memory_bytes())
+                pin_to_core(name)
+            cls = load_task_class(target, search_path=search_path)
+            limit = (int(memory_limit_bytes) if memory_limit_bytes is not None
+                     else _default_limit(cls, target, args, dev))
+            if limit <= 0:
+                raise ConfigError(f"memory limit must be positive, got {limit}")
+            if prepare_device:
+                # Then the rest of a worker's preparation: nice 19, and on a GPU the context and the one cap.
+                # The priority waits for the import: it changes when this process gets its core, not how its
+                # steps run, and a torch import at nice 19 beside a busy loop on the core took four minutes.
+                enter_worker_environment(dev, limit)
+                try:
+                    prepare_process(wdev, limit)
+                except WorkerSetupError as exc:
+                    raise ConfigError(str(exc)) from None
+        finally:
+            dev.close()
+        task = construct_task(cls, target, args)
+        with tempfile.TemporaryDirectory(prefix="freeride-standalone-") as scratch:
+            directory = Path(work_dir) if work_dir is not None else Path(scratch)
+            directory.mkdir(parents=True, exist_ok=True)
+            # The core's load where this process runs on that core alone (a worker's setup pins it; so does the
+            # bench's yardstick, which keeps its own priority): the share of it others took says how far to trust
+            # the rate. Unpinned, this process's own time may be another core's.
+            pinned = name.kind == "cpu" and os.sched_getaffinity(0) == {name.index}
+            load = CoreLoad.of(name) if prepare_device or pinned else None
+            return _run(task, target, args, wdev, limit, directory, float(seconds), max_steps, load)
 
 
 #: What task code may raise that is its failure, not this process's: ``sys.exit()`` in a step ended ``run-task``
 #: silently, with the task's exit code as its own (0, or 3: "no manager"). A Ctrl-C stays the user's.
-_TASK_ERRORS = (Exception, SystemExit)
+_TASK_ERRORS = (Exception, SystemExit)  # ProcessExitCalled is a SystemExit
 
 
 def _done(task: SideTask, target: str, step: int) -> bool:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from freeride import _checkpoints
+from freeride._loading import exit_raises
 from freeride.standalone import MemoryProbe
 from freeride.task import SideTask, TaskContext
 from freeride.units import format_mib_apart
@@ -113,7 +114,8 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
     ``ctx.memory_limit_bytes`` (a context is made from ``work_dir`` and ``memory_limit_bytes`` when none is
     given); the resident set is sampled after ``setup`` and after every step, from a baseline taken now, as a
     worker takes its baseline once the task is built. Raises :class:`MemoryCapExceeded`; the task's own
-    exceptions propagate unchanged.
+    exceptions propagate unchanged, and its ``os._exit(code)`` raises
+    :class:`~freeride._loading.ProcessExitCalled`.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
@@ -121,17 +123,18 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
         ctx = task_context(work_dir, memory_limit_bytes=memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES)
     probe = MemoryProbe()
     name = type(task).__name__
-    if setup:
-        task.setup(ctx)
-        _check_cap(probe, ctx.memory_limit_bytes, f"{name}.setup()")
-    times: list[float] = []
-    done = bool(task.done())
-    while len(times) < steps and not done:
-        start = time.perf_counter()
-        task.step()
-        times.append(time.perf_counter() - start)
-        _check_cap(probe, ctx.memory_limit_bytes, f"{name}'s step {len(times) - 1}")
+    with exit_raises():  # a task's os._exit() took the test session down without a word
+        if setup:
+            task.setup(ctx)
+            _check_cap(probe, ctx.memory_limit_bytes, f"{name}.setup()")
+        times: list[float] = []
         done = bool(task.done())
+        while len(times) < steps and not done:
+            start = time.perf_counter()
+            task.step()
+            times.append(time.perf_counter() - start)
+            _check_cap(probe, ctx.memory_limit_bytes, f"{name}'s step {len(times) - 1}")
+            done = bool(task.done())
     return StepsRun(len(times), done, probe.peak_bytes(), tuple(times))
 
 

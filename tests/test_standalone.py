@@ -87,6 +87,26 @@ class ExitsInItsThirdStep(EndlessTask):
             sys.exit(self.code)
 
 
+class CallsOsExit(EndlessTask):
+    """Calls ``os._exit(code)`` in its third step; before that, each step forks a child that ends with
+    ``os._exit(5)``, as multiprocessing's children end."""
+
+    def __init__(self, code: int = 7) -> None:
+        super().__init__()
+        self.code = code
+        self.child_codes: list[int] = []
+
+    def step(self) -> None:
+        super().step()
+        if self.count == 3:
+            os._exit(self.code)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(5)
+        self.child_codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        assert self.child_codes[-1] == 5, self.child_codes
+
+
 class NaNProgress(EndlessTask):
     def progress(self) -> float:
         return float("nan")
@@ -154,6 +174,17 @@ def test_a_step_that_calls_sys_exit_fails_the_run_with_its_step_not_silently_wit
     with pytest.raises(TaskRunError, match=rf"failed in step 2: SystemExit: {code}") as info:
         run_standalone(f"{__name__}:ExitsInItsThirdStep", {"code": code}, DEVICE, 10.0, 1 << 20, None)
     assert info.value.step == 2
+
+
+def test_a_step_that_calls_os_exit_fails_the_run_at_the_tasks_line_and_its_forks_still_exit() -> None:
+    # run-task ended with the task's exit code and printed nothing: os._exit skips every handler.
+    real = os._exit
+    with pytest.raises(TaskRunError, match=r"failed in step 2: ProcessExitCalled: the task called os\._exit\(7\): "
+                                          r"in a worker the process ends there, and the task FAILS with exit code 7 "
+                                          rf"\({__file__}:\d+\)") as info:
+        run_standalone(f"{__name__}:CallsOsExit", {}, DEVICE, 10.0, 1 << 30, None)
+    assert info.value.step == 2
+    assert os._exit is real  # this process's own os._exit is back
 
 
 def test_a_progress_that_is_not_a_finite_number_fails_the_run() -> None:

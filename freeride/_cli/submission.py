@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from freeride._loading import check_target
+from freeride._loading import check_target, exit_raises
 from freeride._validation import check_memory, validate_spec
 from freeride.errors import ConfigError
 from freeride.messages import TaskSpec
@@ -72,13 +72,16 @@ def _finite(name: str, value: float) -> float:
 
 class TaskCode:
     """Around task code run by the CLI (import, constructor, ``estimate_memory``): what it prints goes to
-    stderr, not into the id or JSON on stdout; and a Ctrl-C meanwhile is the user's (exit 130), not
-    the task's ``KeyboardInterrupt`` (bad input, exit 2), whatever the task code made of it."""
+    stderr, not into the id or JSON on stdout; a Ctrl-C meanwhile is the user's (exit 130), not
+    the task's ``KeyboardInterrupt`` (bad input, exit 2), whatever the task code made of it; and its
+    ``os._exit()`` is the task's failure, said in a line (:func:`~freeride._loading.exit_raises`), not the
+    CLI's silent end with the task's exit code."""
 
     def __init__(self) -> None:
         self.interrupted = False
         self._previous: Any = None
         self._redirect = contextlib.redirect_stdout(sys.stderr)
+        self._exits = exit_raises()
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.interrupted = True
@@ -88,9 +91,11 @@ class TaskCode:
         with contextlib.suppress(ValueError):  # not the main thread: Ctrl-C keeps its usual handler
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         self._redirect.__enter__()
+        self._exits.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._exits.__exit__(None, None, None)
         self._redirect.__exit__(None, None, None)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)

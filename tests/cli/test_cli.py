@@ -272,13 +272,17 @@ def test_bad_input_exits_2_with_one_line(
     assert len(lines) == 1 and lines[0].startswith("freeride: error: ") and needle in lines[0], err
 
 
-@pytest.mark.parametrize(("interrupt", "needle"), [("", "SystemExit: 7"), ("1", "KeyboardInterrupt")])
+@pytest.mark.parametrize(("variable", "needle"), [
+    ("", "SystemExit: 7"), ("FR_TEST_INTERRUPT", "KeyboardInterrupt"),
+    ("FR_TEST_OS_EXIT", "ProcessExitCalled: the task called os._exit(7)"),
+])
 def test_submit_of_a_module_that_exits_at_import_exits_2_saying_so(
-    interrupt: str, needle: str, short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
+    variable: str, needle: str, short_dir: Path, in_tests_dir: None, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Issue 13: `freeride submit` exited 7 (the module's own code) with nothing on stderr.
-    monkeypatch.setenv("FR_TEST_INTERRUPT", interrupt)
+    # Issue 13: `freeride submit` exited 7 (the module's own code) with nothing on stderr; so did an os._exit(7).
+    if variable:
+        monkeypatch.setenv(variable, "1")
     monkeypatch.delitem(sys.modules, "exits_at_import", raising=False)
     code, out, err = run_cli(capsys, "submit", "exits_at_import:Task", "--memory", "1MiB",
                              "--endpoint", f"unix:{short_dir}/none.sock")

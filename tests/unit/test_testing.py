@@ -208,3 +208,16 @@ def test_check_resume_compares_tensor_state_element_by_element(tmp_path: Path) -
     resumed = check_resume(lambda: MonteCarloPi(total_samples=10_000, batch=1_000, seed=3), stop_after=4,
                            work_dir=tmp_path)
     assert resumed.progress() == 10_000
+
+
+def test_run_steps_turns_a_tasks_os_exit_into_an_error_not_the_end_of_the_test_session(tmp_path: Path) -> None:
+    import os
+
+    from freeride._loading import ProcessExitCalled
+
+    class Exits(SideTask):
+        def step(self) -> None:
+            os._exit(9)
+
+    with pytest.raises(ProcessExitCalled, match=r"the task called os\._exit\(9\)"):
+        run_steps(Exits(), 3, work_dir=tmp_path)
