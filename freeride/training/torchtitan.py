@@ -15,7 +15,7 @@ keeps a reference of its own and calls ``eval(...)``. So after the trainer is bu
 :func:`instrument` replaces ``trainer.pp_schedule`` with an :class:`InstrumentedPipelineSchedule`:
 its ``step`` runs through :class:`~freeride.training.instrument.InstrumentedSchedule` (the torch
 pipelining instrumentation: the schedule's own action order, the real receive waits, the device's
-clock on CUDA), and everything else -- ``eval``, attributes -- is the schedule's own. The stage hooks
+clock on CUDA), and everything else -- ``eval``, attributes, ``isinstance`` -- is the schedule's own. The stage hooks
 are attached only while a ``step`` runs, so an ``eval`` through the validator's reference (the raw
 schedule, on the same stages) runs bare and reports nothing. :func:`uninstrument` puts the raw
 schedule back. Nothing here imports torchtitan: the schedule is torch's.
@@ -86,6 +86,13 @@ class InstrumentedPipelineSchedule:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["schedule"], name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        """The schedule's class: a trainer's ``isinstance(pp_schedule, PipelineScheduleMulti)`` (or any
+        schedule class) holds as it did before the wrap, and so does ``isinstance(.., InstrumentedPipelineSchedule)``
+        (``isinstance`` asks the real type first). ``type()`` still says what this is."""
+        return type(self.__dict__["schedule"])
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.schedule, name, value)

@@ -126,6 +126,19 @@ def test_attributes_pass_through_both_ways(one_rank: None) -> None:
     assert "Schedule1F1B" in repr(wrapper)
 
 
+def test_the_wrapper_passes_a_trainers_isinstance_checks_of_the_schedule(one_rank: None) -> None:
+    # An earlier stranger trial: a trainer's isinstance(pp_schedule, PipelineScheduleMulti) turned False once wrapped.
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    for looped, kind in ((False, PipelineScheduleSingle), (True, PipelineScheduleMulti)):
+        trainer = types.SimpleNamespace(pp_schedule=_schedule(looped))
+        wrapper = ftt.instrument(trainer, None, device="cpu")
+        assert isinstance(wrapper, kind) and isinstance(wrapper, type(wrapper.schedule))
+        assert isinstance(wrapper, ftt.InstrumentedPipelineSchedule)
+        assert type(wrapper) is ftt.InstrumentedPipelineSchedule
+        ftt.uninstrument(trainer)
+
+
 def test_torch_2_14_keywords_reach_the_schedule_unchanged(one_rank: None) -> None:
     # torchtitan calls step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...,
     # return_outputs=False): torch 2.14's form. Here the schedule only records what it was given.
