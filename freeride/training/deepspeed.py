@@ -353,6 +353,9 @@ class Instrumentation:
 
     def close(self) -> None:
         """Restore the engine (see :func:`uninstrument`) and deliver what the tracker still holds."""
+        engine = self._hooks.engine
+        if _installed.get(engine) is self:
+            del _installed[engine]  # it may be instrumented again
         self._hooks.remove()
         self.tracker.close()
 
@@ -437,7 +440,15 @@ def _install(
 
 def uninstrument(engine: Any) -> None:
     """Undo :func:`instrument`: the engine's own attributes, exactly as they were, and the tracker's last
-    bubbles delivered. Does nothing on an engine that is not instrumented."""
-    handle = _installed.pop(engine, None)
+    bubbles delivered. ``engine`` may also be the :class:`Instrumentation` that :func:`instrument` returned (it
+    was taken for an engine never instrumented, and the engine stayed hooked). Does nothing on anything that is
+    not instrumented (``None`` raised a TypeError)."""
+    if isinstance(engine, Instrumentation):
+        engine.close()
+        return
+    try:
+        handle = _installed.get(engine)
+    except TypeError:  # no weak reference to it: nothing of freeride's can be on it
+        return
     if handle is not None:
         handle.close()

@@ -71,7 +71,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from freeride.errors import ConfigError, FreerideError
+from freeride.errors import ConfigError, FrameworkNotInstalled, FreerideError
 from freeride.training.device_clock import MarkClock
 from freeride.training.free_memory import MemorySampler
 from freeride.training.learned_slots import LearningConfig, WaitLearner
@@ -250,10 +250,16 @@ class InstrumentedSchedule:
     @staticmethod
     def _inspect(schedule: Any) -> tuple[list[Any], int, dict[int, list[Action]], int]:
         name = type(schedule).__name__
+        try:
+            from torch.distributed.pipelining.schedules import _PipelineSchedule
+        except ImportError as exc:
+            raise FrameworkNotInstalled(f"freeride's torch pipelining instrumentation needs torch ({exc}): install "
+                                        "the training job's torch, or pip install 'freeride[tasks]'") from exc
+        if isinstance(vars(schedule).get("instrumented"), InstrumentedSchedule):
+            raise ConfigError(f"this {type(schedule).__name__} is instrumented already (freeride.training.torchtitan's "
+                              "wrapper): use it as it is, or uninstrument it first")
         # A model, a stage or a wrapper passed by mistake read as a torch release that changed the internals
         # this hooks into: the wrong object is named as such (the internals check is for real schedules).
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-
         if not isinstance(schedule, _PipelineSchedule) and not hasattr(schedule, "_stage") \
                 and not hasattr(schedule, "_stages"):
             raise ConfigError(f"InstrumentedSchedule takes a torch.distributed.pipelining schedule (ScheduleGPipe, "

@@ -122,6 +122,11 @@ def instrument(
     :class:`~freeride.training.instrument.PipeliningInternalsChanged` for a schedule freeride cannot read.
     """
     schedule = getattr(trainer, "pp_schedule", None)
+    if schedule is None and callable(getattr(trainer, "step", None)) and (
+            hasattr(trainer, "_stages") or hasattr(trainer, "_stage")):
+        raise ConfigError(f"instrument() takes the trainer that holds the schedule as pp_schedule, got the schedule "
+                          f"itself ({type(trainer).__name__}): pass the trainer, or wrap a schedule of your own with "
+                          "freeride.training.InstrumentedSchedule")
     if schedule is None:
         raise ConfigError(
             f"{type(trainer).__name__}.pp_schedule is {'missing' if not hasattr(trainer, 'pp_schedule') else 'None'}:"
@@ -131,14 +136,22 @@ def instrument(
         raise ConfigError("this trainer's pp_schedule is instrumented already: uninstrument(trainer) first")
     wrapper = InstrumentedPipelineSchedule(schedule, reporter, device=device, on_iteration=on_iteration,
                                            learning=learning)
+    wrapper.__dict__["owner"] = trainer  # for uninstrument(wrapper)
     trainer.pp_schedule = wrapper
     return wrapper
 
 
 def uninstrument(trainer: Any) -> None:
     """Put the raw schedule back in ``trainer.pp_schedule`` and deliver the last bubbles; does nothing
-    if it is not instrumented."""
+    if it is not instrumented. ``trainer`` may also be the wrapper :func:`instrument` returned (it did
+    nothing then, and the trainer stayed wrapped)."""
+    if type(trainer) is InstrumentedPipelineSchedule:
+        trainer.close()
+        owner = trainer.__dict__.get("owner")
+        if owner is not None and getattr(owner, "pp_schedule", None) is trainer:
+            owner.pp_schedule = trainer.schedule
+        return
     wrapper = getattr(trainer, "pp_schedule", None)
-    if isinstance(wrapper, InstrumentedPipelineSchedule):
+    if type(wrapper) is InstrumentedPipelineSchedule:
         wrapper.close()
         trainer.pp_schedule = wrapper.schedule

@@ -211,6 +211,19 @@ def test_an_engine_instrumented_twice_is_refused() -> None:
     assert handle.tracker.iteration == 0
 
 
+def test_uninstrument_takes_the_handle_too_and_anything_else_is_left_alone() -> None:
+    # Stranger trial: uninstrument(handle) did nothing and the engine stayed hooked; uninstrument(None) raised
+    # "TypeError: cannot create weak reference to 'NoneType' object".
+    engine = ReplayEngine(TrainSchedule, 4, 2, 0)
+    handle = fds._install(engine, None, device="cpu")
+    fds.uninstrument(handle)
+    assert "_INSTRUCTION_MAP" not in vars(engine)
+    fds._install(engine, None, device="cpu").close()  # closed, it may be instrumented again
+    assert "_INSTRUCTION_MAP" not in vars(engine)
+    fds.uninstrument(None)
+    fds.uninstrument(object())
+
+
 def test_anything_but_a_pipeline_engine_is_refused() -> None:
     with pytest.raises(ConfigError, match="PipelineEngine"):
         fds.instrument(ReplayEngine(TrainSchedule, 4, 2, 0))

@@ -12,6 +12,7 @@ written in each framework's end-to-end test), and the README's torch pipelining 
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -161,6 +162,38 @@ def test_uninstrument_puts_the_raw_schedule_back(one_rank: None) -> None:
     ftt.uninstrument(trainer)
     assert trainer.pp_schedule is raw and _hooks(raw) == bare
     ftt.uninstrument(trainer)  # nothing left to undo
+
+
+def test_uninstrument_of_the_wrapper_puts_the_raw_schedule_back_in_its_trainer(one_rank: None) -> None:
+    # Stranger trial: uninstrument(wrapper) returned quietly and the trainer stayed wrapped.
+    raw = _schedule(False)
+    trainer = types.SimpleNamespace(pp_schedule=raw)
+    wrapper = ftt.instrument(trainer, None, device="cpu")
+    ftt.uninstrument(wrapper)
+    assert trainer.pp_schedule is raw
+    ftt.uninstrument(wrapper)  # nothing left to undo
+    assert trainer.pp_schedule is raw
+
+
+def test_the_wrong_objects_are_refused_saying_what_to_pass(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from freeride.errors import FrameworkNotInstalled
+    from freeride.training import InstrumentedSchedule
+
+    raw = _schedule(False)
+    # Stranger trial: instrument(schedule) said "pp_schedule is missing ... pipeline_parallel_degree > 1".
+    with pytest.raises(ConfigError, match=r"takes the trainer that holds the schedule as pp_schedule, got the "
+                                          r"schedule itself \(Schedule1F1B\): pass the trainer"):
+        ftt.instrument(raw)
+    # ... and the wrapper in InstrumentedSchedule blamed torch's internals.
+    wrapper = ftt.instrument(types.SimpleNamespace(pp_schedule=raw), None, device="cpu")
+    with pytest.raises(ConfigError, match="is instrumented already"):
+        InstrumentedSchedule(wrapper)
+    wrapper.close()
+    # Without torch: one line naming what to install, as the other adapters say it (it was a ModuleNotFoundError).
+    monkeypatch.setitem(sys.modules, "torch.distributed.pipelining.schedules", None)
+    with pytest.raises(FrameworkNotInstalled, match="needs torch") as info:
+        ftt.instrument(types.SimpleNamespace(pp_schedule=raw), None, device="cpu")
+    assert "\n" not in str(info.value)
 
 
 def test_a_trainer_without_pipeline_parallelism_is_refused() -> None:
