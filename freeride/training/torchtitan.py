@@ -146,10 +146,11 @@ def uninstrument(trainer: Any) -> None:
     if it is not instrumented. ``trainer`` may also be the wrapper :func:`instrument` returned (it did
     nothing then, and the trainer stayed wrapped)."""
     if type(trainer) is InstrumentedPipelineSchedule:
-        trainer.close()
-        owner = trainer.__dict__.get("owner")
-        if owner is not None and getattr(owner, "pp_schedule", None) is trainer:
-            owner.pp_schedule = trainer.schedule
+        given: InstrumentedPipelineSchedule = trainer
+        given.close()
+        owner = given.__dict__.get("owner")
+        if owner is not None and getattr(owner, "pp_schedule", None) is given:
+            owner.pp_schedule = given.schedule
         return
     wrapper = getattr(trainer, "pp_schedule", None)
     if type(wrapper) is InstrumentedPipelineSchedule:
