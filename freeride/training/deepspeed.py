@@ -71,7 +71,7 @@ from typing import Any, Protocol
 from freeride.errors import ConfigError, FrameworkNotInstalled, FreerideError
 from freeride.training.learned_slots import LearningConfig
 from freeride.training.schedules import BACKWARD, FORWARD, Action
-from freeride.training.tracker import BubbleSink, MeasuredBubble, RankTracker, torch_device_name
+from freeride.training.tracker import BubbleSink, KeptShapes, MeasuredBubble, RankTracker, torch_device_name
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +328,10 @@ class Instrumentation:
                  plan: PlannedOrders, schedule_type: Any) -> None:
         self._make_tracker = make_tracker
         self._schedule_type = schedule_type
-        self.plan = plan
-        self.tracker = make_tracker(plan)
+        #: The trackers of the last micro-batch counts the engine ran, with their plans: one that alternates
+        #: keeps what each count's slots learned (:class:`~freeride.training.tracker.KeptShapes`).
+        self._kept: KeptShapes[tuple[RankTracker, PlannedOrders]] = KeptShapes(lambda kept: kept[0])
+        self.tracker, self.plan = self._kept.get(plan.micro_batches, lambda: (make_tracker(plan), plan))
         self._hooks = _Hooks(engine, self.tracker, plan, self._check_plan)
 
     def _check_plan(self) -> None:
@@ -338,11 +340,14 @@ class Instrumentation:
         micro_batches = int(engine.micro_batches)
         if micro_batches == self.plan.micro_batches:
             return
-        log.info("[stage %d] the engine now runs %d micro-batches (was %d): planning its slots again",
+        log.info("[stage %d] the engine now runs %d micro-batches (was %d): its slots for that count",
                  self._hooks._stage_id, micro_batches, self.plan.micro_batches)
-        self.tracker.close()
-        self.plan = planned_orders(self._schedule_type, micro_batches, int(engine.num_stages))
-        self.tracker = self._make_tracker(self.plan)
+
+        def new() -> tuple[RankTracker, PlannedOrders]:
+            plan = planned_orders(self._schedule_type, micro_batches, int(engine.num_stages))
+            return self._make_tracker(plan), plan
+
+        self.tracker, self.plan = self._kept.get(micro_batches, new)
         self._hooks.plan = self.plan
         self._hooks.marks = self.tracker
 
@@ -357,7 +362,7 @@ class Instrumentation:
         if _installed.get(engine) is self:
             del _installed[engine]  # it may be instrumented again
         self._hooks.remove()
-        self.tracker.close()
+        self._kept.close()
 
 
 _installed: weakref.WeakKeyDictionary[Any, Instrumentation] = weakref.WeakKeyDictionary()

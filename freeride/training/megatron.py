@@ -60,6 +60,7 @@ from typing import Any
 
 from freeride.errors import ConfigError, FrameworkNotInstalled, FreerideError
 from freeride.training.schedules import BACKWARD, FORWARD, Action
+from freeride.training.tracker import KeptShapes, RankTracker, check_sink, checked_device
 
 log = logging.getLogger(__name__)
 
@@ -380,13 +381,19 @@ def _import_megatron() -> tuple[Any, Any, Any]:
     return schedules, parallel_state, get_model_config
 
 
+def _named(thing: Any) -> str:
+    """What ``thing`` is, in a few words on one line: a model's repr is its whole module tree."""
+    name = getattr(thing, "__qualname__", None) or getattr(thing, "__name__", None)
+    return f"{type(thing).__name__} {name!r}" if isinstance(name, str) else f"a {type(thing).__name__}"
+
+
 def _schedule_of(function: Any, schedules: Any) -> str | None:
     """Which schedule ``function`` runs (None: no pipeline); ConfigError for anything else."""
     name = getattr(function, "__name__", None)
     if name not in _SCHEDULE_FUNCTIONS:
         known = ", ".join(_SCHEDULE_FUNCTIONS)
         raise ConfigError(f"instrument() takes one of Megatron Core's forward-backward functions ({known}), "
-                          f"as get_forward_backward_func() returns them; got {function!r}")
+                          f"as get_forward_backward_func() returns them; got {_named(function)}")
     if getattr(schedules, name, None) is None:
         raise MegatronInternalsChanged(f"megatron.core.pipeline_parallel.schedules has no {name}")
     return _SCHEDULE_FUNCTIONS[name]
@@ -418,6 +425,9 @@ class InstrumentedForwardBackward:
         self._schedules, self._parallel_state, self._get_model_config = _import_megatron()
         self.forward_backward_func = forward_backward_func
         self.schedule = _schedule_of(forward_backward_func, self._schedules)
+        # Checked here, as the other adapters check them: the trackers are made at the first call, which raised.
+        device = checked_device(device)
+        check_sink(sink, device)
         self.sink = sink
         self.device = device
         self._options = tracker_options
@@ -425,6 +435,8 @@ class InstrumentedForwardBackward:
         self.tracker: Any = None
         self._shape: _Shape | None = None
         self._current_marks: _Marks
+        #: The trackers (and their marks) of the last shapes the job ran: one that alternates keeps its slots.
+        self._kept: KeptShapes[_Marks] = KeptShapes(lambda marks: marks.tracker)
         self._warned: set[str] = set()
         self.closed = False
         if self.schedule is None:
@@ -486,28 +498,27 @@ class InstrumentedForwardBackward:
         return self._current_marks, config
 
     def _retrack(self, shape: _Shape) -> None:
-        from freeride.training.tracker import RankTracker
+        if self.tracker is not None:
+            log.info("freeride.training.megatron: the pipeline's shape changed from %s to %s", self._shape, shape)
+        self._current_marks = self._kept.get(shape, lambda: self._new_marks(shape))
+        self.tracker = self._current_marks.tracker
+        self._shape = shape
 
+    def _new_marks(self, shape: _Shape) -> _Marks:
         group_size = shape.group_size if shape.virtual > 1 else None
         orders = megatron_orders(shape.ranks, shape.microbatches, shape.virtual, group_size)
         # Overlapped transfers are waited for on handles right before the action that needs them.
         receive_at = {} if shape.overlap else megatron_receive_at(shape.ranks, shape.microbatches, shape.virtual,
                                                                   group_size)
-        if self.tracker is not None:
-            log.info("freeride.training.megatron: the pipeline's shape changed from %s to %s: slots start afresh",
-                     self._shape, shape)
-            self.tracker.close()
-        self.tracker = RankTracker(orders, shape.rank, self.sink, num_stages=shape.ranks * shape.virtual,
-                                   device=self.device, receive_at=receive_at,
-                                   schedule=f"megatron-{self.schedule}", **self._options)
-        self._current_marks = _Marks(self.tracker, orders[shape.rank], gaps_as_waits=shape.overlap)
-        self._shape = shape
+        tracker = RankTracker(orders, shape.rank, self.sink, num_stages=shape.ranks * shape.virtual,
+                              device=self.device, receive_at=receive_at, schedule=f"megatron-{self.schedule}",
+                              **self._options)
+        return _Marks(tracker, orders[shape.rank], gaps_as_waits=shape.overlap)
 
     def close(self) -> None:
         """Deliver what the tracker's clock still holds and stop it; later calls run bare."""
         self.closed = True
-        if self.tracker is not None:
-            self.tracker.close()
+        self._kept.close()
 
 
 def instrument(forward_backward_func: Callable[..., Any], sink: Any = None, *, device: str | None = None,

@@ -353,6 +353,11 @@ def test_a_changed_micro_batch_count_is_planned_again(one_rank: None) -> None:
         engine.train_batch(data)
         assert handle.plan.micro_batches == 6
         assert len(handle.tracker.last_actions) == 12
+        # Back to 4: that count's tracker, with what its slots learned (a new one started them afresh).
+        first = handle.tracker
+        engine.set_train_batch_size(2 * 4)
+        engine.train_batch(data)
+        assert handle.plan.micro_batches == 4 and handle.tracker.iteration == 2 and handle.tracker is not first
     finally:
         fds.uninstrument(engine)
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from framework_support import misplaced_bubbles, one_process_group, require_framework
 
 from freeride.errors import ConfigError
@@ -367,3 +368,44 @@ def test_uninstrument_delivers_and_later_calls_run_bare(sim: Any) -> None:
     rank.step(function, {0: 2 * MS})
     assert len(sink.starts) == reported and function.tracker.iteration == 2
     assert rank.config.timers is None
+
+
+def test_the_sink_and_device_are_checked_at_instrument_and_a_wrong_object_is_named_in_one_line(sim: Any) -> None:
+    # Stranger trial: instrument(fn, "cpu:0") returned a wrapper and the first training call raised; a model passed
+    # for the function printed its whole repr (a GPTModel's runs to hundreds of lines).
+    with pytest.raises(ConfigError, match="the argument after the schedule is the sink"):
+        instrument(sim.schedule_function(1), "cpu:0")
+    with pytest.raises(ConfigError, match="unknown device 'gpu:0'"):
+        instrument(sim.schedule_function(1), None, device="gpu:0")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"got a Sequential$") as info:
+        instrument(model)
+    assert "\n" not in str(info.value)
+
+
+def test_a_job_that_alternates_its_micro_batch_count_keeps_what_each_shape_learned(sim: Any) -> None:
+    # Stranger trial: num_microbatches 8, 6, 8, 6, ... made a new tracker every call, and the slots' predictions
+    # stayed the model's defaults (1-2 ms) against real waits of 0.5-17 ms.
+    class Sink(_Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layouts: list[int] = []
+
+        def report_layout(self, schedule: str, stages: int, microbatches: int, **kwargs: Any) -> None:
+            self.layouts.append(microbatches)
+
+    rank = sim.Rank(2, 1, 4)
+    sink = Sink()
+    function = instrument(sim.schedule_function(1), sink, clock=sim.virtual_clock(rank.state.time), report_min_ns=0)
+    for call in range(12):
+        rank.microbatches = 4 if call % 2 == 0 else 6
+        rank.step(function, {0: 3 * MS})
+    assert function.tracker.iteration == 6  # the 6-micro-batch shape's tracker ran its 6 calls, not 1
+    last = {slot: predicted for it, slot, _, predicted, _ in sink.starts if it == function.tracker.iteration - 1}
+    assert last[0] == 3 * MS  # learned from the shape's own waits
+    assert sink.layouts == [4, 6] * 6  # each switch says the layout the next bubbles belong to
+    trackers = {id(function.tracker)}
+    rank.microbatches = 4
+    rank.step(function, {0: 3 * MS})
+    trackers.add(id(function.tracker))
+    assert len(trackers) == 2

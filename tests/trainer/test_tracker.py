@@ -430,3 +430,27 @@ def test_a_framework_device_is_named_once_for_the_tracker_and_every_adapter(monk
     assert checked_device(device("cuda")) == "cuda:3"
     with pytest.raises(ConfigError, match=r"name the rank's device as freeride does, 'cpu:N' \(its core\) or 'cuda:N'"):
         torch_device_name(device("meta"))
+
+
+def test_kept_shapes_give_a_shape_its_tracker_back_with_its_layout_rearmed_and_close_the_oldest() -> None:
+    from freeride.training.tracker import KeptShapes
+
+    class Tracker:
+        def __init__(self, shape: int) -> None:
+            self.shape, self.relayouts, self.closed = shape, 0, False
+
+        def relayout(self) -> None:
+            self.relayouts += 1
+
+        def close(self) -> None:
+            self.closed = True
+
+    kept: KeptShapes[Any] = KeptShapes(lambda tracker: tracker, keep=2)
+    four = kept.get(4, lambda: Tracker(4))
+    six = kept.get(6, lambda: Tracker(6))
+    assert kept.get(4, lambda: Tracker(-1)) is four and four.relayouts == 1  # seen again: kept, layout re-armed
+    eight = kept.get(8, lambda: Tracker(8))  # a third shape: the least recent (6) goes, closed
+    assert six.closed and not four.closed and not eight.closed
+    assert kept.get(6, lambda: Tracker(60)).shape == 60
+    kept.close()
+    assert four.closed and eight.closed
