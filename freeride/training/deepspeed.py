@@ -71,7 +71,15 @@ from typing import Any, Protocol
 from freeride.errors import ConfigError, FrameworkNotInstalled, FreerideError
 from freeride.training.learned_slots import LearningConfig
 from freeride.training.schedules import BACKWARD, FORWARD, Action
-from freeride.training.tracker import BubbleSink, KeptShapes, MeasuredBubble, RankTracker, torch_device_name
+from freeride.training.tracker import (
+    BubbleSink,
+    KeptShapes,
+    MeasuredBubble,
+    RankTracker,
+    check_rank_device,
+    checked_device,
+    torch_device_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -431,6 +439,7 @@ def _install(
     plan = planned_orders(schedule_type, int(engine.micro_batches), int(engine.num_stages))
     rank = int(engine.stage_id)
     device = getattr(reporter, "device", None) if device is None else device
+    check_rank_device(checked_device(device), rank, reporter, getattr(engine, "device", None))
 
     def make_tracker(p: PlannedOrders) -> RankTracker:
         return RankTracker(p.orders, rank, reporter, num_stages=p.num_stages, device=device,

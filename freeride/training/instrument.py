@@ -85,7 +85,14 @@ from freeride.training.schedules import (
     IdleSlot,
     build_schedule,
 )
-from freeride.training.tracker import BubbleSink, MeasuredAction, MeasuredBubble, RankTracker
+from freeride.training.tracker import (
+    BubbleSink,
+    MeasuredAction,
+    MeasuredBubble,
+    RankTracker,
+    check_rank_device,
+    checked_device,
+)
 
 __all__ = [
     "BubbleSink",
@@ -229,6 +236,7 @@ class InstrumentedSchedule:
         self.schedule = schedule
         self._stages, rank, orders, num_stages = self._inspect(schedule)
         _refuse_hooked(self._stages, self)  # before the tracker (and a device clock's thread) is made
+        check_rank_device(checked_device(device), rank, sink, getattr(self._stages[0], "device", None))
         # The runtime waits for every send it posted once its last action is done (module doc).
         runtime = hasattr(schedule, "_stages") and hasattr(schedule, "pipeline_order_with_comms")
         self.tracker = RankTracker(

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
@@ -260,6 +261,32 @@ def check_sink(sink: Any, device: str | None) -> None:
                           "give both the device the rank trains on")
 
 
+def check_rank_device(device: str | None, rank: int, sink: Any, stage_device: Any = None) -> None:
+    """ConfigError where the rank's device, or the reporter's stage, is not where this rank trains.
+
+    A rank pinned to core 0 whose reporter said ``cpu:1`` reported without a word, and ``cpu:1``'s manager ran
+    side tasks in its bubbles beside the other rank's compute. So: a ``cpu:N`` device whose core is not among
+    the training thread's (where it is pinned at all); a ``cuda:N`` device whose stage's tensors are on another
+    GPU (``stage_device``, the framework's ``torch.device``, where the adapter knows it); and a reporter whose
+    ``stage`` is another pipeline rank's (its bubbles were listed as that stage's).
+    """
+    if device is not None and device.startswith("cpu:"):
+        cores = os.sched_getaffinity(0)
+        if int(device.split(":")[1]) not in cores:
+            listed = ", ".join(map(str, sorted(cores)))
+            raise ConfigError(f"this rank's device is {device}, and it runs on core(s) {listed} only: "
+                              "name the core it trains on, as cpu:N (its bubbles are that core's idle time)")
+    if device is not None and device.startswith("cuda:") and getattr(stage_device, "type", None) == "cuda":
+        stage_on = torch_device_name(stage_device)
+        if stage_on != device:
+            raise ConfigError(f"this rank's device is {device}, and its stage is on {stage_on}: name the GPU it "
+                              "trains on")
+    stage = getattr(sink, "stage", None)
+    if isinstance(stage, int) and not isinstance(stage, bool) and stage != rank:
+        raise ConfigError(f"the reporter stamps its bubbles stage {stage}, and this is pipeline rank {rank}: "
+                          f"BubbleReporter(..., stage={rank}) (the rank's place in the pipeline)")
+
+
 class RankTracker:
     """One rank's waits, mapped to slots, predicted, reported and learned (see the module doc).
 
@@ -304,6 +331,7 @@ class RankTracker:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
         device = checked_device(device)
         check_sink(sink, device)
+        check_rank_device(device, rank, sink)
         self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at, sends_waited_at_end)
         microbatches = 1 + max((a.microbatch for order in orders.values() for a in order), default=-1)
         #: (schedule, model stages, micro-batches), until it has been reported (class doc).

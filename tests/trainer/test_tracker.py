@@ -454,3 +454,35 @@ def test_kept_shapes_give_a_shape_its_tracker_back_with_its_layout_rearmed_and_c
     assert kept.get(6, lambda: Tracker(60)).shape == 60
     kept.close()
     assert four.closed and eight.closed
+
+
+def test_a_device_or_stage_that_is_not_where_the_rank_trains_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stranger trial: rank 0, pinned to core 0, reported as cpu:1 (and rank 1 as cpu:0) without a word; each
+    # manager ran side tasks in the other rank's bubbles, beside that rank's compute.
+    import os
+    import types
+
+    from freeride.training.tracker import check_rank_device
+
+    orders = build_schedule("1f1b", 2, 4).orders
+    elsewhere = max(os.sched_getaffinity(0)) + 1  # a core this thread does not run on, whatever the host
+    with pytest.raises(ConfigError, match=rf"this rank's device is cpu:{elsewhere}, and it runs on core\(s\) .* only"):
+        RankTracker(orders, 1, None, device=f"cpu:{elsewhere}")
+    here = min(os.sched_getaffinity(0))
+    RankTracker(orders, 1, None, device=f"cpu:{here}").close()
+
+    class Reporter:
+        device, stage = f"cpu:{here}", 0
+
+        def bubble_start(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def bubble_end(self, *args: Any, **kwargs: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"the reporter stamps its bubbles stage 0, and this is pipeline rank 1: "
+                                          r"BubbleReporter\(\.\.\., stage=1\)"):
+        RankTracker(orders, 1, Reporter(), device=f"cpu:{here}")
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_device=lambda: 0))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    with pytest.raises(ConfigError, match="this rank's device is cuda:0, and its stage is on cuda:1"):
+        check_rank_device("cuda:0", 0, None, types.SimpleNamespace(type="cuda", index=1))
+    check_rank_device("cuda:0", 0, None, types.SimpleNamespace(type="cuda", index=None))  # "cuda": the current one
