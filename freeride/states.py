@@ -4,6 +4,7 @@
 
     SUBMITTED -> STARTING -> PARKED <-> RUNNING -> FINISHED | FAILED | CANCELLED
                                          RUNNING <-> FROZEN   (SIGSTOP past the grace period)
+                                                     FROZEN -> FINISHED (its finish crossed the freeze)
     STARTING | PARKED | RUNNING | FROZEN -> EVICTED (checkpoint saved, process gone) -> SUBMITTED
 
 Every change goes through :func:`check_transition`; terminal states cannot be left.
@@ -59,7 +60,7 @@ _ALLOWED: dict[TaskState, frozenset[TaskState]] = {
         }
     ),
     TaskState.FROZEN: frozenset(
-        {TaskState.RUNNING, TaskState.FAILED, TaskState.CANCELLED, TaskState.EVICTED}
+        {TaskState.RUNNING, TaskState.FINISHED, TaskState.FAILED, TaskState.CANCELLED, TaskState.EVICTED}
     ),
     TaskState.EVICTED: frozenset({TaskState.SUBMITTED, TaskState.CANCELLED, TaskState.FAILED}),
     TaskState.FINISHED: frozenset(),

@@ -202,7 +202,7 @@ class ManagerLoop:
         self._running = True
         self._apply_by_type: dict[type, Callable[[Any], list[Any] | None]] = {
             C.Grant: self._grant, C.Park: self._park, C.Freeze: self._freeze, C.Spawn: self.workers.spawn,
-            C.Stop: self._stop, C.Kill: self._kill, C.StateChanged: self._state_changed,
+            C.Thaw: self._thaw, C.Stop: self._stop, C.Kill: self._kill, C.StateChanged: self._state_changed,
             C.CheckpointRecorded: self._checkpoint_recorded, C.Released: self.cluster.released,
             C.DrainComplete: self._drain_complete, C.Note: self._note,
         }
@@ -535,6 +535,9 @@ class ManagerLoop:
         events = self.workers.send(action.task_id, W.Stop(action.checkpoint))
         self.workers.signal(action.task_id, signal.SIGCONT)  # a frozen worker must run to obey
         return events
+
+    def _thaw(self, action: C.Thaw) -> None:
+        self.workers.signal(action.task_id, signal.SIGCONT)
 
     def _kill(self, action: C.Kill) -> None:
         self.workers.signal(action.task_id, signal.SIGKILL)

@@ -19,6 +19,7 @@ from freeride._manager.core import (
     StateChanged,
     Stop,
     TaskMemorySampled,
+    Thaw,
     WorkerCheckpointed,
     WorkerExited,
     WorkerFailed,
@@ -164,6 +165,22 @@ def test_worker_finished_is_finished_and_exit_afterwards_changes_nothing() -> No
     assert sim.core.tasks["a"].steps == 42
     assert sim.exited("a", exit_code=0) == []
     assert sim.state("a") == S.FINISHED
+
+
+def test_a_finish_that_crossed_the_freeze_is_finished_and_the_worker_let_run_to_its_exit() -> None:
+    # Stranger trial: 5 of 31 tasks that had done all their work were FAILED "EXIT: worker exited with code 0
+    # without reporting an error": the finish arrived after the freeze of a step that outlived its bubble, was
+    # dropped ("a frozen worker sends nothing"), and the worker exited at its next grant.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    sim.advance_ms(20)
+    sim.tick()
+    assert sim.state("a") == S.FROZEN
+    actions = sim.send(WorkerFinished("a", total_steps=7, progress=1.0))
+    assert Thaw("a") in actions and StateChanged("a", S.FROZEN, S.FINISHED, "done") in actions
+    assert sim.exited("a", exit_code=0) == []
+    assert sim.state("a") == S.FINISHED and sim.core.tasks["a"].failure is None
 
 
 def test_worker_finished_frees_the_bubble_for_the_next_task() -> None:

@@ -20,6 +20,7 @@ ALLOWED = {
     (S.FROZEN, S.RUNNING),
     (S.PARKED, S.FINISHED),
     (S.RUNNING, S.FINISHED),
+    (S.FROZEN, S.FINISHED),  # its finish crossed the freeze
     (S.EVICTED, S.SUBMITTED),
     *((s, S.EVICTED) for s in RESIDENT),
     *((s, S.FAILED) for s in [S.SUBMITTED, *RESIDENT, S.EVICTED]),

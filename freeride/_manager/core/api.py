@@ -357,6 +357,13 @@ class Freeze:
 
 
 @dataclass(frozen=True)
+class Thaw:
+    """Let a frozen worker run on to its exit: it finished (its last message crossed the freeze that stopped it)."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
 class Stop:
     """Ask the worker to (optionally) checkpoint and exit; a Kill follows if it does not."""
 
@@ -430,6 +437,7 @@ Action = (
     | Grant
     | Park
     | Freeze
+    | Thaw
     | Stop
     | Kill
     | StateChanged

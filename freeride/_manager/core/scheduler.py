@@ -54,6 +54,7 @@ from freeride._manager.core.api import (
     Spawn,
     TaskAdded,
     TaskMemorySampled,
+    Thaw,
     Tick,
     TrainerEndSeen,
     WorkerCheckpointed,
@@ -561,7 +562,10 @@ class SchedulerCore:
         task.finished_seen = True
         self.stopping.let_go(task)
         if task.state == _FROZEN:
-            return  # cannot happen: a frozen worker sends nothing
+            # Its last message crossed the freeze that stopped it (the step outlived its bubble, then the task was
+            # done): finished all the same, and let run to its exit. Left frozen, it exited at its next grant with
+            # code 0 and no finish, and a task that had done all its work was FAILED ("EXIT").
+            out.append(Thaw(task.task_id))
         self._tasks.move(task, TaskState.FINISHED, "done", out)
         if self.bubbles.open is not None:
             self.grant_next(now_ns, out)
