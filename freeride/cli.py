@@ -28,6 +28,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from freeride.errors import (
     ConfigError,
@@ -60,8 +61,37 @@ COMMAND_MODULES = (
 )
 
 
+#: ``scheme://user:password@``: a URL's credentials, wherever an error message repeats the command line.
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)(?P<user>[^:/@\s]*):[^@\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with every URL's password as ``***`` (``redis://:***@host``)."""
+    return _CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+
+
+class BadArguments(SystemExit):
+    """argparse's exit 2 for a command line it cannot take, with its (redacted) message for ``--json``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_BAD_INPUT)
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors never print a password: ``stats --queue redis://:pw@host`` (``stats``
+    takes no ``--queue``) printed the URL whole in "unrecognized arguments", where every message of
+    freeride's own prints :attr:`~freeride._cluster.url.QueueURL.redacted`."""
+
+    def error(self, message: str) -> NoReturn:
+        message = redact_credentials(message)
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise BadArguments(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="freeride",
         description="Run side tasks inside the bubbles of pipeline-parallel training.",
     )
@@ -72,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(name).register(sub)
     for each in (parser, *sub.choices.values()):
         _take_negative_values(each)
+    return parser
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command (and subcommand) ``args`` ran, else ``parser``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _command_parser(chosen, args)
     return parser
 
 
@@ -100,7 +140,15 @@ def exit_code_for(exc: FreerideError) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, unknown = parser.parse_known_args(words)
+        if unknown:  # said by the command's parser, with its usage (the top level's said "freeride [-h] ...")
+            _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    except BadArguments as exc:
+        if "--json" in words:
+            print(json.dumps({"error": exc.message, "exit_code": EXIT_BAD_INPUT}))
+        raise
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

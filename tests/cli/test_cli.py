@@ -594,3 +594,24 @@ def test_output_to_a_reader_that_went_away_ends_quietly_with_the_sigpipe_status(
         os.close(write_end)
     assert proc.returncode == 141
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
+def test_a_command_line_it_cannot_take_never_prints_a_password_and_says_it_in_json_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Stranger trial: `stats --queue redis://:pw123@host` (stats takes no --queue) printed the password in
+    # "unrecognized arguments", under the top level's usage, and nothing on stdout with --json.
+    for argv in (["stats", "--queue", "redis://:pw123@127.0.0.1:1/0"],
+                 ["stats", "--json", "--queue", "redis://user:pw123@127.0.0.1:1/0"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        out, err = capsys.readouterr()
+        assert info.value.code == EXIT_BAD_INPUT
+        assert "pw123" not in out + err and ":***@127.0.0.1:1/0" in err
+        assert "usage: freeride stats " in err and "freeride stats: error: unrecognized arguments: --queue" in err
+        if "--json" in argv:
+            assert json.loads(out) == {"error": "unrecognized arguments: --queue redis://user:***@127.0.0.1:1/0",
+                                       "exit_code": EXIT_BAD_INPUT}
+        else:
+            assert out == ""
