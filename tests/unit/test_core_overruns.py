@@ -586,3 +586,32 @@ def test_a_freeze_at_a_bubble_that_ended_before_its_prediction_leaves_the_margin
         assert Freeze("a") in sim.tick()
         assert task.margin_ns == 0
     assert task.overruns == 5
+
+
+def test_steps_that_look_hung_share_one_turn_so_a_healthy_task_gets_every_other_bubble() -> None:
+    # Stranger trial: with two hung tasks on a device each took its own every-other turn, so between them they
+    # took every bubble, and the healthy tasks ran no step until the 60 s step timeout failed the hung ones.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b", "c")
+    learned: set[str] = set()
+    firsts = []
+    for _ in range(40):
+        granted = grants(sim.start(predicted_ms=10))
+        first = granted[0] if granted else ""
+        firsts.append(first)
+        if first == "b" or first not in learned:  # "a" and "c" each finish steps once, then hang
+            learned.add(first)
+            sim.advance_ms(9.9)
+            sim.parked(first, [2.0] * 4)
+            sim.advance_ms(0.1)
+            sim.end()
+        else:
+            sim.advance_ms(10)
+            sim.end()
+            sim.advance_ms(1)
+            sim.tick()  # frozen again, still inside its step
+        sim.advance_ms(5)
+    assert sim.state("a") == sim.state("c") == S.FROZEN
+    later = firsts[20:]
+    assert later.count("b") >= 9, firsts  # every other bubble, give or take the turn's phase
+    assert later.count("a") >= 3 and later.count("c") >= 3, firsts  # the hung ones still get their turns

@@ -7,9 +7,9 @@ that are not being stopped and have not had a grant in this bubble yet.
 **freeride** (:func:`rank`), most important first:
 
 1. priority;
-2. a frozen task, which must finish its step (unless that step looks hung: then it has the first turn
-   only every other whole bubble, and never the tail another task left: a thaw there only runs it past
-   the end, into training);
+2. a frozen task, which must finish its step (unless that step looks hung: then the hung steps share the
+   first turn of every other whole bubble, the least stuck first, and never take the tail another task
+   left: a thaw there only runs it past the end, into training);
 3. a task whose step time is not known yet (one probe);
 4. fair share among tasks whose step fits: the one that has harvested least goes first (best fit alone
    let the task with the longer step win every bubble, and a shorter one at the same priority never ran;
@@ -82,7 +82,9 @@ def rank(
             -task.spec.priority,
             thaw_rank,
             0 if est is None else 1,
-            task.share_ns,
+            # Steps that look hung take their shared turn (scheduler) in order of the least granted time stuck:
+            # by share alone, the first of them took every turn (its share does not grow while it hangs).
+            health.stuck_ns if hung else task.share_ns,
             remaining_ns - (est or 0),
             task.seq,
         )

@@ -352,10 +352,12 @@ class SchedulerCore:
                 self._retry_later(bubble, now_ns)
             return
         if first:
-            for other in self._tasks.frozen.values():
-                if other is not task and not other.stopping and other.health.looks_hung(longest,
-                                                                                         other.known_step_ns):
-                    other.health.passed_over += 1
+            # The steps that look hung share one turn in every other bubble: each took its own, and two of them
+            # took every bubble between them while the healthy tasks waited out the step timeout.
+            hung = [other for other in self._tasks.frozen.values()
+                    if not other.stopping and other.health.looks_hung(longest, other.known_step_ns)]
+            for other in hung:
+                other.health.passed_over = 0 if task in hung else other.health.passed_over + 1
         task.health.passed_over = 0
         task.health.unfit_bubbles = 0
         thaw = task.state is _FROZEN
