@@ -82,7 +82,8 @@ def write(directory: Path, task_id: str, steps: int, state: Any) -> Path:
     path = directory / f"ckpt-{steps}.pt"
     tmp = path.with_suffix(".tmp")
     try:
-        with open(tmp, "wb") as fh:
+        # Owner-only, as the state directory: a cluster task's checkpoints sit in a shared directory.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
             _dump({"format": FORMAT, "task_id": task_id, "steps": steps, "state": state}, fh)
             fh.flush()
             os.fsync(fh.fileno())

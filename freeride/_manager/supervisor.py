@@ -205,7 +205,9 @@ class Supervisor:
         task_dir = self.paths.task_dir(task_id)
         checkpoint_dir = self.paths.checkpoint_dir(task_id)
         try:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            # Owner-only: a cluster task's are under the shared --checkpoint-dir (they were 0755, files 0644).
+            checkpoint_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            checkpoint_dir.mkdir(mode=0o700, exist_ok=True)
             (task_dir / "work").mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a full or read-only state directory: say so rather than stay STARTING
             return _spawn_failed(task_id, f"cannot prepare the task directory {task_dir}: {exc}")

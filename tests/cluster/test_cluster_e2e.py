@@ -148,6 +148,9 @@ def test_kill_9_of_a_manager_its_task_is_reclaimed_after_the_lease_and_resumes_f
     assert resumed_at >= checkpoint_at_kill >= 30
     wait_for(lambda: survivor.client.get(task_id).progress >= resumed_at + 10, 30)
     queue.close()
+    # In the shared directory, the task's checkpoints are the managers' user's alone (they were 0755 and 0644).
+    for path in (checkpoints / task_id, *(checkpoints / task_id).rglob("*")):
+        assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
 
 
 def test_a_redis_restart_stops_nothing_and_every_manager_goes_on_with_its_tasks(

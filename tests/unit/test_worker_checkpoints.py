@@ -124,6 +124,7 @@ def test_a_killed_writers_temporary_checkpoint_goes_at_the_next_write_and_a_newe
     (tmp_path / "ckpt-900.tmp").write_bytes(b"someone's newer one, being written")
     write(tmp_path, "t-1", 400, {"x": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-400.pt", "ckpt-900.tmp"]
+    assert (tmp_path / "ckpt-400.pt").stat().st_mode & 0o777 == 0o600  # owner-only, whatever the umask
 
 
 class LoadsTheWrongKey(Counter):
