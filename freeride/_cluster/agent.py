@@ -187,6 +187,7 @@ class QueueAgent:
         self._claimed_at = -math.inf  # when it last claimed (``QueueConfig.spread_ms``)
         self._in_grace = False
         self.counters: dict[str, int] = collections.Counter()
+        self._failed_attempts = 0  # since the last connection
         self.last_error = ""
         self._depth = (0, 0)  # the queue's waiting tasks and set-aside records at the last peek
         self._stats = self._snapshot()
@@ -266,16 +267,22 @@ class QueueAgent:
             self._queue = self._factory(self.config.url)
         self._queue.connect()
         if self._connected_at is None:
-            log.info("[%s] connected to the queue at %s as %s", self.where, self.config.url, self.me)
+            # Said as loudly as the outage before it: at the default level the log had the loss and never the
+            # recovery.
+            failed, self._failed_attempts = self._failed_attempts, 0
+            again = f" (again, after {failed} failed attempt(s))" if failed else ""
+            log.log(logging.WARNING if failed else logging.INFO, "[%s] connected to the queue at %s as %s%s",
+                    self.where, self.config.url, self.me, again)
             self._connected_at = time.monotonic()
             self._next_heartbeat = 0.0  # renew at once: this manager may have been away for a while
 
     def _disconnected(self, exc: BaseException) -> None:
         self.counters["errors"] += 1
+        self._failed_attempts += 1
         self.last_error = str(exc)
         if self._connected_at is not None or self.counters["errors"] == 1:
             log.warning("[%s] queue unavailable: %s; local and running tasks go on, retrying with backoff",
-                        self.where, exc)
+                        self.where, str(exc).rstrip(". "))
         self._connected_at = None
 
     def _final_flush(self) -> None:

@@ -8,6 +8,7 @@ manager on the queue is in ``test_cluster_e2e.py``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from pathlib import Path
@@ -210,3 +211,27 @@ def _answers(q: RedisQueue) -> bool:
         return True
     except Exception:  # noqa: BLE001 - not up yet
         return False
+
+
+def test_an_agent_says_at_the_default_level_that_the_queue_is_back(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stranger trial: the log at the default level had "queue unavailable: ... refused.; local ..." and never the
+    # recovery (an INFO line).
+    from freeride.errors import FreerideError
+
+    agent, _loop = _agent(redis_server.url, tmp_path, "n1", lease_ms=600)
+    agent._poll()
+    redis_server.kill()
+    with caplog.at_level(logging.WARNING, logger="freeride._cluster.agent"):
+        with pytest.raises(FreerideError) as info:
+            agent._next_heartbeat = 0.0
+            agent._poll()
+        agent._disconnected(info.value)  # as the agent's thread does with a failed poll
+        redis_server.start()
+        wait_for(lambda: _answers(_queue(redis_server.url)), 10)
+        agent._connect()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("queue unavailable: " in line and ".;" not in line for line in lines), lines
+    assert any("connected to the queue at" in line and "(again, after 1 failed attempt(s))" in line
+               for line in lines), lines
