@@ -120,6 +120,7 @@ def new_task_fields(sub: Submission, now_unix: float) -> dict[str, str]:
         "restarts": "0",
         "step_p95_ms": "0.0",
         "harvested_s": "0.0",
+        "overruns": "0",
         "failure": "",
         "reason": "submitted",
         "submitted_unix": repr(now_unix),
@@ -180,6 +181,7 @@ def status_fields(record: TaskRecord, now_unix: float) -> dict[str, str]:
         "restarts": str(figures.restarts),
         "step_p95_ms": repr(float(figures.step_p95_ms)),
         "harvested_s": repr(float(figures.harvested_s)),
+        "overruns": str(figures.overruns),
         "failure": json.dumps(record.failure.to_json()) if record.failure is not None else "",
         "updated_unix": repr(now_unix),
     }

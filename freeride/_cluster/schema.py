@@ -195,6 +195,8 @@ def decode_record(task_id: str, raw: Mapping[bytes, bytes]) -> ClusterRecord:
             restarts=_whole(f["restarts"], "restarts", 0, 2**62),
             step_p95_ms=_real(f["step_p95_ms"], "step_p95_ms", 0.0),
             harvested_s=_real(f["harvested_s"], "harvested_s", 0.0),
+            # Written since the queue's records carry it (they all read "overruns 0" before): optional.
+            overruns=_whole(f.get("overruns") or "0", "overruns", 0, 2**62),
         ),
         checkpoint_path=f["checkpoint_path"],
         failure=failure,

@@ -147,7 +147,7 @@ def test_a_record_round_trips_through_its_hash_fields_with_its_schema_version() 
     assert fields["schema"] == str(schema.SCHEMA)
     failure = FailureRecord(kind="EXCEPTION", message="boom", step=3)
     figures = TaskProgress(steps=40, progress=40.0, progress_unit="ticks", checkpoint_step=30, restarts=2,
-                           step_p95_ms=1.5, harvested_s=0.25)
+                           step_p95_ms=1.5, harvested_s=0.25, overruns=5)  # overruns: they all read 0
     status = TaskRecord("pr-q7", TaskSpec(name="pr"), "FAILED", figures, "/ck/pr-q7/ckpt-30.pt", failure)
     fields.update(status_fields(status, 1001.0))
     record = decode_record("pr-q7", _stored(fields))
@@ -159,6 +159,8 @@ def test_a_record_round_trips_through_its_hash_fields_with_its_schema_version() 
     assert record.name == "pr" and not record.aside
     del fields["schema"]  # written before records carried a version: read as schema 1
     assert decode_record("pr-q7", _stored(fields)).seq == 7
+    del fields["overruns"]  # written before records carried it
+    assert decode_record("pr-q7", _stored(fields)).figures.overruns == 0
 
 
 @pytest.mark.parametrize(
