@@ -598,14 +598,15 @@ class ManagerLoop:
 
     def _drain(self, future: Future[Any]) -> None:
         """Answer (tasks parked, of them checkpointed at their last step) once nothing is resident."""
-        stopping = [t.task_id for t in self.core.tasks.values() if t.state.is_resident]
+        # The tasks themselves, not their ids: a cluster task leaves the core once handed back to the queue, and
+        # a queue manager's drain read "3 parked, 0 checkpointed" of tasks it had checkpointed and killed.
+        stopping = [t for t in self.core.tasks.values() if t.state.is_resident]
 
         def counted() -> tuple[int, int]:
             # A task stopped in its setup has no checkpoint to claim (stranger trial: it was counted). One killed
             # past the stop timeout is said to be (a stranger's drain read "2 parked, 2 checkpointed").
-            tasks = [t for t in (self.core.tasks.get(tid) for tid in stopping) if t is not None]
-            return (sum(1 for t in tasks if t.checkpoint_path and t.checkpoint_step >= t.steps),
-                    sum(1 for t in tasks if t.killed_at_stop))
+            return (sum(1 for t in stopping if t.checkpoint_path and t.checkpoint_step >= t.steps),
+                    sum(1 for t in stopping if t.killed_at_stop))
 
         self._drain_waiters.append(_chain(future, len(stopping), counted))
         self._start_drain()

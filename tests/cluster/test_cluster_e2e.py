@@ -86,11 +86,14 @@ def test_a_task_is_claimed_by_the_manager_that_can_place_it_and_a_drain_hands_it
 
     # The job ends on the large node: its manager drains and hands the big task back at once (no lease
     # to wait for), with its checkpoint; the small node cannot place it, so it waits in the queue.
+    drained = large.client.drain(timeout_s=30)
     large.stop(drain=True)
     nodes.remove(large)
     record = queue.record(big)
     assert (record.state, record.device) == ("QUEUED", ""), record
     assert "drain" in record.reason and record.checkpoint_step > 0 and record.restarts == 1
+    # The reply counts the task it handed back (a queue manager's said "0 checkpointed": the task had left).
+    assert (drained.parked, drained.checkpointed) == (1, 1), drained
     queue.close()
 
 
