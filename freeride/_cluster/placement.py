@@ -4,7 +4,8 @@ A manager claims a task only when it can place it, so that nothing claimed waits
 cannot run it while another could. It can place a task when:
 
 * it is not draining, its device can be read, and the device runs a stage of the trainer's current layout;
-* it has seen a bubble since it started or since the layout last changed (no bubbles: no harvest);
+* it has seen a bubble since it started or since the layout last changed (no bubbles: no harvest), and one
+  began in the last 5 s (the trainer runs now);
 * no task here still waits for memory (a manager that cannot start what it holds takes no more);
 * the task's memory cap fits the device budget left (:meth:`SchedulerCore.budget_bytes`);
 * the task's step time, when known (the submitter's hint, or the p95 learned on an earlier device),
@@ -33,6 +34,10 @@ class Capacity:
     draining: bool = False
     hosts_stage: bool = True
     device_problem: str = ""  # the device cannot be read now: nothing is admitted here meanwhile
+    #: No bubble started for a trainer pause (``TRAINER_PAUSE_NS``): the trainer paused or ended. A manager
+    #: whose trainer had ended claimed every new task from its bubbles of before, and held them through the
+    #: next run while the device beside it, restarted, harvested nothing.
+    trainer_paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ def closed_reason(cap: Capacity) -> str | None:
         return "no free-memory figure yet"
     if cap.longest_bubble_ns <= 0:
         return "no bubble seen yet (since start or the last layout change)"
+    if cap.trainer_paused:
+        return "no bubble for 5 s: the trainer paused or ended"
     if cap.waiting > 0:
         return f"{cap.waiting} task(s) here still wait for memory"
     return None

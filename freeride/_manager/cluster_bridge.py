@@ -20,6 +20,7 @@ from typing import Any
 from freeride._cluster.placement import Capacity
 from freeride._cluster.records import CancelTask, QueueNote, QueueView, ReleaseTask, is_cluster_id
 from freeride._manager import core as C
+from freeride._manager.core.steps import TRAINER_PAUSE_NS
 from freeride._manager.figures import figures_of, task_added
 from freeride._manager.paths import TaskPaths
 from freeride.messages import FailureRecord, QueueStats, TaskProgress, TaskRecord, TaskSpec
@@ -89,15 +90,17 @@ class ClusterBridge:
         source = self.stats_source
         return source() if source is not None else None
 
-    def view(self, margin_ns: int) -> QueueView:
-        """Room for more here, and the cluster tasks held here as they are now."""
+    def view(self, margin_ns: int, now_ns: int) -> QueueView:
+        """Room for more here, and the cluster tasks held here as they are now (``now_ns``: the loop's clock)."""
         core = self.core
         layout = core.layout
+        last_start = core.bubbles.last_start_ns
         capacity = Capacity(
             budget_bytes=core.budget_bytes(), longest_bubble_ns=core.longest_bubble_ns, margin_ns=margin_ns,
             waiting=core.count_in(TaskState.SUBMITTED), draining=core.draining,
             hosts_stage=layout is None or layout.hosts_stage(self.device, self.node),
             device_problem=core.device_problem,
+            trainer_paused=last_start > 0 and now_ns - last_start > TRAINER_PAUSE_NS,
         )
         return QueueView(capacity, tuple(self._record(core.tasks[t]) for t in sorted(self.ids) if t in core.tasks))
 

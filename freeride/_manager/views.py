@@ -70,7 +70,7 @@ class Reply:
 class Views:
     def __init__(self, core: C.SchedulerCore, device: Device, durability: Durability, cluster: ClusterBridge,
                  failures: Failures, pid_of: Callable[[str], int], counters: Callable[[], Counters],
-                 margin_ns: int) -> None:
+                 margin_ns: int, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.core = core
         self.device = device
         self.durability = durability
@@ -80,6 +80,7 @@ class Views:
         self._pid_of = pid_of
         self._counters = counters
         self._margin_ns = margin_ns
+        self.now_ns = now_ns  # the loop's clock (the core's times are on it)
 
     def answer(self, request: Any) -> Reply:
         if isinstance(request, SubmitTask):
@@ -99,7 +100,7 @@ class Views:
         if isinstance(request, GetBubbles):
             return _now(self.core.slot_stats())
         if isinstance(request, GetQueueView):
-            return _now(self.cluster.view(self._margin_ns))
+            return _now(self.cluster.view(self._margin_ns, self.now_ns()))
         raise TypeError(f"unknown request {request!r}")
 
     def _admissible(self, request: SubmitTask) -> Any:

@@ -89,6 +89,7 @@ def _cap(**kw: object) -> Capacity:
         (_cap(budget_bytes=None), "no free-memory figure"),
         (_cap(longest_bubble_ns=0), "no bubble"),
         (_cap(waiting=1), "still wait for memory"),
+        (_cap(trainer_paused=True), "no bubble for 5 s: the trainer paused or ended"),
     ],
 )
 def test_a_manager_that_cannot_start_anything_takes_nothing(cap: Capacity, why: str) -> None:

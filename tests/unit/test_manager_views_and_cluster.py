@@ -170,6 +170,29 @@ def test_the_queue_view_holds_the_cluster_tasks_and_the_room_here(parts: Parts) 
     assert view.capacity.waiting == 1 and not view.capacity.draining
 
 
+def test_the_queue_view_says_when_the_trainer_made_no_bubble_for_a_pause(tmp_path: Path) -> None:
+    # Stranger trial: a manager whose trainer had ended claimed every new task from its bubbles of before.
+    from freeride._manager.core.steps import TRAINER_PAUSE_NS
+    from freeride.messages import BubbleStart
+
+    now = [10**12]
+    core = C.SchedulerCore(C.CoreConfig())
+    durability = Durability(TaskStore(tmp_path / "tasks.db"), 1000.0, "cpu:0")
+    failures = Failures()
+    bridge = ClusterBridge(core, durability.records, TaskPaths(tmp_path, tmp_path / "shared", {}.get), {}, "cpu:0",
+                           "n1", failures.of)
+    views = Views(core, FakeDevice(), durability, bridge, failures, lambda tid: 0,  # type: ignore[arg-type]
+                  lambda: Counters(0.0, 0, 0, 0, 0, Percentiles(), Percentiles()), 200_000, lambda: now[0])
+    try:
+        assert not views.answer(GetQueueView()).answer().capacity.trainer_paused  # no bubble yet: said otherwise
+        core.on_event(C.BubbleStarted(BubbleStart(0, 0, 0, 1, "steady", now[0], 5_000_000), now[0]), now[0])
+        assert not views.answer(GetQueueView()).answer().capacity.trainer_paused
+        now[0] += TRAINER_PAUSE_NS + 1
+        assert views.answer(GetQueueView()).answer().capacity.trainer_paused
+    finally:
+        durability.close()
+
+
 def test_a_task_recovered_with_a_record_keeps_its_progress_unit_before_its_new_worker_says_it() -> None:
     # Stranger trial: after a restart, `ls` read "95916 steps" for 95916 matmuls while the task was STARTING.
     from freeride._manager.figures import task_added
