@@ -27,9 +27,9 @@ from freeride._cluster import require_client
 from freeride._cluster.records import ClusterRecord
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import submission_of, validate_spec
-from freeride.errors import TaskNotFound
+from freeride.errors import ConfigError, TaskNotFound
 from freeride.messages import QueueStats, TaskSpec
-from freeride.units import format_progress, format_size
+from freeride.units import format_mib, format_progress, format_size
 
 
 @contextlib.contextmanager
@@ -52,10 +52,23 @@ def submit(url_text: str, spec: TaskSpec) -> ClusterRecord:
     parse_queue_url(url_text)  # a malformed URL is bad input before the submission is looked at
     checked = validate_spec(spec)
     with open_queue(url_text) as queue:
+        _check_fits_a_device(checked, queue.devices(time.time()))
         task_id = queue.submit(submission_of(checked))
         record = queue.record(task_id)
     assert record is not None
     return record
+
+
+def _check_fits_a_device(spec: TaskSpec, devices: list[tuple[str, int]]) -> None:
+    """ConfigError when the queue's live managers announced devices, none as large as ``spec``'s cap: such a
+    task was accepted and waited, QUEUED, for ever (a manager's ``Submit`` refuses it). With none announced
+    (no manager up yet), the task is accepted."""
+    if not devices:
+        return
+    where, largest = max(devices, key=lambda device: device[1])
+    if spec.memory_bytes > largest:
+        raise ConfigError(f"memory {format_mib(spec.memory_bytes)} is more than any device of this queue has in "
+                          f"all (the largest: {where}, {format_mib(largest)}): the task could never be placed")
 
 
 def records(url_text: str, include_finished: bool) -> list[ClusterRecord]:

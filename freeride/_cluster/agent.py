@@ -312,12 +312,15 @@ class QueueAgent:
     def _poll(self) -> None:
         self._write_notes()
         now = time.monotonic()
-        if now >= self._next_heartbeat:
+        beat = now >= self._next_heartbeat
+        if beat:
             self._heartbeat()
             self._next_heartbeat = now + self.config.lease_ms / 3000
         view = self._view()
         if view is None:
             return
+        if beat:  # the device this manager serves, for submit --queue to check a cap against
+            self._queue.announce(self.me, self.where, view.capacity.total_bytes, self.config.lease_ms, time.time())
         self._write_progress(view)
         self._hand_back_waiting(view, now)
         self._sweep()

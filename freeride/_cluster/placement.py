@@ -38,6 +38,8 @@ class Capacity:
     #: whose trainer had ended claimed every new task from its bubbles of before, and held them through the
     #: next run while the device beside it, restarted, harvested nothing.
     trainer_paused: bool = False
+    #: The device's memory in all (0: unknown): announced in the queue, where ``submit --queue`` checks a cap.
+    total_bytes: int = 0
 
 
 @dataclass(frozen=True)

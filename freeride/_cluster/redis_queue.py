@@ -45,6 +45,7 @@ Errors map onto freeride's tree in one place, :func:`redis_errors`: unreachable 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ class RedisQueue:
         self.clock_key = f"{ns}:clock"
         self.seq_key = f"{ns}:seq"
         self.sweeper_key = f"{ns}:sweeper"
+        self.devices_key = f"{ns}:devices"
         self.task_prefix = f"{ns}:task:"
         with redis_errors(url):
             self._r = redis.Redis.from_url(
@@ -374,8 +376,50 @@ class RedisQueue:
         return {1: "released", 2: "aside"}.get(done, "lost")
 
     def retire(self, me: str) -> bool:
-        """Remove this manager's consumer from the group if it holds nothing."""
+        """Remove this manager's consumer from the group if it holds nothing, and its device's entry."""
+        with redis_errors(self.url):
+            self._r.hdel(self.devices_key, me)
         return bool(self._run("retire", [self.stream_key], [GROUP, me]))
+
+    # ------------------------------------------------------------ the devices that serve the queue
+
+    def announce(self, me: str, where: str, total_bytes: int, lease_ms: int, now_unix: float) -> None:
+        """Manager ``me`` serves ``where``, a device of ``total_bytes`` in all (0: unknown), now; an entry is
+        live for three leases (:meth:`devices`). Entries of managers gone longer than a day are dropped here."""
+        entry = json.dumps({"where": where, "total_bytes": int(total_bytes), "lease_ms": int(lease_ms),
+                            "at_unix": now_unix})
+        with redis_errors(self.url):
+            self._r.hset(self.devices_key, me, entry)
+            stale = [k for k, v in self._r.hgetall(self.devices_key).items()
+                     if (_device_entry(v) or ("", 0, 0.0))[2] < now_unix - DEVICE_ENTRY_KEPT_S]
+            if stale:
+                self._r.hdel(self.devices_key, *stale)
+
+    def devices(self, now_unix: float) -> list[tuple[str, int]]:
+        """(where, total bytes) of each device whose manager announced itself within three of its leases, and
+        knows its device's size; an entry that does not decode is skipped."""
+        with redis_errors(self.url):
+            raw = self._r.hgetall(self.devices_key)
+        live = []
+        for value in raw.values():
+            entry = _device_entry(value)
+            if entry is not None and entry[1] > 0 and now_unix - entry[2] <= entry[3]:
+                live.append((entry[0], entry[1]))
+        return live
+
+
+#: How long the entry of a manager that stopped announcing itself stays in the devices hash.
+DEVICE_ENTRY_KEPT_S = 86_400.0
+
+
+def _device_entry(raw: Any) -> tuple[str, int, float, float] | None:
+    """(where, total bytes, announced at, live for s) of a devices-hash value, or None if it does not decode."""
+    try:
+        data = json.loads(raw)
+        return (str(data["where"]), int(data["total_bytes"]), float(data["at_unix"]),
+                3 * int(data["lease_ms"]) / 1000)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _aside_map(reply: Any) -> dict[bytes, tuple[str, float]]:

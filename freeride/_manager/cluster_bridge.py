@@ -90,8 +90,9 @@ class ClusterBridge:
         source = self.stats_source
         return source() if source is not None else None
 
-    def view(self, margin_ns: int, now_ns: int) -> QueueView:
-        """Room for more here, and the cluster tasks held here as they are now (``now_ns``: the loop's clock)."""
+    def view(self, margin_ns: int, now_ns: int, total_bytes: int = 0) -> QueueView:
+        """Room for more here, and the cluster tasks held here as they are now (``now_ns``: the loop's clock;
+        ``total_bytes``: the device's memory in all, 0 unknown)."""
         core = self.core
         layout = core.layout
         last_start = core.bubbles.last_start_ns
@@ -100,7 +101,7 @@ class ClusterBridge:
             waiting=core.count_in(TaskState.SUBMITTED), draining=core.draining,
             hosts_stage=layout is None or layout.hosts_stage(self.device, self.node),
             device_problem=core.device_problem,
-            trainer_paused=last_start > 0 and now_ns - last_start > TRAINER_PAUSE_NS,
+            trainer_paused=last_start > 0 and now_ns - last_start > TRAINER_PAUSE_NS, total_bytes=total_bytes,
         )
         return QueueView(capacity, tuple(self._record(core.tasks[t]) for t in sorted(self.ids) if t in core.tasks))
 

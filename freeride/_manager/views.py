@@ -100,7 +100,7 @@ class Views:
         if isinstance(request, GetBubbles):
             return _now(self.core.slot_stats())
         if isinstance(request, GetQueueView):
-            return _now(self.cluster.view(self._margin_ns, self.now_ns()))
+            return _now(self.cluster.view(self._margin_ns, self.now_ns(), self.device.total_memory_bytes() or 0))
         raise TypeError(f"unknown request {request!r}")
 
     def _admissible(self, request: SubmitTask) -> Any:

@@ -27,6 +27,7 @@ from freeride._cli import cluster
 from freeride._validation import submission_of
 from freeride.cli import main
 from freeride.endpoints import Endpoint
+from freeride.errors import ConfigError
 from freeride.messages import TaskSpec, TrainerLayout
 
 pytestmark = pytest.mark.e2e
@@ -70,8 +71,13 @@ def test_a_task_is_claimed_by_the_manager_that_can_place_it_and_a_drain_hands_it
     large.train(free_mib=1500)  # budget 1244 MiB
     queue = Queue(redis_server.url)
     big = cluster.submit(redis_server.url, _counter("big", memory_mib=768)).task_id
-    huge = cluster.submit(redis_server.url, _counter("huge", memory_mib=64 * 1024)).task_id
+    huge = cluster.submit(redis_server.url, _counter("huge", memory_mib=2 * 1024)).task_id  # over both budgets
     wait_for(lambda: _held_by(queue, big, large), 30)
+    # A cap over every device the queue's managers serve is refused at submission: such a task was accepted and
+    # waited, QUEUED, for ever.
+    with pytest.raises(ConfigError, match=r"is more than any device of this queue has in all \(the largest: "
+                                          r"(small|large)/cpu:\d+, .*\): the task could never be placed"):
+        cluster.submit(redis_server.url, _counter("never", memory_mib=5 * 2**20))
     tiny = cluster.submit(redis_server.url, _counter("tiny", memory_mib=256)).task_id
     wait_for(lambda: queue.record(tiny).state in ("PARKED", "RUNNING"), 30)
     # Only the large node could place the big task; no node can place the huge one: it was never claimed.

@@ -256,3 +256,20 @@ def test_a_manager_whose_queue_is_unreachable_serves_its_own_tasks(tmp_path: Pat
 
 def node_device() -> str:
     return node_devices(1)[0]
+
+
+def test_managers_announce_their_devices_and_only_live_ones_count(redis_server: RedisServer) -> None:
+    q = _queue(redis_server.url)
+    now = 1_000_000.0
+    assert q.devices(now) == []  # none announced: submit --queue accepts any cap
+    q.announce("m1", "n1/cpu:0", 24 * GIB, 10_000, now)
+    q.announce("m2", "n2/cuda:0", 80 * GIB, 10_000, now - 29.0)  # within three leases
+    q.announce("m3", "n3/cuda:0", 141 * GIB, 10_000, now - 31.0)  # gone for more than three leases
+    q.announce("m4", "n4/cuda:1", 0, 10_000, now)  # its size unknown
+    q._r.hset(q.devices_key, "garbage", b"\xff not json")
+    assert sorted(q.devices(now)) == [("n1/cpu:0", 24 * GIB), ("n2/cuda:0", 80 * GIB)]
+    q.announce("m1", "n1/cpu:0", 24 * GIB, 10_000, now + 2 * 86_400)  # a day on: the others' entries go
+    assert set(q._r.hkeys(q.devices_key)) == {b"m1"}
+    q.retire("m1")
+    assert q._r.hlen(q.devices_key) == 0
+    q.close()
