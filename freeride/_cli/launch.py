@@ -138,8 +138,8 @@ def start_managers(
     ``env`` is the managers' environment (default: this process's); they listen on the default
     endpoints of its runtime directory (``$XDG_RUNTIME_DIR``), where a job run in the same
     environment finds them. ``configured``: the options given for the managers (``--queue``, ...): a
-    manager found serving was started without them, so it is refused rather than used (a node whose
-    stray manager never joined the queue harvested nothing for the cluster, and nothing said so).
+    manager found serving cannot be given them (it may run with other ones), so it is refused rather than used
+    (a node whose stray manager never joined the queue harvested nothing for the cluster, and nothing said so).
     """
     started: list[ManagedManager] = []
     for device in devices:
@@ -147,9 +147,9 @@ def start_managers(
         if _serving(endpoint):
             if configured:
                 raise ConfigError(
-                    f"a manager already serves {device} at {endpoint}, started without this launch's "
-                    f"{', '.join(configured)}: stop it first (freeride drain --device {device}, then SIGTERM "
-                    "it), or launch without those options to use it as it is")
+                    f"a manager this launch did not start already serves {device} at {endpoint}, and it cannot "
+                    f"take this launch's {', '.join(configured)}: stop it first (freeride drain --device {device}, "
+                    "then SIGTERM it), or launch without those options to use it as it is")
             log.warning("a manager already serves %s at %s: using it, and leaving it running", device, endpoint)
             started.append(ManagedManager(device, endpoint, None, None))
             continue

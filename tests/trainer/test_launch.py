@@ -130,8 +130,8 @@ def test_launch_given_manager_options_refuses_a_manager_already_serving_that_was
         proc = _launch(runtime, "--devices", device, "--manager-arg=--grace-ms=1", "--",
                        sys.executable, "-c", f"open({str(marker)!r}, 'w')")
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert f"a manager already serves {device}" in proc.stderr
-        assert "started without this launch's --state-dir, --manager-arg: stop it first" in proc.stderr
+        assert f"a manager this launch did not start already serves {device}" in proc.stderr
+        assert "and it cannot take this launch's --state-dir, --manager-arg: stop it first" in proc.stderr
         assert not marker.exists()
         assert health_status(manager.endpoint) == "SERVING"  # not launch's to stop
     finally:
