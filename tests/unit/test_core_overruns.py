@@ -4,6 +4,7 @@ look hung, step timeouts."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -318,10 +319,17 @@ def test_a_step_that_looks_hung_is_not_failed_while_the_trainer_pauses_and_fails
 
 def _steps_once_or_thaw(sim: Sim) -> str:
     """One 10 ms bubble: "b" steps and parks, or "a" is thawed and frozen again; who went first."""
+    return _bubble(sim, lambda task_id: task_id == "b")
+
+
+def _bubble(sim: Sim, parks: Callable[[str], bool]) -> str:
+    """One 10 ms bubble: the task granted first steps and parks if ``parks(it)``, else it runs on and is frozen
+    again; who went first."""
     granted = grants(sim.start(predicted_ms=10))
-    if granted and granted[0] == "b":
+    first = granted[0] if granted else ""
+    if first and parks(first):
         sim.advance_ms(9.9)
-        sim.parked("b", [2.0] * 4)  # too little of the bubble is left for "a" to be thawed in it
+        sim.parked(first, [2.0] * 4)  # too little of the bubble is left for a frozen task to be thawed in it
         sim.advance_ms(0.1)
         sim.end()
     else:
@@ -330,7 +338,7 @@ def _steps_once_or_thaw(sim: Sim) -> str:
         sim.advance_ms(1)
         sim.tick()  # frozen again, still inside its step
     sim.advance_ms(5)
-    return granted[0] if granted else ""
+    return first
 
 
 def test_a_setup_past_its_step_timeout_says_setup_and_frozen_in_setup_says_so() -> None:
@@ -595,22 +603,9 @@ def test_steps_that_look_hung_share_one_turn_so_a_healthy_task_gets_every_other_
     sim.resident("a", "b", "c")
     learned: set[str] = set()
     firsts = []
-    for _ in range(40):
-        granted = grants(sim.start(predicted_ms=10))
-        first = granted[0] if granted else ""
-        firsts.append(first)
-        if first == "b" or first not in learned:  # "a" and "c" each finish steps once, then hang
-            learned.add(first)
-            sim.advance_ms(9.9)
-            sim.parked(first, [2.0] * 4)
-            sim.advance_ms(0.1)
-            sim.end()
-        else:
-            sim.advance_ms(10)
-            sim.end()
-            sim.advance_ms(1)
-            sim.tick()  # frozen again, still inside its step
-        sim.advance_ms(5)
+    for _ in range(40):  # "a" and "c" each finish steps once, then hang
+        firsts.append(_bubble(sim, lambda task_id: task_id == "b" or task_id not in learned))
+        learned.add(firsts[-1])
     assert sim.state("a") == sim.state("c") == S.FROZEN
     later = firsts[20:]
     assert later.count("b") >= 9, firsts  # every other bubble, give or take the turn's phase
