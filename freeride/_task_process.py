@@ -79,6 +79,16 @@ def prepare_process(device: WorkerDevice, memory_limit_bytes: int, *, command: b
         torch.set_num_threads(int(threads))
 
 
+def run_delay_ns(pid: int) -> int:
+    """How long process ``pid``'s main thread has been runnable but waiting for a core, in ns (the second field
+    of ``/proc/<pid>/schedstat``); -1 when it cannot be read (gone, or a kernel without scheduler statistics)."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as fh:
+            return int(fh.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def process_cpu_ns(pid: int) -> int | None:
     """The CPU time of process ``pid`` (all its threads, as its own ``CLOCK_PROCESS_CPUTIME_ID`` reads it);
     None when it is gone or the clock cannot be read.

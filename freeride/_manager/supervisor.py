@@ -43,7 +43,7 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import process_cpu_ns, worker_environment
+from freeride._task_process import process_cpu_ns, run_delay_ns, worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
@@ -152,17 +152,18 @@ class Supervisor:
         if handle is None:
             return []
         self._signal(handle, signal.SIGSTOP)
+        waited = run_delay_ns(handle.proc.pid)  # read once it is stopped: it accrues no more
         if handle.board is None:
-            return [C.WorkerStepsSeen(task_id, -1)]  # nothing to read
+            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]  # no board to read
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
         board = handle.board
         try:
             return [C.WorkerStepsSeen(task_id, board.steps_done(), board.step() < 0,
-                                      board.doing() == DOING_CHECKPOINT)]
+                                      board.doing() == DOING_CHECKPOINT, run_delay_ns=waited)]
         except (OSError, ValueError) as exc:  # a closed mapping: answered all the same, as nothing read
             log.warning("[%s task=%s] its board could not be read at a freeze: %s", self.device, task_id, exc)
-            return [C.WorkerStepsSeen(task_id, -1)]
+            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]
 
     def cpu_ns(self, task_id: str) -> int | None:
         """The worker process's CPU time so far (its own threads; not its children's); None without one."""

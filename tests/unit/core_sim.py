@@ -52,6 +52,8 @@ class Sim:
         #: loop answers every Freeze with its board read (``WorkerStepsSeen``); a worker not named here has
         #: no board (nothing read).
         self.boards: dict[str, tuple[int, bool, bool]] = {}
+        #: Each worker's main thread's run delay (ns) as read at a freeze; a worker not named here: not read.
+        self.run_delays: dict[str, int] = {}
 
     # -- clock and raw events
 
@@ -69,7 +71,8 @@ class Sim:
         self.actions.extend(actions)
         for action in [a for a in actions if isinstance(a, Freeze)]:
             done, in_setup, in_checkpoint = self.boards.get(action.task_id, (-1, False, False))
-            actions = actions + self.send(WorkerStepsSeen(action.task_id, done, in_setup, in_checkpoint))
+            actions = actions + self.send(WorkerStepsSeen(action.task_id, done, in_setup, in_checkpoint,
+                                                          self.run_delays.get(action.task_id, -1)))
         return actions
 
     def tick(self) -> list[Action]:

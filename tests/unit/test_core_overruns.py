@@ -610,3 +610,36 @@ def test_steps_that_look_hung_share_one_turn_so_a_healthy_task_gets_every_other_
     later = firsts[20:]
     assert later.count("b") >= 9, firsts  # every other bubble, give or take the turn's phase
     assert later.count("a") >= 3 and later.count("c") >= 3, firsts  # the hung ones still get their turns
+
+
+def test_a_step_that_waited_for_the_core_through_its_grants_does_not_look_hung() -> None:
+    # Stranger trial: on a busy machine tasks of 0.1-0.3 ms steps were held as "frozen in a step that looks
+    # hung": their worker, at nice 19, spent grant after grant waiting for the core, counted as stuck.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    _steps_once(sim, "a")
+    _steps_once(sim, "b")
+    sim.run_delays["a"] = 0
+    _overrun(sim)  # frozen in a step: the first reading (what came before it is not known)
+    sim.advance_ms(5)
+    health = sim.core.tasks["a"].health
+    first = health.stuck_ns
+    for _ in range(3):  # 33 ms more of granted time in that step, but the core was busy all through each grant
+        sim.run_delays["a"] += 11 * MS  # what its main thread waited for a core, read at the freeze
+        _overrun(sim)
+        sim.advance_ms(5)
+    assert health.stuck_ns == first and not health.looks_hung(10 * MS, sim.core.tasks["a"].known_step_ns)
+    assert grants(sim.start(predicted_ms=10))[0] == "a"  # a frozen step that is not hung goes first
+
+
+def test_a_step_that_ran_or_slept_through_its_grants_still_looks_hung() -> None:
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    _steps_once(sim, "a")
+    _steps_once(sim, "b")
+    sim.run_delays["a"] = 5 * MS  # it never waits for the core in its grants: every grant is the step's
+    for _ in range(2):
+        _overrun(sim)
+        sim.advance_ms(5)
+    assert sim.core.tasks["a"].health.stuck_ns >= 22 * MS
+    assert grants(sim.start(predicted_ms=10))[0] == "b"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,36 @@ def test_a_cpu_worker_device_count_only_grows() -> None:
     assert first is not None and first >= 0
     second = device.waited_ns()
     assert second is not None and second >= first
+
+
+def test_a_workers_run_delay_grows_while_it_waits_for_its_core_and_not_while_it_is_stopped() -> None:
+    # The manager reads it at each freeze: granted time a worker spent waiting for a busy core is not its step's.
+    from freeride._task_process import run_delay_ns
+
+    core = min(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    worker, rival = (subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2))
+    try:
+        def ran_ms(proc: subprocess.Popen[bytes], ms: float) -> None:
+            start = process_cpu_ns(proc.pid) or 0
+            deadline = time.monotonic() + 30
+            while (process_cpu_ns(proc.pid) or 0) - start < ms * 1e6:
+                assert time.monotonic() < deadline, "the spinner got no CPU"
+
+        ran_ms(worker, 20)
+        before = run_delay_ns(worker.pid)
+        ran_ms(worker, 50)  # sharing one core with the rival: it waits about as long as it runs
+        waited = run_delay_ns(worker.pid)
+        assert 0 <= before < waited
+        worker.send_signal(signal.SIGSTOP)  # SIGSTOP: a frozen worker is not runnable, once the stop has taken
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the worker did not stop"
+        stopped = run_delay_ns(worker.pid)
+        ran_ms(rival, 50)
+        assert run_delay_ns(worker.pid) == stopped
+    finally:
+        for proc in (worker, rival):
+            proc.kill()
+            proc.wait()
+    assert run_delay_ns(worker.pid) == -1  # reaped: nothing to read

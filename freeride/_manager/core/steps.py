@@ -34,6 +34,7 @@ class StepHealth:
     board_steps: int = 0  # steps its process had finished at the last reading of its board
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
+    run_delay_ns: int = -1  # its main thread's run delay at its last freeze (-1: not read)
     #: Its step used up the step timeout of granted time at a freeze: it is failed, or not, on that freeze's
     #: board read (``WorkerStepsSeen``), and granted nothing until then. Decided before the read, the failure
     #: named what the board said at the freeze before (a hang in state_dict() at its first freeze read "one
@@ -56,6 +57,7 @@ class StepHealth:
     def new_process(self) -> None:
         """Its process is (re)started: no step finished yet. The granted time of a stuck step is kept."""
         self.hung_ns = self.hung_seen_ns = 0
+        self.run_delay_ns = -1
         self.board_steps = 0
         self.verdict_due = False
         self._to(StepPhase.FRESH)
@@ -89,6 +91,22 @@ class StepHealth:
                 self._to(StepPhase.STEPPED)
         elif not self.has_stepped:
             self._to(StepPhase.IN_SETUP if in_setup else StepPhase.FRESH)
+
+    def waited(self, run_delay_ns: int) -> None:
+        """At a freeze: its main thread's run delay so far (-1: not read). What it grew by since the last freeze
+        is time it was runnable and had no core: at most the last grant's, that time is not the step's.
+
+        On a busy core a worker at nice 19 can spend grant after grant waiting for the core (the trainer, or
+        another job, holds it); counted as stuck, a task of 0.1-0.3 ms steps was held as looking hung. A frozen
+        or parked worker is not runnable, so between two freezes the delay grows only inside grants. A step that
+        hangs by sleeping or blocking accrues none, and is judged on its granted time as before.
+        """
+        if run_delay_ns < 0:
+            return
+        if self.run_delay_ns >= 0:
+            lost = min(max(0, run_delay_ns - self.run_delay_ns), self.last_grant_ns)
+            self.stuck_ns = max(0, self.stuck_ns - lost)
+        self.run_delay_ns = run_delay_ns
 
     def ran_past_end(self, granted_ns: int) -> None:
         """It was frozen mid-step after ``granted_ns`` of its grant."""
