@@ -49,6 +49,9 @@ class FakeQueue:
     def connect(self) -> None:
         self._call("connect")
 
+    def announce(self, me: str, where: str, total_bytes: int, lease_ms: int, now_unix: float) -> None:
+        self._call("announce", (where, total_bytes))
+
     def waiting(self, limit: int) -> Peek:
         self._call("waiting")
         return Peek(list(self.waiting_tasks), list(self.unreadable), len(self.waiting_tasks), 0)
