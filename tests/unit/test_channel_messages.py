@@ -174,3 +174,27 @@ def test_the_channel_carries_typed_messages_and_refuses_to_send_an_oversized_one
     finally:
         manager.close()
         worker.close()
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["recv_nowait", "recv"])
+def test_what_a_worker_sent_before_it_closed_with_grants_unread_is_still_read(wait: bool) -> None:
+    # Stranger trial: a worker frozen past grants it never read finished, sent "finished" and exited; Linux
+    # reported ECONNRESET ahead of its messages, the manager took it for the end, and the task was FAILED
+    # "exited with code 0 without reporting an error".
+    from freeride._channel import socketpair
+
+    manager_end, worker_end = socketpair()
+    manager, worker = Channel(manager_end), Channel(worker_end, accepts=MANAGER_MESSAGES)
+    manager.send(Grant(7, 10**12, 0))  # never read
+    worker.send(Finished(total_steps=3, progress=3.0))
+    worker.send(Bye(code=0))
+    worker_end.close()
+
+    def receive() -> Any:
+        return manager.recv(1.0) if wait else manager.recv_nowait()
+
+    assert receive() == Finished(total_steps=3, progress=3.0)
+    assert receive() == Bye(code=0)
+    with pytest.raises(ChannelClosed):
+        receive()
+    manager_end.close()
