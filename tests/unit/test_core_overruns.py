@@ -643,3 +643,30 @@ def test_a_step_that_ran_or_slept_through_its_grants_still_looks_hung() -> None:
         sim.advance_ms(5)
     assert sim.core.tasks["a"].health.stuck_ns >= 22 * MS
     assert grants(sim.start(predicted_ms=10))[0] == "b"
+
+
+def test_among_steps_that_look_hung_the_least_stuck_goes_first_known_step_time_or_not() -> None:
+    # Stranger trial: two tasks hung in their first step (no step time known) beside two healthy ones frozen
+    # mid-step long enough to look hung: the hung pair took every bubble (a task without a known step time
+    # ranked first), and the healthy tasks were never thawed to finish their 0.3 ms step, until the hung ones
+    # timed out a minute later.
+    from freeride._manager.core import TaskAdded
+    from freeride._manager.core.grants import rank
+    from freeride._manager.core.tasks import TaskRuntime
+    from freeride.messages import TaskSpec
+    from freeride.states import TaskState
+
+    def frozen(task_id: str, seq: int, stuck_ms: float, step_ms: float | None) -> TaskRuntime:
+        task = TaskRuntime.added(TaskAdded(task_id=task_id, spec=TaskSpec(target="m:C", memory_bytes=MS), seq=seq))
+        task.state = TaskState.FROZEN
+        task.health.seen_on_board(4, False)  # it has finished steps: its current one may look hung
+        task.health.ran_past_end(int(stuck_ms * MS))
+        if step_ms is not None:
+            task.estimator.add(int(step_ms * MS))
+        return task
+
+    hung = [frozen("spin-1", 1, 5_000, None), frozen("spin-2", 2, 5_000, None)]
+    healthy = frozen("healthy", 3, 10, 0.3)
+    longest = 4 * MS
+    assert all(t.health.looks_hung(longest, t.known_step_ns) for t in (*hung, healthy))
+    assert rank([*hung, healthy], set(), 2 * MS, 0, 3, longest).best is healthy

@@ -81,9 +81,11 @@ def rank(
         key = (
             -task.spec.priority,
             thaw_rank,
-            0 if est is None else 1,
-            # Steps that look hung take their shared turn (scheduler) in order of the least granted time stuck:
-            # by share alone, the first of them took every turn (its share does not grow while it hangs).
+            # Steps that look hung take their shared turn (scheduler) in order of the least granted time stuck,
+            # whether their task's step time is known or not: by share, the first of them took every turn (its
+            # share does not grow while it hangs); by a known step time first, two tasks hung in their first
+            # step (none known) took every bubble from healthy tasks frozen long enough mid-step to look hung.
+            0 if hung or est is None else 1,
             health.stuck_ns if hung else task.share_ns,
             remaining_ns - (est or 0),
             task.seq,
