@@ -132,6 +132,7 @@ def render_record(rec: ClusterRecord) -> str:
         ("progress", f"{_progress(rec)} ({rec.steps} steps)"),
         ("checkpoint", f"step {rec.checkpoint_step}" if rec.checkpoint_step >= 0 else "-"),
         ("step p95", f"{rec.step_p95_ms:.2f} ms" if rec.step_p95_ms else "-"),
+        ("overruns", f"{rec.figures.overruns} (on its current holder)"),
         ("restarts", str(rec.restarts)),
         ("claims", str(rec.epoch)),
         ("last", rec.reason or "-"),

@@ -177,7 +177,8 @@ def test_cli_submits_lists_shows_and_cancels_through_the_queue(
     table = capsys.readouterr().out
     assert "DEVICE" in table and "tick-q1" in table and "QUEUED" in table and "256.0 MiB" in table
     assert main(["show", task_id, "--queue", url]) == 0
-    assert "sample_tasks:Counter" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "sample_tasks:Counter" in shown and "overruns:   0 (on its current holder)" in shown
     assert main(["cancel", task_id, "--queue", url]) == 0
     assert "CANCELLED" in capsys.readouterr().out
     assert main(["ls", "--queue", url, "--all", "--json"]) == 0
