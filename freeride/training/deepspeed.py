@@ -76,8 +76,6 @@ from freeride.training.tracker import (
     KeptShapes,
     MeasuredBubble,
     RankTracker,
-    check_rank_device,
-    checked_device,
     torch_device_name,
 )
 
@@ -439,10 +437,10 @@ def _install(
     plan = planned_orders(schedule_type, int(engine.micro_batches), int(engine.num_stages))
     rank = int(engine.stage_id)
     device = getattr(reporter, "device", None) if device is None else device
-    check_rank_device(checked_device(device), rank, reporter, getattr(engine, "device", None))
 
     def make_tracker(p: PlannedOrders) -> RankTracker:
         return RankTracker(p.orders, rank, reporter, num_stages=p.num_stages, device=device,
+                           stage_device=getattr(engine, "device", None),
                            on_iteration=on_iteration, learning=learning,
                            schedule=f"deepspeed-{schedule_type.__name__}")
 

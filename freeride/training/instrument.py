@@ -90,8 +90,6 @@ from freeride.training.tracker import (
     MeasuredAction,
     MeasuredBubble,
     RankTracker,
-    check_rank_device,
-    checked_device,
 )
 
 __all__ = [
@@ -236,7 +234,6 @@ class InstrumentedSchedule:
         self.schedule = schedule
         self._stages, rank, orders, num_stages = self._inspect(schedule)
         _refuse_hooked(self._stages, self)  # before the tracker (and a device clock's thread) is made
-        check_rank_device(checked_device(device), rank, sink, getattr(self._stages[0], "device", None))
         # The runtime waits for every send it posted once its last action is done (module doc).
         runtime = hasattr(schedule, "_stages") and hasattr(schedule, "pipeline_order_with_comms")
         self.tracker = RankTracker(
@@ -244,6 +241,7 @@ class InstrumentedSchedule:
             learning=learning, on_iteration=on_iteration, on_action_end=on_action_end,
             report_min_ns=report_min_ns, remodel_iterations=remodel_iterations, time_actions=time_actions,
             waits_follow_compute=True, schedule=type(schedule).__name__, sends_waited_at_end=runtime,
+            stage_device=getattr(self._stages[0], "device", None),
         )
         self.rank = rank
         self._closed = self._said_closed = False

@@ -299,7 +299,9 @@ class RankTracker:
     every ``compute_end``, before its mark (a measuring hook: it must return in microseconds).
     ``receive_at`` tells where a framework that receives ahead waits for an action's input, and
     ``sends_waited_at_end`` that it waits for all its posted sends after its last action
-    (:mod:`freeride.training.rank_slots`). ``schedule`` names the schedule (an adapter passes its class or
+    (:mod:`freeride.training.rank_slots`). ``stage_device``, the framework's ``torch.device`` of the rank's
+    stage where the adapter knows it, is checked against ``device`` (:func:`check_rank_device`). ``schedule``
+    names the schedule (an adapter passes its class or
     function name): before the first iteration's first bubble, a sink that takes layouts (a
     :class:`~freeride.training.reporter.BubbleReporter`) is told the job's layout (the schedule, the model
     stages, the micro-batches of ``orders``), so that a manager that served an earlier job of another shape
@@ -326,12 +328,13 @@ class RankTracker:
         receive_at: ReceiveAt | None = None,
         schedule: str | None = None,
         sends_waited_at_end: bool = False,
+        stage_device: Any = None,
     ) -> None:
         if report_min_ns < 0:
             raise ConfigError(f"report_min_ns must be >= 0, got {report_min_ns}")
         device = checked_device(device)
         check_sink(sink, device)
-        check_rank_device(device, rank, sink)
+        check_rank_device(device, rank, sink, stage_device)
         self.plan = RankPlan.from_orders(orders, rank, num_stages, receive_at, sends_waited_at_end)
         microbatches = 1 + max((a.microbatch for order in orders.values() for a in order), default=-1)
         #: (schedule, model stages, micro-batches), until it has been reported (class doc).
