@@ -181,8 +181,8 @@ class RedisQueue:
             )
         self._scripts = {
             name: self._r.register_script(getattr(scripts, name.upper()))
-            for name in ("submit", "sweep", "claim", "heartbeat", "update", "finish", "release", "aside", "cancel",
-                         "retire")
+            for name in ("submit", "sweep", "peek", "claim", "heartbeat", "update", "finish", "release", "aside",
+                         "cancel", "retire", "list")
         }
 
     def close(self) -> None:
@@ -223,18 +223,23 @@ class RedisQueue:
 
     def records(self, include_finished: bool = True) -> list[ClusterRecord]:
         """Every task of the cluster in submission order, then records set aside that the index does not
-        name (an entry that named no task): one index read and one pipelined fetch. A record that cannot
-        be read is listed as ``SET_ASIDE`` with the reason; it never fails the listing."""
+        name (an entry that named no task): the ids with each record's size (one script), then one pipelined
+        fetch of the records small enough to read. A record that cannot be read is listed as ``SET_ASIDE``
+        with the reason; it never fails the listing, and one over :data:`~scripts.MAX_RECORD_BYTES` is never
+        fetched."""
+        ids, sizes = self._run("list", [self.index_key, self.aside_key], [self.task_prefix, repr(time.time())])
+        readable = [raw_id for raw_id, size in zip(ids, sizes, strict=True) if int(size) <= scripts.MAX_RECORD_BYTES]
         with redis_errors(self.url):
-            ids: list[bytes] = list(self._r.zrange(self.index_key, 0, -1))  # type: ignore[arg-type]
             pipe = self._r.pipeline(transaction=False)
             pipe.hgetall(self.aside_key)
-            for raw_id in ids:
+            for raw_id in readable:
                 pipe.hgetall(self.task_key(raw_id))
             replies = pipe.execute(raise_on_error=False)
         aside = _aside_map(replies[0])
+        fetched = dict(zip(readable, replies[1:], strict=True))
         out = []
-        for raw_id, raw in zip(ids, replies[1:], strict=True):
+        for raw_id, size in zip(ids, sizes, strict=True):
+            raw = fetched.get(raw_id, _Oversized(int(size)))
             out.append(self._row(raw_id, raw, aside.pop(raw_id, None)))
         for raw_id, why in aside.items():
             out.append(schema.set_aside_record(schema.shown(raw_id), {}, *why))
@@ -243,13 +248,19 @@ class RedisQueue:
     def record(self, task_id: str) -> ClusterRecord | None:
         """One task (or set-aside entry) by id; None if the queue has neither."""
         raw_id = task_id.encode("utf-8", "surrogateescape")
+        key = self.task_key(raw_id)
         with redis_errors(self.url):
             pipe = self._r.pipeline(transaction=False)
             pipe.hget(self.aside_key, raw_id)
-            pipe.hgetall(self.task_key(raw_id))
-            dead, raw = pipe.execute(raise_on_error=False)
+            pipe.memory_usage(key, samples=0)
+            dead, size = pipe.execute(raise_on_error=False)
+            raw: Any = _Oversized(int(size)) if isinstance(size, int) and size > scripts.MAX_RECORD_BYTES else None
+            if raw is None:
+                pipe = self._r.pipeline(transaction=False)
+                pipe.hgetall(key)
+                [raw] = pipe.execute(raise_on_error=False)  # WRONGTYPE comes back as the reply: not a hash
         why = schema.dead_letter(dead) if isinstance(dead, bytes) else None
-        if why is None and not isinstance(raw, Exception) and not raw:
+        if why is None and not isinstance(raw, (Exception, _Oversized)) and not raw:
             return None
         return self._row(raw_id, raw, why)
 
@@ -259,6 +270,8 @@ class RedisQueue:
             task_id = schema.task_id_of(raw_id)
             if isinstance(raw, Exception):  # WRONGTYPE: the key is not a hash
                 raise schema.Unreadable("its record is not a hash")
+            if isinstance(raw, _Oversized):
+                raise schema.Unreadable(raw.reason)
         except schema.Unreadable as exc:
             return schema.set_aside_record(schema.shown(raw_id), {}, *(aside or (str(exc), 0.0)))
         return schema.record_or_aside(task_id, raw, aside)
@@ -283,25 +296,18 @@ class RedisQueue:
 
     def waiting(self, limit: int = 64) -> Peek:
         """The first ``limit`` queued tasks in claim order, with what placement needs of them; the ones that
-        cannot be read apart, with why; and the queue's depth and count of set-aside records."""
-        with redis_errors(self.url):
-            pipe = self._r.pipeline(transaction=False)
-            pipe.zcard(self.waiting_key)
-            pipe.hlen(self.aside_key)
-            pipe.zrange(self.waiting_key, 0, limit - 1)
-            depth, set_aside, ids = pipe.execute()
-            pipe = self._r.pipeline(transaction=False)
-            for raw_id in ids:
-                pipe.hmget(self.task_key(raw_id), *schema.PLACEMENT_FIELDS)
-            rows = pipe.execute(raise_on_error=False) if ids else []
+        cannot be read apart, with why; and the queue's depth and count of set-aside records. One script:
+        members of the waiting room longer than any task id are set aside on the way, and a record over
+        :data:`~scripts.MAX_RECORD_BYTES` is named unreadable without its fields being read."""
+        depth, set_aside, ids, rows = self._run(
+            "peek", [self.stream_key, self.waiting_key, self.aside_key],
+            [self.task_prefix, limit, repr(time.time()), *schema.PLACEMENT_FIELDS])
         candidates, unreadable = [], []
         for raw_id, row in zip(ids, rows, strict=True):
             try:
                 task_id = schema.task_id_of(raw_id)
-                if isinstance(row, Exception):
-                    raise schema.Unreadable("its record is not a hash")
-                if all(v is None for v in row):
-                    raise schema.Unreadable("it has no record")
+                if isinstance(row, bytes):
+                    raise schema.Unreadable(_text(row))
                 candidates.append(schema.candidate_of(task_id, row))
             except schema.Unreadable as exc:
                 unreadable.append((bytes(raw_id), str(exc)))
@@ -420,6 +426,18 @@ def _device_entry(raw: Any) -> tuple[str, int, float, float] | None:
                 3 * int(data["lease_ms"]) / 1000)
     except (ValueError, KeyError, TypeError):
         return None
+
+
+@dataclass(frozen=True)
+class _Oversized:
+    """A record a listing did not fetch: it takes ``size`` bytes, over :data:`~scripts.MAX_RECORD_BYTES`."""
+
+    size: int
+
+    @property
+    def reason(self) -> str:
+        return (f"its record takes {self.size} bytes, more than the {scripts.MAX_RECORD_BYTES} a record may "
+                f"(it was not read)")
 
 
 def _aside_map(reply: Any) -> dict[bytes, tuple[str, float]]:

@@ -29,11 +29,20 @@ from __future__ import annotations
 #: The record schema this freeride writes and reads. A record without a ``schema`` field predates the
 #: field and is read as schema 1 (the fields are the same); a newer one is set aside, never misread.
 SCHEMA = 1
+#: The most a task's hash may take in Redis (``MEMORY USAGE``). What freeride writes is bounded far below it:
+#: a spec under 60 KiB (``freeride._validation``), a failure under 100 KiB. A record over it (only a hand
+#: write or another program makes one) is set aside unread: reading it would cost every claim, poll and
+#: listing its whole size, and one of 200 MiB made every manager's poll time out.
+MAX_RECORD_BYTES = 2**20
+#: The longest member the index or the waiting room may hold: a cluster task id is at most 61 bytes.
+MAX_ID_BYTES = 64
 
 # The score that orders the waiting room: priority (highest first), then submission order. Exact in a double:
 # |priority| <= 1e6 < 2**20 and seq < 2**33 (``problem`` checks both), so the sum stays below 2**53.
 _PRELUDE = """
 local SCHEMA = SCHEMA_VERSION
+local MAX_RECORD = MAX_RECORD_SIZE
+local MAX_ID = MAX_ID_SIZE
 local KNOWN = {QUEUED = true, CLAIMED = true, SUBMITTED = true, STARTING = true, PARKED = true, RUNNING = true,
                FROZEN = true, EVICTED = true, FINISHED = true, FAILED = true, CANCELLED = true}
 
@@ -57,11 +66,22 @@ local function field(key, name)
   return redis.call('HGET', key, name)
 end
 
+-- Why a task's hash is too large to read (its fields are never fetched), or nil.
+local function oversized(key)
+  local bytes = redis.call('MEMORY', 'USAGE', key, 'SAMPLES', '0')
+  if bytes and bytes > MAX_RECORD then
+    return 'its record takes ' .. bytes .. ' bytes, more than the ' .. MAX_RECORD .. ' a record may (it was not read)'
+  end
+  return nil
+end
+
 -- Why the scripts cannot use a task's record, or nil.
 local function problem(key)
   local kind = redis.call('TYPE', key)['ok']
   if kind == 'none' then return 'it has no record' end
   if kind ~= 'hash' then return 'its record is a ' .. kind .. ', not a hash' end
+  local why = oversized(key)
+  if why then return why end
   local f = redis.call('HMGET', key, 'schema', 'state', 'entry', 'priority', 'seq', 'epoch')
   if f[1] then
     local v = whole(f[1], 1, 1000000000)
@@ -99,13 +119,40 @@ local function set_aside(stream, group, waiting, aside, name, entry, reason, now
                                                  entry = is_entry(entry) and entry or ''}))
 end
 
+-- The task a stream entry names; nil if it names none, or a task field longer than any task id.
 local function task_of(e)
   if type(e) ~= 'table' or type(e[2]) ~= 'table' then return nil end
   local f = e[2]
   for i = 1, #f - 1, 2 do
-    if f[i] == 'task' and type(f[i + 1]) == 'string' and f[i + 1] ~= '' then return f[i + 1] end
+    local v = f[i + 1]
+    if f[i] == 'task' and type(v) == 'string' and v ~= '' and #v <= MAX_ID then return v end
   end
   return nil
+end
+
+-- Take out of a sorted set (the index, the waiting room) every member longer than any task id, and record
+-- each in the dead-letter hash by its first bytes: every reader of the set would otherwise fetch its whole
+-- length, at every poll. Cheap when there is none: a set whose size allows no such member is not walked.
+local function tidy(set, aside, what, now)
+  local n = redis.call('ZCARD', set)
+  if n == 0 then return 0 end
+  local bytes = redis.call('MEMORY', 'USAGE', set, 'SAMPLES', '0')
+  if not bytes or bytes <= 4096 + n * 512 then return 0 end
+  local removed, i = 0, 0
+  while i < n - removed do
+    local m = redis.call('ZRANGE', set, i, i)[1]
+    if m and #m > MAX_ID then
+      redis.call('ZREMRANGEBYRANK', set, i, i)
+      redis.call('HSET', aside, 'member:' .. string.sub(m, 1, 24) .. '...',
+                 cjson.encode({reason = what .. ' held a member of ' .. #m .. ' bytes, longer than any task id: ' ..
+                               'taken out, its first 24 bytes kept as this name', at_unix = tonumber(now) or 0,
+                               entry = ''}))
+      removed = removed + 1
+    else
+      i = i + 1
+    end
+  end
+  return removed
 end
 
 local function holds(key, me, epoch)
@@ -149,7 +196,8 @@ local function intake(stream, waiting, aside, prefix, group, queue, now)
   end
   return n
 end
-""".replace("SCHEMA_VERSION", str(SCHEMA))
+""".replace("SCHEMA_VERSION", str(SCHEMA)).replace("MAX_RECORD_SIZE", str(MAX_RECORD_BYTES)).replace(
+    "MAX_ID_SIZE", str(MAX_ID_BYTES))
 
 _CLOCK = """
 local function server_ms()
@@ -254,6 +302,40 @@ repeat
   rounds = rounds + 1
 until cursor == '0-0' or rounds >= 100
 return {'swept', moved, aside, 0, fresh}
+"""
+
+# KEYS: stream, waiting, aside. ARGV: prefix, limit, now_unix, placement fields...
+# The head of the waiting room, for placement: {depth, set aside, ids, rows}; each row is the placement
+# fields (HMGET) or, for a record that cannot be read here, why (a string).
+PEEK = _PRELUDE + """
+tidy(KEYS[2], KEYS[3], 'the waiting room', ARGV[3])
+local ids = redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[2]) - 1)
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+local rows = {}
+for i, tid in ipairs(ids) do
+  local key = ARGV[1] .. tid
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then
+    rows[i] = 'it has no record'
+  elseif kind ~= 'hash' then
+    rows[i] = 'its record is a ' .. kind .. ', not a hash'
+  else
+    rows[i] = oversized(key) or redis.call('HMGET', key, unpack(fields))
+  end
+end
+return {redis.call('ZCARD', KEYS[2]), redis.call('HLEN', KEYS[3]), ids, rows}
+"""
+
+# KEYS: index, aside. ARGV: prefix, now_unix.
+# Every task id in submission order, and what each record takes in Redis (0: no record), for a listing to
+# fetch the records it can read and none that would cost it their whole size.
+LIST = _PRELUDE + """
+tidy(KEYS[1], KEYS[2], 'the index', ARGV[2])
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+local sizes = {}
+for i, tid in ipairs(ids) do sizes[i] = redis.call('MEMORY', 'USAGE', ARGV[1] .. tid, 'SAMPLES', '0') or 0 end
+return {ids, sizes}
 """
 
 # KEYS: stream, waiting, task, aside. ARGV: group, queue, me, device, now_unix, task id.

@@ -146,6 +146,65 @@ def test_a_record_that_turns_unreadable_while_held_is_set_aside_by_its_holder_an
     q.close()
 
 
+def _sent(q: RedisQueue) -> int:
+    """Bytes the server has sent its clients so far (every reply, to every client)."""
+    return int(q._r.info("stats")["total_net_output_bytes"])
+
+
+def test_a_record_over_the_size_bound_is_set_aside_unread_and_no_poll_listing_or_show_sends_it(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stranger trial: one record with a 200 MiB spec made every listing take seconds and 1.1 GB, and the managers'
+    # polls time out; set aside, it was still fetched whole by every listing.
+    q = _queue(redis_server.url)
+    huge = q.submit(_sub("huge"))
+    q._r.hset(q.task_key(huge), "spec", b"x" * (8 * MiB))
+    good = q.submit(_sub("good"))
+    before = _sent(q)
+    agent, loop = _agent(redis_server.url, tmp_path, "n1")
+    wait_for(lambda: agent._poll() or good in loop.claimed(), 20)
+    agent._poll()
+    assert loop.claimed() == [good]
+    record = q.record(huge)
+    assert record is not None and record.state == SET_ASIDE
+    assert f"its record takes {q._r.memory_usage(q.task_key(huge), samples=0)} bytes, more than the 1048576" \
+        in record.aside
+    assert q._r.zcard(q.waiting_key) == 0 and agent._snapshot().set_aside_here == 1
+    monkeypatch.chdir(TESTS_DIR)
+    assert main(["ls", "--queue", redis_server.url, "--all"]) == 0
+    assert huge in capsys.readouterr().out
+    assert main(["show", huge, "--queue", redis_server.url]) == 0
+    assert "its record takes" in capsys.readouterr().out
+    assert _sent(q) - before < MiB  # nothing of the 8 MiB left the server
+    assert q._r.hstrlen(q.task_key(huge), "spec") == 8 * MiB  # nothing lost: the record is kept as it was
+    q.close()
+
+
+def test_members_longer_than_any_task_id_are_taken_out_of_the_queues_sets_unsent_and_recorded(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # Stranger trial: a 200 MiB member of the waiting room was fetched by every manager's poll.
+    q = _queue(redis_server.url)
+    q._r.zadd(q.waiting_key, {b"w" * (8 * MiB): 0})
+    q._r.zadd(q.index_key, {b"i" * (8 * MiB): 0})
+    q._r.xadd(q.stream_key, {"task": b"t" * (8 * MiB)})
+    before = _sent(q)
+    good = q.submit(_sub("good"))  # its script takes the long entry in, and sets it aside
+    agent, loop = _agent(redis_server.url, tmp_path, "n1")
+    wait_for(lambda: agent._poll() or good in loop.claimed(), 20)
+    listed = q.records()
+    assert _sent(q) - before < MiB
+    aside = {r.task_id: r.aside for r in listed if r.state == SET_ASIDE}
+    assert len(aside) == 3, aside
+    assert aside["member:" + "w" * 24 + "..."].startswith(f"the waiting room held a member of {8 * MiB} bytes")
+    assert aside["member:" + "i" * 24 + "..."].startswith(f"the index held a member of {8 * MiB} bytes")
+    [entry] = [why for name, why in aside.items() if name.startswith("entry:")]
+    assert "names no task" in entry
+    assert q._r.zrange(q.waiting_key, 0, -1) == [] and q._r.zrange(q.index_key, 0, -1) == [good.encode()]
+    assert q._r.xlen(q.stream_key) == 1  # the good task's entry only
+    q.close()
+
+
 # ------------------------------------------------------------------ a Redis restart
 
 
