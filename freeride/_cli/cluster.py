@@ -111,7 +111,8 @@ def render_table(recs: Sequence[ClusterRecord]) -> str:
             r.task_id, r.name, r.state, r.device or "-", str(r.submission.priority),
             format_size(r.submission.memory_bytes), _progress(r),
             f"step {r.checkpoint_step}" if r.checkpoint_step >= 0 else "-", str(r.restarts),
-            f"set aside: {r.aside}" if r.aside else (r.reason or "-"),
+            f"set aside: {r.aside}" if r.aside else f"cannot be read: {r.unreadable}" if r.unreadable
+            else (r.reason or "-"),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
@@ -141,12 +142,31 @@ def render_record(rec: ClusterRecord) -> str:
     if rec.aside:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.aside_unix)) if rec.aside_unix else ""
         fields.insert(3, ("set aside", rec.aside + (f" (at {when})" if when else "")))
+    elif rec.unreadable:
+        fields.insert(3, ("unreadable", f"{rec.unreadable} (the queue has not set it aside)"))
     text = "\n".join(f"{k + ':':<11} {v}" for k, v in fields)
     if rec.failure is not None:
         from freeride._cli.tasks import render_failure
 
         text += "\n" + render_failure(rec.failure)
     return text
+
+
+def unusable_note(every: Sequence[ClusterRecord], listed_all: bool) -> str:
+    """What ``ls --queue`` says under its table of the records that cannot be used: those the queue set aside
+    (counted as ``stats`` counts them) and those it cannot read but has not set aside, each count apart, so
+    that no such record goes unnoticed and the counts agree with the managers'; "" when there is none."""
+    aside = sum(1 for r in every if r.aside)
+    unread = [r for r in every if r.unreadable]
+    lines = []
+    if aside and not listed_all:
+        lines.append(f"{aside} record(s) set aside because they cannot be read; --all lists them with the reason")
+    if unread:
+        hidden = sum(1 for r in unread if r.terminal) if not listed_all else 0
+        more = f" ({hidden} ended: --all lists them)" if hidden else ""
+        lines.append(f"{len(unread)} record(s) cannot be read, not set aside by the queue{more}; each is listed "
+                     "with the reason")
+    return "\n".join(lines)
 
 
 def queue_line(q: QueueStats) -> str:

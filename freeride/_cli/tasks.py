@@ -316,9 +316,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             return _EXIT_OK
         print(cluster.render_table(records) if records else "no tasks in the queue" if args.all
               else "no active tasks in the queue (--all shows finished and set-aside ones)")
-        aside = sum(1 for r in every if r.aside)
-        if aside and not args.all:  # never let a set-aside record go unnoticed
-            print(f"{aside} record(s) set aside because they cannot be read; --all lists them with the reason")
+        note = cluster.unusable_note(every, args.all)
+        if note:  # never let a record that cannot be used go unnoticed
+            print(note)
         return _EXIT_OK
     with _client(args) as client:
         infos = client.list(include_finished=True)

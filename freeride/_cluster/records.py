@@ -32,6 +32,9 @@ QUEUED = "QUEUED"
 CLAIMED = "CLAIMED"
 #: Not a state a record holds: what a listing shows for a record the queue set aside (see ``schema.py``).
 SET_ASIDE = "SET_ASIDE"
+#: Not a state either: what a listing shows for a record it cannot read, not set aside, whose own state field
+#: cannot be read either.
+UNREADABLE = "UNREADABLE"
 TERMINAL = ("FINISHED", "FAILED", "CANCELLED")
 #: Cluster task ids end in ``-q<seq>``: a manager's own ids end in ``-<seq>``, so the two never meet
 #: in one manager (both are ``[a-z0-9-]``, safe as directory names).
@@ -92,6 +95,10 @@ class ClusterRecord(ShowsProgress):
     #: is then ``SET_ASIDE``, whatever the record's own state field says.
     aside: str = ""
     aside_unix: float = 0.0
+    #: Why a listing cannot read this record, which the queue has not set aside (yet: a manager does when its
+    #: peek, claim, sweep or hand-back meets it; a task whose holder runs it keeps its record until it ends).
+    #: The state is then the record's own where that reads, else ``UNREADABLE``; "" for a record that reads.
+    unreadable: str = ""
 
     @property
     def name(self) -> str:

@@ -224,10 +224,12 @@ class RedisQueue:
     def records(self, include_finished: bool = True) -> list[ClusterRecord]:
         """Every task of the cluster in submission order, then records set aside that the index does not
         name (an entry that named no task): the ids with each record's size (one script), then one pipelined
-        fetch of the records small enough to read. A record that cannot be read is listed as ``SET_ASIDE``
-        with the reason; it never fails the listing, and one over :data:`~scripts.MAX_RECORD_BYTES` is never
-        fetched."""
-        ids, sizes = self._run("list", [self.index_key, self.aside_key], [self.task_prefix, repr(time.time())])
+        fetch of the records small enough to read. A record that cannot be read never fails the listing: it
+        is listed with the reason, as ``SET_ASIDE`` if the queue set it aside, else in its own state
+        (:func:`~freeride._cluster.schema.unreadable_record`); one over :data:`~scripts.MAX_RECORD_BYTES` is
+        never fetched."""
+        ids, sizes, states = self._run("list", [self.index_key, self.aside_key],
+                                       [self.task_prefix, repr(time.time())])
         readable = [raw_id for raw_id, size in zip(ids, sizes, strict=True) if int(size) <= scripts.MAX_RECORD_BYTES]
         with redis_errors(self.url):
             pipe = self._r.pipeline(transaction=False)
@@ -238,8 +240,8 @@ class RedisQueue:
         aside = _aside_map(replies[0])
         fetched = dict(zip(readable, replies[1:], strict=True))
         out = []
-        for raw_id, size in zip(ids, sizes, strict=True):
-            raw = fetched.get(raw_id, _Oversized(int(size)))
+        for raw_id, size, state in zip(ids, sizes, states, strict=True):
+            raw = fetched[raw_id] if raw_id in fetched else _Oversized(int(size), _text(state))
             out.append(self._row(raw_id, raw, aside.pop(raw_id, None)))
         for raw_id, why in aside.items():
             out.append(schema.set_aside_record(schema.shown(raw_id), {}, *why))
@@ -253,12 +255,17 @@ class RedisQueue:
             pipe = self._r.pipeline(transaction=False)
             pipe.hget(self.aside_key, raw_id)
             pipe.memory_usage(key, samples=0)
-            dead, size = pipe.execute(raise_on_error=False)
-            raw: Any = _Oversized(int(size)) if isinstance(size, int) and size > scripts.MAX_RECORD_BYTES else None
-            if raw is None:
-                pipe = self._r.pipeline(transaction=False)
+            pipe.hstrlen(key, "state")
+            dead, size, state_len = pipe.execute(raise_on_error=False)
+            pipe = self._r.pipeline(transaction=False)
+            oversized = isinstance(size, int) and size > scripts.MAX_RECORD_BYTES
+            if oversized:
+                pipe.hget(key, "state") if isinstance(state_len, int) and state_len <= 16 else pipe.echo(b"")
+            else:
                 pipe.hgetall(key)
-                [raw] = pipe.execute(raise_on_error=False)  # WRONGTYPE comes back as the reply: not a hash
+            [raw] = pipe.execute(raise_on_error=False)  # WRONGTYPE comes back as the reply: not a hash
+            if oversized:
+                raw = _Oversized(int(size), _text(raw or b""))
         why = schema.dead_letter(dead) if isinstance(dead, bytes) else None
         if why is None and not isinstance(raw, (Exception, _Oversized)) and not raw:
             return None
@@ -273,7 +280,10 @@ class RedisQueue:
             if isinstance(raw, _Oversized):
                 raise schema.Unreadable(raw.reason)
         except schema.Unreadable as exc:
-            return schema.set_aside_record(schema.shown(raw_id), {}, *(aside or (str(exc), 0.0)))
+            if aside is not None:
+                return schema.set_aside_record(schema.shown(raw_id), {}, *aside)
+            state = raw.state if isinstance(raw, _Oversized) else ""
+            return schema.unreadable_record(schema.shown(raw_id), {}, str(exc), state)
         return schema.record_or_aside(task_id, raw, aside)
 
     def cancel(self, task_id: str, now_unix: float | None = None) -> str:
@@ -430,9 +440,11 @@ def _device_entry(raw: Any) -> tuple[str, int, float, float] | None:
 
 @dataclass(frozen=True)
 class _Oversized:
-    """A record a listing did not fetch: it takes ``size`` bytes, over :data:`~scripts.MAX_RECORD_BYTES`."""
+    """A record a listing did not fetch: it takes ``size`` bytes, over :data:`~scripts.MAX_RECORD_BYTES`;
+    ``state``, its state field if that is short enough to be one ("" if not)."""
 
     size: int
+    state: str = ""
 
     @property
     def reason(self) -> str:

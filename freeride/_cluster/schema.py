@@ -11,8 +11,9 @@ and with it every listing and every claim loop), and this module turns them into
   reads). Nothing is guessed: a field that does not parse never silently takes a default.
 * :func:`candidate_of` reads the fields placement needs of a waiting task (the claim loop's peek).
 * :func:`text_of` / :func:`task_id_of` read ids from the index, the waiting room and the dead-letter hash.
-* :func:`salvage` and :func:`set_aside_record` build what a listing shows for a record that cannot be read:
-  whatever fields do parse, its state ``SET_ASIDE``, and the reason.
+* :func:`salvage`, :func:`set_aside_record` and :func:`unreadable_record` build what a listing shows for a
+  record that cannot be read: whatever fields do parse and the reason, with the state ``SET_ASIDE`` once the
+  queue set it aside (the dead-letter hash names it), and the record's own state until then.
 
 The managers *set aside* what cannot be read (``redis_queue.py``): a claim loop, a sweep or a listing
 never stops on it. Records carry a schema version (``schema``; :data:`~freeride._cluster.scripts.SCHEMA`);
@@ -29,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freeride._cluster.placement import Candidate
-from freeride._cluster.records import CLAIMED, QUEUED, SET_ASIDE, ClusterRecord, is_cluster_id
+from freeride._cluster.records import CLAIMED, QUEUED, SET_ASIDE, UNREADABLE, ClusterRecord, is_cluster_id
 from freeride._cluster.scripts import SCHEMA
 from freeride._validation import MAX_PRIORITY, Submission
 from freeride.messages import FailureRecord, TaskProgress
@@ -286,9 +287,18 @@ def salvage(task_id: str, raw: Mapping[bytes, bytes]) -> ClusterRecord:
 
 
 def set_aside_record(task_id: str, raw: Mapping[bytes, bytes], reason: str, at_unix: float = 0.0) -> ClusterRecord:
-    """A record as a listing shows it once set aside (or found unreadable): state ``SET_ASIDE``, the reason."""
+    """A record as a listing shows it once the queue set it aside: state ``SET_ASIDE``, the reason."""
     base = salvage(task_id, raw) if raw else ClusterRecord(task_id, Submission(name="-"))
     return dataclasses.replace(base, state=SET_ASIDE, aside=reason, aside_unix=at_unix, owner="", device="")
+
+
+def unreadable_record(task_id: str, raw: Mapping[bytes, bytes], reason: str, state: str = "") -> ClusterRecord:
+    """A record a listing cannot read and the queue has not set aside: what fields do parse, the reason, and the
+    record's own state (``state`` where the caller read only that field) if it is one, else ``UNREADABLE``.
+    Counted apart from set-aside records, so that a listing agrees with the queue's figures (``stats``)."""
+    base = salvage(task_id, raw) if raw else ClusterRecord(task_id, Submission(name="-"))
+    own = state or base.state
+    return dataclasses.replace(base, state=own if own in STATES else UNREADABLE, unreadable=reason)
 
 
 def record_or_aside(task_id: str, raw: Mapping[bytes, bytes], aside: tuple[str, float] | None) -> ClusterRecord:
@@ -298,5 +308,5 @@ def record_or_aside(task_id: str, raw: Mapping[bytes, bytes], aside: tuple[str, 
     try:
         return decode_record(task_id, raw)
     except Unreadable as exc:
-        return set_aside_record(task_id, raw, str(exc))
+        return unreadable_record(task_id, raw, str(exc))
 

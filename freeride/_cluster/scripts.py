@@ -328,14 +328,22 @@ return {redis.call('ZCARD', KEYS[2]), redis.call('HLEN', KEYS[3]), ids, rows}
 """
 
 # KEYS: index, aside. ARGV: prefix, now_unix.
-# Every task id in submission order, and what each record takes in Redis (0: no record), for a listing to
-# fetch the records it can read and none that would cost it their whole size.
+# {ids, sizes, states}: every task id in submission order, what each record takes in Redis (0: no record),
+# and the state of each one over MAX_RECORD ('' for the rest): a listing fetches the records it can read,
+# and none that would cost it their whole size.
 LIST = _PRELUDE + """
 tidy(KEYS[1], KEYS[2], 'the index', ARGV[2])
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-local sizes = {}
-for i, tid in ipairs(ids) do sizes[i] = redis.call('MEMORY', 'USAGE', ARGV[1] .. tid, 'SAMPLES', '0') or 0 end
-return {ids, sizes}
+local sizes, states = {}, {}
+for i, tid in ipairs(ids) do
+  local key = ARGV[1] .. tid
+  sizes[i] = redis.call('MEMORY', 'USAGE', key, 'SAMPLES', '0') or 0
+  states[i] = ''
+  if sizes[i] > MAX_RECORD and is_hash(key) and redis.call('HSTRLEN', key, 'state') <= 16 then
+    states[i] = redis.call('HGET', key, 'state') or ''
+  end
+end
+return {ids, sizes, states}
 """
 
 # KEYS: stream, waiting, task, aside. ARGV: group, queue, me, device, now_unix, task id.

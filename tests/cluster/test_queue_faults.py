@@ -146,6 +146,43 @@ def test_a_record_that_turns_unreadable_while_held_is_set_aside_by_its_holder_an
     q.close()
 
 
+def test_a_listing_counts_as_set_aside_only_what_the_queue_set_aside_and_lists_the_rest_in_their_own_state(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stranger trial: ``ls --queue`` counted 19 records set aside where ``stats`` counted 13-14; a record corrupted
+    # while held was listed SET_ASIDE while its holder ran it to FINISHED; a queued record whose spec was not
+    # UTF-8 counted in the depth (1) while ``ls`` showed nothing queued.
+    q = _queue(redis_server.url)
+    queued, held, huge, aside, fine = (q.submit(_sub(name)) for name in ("queued", "held", "huge", "aside", "fine"))
+    q._r.hset(q.task_key(queued), "spec", b'{"target": "\xff"}')  # no manager has claimed it yet
+    for task_id in (held, huge):
+        assert q.claim(task_id, "m1", "n1/cpu:0", time.time()).status == "claimed"
+    q._r.hset(q.task_key(held), "failure", "{broken")  # a hand edit while it runs
+    q._r.hset(q.task_key(huge), "reason", "x" * (2 * MiB))
+    assert q.set_aside(aside, "a reason of the queue's", time.time())
+
+    rows = {r.task_id: r for r in q.records()}
+    assert (rows[queued].state, rows[held].state, rows[huge].state) == ("QUEUED", "CLAIMED", "CLAIMED")
+    assert "spec is not UTF-8" in rows[queued].unreadable and "failure is not a failure record" in rows[held].unreadable
+    assert "its record takes" in rows[huge].unreadable
+    assert (rows[aside].state, rows[aside].aside) == (SET_ASIDE, "a reason of the queue's")
+    assert not any(rows[i].aside for i in (queued, held, huge)) and not rows[fine].unreadable
+    peek = q.waiting()
+    assert peek.set_aside == sum(1 for r in rows.values() if r.aside) == 1  # the manager's figure: ``stats``
+    assert peek.depth == sum(1 for r in rows.values() if r.state == "QUEUED") == 2
+
+    monkeypatch.chdir(TESTS_DIR)
+    assert main(["ls", "--queue", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"{queued}  queued  QUEUED" in out and "cannot be read: its spec is not UTF-8" in out
+    assert "1 record(s) set aside because they cannot be read" in out
+    assert "3 record(s) cannot be read, not set aside by the queue; each is listed with the reason" in out
+    assert main(["show", held, "--queue", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert "CLAIMED" in out and "unreadable: its failure is not a failure record (the queue has not set it" in out
+    q.close()
+
+
 def _sent(q: RedisQueue) -> int:
     """Bytes the server has sent its clients so far (every reply, to every client)."""
     return int(q._r.info("stats")["total_net_output_bytes"])
