@@ -129,10 +129,14 @@ class TrainerLayout:
     free_memory_bytes: int = UNKNOWN_MEMORY
     job: str = ""
 
+    @property
+    def shape(self) -> tuple[str, int, int, tuple[str, ...]]:
+        """What makes two layouts the same layout: all but the time, the memory figure and the job."""
+        return (self.schedule, self.stages, self.microbatches, tuple(self.stage_devices))
+
     def same_shape(self, other: TrainerLayout | None) -> bool:
         """True if ``other`` describes the same layout (the time and memory figure aside)."""
-        return other is not None and (self.schedule, self.stages, self.microbatches, self.stage_devices) == (
-            other.schedule, other.stages, other.microbatches, other.stage_devices)
+        return other is not None and self.shape == other.shape
 
     def same_job(self, other: TrainerLayout | None) -> bool:
         """True if ``other`` came from the same job as far as both know (either's job unknown: assumed)."""

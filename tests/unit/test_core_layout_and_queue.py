@@ -86,6 +86,43 @@ def test_the_same_layout_from_another_job_is_a_new_layout_and_from_the_same_job_
     assert any("another job" in getattr(a, "message", "") for a in out)
 
 
+def test_a_job_that_alternates_shapes_gets_each_shapes_slot_statistics_back() -> None:
+    # Stranger trial: a Megatron job alternating its micro-batch count showed count 0-1 per slot in
+    # ``freeride bubbles`` at every switch; the manager forgot each layout's statistics at the change.
+    sim = Sim()
+    _layout(sim, microbatches=8, job="run-1")
+    sim.resident("a")
+    _bubbles(sim, 3, free_mib=4000, length_ms=20.0)
+    _layout(sim, microbatches=4, job="run-1")
+    assert sim.core.slots == {} and sim.core.longest_bubble_ns == 0  # a shape not seen before starts afresh
+    _bubbles(sim, 2, free_mib=4000, length_ms=10.0)
+    _layout(sim, microbatches=8, job="run-1")
+    assert [s.count for s in sim.core.slots.values()] == [3] and sim.core.longest_bubble_ns == 20 * MS
+    _bubbles(sim, 1, free_mib=4000, length_ms=20.0)
+    _layout(sim, microbatches=4, job="run-1")
+    assert [s.count for s in sim.core.slots.values()] == [2] and sim.core.longest_bubble_ns == 10 * MS
+    _layout(sim, microbatches=8, job="run-1")
+    assert [s.count for s in sim.core.slots.values()] == [4]
+    # Another job's bubbles are its own: nothing of run-1 comes back, even in a shape run-1 had.
+    _layout(sim, microbatches=4, job="run-2")
+    assert sim.core.slots == {}
+    _layout(sim, microbatches=8, job="run-2")
+    assert sim.core.slots == {}
+
+
+def test_only_the_last_four_shapes_of_a_job_are_kept() -> None:
+    sim = Sim()
+    sim.resident("a")
+    for microbatches in (1, 2, 3, 4, 5, 6):
+        _layout(sim, microbatches=microbatches, job="run-1")
+        _bubbles(sim, microbatches, free_mib=4000)
+    kept = []
+    for microbatches in (2, 3, 4, 5, 1):  # each shape seen again, oldest first
+        _layout(sim, microbatches=microbatches, job="run-1")
+        kept.append(sum(s.count for s in sim.core.slots.values()))
+    assert kept == [0, 3, 4, 5, 0]  # 2 and 1 were dropped for 6's and the current shapes'
+
+
 def test_a_layout_change_inside_a_bubble_parks_the_running_task() -> None:
     sim = Sim()
     sim.resident("a")

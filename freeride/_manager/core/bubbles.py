@@ -12,7 +12,8 @@ for the Bubbles reply, for at most ``max_slots`` keys.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from freeride._estimator import SURVIVAL_LENGTHS, percentiles, surviving_end_ns
@@ -21,6 +22,9 @@ from freeride.messages import BubbleSlotStats, BubbleStart, Percentiles
 
 MS = 1_000_000
 _NEXT = BUBBLE.next
+#: How many of a job's layouts the manager keeps the bubble statistics of (the adapters keep as many shapes'
+#: trackers: ``freeride.training.tracker.KeptShapes``).
+KEPT_SHAPES = 4
 
 
 @dataclass
@@ -140,6 +144,8 @@ class Bubbles:
         #: When the last bubble started (received; 0: none yet): whether the trainer is making bubbles.
         self.last_start_ns = 0
         self._max_slots = max_slots
+        #: The slots and longest bubble of this job's other recent layouts, by shape (:meth:`change_layout`).
+        self._kept: OrderedDict[Hashable, tuple[dict[tuple[int, int, int], SlotStats], int]] = OrderedDict()
 
     def start(self, b: BubbleStart, received_ns: int) -> OpenBubble:
         """Open ``b`` (the last open bubble was closed before) and note its slot."""
@@ -216,10 +222,20 @@ class Bubbles:
                 return bubble
         return None
 
-    def forget(self) -> None:
-        """A new trainer layout: what was learned of the old one's bubbles no longer holds."""
-        self.slots.clear()
-        self.longest_ns = 0
+    def change_layout(self, leaving: Hashable | None, coming: Hashable, same_job: bool) -> None:
+        """A new trainer layout (``coming``, a shape; ``leaving``, the last one's): what was learned of a
+        layout's bubbles holds for that layout only. Within one job it is kept, by shape, for the last
+        :data:`KEPT_SHAPES` shapes, and a shape seen again gets its slots and longest bubble back: a job that
+        alternates micro-batch counts showed its slots afresh (counts of 0-1) at every switch. Another job's
+        bubbles are its own: everything is forgotten."""
+        if not same_job:
+            self._kept.clear()
+        elif leaving is not None and self.slots:
+            self._kept[leaving] = (self.slots, self.longest_ns)
+            self._kept.move_to_end(leaving)
+            while len(self._kept) > KEPT_SHAPES:
+                self._kept.popitem(last=False)
+        self.slots, self.longest_ns = self._kept.pop(coming, ({}, 0))
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         out = []

@@ -491,23 +491,25 @@ class SchedulerCore:
         self.stopping.release(task, event.reason, now_ns, out, event.checkpoint)
 
     def _on_layout_changed(self, event: LayoutChanged, now_ns: int, out: list[Action]) -> None:
-        """Forget what was learned of the old layout's bubbles; evict what the new budget cannot hold.
+        """Put away what was learned of the old layout's bubbles; evict what the new budget cannot hold.
 
-        Dropped: the open bubble (its running task is parked), per-slot telemetry, the memory budget's
-        window, the longest bubble seen and every task's count of bubbles it did not fit. A memory figure
-        in the layout seeds the new window at once, standing in for an iteration until the new layout's
-        own iterations replace it; without one, nothing is admitted until a figure arrives. Kept: side
-        tasks' own step estimates (they describe the task, not the trainer) and the run's totals. A device
-        with no stage in the new layout hands its cluster tasks back to the queue: it will see no bubbles.
-        The same layout again from the same job changes nothing; from another job (the trainer run again,
-        its shape unchanged) it is a new layout: that run's bubbles are its own, and so are its ranks
-        (:meth:`_follows`: a new run on another rank of this device is not a second rank beside the last run's).
+        Dropped: the open bubble (its running task is parked), the memory budget's window and every task's
+        count of bubbles it did not fit. Put away: per-slot telemetry and the longest bubble seen, kept by
+        shape for the job's last few layouts and given back when a shape returns
+        (:meth:`Bubbles.change_layout`). A memory figure in the layout seeds the new window at once,
+        standing in for an iteration until the new layout's own iterations replace it; without one, nothing
+        is admitted until a figure arrives. Kept: side tasks' own step estimates (they describe the task,
+        not the trainer) and the run's totals. A device with no stage in the new layout hands its cluster
+        tasks back to the queue: it will see no bubbles. The same layout again from the same job changes
+        nothing; from another job (the trainer run again, its shape unchanged) it is a new layout: that
+        run's bubbles are its own, and so are its ranks (:meth:`_follows`: a new run on another rank of this
+        device is not a second rank beside the last run's).
         """
-        layout = event.layout
-        if layout.same_shape(self.layout) and layout.same_job(self.layout):
+        layout, leaving = event.layout, self.layout
+        if layout.same_shape(leaving) and layout.same_job(leaving):
             return
-        was = self.layout.describe() if self.layout else "-"
-        if layout.same_shape(self.layout):
+        was = leaving.describe() if leaving else "-"
+        if layout.same_shape(leaving):
             was += ", another job"
         out.append(Note(NoteLevel.INFO, f"trainer layout: {layout.describe()} (was {was})"))
         self.layout = layout
@@ -518,7 +520,8 @@ class SchedulerCore:
         current = self.bubbles.open
         if current is not None:
             self._end_bubble(current, max(layout.at_ns, current.event.start_ns), now_ns, out, measured=False)
-        self.bubbles.forget()
+        self.bubbles.change_layout(leaving.shape if leaving else None, layout.shape,
+                                   leaving is None or layout.same_job(leaving))
         self.memory.forget()
         for task in self.tasks.values():
             task.health.unfit_bubbles = 0
