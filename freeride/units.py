@@ -63,7 +63,10 @@ def format_size(num_bytes: int | float) -> str:
 def format_progress(progress: float, steps: int, unit: str) -> str:
     """A task's progress in its unit, the steps where it reports none: whole numbers plainly, others to two
     decimals, and past ten million in three significant figures (``1.79e+20 bytes``: its twenty-one digits
-    widened every table a task was in)."""
+    widened every table a task was in). ``-`` before any step: a task's unit is known only once a worker says
+    it, so a queued task read "0 steps" whatever it counts in."""
+    if not steps and not progress:
+        return "-"
     value = progress if progress else float(steps)
     if abs(value) >= 1e7:
         return f"{value:.3g} {unit or 'steps'}"
