@@ -20,7 +20,8 @@ Each poll (``poll_ms``), in this order:
    cancel --queue`` are cancelled.
 3. **Progress** of every held task whose figures changed (one pipelined round trip).
 4. **Hand back** a claimed task still waiting for memory here after ``hold_ms``: this device cannot
-   start it, another may.
+   start it, another may. And, when nothing waits in the queue, one task (at most one per lease) that a
+   manager holding at least two fewer could place, as it announced itself (:meth:`QueueAgent._hand_over`).
 5. **Sweep** expired leases back to the waiting room. One manager per half lease does it for the whole
    cluster (a lock in Redis), and the server itself holds every sweep back until managers have been in
    contact with it for a whole lease (the contact clock, :mod:`~freeride._cluster.scripts`): after a
@@ -81,6 +82,10 @@ log = logging.getLogger(__name__)
 CLAIMS_PER_POLL = 8
 #: Queued tasks an agent looks at per poll (the head of the waiting room, in claim order).
 PEEK_TASKS = 64
+#: For how many leases a manager does not claim back a task it handed over to a manager holding fewer.
+HANDED_OVER_LEASES = 3
+#: For how many leases a manager that did not take a task handed over for it is handed no other.
+PASSED_OVER_LEASES = 30
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,10 @@ class QueueAgent:
         self._connected_at: float | None = None
         self._next_heartbeat = 0.0
         self._claimed_at = -math.inf  # when it last claimed (``QueueConfig.spread_ms``)
+        self._handed_over: dict[str, float] = {}  # task id -> until when it is not claimed back (:meth:`_hand_over`)
+        self._handed_over_at = -math.inf
+        self._given_to: dict[str, tuple[str, float]] = {}  # task id handed over -> (the manager it was for, until)
+        self._passed_over: dict[str, float] = {}  # manager that did not take one -> until when it is handed none
         self._in_grace = False
         self.counters: dict[str, int] = collections.Counter()
         self._failed_attempts = 0  # since the last connection
@@ -319,10 +328,13 @@ class QueueAgent:
         view = self._view()
         if view is None:
             return
-        if beat:  # the device this manager serves, for submit --queue to check a cap against
-            self._queue.announce(self.me, self.where, view.capacity.total_bytes, self.config.lease_ms, time.time())
+        if beat:  # this device's size and room, for submit --queue and for managers holding more than it
+            self._queue.announce(self.me, self.where, view.capacity, len(self._held), self.config.lease_ms,
+                                 time.time())
         self._write_progress(view)
         self._hand_back_waiting(view, now)
+        if beat:
+            self._hand_over(view, now)
         self._sweep()
         for _ in range(CLAIMS_PER_POLL):
             if self._stopping.is_set() or not self._claim_one(view):
@@ -454,6 +466,51 @@ class QueueAgent:
                 self._leaving.add(task_id)
                 self.loop.post(ReleaseTask(task_id, "waited for memory here", checkpoint=True))
 
+    def _hand_over(self, view: QueueView, now: float) -> None:
+        """Hand one task back, with a checkpoint, for a manager that holds at least two fewer and could place it,
+        when nothing waits in the queue: claims are spread as tasks arrive, but a manager that joined (or whose
+        trainer started) after the queue emptied got none of the tasks the others held, and its device idled
+        while theirs ran several each in turn. At most one per lease; the task is not claimed back here for
+        :data:`HANDED_OVER_LEASES` leases, so that the manager with fewer takes it (a manager that cannot, after
+        all, leaves it to be claimed again, and is not handed another for :data:`PASSED_OVER_LEASES` leases: a task
+        must not shuttle between two managers, stopped with a checkpoint at each move)."""
+        lease_s = self.config.lease_ms / 1000
+        for task_id, until in list(self._handed_over.items()):
+            if now >= until:
+                del self._handed_over[task_id]
+        for peer_id, until in list(self._passed_over.items()):
+            if now >= until:
+                del self._passed_over[peer_id]
+        for task_id, (_peer, until) in list(self._given_to.items()):
+            if now >= until:
+                del self._given_to[task_id]
+        if self._depth[0] > 0 or now < self._handed_over_at + lease_s or self._stopping.is_set():
+            return
+        mine = [t for t in view.tasks if t.task_id in self._held and t.task_id not in self._leaving
+                and t.task_id not in self._pending and t.state not in ("FINISHED", "FAILED", "CANCELLED")]
+        if len(mine) < 2:
+            return
+        peers = [p for p in self._queue.peers(time.time())
+                 if p.me != self.me and p.capacity is not None and p.held <= len(mine) - 2
+                 and p.me not in self._passed_over]
+        # The lowest priority, then the newest submission: the task this manager would have claimed last.
+        for task in sorted(mine, key=lambda t: (t.spec.priority, -t.seq)):
+            step_ms = task.figures.step_p95_ms or task.spec.step_time_hint_ms
+            candidate = placement.Candidate(task.task_id, task.spec.memory_bytes, task.spec.priority, task.seq,
+                                            int(step_ms * 1e6) if step_ms > 0 else None)
+            for peer in sorted(peers, key=lambda p: p.held):
+                if placement.refusal(candidate, peer.capacity) is None:
+                    log.info("[%s task=%s] handing it back for %s, which holds %d cluster task(s) to this "
+                             "device's %d and nothing waits in the queue", self.where, task.task_id, peer.where,
+                             peer.held, len(mine))
+                    self._leaving.add(task.task_id)
+                    self._handed_over[task.task_id] = now + HANDED_OVER_LEASES * lease_s
+                    self._given_to[task.task_id] = (peer.me, now + PASSED_OVER_LEASES * lease_s)
+                    self._handed_over_at = now
+                    self.loop.post(ReleaseTask(task.task_id, f"handed over to {peer.where}, which held fewer tasks",
+                                               checkpoint=True))
+                    return
+
     def _claim_one(self, view: QueueView) -> bool:
         """Claim one task this manager can place; True if it did (worth looking again). Whatever cannot be
         read at the head of the waiting room is set aside on the way, even by a manager that takes nothing."""
@@ -465,13 +522,16 @@ class QueueAgent:
                 log.warning("[%s] set aside queue record %s: %s", self.where, schema.shown(raw_id), why)
         if placement.closed_reason(view.capacity) is not None or self._spreading():
             return False
-        here = set(self._held) | self._leaving | {s.task_id for s in view.tasks}
+        here = set(self._held) | self._leaving | {s.task_id for s in view.tasks} | set(self._handed_over)
         claim = self._first_claim([c for c in peek.candidates if c.task_id not in here], view.capacity)
         if claim is None or claim.held is None:
             return False
         held = claim.held
         self._held[held.task_id] = held
         self.counters["claims"] += 1
+        given_to = self._given_to.pop(held.task_id, None)
+        if given_to is not None:  # a task handed over came back: that manager did not take it
+            self._passed_over[given_to[0]] = time.monotonic() + PASSED_OVER_LEASES * self.config.lease_ms / 1000
         if claim.record is None:  # claimed, but the record cannot be read: set it aside, never run it
             log.warning("[%s task=%s] claimed an unreadable record; setting it aside: %s", self.where, held.task_id,
                         claim.reason)

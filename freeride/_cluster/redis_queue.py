@@ -45,6 +45,7 @@ Errors map onto freeride's tree in one place, :func:`redis_errors`: unreachable 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -55,7 +56,7 @@ import redis
 import redis.exceptions as rx
 
 from freeride._cluster import schema, scripts
-from freeride._cluster.placement import Candidate
+from freeride._cluster.placement import Candidate, Capacity
 from freeride._cluster.records import ClusterRecord, display_name, is_cluster_id, new_task_fields
 from freeride._cluster.url import QueueURL
 from freeride._validation import Submission, slug
@@ -399,43 +400,77 @@ class RedisQueue:
 
     # ------------------------------------------------------------ the devices that serve the queue
 
-    def announce(self, me: str, where: str, total_bytes: int, lease_ms: int, now_unix: float) -> None:
-        """Manager ``me`` serves ``where``, a device of ``total_bytes`` in all (0: unknown), now; an entry is
-        live for three leases (:meth:`devices`). Entries of managers gone longer than a day are dropped here."""
-        entry = json.dumps({"where": where, "total_bytes": int(total_bytes), "lease_ms": int(lease_ms),
-                            "at_unix": now_unix})
+    def announce(self, me: str, where: str, capacity: Capacity, held: int, lease_ms: int, now_unix: float) -> None:
+        """Manager ``me`` serves ``where`` now, holding ``held`` cluster tasks, with room as ``capacity`` says (its
+        device's size, for ``submit --queue`` to check a cap against; what it could place, for an overloaded
+        manager to hand a task over to it). An entry is live for three leases (:meth:`peers`); entries of
+        managers gone longer than a day are dropped here."""
+        entry = json.dumps({
+            "where": where, "total_bytes": int(capacity.total_bytes), "lease_ms": int(lease_ms), "at_unix": now_unix,
+            "held": int(held), "capacity": {k: v for k, v in dataclasses.asdict(capacity).items()},
+        })
         with redis_errors(self.url):
             self._r.hset(self.devices_key, me, entry)
             stale = [k for k, v in self._r.hgetall(self.devices_key).items()
-                     if (_device_entry(v) or ("", 0, 0.0))[2] < now_unix - DEVICE_ENTRY_KEPT_S]
+                     if (peer := _peer(k, v)) is None or peer.at_unix < now_unix - DEVICE_ENTRY_KEPT_S]
             if stale:
                 self._r.hdel(self.devices_key, *stale)
 
-    def devices(self, now_unix: float) -> list[tuple[str, int]]:
-        """(where, total bytes) of each device whose manager announced itself within three of its leases, and
-        knows its device's size; an entry that does not decode is skipped."""
+    def peers(self, now_unix: float) -> list[Peer]:
+        """The managers that announced themselves within three of their leases; an entry that does not decode
+        is skipped (and dropped at the next :meth:`announce`)."""
         with redis_errors(self.url):
             raw = self._r.hgetall(self.devices_key)
-        live = []
-        for value in raw.values():
-            entry = _device_entry(value)
-            if entry is not None and entry[1] > 0 and now_unix - entry[2] <= entry[3]:
-                live.append((entry[0], entry[1]))
-        return live
+        peers = (_peer(k, v) for k, v in raw.items())
+        return [p for p in peers if p is not None and now_unix - p.at_unix <= p.live_s]
+
+    def devices(self, now_unix: float) -> list[tuple[str, int]]:
+        """(where, total bytes) of each live manager's device (:meth:`peers`) that knows its size."""
+        return [(p.where, p.total_bytes) for p in self.peers(now_unix) if p.total_bytes > 0]
 
 
 #: How long the entry of a manager that stopped announcing itself stays in the devices hash.
 DEVICE_ENTRY_KEPT_S = 86_400.0
 
 
-def _device_entry(raw: Any) -> tuple[str, int, float, float] | None:
-    """(where, total bytes, announced at, live for s) of a devices-hash value, or None if it does not decode."""
+@dataclass(frozen=True)
+class Peer:
+    """A manager of the queue as it last announced itself: ``capacity`` None for one that did not say (an older
+    freeride: it is never handed a task)."""
+
+    me: str
+    where: str
+    total_bytes: int
+    at_unix: float
+    live_s: float
+    held: int = 0
+    capacity: Capacity | None = None
+
+
+def _peer(key: Any, raw: Any) -> Peer | None:
+    """A devices-hash entry, or None if it does not decode."""
     try:
         data = json.loads(raw)
-        return (str(data["where"]), int(data["total_bytes"]), float(data["at_unix"]),
-                3 * int(data["lease_ms"]) / 1000)
-    except (ValueError, KeyError, TypeError):
+        return Peer(_text(key), str(data["where"]), int(data["total_bytes"]), float(data["at_unix"]),
+                    3 * int(data["lease_ms"]) / 1000, int(data.get("held", 0)), _capacity(data.get("capacity")))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _capacity(raw: Any) -> Capacity | None:
+    """An announced :class:`Capacity`, each field of its type; None if any is not."""
+    if not isinstance(raw, dict):
+        return None
+    kinds: dict[str, Any] = {f.name: f.type for f in dataclasses.fields(Capacity)}
+    values: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        value = raw.get(name)
+        ok = {"int": type(value) is int, "bool": type(value) is bool, "str": type(value) is str,
+              "int | None": value is None or type(value) is int}.get(str(kind), False)
+        if not ok:
+            return None
+        values[name] = value
+    return Capacity(**values)
 
 
 @dataclass(frozen=True)

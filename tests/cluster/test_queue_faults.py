@@ -20,11 +20,12 @@ from redis_server import RedisServer
 
 from freeride._cluster.agent import QueueAgent, QueueConfig
 from freeride._cluster.placement import Capacity
-from freeride._cluster.records import SET_ASIDE, QueueView
+from freeride._cluster.records import SET_ASIDE, QueueNote, QueueView, ReleaseTask
 from freeride._cluster.redis_queue import Held, RedisQueue, Renewal
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
 from freeride.cli import main
+from freeride.messages import TaskRecord, TaskSpec
 
 MiB = 2**20
 MS = 1_000_000
@@ -180,6 +181,49 @@ def test_a_listing_counts_as_set_aside_only_what_the_queue_set_aside_and_lists_t
     assert main(["show", held, "--queue", redis_server.url]) == 0
     out = capsys.readouterr().out
     assert "CLAIMED" in out and "unreadable: its failure is not a failure record (the queue has not set it" in out
+    q.close()
+
+
+class _Serving:
+    """A queue agent on a loop stand-in that holds what the agent claimed, reports those tasks parked, and
+    lets go of a task the agent asks it to release (as the manager loop does: a ``left`` note)."""
+
+    def __init__(self, url: str, tmp_path: Path, name: str, lease_ms: int) -> None:
+        self.loop = FakeLoop(QueueView(ROOM))
+        config = QueueConfig(parse_queue_url(url), tmp_path / "ckpt", lease_ms=lease_ms, poll_ms=50.0, spread_ms=0.0)
+        self.agent = QueueAgent(self.loop, config, "cpu:0", name)
+        self.agent._connect()
+        self.released = 0
+
+    @property
+    def holds(self) -> set[str]:
+        return set(self.loop.claimed()) - {p.task_id for p in self.loop.posted if isinstance(p, ReleaseTask)}
+
+    def poll(self) -> None:
+        self.agent._poll()
+        for release in [p for p in self.loop.posted if isinstance(p, ReleaseTask)][self.released:]:
+            record = TaskRecord(release.task_id, TaskSpec(target="sample_tasks:Counter", memory_bytes=MiB), "EVICTED")
+            self.loop.queue_notes(QueueNote("left", record, release.reason))
+            self.released += 1
+        self.loop.view = QueueView(ROOM, tuple(
+            TaskRecord(t, TaskSpec(target="sample_tasks:Counter", memory_bytes=MiB), "PARKED") for t in self.holds))
+
+
+def test_a_manager_holding_more_hands_tasks_over_to_one_that_joined_after_the_queue_emptied(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # Stranger trial: queue tasks claimed by one manager were never rebalanced once held, while the device of a
+    # manager that started later idled.
+    q = _queue(redis_server.url)
+    ids = {q.submit(_sub(f"t{i}")) for i in range(4)}
+    one = _Serving(redis_server.url, tmp_path, "n1", lease_ms=300)
+    wait_for(lambda: one.poll() or one.holds == ids, 10)
+    two = _Serving(redis_server.url, tmp_path, "n2", lease_ms=300)
+    wait_for(lambda: one.poll() or two.poll() or (len(one.holds), len(two.holds)) == (2, 2), 20)
+    assert one.holds | two.holds == ids and not one.holds & two.holds
+    # Balanced within one task: nothing more moves.
+    holds_for(lambda: one.poll() or two.poll() or (len(one.holds), len(two.holds)) == (2, 2), 1.0, "balanced")
+    assert one.agent._snapshot().handed_back == 2 and q._r.zcard(q.waiting_key) == 0
     q.close()
 
 

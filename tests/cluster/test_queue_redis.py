@@ -3,18 +3,22 @@ persistence across a restart, and the CLI's ``--queue`` forms with their exit co
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import TESTS_DIR, redis_binary, wait_for
 from nodes import node_devices, start_node
 from redis_server import RedisServer, remove, start_redis
 
+from freeride._cluster.placement import Capacity
 from freeride._cluster.redis_queue import Held, RedisQueue, Renewal
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
@@ -259,18 +263,42 @@ def node_device() -> str:
     return node_devices(1)[0]
 
 
+def _room(total: int, **kw: Any) -> Capacity:
+    return Capacity(budget_bytes=total // 2, longest_bubble_ns=5_000_000, margin_ns=200_000, waiting=0,
+                    total_bytes=total, **kw)
+
+
 def test_managers_announce_their_devices_and_only_live_ones_count(redis_server: RedisServer) -> None:
     q = _queue(redis_server.url)
     now = 1_000_000.0
     assert q.devices(now) == []  # none announced: submit --queue accepts any cap
-    q.announce("m1", "n1/cpu:0", 24 * GIB, 10_000, now)
-    q.announce("m2", "n2/cuda:0", 80 * GIB, 10_000, now - 29.0)  # within three leases
-    q.announce("m3", "n3/cuda:0", 141 * GIB, 10_000, now - 31.0)  # gone for more than three leases
-    q.announce("m4", "n4/cuda:1", 0, 10_000, now)  # its size unknown
+    q.announce("m1", "n1/cpu:0", _room(24 * GIB), 0, 10_000, now)
+    q.announce("m2", "n2/cuda:0", _room(80 * GIB), 0, 10_000, now - 29.0)  # within three leases
+    q.announce("m3", "n3/cuda:0", _room(141 * GIB), 0, 10_000, now - 31.0)  # gone for more than three leases
+    q.announce("m4", "n4/cuda:1", _room(0), 0, 10_000, now)  # its size unknown
     q._r.hset(q.devices_key, "garbage", b"\xff not json")
     assert sorted(q.devices(now)) == [("n1/cpu:0", 24 * GIB), ("n2/cuda:0", 80 * GIB)]
-    q.announce("m1", "n1/cpu:0", 24 * GIB, 10_000, now + 2 * 86_400)  # a day on: the others' entries go
+    q.announce("m1", "n1/cpu:0", _room(24 * GIB), 0, 10_000, now + 2 * 86_400)  # a day on: the others' entries go
     assert set(q._r.hkeys(q.devices_key)) == {b"m1"}
     q.retire("m1")
     assert q._r.hlen(q.devices_key) == 0
+    q.close()
+
+
+def test_a_manager_announces_what_it_holds_and_what_it_could_place_every_field_read_back(
+    redis_server: RedisServer,
+) -> None:
+    q = _queue(redis_server.url)
+    now = 1_000_000.0
+    room = _room(80 * GIB, draining=True, hosts_stage=False, device_problem="nvml", trainer_paused=True)
+    q.announce("m1", "n1/cuda:0", room, 3, 10_000, now)
+    q.announce("m2", "n2/cuda:0", dataclasses.replace(room, budget_bytes=None), 0, 10_000, now)
+    peers = {p.me: p for p in q.peers(now)}
+    assert (peers["m1"].where, peers["m1"].held, peers["m1"].capacity) == ("n1/cuda:0", 3, room)
+    assert peers["m2"].capacity == dataclasses.replace(room, budget_bytes=None)
+    # An entry whose capacity does not read (another freeride, a hand edit) still counts as a device.
+    q._r.hset(q.devices_key, "m3", json.dumps({"where": "n3/cuda:0", "total_bytes": GIB, "lease_ms": 10_000,
+                                               "at_unix": now, "capacity": {"budget_bytes": "lots"}}))
+    m3 = next(p for p in q.peers(now) if p.me == "m3")
+    assert (m3.capacity, m3.held) == (None, 0) and ("n3/cuda:0", GIB) in q.devices(now)
     q.close()

@@ -3,18 +3,22 @@ no Redis). The real Redis behaviour is in ``tests/cluster``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import wait_for
 from queue_fakes import ROOM, FakeLoop
 
 from freeride._cluster.agent import QueueAgent, QueueConfig
 from freeride._cluster.placement import Candidate, Capacity
 from freeride._cluster.records import CancelTask, ClaimedTask, ClusterRecord, QueueNote, QueueView, ReleaseTask
-from freeride._cluster.redis_queue import Claim, Held, Peek, Renewal, Sweep
+from freeride._cluster.redis_queue import Claim, Held, Peek, Peer, Renewal, Sweep
 from freeride._cluster.url import parse_queue_url
 from freeride._validation import Submission
 from freeride.errors import QueueUnavailable
@@ -40,6 +44,8 @@ class FakeQueue:
     down: bool = False
     #: What the sweeps answer, in turn (then plain ``swept``).
     sweeps: list[Sweep] = field(default_factory=list)
+    #: The managers the queue's devices hash lists (``peers``).
+    peer_list: list[Peer] = field(default_factory=list)
 
     def _call(self, name: str, arg: Any = None) -> None:
         if self.down:
@@ -49,8 +55,12 @@ class FakeQueue:
     def connect(self) -> None:
         self._call("connect")
 
-    def announce(self, me: str, where: str, total_bytes: int, lease_ms: int, now_unix: float) -> None:
-        self._call("announce", (where, total_bytes))
+    def announce(self, me: str, where: str, capacity: Capacity, held: int, lease_ms: int, now_unix: float) -> None:
+        self._call("announce", (where, capacity.total_bytes, held))
+
+    def peers(self, now_unix: float) -> list[Peer]:
+        self._call("peers")
+        return list(self.peer_list)
 
     def waiting(self, limit: int) -> Peek:
         self._call("waiting")
@@ -223,6 +233,86 @@ def test_a_claimed_task_still_waiting_for_memory_is_handed_back() -> None:
     agent._poll()  # first seen waiting
     agent._poll()  # still waiting after hold_ms
     assert ReleaseTask("a-q1", "waited for memory here", checkpoint=True) in loop.posted
+
+
+def _holding(queue: FakeQueue, loop: FakeLoop, count: int) -> QueueAgent:
+    """An agent that claimed ``count`` tasks (``t1-q1`` ...), the loop reporting them parked; nothing queued."""
+    ids = [f"t{i}-q{i}" for i in range(1, count + 1)]
+    queue.waiting_tasks = [Candidate(t, 100 * MiB, 0, i) for i, t in enumerate(ids, 1)]
+    queue.records = {t: _record(t) for t in ids}
+    agent = _agent(queue, loop)
+    agent._poll()
+    assert loop.claimed() == ids
+    spec = TaskSpec(target="m:C", memory_bytes=100 * MiB)
+    loop.view = QueueView(ROOM, tuple(dataclasses.replace(_status(t), seq=i, spec=spec) for i, t in enumerate(ids, 1)))
+    agent._depth = (0, 0)
+    agent._next_heartbeat = 0.0
+    return agent
+
+
+def _peer(held: int, capacity: Capacity | None = ROOM) -> Peer:
+    return Peer("n2/cpu:1/7-abc", "n2/cpu:1", 64 * 1024 * MiB, time.time(), 30.0, held, capacity)
+
+
+def _handed_over(loop: FakeLoop) -> list[ReleaseTask]:
+    return [p for p in loop.posted if isinstance(p, ReleaseTask) and p.reason.startswith("handed over")]
+
+
+def test_with_nothing_queued_it_hands_one_task_over_to_a_manager_holding_two_fewer_and_does_not_claim_it_back(
+) -> None:
+    # Stranger trial: queue tasks claimed by one manager stayed there, run in turn, while the device of a manager
+    # that joined after the queue emptied idled.
+    queue, loop = FakeQueue(peer_list=[_peer(held=0)]), FakeLoop()
+    agent = _holding(queue, loop, 3)
+    agent._poll()
+    assert _handed_over(loop) == [ReleaseTask("t3-q3", "handed over to n2/cpu:1, which held fewer tasks",
+                                              checkpoint=True)]  # the newest submission: claimed last
+    agent._next_heartbeat = 0.0
+    agent._poll()
+    assert len(_handed_over(loop)) == 1  # one per lease
+    loop.queue_notes(QueueNote("left", _status("t3-q3", "EVICTED"), "handed over"))
+    queue.waiting_tasks = [Candidate("t3-q3", 100 * MiB, 0, 3)]  # back in the queue: the other manager's to take
+    queue.calls.clear()
+    agent._poll()
+    assert ("release", ("t3-q3", "left n1/cpu:0: handed over")) in queue.calls
+    assert not any(name == "claim" for name, _ in queue.calls)
+
+
+def test_a_manager_that_did_not_take_a_task_handed_over_for_it_is_handed_no_other_for_a_while() -> None:
+    queue, loop = FakeQueue(peer_list=[_peer(held=0)]), FakeLoop()
+    agent = _holding(queue, loop, 3)
+    agent._poll()
+    assert [r.task_id for r in _handed_over(loop)] == ["t3-q3"]
+    loop.queue_notes(QueueNote("left", _status("t3-q3", "EVICTED"), "handed over"))
+    loop.view = QueueView(ROOM, loop.view.tasks[:2])
+    agent._poll()
+    # Nobody took it within the leases it was left for: this manager claims it back...
+    agent._handed_over.clear()
+    agent._handed_over_at = -math.inf
+    queue.waiting_tasks, queue.records["t3-q3"] = [Candidate("t3-q3", 100 * MiB, 0, 3)], _record("t3-q3")
+    agent._poll()
+    assert loop.claimed().count("t3-q3") == 2
+    # ...and does not hand the same manager another: a task must not shuttle between the two.
+    agent._handed_over_at = -math.inf
+    agent._next_heartbeat = 0.0
+    agent._poll()
+    assert len(_handed_over(loop)) == 1
+
+
+@pytest.mark.parametrize(("peer", "depth", "why"), [
+    (_peer(held=1), 0, "holds only one fewer"),
+    (_peer(held=0, capacity=None), 0, "did not say what it can place (an older freeride)"),
+    (_peer(held=0, capacity=dataclasses.replace(ROOM, budget_bytes=10 * MiB)), 0, "has no memory for it"),
+    (_peer(held=0, capacity=dataclasses.replace(ROOM, trainer_paused=True)), 0, "its trainer makes no bubbles"),
+    (_peer(held=0), 1, "a task waits in the queue: the idle manager takes that one"),
+])
+def test_it_hands_nothing_over_to_a_manager_that_could_not_use_it(peer: Peer, depth: int, why: str) -> None:
+    queue, loop = FakeQueue(peer_list=[peer]), FakeLoop()
+    agent = _holding(queue, loop, 2)
+    agent._depth = (depth, 0)
+    queue.waiting_tasks = [Candidate("other-q9", 100 * MiB, 0, 9)] if depth else []
+    agent._poll()
+    assert _handed_over(loop) == [], why
 
 
 def test_an_unreachable_queue_never_raises_out_of_the_agent() -> None:
