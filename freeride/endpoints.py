@@ -74,10 +74,22 @@ def parse_endpoint(text: str) -> Endpoint:
         return Endpoint("unix", text)
     if text.startswith("tcp://"):
         text = text[len("tcp://") :]
+    elif _is_device_name(text):  # ``cpu:1`` would read as host "cpu", port 1: a device given as the endpoint
+        raise ConfigError(f"endpoint {text!r} is a device name, not an endpoint: name the device as the device "
+                          "(BubbleReporter's first argument, --device) and an endpoint as unix:/path/to.sock or "
+                          "tcp://host:port (a host named like a device: tcp://" + text + ")")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"cannot parse endpoint {text!r}: use unix:/path/to.sock or tcp://host:port")
     return Endpoint("tcp", f"{host}:{port}")
+
+
+def _is_device_name(text: str) -> bool:
+    try:
+        parse_device_name(text)
+    except ConfigError:
+        return False
+    return True
 
 
 def resolve_endpoint(endpoint: str | None, device: str | None) -> Endpoint:

@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--autogroup-nice must be -20..19, got {args.autogroup_nice}")
     config = core_config(args)
     device = open_device(args.device, mps=args.mps, mps_sm_percent=args.mps_sm_percent)
+    args.device = str(device.name)  # as every log line and client spells it ("cpu:0 " was logged as [cpu:0 ])
     memory_poll_ms = _ms("memory-poll-ms", args.memory_poll_ms, positive=True)
     # The same endpoint the client commands resolve for this device (explicit, $FREERIDE_ENDPOINT, default).
     endpoint = resolve_endpoint(args.endpoint, args.device)

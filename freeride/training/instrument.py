@@ -261,7 +261,10 @@ class InstrumentedSchedule:
         except ImportError as exc:
             raise FrameworkNotInstalled(f"freeride's torch pipelining instrumentation needs torch ({exc}): install "
                                         "the training job's torch, or pip install 'freeride[tasks]'") from exc
-        if isinstance(vars(schedule).get("instrumented"), InstrumentedSchedule):
+        if isinstance(schedule, InstrumentedSchedule):
+            raise ConfigError(f"this {type(schedule.schedule).__name__} is instrumented already (it is an "
+                              "InstrumentedSchedule): use it as it is")
+        if isinstance(getattr(schedule, "__dict__", {}).get("instrumented"), InstrumentedSchedule):
             raise ConfigError(f"this {type(schedule).__name__} is instrumented already (freeride.training.torchtitan's "
                               "wrapper): use it as it is, or uninstrument it first")
         # A model, a stage or a wrapper passed by mistake read as a torch release that changed the internals

@@ -151,7 +151,9 @@ class BubbleReporter:
         local_events: bool = True,
         job: str | None = None,
     ) -> None:
-        parse_device_name(device)  # a bad name is a bug at construction, never on the hot path
+        # A bad name is a bug at construction, never on the hot path; a good one is kept as the manager and the
+        # adapters spell it ("cpu:1 " was refused as another device than the rank's "cpu:1").
+        device = str(parse_device_name(device))
         if job is not None and (not isinstance(job, str) or not job.strip() or len(job) > MAX_LAYOUT_TEXT_CHARS
                                 or not job.isprintable()):
             raise ConfigError(f"job must be text of 1 to {MAX_LAYOUT_TEXT_CHARS} printable characters, not all "
@@ -519,6 +521,10 @@ class BubbleReporter:
                     else:  # until the manager answers (gRPC connects lazily): waits as long as the sleep
                         self._connected = stream.answers(timeout_s=0.05) and not stream.done()
                         answered = self._connected
+                        # Over TCP a peer that takes the connection and never answers keeps the stream open.
+                        if not answered and self.endpoint.kind == "tcp" and not absent_told:
+                            absent_since = absent_since or time.monotonic()
+                            absent_told = self._tell_absent(absent_since)
                 if self._closed.is_set():
                     try:
                         self._add_summary(stream.summary(timeout_s=2.0))
@@ -535,16 +541,13 @@ class BubbleReporter:
                     log.info("[%s stage=%d] bubble stream to %s ended: %s", self.device, self.stage,
                              self.endpoint, exc)
                 # A typo in the device or the endpoint would otherwise go unnoticed: say it once, when no
-                # manager's socket has been there for a while (a killed manager's stays: not this case).
-                absent = self.endpoint.kind == "unix" and not os.path.exists(self.endpoint.address)
-                now = time.monotonic()
-                absent_since = (absent_since or now) if absent else None
-                if absent_since is not None and not absent_told and now - absent_since >= ABSENT_WARNING_S:
-                    absent_told = True
-                    log.warning("[%s stage=%d] no freeride manager listens at %s (for %.0f s): this rank's "
-                                "bubbles are dropped until one does (is `freeride manager --device %s` running, "
-                                "and is the device name right?)", self.device, self.stage, self.endpoint,
-                                now - absent_since, self.device)
+                # manager's socket has been there for a while (a killed manager's stays: not this case), or no
+                # manager has answered over TCP for as long (a TCP endpoint was dropped without a word).
+                unix = self.endpoint.kind == "unix"
+                absent = not os.path.exists(self.endpoint.address) if unix else not answered
+                absent_since = (absent_since or time.monotonic()) if absent else None
+                if absent_since is not None and not absent_told:
+                    absent_told = self._tell_absent(absent_since)
             finally:
                 with self._route_lock:  # the training thread may be sending on it: dropped, never closed here
                     self._route = (None, self._route[1] + 1)
@@ -560,6 +563,20 @@ class BubbleReporter:
                 break
             backoff = min(self._backoff_max_s, backoff * 2)
         self._discard_queued()
+
+    def _tell_absent(self, since: float) -> bool:
+        """Say once that no manager has been there since ``since`` (monotonic s), when that is
+        :data:`ABSENT_WARNING_S` ago; True when said."""
+        now = time.monotonic()
+        if now - since < ABSENT_WARNING_S:
+            return False
+        unix = self.endpoint.kind == "unix"
+        hint = (f"is `freeride manager --device {self.device}` running, and is the device name right?" if unix
+                else f"is a manager started with --endpoint {self.endpoint} running, and does this host reach it?")
+        log.warning("[%s stage=%d] no freeride manager %s at %s (for %.0f s): this rank's bubbles are dropped until "
+                    "one does (%s)", self.device, self.stage, "listens" if unix else "answers", self.endpoint,
+                    now - since, hint)
+        return True
 
     def _resend_layout(self) -> None:
         """Tell a reconnection's manager the job's last layout again (sender thread): a restarted manager never

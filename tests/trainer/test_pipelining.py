@@ -127,6 +127,15 @@ def test_unknown_schedule_or_changed_internals_fail_clearly() -> None:
         InstrumentedSchedule(NoStage())
     with pytest.raises(ConfigError, match="got Linear"):
         InstrumentedSchedule(torch.nn.Linear(2, 2))
+    # Stranger trial: a string or None (an optimizer's step() return, a name) raised "TypeError: vars() argument
+    # must have __dict__ attribute"; an InstrumentedSchedule wrapped again blamed torch's internals.
+    for wrong, named in (("1f1b", "str"), (None, "NoneType")):
+        with pytest.raises(ConfigError, match=f"takes a torch.distributed.pipelining schedule .*, got {named}$"):
+            InstrumentedSchedule(wrong)
+    inst = InstrumentedSchedule(Schedule1F1B(FakeStage(0, 2), 2))
+    with pytest.raises(ConfigError, match="this Schedule1F1B is instrumented already \\(it is an InstrumentedSchedule"):
+        InstrumentedSchedule(inst)
+    inst.close()
 
 
 def test_a_wrong_sink_or_device_is_refused_at_construction_not_at_the_first_bubble() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +13,8 @@ from typing import Any
 import pytest
 from conftest import now_ns, wait_for
 
-from freeride.endpoints import Endpoint
-from freeride.errors import ManagerUnavailable
+from freeride.endpoints import Endpoint, parse_endpoint
+from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.measure import rank_index as percentile_index
 from freeride.messages import BubbleEnd, BubbleEvent, BubbleStart, StreamSummary, TrainerLayout
 from freeride.training import reporter as reporter_module
@@ -67,6 +68,39 @@ def test_a_reporter_that_never_reaches_a_manager_says_so_once_naming_the_device_
     told = [r.getMessage() for r in caplog.records if "no freeride manager listens" in r.getMessage()]
     assert len(told) == 1
     assert "nobody-here.sock" in told[0] and "freeride manager --device cpu:7" in told[0]
+
+
+def test_a_device_name_given_as_the_endpoint_is_refused_naming_both(tmp_path: Path) -> None:
+    # Stranger trial: BubbleReporter("cpu:0", ..., endpoint="cpu:1") read "cpu:1" as TCP host cpu, port 1, and
+    # dropped every bubble without a word; ``freeride ls --endpoint cpu:1`` then suggested a manager at tcp://cpu:1.
+    with pytest.raises(ConfigError, match=r"endpoint 'cpu:1' is a device name, not an endpoint: name the device as "
+                                          r"the device .* tcp://host:port \(a host named like a device: tcp://cpu:1\)"):
+        BubbleReporter("cpu:0", stage=0, rank=0, endpoint="cpu:1", start=False)
+    assert parse_endpoint("tcp://cuda:7") == Endpoint("tcp", "cuda:7")  # said as TCP, a host so named is one
+    assert parse_endpoint("localhost:7") == Endpoint("tcp", "localhost:7")
+    # A device name with blanks is the device: kept as the manager and the adapters spell it.
+    reporter = BubbleReporter(" cpu:1 ", stage=1, rank=1, endpoint=_absent(tmp_path), start=False)
+    assert reporter.device == "cpu:1"
+    reporter.close()
+
+
+def test_a_reporter_whose_tcp_manager_never_answers_says_so_once(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stranger trial: only a unix endpoint got the warning; tcp://127.0.0.1:1 dropped every bubble silently.
+    monkeypatch.setattr(reporter_module, "ABSENT_WARNING_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never speaks
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        where = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        reporter = BubbleReporter("cpu:0", stage=0, rank=0, endpoint=where, backoff_initial_s=0.01,
+                                  backoff_max_s=0.01)
+        try:
+            wait_for(lambda: any("no freeride manager answers" in r.getMessage() for r in caplog.records), 20)
+        finally:
+            reporter.close()
+    [told] = [r.getMessage() for r in caplog.records if "no freeride manager answers" in r.getMessage()]
+    assert where in told and f"started with --endpoint {where} running" in told
 
 
 def test_bubbles_after_close_are_dropped_and_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
