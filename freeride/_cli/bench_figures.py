@@ -82,9 +82,10 @@ class DeviceFigures:
     granted_s: float
     harvested_s: float
     overruns: int
-    overrun_p99_ms: float
-    grant_p99_ms: float
-    park_p99_ms: float
+    #: None where the manager measured none (a distribution with no sample: its p99 read 0.00 ms).
+    overrun_p99_ms: float | None
+    grant_p99_ms: float | None
+    park_p99_ms: float | None
     tasks: tuple[TaskFigures, ...] = ()
 
 
@@ -205,9 +206,8 @@ def summarize(runs: Sequence[Run], rates: Mapping[int, Mapping[str, float]], dev
                                                   / (devices * trials[t][ALONE].wall_s) for t in trials])
     overruns = [d for r in task_runs.values() for d in r.devices]
     doc["overruns_per_run"] = _mean([float(sum(d.overruns for d in r.devices)) for r in task_runs.values()])
-    doc["overrun_p99_ms"] = max((d.overrun_p99_ms for d in overruns), default=None)
-    doc["grant_p99_ms"] = max((d.grant_p99_ms for d in overruns), default=None)
-    doc["park_p99_ms"] = max((d.park_p99_ms for d in overruns), default=None)
+    for key in ("overrun_p99_ms", "grant_p99_ms", "park_p99_ms"):
+        doc[key] = max((v for d in overruns if (v := getattr(d, key)) is not None), default=None)
     doc["finished"] = sorted({f"{t.name} on {d.device}" for r in task_runs.values() for d in r.devices
                               for t in d.tasks if t.state == "FINISHED"})
     return doc
@@ -292,8 +292,8 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
                    "run gives (it runs in them), or steps that fit no bubble? `freeride run-task` times both")
     if summary.get("finished"):
         out.append(f"  finished during a run (its work stopped there): {', '.join(summary['finished'])}")
-    out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {summary['overrun_p99_ms']:.2f} ms; "
-               f"grant p99 {summary['grant_p99_ms']:.2f} ms, park p99 {summary['park_p99_ms']:.2f} ms")
+    out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {_p99(summary['overrun_p99_ms'])}; "
+               f"grant p99 {_p99(summary['grant_p99_ms'])}, park p99 {_p99(summary['park_p99_ms'])}")
     out += ["", f"  saving = {SAVING_TEXT}", "  at price ratio r (an hour of a training device / an hour of a "
             "dedicated device that does the side work as fast):"]
     for key, iv in summary["saving"].items():
@@ -309,3 +309,8 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
                    f"{worth} of the training cost at {' / '.join(summary['work_value'])} (the saving were the "
                    "overhead 0): more trials (--min-trials) resolve it")
     return out
+
+
+def _p99(value_ms: float | None) -> str:
+    """A p99 as the summary prints it; "-" where none was measured (a grant p99 of 0.00 ms read as measured)."""
+    return "-" if value_ms is None else f"{value_ms:.2f} ms"

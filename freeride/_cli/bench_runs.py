@@ -203,9 +203,10 @@ class Runner:
                     raise BenchFailed(self._task_failure(task_id, name, m.device, info, f"in trial {trial}"))
                 tasks.append(TaskFigures(name, m.device, info.state, info.steps, info.progress, info.progress_unit,
                                          info.harvested_s))
+        overrun, grant, park = (d.p99 if d.count else None
+                                for d in (stats.overrun_ms, stats.grant_latency_ms, stats.park_latency_ms))
         return DeviceFigures(m.device, stats.bubbles, stats.bubble_time_s, stats.granted_s, stats.harvested_s,
-                             stats.overruns, stats.overrun_ms.p99, stats.grant_latency_ms.p99,
-                             stats.park_latency_ms.p99, tuple(tasks))
+                             stats.overruns, overrun, grant, park, tuple(tasks))
 
     def standalone_rates(self, trial: int, seconds: float) -> dict[str, float]:
         """Each task's progress per second alone on the first device (the same for each of the job's

@@ -178,8 +178,8 @@ class DeviceFigures:
     work_s: float | None  # summed over its tasks (None when a task's throughput is unknown)
     efficiency: float | None  # work_s / bubble_s
     overruns: int
-    grant_latency_p99_ms: float
-    park_latency_p99_ms: float
+    grant_latency_p99_ms: float | None  # None: none measured
+    park_latency_p99_ms: float | None
     breakdown: dict[str, float] | None = None  # share of bubble_s per freeride.harvest category
 
 
@@ -298,8 +298,8 @@ def device_figures(device: str, stage: StageFigures, stats: ManagerStats, tasks:
         work_s=work_s,
         efficiency=work_s / bubble_s if work_s is not None and bubble_s > 0 else None,
         overruns=stats.overruns,
-        grant_latency_p99_ms=stats.grant_latency_ms.p99,
-        park_latency_p99_ms=stats.park_latency_ms.p99,
+        grant_latency_p99_ms=stats.grant_latency_ms.p99 if stats.grant_latency_ms.count else None,
+        park_latency_p99_ms=stats.park_latency_ms.p99 if stats.park_latency_ms.count else None,
         breakdown=harvest.shares() if harvest is not None and harvest.bubble_s > 0 else None,
     )
 
@@ -467,8 +467,8 @@ def render_summary(summary: DemoSummary) -> str:
         work = "-" if dev.work_s is None else f"{dev.work_s:.2f} s"
         rows.append([dev.device, f"{dev.bubble_s:.2f} s",
                      f"{dev.harvested_s:.2f} s of {dev.manager_bubble_s:.2f} s ({_pct(dev.harvested_share)})", work,
-                     _pct(dev.efficiency), str(dev.overruns), f"{dev.grant_latency_p99_ms:.2f} ms",
-                     f"{dev.park_latency_p99_ms:.2f} ms"])
+                     _pct(dev.efficiency), str(dev.overruns), _ms_or_none(dev.grant_latency_p99_ms),
+                     _ms_or_none(dev.park_latency_p99_ms)])
     lines += _table(rows)
     lines += [
         "  bubble time and efficiency: the bubbles after the warm-up; harvested: the manager's count over the",
@@ -514,3 +514,7 @@ def render_summary(summary: DemoSummary) -> str:
     if summary.wall_s:
         lines.append(f"demo wall time: {summary.wall_s:.0f} s")
     return "\n".join(lines)
+
+
+def _ms_or_none(value_ms: float | None) -> str:
+    return "-" if value_ms is None else f"{value_ms:.2f} ms"

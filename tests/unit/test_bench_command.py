@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import random
@@ -143,6 +144,18 @@ def test_without_side_tasks_only_the_managers_overhead_is_reported() -> None:
     assert doc["trials"] == 2 and set(doc["overhead"]) == {MANAGERS}
     text = "\n".join(render(doc, {"command_text": "t", "devices": ["cpu:0"], "stop": "s", "loadavg": "1"}))
     assert "no side task given" in text
+
+
+def test_a_latency_no_run_measured_reads_as_a_dash_not_as_zero() -> None:
+    # Stranger trial: "grant p99 0.00 ms" where every grant went to a frozen worker: no grant latency was
+    # measured (a distribution with no sample reads p99 0).
+    runs = _trial(0, 100.0, 100.0, 100.0, progress=3.0)
+    runs[2] = Run(0, TASKS, 100.0, tuple(dataclasses.replace(d, grant_p99_ms=None) for d in runs[2].devices))
+    doc = summarize(runs, {0: {"pr": 10.0}}, devices=2, price_ratios=(1.0,))
+    assert doc["grant_p99_ms"] is None and doc["overrun_p99_ms"] == 0.2
+    text = "\n".join(render(doc, {"command_text": "t", "devices": ["cpu:0"], "stop": "s", "loadavg": "1"}))
+    assert "p99 0.20 ms; grant p99 -, park p99 0.10 ms" in text
+    assert Run.from_json(runs[2].to_json()) == runs[2]
 
 
 def test_runs_survive_a_json_round_trip() -> None:
