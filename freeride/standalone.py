@@ -45,7 +45,7 @@ from typing import Any
 
 import psutil
 
-from freeride import measure
+from freeride import _checkpoints, measure
 from freeride._loading import (
     check_target_syntax,
     construct_task,
@@ -332,6 +332,17 @@ def run_standalone(
 _TASK_ERRORS = (Exception, SystemExit)  # ProcessExitCalled is a SystemExit
 
 
+def _check_checkpoint(task: SideTask, target: str, steps: int) -> None:
+    """Check once, after the timed steps, that the task's state could be checkpointed as a manager does every few
+    seconds: a state it cannot save passed ``run-task`` and failed ``CHECKPOINT`` in a manager after hundreds of
+    steps."""
+    try:
+        _checkpoints.check_saveable(task.state_dict())
+    except _TASK_ERRORS as exc:
+        raise TaskRunError(target, "its checkpoint (state_dict(), saved as a manager saves it)", steps,
+                           exc) from None
+
+
 def _done(task: SideTask, target: str, step: int) -> bool:
     try:
         return bool(task.done())
@@ -410,6 +421,7 @@ def _run(
             progress = finite_progress(reported, len(step_ms))
         except _TASK_ERRORS as exc:
             raise TaskRunError(target, "progress()", len(step_ms), exc) from None
+        _check_checkpoint(task, target, len(step_ms))
     finally:
         task.close()
     unit = type(task).progress_unit if reported is not None else "steps"

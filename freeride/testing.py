@@ -46,7 +46,7 @@ from typing import Any
 from freeride import _checkpoints
 from freeride._loading import exit_raises
 from freeride.standalone import MemoryProbe
-from freeride.task import SideTask, TaskContext
+from freeride.task import SideTask, TaskContext, finite_progress
 from freeride.units import format_mib_apart
 
 __all__ = [
@@ -110,7 +110,8 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
     """``setup`` the task (unless ``setup=False``: it is set up already), then run up to ``steps`` steps.
 
     Stops at the first ``done()`` that is true, as a worker does (the task is finished then, whatever a
-    later call says); ``done`` is checked once more after the last of ``steps``. The cap is
+    later call says); ``done`` is checked once more after the last of ``steps``. ``progress()`` is read after
+    every step as a worker reads it (:func:`~freeride.task.finite_progress`: a NaN raises ValueError). The cap is
     ``ctx.memory_limit_bytes`` (a context is made from ``work_dir`` and ``memory_limit_bytes`` when none is
     given); the resident set is sampled after ``setup`` and after every step, from a baseline taken now, as a
     worker takes its baseline once the task is built. Raises :class:`MemoryCapExceeded`; the task's own
@@ -134,6 +135,7 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
             task.step()
             times.append(time.perf_counter() - start)
             _check_cap(probe, ctx.memory_limit_bytes, f"{name}'s step {len(times) - 1}")
+            finite_progress(task.progress(), len(times))  # a worker fails a task whose progress() is no number
             done = bool(task.done())
     return StepsRun(len(times), done, probe.peak_bytes(), tuple(times))
 
@@ -177,6 +179,9 @@ def check_resume(factory: Callable[[], SideTask], stop_after: int, *, steps: int
     limit = steps if steps is not None else MAX_STEPS_UNTIL_DONE
 
     whole = factory()
+    if steps is None and type(whole).done is SideTask.done:
+        # SideTask's done() is never true: run until done, such a task took MAX_STEPS_UNTIL_DONE steps to fail.
+        raise ValueError(f"{type(whole).__name__} never finishes (its done() is SideTask's): pass steps=N")
     ran = run_steps(whole, limit, ctx=task_context(base / "whole", memory_limit_bytes=memory_limit_bytes))
     if steps is None and not ran.done:
         raise ValueError(f"{type(whole).__name__} was not done after {limit} steps: pass steps=N")

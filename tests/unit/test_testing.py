@@ -127,6 +127,39 @@ def test_checkpoint_roundtrip_gives_back_the_state_and_refuses_what_cannot_be_sa
         checkpoint_roundtrip(Unsaveable())
 
 
+def test_a_state_that_cannot_be_saved_names_its_entry() -> None:
+    # Stranger trial: "AttributeError: Can't pickle local object 'Unpicklable.state_dict.<locals>.<lambda>'" named
+    # no key; a worker failed the task CHECKPOINT with it after 276 steps.
+    class Nested(Walk):
+        def state_dict(self) -> dict[str, Any]:
+            return {"moves": self.moves, "inner": {"ok": 1, "f": lambda: 0}}
+
+    with pytest.raises(TypeError, match=r"state_dict\(\)\['inner'\]\['f'\] cannot be saved \((AttributeError|"
+                                        r"PicklingError).*\): keep only data in state_dict"):
+        checkpoint_roundtrip(Nested())
+
+
+def test_run_steps_reads_progress_as_a_worker_does_and_check_resume_refuses_a_task_that_never_finishes(
+    tmp_path: Path,
+) -> None:
+    # Stranger trial: a NaN progress() passed run_steps and failed the task in the worker; check_resume without
+    # steps= ran a task whose done() is SideTask's 100000 steps (2 min 20 s at 1 ms) before saying so.
+    class NanProgress(Walk):
+        def progress(self) -> float:
+            return float("nan")
+
+    with pytest.raises(ValueError, match="progress\\(\\) returned nan: it must be a finite number"):
+        run_steps(NanProgress(), 3, work_dir=tmp_path)
+
+    class Forever(SideTask):
+        def step(self) -> None:
+            pass
+
+    with pytest.raises(ValueError, match="Forever never finishes \\(its done\\(\\) is SideTask's\\): pass steps=N"):
+        check_resume(Forever, stop_after=2, work_dir=tmp_path)
+    check_resume(Forever, stop_after=2, steps=4, work_dir=tmp_path)
+
+
 class DoneOnce(Walk):
     """done() is true the first time it is asked once ``total`` moves are made, and false after."""
 
