@@ -22,6 +22,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from freeride.task import check_saveable
+
 CHECKPOINTS_KEPT = 2
 FORMAT = 1
 
@@ -67,33 +69,6 @@ def _dump(blob: dict[str, Any], fh: Any) -> None:
         sys.modules["torch"].save(blob, fh)
     else:
         pickle.dump(blob, fh, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def check_saveable(state: Any) -> None:
-    """TypeError naming the entry of ``state`` that pickle refuses (``state_dict()['f']``), if one does:
-    "AttributeError: Can't pickle local object ..." named no key of a state of dozens. Plain pickle, in this
-    process: no file, and no torch.save (whose first call imports much of torch: minutes at nice 19 on a busy
-    core)."""
-    try:
-        pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - any refusal: find where
-        where = _unsaveable(state, "state_dict()") or "state_dict()"
-        raise TypeError(f"{where} cannot be saved ({type(exc).__name__}: {exc}): keep only data in state_dict "
-                        "(numbers, strings, lists, dicts, tensors, arrays), not lambdas, locks or open files") from exc
-
-
-def _unsaveable(value: Any, path: str) -> str | None:
-    """The path of the innermost entry of ``value`` that pickle refuses (``state_dict()['f']``), or None."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = _unsaveable(item, f"{path}[{key!r}]")
-            if found is not None:
-                return found
-    try:
-        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - any refusal names this entry
-        return path
-    return None
 
 
 class DiskRefused(Exception):

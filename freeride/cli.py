@@ -160,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A script reading the JSON finds the error there too, not an empty stdout.
             print(json.dumps({"error": str(exc), "exit_code": code}))
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if str(exc):  # where it was (run-task: the task's step it stopped)
+            print(f"freeride: {exc}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return _reader_went_away()

@@ -45,7 +45,7 @@ from typing import Any
 
 import psutil
 
-from freeride import _checkpoints, measure
+from freeride import measure
 from freeride._loading import (
     check_target_syntax,
     construct_task,
@@ -65,7 +65,7 @@ from freeride.devices import (
     worker_device,
 )
 from freeride.errors import ConfigError, FreerideError
-from freeride.task import SideTask, TaskContext, finite_progress
+from freeride.task import SideTask, TaskContext, check_saveable, finite_progress
 from freeride.units import format_mib_apart
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,10 @@ class TaskRunError(FreerideError):
         self.phase = phase
         self.step = step
         self.traceback_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class TaskInterrupted(KeyboardInterrupt):
+    """Ctrl-C while the task's own code ran; ``str()`` says where (the CLI prints it, then exits 130)."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +341,7 @@ def _check_checkpoint(task: SideTask, target: str, steps: int) -> None:
     seconds: a state it cannot save passed ``run-task`` and failed ``CHECKPOINT`` in a manager after hundreds of
     steps."""
     try:
-        _checkpoints.check_saveable(task.state_dict())
+        check_saveable(task.state_dict())
     except _TASK_ERRORS as exc:
         raise TaskRunError(target, "its checkpoint (state_dict(), saved as a manager saves it)", steps,
                            exc) from None
@@ -378,6 +382,9 @@ def _run(
         try:
             task.setup(ctx)
             dev.synchronize()
+        except KeyboardInterrupt:
+            raise TaskInterrupted(f"interrupted in {target}'s setup(), {time.perf_counter() - start:.1f} s into "
+                                  "it") from None
         except ConfigError:
             raise
         except _TASK_ERRORS as exc:
@@ -404,6 +411,10 @@ def _run(
                 dev.synchronize()
             except _TASK_ERRORS as exc:
                 raise TaskRunError(target, "step", len(step_ms), exc) from None
+            except KeyboardInterrupt:  # Ctrl-C on a step that never returns printed nothing (rc 130)
+                raise TaskInterrupted(f"interrupted in step {len(step_ms)} of {target}, "
+                                      f"{time.perf_counter() - t0:.1f} s into it (run-task has no step timeout; a "
+                                      "manager fails a step that runs past its own)") from None
             t1 = time.perf_counter()
             step_ms.append((t1 - t0) * 1000.0)
             if t1 >= next_sample:

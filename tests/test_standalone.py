@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -389,6 +390,23 @@ def _run_task(*argv: str, cwd: Path = TESTS_DIR, timeout: float = 300) -> subpro
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "freeride.cli", "run-task", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def test_ctrl_c_on_a_step_that_never_returns_says_which_step_it_stopped(tmp_path: Path) -> None:
+    # Stranger trial: Ctrl-C on a hung run-task exited 130 and printed nothing.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "freeride.cli", "run-task", "sample_tasks:Hanger", "--arg",
+                             "hang_at=3", "--arg", "log_steps=false", "--memory", "64MiB", "--device", DEVICE,
+                             "--work-dir", str(tmp_path), "--seconds", "600"],
+                            cwd=TESTS_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for((tmp_path / "fault_at").exists, 120, what="the hanging step")
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "freeride: interrupted in step 3 of sample_tasks:Hanger" in err and "run-task has no step timeout" in err
 
 
 def test_run_task_runs_the_task_in_a_process_set_up_as_a_workers(harness: ManagerHarness, tmp_path: Path) -> None:

@@ -94,12 +94,12 @@ class TaskCode:
         self._exits.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._exits.__exit__(None, None, None)
         self._redirect.__exit__(None, None, None)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-        if self.interrupted:
+        if self.interrupted and not isinstance(exc, KeyboardInterrupt):  # one that says where goes on as it is
             raise KeyboardInterrupt
 
 
