@@ -48,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.bench_schedules import side_task  # noqa: E402
 from freeride.measure import bootstrap_interval, median, percentile, t_interval  # noqa: E402
 
 
@@ -94,18 +95,44 @@ def run_trainer(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, An
         "--ab-block", str(args.ab_block), "--warmup", str(args.warmup), "--report",
         "--iteration-log", str(log), "--seed", str(args.seed),
     ]
+    task = side_task(args.side_task) if args.side_task else None
     driver.write_text(textwrap.dedent(f"""
-        import json, subprocess, sys, time
+        import json, os, subprocess, sys, time
         from dataclasses import asdict
         from freeride._wire.client import ControlClient
         from freeride.endpoints import default_endpoint
+        from freeride.messages import TaskSpec
+        task = {task!r}
+
+        def manager_cpu_s():  # every manager's CPU time so far (its process: all its threads)
+            tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    cmd = open(f"/proc/{{pid}}/cmdline", "rb").read().split(b"\\0")
+                    if b"manager" in cmd and b"--device" in cmd:
+                        fields = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()
+                        total += (int(fields[11]) + int(fields[12])) / tick
+                except OSError:
+                    pass
+            return total
+
+        ids = {{}}
+        for device in ("cpu:0", "cpu:1"):
+            if task is not None:
+                with ControlClient(default_endpoint(device)) as c:
+                    ids[device] = c.submit(TaskSpec(target=task["target"], args=task["args"],
+                                                    memory_bytes=task["memory_bytes"], name=task["name"])).task_id
+        cpu_before = manager_cpu_s()
         rc = subprocess.call({trainer!r})
+        cpu_s = manager_cpu_s() - cpu_before
         time.sleep(0.5)
-        doc = {{}}
+        doc = {{"manager_cpu_s": cpu_s}}
         for device in ("cpu:0", "cpu:1"):
             with ControlClient(default_endpoint(device)) as c:
                 doc[device] = {{"bubbles": [asdict(s) for s in c.bubbles()], "stats": asdict(c.stats())}}
-        json.dump(doc, open({str(dump)!r}, "w"))
+                if device in ids:
+                    doc[device]["task"] = asdict(c.get(ids[device]))
+        json.dump(doc, open({str(dump)!r}, "w"), default=str)
         sys.exit(rc)
     """))
     env = dict(os.environ, XDG_RUNTIME_DIR=str(work), OMP_NUM_THREADS="1", FREERIDE_LOG_LEVEL="WARNING",
@@ -304,6 +331,24 @@ def _serving(endpoint: Any) -> bool:
 # ---------------------------------------------------------------- report
 
 
+def _task_text(spec: str) -> str:
+    task = side_task(spec)
+    return f"`{task['target']}` {task['args']}"
+
+
+def _managers_cpu_lines(doc: dict[str, Any]) -> list[str]:
+    """The managers' CPU over the trainer's run, per bubble they were told of: on these two cores it is taken from
+    the ranks (no core is free of one)."""
+    m, cpu_s = doc["managers"], doc.get("manager_cpu_s")
+    if cpu_s is None:
+        return []
+    bubbles = sum(m[d]["stats"]["bubbles"] for d in ("cpu:0", "cpu:1"))
+    harvested = sum(m[d]["stats"]["harvested_s"] for d in ("cpu:0", "cpu:1"))
+    per = f", {1e6 * cpu_s / bubbles:.0f} us per bubble" if bubbles else ""
+    return [f"Managers' CPU over the run (both, every thread): {cpu_s:.2f} s for {bubbles} bubbles{per}; "
+            f"side tasks harvested {harvested:.2f} s."]
+
+
 def write_markdown(path: Path, doc: dict[str, Any]) -> None:
     o, p, h, m = doc["overhead"], doc["prediction"], doc["hot_path"], doc["machine"]
     cfg = doc["config"]
@@ -320,7 +365,10 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
         f"Workload: reference GPT trainer, {cfg['schedule']}, 2 stages (gloo, one core each) x "
         f"{cfg['microbatches']} micro-batches, {cfg['iterations']} iterations, A/B blocks of "
         f"{cfg['ab_block']} (random order per pair), warm-up {cfg['warmup']} iterations excluded. "
-        "One manager per core (freeride launch), no side tasks.",
+        "One manager per core (freeride launch), "
+        + (f"one side task each ({_task_text(cfg['side_task'])}: it runs in the instrumented blocks' bubbles; the "
+           "bare blocks report none)." if cfg.get("side_task") else "no side tasks."),
+        *_managers_cpu_lines(doc),
         "",
         "## Overhead (reporting on, manager up) vs bare, same run, interleaved",
         "",
@@ -402,6 +450,9 @@ def main() -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu"))
+    ap.add_argument("--side-task", default="", help="a side task on each device while the trainer runs: pagerank or "
+                    "spin:US (bench.bench_schedules); default none")
+    ap.add_argument("--results-name", default="instrumentation", help="the results files' name")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="frb-", dir="/tmp"))
     work.chmod(0o700)
@@ -409,6 +460,7 @@ def main() -> int:
         machine = machine_info()
         hot = hot_path_cost(args.microbatches, work)
         records, managers = run_trainer(args, work)
+        manager_cpu_s = managers.pop("manager_cpu_s", None)
         doc = {
             "command": " ".join(["python", "bench/bench_instrumentation.py", *sys.argv[1:]]),
             "unix_time": time.time(),
@@ -419,13 +471,14 @@ def main() -> int:
             "hot_path": hot,
             "prediction": analyse_prediction(records, args.warmup),
             "managers": managers,
+            "manager_cpu_s": manager_cpu_s,
             "trainer_summaries": [r for r in records if r.get("summary")],
         }
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "instrumentation.json").write_text(json.dumps(doc, indent=2) + "\n")
-        write_markdown(out / "instrumentation.md", doc)
-        print((out / "instrumentation.md").read_text())
+        (out / f"{args.results_name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        write_markdown(out / f"{args.results_name}.md", doc)
+        print((out / f"{args.results_name}.md").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -106,6 +106,20 @@ class Hanger(Counter):
         super().step()
 
 
+class ThreadSpinner(Counter):
+    """Steps as a Counter does; ``setup`` starts a thread of its own that computes for ever, between its steps
+    too (a prefetcher that never waits, a stray spinner)."""
+
+    def setup(self, ctx: TaskContext) -> None:
+        super().setup(ctx)
+
+        def spin() -> None:
+            while True:
+                pass
+
+        threading.Thread(target=spin, daemon=True).start()
+
+
 class CheckpointHanger(Counter):
     """Steps as a Counter does; its ``state_dict`` never returns (a checkpoint that hangs)."""
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import selectors
 import signal
 import socket
@@ -59,7 +60,7 @@ from freeride._manager.trace import LoopTrace, TraceWriter
 from freeride._manager.views import Counters, Failures, Views
 from freeride._manager.watchers import Watchers
 from freeride._manager.worker_log import check_limits
-from freeride.devices import Device
+from freeride.devices import Device, DeviceName, parse_device_name
 from freeride.devices.time_slice import LOOP_TIME_SLICE_NS, set_time_slice
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import (
@@ -74,9 +75,16 @@ from freeride.messages import (
     validate_bubble_event,
     validate_layout,
 )
+from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
 
+#: How often the loop reads its parked workers' CPU time (:meth:`ManagerLoop._check_parked_cpu`).
+PARKED_CPU_CHECK_NS = 500_000_000
+#: A parked worker that used this share of the time between two readings, and at least OUTSIDE_GRANTS_MIN_NS (the
+#: little a worker does as it parks is far below), runs threads of its own outside its grants.
+OUTSIDE_GRANTS_SHARE = 0.2
+OUTSIDE_GRANTS_MIN_NS = 50_000_000
 #: The loop wakes at least this often with nothing to do (every event, timer and message wakes it
 #: anyway): a bound on how long a lost wake-up could go unnoticed, not a poll.
 IDLE_WAKE_NS = 1_000_000_000
@@ -147,10 +155,39 @@ class LoopConfig:
 _RECORDS = (C.StateChanged, C.Note)
 
 
+def cores_shared_with_training(device: DeviceName, layout: TrainerLayout, node: str, cores: set[int]) -> set[int]:
+    """The cores a ``cpu:N`` manager may run on, when every one of them computes a stage of ``layout`` (else the
+    empty set: a core is free of ranks, the layout names no devices, or the device is a GPU).
+
+    On a CPU core the manager's own work per bubble (its loop, grants, freezes) runs beside a rank: a manager
+    whose cores all hold ranks takes that CPU from training (found: +45% on two 1F1B ranks of 16 ms iterations
+    with a side task running). On a GPU host the ranks' cores are the host's, not the devices'."""
+    if device.kind != "cpu" or not layout.stage_devices or not cores:
+        return set()
+    ranks = set()
+    for entry in layout.stage_devices:
+        where, sep, name = entry.rpartition("/")
+        if sep and where != node:
+            continue
+        try:
+            stage = parse_device_name(name)
+        except ConfigError:
+            continue
+        if stage.kind == "cpu":
+            ranks.add(stage.index)
+    return set(cores) if cores <= ranks else set()
+
+
 class ManagerLoop:
     def __init__(self, device: Device, config: LoopConfig, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.device = device
         self.config = config
+        self._cores = os.sched_getaffinity(0)  # where this manager's threads may run (workers pin their own)
+        self._said_cores_shared = False
+        #: Parked workers' CPU time at the last reading: task id -> (CPU ns, when, grant id) (_check_parked_cpu).
+        self._parked_cpu: dict[str, tuple[int, int, int]] = {}
+        self._held_parked_tasks: set[str] = set()
+        self._next_parked_check_ns = 0
         self.now_ns = now_ns
         self.core = C.SchedulerCore(config.core)
         try:
@@ -232,8 +269,24 @@ class ManagerLoop:
         if isinstance(event, BubbleStart):
             return C.BubbleStarted(event, received_ns)
         if isinstance(event, TrainerLayout):
+            self._say_if_cores_shared(event)
             return C.LayoutChanged(event, received_ns, event.hosts_stage(str(self.device), self.config.node))
         return C.BubbleEnded(event, received_ns)
+
+    def _say_if_cores_shared(self, layout: TrainerLayout) -> None:
+        """Warn once when every core this manager may run on computes a stage of ``layout`` (``cpu:N`` ranks):
+        its own CPU then comes out of training's (module doc of :func:`cores_shared_with_training`)."""
+        if self._said_cores_shared:
+            return
+        shared = cores_shared_with_training(self.device.name, layout, self.config.node, self._cores)
+        if shared:
+            self._said_cores_shared = True
+            log.warning("[%s] every core this manager may run on (%s) computes a training stage of %s: its own CPU "
+                        "(0.3-0.8 ms per bubble with a side task running, on the test VM) is taken from the ranks "
+                        "(two 1F1B ranks of 16 ms iterations took 23-24 ms: bench/results/cpu/"
+                        "instrumentation-side-task.md). Give the managers a core no rank uses "
+                        "(taskset -c K freeride manager ...)", self.device,
+                        ",".join(map(str, sorted(shared))), layout.describe())
 
     def call(self, request: Request | GetQueueView, timeout_s: float = 10.0) -> Any:
         """Run a request on the loop thread and return its answer (or raise its error)."""
@@ -428,11 +481,40 @@ class ManagerLoop:
 
     def _timers(self) -> None:
         now = self.now_ns()
+        if now >= self._next_parked_check_ns:
+            self._next_parked_check_ns = now + PARKED_CPU_CHECK_NS
+            self._check_parked_cpu(now)
         self.durability.poll(now)
         if self.trace is not None:
             self.trace.poll(now)
         for event in self.workers.poll(now):
             self._dispatch(event)
+
+    def _check_parked_cpu(self, now_ns: int) -> None:
+        """Read the CPU time of every parked worker; one that used :data:`OUTSIDE_GRANTS_SHARE` of the time since
+        the last reading, still parked and granted nothing meanwhile, runs threads of its own between its steps
+        (a prefetcher, a spinner started in setup()): found using 27% of a core, parked, beside the trainer. Its
+        worker is stopped whenever it parks from then on (:meth:`Supervisor.hold_while_parked`)."""
+        readings: dict[str, tuple[int, int, int]] = {}
+        for task in self.core.tasks.values():
+            if task.state is not TaskState.PARKED or task.task_id in self._held_parked_tasks:
+                continue
+            cpu = self.workers.cpu_ns(task.task_id)
+            if cpu is None:
+                continue
+            readings[task.task_id] = (cpu, now_ns, task.grant_id)
+            last = self._parked_cpu.get(task.task_id)
+            if last is None or last[2] != task.grant_id or now_ns <= last[1]:
+                continue
+            used, wall = cpu - last[0], now_ns - last[1]
+            if used >= OUTSIDE_GRANTS_MIN_NS and used >= OUTSIDE_GRANTS_SHARE * wall:
+                self._held_parked_tasks.add(task.task_id)
+                log.warning("[%s task=%s] used %.0f ms of CPU in %.0f ms while parked: threads of its own run "
+                            "between its steps, taking the device from training. Its worker is stopped whenever "
+                            "it parks from now on (start no threads that run outside step(), or stop them before "
+                            "it returns)", self.device, task.task_id, used / 1e6, wall / 1e6)
+                self.workers.hold_while_parked(task.task_id)
+        self._parked_cpu = readings
 
     def _dispatch(self, item: Any) -> None:
         """Route one input: a request, the loop's own control, a component's notice, or a core event."""
@@ -544,6 +626,8 @@ class ManagerLoop:
 
     def _state_changed(self, action: C.StateChanged) -> None:
         tid = action.task_id
+        if action.new is TaskState.PARKED:
+            self.workers.parked(tid)  # stopped until its next message, if its threads ran while parked
         log.debug("[%s task=%s] %s -> %s (%s)", self.device, tid, action.old.value if action.old else "-",
                   action.new.value, action.reason)
         task = self.core.tasks.get(tid)

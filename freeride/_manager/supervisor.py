@@ -108,6 +108,10 @@ class Supervisor:
         self.workers: dict[str, WorkerHandle] = {}
         #: Grants and parks dropped because a worker's channel was full.
         self.messages_dropped = 0
+        #: Tasks whose workers are stopped (SIGSTOP) whenever they park: their own threads ran between grants
+        #: (:meth:`hold_while_parked`); and those stopped now, parked, continued before any message.
+        self._stop_when_parked: set[str] = set()
+        self._held_parked: set[str] = set()
 
     # ------------------------------------------------------------ what the loop asks
 
@@ -127,6 +131,9 @@ class Supervisor:
             return []
         try:
             handle.channel.send(message)
+            if task_id in self._held_parked:  # stopped while parked: it must run to read this
+                self._held_parked.discard(task_id)
+                self._signal(handle, signal.SIGCONT)
         except ChannelFull:
             # The worker is busy (a long step or setup) or frozen: a grant or park it cannot read
             # now is stale by the time it could. The freeze timer and stop timeout still apply.
@@ -144,6 +151,21 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is not None:
             self._signal(handle, sig)
+            if sig == signal.SIGCONT:
+                self._held_parked.discard(task_id)
+
+    def hold_while_parked(self, task_id: str) -> None:
+        """From now on, stop ``task_id``'s worker (SIGSTOP) whenever it parks, and now: its own threads ran
+        between grants, taking the device from training. A message to it (a grant, a stop) continues it."""
+        self._stop_when_parked.add(task_id)
+        self.parked(task_id)
+
+    def parked(self, task_id: str) -> None:
+        """``task_id`` parked: stopped until its next message, where :meth:`hold_while_parked` said so."""
+        handle = self.workers.get(task_id)
+        if handle is not None and task_id in self._stop_when_parked and task_id not in self._held_parked:
+            self._held_parked.add(task_id)
+            self._signal(handle, signal.SIGSTOP)
 
     def freeze(self, task_id: str) -> list[Any]:
         """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
@@ -404,6 +426,8 @@ class Supervisor:
         self._selector.unregister(handle.pidfd)
         os.close(handle.pidfd)
         self.workers.pop(handle.task_id, None)
+        self._stop_when_parked.discard(handle.task_id)
+        self._held_parked.discard(handle.task_id)
         self._forget(handle.task_id)
         for pgid in handle.extra_pgids:  # a command task's own group dies with its worker
             _killpg(pgid, signal.SIGKILL)

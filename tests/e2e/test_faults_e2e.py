@@ -106,6 +106,36 @@ FAULTS = [
 ]
 
 
+def test_a_task_whose_own_thread_runs_while_parked_is_stopped_between_grants_and_still_runs_in_them(
+    make_manager: Callable[..., ManagerHarness],
+) -> None:
+    # Stranger trial: a task whose setup() started a spinning thread was PARKED, "waiting for a bubble", while its
+    # worker took 27% of the core beside the trainer (20 s of CPU against 0.99 s harvested), and nothing said so.
+    from freeride._task_process import process_cpu_ns
+
+    h = make_manager()
+    task = h.submit("sample_tasks:ThreadSpinner", args={"step_ms": 1.0}, name="spinner")
+    feeder = h.feeder()
+    feeder.run_until(lambda: h.client.get(task.task_id).steps >= 3, length_ms=LONG_MS, gap_ms=10, timeout_s=60)
+    pid = h.client.get(task.task_id).pid
+
+    def parked_cpu_ms() -> float:  # the worker's CPU time over 0.5 s, parked with no bubble coming
+        wait_for(lambda: h.client.get(task.task_id).state == "PARKED", 30)
+        before = process_cpu_ns(pid) or 0
+        time.sleep(0.5)  # a measurement window, not a synchronisation
+        return ((process_cpu_ns(pid) or 0) - before) / 1e6
+
+    # The manager reads parked workers' CPU every 0.5 s: within a few readings it is stopped while parked.
+    wait_for(lambda: parked_cpu_ms() < 20, 30, what="the parked worker stopped")
+    steps = h.client.get(task.task_id).steps
+    feeder.run_until(lambda: h.client.get(task.task_id).steps > steps + 2, length_ms=LONG_MS, gap_ms=10,
+                     timeout_s=60)  # granted, it runs: a grant continues it
+    assert parked_cpu_ms() < 20  # and parked again, stopped again
+    feeder.close()
+    h.client.cancel(task.task_id)
+    wait_for(lambda: h.client.get(task.task_id).state == "CANCELLED", 30, what="a stopped worker obeys a cancel")
+
+
 #: A task that goes on: parked, in a grant, or frozen mid-step by the last bubble's end until its next grant
 #: (a step that overran, which a loaded machine makes of any step; CI saw the Spawner frozen there).
 ALIVE = ("PARKED", "RUNNING", "FROZEN")
