@@ -268,14 +268,22 @@ def check_rank_device(device: str | None, rank: int, sink: Any, stage_device: An
     side tasks in its bubbles beside the other rank's compute. So: a ``cpu:N`` device whose core is not among
     the training thread's (where it is pinned at all); a ``cuda:N`` device whose stage's tensors are on another
     GPU (``stage_device``, the framework's ``torch.device``, where the adapter knows it); and a reporter whose
-    ``stage`` is another pipeline rank's (its bubbles were listed as that stage's).
+    ``stage`` is another pipeline rank's (its bubbles were listed as that stage's). A ``cpu:N`` rank that reports
+    and may run on other cores too is warned about (one line): its waits are core N's idle time only while it
+    computes there.
     """
     if device is not None and device.startswith("cpu:"):
         cores = os.sched_getaffinity(0)
-        if int(device.split(":")[1]) not in cores:
-            listed = ", ".join(map(str, sorted(cores)))
+        core = int(device.split(":")[1])
+        listed = ", ".join(map(str, sorted(cores)))
+        if core not in cores:
             raise ConfigError(f"this rank's device is {device}, and it runs on core(s) {listed} only: "
                               "name the core it trains on, as cpu:N (its bubbles are that core's idle time)")
+        if len(cores) > 1 and sink is not None:  # accepted without a word: side tasks then ran beside its compute
+            log.warning("this rank's device is %s, and its training thread may run on cores %s: its waits are %s's "
+                        "idle time only while it computes on core %d, and side tasks there meet it when it moves. "
+                        "Pin it to its core (os.sched_setaffinity(0, {%d}) before training)", device, listed, device,
+                        core, core)
     if device is not None and device.startswith("cuda:") and getattr(stage_device, "type", None) == "cuda":
         stage_on = torch_device_name(stage_device)
         if stage_on != device:

@@ -456,6 +456,27 @@ def test_kept_shapes_give_a_shape_its_tracker_back_with_its_layout_rearmed_and_c
     assert four.closed and eight.closed
 
 
+def test_a_reporting_cpu_rank_that_may_run_on_other_cores_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stranger trial: an unpinned rank (affinity {0, 1}) naming cpu:0 was accepted silently; side tasks on core 0
+    # then met it wherever it computed.
+    import os
+
+    from freeride.training import tracker as tracker_module
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    sink = object()
+    with caplog.at_level(logging.WARNING, logger="freeride.training.tracker"):
+        tracker_module.check_rank_device("cpu:0", 0, sink)
+        tracker_module.check_rank_device("cpu:0", 0, None)  # measuring only: nothing is harvested beside it
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        tracker_module.check_rank_device("cpu:0", 0, sink)  # pinned
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "this rank's device is cpu:0, and its training thread may run on cores 0, 1" in said
+    assert "os.sched_setaffinity(0, {0})" in said
+
+
 def test_a_device_or_stage_that_is_not_where_the_rank_trains_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # Stranger trial: rank 0, pinned to core 0, reported as cpu:1 (and rank 1 as cpu:0) without a word; each
     # manager ran side tasks in the other rank's bubbles, beside that rank's compute.
