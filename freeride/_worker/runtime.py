@@ -556,8 +556,10 @@ class WorkerRuntime:
             return
         if errors:
             raise _TaskError(
-                "CHECKPOINT", "restoring a checkpoint", RuntimeError("no checkpoint is readable: " + "; ".join(errors))
-            )
+                "CHECKPOINT", "restoring a checkpoint",
+                RuntimeError("no checkpoint is readable: " + "; ".join(errors) + ". The task cannot resume: put a "
+                             f"good checkpoint back in {self.checkpoint_dir}, or cancel it and submit it again to "
+                             "start over"))
 
     def _maybe_checkpoint(self, deadline: int, margin: int) -> None:
         now = time.monotonic_ns()
