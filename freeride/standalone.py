@@ -66,7 +66,7 @@ from freeride.devices import (
 )
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext, check_saveable, finite_progress
-from freeride.units import format_mib_apart
+from freeride.units import format_mib_apart, over_device_text
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +308,9 @@ def run_standalone(
                      else _default_limit(cls, target, args, dev))
             if limit <= 0:
                 raise ConfigError(f"memory limit must be positive, got {limit}")
+            total = dev.total_memory_bytes()
+            if total and limit > total:  # as submit refuses it
+                raise ConfigError(over_device_text(limit, name, total))
             if prepare_device:
                 # Then the rest of a worker's preparation: nice 19, and on a GPU the context and the one cap.
                 # The priority waits for the import: it changes when this process gets its core, not how its

@@ -100,3 +100,10 @@ def format_mib_apart(used: int | float, cap: int | float) -> tuple[str, str]:
         if a != b or used == cap:
             return a, b
     return f"{int(used)} B", f"{int(cap)} B"
+
+
+def over_device_text(memory_bytes: int, device: object, total_bytes: int) -> str:
+    """Why a cap over the device's whole memory is refused, worded alike by ``submit`` and ``run-task`` (which
+    ran a 1 TiB cap on a 24 GiB host that ``submit`` refused)."""
+    return (f"memory {format_size(memory_bytes)} is more than {device} has in all ({format_size(total_bytes)}): the "
+            "task could never be placed")

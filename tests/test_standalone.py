@@ -206,6 +206,13 @@ def test_a_state_a_manager_could_not_checkpoint_fails_the_run_naming_its_entry()
         run_standalone(f"{__name__}:Unsaveable", {}, DEVICE, 10.0, 1 << 30, None, max_steps=3)
 
 
+def test_a_cap_over_the_whole_device_is_refused_as_submit_refuses_it() -> None:
+    # Stranger trial: run-task ran with a 1 TiB cap on a 24 GiB host; submit refused it.
+    with pytest.raises(ConfigError, match=rf"memory 1.0 TiB is more than {DEVICE} has in all \(.* GiB\): the task "
+                                          "could never be placed"):
+        run_standalone(f"{__name__}:EndlessTask", {}, DEVICE, 10.0, 2**40, None, max_steps=1)
+
+
 def test_an_estimate_memory_that_raises_is_a_one_line_config_error_as_submit_words_it() -> None:
     with pytest.raises(ConfigError, match=r"RaisingEstimate.estimate_memory raised KeyError: 'size_mib'"):
         run_standalone(f"{__name__}:RaisingEstimate", {}, DEVICE, 10.0, None, None, max_steps=3)

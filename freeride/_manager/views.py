@@ -27,7 +27,7 @@ from freeride.devices.cuda import MIN_ALLOCATOR_BYTES
 from freeride.errors import RequestRejected, TaskNotFound
 from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
-from freeride.units import format_mib
+from freeride.units import over_device_text
 
 
 class Failures:
@@ -110,10 +110,7 @@ class Views:
             raise RequestRejected("the manager is draining and accepts no new tasks")
         total = self.device.total_memory_bytes()
         if total and spec.memory_bytes > total:
-            raise RequestRejected(
-                f"memory {format_mib(spec.memory_bytes)} is more than {self.device} has in all "
-                f"({format_mib(total)}): the task could never be placed"
-            )
+            raise RequestRejected(over_device_text(spec.memory_bytes, self.device, total))
         context = self.core.context_bytes
         if context and spec.memory_bytes < context + MIN_ALLOCATOR_BYTES:
             raise RequestRejected(

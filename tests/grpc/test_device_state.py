@@ -71,6 +71,6 @@ def test_a_cap_below_the_measured_cuda_context_is_refused_at_submit_with_the_fig
 def test_a_cap_above_all_the_gpus_memory_is_refused_at_submit(gpu_manager: tuple[Manager, FakeNvml]) -> None:
     manager, _ = gpu_manager
     with ControlClient(manager.endpoint) as client, pytest.raises(
-            RequestRejected, match=r"memory 102400 MiB is more than cuda:0 has in all \(81920 MiB\)"):
+            RequestRejected, match=r"memory 100.0 GiB is more than cuda:0 has in all \(80.0 GiB\)"):
         client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=100 * 1024 * MiB,
                                working_dir=str(TESTS_DIR)))
