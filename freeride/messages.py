@@ -351,6 +351,8 @@ class TaskInfo(ShowsProgress):
     updated_unix_s: float = 0.0
     failure: FailureRecord | None = None
     pid: int = 0
+    #: Its directory on the manager's host: ``work/`` (what it writes), ``worker.log``, its checkpoints ("" unknown).
+    task_dir: str = ""
 
 
 @dataclass(frozen=True)

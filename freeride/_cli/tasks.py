@@ -424,6 +424,8 @@ def render_task(info: TaskInfo, draining: bool = False) -> str:
         fields.insert(4, ("directory", spec.working_dir))
     if spec.step_time_hint_ms:
         fields.append(("step hint", format_ms(spec.step_time_hint_ms)))
+    if info.task_dir:  # there was no way from the CLI to find a task's outputs or its log
+        fields += [("outputs", f"{info.task_dir}/work"), ("log", f"{info.task_dir}/worker.log")]
     if info.waiting_reason:
         fields.append(("waiting", info.waiting_reason))
     text = "\n".join(f"{key + ':':<11} {value}" for key, value in fields)

@@ -221,7 +221,7 @@ class ManagerLoop:
         self.cluster = ClusterBridge(self.core, self.durability.records, self.paths, cluster_epochs, str(device),
                                      config.node, self.failures.of)
         self.views = Views(self.core, device, self.durability, self.cluster, self.failures, self.workers.pid,
-                           self._counters, config.core.margin_ns, now_ns)
+                           self._counters, config.core.margin_ns, now_ns, self.paths.task_dir)
         self.watchers = Watchers()
         self.ends = EndPath(now_ns)
         self.trace = (LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns, self.workers.cpu_ns)

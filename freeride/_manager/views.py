@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from freeride._cluster.records import GetQueueView
@@ -70,7 +71,8 @@ class Reply:
 class Views:
     def __init__(self, core: C.SchedulerCore, device: Device, durability: Durability, cluster: ClusterBridge,
                  failures: Failures, pid_of: Callable[[str], int], counters: Callable[[], Counters],
-                 margin_ns: int, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 margin_ns: int, now_ns: Callable[[], int] = time.monotonic_ns,
+                 task_dir: Callable[[str], Path] | None = None) -> None:
         self.core = core
         self.device = device
         self.durability = durability
@@ -81,6 +83,7 @@ class Views:
         self._counters = counters
         self._margin_ns = margin_ns
         self.now_ns = now_ns  # the loop's clock (the core's times are on it)
+        self._task_dir = task_dir
 
     def answer(self, request: Any) -> Reply:
         if isinstance(request, SubmitTask):
@@ -125,16 +128,17 @@ class Views:
         if meta is None:
             raise TaskNotFound(f"no task {task_id!r} on this manager")
         task = self.core.tasks.get(task_id)
+        where = str(self._task_dir(task_id)) if self._task_dir is not None else ""
         if task is None:  # terminal before this manager started
             return TaskInfo(task_id=task_id, spec=meta.spec, state=meta.state, figures=meta.figures,
                             submitted_unix_s=meta.submitted_unix_s, updated_unix_s=meta.updated_unix_s,
-                            failure=meta.failure)
+                            failure=meta.failure, task_dir=where)
         p50 = task.estimator.median_ns()
         return TaskInfo(
             task_id=task_id, spec=task.spec, state=task.state.value, figures=figures_of(task),
             step_p50_ms=(p50 or 0) / 1e6, waiting_reason=self.core.waiting_reason(task),
             submitted_unix_s=meta.submitted_unix_s, updated_unix_s=time.time(), failure=self.failures.of(task),
-            pid=self._pid_of(task_id),
+            pid=self._pid_of(task_id), task_dir=where,
         )
 
     def list(self, include_finished: bool) -> list[TaskInfo]:

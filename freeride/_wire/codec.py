@@ -177,6 +177,7 @@ def task_info_to_pb(info: TaskInfo) -> _pb.TaskInfo:
         waiting_reason=info.waiting_reason, submitted_unix_s=info.submitted_unix_s,
         updated_unix_s=info.updated_unix_s, pid=info.pid, working_dir=spec.working_dir,
         checkpoint_interval_s=spec.checkpoint_interval_s, step_time_hint_ms=spec.step_time_hint_ms,
+        task_dir=info.task_dir,
     )
     if info.failure is not None:
         msg.has_failure = True
@@ -196,7 +197,7 @@ def task_info_from_pb(msg: _pb.TaskInfo) -> TaskInfo:
         task_id=msg.task_id, spec=spec, state=msg.state, figures=figures, step_p50_ms=msg.step_p50_ms,
         waiting_reason=msg.waiting_reason, submitted_unix_s=msg.submitted_unix_s,
         updated_unix_s=msg.updated_unix_s, failure=_failure_from_pb(msg.failure) if msg.has_failure else None,
-        pid=msg.pid,
+        pid=msg.pid, task_dir=msg.task_dir,
     )
 
 

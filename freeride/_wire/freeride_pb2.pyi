@@ -153,7 +153,7 @@ class Failure(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., signal: _Optional[int] = ..., step: _Optional[int] = ..., traceback: _Optional[str] = ..., log_tail: _Optional[str] = ..., at_unix_s: _Optional[float] = ...) -> None: ...
 
 class TaskInfo(_message.Message):
-    __slots__ = ("task_id", "name", "target", "command", "state", "priority", "memory_bytes", "steps", "progress", "progress_unit", "step_p50_ms", "step_p95_ms", "harvested_s", "overruns", "checkpoint_step", "waiting_reason", "submitted_unix_s", "updated_unix_s", "failure", "has_failure", "pid", "args_json", "restarts", "working_dir", "checkpoint_interval_s", "step_time_hint_ms")
+    __slots__ = ("task_id", "name", "target", "command", "state", "priority", "memory_bytes", "steps", "progress", "progress_unit", "step_p50_ms", "step_p95_ms", "harvested_s", "overruns", "checkpoint_step", "waiting_reason", "submitted_unix_s", "updated_unix_s", "failure", "has_failure", "pid", "args_json", "restarts", "working_dir", "checkpoint_interval_s", "step_time_hint_ms", "task_dir")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class TaskInfo(_message.Message):
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_HINT_MS_FIELD_NUMBER: _ClassVar[int]
+    TASK_DIR_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     name: str
     target: str
@@ -206,7 +207,8 @@ class TaskInfo(_message.Message):
     working_dir: str
     checkpoint_interval_s: float
     step_time_hint_ms: float
-    def __init__(self, task_id: _Optional[str] = ..., name: _Optional[str] = ..., target: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., state: _Optional[str] = ..., priority: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., progress: _Optional[float] = ..., progress_unit: _Optional[str] = ..., step_p50_ms: _Optional[float] = ..., step_p95_ms: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., waiting_reason: _Optional[str] = ..., submitted_unix_s: _Optional[float] = ..., updated_unix_s: _Optional[float] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., has_failure: _Optional[bool] = ..., pid: _Optional[int] = ..., args_json: _Optional[str] = ..., restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., checkpoint_interval_s: _Optional[float] = ..., step_time_hint_ms: _Optional[float] = ...) -> None: ...
+    task_dir: str
+    def __init__(self, task_id: _Optional[str] = ..., name: _Optional[str] = ..., target: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., state: _Optional[str] = ..., priority: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., progress: _Optional[float] = ..., progress_unit: _Optional[str] = ..., step_p50_ms: _Optional[float] = ..., step_p95_ms: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., waiting_reason: _Optional[str] = ..., submitted_unix_s: _Optional[float] = ..., updated_unix_s: _Optional[float] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., has_failure: _Optional[bool] = ..., pid: _Optional[int] = ..., args_json: _Optional[str] = ..., restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., checkpoint_interval_s: _Optional[float] = ..., step_time_hint_ms: _Optional[float] = ..., task_dir: _Optional[str] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("tasks",)

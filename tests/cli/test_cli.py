@@ -134,6 +134,12 @@ def test_submit_ls_show_cancel_stats_round_trip(
     assert "priority:   3" in out
     assert "waiting:    no bubble reported yet" in out
     assert "failure:" not in out
+    # Stranger trial: no command said where a task's outputs and log are.
+    task_dir = manager.loop.task_dir(task_id)
+    assert f"outputs:    {task_dir}/work\n" in out and f"log:        {task_dir}/worker.log\n" in out
+    assert (task_dir / "worker.log").exists() and (task_dir / "work").is_dir()
+    code, out, err = run_cli(capsys, "show", task_id, *ep, "--json")
+    assert json.loads(out)["task_dir"] == str(task_dir)
 
     code, out, err = run_cli(capsys, "cancel", task_id, *ep)
     assert code == EXIT_OK, err

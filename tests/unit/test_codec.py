@@ -53,7 +53,7 @@ INFO = TaskInfo(
     figures=TaskProgress(steps=40, progress=4.5, progress_unit="iterations", harvested_s=2.5, overruns=3, restarts=1,
                          checkpoint_step=30, step_p95_ms=1.75),
     step_p50_ms=1.25, waiting_reason="needs 256 MiB", submitted_unix_s=10.5, updated_unix_s=11.5, failure=FAILURE,
-    pid=4242,
+    pid=4242, task_dir="/state/tasks/pr-7",
 )
 STATS = ManagerStats(
     device="cuda:0", uptime_s=1.5, bubbles=2, bubble_time_s=3.5, granted_s=4.5, harvested_s=5.5, overruns=6,
@@ -74,6 +74,7 @@ COMMAND_INFO = TaskInfo(
     state="PARKED", figures=TaskProgress(steps=1, progress=1.0, progress_unit="s", harvested_s=0.5, overruns=1,
                                          restarts=1, checkpoint_step=1, step_p95_ms=1.0),
     step_p50_ms=0.5, waiting_reason="w", submitted_unix_s=1.0, updated_unix_s=2.0, failure=FAILURE, pid=1,
+    task_dir="/state/tasks/c-8",
 )
 
 # (name, message, encode, decode)
