@@ -56,7 +56,7 @@ def test_every_call_answers_while_serving_draining_drained_and_stopping(harness:
     wait_for(lambda: (work / "checkpointing").exists(), what="the worker to begin its checkpoint")
     every_query(client)
     assert client.stats().draining
-    with pytest.raises(RequestRejected, match="draining"):
+    with pytest.raises(RequestRejected, match="draining .* submit once a manager is started on this device again"):
         client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=2**20))
     with pytest.raises(DrainIncomplete):
         client.drain(timeout_s=0.2)  # a second waiter while the first drain is under way
