@@ -282,7 +282,8 @@ class ManagerLoop:
         if shared:
             self._said_cores_shared = True
             log.warning("[%s] every core this manager may run on (%s) computes a training stage of %s: its own CPU "
-                        "(0.3-0.8 ms per bubble with a side task running, on the test VM) is taken from the ranks "
+                        "(0.4-1 ms per bubble on the 2-core test VM: 1 ms with a side task running) is taken from "
+                        "the ranks "
                         "(two 1F1B ranks of 16 ms iterations took 23-24 ms: bench/results/cpu/"
                         "instrumentation-side-task.md). Give the managers a core no rank uses "
                         "(taskset -c K freeride manager ...)", self.device,
