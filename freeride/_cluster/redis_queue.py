@@ -301,7 +301,8 @@ class RedisQueue:
     def sweep(self, me: str, lease_ms: int, sweep_every_ms: int, now_unix: float) -> Sweep:
         """Move tasks whose holder's lease expired back to the waiting room (see :class:`Sweep`)."""
         status, moved, aside, grace_ms, fresh = self._run(
-            "sweep", [self.stream_key, self.waiting_key, self.sweeper_key, self.clock_key, self.aside_key],
+            "sweep", [self.stream_key, self.waiting_key, self.sweeper_key, self.clock_key, self.aside_key,
+                      self.index_key],
             [self.task_prefix, GROUP, QUEUE_CONSUMER, lease_ms, me, sweep_every_ms, repr(now_unix)])
         return Sweep(_text(status), int(moved), int(aside), int(grace_ms), bool(int(fresh)))
 

@@ -133,7 +133,7 @@ end
 -- Take out of a sorted set (the index, the waiting room) every member longer than any task id, and record
 -- each in the dead-letter hash by its first bytes: every reader of the set would otherwise fetch its whole
 -- length, at every poll. Cheap when there is none: a set whose size allows no such member is not walked.
-local function tidy(set, aside, what, now)
+local function tidy(set, aside, what, tag, now)
   local n = redis.call('ZCARD', set)
   if n == 0 then return 0 end
   local bytes = redis.call('MEMORY', 'USAGE', set, 'SAMPLES', '0')
@@ -143,7 +143,7 @@ local function tidy(set, aside, what, now)
     local m = redis.call('ZRANGE', set, i, i)[1]
     if m and #m > MAX_ID then
       redis.call('ZREMRANGEBYRANK', set, i, i)
-      redis.call('HSET', aside, 'member:' .. string.sub(m, 1, 24) .. '...',
+      redis.call('HSET', aside, 'member:' .. tag .. ':' .. string.sub(m, 1, 24) .. '...',
                  cjson.encode({reason = what .. ' held a member of ' .. #m .. ' bytes, longer than any task id: ' ..
                                'taken out, its first 24 bytes kept as this name', at_unix = tonumber(now) or 0,
                                entry = ''}))
@@ -249,13 +249,14 @@ intake(KEYS[4], KEYS[3], KEYS[5], ARGV[1], ARGV[3], ARGV[4], ARGV[5])
 return {tid, entry}
 """
 
-# KEYS: stream, waiting, sweeper lock, clock, aside.
+# KEYS: stream, waiting, sweeper lock, clock, aside, index.
 # ARGV: prefix, group, queue, lease_ms, me, sweep_every_ms, now_unix.
 # Returns {status, moved, set aside, ms of grace left, 1 if contact (re)started now}; status is 'busy'
 # (another manager swept within sweep_every_ms), 'grace' or 'swept'.
 SWEEP = "redis.replicate_commands()\n" + _PRELUDE + _CLOCK + """
 local aside = intake(KEYS[1], KEYS[2], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[7])
 if not redis.call('SET', KEYS[3], ARGV[5], 'NX', 'PX', ARGV[6]) then return {'busy', 0, aside, 0, 0} end
+aside = aside + tidy(KEYS[6], KEYS[5], 'the index', 'index', ARGV[7])  -- what no manager reads: the listings do
 local lease = tonumber(ARGV[4])
 local up, fresh = contact(KEYS[4], lease)
 if up < lease then return {'grace', 0, aside, lease - up, fresh} end
@@ -308,7 +309,7 @@ return {'swept', moved, aside, 0, fresh}
 # The head of the waiting room, for placement: {depth, set aside, ids, rows}; each row is the placement
 # fields (HMGET) or, for a record that cannot be read here, why (a string).
 PEEK = _PRELUDE + """
-tidy(KEYS[2], KEYS[3], 'the waiting room', ARGV[3])
+tidy(KEYS[2], KEYS[3], 'the waiting room', 'waiting', ARGV[3])
 local ids = redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[2]) - 1)
 local fields = {}
 for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
@@ -332,7 +333,7 @@ return {redis.call('ZCARD', KEYS[2]), redis.call('HLEN', KEYS[3]), ids, rows}
 # and the state of each one over MAX_RECORD ('' for the rest): a listing fetches the records it can read,
 # and none that would cost it their whole size.
 LIST = _PRELUDE + """
-tidy(KEYS[1], KEYS[2], 'the index', ARGV[2])
+tidy(KEYS[1], KEYS[2], 'the index', 'index', ARGV[2])
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 local sizes, states = {}, {}
 for i, tid in ipairs(ids) do
@@ -444,6 +445,10 @@ return 1
 # Returns 1 if set aside, 0 if not.
 ASIDE = _PRELUDE + """
 local key = KEYS[3]
+if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 1 then  -- another manager set it aside first
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  return 0
+end
 if ARGV[5] ~= '' then
   if not holds(key, ARGV[5], ARGV[6]) then return 0 end
 elseif is_hash(key) then

@@ -178,6 +178,17 @@ def cores_shared_with_training(device: DeviceName, layout: TrainerLayout, node: 
     return set(cores) if cores <= ranks else set()
 
 
+def cores_with_cpu_managers(sockets: Path, cores: set[int]) -> set[int]:
+    """``cores`` when each has a ``cpu:K`` manager's default socket in ``sockets`` (else the empty set).
+
+    The adapters report no stage-to-device map (a rank knows its own device only), and one rank per ``cpu:K``
+    manager is how a CPU job runs: cores that each have a manager beside this one are taken for ranks' cores.
+    No warning reached a user of two ranks and two unpinned managers, whose layouts named no devices."""
+    if cores and all((sockets / f"cpu-{core}.sock").exists() for core in cores):
+        return set(cores)
+    return set()
+
+
 class ManagerLoop:
     def __init__(self, device: Device, config: LoopConfig, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.device = device
@@ -279,15 +290,16 @@ class ManagerLoop:
         if self._said_cores_shared:
             return
         shared = cores_shared_with_training(self.device.name, layout, self.config.node, self._cores)
+        if not shared and self.device.name.kind == "cpu" and self.config.end_board_path is not None:
+            shared = cores_with_cpu_managers(self.config.end_board_path.parent, self._cores)
         if shared:
             self._said_cores_shared = True
-            log.warning("[%s] every core this manager may run on (%s) computes a training stage of %s: its own CPU "
-                        "(0.4-1 ms per bubble on the 2-core test VM: 1 ms with a side task running) is taken from "
-                        "the ranks "
-                        "(two 1F1B ranks of 16 ms iterations took 23-24 ms: bench/results/cpu/"
-                        "instrumentation-side-task.md). Give the managers a core no rank uses "
-                        "(taskset -c K freeride manager ...)", self.device,
-                        ",".join(map(str, sorted(shared))), layout.describe())
+            log.warning("[%s] every core this manager may run on (%s) is a training rank's (%s): its own CPU "
+                        "(0.4-1 ms per bubble on the 2-core test VM, 1 ms with a side task running) is taken from "
+                        "the ranks: two 1F1B ranks ran +10%% slower at 45 ms iterations, +45-93%% at 16-19 ms "
+                        "(bench/results/cpu/instrumentation-side-task.md). Give the managers a core no rank uses "
+                        "(taskset -c K freeride manager ...)", self.device, ",".join(map(str, sorted(shared))),
+                        layout.describe())
 
     def call(self, request: Request | GetQueueView, timeout_s: float = 10.0) -> Any:
         """Run a request on the loop thread and return its answer (or raise its error)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from freeride._manager.loop import cores_shared_with_training
+from freeride._manager.loop import cores_shared_with_training, cores_with_cpu_managers
 from freeride.devices import parse_device_name
 from freeride.messages import TrainerLayout
 
@@ -28,3 +30,13 @@ def test_a_manager_is_said_to_share_its_cores_only_when_every_one_computes_a_sta
     device: str, devices: tuple[str, ...], cores: set[int], shared: set[int]
 ) -> None:
     assert cores_shared_with_training(parse_device_name(device), _layout(*devices), "n1", cores) == shared
+
+
+def test_cores_that_each_have_a_cpu_managers_socket_are_taken_for_ranks_cores(tmp_path: Path) -> None:
+    # Verifier: the layouts the adapters report name no devices, so no manager of two unpinned ranks ever warned.
+    (tmp_path / "cpu-0.sock").touch()
+    (tmp_path / "cpu-1.sock").touch()
+    assert cores_with_cpu_managers(tmp_path, {0, 1}) == {0, 1}
+    assert cores_with_cpu_managers(tmp_path, {0, 1, 2}) == set()  # core 2 has no manager: likely free
+    assert cores_with_cpu_managers(tmp_path, {2}) == set()  # pinned off the ranks
+    assert cores_with_cpu_managers(tmp_path, set()) == set()
