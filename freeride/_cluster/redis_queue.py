@@ -408,7 +408,7 @@ class RedisQueue:
         managers gone longer than a day are dropped here."""
         entry = json.dumps({
             "where": where, "total_bytes": int(capacity.total_bytes), "lease_ms": int(lease_ms), "at_unix": now_unix,
-            "held": int(held), "capacity": {k: v for k, v in dataclasses.asdict(capacity).items()},
+            "held": int(held), "capacity": dataclasses.asdict(capacity),
         })
         with redis_errors(self.url):
             self._r.hset(self.devices_key, me, entry)

@@ -129,11 +129,11 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is None or handle.closed:
             return []
+        if task_id in self._held_parked:  # stopped while parked: it must run to read this (and to drain its channel)
+            self._held_parked.discard(task_id)
+            self._signal(handle, signal.SIGCONT)
         try:
             handle.channel.send(message)
-            if task_id in self._held_parked:  # stopped while parked: it must run to read this
-                self._held_parked.discard(task_id)
-                self._signal(handle, signal.SIGCONT)
         except ChannelFull:
             # The worker is busy (a long step or setup) or frozen: a grant or park it cannot read
             # now is stale by the time it could. The freeze timer and stop timeout still apply.
