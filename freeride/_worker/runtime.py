@@ -95,6 +95,10 @@ EXIT_SETUP_FAILED = 2
 _TASK_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 
 
+#: The phase of a failure to read any checkpoint back (:meth:`WorkerRuntime._restore`).
+RESTORING = "restoring a checkpoint"
+
+
 class _TaskError(Exception):
     """Wraps an exception raised by task code, with where it happened."""
 
@@ -556,7 +560,7 @@ class WorkerRuntime:
             return
         if errors:
             raise _TaskError(
-                "CHECKPOINT", "restoring a checkpoint",
+                "CHECKPOINT", RESTORING,
                 RuntimeError("no checkpoint is readable: " + "; ".join(errors) + ". The task cannot resume: put a "
                              f"good checkpoint back in {self.checkpoint_dir}, or cancel it and submit it again to "
                              "start over"))
@@ -637,7 +641,9 @@ class WorkerRuntime:
                 kind=err.kind,
                 message=str(err)[:2000],
                 traceback=err.tb[-8000:],
-                step=self.steps,
+                # No step of its own: a restore fails before the first step (it read "at step: 0" of a task
+                # whose progress was 1985).
+                step=-1 if err.phase == RESTORING else self.steps,
                 total_steps=self.steps,
                 progress=progress,
                 durations_ns=tuple(self._grant_durations),

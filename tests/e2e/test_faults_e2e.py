@@ -406,8 +406,9 @@ def test_corrupt_checkpoint_on_disk_falls_back_to_the_previous_one_or_fails_sayi
                 assert failure is not None and failure.kind == "CHECKPOINT"
                 assert "no checkpoint is readable" in failure.message
                 assert all(p.name in failure.message for p in checkpoints)
-                # Stranger trial: it did not say what to do.
+                # Stranger trial: it did not say what to do, and read "at step: 0" of a task whose progress was 1985.
                 assert "cancel it and submit it again to start over" in failure.message
+                assert failure.step == -1
     finally:
         manager.stop()
 
