@@ -120,7 +120,10 @@ def test_a_task_whose_own_thread_runs_while_parked_is_stopped_between_grants_and
     pid = h.client.get(task.task_id).pid
 
     def parked_cpu_ms() -> float:  # the worker's CPU time over 0.5 s, parked with no bubble coming
-        wait_for(lambda: h.client.get(task.task_id).state == "PARKED", 30)
+        # A step the last bubble's end caught (any step, on a loaded machine) stays FROZEN until a grant thaws it:
+        # bubbles come until the task parked at one's end (CI saw it FROZEN for the whole wait).
+        feeder.run_until(lambda: h.client.get(task.task_id).state == "PARKED", length_ms=LONG_MS, gap_ms=10,
+                         timeout_s=60)
         before = process_cpu_ns(pid) or 0
         time.sleep(0.5)  # a measurement window, not a synchronisation
         return ((process_cpu_ns(pid) or 0) - before) / 1e6
