@@ -156,13 +156,16 @@ class TrainerLayout:
         An entry ``node/device`` names a device on a node; a bare ``device`` matches any node, so a
         single-node job may leave nodes out.
         """
-        if not self.stage_devices:
-            return True
+        return not self.stage_devices or device in self.devices_on(node)
+
+    def devices_on(self, node: str) -> list[str]:
+        """The devices of ``node`` that run a stage: entries ``node/device``, and bare ``device`` ones."""
+        out = []
         for entry in self.stage_devices:
             where, sep, dev = entry.rpartition("/")
-            if dev == device and (not sep or where == node):
-                return True
-        return False
+            if not sep or where == node:
+                out.append(dev)
+        return out
 
 
 TrainerEvent = BubbleStart | BubbleEnd | TrainerLayout

@@ -107,3 +107,9 @@ def over_device_text(memory_bytes: int, device: object, total_bytes: int) -> str
     ran a 1 TiB cap on a 24 GiB host that ``submit`` refused)."""
     return (f"memory {format_size(memory_bytes)} is more than {device} has in all ({format_size(total_bytes)}): the "
             "task could never be placed")
+
+
+def format_p99_ms(value_ms: float | None) -> str:
+    """A latency percentile as the reports print it: ``1.69 ms``, or ``-`` where none was measured (None: a
+    distribution with no sample read 0.00 ms, as if measured)."""
+    return "-" if value_ms is None else f"{value_ms:.2f} ms"

@@ -38,6 +38,7 @@ from freeride.measure import (
     paired_overhead,
     t_interval,
 )
+from freeride.units import format_p99_ms
 
 ALONE, MANAGERS, TASKS = "alone", "managers", "tasks"
 MODES = (ALONE, MANAGERS, TASKS)
@@ -292,8 +293,8 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
                    "run gives (it runs in them), or steps that fit no bubble? `freeride run-task` times both")
     if summary.get("finished"):
         out.append(f"  finished during a run (its work stopped there): {', '.join(summary['finished'])}")
-    out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {_p99(summary['overrun_p99_ms'])}; "
-               f"grant p99 {_p99(summary['grant_p99_ms'])}, park p99 {_p99(summary['park_p99_ms'])}")
+    out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {format_p99_ms(summary['overrun_p99_ms'])}; "
+               f"grant p99 {format_p99_ms(summary['grant_p99_ms'])}, park p99 {format_p99_ms(summary['park_p99_ms'])}")
     out += ["", f"  saving = {SAVING_TEXT}", "  at price ratio r (an hour of a training device / an hour of a "
             "dedicated device that does the side work as fast):"]
     for key, iv in summary["saving"].items():
@@ -310,7 +311,3 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
                    "overhead 0): more trials (--min-trials) resolve it")
     return out
 
-
-def _p99(value_ms: float | None) -> str:
-    """A p99 as the summary prints it; "-" where none was measured (a grant p99 of 0.00 ms read as measured)."""
-    return "-" if value_ms is None else f"{value_ms:.2f} ms"

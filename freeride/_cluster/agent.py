@@ -192,6 +192,7 @@ class QueueAgent:
         self._claimed_at = -math.inf  # when it last claimed (``QueueConfig.spread_ms``)
         self._handed_over: dict[str, float] = {}  # task id -> until when it is not claimed back (:meth:`_hand_over`)
         self._handed_over_at = -math.inf
+        self._peers: list[Any] = []  # the other managers, as the last announce read them
         self._given_to: dict[str, tuple[str, float]] = {}  # task id handed over -> (the manager it was for, until)
         self._passed_over: dict[str, float] = {}  # manager that did not take one -> until when it is handed none
         self._in_grace = False
@@ -329,8 +330,8 @@ class QueueAgent:
         if view is None:
             return
         if beat:  # this device's size and room, for submit --queue and for managers holding more than it
-            self._queue.announce(self.me, self.where, view.capacity, len(self._held), self.config.lease_ms,
-                                 time.time())
+            self._peers = self._queue.announce(self.me, self.where, view.capacity, len(self._held),
+                                               self.config.lease_ms, time.time())
         self._write_progress(view)
         self._hand_back_waiting(view, now)
         if beat:
@@ -475,24 +476,15 @@ class QueueAgent:
         all, leaves it to be claimed again, and is not handed another for :data:`PASSED_OVER_LEASES` leases: a task
         must not shuttle between two managers, stopped with a checkpoint at each move)."""
         lease_s = self.config.lease_ms / 1000
-        for task_id, until in list(self._handed_over.items()):
-            if now >= until:
-                del self._handed_over[task_id]
-        for peer_id, until in list(self._passed_over.items()):
-            if now >= until:
-                del self._passed_over[peer_id]
-        for task_id, (_peer, until) in list(self._given_to.items()):
-            if now >= until:
-                del self._given_to[task_id]
+        self._forget_expired_hand_overs(now)
         if self._depth[0] > 0 or now < self._handed_over_at + lease_s or self._stopping.is_set():
             return
         mine = [t for t in view.tasks if t.task_id in self._held and t.task_id not in self._leaving
                 and t.task_id not in self._pending and t.state not in ("FINISHED", "FAILED", "CANCELLED")]
         if len(mine) < 2:
             return
-        peers = [p for p in self._queue.peers(time.time())
-                 if p.me != self.me and p.capacity is not None and p.held <= len(mine) - 2
-                 and p.me not in self._passed_over]
+        peers = [p for p in self._peers  # as this beat's announce read them
+                 if p.capacity is not None and p.held <= len(mine) - 2 and p.me not in self._passed_over]
         # The lowest priority, then the newest submission: the task this manager would have claimed last.
         for task in sorted(mine, key=lambda t: (t.spec.priority, -t.seq)):
             step_ms = task.figures.step_p95_ms or task.spec.step_time_hint_ms
@@ -510,6 +502,14 @@ class QueueAgent:
                     self.loop.post(ReleaseTask(task.task_id, f"handed over to {peer.where}, which held fewer tasks",
                                                checkpoint=True))
                     return
+
+    def _forget_expired_hand_overs(self, now: float) -> None:
+        for task_id in [t for t, until in self._handed_over.items() if now >= until]:
+            del self._handed_over[task_id]
+        for peer_id in [m for m, until in self._passed_over.items() if now >= until]:
+            del self._passed_over[peer_id]
+        for task_id in [t for t, (_peer, until) in self._given_to.items() if now >= until]:
+            del self._given_to[task_id]
 
     def _claim_one(self, view: QueueView) -> bool:
         """Claim one task this manager can place; True if it did (worth looking again). Whatever cannot be

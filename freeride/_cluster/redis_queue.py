@@ -48,7 +48,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,10 +260,12 @@ class RedisQueue:
             dead, size, state_len = pipe.execute(raise_on_error=False)
             pipe = self._r.pipeline(transaction=False)
             oversized = isinstance(size, int) and size > scripts.MAX_RECORD_BYTES
-            if oversized:
-                pipe.hget(key, "state") if isinstance(state_len, int) and state_len <= 16 else pipe.echo(b"")
-            else:
+            if not oversized:
                 pipe.hgetall(key)
+            elif isinstance(state_len, int) and state_len <= 16:  # short enough to be a state
+                pipe.hget(key, "state")
+            else:
+                pipe.echo(b"")
             [raw] = pipe.execute(raise_on_error=False)  # WRONGTYPE comes back as the reply: not a hash
             if oversized:
                 raw = _Oversized(int(size), _text(raw or b""))
@@ -401,29 +403,30 @@ class RedisQueue:
 
     # ------------------------------------------------------------ the devices that serve the queue
 
-    def announce(self, me: str, where: str, capacity: Capacity, held: int, lease_ms: int, now_unix: float) -> None:
+    def announce(self, me: str, where: str, capacity: Capacity, held: int, lease_ms: int,
+                 now_unix: float) -> list[Peer]:
         """Manager ``me`` serves ``where`` now, holding ``held`` cluster tasks, with room as ``capacity`` says (its
         device's size, for ``submit --queue`` to check a cap against; what it could place, for an overloaded
-        manager to hand a task over to it). An entry is live for three leases (:meth:`peers`); entries of
-        managers gone longer than a day are dropped here."""
+        manager to hand a task over to it). Returns the other live managers as the same read found them
+        (:meth:`peers`); entries of managers gone longer than a day are dropped here."""
         entry = json.dumps({
             "where": where, "total_bytes": int(capacity.total_bytes), "lease_ms": int(lease_ms), "at_unix": now_unix,
             "held": int(held), "capacity": dataclasses.asdict(capacity),
         })
         with redis_errors(self.url):
             self._r.hset(self.devices_key, me, entry)
-            stale = [k for k, v in self._r.hgetall(self.devices_key).items()
-                     if (peer := _peer(k, v)) is None or peer.at_unix < now_unix - DEVICE_ENTRY_KEPT_S]
+            read = {k: _peer(k, v) for k, v in self._r.hgetall(self.devices_key).items()}
+            stale = [k for k, peer in read.items() if peer is None or peer.at_unix < now_unix - DEVICE_ENTRY_KEPT_S]
             if stale:
                 self._r.hdel(self.devices_key, *stale)
+        return [p for p in _live(read.values(), now_unix) if p.me != me]
 
     def peers(self, now_unix: float) -> list[Peer]:
         """The managers that announced themselves within three of their leases; an entry that does not decode
         is skipped (and dropped at the next :meth:`announce`)."""
         with redis_errors(self.url):
             raw = self._r.hgetall(self.devices_key)
-        peers = (_peer(k, v) for k, v in raw.items())
-        return [p for p in peers if p is not None and now_unix - p.at_unix <= p.live_s]
+        return _live((_peer(k, v) for k, v in raw.items()), now_unix)
 
     def devices(self, now_unix: float) -> list[tuple[str, int]]:
         """(where, total bytes) of each live manager's device (:meth:`peers`) that knows its size."""
@@ -446,6 +449,11 @@ class Peer:
     live_s: float
     held: int = 0
     capacity: Capacity | None = None
+
+
+def _live(peers: Iterable[Peer | None], now_unix: float) -> list[Peer]:
+    """The entries that decode and whose manager announced itself within three of its leases."""
+    return [p for p in peers if p is not None and now_unix - p.at_unix <= p.live_s]
 
 
 def _peer(key: Any, raw: Any) -> Peer | None:

@@ -286,17 +286,22 @@ def salvage(task_id: str, raw: Mapping[bytes, bytes]) -> ClusterRecord:
     )
 
 
+def _base_row(task_id: str, raw: Mapping[bytes, bytes]) -> ClusterRecord:
+    """What fields of a record that cannot be used do parse (:func:`salvage`); a bare row without any."""
+    return salvage(task_id, raw) if raw else ClusterRecord(task_id, Submission(name="-"))
+
+
 def set_aside_record(task_id: str, raw: Mapping[bytes, bytes], reason: str, at_unix: float = 0.0) -> ClusterRecord:
     """A record as a listing shows it once the queue set it aside: state ``SET_ASIDE``, the reason."""
-    base = salvage(task_id, raw) if raw else ClusterRecord(task_id, Submission(name="-"))
-    return dataclasses.replace(base, state=SET_ASIDE, aside=reason, aside_unix=at_unix, owner="", device="")
+    return dataclasses.replace(_base_row(task_id, raw), state=SET_ASIDE, aside=reason, aside_unix=at_unix, owner="",
+                               device="")
 
 
 def unreadable_record(task_id: str, raw: Mapping[bytes, bytes], reason: str, state: str = "") -> ClusterRecord:
     """A record a listing cannot read and the queue has not set aside: what fields do parse, the reason, and the
     record's own state (``state`` where the caller read only that field) if it is one, else ``UNREADABLE``.
     Counted apart from set-aside records, so that a listing agrees with the queue's figures (``stats``)."""
-    base = salvage(task_id, raw) if raw else ClusterRecord(task_id, Submission(name="-"))
+    base = _base_row(task_id, raw)
     own = state or base.state
     return dataclasses.replace(base, state=own if own in STATES else UNREADABLE, unreadable=reason)
 

@@ -43,6 +43,7 @@ from freeride.errors import FreerideError
 from freeride.messages import ManagerStats, TaskInfo
 from freeride.states import TaskState
 from freeride.training.learned_slots import LEARNED_KIND
+from freeride.units import format_p99_ms
 
 #: Slack for comparing two sums of float milliseconds (harvested vs bubble time).
 _EPSILON_S = 1e-6
@@ -467,8 +468,8 @@ def render_summary(summary: DemoSummary) -> str:
         work = "-" if dev.work_s is None else f"{dev.work_s:.2f} s"
         rows.append([dev.device, f"{dev.bubble_s:.2f} s",
                      f"{dev.harvested_s:.2f} s of {dev.manager_bubble_s:.2f} s ({_pct(dev.harvested_share)})", work,
-                     _pct(dev.efficiency), str(dev.overruns), _ms_or_none(dev.grant_latency_p99_ms),
-                     _ms_or_none(dev.park_latency_p99_ms)])
+                     _pct(dev.efficiency), str(dev.overruns), format_p99_ms(dev.grant_latency_p99_ms),
+                     format_p99_ms(dev.park_latency_p99_ms)])
     lines += _table(rows)
     lines += [
         "  bubble time and efficiency: the bubbles after the warm-up; harvested: the manager's count over the",
@@ -515,6 +516,3 @@ def render_summary(summary: DemoSummary) -> str:
         lines.append(f"demo wall time: {summary.wall_s:.0f} s")
     return "\n".join(lines)
 
-
-def _ms_or_none(value_ms: float | None) -> str:
-    return "-" if value_ms is None else f"{value_ms:.2f} ms"

@@ -165,10 +165,7 @@ def cores_shared_with_training(device: DeviceName, layout: TrainerLayout, node: 
     if device.kind != "cpu" or not layout.stage_devices or not cores:
         return set()
     ranks = set()
-    for entry in layout.stage_devices:
-        where, sep, name = entry.rpartition("/")
-        if sep and where != node:
-            continue
+    for name in layout.devices_on(node):
         try:
             stage = parse_device_name(name)
         except ConfigError:
@@ -197,7 +194,6 @@ class ManagerLoop:
         self._said_cores_shared = False
         #: Parked workers' CPU time at the last reading: task id -> (CPU ns, when, grant id) (_check_parked_cpu).
         self._parked_cpu: dict[str, tuple[int, int, int]] = {}
-        self._held_parked_tasks: set[str] = set()
         self._next_parked_check_ns = 0
         self.now_ns = now_ns
         self.core = C.SchedulerCore(config.core)
@@ -510,7 +506,7 @@ class ManagerLoop:
         worker is stopped whenever it parks from then on (:meth:`Supervisor.hold_while_parked`)."""
         readings: dict[str, tuple[int, int, int]] = {}
         for task in self.core.tasks.values():
-            if task.state is not TaskState.PARKED or task.task_id in self._held_parked_tasks:
+            if task.state is not TaskState.PARKED or self.workers.holds_while_parked(task.task_id):
                 continue
             cpu = self.workers.cpu_ns(task.task_id)
             if cpu is None:
@@ -521,7 +517,6 @@ class ManagerLoop:
                 continue
             used, wall = cpu - last[0], now_ns - last[1]
             if used >= OUTSIDE_GRANTS_MIN_NS and used >= OUTSIDE_GRANTS_SHARE * wall:
-                self._held_parked_tasks.add(task.task_id)
                 log.warning("[%s task=%s] used %.0f ms of CPU in %.0f ms while parked: threads of its own run "
                             "between its steps, taking the device from training. Its worker is stopped whenever "
                             "it parks from now on (start no threads that run outside step(), or stop them before "

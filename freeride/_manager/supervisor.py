@@ -160,6 +160,10 @@ class Supervisor:
         self._stop_when_parked.add(task_id)
         self.parked(task_id)
 
+    def holds_while_parked(self, task_id: str) -> bool:
+        """Whether :meth:`hold_while_parked` was said of ``task_id``'s worker."""
+        return task_id in self._stop_when_parked
+
     def parked(self, task_id: str) -> None:
         """``task_id`` parked: stopped until its next message, where :meth:`hold_while_parked` said so."""
         handle = self.workers.get(task_id)

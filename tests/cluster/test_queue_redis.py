@@ -292,7 +292,8 @@ def test_a_manager_announces_what_it_holds_and_what_it_could_place_every_field_r
     now = 1_000_000.0
     room = _room(80 * GIB, draining=True, hosts_stage=False, device_problem="nvml", trainer_paused=True)
     q.announce("m1", "n1/cuda:0", room, 3, 10_000, now)
-    q.announce("m2", "n2/cuda:0", dataclasses.replace(room, budget_bytes=None), 0, 10_000, now)
+    others = q.announce("m2", "n2/cuda:0", dataclasses.replace(room, budget_bytes=None), 0, 10_000, now)
+    assert [p.me for p in others] == ["m1"]  # the others, as the same read found them
     peers = {p.me: p for p in q.peers(now)}
     assert (peers["m1"].where, peers["m1"].held, peers["m1"].capacity) == ("n1/cuda:0", 3, room)
     assert peers["m2"].capacity == dataclasses.replace(room, budget_bytes=None)

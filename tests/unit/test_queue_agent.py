@@ -55,8 +55,10 @@ class FakeQueue:
     def connect(self) -> None:
         self._call("connect")
 
-    def announce(self, me: str, where: str, capacity: Capacity, held: int, lease_ms: int, now_unix: float) -> None:
+    def announce(self, me: str, where: str, capacity: Capacity, held: int, lease_ms: int,
+                 now_unix: float) -> list[Peer]:
         self._call("announce", (where, capacity.total_bytes, held))
+        return list(self.peer_list)
 
     def peers(self, now_unix: float) -> list[Peer]:
         self._call("peers")
