@@ -61,8 +61,9 @@ is missing): ``schedule._stage`` (single-stage schedules) or ``schedule._stages`
 ``stage.num_stages``, and the three compute methods with their first argument the micro-batch index
 and ``full_backward`` the third of ``backward_one_chunk``. On the host clock, a runtime schedule's
 ``fwd_recv_ops`` / ``bwd_recv_ops`` instance dicts, where present: their ``pop`` is where the rank
-starts waiting for a receive (``RankTracker.wait_blocks``), so that a position where the rank only does
-host work (posting, the runtime's own Python) goes quiet however long that takes (docs/bubbles.md).
+starts waiting for a receive (``RankTracker.wait_blocks``): the bubbles there start at the pop, not at the
+end of the action before, and a position where the rank only does host work (posting, the runtime's own
+Python) goes quiet however long that takes (docs/bubbles.md).
 """
 
 from __future__ import annotations

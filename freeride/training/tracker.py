@@ -26,10 +26,12 @@ call per action. The one exception is a forward of the last model stage, whose l
 computes after it: the adapter calls ``wait_begin()`` once the loss is done. Where the host's time is the
 device's (the host clock), that host work occupies the device: an adapter that sees where the rank starts
 waiting for another rank in the open wait (torch's runtime popping the receive it waits for) calls
-``wait_blocks()`` there, and a position whose waits from there are all short goes quiet (below): the
-rank only posts and computes in it, it never idles. Such a position may still wait when the pipeline's
-timing moves (the other rank slows): a long wait from its mark wakes every quiet position at once, so
-that the rest of that iteration's waits are reported (:meth:`RankTracker.wake_quiet`).
+``wait_blocks()`` there. From the second wait at a site so marked on, its bubble starts at the mark and is
+reported there (a wait there that never blocks is measured, not reported), and a position whose waits from
+there are all short goes quiet (below): the rank only posts and computes in it, it never idles. Such a
+position may still wait when the pipeline's timing moves (the other rank slows): a long wait from its mark
+wakes every quiet position at once, so that the rest of that iteration's waits are reported
+(:meth:`RankTracker.wake_quiet`).
 
 Each mark costs a microsecond or two and never blocks: nothing on the training thread waits for
 freeride or for the device. Compute actions are stamped only while the model profiles them (the
@@ -403,6 +405,7 @@ class RankTracker:
         self._actions: list[tuple[str, int, int, int, int]] = []
         self.clock: MarkClock = (clock or (lambda consumer: default_clock(device, consumer)))(timeline.handle)
         self._emit = _emitter(self.clock)
+        timeline.host_time = self.clock.synchronous
         #: The host clock's marks call the timeline at once, with the time read at the call (the same thing
         #: as through :meth:`_emit`, one call less on the training thread's path, which runs cache-cold
         #: between compute actions: each frame there costs a microsecond or more).
@@ -767,8 +770,9 @@ class _Timeline:
     reports to the sink as it goes and queues each finished iteration for the training thread.
     """
 
-    __slots__ = ("_actions", "_between_ns", "_blocks_ns", "_entered", "_finished_ns", "_gaps", "_iteration", "_open",
-                 "_owner", "_waits", "done", "unplanned_wait_ns", "unplanned_waits")
+    __slots__ = ("_actions", "_between_ns", "_blocks_ns", "_blocking", "_entered", "_finished_ns", "_gaps",
+                 "_iteration", "_open", "_owner", "_pending", "_waits", "done", "host_time", "unplanned_wait_ns",
+                 "unplanned_waits")
 
     def __init__(self, owner: RankTracker) -> None:
         self._owner = owner
@@ -780,6 +784,11 @@ class _Timeline:
         self._iteration = 0
         self._open: tuple[Site, _Opens, int] | None = None  # site, what it opens, start
         self._blocks_ns: int | None = None  # where the rank started waiting for another rank in the open wait
+        #: Host clock: the sites whose waits the adapter marks where the rank blocks. From the next wait at such a
+        #: site on, its bubble starts at that mark (module doc: the host's work is the device's).
+        self._blocking: set[Site] = set()
+        self._pending = False  # the open wait's bubble is reported once the rank blocks (a blocking site)
+        self.host_time = False  # the clock is the host's (its owner sets it once the clock is made)
         self._entered: dict[ActionKey, int] = {}
         self._waits: list[MeasuredBubble] = []
         self._actions: list[_Action] = []
@@ -805,6 +814,9 @@ class _Timeline:
             self._close(at_ns)
         self._open = (site, opens, at_ns)
         if opens is not None and opens[4]:
+            if site in self._blocking:
+                self._pending = True  # reported where the rank blocks (blocks_now)
+                return
             sink = self._owner.sink
             if sink is not None:
                 index, kind, predicted, free, _ = opens
@@ -824,12 +836,32 @@ class _Timeline:
 
     def blocks(self, _a: None, _b: None, at_ns: int) -> None:
         if self._open is not None and self._blocks_ns is None:
-            self._blocks_ns = at_ns
+            self._blocked(at_ns)
 
     def blocks_now(self) -> None:
         """:meth:`blocks` on the host clock, read here: the mark's one call."""
         if self._open is not None and self._blocks_ns is None:
-            self._blocks_ns = _now()
+            self._blocked(_now())
+
+    def _blocked(self, at_ns: int) -> None:
+        """The rank blocks in the open wait. Where the host's time is the device's, the host's work before is
+        the device's too: a site so marked starts its waits here from its next wait on (the first taught it
+        that the site is marked), and their bubbles are reported from here, not from the end of the action
+        before (module doc)."""
+        self._blocks_ns = at_ns
+        site, opens, _ = self._open  # type: ignore[misc]  # the callers checked it is open
+        if self._pending:
+            self._pending = False
+            self._open = (site, opens, at_ns)
+            sink = self._owner.sink
+            if sink is not None and opens is not None:
+                index, kind, predicted, free, _ = opens
+                if kind == LEARNED_KIND:
+                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns, learned=True)
+                else:
+                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns)
+        elif self.host_time:
+            self._blocking.add(site)
 
     def begin(self, iteration: int, _: None, at_ns: int) -> None:
         self._iteration, self._waits, self._actions, self._gaps = iteration, [], [], []
@@ -850,12 +882,15 @@ class _Timeline:
         self._open = None
         site, opens, start = opened
         blocks, self._blocks_ns = self._blocks_ns, None
+        unsent, self._pending = self._pending, False  # a blocking site's wait that never blocked: not reported
         if opens is None:
             self.unplanned_waits += 1
             self.unplanned_wait_ns += at_ns - start
             self._gaps.append((site, at_ns - start))
             return
         index, kind, predicted, free, reported = opens
+        if unsent:
+            reported = False
         if not reported and blocks is not None and at_ns - blocks >= self._owner.report_min_ns:
             self._owner.wake_quiet()  # host clock only (marks from wait_blocks): the training thread
         if reported:

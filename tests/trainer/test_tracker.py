@@ -218,7 +218,7 @@ def test_a_position_where_the_rank_only_does_host_work_goes_quiet_although_the_g
     bubbles = {b.slot: b for b in tracker.last_bubbles}
     assert [s[1] for s in sink.starts if s[0] == 15] == [4, 5, 6, 7]  # a block-marked wait: quiet after 16
     assert [s[1] for s in sink.starts if s[0] == 16] == [4]  # only where the rank waited for the other
-    assert bubbles[4].length_ns == 3_500_000 and bubbles[4].waited_ns == 3 * MS  # reported from the action's end
+    assert bubbles[4].length_ns == 3 * MS and bubbles[4].waited_ns == 3 * MS  # from the mark (the next test)
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0, 5: 1.0})
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0, 5: 1.0})
     assert [s[1] for s in sink.starts if s[0] == 18] == [4, 5, 6, 7]  # it waited again: reported again (and
@@ -300,6 +300,64 @@ def test_on_the_host_clock_a_block_mark_measures_the_wait_from_itself() -> None:
     tracker.iteration_end()
     (bubble,) = [b for b in tracker.last_bubbles if b.slot == 4]
     assert 0 <= bubble.waited_ns < bubble.length_ns
+
+
+def test_on_the_host_clock_a_marked_sites_bubble_starts_where_the_rank_blocks_from_its_second_wait() -> None:
+    # On cpu:N the posting before the block is the core's work, not idle time: the first wait at a site teaches
+    # that the adapter marks it; from then on its bubble is reported at the mark, not at the action's end.
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)
+    first_starts = []
+    for iteration in range(2):
+        tracker.iteration_begin()
+        for k, a in enumerate(tracker.plan.order):
+            if k == 4:
+                tracker.wait_begin()
+                ended = clock.now  # the action before ended here
+                clock.now += MS // 2  # posting
+                if iteration == 1:
+                    assert not [s for s in sink.starts if s[0] == 1]  # nothing reported during the posting
+                tracker.wait_blocks()
+                blocked = clock.now
+                clock.now += 3 * MS
+                first_starts.append((ended, blocked))
+            tracker.compute_begin(a.kind, a.stage, a.microbatch)
+            clock.now += MS
+            tracker.compute_end(a.kind, a.stage, a.microbatch)
+        tracker.iteration_end()
+    (ended0, _), (_, blocked1) = first_starts
+    assert [(s[1], s[5]) for s in sink.starts if s[1] == 4] == [(4, ended0), (4, blocked1)]
+    (bubble,) = [b for b in tracker.last_bubbles if b.slot == 4]
+    assert (bubble.start_ns, bubble.length_ns, bubble.waited_ns) == (blocked1, 3 * MS, 3 * MS)
+    assert [e[2] - s[5] for s, e in zip(sink.starts, sink.ends, strict=True)] == [3_500_000, 3 * MS]
+
+
+def test_a_marked_sites_wait_that_never_blocks_is_measured_but_not_reported() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    tracker, clock, sink = make(orders, 0)
+    run_posting_iteration(tracker, clock, 0.5, {4: 3.0})  # every position's wait marked: each a blocking site
+    reported = len(sink.starts)
+    run_posting_iteration(tracker, clock, 0.5, {4: 3.0}, mark_blocks=False)  # the rank never blocked
+    assert len(sink.starts) == reported and len(sink.ends) == reported  # no start, so no end either
+    assert tracker.last_bubbles == [] and tracker.flush()
+
+
+def test_on_a_device_clock_a_block_mark_leaves_the_bubble_at_the_actions_end() -> None:
+    # On a GPU the device is idle from the action's end, whatever the host does before it blocks.
+    orders = build_schedule("gpipe", 2, 4).orders
+    clocks: list[FakeClock] = []
+
+    def device_clock(consumer: Any) -> FakeClock:
+        clocks.append(FakeClock(consumer))
+        clocks[-1].synchronous = False  # type: ignore[misc]
+        return clocks[-1]
+
+    sink = Sink()
+    tracker = RankTracker(orders, 0, sink, clock=device_clock)
+    for _ in range(3):
+        run_posting_iteration(tracker, clocks[0], 0.5, {4: 3.0})
+    assert tracker.flush()
+    assert {e[2] - s[5] for s, e in zip(sink.starts, sink.ends, strict=True) if s[1] == 4} == {3_500_000}
 
 
 def test_without_block_marks_a_long_gap_of_host_work_stays_reported() -> None:
