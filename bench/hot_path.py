@@ -179,14 +179,16 @@ def costs_ns(case_of: Callable[[int], Case], ranks: tuple[int, ...] = (0, 1), *,
         for rank in ranks:
             case = case_of(rank)
             for route in routes:
-                reporter = None if route == TRACKER else _reporter(endpoint, rank, route)
-                step, undo = case.instrument(_Dropped() if reporter is None else reporter)
-                os.sched_setaffinity(0, training_core)  # this (the training) thread only
-                try:
-                    out[route].append(paired_ns(case.bare, step, rounds, per_batch))
+                reporter = None if route == TRACKER else _reporter(endpoint, rank, route)  # its thread: not pinned
+                os.sched_setaffinity(0, training_core)  # this (the training) thread only, before it is instrumented
+                try:  # (as a trainer pins its rank: instrumenting an unpinned cpu:N rank is warned about)
+                    step, undo = case.instrument(_Dropped() if reporter is None else reporter)
+                    try:
+                        out[route].append(paired_ns(case.bare, step, rounds, per_batch))
+                    finally:
+                        undo()
                 finally:
                     os.sched_setaffinity(0, allowed)
-                    undo()
                     if reporter is not None:
                         reporter.close()
     return out
