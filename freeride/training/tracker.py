@@ -27,7 +27,8 @@ computes after it: the adapter calls ``wait_begin()`` once the loss is done. Whe
 device's (the host clock), that host work occupies the device: an adapter that sees where the rank starts
 waiting for another rank in the open wait (torch's runtime popping the receive it waits for) calls
 ``wait_blocks()`` there. From the second wait at a site so marked on, its bubble starts at the mark and is
-reported there (a wait there that never blocks is measured, not reported), and a position whose waits from
+reported there (a wait there that never blocks is measured, not reported, and its site's next wait starts
+where the action before it ends again), and a position whose waits from
 there are all short goes quiet (below): the rank only posts and computes in it, it never idles. Such a
 position may still wait when the pipeline's timing moves (the other rank slows): a long wait from its mark
 wakes every quiet position at once, so that the rest of that iteration's waits are reported
@@ -889,8 +890,9 @@ class _Timeline:
             self._gaps.append((site, at_ns - start))
             return
         index, kind, predicted, free, reported = opens
-        if unsent:
+        if unsent:  # the adapter no longer marks this site: its next wait is reported from its start again
             reported = False
+            self._blocking.discard(site)
         if not reported and blocks is not None and at_ns - blocks >= self._owner.report_min_ns:
             self._owner.wake_quiet()  # host clock only (marks from wait_blocks): the training thread
         if reported:

@@ -332,7 +332,7 @@ def test_on_the_host_clock_a_marked_sites_bubble_starts_where_the_rank_blocks_fr
     assert [e[2] - s[5] for s, e in zip(sink.starts, sink.ends, strict=True)] == [3_500_000, 3 * MS]
 
 
-def test_a_marked_sites_wait_that_never_blocks_is_measured_but_not_reported() -> None:
+def test_a_marked_sites_wait_that_never_blocks_is_measured_not_reported_and_the_next_starts_at_the_action() -> None:
     orders = build_schedule("gpipe", 2, 4).orders
     tracker, clock, sink = make(orders, 0)
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0})  # every position's wait marked: each a blocking site
@@ -340,6 +340,9 @@ def test_a_marked_sites_wait_that_never_blocks_is_measured_but_not_reported() ->
     run_posting_iteration(tracker, clock, 0.5, {4: 3.0}, mark_blocks=False)  # the rank never blocked
     assert len(sink.starts) == reported and len(sink.ends) == reported  # no start, so no end either
     assert tracker.last_bubbles == [] and tracker.flush()
+    # An adapter that stopped marking loses one wait per site, not every later one: reported whole again.
+    run_posting_iteration(tracker, clock, 0.5, {4: 3.0}, mark_blocks=False)
+    assert [(b.slot, b.length_ns) for b in tracker.last_bubbles if b.slot == 4] == [(4, 3_500_000)]
 
 
 def test_on_a_device_clock_a_block_mark_leaves_the_bubble_at_the_actions_end() -> None:
