@@ -51,6 +51,8 @@ class ProtocolError(Exception):
 #: Field metadata: a grant's id travels as ``g``; a byte count is an int in [0, 2**63).
 _GRANT_ID = {"key": "g"}
 _BYTE_COUNT = {"byte_count": True}
+#: A duration that is a sum: an int in [0, 2**63), checked as a byte count is.
+_NS_TOTAL = _BYTE_COUNT
 
 
 # ---------------------------------------------------------------- manager -> worker
@@ -168,6 +170,9 @@ class Parked:
     #: the device (a CPU core the trainer or the manager had). Step-time estimates learn these; a worker
     #: of an earlier version, or one whose steps never waited, sends none (the durations are the costs).
     costs_ns: tuple[int, ...] = ()
+    #: Every step's cost in the grant, summed (the lists above keep only the last ones): the grant's harvested
+    #: time. 0 from a worker of an earlier version: the manager sums the listed durations.
+    worked_ns: int = field(default=0, metadata=_NS_TOTAL)
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,8 @@ class Failed:
     total_steps: int = -1
     progress: float = -1.0  # -1: not reported
     durations_ns: tuple[int, ...] = ()
+    #: Every step's cost in that grant, summed (as ``Parked.worked_ns``); 0: the manager sums the durations.
+    worked_ns: int = field(default=0, metadata=_NS_TOTAL)
 
 
 @dataclass(frozen=True)

@@ -337,7 +337,7 @@ class Supervisor:
             return [StepsReported(tid, msg), C.WorkerParked(
                 tid, msg.grant_id, msg.steps, msg.durations_ns, msg.first_step_ns, msg.last_end_ns, msg.parked_ns,
                 msg.reason, msg.progress, msg.total_steps, warmup_steps=msg.warmup_steps,
-                seen_end_ns=msg.end_ns, costs_ns=msg.costs_ns)]
+                seen_end_ns=msg.end_ns, costs_ns=msg.costs_ns, worked_ns=msg.worked_ns)]
         if isinstance(msg, W.Usage):
             return [C.WorkerUsage(tid, msg.device_bytes)]
         if isinstance(msg, W.Ready):
@@ -353,7 +353,7 @@ class Supervisor:
         if isinstance(msg, W.Failed):
             failure = FailureRecord(kind=msg.kind, message=msg.message, traceback=msg.traceback, step=msg.step,
                                     at_unix_s=time.time())
-            return [C.WorkerFailed(tid, failure, msg.durations_ns, msg.progress, msg.total_steps)]
+            return [C.WorkerFailed(tid, failure, msg.durations_ns, msg.progress, msg.total_steps, msg.worked_ns)]
         if isinstance(msg, W.CheckpointFailed):
             # The worker goes on and tries again later; the last acknowledged checkpoint stands.
             log.warning("[%s task=%s] checkpoint at step %s not written: %s", self.device, tid, msg.step, msg.error)

@@ -146,6 +146,10 @@ class _GrantSteps:
     #: Their costs: each duration less what the step waited for the device (``WorkerDevice.waited_ns``).
     costs: list[int] = field(default_factory=list)
     count: int = 0  # every step, listed or not
+    #: Every step's cost, listed or not: what the grant harvested (its steps' time, less their waits for the
+    #: device). The listed durations alone counted only a grant's last 64 steps, and wall time a worker at
+    #: nice 19 spent with the trainer on its core.
+    worked_ns: int = 0
     warmup: bool = False  # the first listed step is the process's first (no step-time sample)
     #: "bubble start -> first step": the first step's start; 1: not measured (after setup, or after the rest
     #: of an earlier grant's step); 0: no step yet.
@@ -157,6 +161,7 @@ class _GrantSteps:
     seen_end_ns: int = 0
 
     def add(self, start_ns: int, ran_ns: int, end_ns: int, cpu_start_ns: int, cost_ns: int) -> None:
+        self.worked_ns += cost_ns
         self.durations.append(ran_ns)
         self.starts.append(start_ns)
         self.costs.append(cost_ns)
@@ -215,7 +220,8 @@ class WorkerRuntime:
                 log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
                             self.task_id, exc)
         self.thaws = ThawCounter()
-        self._grant_durations: list[int] = []
+        #: The current grant's steps: a failure report counts them (no park follows a failure); None once reported.
+        self._grant_steps: _GrantSteps | None = None
         self._steps_in_process = 0
 
     # ------------------------------------------------------------------ main loop
@@ -341,8 +347,7 @@ class WorkerRuntime:
             self._setup()
         self._maybe_checkpoint(deadline, margin)
         record = _GrantSteps()
-        #: This grant's step times so far: a failure report counts them (no park follows a failure).
-        self._grant_durations = record.durations
+        self._grant_steps = record
         reason = "deadline"
         while True:
             if self._done():
@@ -363,7 +368,7 @@ class WorkerRuntime:
                         # bubble, and the frozen grant's as none.
                         self._send_parked(grant_id, record, "frozen")
                         record = _GrantSteps(first_ns=record.first_ns)
-                        self._grant_durations = record.durations
+                        self._grant_steps = record
                     grant_id = msg.grant_id
                     deadline = msg.deadline_ns
                     margin = msg.margin_ns
@@ -470,7 +475,7 @@ class WorkerRuntime:
             raise _TaskError("EXCEPTION", "done()", exc) from exc
 
     def _send_parked(self, grant_id: int, record: _GrantSteps, reason: str) -> None:
-        self._grant_durations = []  # reported here: a later failure must not count them again
+        self._grant_steps = None  # reported here: a later failure must not count them again
         self.chan.send(Parked(
             grant_id=grant_id,
             steps=record.count,
@@ -488,6 +493,7 @@ class WorkerRuntime:
             total_steps=self.steps,
             last_start_cpu_ns=record.last_start_cpu_ns,
             costs_ns=tuple(record.costs) if record.costs != record.durations else (),
+            worked_ns=record.worked_ns,
         ))
         if reason != "frozen":
             self._report_usage()
@@ -636,6 +642,7 @@ class WorkerRuntime:
         if self.task is not None and self.setup_done:
             with contextlib.suppress(Exception):  # a broken task's progress() is no reason to lose the record
                 progress = self._progress()
+        steps = self._grant_steps
         try:
             self.chan.send(Failed(
                 kind=err.kind,
@@ -646,7 +653,8 @@ class WorkerRuntime:
                 step=-1 if err.phase == RESTORING else self.steps,
                 total_steps=self.steps,
                 progress=progress,
-                durations_ns=tuple(self._grant_durations),
+                durations_ns=tuple(steps.durations) if steps is not None else (),
+                worked_ns=steps.worked_ns if steps is not None else 0,
             ))
         except ChannelClosed:
             pass

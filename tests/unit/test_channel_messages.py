@@ -55,13 +55,13 @@ EVERY_MESSAGE: list[Message] = [
     Ready(pid=4242, progress_unit="edges", context_bytes=480 * 2**20, baseline_bytes=2**27, host_baseline_bytes=2**28),
     Parked(grant_id=7, steps=3, durations_ns=(10, 20, 30), first_step_ns=5, last_end_ns=65, parked_ns=70,
            reason="ended", progress=3.5, total_steps=40, starts_ns=(5, 15, 35), warmup_steps=1, end_ns=66,
-           last_start_cpu_ns=12, costs_ns=(8, 20, 11)),
+           last_start_cpu_ns=12, costs_ns=(8, 20, 11), worked_ns=39),
     Usage(device_bytes=2**31),
     Checkpointed(step=40, path="/s/c/ckpt-40.pt", progress=0.25),
     CheckpointFailed(step=41, error="No space left on device"),
     Finished(total_steps=100, progress=1.0),
     Failed(kind="EXCEPTION", message="boom", traceback="Traceback ...", step=5, total_steps=5, progress=0.5,
-           durations_ns=(1, 2)),
+           durations_ns=(1, 2), worked_ns=3),
     ProcessGroup(pgid=31337),
     Bye(code=2),
 ]
@@ -91,7 +91,7 @@ def test_a_parked_report_of_an_earlier_worker_without_the_later_fields_decodes_w
               "device_bytes": 2**30}  # an earlier worker's memory figure: a ``usage`` of its own now
     msg = decode(json.dumps(legacy).encode(), WORKER_MESSAGES)
     assert msg == Parked(1, 2, (3, 4), 0, 9, 10, "deadline", 2.0, 2)
-    assert (msg.starts_ns, msg.warmup_steps, msg.end_ns, msg.costs_ns) == ((), 0, 0, ())
+    assert (msg.starts_ns, msg.warmup_steps, msg.end_ns, msg.costs_ns, msg.worked_ns) == ((), 0, 0, (), 0)
 
 
 def test_a_whole_number_travels_as_a_float_where_a_float_is_expected() -> None:
@@ -117,6 +117,8 @@ MALFORMED: list[tuple[str, bytes, str]] = [
      "expected a list of integers"),
     ("a negative byte count", b'{"t": "ready", "pid": 1, "context_bytes": -1}', "expected a byte count"),
     ("a byte count past 2**63", b'{"t": "ready", "pid": 1, "baseline_bytes": 9223372036854775808}',
+     "expected a byte count"),
+    ("a negative harvested time", b'{"t": "failed", "kind": "K", "message": "m", "worked_ns": -5}',
      "expected a byte count"),
     ("a manager's message", b'{"t": "park", "g": 1}', "'park' message is not one this peer may send"),
     ("a NaN", b'{"t": "finished", "total_steps": 1, "progress": NaN}', "NaN is not a number this protocol"),

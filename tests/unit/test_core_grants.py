@@ -286,7 +286,14 @@ def test_a_step_estimate_learns_what_steps_cost_not_what_they_waited_for_the_dev
     # fit no bubble of ~0.8 ms, and the task was granted none again.
     task = parked_with_costs((MS // 5, MS // 5))
     assert task.known_step_ns == MS // 5
-    assert task.harvested_ns == 5 * MS, "the bubble time the steps held is still harvest"
+    assert task.harvested_ns == 5 * MS, "a worker that sends no sum: the listed durations are the harvest"
+
+
+def test_harvested_time_is_what_the_worker_says_its_steps_cost_in_all() -> None:
+    # A stranger's stats read "harvested 0.155 s" beside "granted 0.026 s", of 6.4 ms of work: the wall times of
+    # steps preempted by the trainer were summed. The worker's sum of every step's cost is the grant's harvest.
+    sim, task = parked_after_one_grant(10, (2 * MS, 3 * MS), costs_ns=(MS // 5, MS // 5), worked_ns=2 * MS // 5)
+    assert task.harvested_ns == sim.core.stats.harvested_ns == 2 * MS // 5
 
 
 def test_costs_that_do_not_match_the_durations_are_not_learned() -> None:

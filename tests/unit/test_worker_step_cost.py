@@ -93,3 +93,50 @@ def test_a_device_that_keeps_no_count_reports_no_costs_and_learns_the_wall_time(
     rt, parked = run_grant(worker, manager, tmp_path, WaitingCore(counts=False))
     assert parked.costs_ns == ()
     assert rt.estimator.estimate_ns() == max(parked.durations_ns[parked.warmup_steps:]) >= 5 * MS
+
+
+def test_a_grants_harvested_time_is_every_steps_cost_not_the_listed_wall_times(
+    tmp_path: Path, channels: tuple[Channel, Channel]
+) -> None:
+    # A stranger's 0.2 ms steps, preempted by the trainer on their core, read "harvested 0.155 s" of 6.4 ms of work:
+    # the wall times were summed. The grant's harvested time is its steps' costs, summed.
+    manager, worker = channels
+    _, parked = run_grant(worker, manager, tmp_path, WaitingCore())
+    assert parked.worked_ns == sum(parked.costs_ns) < sum(parked.durations_ns) - 11 * MS
+
+
+class Quick(SideTask):
+    """100 steps of about 20 us: more than a park lists."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def setup(self, ctx: TaskContext) -> None:
+        pass
+
+    def step(self) -> None:
+        end = time.monotonic_ns() + 20_000
+        while time.monotonic_ns() < end:
+            pass
+        self.n += 1
+
+    def done(self) -> bool:
+        return self.n >= 100
+
+    def progress(self) -> float:
+        return float(self.n)
+
+
+def test_a_grant_of_more_steps_than_a_park_lists_counts_them_all_as_harvested(
+    tmp_path: Path, channels: tuple[Channel, Channel]
+) -> None:
+    manager, worker = channels
+    rt = WorkerRuntime(worker, Init(task_id="t-1", memory_limit_bytes=2**30, work_dir=str(tmp_path / "work"),
+                                    checkpoint_dir=str(tmp_path / "ckpt"), device="cpu:0"))
+    rt.device = WaitingCore(counts=False)
+    rt.task, rt.setup_done = Quick(), True
+    rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+    parked = manager.recv_nowait()
+    assert isinstance(parked, Parked)
+    assert parked.steps == 100 and len(parked.durations_ns) == 64  # the list keeps the last 64
+    assert parked.worked_ns >= 100 * 20_000 > sum(parked.durations_ns)

@@ -196,6 +196,14 @@ class WorkerParked:
     seen_end_ns: int = 0
     #: ``durations_ns`` less what each step waited for the device (``Parked.costs_ns``); empty: the same.
     costs_ns: tuple[int, ...] = ()
+    #: Every step's cost in the grant, summed (``Parked.worked_ns``): its harvested time; 0: unknown (a worker
+    #: of an earlier version), the listed durations summed instead.
+    worked_ns: int = 0
+
+    @property
+    def harvested_ns(self) -> int:
+        """What the grant's steps harvested (``worked_ns``, else the listed durations)."""
+        return self.worked_ns if self.worked_ns > 0 else sum(self.durations_ns)
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,13 @@ class WorkerFailed:
     durations_ns: tuple[int, ...] = ()
     progress: float = -1.0  # -1: not reported
     total_steps: int = -1
+    #: As ``WorkerParked.worked_ns``.
+    worked_ns: int = 0
+
+    @property
+    def harvested_ns(self) -> int:
+        """What the steps of the grant it failed in harvested (``worked_ns``, else the durations)."""
+        return self.worked_ns if self.worked_ns > 0 else sum(self.durations_ns)
 
 
 @dataclass(frozen=True)

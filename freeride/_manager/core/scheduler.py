@@ -402,7 +402,7 @@ class SchedulerCore:
         # The estimate learns what each step cost, not what the device's other users added to it.
         samples = event.costs_ns if len(event.costs_ns) == len(event.durations_ns) else event.durations_ns
         task.estimator.extend(list(samples[event.warmup_steps:]))
-        harvested = sum(event.durations_ns)
+        harvested = event.harvested_ns
         task.harvested_ns += harvested
         task.share_ns += harvested
         self.stats.harvested_ns += harvested
@@ -581,7 +581,7 @@ class SchedulerCore:
             return
         # The process exits right after this message; its exit record completes the failure.
         task.pending_failure = event.failure
-        harvested = sum(event.durations_ns)
+        harvested = event.harvested_ns
         task.harvested_ns += harvested
         self.stats.harvested_ns += harvested
         if event.total_steps >= 0:
