@@ -17,7 +17,9 @@ Perfetto trace. Records (``ev`` names the kind; every record has ``device``):
   what a worker ran between a bubble's end and its freeze (:mod:`freeride.harvest`).
 * ``steps``: ``task, grant, reason, count, spans`` (``count`` steps ran in that grant; ``spans`` are
   [start_ns, end_ns] of the most recent of them, at most 64, as the worker reported them), and
-  ``start_cpu_ns``: the worker process's CPU time when the last of them began
+  ``start_cpu_ns``: the worker process's CPU time when the last of them began; ``costs``, each span's cost
+  where they differ (less what the step waited for the device: what the step-time estimate learned), and
+  ``worked_ns``, every step's cost summed (the grant's harvested time)
 * ``state``: ``task, old, new, reason, at_ns``
 * ``opened``: ``pid, at_ns``: a manager began writing. The file is appended to, so a restarted
   manager (``kill -9``, a supervisor's restart) adds its records after the earlier run's, and a
@@ -148,7 +150,11 @@ class LoopTrace:
     def steps(self, task_id: str, parked: Parked) -> None:
         # A worker of an older version sends no starts: its grant then has no spans.
         spans = [[s, s + d] for s, d in zip(parked.starts_ns, parked.durations_ns, strict=False)]
-        extra = {"start_cpu_ns": parked.last_start_cpu_ns} if parked.last_start_cpu_ns else {}
+        extra: dict[str, Any] = {"start_cpu_ns": parked.last_start_cpu_ns} if parked.last_start_cpu_ns else {}
+        if parked.costs_ns:  # what the step-time estimate learned of each span, where it differs from the span
+            extra["costs"] = list(parked.costs_ns)
+        if parked.worked_ns:
+            extra["worked_ns"] = parked.worked_ns
         self.writer.write("steps", task=task_id, grant=parked.grant_id, reason=parked.reason, count=parked.steps,
                           spans=spans, **extra)
 

@@ -37,9 +37,12 @@ def test_the_loops_trace_writes_the_cores_inputs_decisions_and_the_reported_step
     trace.action(C.Grant("a-1", 8, 150, 1, thaw=False, late=True))
     trace.action(C.Kill("a-1"))  # not traced
     trace.steps("a-1", Parked(7, 2, (10, 20), 100, 135, 136, "deadline", 2.0, 2, starts_ns=(100, 115)))
+    trace.steps("a-1", Parked(8, 2, (10, 20), 100, 135, 136, "deadline", 2.0, 2, starts_ns=(100, 115),
+                              costs_ns=(4, 20), worked_ns=24))
     trace.close()
     records = read_trace(path)
-    assert [r["ev"] for r in records] == ["opened", "bubble_start", "grant", "grant", "steps"]
+    assert [r["ev"] for r in records] == ["opened", "bubble_start", "grant", "grant", "steps", "steps"]
+    assert "costs" not in records[4] and (records[5]["costs"], records[5]["worked_ns"]) == ([4, 20], 24)
     assert records[1]["learned"] is True and records[2]["at_ns"] == 42
     assert "late" not in records[2] and records[3]["late"] is True  # a bubble's grant once it outlived its prediction
     assert records[4]["spans"] == [[100, 110], [115, 135]] and records[4]["count"] == 2
