@@ -88,6 +88,7 @@ def test_reported_bubbles_reach_the_manager_and_the_cli(
     code, out = _cli(["--endpoint", str(endpoint)], capsys)
     assert code == 0
     assert "turnaround" in out and "drain" in out and "median bubble time per iteration" in out
+    assert out.splitlines()[-1].startswith("pred: the trainer's prediction, by default the 10th percentile")
     code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
     doc = json.loads(out)
     assert list(doc["devices"]) == [DEVICE]  # the manager's device, not the endpoint it was reached by
