@@ -17,6 +17,10 @@ memory access, no system call:
   a step that hangs after others from a setup or first step that is long by nature. Word 4, **doing**:
   whether the worker is writing a checkpoint (``state_dict()``), set as it begins one and cleared once it is
   written (the step loop stores nothing there), so that a hang in a task's ``state_dict()`` is named as one.
+  Words 5 and 6, **stopped at** and **stood still**: the manager writes the time it stops the worker
+  (SIGSTOP) just before it does, and when it continues it (SIGCONT), just before that, adds the time since to
+  the total of word 6 and clears word 5. The worker reads the total at a step's start and end, and so knows
+  how long the step stood still, however many stops it met (two SIGCONTs pending at once are one signal).
 * :class:`EndBoard`, one per manager on a unix socket (``<socket>.ends``, in the socket's owner-only
   directory), written by the trainer: when a rank's bubble ends, its reporter writes the bubble's
   start time (its identity) and its end time into the record of that rank, from the training thread,
@@ -57,7 +61,7 @@ END_BOARD_RANKS = 64
 END_BOARD_BYTES = END_BOARD_RANKS * _RECORD.size
 WORKER_BOARD_BYTES = 64
 
-_STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING = 0, 8, 16, 24, 32
+_STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING, _STOPPED_AT, _STOOD_STILL = 0, 8, 16, 24, 32, 40, 48
 #: What the worker is doing (word 4): setting up (or nothing yet), a step, a checkpoint's ``state_dict()``.
 DOING_SETUP, DOING_STEP, DOING_CHECKPOINT = 0, 1, 2
 
@@ -130,6 +134,23 @@ class WorkerBoard:
 
     def doing(self) -> int:
         return int(_WORD.unpack_from(self._mm, _DOING)[0])
+
+    def note_stop(self, at_ns: int, continued: bool) -> None:
+        """The manager (its loop's thread, the one writer), right before it stops (``continued`` False) or
+        continues the worker, at ``at_ns`` (``CLOCK_MONOTONIC``): a continue adds the time since the stop to the
+        total the worker stood still."""
+        if not continued:
+            _WORD.pack_into(self._mm, _STOPPED_AT, at_ns)
+            return
+        stopped = int(_WORD.unpack_from(self._mm, _STOPPED_AT)[0])
+        if 0 < stopped <= at_ns:
+            total = int(_WORD.unpack_from(self._mm, _STOOD_STILL)[0])
+            _WORD.pack_into(self._mm, _STOOD_STILL, total + at_ns - stopped)
+        _WORD.pack_into(self._mm, _STOPPED_AT, 0)
+
+    def stood_still_ns(self) -> int:
+        """How long, in all, the manager has kept the worker stopped, up to its last continue."""
+        return int(_WORD.unpack_from(self._mm, _STOOD_STILL)[0])
 
     def end_grant(self, grant_id: int, end_ns: int) -> bool:
         """Say that ``grant_id``'s bubble ended at ``end_ns`` (the end first: the grant id is what the

@@ -23,6 +23,7 @@ what a dropped message would have done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -131,6 +132,7 @@ class Supervisor:
             return []
         if task_id in self._held_parked:  # stopped while parked: it must run to read this (and to drain its channel)
             self._held_parked.discard(task_id)
+            self._date(handle, thawed=True)
             self._signal(handle, signal.SIGCONT)
         try:
             handle.channel.send(message)
@@ -150,6 +152,8 @@ class Supervisor:
     def signal(self, task_id: str, sig: int) -> None:
         handle = self.workers.get(task_id)
         if handle is not None:
+            if sig == signal.SIGCONT:
+                self._date(handle, thawed=True)
             self._signal(handle, sig)
             if sig == signal.SIGCONT:
                 self._held_parked.discard(task_id)
@@ -169,7 +173,20 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is not None and task_id in self._stop_when_parked and task_id not in self._held_parked:
             self._held_parked.add(task_id)
-            self._signal(handle, signal.SIGSTOP)
+            self._stop(handle)
+
+    def _stop(self, handle: Any) -> None:
+        """SIGSTOP a worker, its board told when first: a step it is in leaves the time it stood still out of its
+        own (:class:`freeride._worker.timing.ThawCounter`; the SIGCONT is dated too, :meth:`signal`)."""
+        self._date(handle, thawed=False)
+        self._signal(handle, signal.SIGSTOP)
+
+    @staticmethod
+    def _date(handle: Any, thawed: bool) -> None:
+        """Tell the worker's board when it is stopped or continued, right before the signal."""
+        if handle.board is not None:
+            with contextlib.suppress(OSError, ValueError, TypeError):  # a closed mapping: the step keeps its bound
+                handle.board.note_stop(time.monotonic_ns(), thawed)
 
     def freeze(self, task_id: str) -> list[Any]:
         """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
@@ -177,7 +194,7 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is None:
             return []
-        self._signal(handle, signal.SIGSTOP)
+        self._stop(handle)
         waited = run_delay_ns(handle.proc.pid)  # read once it is stopped: it accrues no more
         if handle.board is None:
             return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]  # no board to read

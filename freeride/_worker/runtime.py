@@ -220,6 +220,8 @@ class WorkerRuntime:
                 log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
                             self.task_id, exc)
         self.thaws = ThawCounter()
+        if self._board is not None:  # the manager dates each stop there: a frozen step's time is then exact
+            self.thaws.stood_still = self._board.stood_still_ns
         #: The current grant's steps: a failure report counts them (no park follows a failure); None once reported.
         self._grant_steps: _GrantSteps | None = None
         self._steps_in_process = 0
@@ -411,7 +413,7 @@ class WorkerRuntime:
                 deadline = extended
             if self._board is not None:
                 self._board.publish_step(self.steps)
-            thaws = self.thaws.count
+            thaws, stood_before = self.thaws.count, self.thaws.stood_still_ns()
             step_deadline = deadline
             waited_start = self.device.waited_ns()
             cpu_start = time.process_time_ns()
@@ -437,7 +439,7 @@ class WorkerRuntime:
                 known = self._ended(grant_id, bubble)
                 if known is not None and known[1] > 0:
                     step_deadline = min(step_deadline, known[1])
-                ran = self.thaws.running_ns(now, end, step_deadline, time.process_time_ns() - cpu_start)
+                ran = self.thaws.ran_ns(now, end, stood_before, step_deadline, time.process_time_ns() - cpu_start)
             else:
                 known = self._ended(grant_id, bubble)
                 if known is not None and now < known[1] < end:
@@ -452,7 +454,13 @@ class WorkerRuntime:
             if waited_start is not None:
                 waited_end = self.device.waited_ns()
                 if waited_end is not None:
-                    cost = min(ran, max(0, end - now - (waited_end - waited_start)))
+                    waited = waited_end - waited_start
+                    cost = min(ran, max(0, end - now - waited))
+                    if frozen and self.thaws.stood_still is not None:
+                        # ``ran`` is the wall time less the stops as the manager dated them. A worker stopped while
+                        # it waited for its core stops only once it gets one, so those waits and the stops overlap:
+                        # ``ran`` less the waits undercounts by that overlap, never by compute (its CPU time).
+                        cost = min(cost, max(time.process_time_ns() - cpu_start, ran - waited))
             if self._warmup_pending:
                 self._warmup_pending = False
                 record.warmup = True

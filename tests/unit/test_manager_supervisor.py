@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,15 @@ def test_a_frozen_worker_reports_the_steps_its_board_says_it_finished(rig: Rig) 
     assert _without_run_delay(rig.sup.freeze(TID)) == [C.WorkerStepsSeen(TID, 6, False, in_checkpoint=True)]
     rig.sup.signal(TID, signal.SIGCONT)
     assert rig.sup.freeze("nobody-2") == []
+
+
+def test_a_freeze_and_its_thaw_add_the_time_stood_still_to_the_workers_board(rig: Rig) -> None:
+    # The worker's step leaves the time it stood still out of its own (ThawCounter): the board totals it.
+    before = time.monotonic_ns()
+    rig.sup.freeze(TID)
+    time.sleep(0.01)
+    rig.sup.signal(TID, signal.SIGCONT)
+    assert 10_000_000 <= rig.board.stood_still_ns() <= time.monotonic_ns() - before
 
 
 def test_a_frozen_worker_without_a_board_is_answered_with_nothing_read(rig: Rig) -> None:

@@ -22,6 +22,7 @@ from freeride._boards import WorkerBoard
 from freeride._channel import Grant, Init, Message, Parked
 from freeride._worker.runtime import WorkerRuntime
 from freeride._worker.timing import ThawCounter
+from freeride.devices import DeviceName, WorkerDevice
 from freeride.task import SideTask, TaskContext
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
@@ -186,3 +187,140 @@ def test_an_unfrozen_grant_still_reports_every_duration_and_its_first_step(
     parked = next(m for m in chan.sent if isinstance(m, Parked))
     assert len(parked.durations_ns) == 3
     assert parked.first_step_ns >= before
+
+
+def test_the_board_totals_the_time_the_manager_kept_the_worker_stopped(tmp_path: Path) -> None:
+    board = WorkerBoard.create(tmp_path / "board")
+    board.note_stop(100, continued=False)
+    board.note_stop(150, continued=True)
+    board.note_stop(160, continued=True)  # a continue with no stop before it (a grant's SIGCONT to a parked worker)
+    assert board.stood_still_ns() == 50
+    board.note_stop(200, continued=False)
+    board.note_stop(260, continued=True)
+    assert board.stood_still_ns() == 110
+    board.close()
+
+
+def test_a_frozen_steps_time_is_its_wall_time_less_what_the_board_says_it_stood_still() -> None:
+    thaws = ThawCounter()
+    total = {"ns": 1000}
+    thaws.stood_still = lambda: total["ns"]
+    before = thaws.stood_still_ns()
+    total["ns"] += 700  # two stops while the step ran (one SIGCONT handled: pending ones are one signal)
+    assert thaws.ran_ns(start_ns=0, end_ns=1000, stood_before=before, deadline_ns=5000, cpu_ns=0) == 300
+    thaws.stood_still = None  # no board: the bound
+    assert thaws.ran_ns(start_ns=0, end_ns=1000, stood_before=0, deadline_ns=100, cpu_ns=0) == (
+        thaws.running_ns(0, 1000, 100, 0))
+
+
+def test_a_step_thawed_by_a_later_bubble_that_ended_too_runs_its_time_less_the_stop_not_to_that_end(
+    tmp_path: Path,
+) -> None:
+    """Regression: the bound took the latest ended grant's end, a later bubble's once the thawing grant had ended
+    too: a 0.2 ms step measured 1-8 ms, and on the second ranks of the multi-stage schedules the p95 estimate
+    fitted no bubble (a stranger's task did 33 steps in 100 iterations)."""
+    manager_board = WorkerBoard.create(tmp_path / "board")
+    chan = _FakeChannel()
+    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
+                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
+    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
+    previous = signal.getsignal(signal.SIGCONT)
+    rt.thaws.install()
+    try:
+        def stopped_then_thawed_by_a_bubble_that_ended() -> None:
+            time.sleep(0.01)  # ran in its bubble
+            manager_board.end_grant(1, time.monotonic_ns())
+            manager_board.note_stop(time.monotonic_ns(), continued=False)  # the manager's SIGSTOP (not sent)
+            time.sleep(0.3)  # stood still
+            manager_board.end_grant(2, time.monotonic_ns() + 50 * MS)  # the thawing grant's bubble, over later
+            manager_board.note_stop(time.monotonic_ns(), continued=True)
+            os.kill(os.getpid(), signal.SIGCONT)
+
+        rt.task = _Steps(stopped_then_thawed_by_a_bubble_that_ended)
+        rt.setup_done = True
+        assert rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0)) is False
+        parked = next(m for m in chan.sent if isinstance(m, Parked))
+        assert parked.steps == 2
+        assert 10 * MS <= parked.durations_ns[1] < 100 * MS, "the time it stood still was counted"
+    finally:
+        signal.signal(signal.SIGCONT, previous)
+        manager_board.close()
+
+
+class _WaitCountingCore(WorkerDevice):
+    """A core whose count says the stepping thread waited ``waited`` ns for it (a test sets it)."""
+
+    def __init__(self) -> None:
+        super().__init__(DeviceName("cpu", 0))
+        self.waited = 0
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu"
+
+    def prepare(self, memory_limit_bytes: int, *, command: bool = False) -> None:
+        pass
+
+    def waited_ns(self) -> int | None:
+        return self.waited
+
+
+def test_a_frozen_steps_cost_is_its_time_less_the_stops_and_less_its_wait_for_the_core(tmp_path: Path) -> None:
+    # A step stood still 200 ms (frozen) and waited 30 ms for its core (the trainer had it): it cost the rest.
+    manager_board = WorkerBoard.create(tmp_path / "board")
+    chan = _FakeChannel()
+    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
+                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
+    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
+    core = _WaitCountingCore()
+    rt.device = core
+    previous = signal.getsignal(signal.SIGCONT)
+    rt.thaws.install()
+    try:
+        def waited_then_stopped() -> None:
+            time.sleep(0.04)
+            core.waited += 30 * MS  # 30 of those 40 ms the core was the trainer's
+            manager_board.note_stop(time.monotonic_ns(), continued=False)
+            time.sleep(0.2)
+            manager_board.note_stop(time.monotonic_ns(), continued=True)
+            os.kill(os.getpid(), signal.SIGCONT)
+
+        rt.task = _Steps(waited_then_stopped)
+        rt.setup_done = True
+        rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+        parked = next(m for m in chan.sent if isinstance(m, Parked))
+        ran, cost = parked.durations_ns[1], parked.costs_ns[1]
+        assert 40 * MS <= ran < 150 * MS, "the stop was counted"
+        assert cost == ran - 30 * MS, "the wait for the core was counted"
+    finally:
+        signal.signal(signal.SIGCONT, previous)
+        manager_board.close()
+
+
+def test_two_stops_before_the_worker_ran_again_are_both_left_out_of_its_step(tmp_path: Path) -> None:
+    # At nice 19 a thawed worker may not run before the next freeze stops it again: its two SIGCONTs are then one
+    # signal, one handler call. The board's total holds both stops.
+    manager_board = WorkerBoard.create(tmp_path / "board")
+    chan = _FakeChannel()
+    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
+                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
+    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
+    previous = signal.getsignal(signal.SIGCONT)
+    rt.thaws.install()
+    try:
+        def stopped_twice() -> None:
+            time.sleep(0.01)
+            for _ in range(2):
+                manager_board.note_stop(time.monotonic_ns(), continued=False)
+                time.sleep(0.15)
+                manager_board.note_stop(time.monotonic_ns(), continued=True)
+            os.kill(os.getpid(), signal.SIGCONT)
+
+        rt.task = _Steps(stopped_twice)
+        rt.setup_done = True
+        rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+        parked = next(m for m in chan.sent if isinstance(m, Parked))
+        assert 10 * MS <= parked.durations_ns[1] < 100 * MS, "a stop was counted as step time"
+    finally:
+        signal.signal(signal.SIGCONT, previous)
+        manager_board.close()
