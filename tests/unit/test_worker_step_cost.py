@@ -139,4 +139,4 @@ def test_a_grant_of_more_steps_than_a_park_lists_counts_them_all_as_harvested(
     parked = manager.recv_nowait()
     assert isinstance(parked, Parked)
     assert parked.steps == 100 and len(parked.durations_ns) == 64  # the list keeps the last 64
-    assert parked.worked_ns >= 100 * 20_000 > sum(parked.durations_ns)
+    assert parked.worked_ns >= sum(parked.durations_ns) + 36 * 20_000  # the 36 unlisted steps too

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 from conftest import cpu_devices
+from test_worker_step_cost import WaitingCore
 
 from freeride._boards import WorkerBoard
 from freeride._channel import Grant, Init, Message, Parked
 from freeride._worker.runtime import WorkerRuntime
 from freeride._worker.timing import ThawCounter
-from freeride.devices import DeviceName, WorkerDevice
 from freeride.task import SideTask, TaskContext
 
 DEVICE = cpu_devices(1)[0]  # a core this process may run on: tests never name core numbers
@@ -213,114 +213,87 @@ def test_a_frozen_steps_time_is_its_wall_time_less_what_the_board_says_it_stood_
         thaws.running_ns(0, 1000, 100, 0))
 
 
+@pytest.fixture
+def boarded(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel, WorkerBoard]]:
+    """A runtime whose manager shares a board with it (the manager's side returned), its SIGCONT counted."""
+    manager_board = WorkerBoard.create(tmp_path / "board")
+    chan = _FakeChannel()
+    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
+                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
+    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
+    previous = signal.getsignal(signal.SIGCONT)
+    rt.thaws.install()
+    yield rt, chan, manager_board
+    signal.signal(signal.SIGCONT, previous)
+    manager_board.close()
+
+
+def _stood_still(board: WorkerBoard, seconds: float) -> None:
+    """What a manager's freeze and thaw do to the board around ``seconds`` stopped (the signals are not sent)."""
+    board.note_stop(time.monotonic_ns(), continued=False)
+    time.sleep(seconds)
+    board.note_stop(time.monotonic_ns(), continued=True)
+
+
+def _second_step(rt: WorkerRuntime, chan: _FakeChannel, hook: Any) -> Parked:
+    rt.task = _Steps(hook)
+    rt.setup_done = True
+    rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
+    return next(m for m in chan.sent if isinstance(m, Parked))
+
+
 def test_a_step_thawed_by_a_later_bubble_that_ended_too_runs_its_time_less_the_stop_not_to_that_end(
-    tmp_path: Path,
+    boarded: tuple[WorkerRuntime, _FakeChannel, WorkerBoard],
 ) -> None:
     """Regression: the bound took the latest ended grant's end, a later bubble's once the thawing grant had ended
-    too: a 0.2 ms step measured 1-8 ms, and on the second ranks of the multi-stage schedules the p95 estimate
+    too: a 0.2 ms step measured 1-70 ms, and on the second ranks of the multi-stage schedules the p95 estimate
     fitted no bubble (a stranger's task did 33 steps in 100 iterations)."""
-    manager_board = WorkerBoard.create(tmp_path / "board")
-    chan = _FakeChannel()
-    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
-                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
-    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
-    previous = signal.getsignal(signal.SIGCONT)
-    rt.thaws.install()
-    try:
-        def stopped_then_thawed_by_a_bubble_that_ended() -> None:
-            time.sleep(0.01)  # ran in its bubble
-            manager_board.end_grant(1, time.monotonic_ns())
-            manager_board.note_stop(time.monotonic_ns(), continued=False)  # the manager's SIGSTOP (not sent)
-            time.sleep(0.3)  # stood still
-            manager_board.end_grant(2, time.monotonic_ns() + 50 * MS)  # the thawing grant's bubble, over later
-            manager_board.note_stop(time.monotonic_ns(), continued=True)
-            os.kill(os.getpid(), signal.SIGCONT)
+    rt, chan, board = boarded
 
-        rt.task = _Steps(stopped_then_thawed_by_a_bubble_that_ended)
-        rt.setup_done = True
-        assert rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0)) is False
-        parked = next(m for m in chan.sent if isinstance(m, Parked))
-        assert parked.steps == 2
-        assert 10 * MS <= parked.durations_ns[1] < 100 * MS, "the time it stood still was counted"
-    finally:
-        signal.signal(signal.SIGCONT, previous)
-        manager_board.close()
+    def stopped_then_thawed_by_a_bubble_that_ended() -> None:
+        time.sleep(0.01)  # ran in its bubble
+        board.end_grant(1, time.monotonic_ns())
+        _stood_still(board, 0.3)
+        board.end_grant(2, time.monotonic_ns() + 50 * MS)  # the thawing grant's bubble, over later
+        os.kill(os.getpid(), signal.SIGCONT)
+
+    parked = _second_step(rt, chan, stopped_then_thawed_by_a_bubble_that_ended)
+    assert parked.steps == 2  # parked at the end it then read
+    assert 10 * MS <= parked.durations_ns[1] < 100 * MS, "the time it stood still was counted"
 
 
-class _WaitCountingCore(WorkerDevice):
-    """A core whose count says the stepping thread waited ``waited`` ns for it (a test sets it)."""
-
-    def __init__(self) -> None:
-        super().__init__(DeviceName("cpu", 0))
-        self.waited = 0
-
-    @property
-    def torch_device(self) -> str:
-        return "cpu"
-
-    def prepare(self, memory_limit_bytes: int, *, command: bool = False) -> None:
-        pass
-
-    def waited_ns(self) -> int | None:
-        return self.waited
-
-
-def test_a_frozen_steps_cost_is_its_time_less_the_stops_and_less_its_wait_for_the_core(tmp_path: Path) -> None:
+def test_a_frozen_steps_cost_is_its_time_less_the_stops_and_less_its_wait_for_the_core(
+    boarded: tuple[WorkerRuntime, _FakeChannel, WorkerBoard],
+) -> None:
     # A step stood still 200 ms (frozen) and waited 30 ms for its core (the trainer had it): it cost the rest.
-    manager_board = WorkerBoard.create(tmp_path / "board")
-    chan = _FakeChannel()
-    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
-                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
-    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
-    core = _WaitCountingCore()
+    rt, chan, board = boarded
+    core = WaitingCore()
     rt.device = core
-    previous = signal.getsignal(signal.SIGCONT)
-    rt.thaws.install()
-    try:
-        def waited_then_stopped() -> None:
-            time.sleep(0.04)
-            core.waited += 30 * MS  # 30 of those 40 ms the core was the trainer's
-            manager_board.note_stop(time.monotonic_ns(), continued=False)
-            time.sleep(0.2)
-            manager_board.note_stop(time.monotonic_ns(), continued=True)
-            os.kill(os.getpid(), signal.SIGCONT)
 
-        rt.task = _Steps(waited_then_stopped)
-        rt.setup_done = True
-        rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
-        parked = next(m for m in chan.sent if isinstance(m, Parked))
-        ran, cost = parked.durations_ns[1], parked.costs_ns[1]
-        assert 40 * MS <= ran < 150 * MS, "the stop was counted"
-        assert cost == ran - 30 * MS, "the wait for the core was counted"
-    finally:
-        signal.signal(signal.SIGCONT, previous)
-        manager_board.close()
+    def waited_then_stopped() -> None:
+        time.sleep(0.04)
+        core.waited += 30 * MS  # 30 of those 40 ms the core was the trainer's
+        _stood_still(board, 0.2)
+        os.kill(os.getpid(), signal.SIGCONT)
+
+    parked = _second_step(rt, chan, waited_then_stopped)
+    ran, cost = parked.durations_ns[1], parked.costs_ns[1]
+    assert 40 * MS <= ran < 150 * MS, "the stop was counted"
+    assert cost == ran - 30 * MS, "the wait for the core was counted"
 
 
-def test_two_stops_before_the_worker_ran_again_are_both_left_out_of_its_step(tmp_path: Path) -> None:
+def test_two_stops_before_the_worker_ran_again_are_both_left_out_of_its_step(
+    boarded: tuple[WorkerRuntime, _FakeChannel, WorkerBoard],
+) -> None:
     # At nice 19 a thawed worker may not run before the next freeze stops it again: its two SIGCONTs are then one
     # signal, one handler call. The board's total holds both stops.
-    manager_board = WorkerBoard.create(tmp_path / "board")
-    chan = _FakeChannel()
-    init = Init(task_id="t-1", memory_limit_bytes=2**28, work_dir=str(tmp_path / "work"),
-                checkpoint_dir=str(tmp_path / "ckpt"), device=DEVICE, board_file=str(tmp_path / "board"))
-    rt = WorkerRuntime(chan, init)  # type: ignore[arg-type]
-    previous = signal.getsignal(signal.SIGCONT)
-    rt.thaws.install()
-    try:
-        def stopped_twice() -> None:
-            time.sleep(0.01)
-            for _ in range(2):
-                manager_board.note_stop(time.monotonic_ns(), continued=False)
-                time.sleep(0.15)
-                manager_board.note_stop(time.monotonic_ns(), continued=True)
-            os.kill(os.getpid(), signal.SIGCONT)
+    rt, chan, board = boarded
 
-        rt.task = _Steps(stopped_twice)
-        rt.setup_done = True
-        rt._run_grant(Grant(1, deadline_ns=time.monotonic_ns() + 60_000 * MS, margin_ns=0))
-        parked = next(m for m in chan.sent if isinstance(m, Parked))
-        assert 10 * MS <= parked.durations_ns[1] < 100 * MS, "a stop was counted as step time"
-    finally:
-        signal.signal(signal.SIGCONT, previous)
-        manager_board.close()
+    def stopped_twice() -> None:
+        time.sleep(0.01)
+        _stood_still(board, 0.15)
+        _stood_still(board, 0.15)
+        os.kill(os.getpid(), signal.SIGCONT)
+
+    parked = _second_step(rt, chan, stopped_twice)
+    assert 10 * MS <= parked.durations_ns[1] < 100 * MS, "a stop was counted as step time"
