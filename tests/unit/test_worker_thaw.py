@@ -279,7 +279,8 @@ def test_a_frozen_steps_cost_is_its_time_less_the_stops_and_less_its_wait_for_th
     parked = _second_step(rt, chan, waited_then_stopped)
     ran, cost = parked.durations_ns[1], parked.costs_ns[1]
     assert 40 * MS <= ran < 150 * MS, "the stop was counted"
-    assert cost == ran - 30 * MS, "the wait for the core was counted"
+    # Less the wait; never less than the process's CPU time over the step (other threads of a loaded test process).
+    assert ran - 30 * MS <= cost < ran - 10 * MS, "the wait for the core was counted"
 
 
 def test_two_stops_before_the_worker_ran_again_are_both_left_out_of_its_step(
