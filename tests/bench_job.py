@@ -5,7 +5,9 @@
 
 One thread per device, pinned to its core, does C ms of busy work and then waits B ms (a bubble,
 reported through a real ``BubbleReporter`` to the device's default endpoint, with its predicted
-length), N times. ``--exit-code K`` exits K after the iterations; ``--hang`` sleeps forever instead.
+length), N times. Where its manager's socket exists (not in the bench's "alone" runs), each stage waits (up
+to 30 s) for the manager to answer before its first bubble: a real trainer does not wait, and bubbles it
+reports before the connection is up are dropped by design, but the bench tests count every bubble. ``--exit-code K`` exits K after the iterations; ``--hang`` sleeps forever instead.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import sys
 import threading
 import time
 
+from freeride.endpoints import default_endpoint
 from freeride.training.reporter import BubbleReporter
 
 
 def stage(device: str, rank: int, iterations: int, compute_ms: float, bubble_ms: float) -> None:
     os.sched_setaffinity(0, {int(device.split(":")[1])})
     with BubbleReporter(device, stage=rank, rank=rank) as reporter:
+        deadline = time.monotonic() + 30
+        listening = os.path.exists(default_endpoint(device).address)
+        while listening and not reporter.connected and time.monotonic() < deadline:  # polled: the reporter has no wait
+            time.sleep(0.005)
         for it in range(iterations):
             end = time.monotonic() + compute_ms / 1e3
             while time.monotonic() < end:  # the stage's compute: it holds the core
