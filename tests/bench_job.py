@@ -7,7 +7,8 @@ One thread per device, pinned to its core, does C ms of busy work and then waits
 reported through a real ``BubbleReporter`` to the device's default endpoint, with its predicted
 length), N times. Where its manager's socket exists (not in the bench's "alone" runs), each stage waits (up
 to 30 s) for the manager to answer before its first bubble: a real trainer does not wait, and bubbles it
-reports before the connection is up are dropped by design, but the bench tests count every bubble. ``--exit-code K`` exits K after the iterations; ``--hang`` sleeps forever instead.
+reports before the connection is up are dropped by design, but the bench tests count every bubble.
+``--exit-code K`` exits K after the iterations; ``--hang`` sleeps forever instead.
 """
 
 from __future__ import annotations
