@@ -132,7 +132,6 @@ class Supervisor:
             return []
         if task_id in self._held_parked:  # stopped while parked: it must run to read this (and to drain its channel)
             self._held_parked.discard(task_id)
-            self._date(handle, thawed=True)
             self._signal(handle, signal.SIGCONT)
         try:
             handle.channel.send(message)
@@ -152,8 +151,6 @@ class Supervisor:
     def signal(self, task_id: str, sig: int) -> None:
         handle = self.workers.get(task_id)
         if handle is not None:
-            if sig == signal.SIGCONT:
-                self._date(handle, thawed=True)
             self._signal(handle, sig)
             if sig == signal.SIGCONT:
                 self._held_parked.discard(task_id)
@@ -173,20 +170,7 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is not None and task_id in self._stop_when_parked and task_id not in self._held_parked:
             self._held_parked.add(task_id)
-            self._stop(handle)
-
-    def _stop(self, handle: Any) -> None:
-        """SIGSTOP a worker, its board told when first: a step it is in leaves the time it stood still out of its
-        own (:class:`freeride._worker.timing.ThawCounter`; the SIGCONT is dated too, :meth:`signal`)."""
-        self._date(handle, thawed=False)
-        self._signal(handle, signal.SIGSTOP)
-
-    @staticmethod
-    def _date(handle: Any, thawed: bool) -> None:
-        """Tell the worker's board when it is stopped or continued, right before the signal."""
-        if handle.board is not None:
-            with contextlib.suppress(OSError, ValueError, TypeError):  # a closed mapping: the step keeps its bound
-                handle.board.note_stop(time.monotonic_ns(), thawed)
+            self._signal(handle, signal.SIGSTOP)
 
     def freeze(self, task_id: str) -> list[Any]:
         """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
@@ -194,7 +178,7 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is None:
             return []
-        self._stop(handle)
+        self._signal(handle, signal.SIGSTOP)
         waited = run_delay_ns(handle.proc.pid)  # read once it is stopped: it accrues no more
         if handle.board is None:
             return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]  # no board to read
@@ -469,6 +453,11 @@ class Supervisor:
             orphans.forget(self.paths.task_dir(handle.task_id))
 
     def _signal(self, handle: WorkerHandle, sig: int) -> None:
+        """Signal the worker's process groups. A stop or continue is dated on its board first: a step it is in
+        leaves the time it stood still out of its own (:class:`freeride._worker.timing.ThawCounter`)."""
+        if sig in (signal.SIGSTOP, signal.SIGCONT) and handle.board is not None:
+            with contextlib.suppress(OSError, ValueError, TypeError):  # a closed mapping: the step keeps its bound
+                handle.board.note_stop(time.monotonic_ns(), sig == signal.SIGCONT)
         for pgid in [handle.proc.pid, *handle.extra_pgids]:
             _killpg(pgid, sig)
         if sig == signal.SIGKILL:  # a frozen process must run to die

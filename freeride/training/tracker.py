@@ -818,13 +818,18 @@ class _Timeline:
             if site in self._blocking:
                 self._pending = True  # reported where the rank blocks (blocks_now)
                 return
-            sink = self._owner.sink
-            if sink is not None:
-                index, kind, predicted, free, _ = opens
-                if kind == LEARNED_KIND:
-                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns, learned=True)
-                else:
-                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns)
+            self._report_start(opens, at_ns)
+
+    def _report_start(self, opens: tuple[int, str, int, int, bool], at_ns: int) -> None:
+        """The open wait's bubble starts at ``at_ns``: said to the sink (a learned slot marked as such)."""
+        sink = self._owner.sink
+        if sink is None:
+            return
+        index, kind, predicted, free, _ = opens
+        if kind == LEARNED_KIND:
+            sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns, learned=True)
+        else:
+            sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns)
 
     def wait_end(self, _a: None, _b: None, at_ns: int) -> None:
         if self._open is not None:
@@ -854,13 +859,8 @@ class _Timeline:
         if self._pending:
             self._pending = False
             self._open = (site, opens, at_ns)
-            sink = self._owner.sink
-            if sink is not None and opens is not None:
-                index, kind, predicted, free, _ = opens
-                if kind == LEARNED_KIND:
-                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns, learned=True)
-                else:
-                    sink.bubble_start(self._iteration, index, kind, predicted, free, at_ns)
+            if opens is not None:
+                self._report_start(opens, at_ns)
         elif self.host_time:
             self._blocking.add(site)
 
