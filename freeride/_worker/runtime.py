@@ -432,6 +432,7 @@ class WorkerRuntime:
                 self._board.publish_done(self._steps_in_process)
             frozen = self.thaws.changed_since(thaws)
             ran = end - now
+            cpu: int | None = None  # its CPU time, read once and only where a bound needs it
             if frozen:
                 # Frozen after its bubble's real end, which comes before the predicted deadline when
                 # the bubble ends early: bound the run by that end, or every early end would count
@@ -439,7 +440,8 @@ class WorkerRuntime:
                 known = self._ended(grant_id, bubble)
                 if known is not None and known[1] > 0:
                     step_deadline = min(step_deadline, known[1])
-                ran = self.thaws.ran_ns(now, end, stood_before, step_deadline, time.process_time_ns() - cpu_start)
+                cpu = time.process_time_ns() - cpu_start
+                ran = self.thaws.ran_ns(now, end, stood_before, step_deadline, cpu)
             else:
                 known = self._ended(grant_id, bubble)
                 if known is not None and now < known[1] < end:
@@ -456,11 +458,11 @@ class WorkerRuntime:
                 if waited_end is not None:
                     waited = waited_end - waited_start
                     cost = min(ran, max(0, end - now - waited))
-                    if frozen and self.thaws.stood_still is not None:
+                    if cpu is not None and self.thaws.stood_still is not None:  # frozen
                         # ``ran`` is the wall time less the stops as the manager dated them. A worker stopped while
                         # it waited for its core stops only once it gets one, so those waits and the stops overlap:
                         # ``ran`` less the waits undercounts by that overlap, never by compute (its CPU time).
-                        cost = min(cost, max(time.process_time_ns() - cpu_start, ran - waited))
+                        cost = min(cost, max(cpu, ran - waited))
             if self._warmup_pending:
                 self._warmup_pending = False
                 record.warmup = True
