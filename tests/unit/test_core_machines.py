@@ -29,7 +29,7 @@ from freeride._manager.core.machines import (
     StepPhase,
     StopPhase,
 )
-from freeride._manager.core.steps import TRAINER_PAUSE_NS, StepHealth
+from freeride._manager.core.steps import BOOKING_NS, TRAINER_PAUSE_NS, StepHealth
 from freeride.errors import InvalidTransition
 from freeride.messages import TaskSpec, TrainerLayout
 
@@ -129,6 +129,50 @@ def test_a_step_of_a_task_whose_steps_are_short_for_a_hang_never_looks_hung() ->
     for _ in range(40):
         health.ran_past_end(MS)
     assert health.looks_hung(longest_bubble_ns=int(1.4 * MS), step_ns=4 * MS)  # ten of its steps: hung
+
+
+def test_a_wait_for_the_core_booked_grants_late_keeps_a_step_from_looking_hung() -> None:
+    # Stranger trial, reproduced with a busy loop at nice 0 on the core: a task of 1 ms steps (9 of them in 7 s)
+    # was held as looking hung. Stopped while it waits for the core, a worker at nice 19 stops only once it gets
+    # one, and its run delay is booked then: readings at tens of freezes in a row missed their grants' waits, and
+    # a later one showed all of them.
+    health = StepHealth()
+    health.finished_steps()
+    health.ran_past_end(11 * MS, now_ns=0)
+    health.waited(0, now_ns=0)  # the first reading: what came before it is not known, the grant is stuck time
+    for k in range(1, 30):
+        health.ran_past_end(11 * MS, now_ns=k * 12 * MS)
+        health.waited(0, now_ns=k * 12 * MS)  # the stop has not landed: nothing booked yet
+        assert not health.looks_hung(longest_bubble_ns=10 * MS, step_ns=MS)
+    health.ran_past_end(11 * MS, now_ns=30 * 12 * MS)
+    health.waited(30 * 11 * MS, now_ns=30 * 12 * MS)  # thirty grants' waits, booked once the worker got the core
+    assert health.stuck_ns == 11 * MS and not health.unbooked  # only the first grant's
+    assert not health.looks_hung(longest_bubble_ns=10 * MS, step_ns=MS)
+
+
+def test_a_step_whose_grants_no_wait_explains_looks_hung_once_their_booking_is_overdue() -> None:
+    health = StepHealth()
+    health.finished_steps()
+    health.waited(5 * MS, now_ns=0)
+    at = 0
+    for _ in range(4):  # it ran, or slept, through its grants: every grant is the step's
+        at += 12 * MS
+        health.ran_past_end(11 * MS, now_ns=at)
+        health.waited(5 * MS, now_ns=at)
+    assert not health.looks_hung(longest_bubble_ns=10 * MS, step_ns=MS)  # not yet: a wait may still be booked
+    health.ran_past_end(11 * MS, now_ns=at + BOOKING_NS)
+    health.waited(5 * MS, now_ns=at + BOOKING_NS + 1)
+    assert health.stuck_ns == 44 * MS and health.looks_hung(longest_bubble_ns=10 * MS, step_ns=MS)
+
+
+def test_a_board_that_moved_keeps_only_the_grant_just_frozen_unbooked() -> None:
+    health = StepHealth()
+    health.seen_on_board(3, in_setup=False)
+    health.waited(0, now_ns=0)
+    for k in range(1, 4):
+        health.ran_past_end(k * MS, now_ns=k * MS)
+    health.seen_on_board(4, in_setup=False)  # a step finished in the last grant: the one it is in began there
+    assert health.stuck_ns == 0 and list(health.unbooked) == [(3 * MS, 3 * MS)]
 
 
 def test_a_hung_steps_clock_runs_only_while_the_trainer_makes_bubbles() -> None:

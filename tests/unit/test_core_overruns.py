@@ -20,7 +20,7 @@ from freeride._manager.core import (
     Tick,
     WorkerStepsSeen,
 )
-from freeride._manager.core.steps import TRAINER_PAUSE_NS
+from freeride._manager.core.steps import BOOKING_NS, TRAINER_PAUSE_NS
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.messages import BubbleEnd
 
@@ -641,6 +641,8 @@ def test_a_step_that_ran_or_slept_through_its_grants_still_looks_hung() -> None:
     for _ in range(2):
         _overrun(sim)
         sim.advance_ms(5)
+    sim.advance_ms(BOOKING_NS / MS)  # no wait was booked for them in that time: they are the step's
+    _overrun(sim)
     assert sim.core.tasks["a"].health.stuck_ns >= 22 * MS
     assert grants(sim.start(predicted_ms=10))[0] == "b"
 

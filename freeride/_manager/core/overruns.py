@@ -90,7 +90,7 @@ class Overruns:
             learned = bubble.end_learned_ns
             if learned:
                 self._stats.park_latency_ms.append(max(0, now_ns - learned) / MS)
-            task.health.ran_past_end(max(0, now_ns - task.granted_at_ns))
+            task.health.ran_past_end(max(0, now_ns - task.granted_at_ns), now_ns)
             self._stats.granted_ns += max(0, end - task.granted_at_ns)
             real_end = bubble.end_ns or bubble.seen_end_ns
             short = within_grace(task.known_step_ns, self._grace_ns)

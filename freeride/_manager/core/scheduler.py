@@ -595,7 +595,7 @@ class SchedulerCore:
             return
         health = task.health
         health.seen_on_board(event.steps_done, event.in_setup, event.in_checkpoint)
-        health.waited(event.run_delay_ns)
+        health.waited(event.run_delay_ns, now_ns)
         if not health.verdict_due:
             return
         health.verdict_due = False

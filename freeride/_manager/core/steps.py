@@ -8,7 +8,8 @@ trainer makes bubbles: see the grant ranking and :meth:`StepHealth.hung_too_long
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 
 from freeride._manager.core.machines import STEP, StepPhase
 from freeride.messages import FailureRecord
@@ -21,6 +22,10 @@ HUNG_STEPS = 10
 #: frozen step cannot finish without a grant: failing it then (a healthy task's step, frozen at the last
 #: bubble's end) lost a task and its work since the last checkpoint for no hang.
 TRAINER_PAUSE_NS = 5_000_000_000
+#: How long a frozen grant's time is held out of a step's stuck time while no reading has shown its wait for the
+#: core (:meth:`StepHealth.waited`): the kernel books a wait only when it ends. A worker at nice 19 beside a busy
+#: loop at nice 0 on its core had its waits booked at most 0.35 s apart (a 2-core VM, 127 bookings, 7 s).
+BOOKING_NS = 1_000_000_000
 
 
 @dataclass
@@ -35,6 +40,8 @@ class StepHealth:
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
     run_delay_ns: int = -1  # its main thread's run delay at its last freeze (-1: not read)
+    #: Frozen grants (when, granted ns) whose wait for the core no reading has shown yet: not stuck time yet.
+    unbooked: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
     #: Its step used up the step timeout of granted time at a freeze: it is failed, or not, on that freeze's
     #: board read (``WorkerStepsSeen``), and granted nothing until then. Decided before the read, the failure
     #: named what the board said at the freeze before (a hang in state_dict() at its first freeze read "one
@@ -57,6 +64,7 @@ class StepHealth:
     def new_process(self) -> None:
         """Its process is (re)started: no step finished yet. The granted time of a stuck step is kept."""
         self.hung_ns = self.hung_seen_ns = 0
+        self._settle(None)  # the new process's run delay says nothing of the old one's waits
         self.run_delay_ns = -1
         self.board_steps = 0
         self.verdict_due = False
@@ -65,6 +73,7 @@ class StepHealth:
     def finished_steps(self) -> None:
         """A park reported finished steps: nothing is stuck."""
         self.stuck_ns = 0
+        self.unbooked.clear()
         self.hung_ns = self.hung_seen_ns = 0
         self._to(StepPhase.STEPPED)
 
@@ -81,7 +90,13 @@ class StepHealth:
             return  # no board: nothing was read
         self.in_checkpoint = in_checkpoint
         if steps_done > self.board_steps:
-            self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)
+            if self.unbooked:  # the grant just frozen is the last of them: only its time is the step's
+                self.stuck_ns = 0
+                while len(self.unbooked) > 1:
+                    self.unbooked.popleft()
+            else:
+                self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)
+                self.unbooked.clear()
             self.hung_ns = self.hung_seen_ns = 0
             if self.phase is StepPhase.HUNG:
                 self._to(StepPhase.STEPPED)
@@ -92,25 +107,51 @@ class StepHealth:
         elif not self.has_stepped:
             self._to(StepPhase.IN_SETUP if in_setup else StepPhase.FRESH)
 
-    def waited(self, run_delay_ns: int) -> None:
-        """At a freeze: its main thread's run delay so far (-1: not read). What it grew by since the last freeze
-        is time it was runnable and had no core: at most the last grant's, that time is not the step's.
+    def waited(self, run_delay_ns: int, now_ns: int) -> None:
+        """At a freeze: its main thread's run delay so far (-1: not read). What it grew by since the last reading
+        is time it was runnable and had no core: not the step's, it comes off the step's granted time, the
+        grants not yet booked first (:attr:`unbooked`). Those become stuck time once a reading shows their waits,
+        or :data:`BOOKING_NS` after their freeze, whatever is left of them: a step hung in a sleep is judged that
+        much later (a hung step's grants are not booked either), never a starved one early.
 
         On a busy core a worker at nice 19 can spend grant after grant waiting for the core (the trainer, or
         another job, holds it); counted as stuck, a task of 0.1-0.3 ms steps was held as looking hung. A frozen
-        or parked worker is not runnable, so between two freezes the delay grows only inside grants. A step that
-        hangs by sleeping or blocking accrues none, and is judged on its granted time as before.
+        or parked worker is not runnable, so the delay grows inside grants and, where the worker waited for the
+        core when it was stopped, until the stop lands: the kernel books a wait when the wait ends, and a stop
+        lands only when the worker gets a core. So readings can miss grant after grant's wait (tens of them,
+        beside a busy loop at nice 0: a task of 1 ms steps was held as looking hung, and would have been failed
+        after its step timeout) and a later one hold them all. What was waited from the freeze to the landing
+        was not granted time and comes off too: a step on a core that busy is judged late, never early. A step
+        that hangs by sleeping or blocking accrues none, and is judged on its granted time as before.
         """
         if run_delay_ns < 0:
+            self._settle(None)  # nothing can be booked: granted time is the step's
             return
-        if self.run_delay_ns >= 0:
-            lost = min(max(0, run_delay_ns - self.run_delay_ns), self.last_grant_ns)
-            self.stuck_ns = max(0, self.stuck_ns - lost)
+        grown = max(0, run_delay_ns - self.run_delay_ns) if self.run_delay_ns >= 0 else 0
         self.run_delay_ns = run_delay_ns
+        while grown and self.unbooked:
+            at, granted = self.unbooked[0]
+            if grown < granted:
+                self.unbooked[0] = (at, granted - grown)
+                grown = 0
+            else:
+                self.unbooked.popleft()
+                grown -= granted
+        self.stuck_ns = max(0, self.stuck_ns - grown)
+        self._settle(now_ns - BOOKING_NS)
 
-    def ran_past_end(self, granted_ns: int) -> None:
-        """It was frozen mid-step after ``granted_ns`` of its grant."""
-        self.stuck_ns += granted_ns
+    def _settle(self, before_ns: int | None) -> None:
+        """Count as stuck the unbooked grants frozen before ``before_ns`` (None: all of them)."""
+        while self.unbooked and (before_ns is None or self.unbooked[0][0] < before_ns):
+            self.stuck_ns += self.unbooked.popleft()[1]
+
+    def ran_past_end(self, granted_ns: int, now_ns: int = 0) -> None:
+        """It was frozen mid-step after ``granted_ns`` of its grant, at ``now_ns``. Once its run delay has been
+        read, the grant waits in :attr:`unbooked` for the reading that shows its wait for the core (:meth:`waited`)."""
+        if self.run_delay_ns >= 0:
+            self.unbooked.append((now_ns, granted_ns))
+        else:
+            self.stuck_ns += granted_ns
         self.last_grant_ns = granted_ns
 
     def looks_hung(self, longest_bubble_ns: int, step_ns: int | None = None) -> bool:
