@@ -56,9 +56,11 @@ so ``H = (work + work_past_end) / B``.
 held: to its reported end, or to the freeze that stopped it. ``cpu_overrun_ms`` bounds a frozen step's
 part by what the worker could run in it: the worker's CPU time from the latest reading no later than
 where that part begins (its last step's start, reported by the worker; or the grant, read by the
-manager) to the freeze (read by the manager once the stop is sent). The two differ where the worker
-gets no core past the end: on a core shared with the trainer, the trainer's wake takes the core from
-the worker (nice 19), which then waits, unfrozen but idle, until its manager gets a core to freeze it.
+manager) to the freeze (read by the manager once the stop is sent); and a step that ended by itself past
+the end by its cost (its time less its wait for the core, as the worker measured it; the trace's
+``costs``). The two differ where the worker gets no core past the end: on a core shared with the
+trainer, the trainer's wake takes the core from the worker (nice 19, ``SCHED_IDLE``), which then waits,
+unfrozen but idle, until the core is free again or its manager gets a core to freeze it.
 On a CPU device ``cpu_overrun_ms`` is the side task's time that competed with the trainer; on a GPU it
 is host time only (kernels already queued run on), and ``overrun_ms`` is the figure to read.
 
@@ -142,6 +144,9 @@ class TraceGrant:
     granted_cpu_ns: int | None = None
     #: The bubble's first grant, made only once the bubble outlived its prediction (the trace's ``late``).
     late: bool = False
+    #: Each listed step's cost, in the order of ``spans`` (its time less its wait for the core, as the worker
+    #: measured it); empty where the trace has none.
+    costs: tuple[int, ...] = ()
     #: Why the worker's report of this grant ended it (``"frozen"``: the next grant thawed it); None
     #: without a report (a grant that only finished a step an earlier one began, frozen again).
     reason: str | None = None
@@ -211,7 +216,14 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
     stepped: set[str] = set()  # tasks that have run a step: their probe grants are over
     for key, g in ordered:
         s = steps.get(key, {})
-        spans = tuple(sorted((int(a), max(int(a), int(z))) for a, z in s.get("spans") or ()))
+        raw = [(int(a), max(int(a), int(z))) for a, z in s.get("spans") or ()]
+        listed_costs = s.get("costs") or ()
+        costs: tuple[int, ...] = ()
+        if len(listed_costs) == len(raw):
+            paired = sorted(zip(raw, (int(c) for c in listed_costs), strict=True))
+            spans, costs = tuple(p[0] for p in paired), tuple(p[1] for p in paired)
+        else:
+            spans = tuple(sorted(raw))
         count = max(len(spans), int(s.get("count", len(spans))))
         frozen, frozen_cpu = frozen_at.get(key, (None, None))
         start_cpu, granted_cpu = s.get("start_cpu_ns"), g.get("cpu_ns")
@@ -220,7 +232,7 @@ def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
                               first_of_task=key[0] not in stepped, frozen_ns=frozen, frozen_cpu_ns=frozen_cpu,
                               start_cpu_ns=None if start_cpu is None else int(start_cpu),
                               granted_cpu_ns=None if granted_cpu is None else int(granted_cpu),
-                              late=bool(g.get("late", False)),
+                              late=bool(g.get("late", False)), costs=costs,
                               reason=str(s["reason"]) if "reason" in s else None))
         if count:
             stepped.add(key[0])
@@ -345,6 +357,11 @@ def account_bubble(bubble: TraceBubble, grants: Sequence[TraceGrant], step_s: Ma
             if frozen_at is not None and k == last:
                 since = max(a, bubble.end_ns)
                 ran_end = since + _ran_until_freeze_ns(g, since, ((a, g.start_cpu_ns), (g.at_ns, g.granted_cpu_ns)))
+            elif g.costs and z > bubble.end_ns:
+                # A step that ended by itself past the end ran there no more than its cost: preempted by the
+                # trainer, a worker waits idle, unfrozen, until the core is free again or its manager freezes it.
+                since = max(a, bubble.end_ns)
+                ran_end = since + min(z - since, g.costs[k])
             else:
                 ran_end = ran_until
             last_ran_end = ran_end if last_ran_end is None else max(last_ran_end, ran_end)

@@ -316,3 +316,31 @@ def test_the_steady_window_starts_after_every_tasks_first_step() -> None:
     assert steady_window([records], (0, 100 * MS)) == (22 * MS, 100 * MS)
     assert steady_window([records], (50 * MS, 100 * MS)) == (50 * MS, 100 * MS)
     assert steady_window([[]], (5, 9)) == (5, 9)
+
+
+def test_a_step_that_ended_by_itself_past_the_end_ran_there_no_more_than_its_cost() -> None:
+    # A stranger-sized case from a ZBV trace: a 0.2 ms step preempted by the trainer at the end (10 ms) finished
+    # only when the core was free again, 5 ms later; it ran 0.2 ms of it, not 5.
+    records = _trace_records(
+        [(0, 10 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "steps", "task": "a", "grant": 1, "count": 2, "reason": "deadline",
+          "spans": [[2 * MS, 2_200_000], [9_900_000, 15 * MS]], "costs": [200_000, 200_000]}])
+    (acc,) = account_trace(records, {"a": 0.0002})
+    assert acc.overrun_ms == pytest.approx(5.0)  # held: until it ended
+    assert acc.cpu_overrun_ms == pytest.approx(0.2)  # ran: its cost, all of it past the end at most
+    without = [{k: v for k, v in r.items() if k != "costs"} for r in records]
+    (acc,) = account_trace(without, {"a": 0.0002})
+    assert acc.cpu_overrun_ms == pytest.approx(5.0)  # no costs in the trace: the time held
+
+
+def test_a_steps_cost_stays_with_its_span_when_the_listed_spans_come_out_of_order() -> None:
+    records = _trace_records(
+        [(0, 10 * MS)],
+        [{"ev": "grant", "task": "a", "grant": 1, "at_ns": 1 * MS, "deadline_ns": 10 * MS},
+         {"ev": "steps", "task": "a", "grant": 1, "count": 2, "reason": "deadline",
+          "spans": [[9 * MS, 12 * MS], [2 * MS, 3 * MS]], "costs": [500_000, 900_000]}])
+    (g,) = grants_from_trace(records)
+    assert g.spans == ((2 * MS, 3 * MS), (9 * MS, 12 * MS)) and g.costs == (900_000, 500_000)
+    (acc,) = account_trace(records, {"a": 0.001})
+    assert acc.cpu_overrun_ms == pytest.approx(0.5)
