@@ -23,25 +23,6 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 #: The calling thread's scheduler figures: time on the core, time waiting for it (run delay), slices.
 SCHEDSTAT_PATH = "/proc/thread-self/schedstat"
 
-def idle_policy() -> bool:
-    """Put this thread, and the threads and processes it starts from now on, in ``SCHED_IDLE``; True when the
-    kernel took it (no privilege is needed; other systems have no such policy).
-
-    A worker on ``cpu:N`` shares its core with a training rank. At nice 19 it still has a fair share of the
-    core whenever it is runnable beside the rank (1.4% of it), and the kernel pays that share in whole ticks:
-    a thawed worker took 4 ms at once from a busy rank (a nice-19 busy loop stopped and continued every 5 ms
-    beside a nice-0 one on the 2-core VM: gaps of 4 ms in the nice-0 loop, 53 ms in 3.4 s; 14 ms with
-    ``SCHED_IDLE``), and a grant given as a bubble ended ran 2.5-3 ms into the rank's next action. A
-    ``SCHED_IDLE`` thread is preempted at once by a normal one that wakes (the rank at a bubble's end), and
-    its share is a fifth of nice 19's. It still takes every idle moment of the core.
-    """
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        return False
-    return True
-
-
 #: One core per device: torch and BLAS must not spread threads over other stages' cores.
 CPU_WORKER_THREADS = "1"
 
@@ -97,7 +78,6 @@ class CpuWorkerDevice(WorkerDevice):
         # time. OMP_NUM_THREADS from worker_env keeps torch to one thread when it loads.
         os.sched_setaffinity(0, {self.name.index})
         lower_priority()
-        idle_policy()
 
     def baseline_bytes(self) -> int:
         return rss_bytes(os.getpid())

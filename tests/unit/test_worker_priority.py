@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,24 +45,3 @@ def test_a_process_that_does_not_lead_its_session_leaves_the_sessions_autogroup_
     niceness, group_nice, session_nice = out.stdout.split()
     assert int(niceness) == 19  # the process itself still yields
     assert (int(group_nice), int(session_nice)) == (0, 0)
-
-
-IDLE_CHILD = """
-import os, threading
-from freeride.devices import CpuWorkerDevice, parse_device_name
-CpuWorkerDevice(parse_device_name(f"cpu:{min(os.sched_getaffinity(0))}")).prepare(1 << 30)
-seen = []
-t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
-t.start(); t.join()
-print(os.sched_getscheduler(0), seen[0], os.SCHED_IDLE)
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this system")
-def test_a_cpu_worker_and_the_threads_it_starts_run_in_the_idle_policy() -> None:
-    # At nice 19 a thawed worker still took whole 4 ms ticks from a busy rank on its core; SCHED_IDLE yields at
-    # once to the rank's wake (freeride.devices.cpu.idle_policy).
-    out = subprocess.run([sys.executable, "-c", IDLE_CHILD], start_new_session=True, capture_output=True, text=True,
-                         check=True)
-    policy, thread_policy, idle = map(int, out.stdout.split())
-    assert policy == thread_policy == idle
