@@ -14,7 +14,9 @@ from freeride import SideTask, TaskContext
 
 
 class Counter(SideTask):
-    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never).
+    """Counts steps of ``step_ms`` each; finishes after ``total`` steps (0: never). ``cpu_time``: a step is
+    ``step_ms`` of its thread's CPU time, not of wall time (its cost is then that whatever the load: a wall-time
+    step preempted by other processes costs only the CPU it got).
 
     Each step's start and end go to ``work/steps.log`` unless ``log_steps`` is false (a task
     that must keep running on a full disk). Faulty subclasses call :meth:`mark_fault` just before
@@ -23,8 +25,9 @@ class Counter(SideTask):
 
     progress_unit = "ticks"
 
-    def __init__(self, step_ms: float = 1.0, total: int = 0, log_steps: bool = True) -> None:
+    def __init__(self, step_ms: float = 1.0, total: int = 0, log_steps: bool = True, cpu_time: bool = False) -> None:
         self.step_s = step_ms / 1000
+        self.clock = time.thread_time if cpu_time else time.perf_counter
         self.total = total
         self.count = 0
         self.log_path = ""
@@ -42,8 +45,9 @@ class Counter(SideTask):
 
     def step(self) -> None:
         start = time.monotonic_ns()
-        end_at = time.perf_counter() + self.step_s
-        while time.perf_counter() < end_at:
+        clock = self.clock
+        end_at = clock() + self.step_s
+        while clock() < end_at:
             pass
         self.count += 1
         if self.log_path:

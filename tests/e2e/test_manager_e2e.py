@@ -197,7 +197,9 @@ def test_step_that_ignores_the_bubble_end_is_frozen_then_fails_on_step_timeout(
 
 
 def test_step_longer_than_every_bubble_is_never_granted_again(harness: ManagerHarness) -> None:
-    task = harness.submit("sample_tasks:Counter", args={"step_ms": 60.0})
+    # 60 ms of CPU a step: spun on the wall clock, a step on a loaded core got a few ms of CPU, its cost (its time
+    # less its wait for the core) fitted the 10 ms bubbles, and the estimate this test waits for never came.
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 60.0, "cpu_time": True})
     feeder = harness.feeder()
     # Learned once its step time is known: the first step is a warm-up and no sample, so on a loaded
     # machine a second probe may run before the estimate exists. Wait for the estimate, not a count.
