@@ -309,7 +309,7 @@ def test_submit_with_an_argument_the_constructor_does_not_take_exits_2_before_an
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "arguments do not fit sample_tasks:Counter: unknown argument 'colour'" in lines[0]
     assert "unknown argument 'step_m' (did you mean 'step_ms'?)" in lines[0]  # every one named
-    assert "(it takes: step_ms, total, log_steps)" in lines[0]
+    assert "(it takes: step_ms, total, log_steps, cpu_time)" in lines[0]
 
 
 @pytest.mark.parametrize("argv", [["ls"], ["show", "x-1"], ["cancel", "x-1"],
