@@ -59,7 +59,7 @@ where that part begins (its last step's start, reported by the worker; or the gr
 manager) to the freeze (read by the manager once the stop is sent); and a step that ended by itself past
 the end by its cost (its time less its wait for the core, as the worker measured it; the trace's
 ``costs``). The two differ where the worker gets no core past the end: on a core shared with the
-trainer, the trainer's wake takes the core from the worker (nice 19, ``SCHED_IDLE``), which then waits,
+trainer, the trainer's wake takes the core from the worker (nice 19), which then waits,
 unfrozen but idle, until the core is free again or its manager gets a core to freeze it.
 On a CPU device ``cpu_overrun_ms`` is the side task's time that competed with the trainer; on a GPU it
 is host time only (kernels already queued run on), and ``overrun_ms`` is the figure to read.
