@@ -137,7 +137,7 @@ class Views:
         p50 = task.estimator.median_ns()
         return TaskInfo(
             task_id=task_id, spec=task.spec, state=task.state.value, figures=figures_of(task),
-            step_p50_ms=(p50 or 0) / 1e6, waiting_reason=self.core.waiting_reason(task),
+            step_p50_ms=(p50 or 0) / 1e6, waiting_reason=self.core.waiting_reason(task, self.now_ns()),
             submitted_unix_s=meta.submitted_unix_s, updated_unix_s=time.time(), failure=self.failures.of(task),
             pid=self._pid_of(task_id), task_dir=where,
         )

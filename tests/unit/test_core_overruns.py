@@ -672,3 +672,18 @@ def test_among_steps_that_look_hung_the_least_stuck_goes_first_known_step_time_o
     longest = 4 * MS
     assert all(t.health.looks_hung(longest, t.known_step_ns) for t in (*hung, healthy))
     assert rank([*hung, healthy], set(), 2 * MS, 0, 3, longest).best is healthy
+
+
+def test_a_frozen_tasks_reason_says_when_the_trainer_has_made_no_bubble_for_a_while() -> None:
+    # Stranger trial: a task left frozen when training ended read "resumes at its next grant" long after the last
+    # bubble, in 31 of 72 device-runs, and looked broken.
+    sim = Sim(grace_ns=MS)
+    sim.resident("a")
+    _overrun(sim)
+    task = sim.core.tasks["a"]
+    assert sim.core.waiting_reason(task, sim.now).endswith("resumes at its next grant")  # training goes on
+    later = sim.now + TRAINER_PAUSE_NS + 7 * 10**9
+    reason = sim.core.waiting_reason(task, later)
+    assert "the trainer has made no bubble for 12 s (training paused or over)" in reason
+    assert reason.endswith("it stays frozen, its memory held, until the next bubble")
+    assert sim.core.waiting_reason(task).endswith("resumes at its next grant")  # no clock given: nothing said

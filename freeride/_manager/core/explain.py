@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from freeride._manager.core.steps import HUNG_STEPS
+from freeride._manager.core.steps import HUNG_STEPS, TRAINER_PAUSE_NS
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.states import TaskState
 
@@ -26,6 +26,8 @@ class Circumstances:
     reprobes: bool
     #: The trainer ranks that share the device, the followed one first (empty: one rank, or none yet).
     sharing_ranks: tuple[int, ...] = ()
+    #: How long since the last bubble started (0: unknown, or none yet).
+    since_bubble_ns: int = 0
 
 
 def _ms(ns: int) -> str:
@@ -77,8 +79,14 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         return ("its worker is starting: importing the task's module and building it, at the lowest CPU priority "
                 "(slow beside a busy trainer on the same core)")
     if task.state == TaskState.FROZEN:
+        # Stranger trial: a task left frozen when training ended read "resumes at its next grant" long after the
+        # last bubble (31 of 72 device-runs), and looked broken. Nothing is wrong: it says so, and since when.
+        paused = ""
+        if now.since_bubble_ns >= TRAINER_PAUSE_NS:
+            paused = (f"; the trainer has made no bubble for {now.since_bubble_ns / 1e9:.0f} s (training paused or "
+                      "over): it stays frozen, its memory held, until the next bubble")
         if task.health.in_setup:
-            return "frozen in setup() after overrunning a bubble; resumes at its next grant"
+            return "frozen in setup() after overrunning a bubble" + (paused or "; resumes at its next grant")
         # What its board said at the freeze: a slow checkpoint (a large state written across bubbles) read as
         # a hung step.
         what = "a checkpoint (state_dict() and its write)" if task.health.in_checkpoint else "a step"
@@ -86,5 +94,5 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
             return (f"frozen in {what} that looks hung (more granted time than two of the longest bubbles and than "
                     f"{HUNG_STEPS} of its step estimate); thawed every other bubble until it finishes, or fails once "
                     "it has looked hung for its step timeout while the trainer makes bubbles")
-        return f"frozen in {what} after overrunning a bubble; resumes at its next grant"
+        return f"frozen in {what} after overrunning a bubble" + (paused or "; resumes at its next grant")
     return ""

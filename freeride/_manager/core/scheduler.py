@@ -194,13 +194,14 @@ class SchedulerCore:
         """Memory left for a new resident task, or None before any memory figure arrived."""
         return self.memory.budget_bytes(sum(t.memory_bytes for t in self._tasks.resident()))
 
-    def waiting_reason(self, task: TaskRuntime) -> str:
-        """Why a non-running task is not running, in one line."""
+    def waiting_reason(self, task: TaskRuntime, now_ns: int = 0) -> str:
+        """Why a non-running task is not running, in one line (``now_ns``: the loop's clock, 0: not known)."""
+        last = self.bubbles.last_start_ns
         return explain.waiting_reason(task, explain.Circumstances(
             draining=self.draining, device_problem=self.memory.problem, budget_bytes=self.budget_bytes(),
             longest_bubble_ns=self.bubbles.longest_ns, margin_ns=self.config.margin_ns,
             reprobe_after_bubbles=self.config.reprobe_after_bubbles, reprobes=self.policy.reprobes,
-            sharing_ranks=self.shared_by,
+            sharing_ranks=self.shared_by, since_bubble_ns=max(0, now_ns - last) if now_ns and last else 0,
         ))
 
     @property
