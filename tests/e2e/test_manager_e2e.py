@@ -404,3 +404,17 @@ def test_the_loops_thread_runs_with_a_short_time_slice_and_its_worker_with_the_k
     wait_for(lambda: time_slice_ns(loop_thread.native_id or 0) == LOOP_TIME_SLICE_NS, 10,
              what="the loop to take its short slice")
     assert info.pid and time_slice_ns(info.pid) == default
+
+
+def test_a_task_left_frozen_when_the_bubbles_stop_says_so_in_its_reason(harness: ManagerHarness) -> None:
+    # Stranger trial: left frozen when training ended, a task read "resumes at its next grant" long after the last
+    # bubble, and looked broken.
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
+    harness.wait_state(task.task_id, "PARKED")
+    feeder = harness.feeder()
+    feeder.run(1, length_ms=10, predicted_ms=10)  # its 50 ms step runs past the end: frozen
+    harness.wait_state(task.task_id, "FROZEN")
+    wait_for(lambda: "made no bubble" in harness.client.get(task.task_id).waiting_reason, 30,
+             what="the reason to say that the trainer makes no bubbles")
+    assert "until the next bubble" in harness.client.get(task.task_id).waiting_reason
+    feeder.close()
