@@ -177,6 +177,12 @@ class WorkerReady:
     host_baseline_bytes: int = 0
 
 
+def grant_harvest_ns(worked_ns: int, durations_ns: tuple[int, ...]) -> int:
+    """What a grant's steps harvested: their costs summed by the worker (``worked_ns``), else (0: a worker of an
+    earlier version) the listed durations summed."""
+    return worked_ns if worked_ns > 0 else sum(durations_ns)
+
+
 @dataclass(frozen=True)
 class WorkerParked:
     task_id: str
@@ -202,8 +208,8 @@ class WorkerParked:
 
     @property
     def harvested_ns(self) -> int:
-        """What the grant's steps harvested (``worked_ns``, else the listed durations)."""
-        return self.worked_ns if self.worked_ns > 0 else sum(self.durations_ns)
+        """What the grant's steps harvested (:func:`grant_harvest_ns`)."""
+        return grant_harvest_ns(self.worked_ns, self.durations_ns)
 
 
 @dataclass(frozen=True)
@@ -243,8 +249,8 @@ class WorkerFailed:
 
     @property
     def harvested_ns(self) -> int:
-        """What the steps of the grant it failed in harvested (``worked_ns``, else the durations)."""
-        return self.worked_ns if self.worked_ns > 0 else sum(self.durations_ns)
+        """What the steps of the grant it failed in harvested (:func:`grant_harvest_ns`)."""
+        return grant_harvest_ns(self.worked_ns, self.durations_ns)
 
 
 @dataclass(frozen=True)
