@@ -73,7 +73,7 @@ class ThawCounter:
         too. A 0.2 ms step thawed by a later bubble then measured 1-70 ms, the p95 estimate fitted no bubble of
         the second ranks, and the task starved there."""
         if self.stood_still is not None:
-            stood = self.stood_still_ns() - stood_before
+            stood = max(0, self.stood_still_ns() - stood_before)  # 0 where the mapping closed meanwhile
             return max(0, end_ns - start_ns - stood)
         return self.running_ns(start_ns, end_ns, deadline_ns, cpu_ns)
 

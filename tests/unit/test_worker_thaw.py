@@ -66,6 +66,16 @@ class _Steps(SideTask):
         return float(self.n)
 
 
+
+def test_a_board_closed_while_a_frozen_step_ran_leaves_the_step_its_wall_time() -> None:
+    thaws = ThawCounter()
+
+    def closed() -> int:
+        raise ValueError("mmap closed or invalid")
+
+    thaws.stood_still = closed  # the total read at the start was 1000; at the end the mapping is gone (0)
+    assert thaws.ran_ns(start_ns=0, end_ns=1000, stood_before=1000, deadline_ns=5000, cpu_ns=0) == 1000
+
 @pytest.fixture
 def runtime(tmp_path: Path) -> Iterator[tuple[WorkerRuntime, _FakeChannel]]:
     chan = _FakeChannel()
