@@ -12,6 +12,9 @@ reporter uses:
 * **local**: a 60-byte ``send`` on a ``SOCK_SEQPACKET`` Unix socket (the manager's local event socket)
   to a process that sleeps in ``select`` (as the manager's loop does), and to one that polls without
   sleeping (``MSG_DONTWAIT`` in a loop: it is awake when the datagram comes);
+* **local-eventfd**, **local-pipe**: the same with an ``eventfd`` write (what a shared-memory ring of events
+  would still need to wake its reader) or a pipe's write in place of the datagram: whether another
+  primitive would wake the manager for less (on the 2-core VM it would not: the wake is the cost);
 * **queue**: ``queue.SimpleQueue.put`` to a thread blocked in ``get`` (the reporter's sender thread), and
   to one that polls ``get_nowait``.
 
@@ -28,6 +31,7 @@ import json
 import os
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -37,6 +41,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PAYLOAD = b"x" * 60
+#: ``local``: the manager's datagram; ``local-eventfd`` and ``local-pipe``: other wakes, for comparison.
+ROUTES = ("local", "local-eventfd", "local-pipe", "queue")
 
 
 _BLOCK = bytes(1 << 16)
@@ -54,35 +60,63 @@ def _quantiles(costs: list[int]) -> dict[str, float]:
     return {"p50_us": costs[len(costs) // 2] / 1e3, "p90_us": costs[int(len(costs) * 0.9)] / 1e3}
 
 
-def local_route(events: int, gap_us: int, receiver_sleeps: bool, cores: tuple[int, int]) -> dict[str, float]:
-    """A datagram's send, its receiver a process on the other core (asleep in select, or polling)."""
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+def local_route(events: int, gap_us: int, receiver_sleeps: bool, cores: tuple[int, int],
+                primitive: str = "seqpacket") -> dict[str, float]:
+    """A send to a process on the other core (asleep in select, or polling): ``primitive`` is the manager's
+    ``seqpacket`` datagram, or, for comparison, an ``eventfd`` write (the wake a shared-memory ring would
+    need beside its store) or a ``pipe`` write."""
+    if primitive == "seqpacket":
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs.setblocking(False)  # the polling receiver must not sleep in its read
+        read_fd, closes = theirs.fileno(), [mine, theirs]
+
+        def send() -> None:
+            mine.send(PAYLOAD, socket.MSG_DONTWAIT)
+    elif primitive == "eventfd":
+        read_fd = write_fd = os.eventfd(0, os.EFD_NONBLOCK)
+        closes = []
+
+        def send() -> None:
+            os.eventfd_write(write_fd, 1)
+    elif primitive == "pipe":
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        closes = []
+
+        def send() -> None:
+            os.write(write_fd, PAYLOAD)
+    else:
+        raise ValueError(f"unknown primitive {primitive!r}")
     pid = os.fork()
-    if pid == 0:  # the receiver
+    if pid == 0:  # the receiver: reads until killed
         try:
             os.sched_setaffinity(0, {cores[1]})
             while True:
                 if receiver_sleeps:
-                    select.select([theirs], [], [])
+                    select.select([read_fd], [], [])
                 try:
-                    data = theirs.recv(256, socket.MSG_DONTWAIT)
+                    os.read(read_fd, 256)
                 except BlockingIOError:
                     continue
-                if data == b"q":
-                    break
         finally:
             os._exit(0)
-    theirs.close()
     os.sched_setaffinity(0, {cores[0]})
     costs = []
-    for _ in range(events):
-        _busy(gap_us)
-        t0 = time.perf_counter_ns()
-        mine.send(PAYLOAD, socket.MSG_DONTWAIT)
-        costs.append(time.perf_counter_ns() - t0)
-    mine.send(b"q")
-    os.waitpid(pid, 0)
-    mine.close()
+    try:
+        for _ in range(events):
+            _busy(gap_us)
+            t0 = time.perf_counter_ns()
+            send()
+            costs.append(time.perf_counter_ns() - t0)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for sock in closes:
+            sock.close()
+        if primitive == "pipe":
+            os.close(write_fd)
+        if primitive != "seqpacket":
+            os.close(read_fd)
     return _quantiles(costs)
 
 
@@ -137,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     for round_ in range(1, args.rounds + 1):
-        for route, measure in (("local", local_route), ("queue", queue_route)):
+        for route in ROUTES:
             for sleeps in (True, False):
                 load = os.getloadavg()[0]
-                figures = measure(args.events, args.gap_us, sleeps, cores)
+                if route == "queue":
+                    figures = queue_route(args.events, args.gap_us, sleeps, cores)
+                else:
+                    figures = local_route(args.events, args.gap_us, sleeps, cores, route.removeprefix("local-") if
+                                          route != "local" else "seqpacket")
                 rows.append({"round": round_, "route": route, "receiver": "asleep" if sleeps else "awake",
                              **figures, "load": round(load, 2)})
                 print(rows[-1], flush=True)
