@@ -236,6 +236,60 @@ def _steps_once(sim: Sim, task_id: str) -> None:
     sim.advance_ms(5)
 
 
+def test_a_hung_step_of_a_higher_priority_task_still_leaves_every_other_bubble_to_the_others() -> None:
+    # Stranger trial: a hung task at priority 10 beside a healthy one at 0 took every bubble by its priority (the
+    # healthy task made 0 steps in 400 iterations, against 2204 alone) until its step timeout failed it.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", priority=10)
+    sim.resident("b")
+    _steps_once(sim, "a")
+    for _ in range(2):  # 22 ms of granted time in one step: it looks hung
+        _overrun(sim)
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN
+    assert [_steps_once_or_thaw(sim) for _ in range(6)] == ["b", "a", "b", "a", "b", "a"]
+
+
+def test_a_hung_step_whose_turn_is_not_due_still_takes_a_bubble_no_other_task_can_use() -> None:
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    _steps_once(sim, "a")
+    for _ in range(2):
+        _overrun(sim)
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN
+    assert [_steps_once_or_thaw(sim) for _ in range(3)] == ["a", "a", "a"]
+
+
+def test_a_hung_step_takes_its_turns_by_bubble_time_so_alternating_lengths_do_not_give_it_the_long_ones() -> None:
+    # Stranger trial, equal priorities: turns counted by bubbles put the hung step in the same positions of every
+    # iteration, and the healthy task got 22-29% of its steps alone. Taken by bubble time, the hung step has at
+    # most about half of it, whatever the phase of the lengths.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    time_of: dict[str, float] = {"a": 0.0, "b": 0.0}
+    for i in range(12):
+        length = 20.0 if i % 2 == 0 else 5.0
+        granted = grants(sim.start(predicted_ms=length))
+        first = granted[0] if granted else ""
+        if first == "b":
+            sim.advance_ms(length - 0.1)
+            sim.parked("b", [1.0] * 4)
+            sim.advance_ms(0.1)
+            sim.end()
+        else:
+            sim.advance_ms(length)
+            sim.end()
+            sim.advance_ms(1)
+            sim.tick()  # frozen again, still inside its step
+        if first:
+            time_of[first] += length
+        sim.advance_ms(5)
+    assert sim.state("a") == S.FROZEN
+    assert time_of["a"] > 0, time_of  # it still gets turns
+    assert time_of["b"] >= time_of["a"], time_of
+
+
 def test_a_step_that_hangs_in_the_first_grant_after_other_steps_looks_hung_once_the_board_shows_them() -> None:
     # Stranger trial: steps 1-2 finished inside the first grant, step 3 hung; no park ever reported
     # them, so the task kept every bubble until its step timeout.

@@ -92,7 +92,8 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         what = "a checkpoint (state_dict() and its write)" if task.health.in_checkpoint else "a step"
         if task.health.hung_seen_ns:
             return (f"frozen in {what} that looks hung (more granted time than two of the longest bubbles and than "
-                    f"{HUNG_STEPS} of its step estimate); thawed every other bubble until it finishes, or fails once "
+                    f"{HUNG_STEPS} of its step estimate); thawed at the start of a bubble once the other tasks "
+                    "have had as much bubble time since its last turn, until it finishes, or fails once "
                     "it has looked hung for its step timeout while the trainer makes bubbles")
         return f"frozen in {what} after overrunning a bubble" + (paused or "; resumes at its next grant")
     return ""

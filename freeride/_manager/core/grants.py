@@ -6,10 +6,13 @@ that are not being stopped and have not had a grant in this bubble yet.
 
 **freeride** (:func:`rank`), most important first:
 
+0. a step that looks hung and whose turn is not due (below) goes last;
 1. priority;
-2. a frozen task, which must finish its step (unless that step looks hung: then the hung steps share the
-   first turn of every other whole bubble, the least stuck first, and never take the tail another task
-   left: a thaw there only runs it past the end, into training);
+2. a frozen task, which must finish its step (unless that step looks hung: then the hung steps share
+   first turns of whole bubbles, the least stuck first, and never take the tail another task left: a thaw
+   there only runs it past the end, into training; a turn is due once the other tasks have had as much
+   bubble time since the last, and until then the hung steps rank after every other candidate, whatever
+   the priorities, taking the bubble only when no other task is waiting for bubbles, fitting or not);
 3. a task whose step time is not known yet (one probe);
 4. fair share among tasks whose step fits: the one that has harvested least goes first (best fit alone
    let the task with the longer step win every bubble, and a shorter one at the same priority never ran;
@@ -72,13 +75,18 @@ def rank(
         hung = frozen and health.looks_hung(longest_bubble_ns, est)
         if hung and not first_grant:
             continue
-        thaw_rank = (0 if health.passed_over else 2) if hung else (0 if frozen else 1)
+        # A hung step whose turn is not due ranks after every other candidate, whatever its priority (a hung
+        # step of a higher priority took every bubble); it takes the bubble only if there is no other task to
+        # take it or a later one (one whose step does not fit this bubble waits for a bubble it fits).
+        waits_turn = 1 if hung and not health.hung_turn_due else 0
+        thaw_rank = 0 if frozen else 1
         if not frozen and est is not None and est + margin > remaining_ns:
             unfit.append(task)
             if health.unfit_bubbles + seen_now < reprobe_after:
                 continue
             est = None  # a re-probe: ranked like a task whose step time is unknown
         key = (
+            waits_turn,
             -task.spec.priority,
             thaw_rank,
             # Steps that look hung take their shared turn (scheduler) in order of the least granted time stuck,
@@ -92,7 +100,7 @@ def rank(
         )
         if best is None or key < best[0]:
             best = (key, task)
-    if best is None:
+    if best is None or (best[0][0] and unfit):  # a hung step's turn not due: no bubble another task could fit
         return Ranking(None, tuple(unfit)) if unfit else NOBODY
     winner = best[1]
     counted = seen_now if any(task is winner for task in unfit) else 0

@@ -35,7 +35,11 @@ class StepHealth:
     hung_ns: int = 0  # wall time the current step has looked hung while the trainer made bubbles (phase HUNG)
     hung_seen_ns: int = 0  # when that was last counted (0: the step does not look hung)
     unfit_bubbles: int = 0  # bubbles in a row whose time the task's step estimate did not fit
-    passed_over: int = 0  # bubbles given to others while this frozen task's step looked hung
+    #: The bubble time (predicted at each first grant) of the task's last first turn, and the bubble time whose
+    #: first grant went to a task whose step does not look hung since: a step that looks hung takes a turn only
+    #: once the others have had as much (``hung_turn_due``; a bubble no other task could use is no turn).
+    turn_ns: int = 0
+    passed_over_ns: int = 0
     board_steps: int = 0  # steps its process had finished at the last reading of its board
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
@@ -56,6 +60,14 @@ class StepHealth:
     def has_stepped(self) -> bool:
         """The current process has finished a step (its setup is over)."""
         return self.phase is StepPhase.STEPPED or self.phase is StepPhase.HUNG
+
+    @property
+    def hung_turn_due(self) -> bool:
+        """A step that looks hung may take this bubble's first turn: since its last, the other tasks have had at
+        least as much bubble time (so a hung step has at most about half of it, whatever its task's priority and
+        whatever the order of long and short bubbles; counted in bubbles, its turns fell in the same positions of
+        every iteration, and took the long ones)."""
+        return self.passed_over_ns >= self.turn_ns
 
     @property
     def in_setup(self) -> bool:
