@@ -420,8 +420,7 @@ class ManagerStats:
     memory_budget_bytes: int
     tasks_by_state: dict[str, int]
     events_received: int
-    #: Bubble events refused as malformed, plus well-formed ones the scheduler ignored as out of
-    #: order (an end without its open start, an end before its start, a start older than the open one).
+    #: Bubble events refused as malformed (the manager's log says why).
     events_rejected: int
     draining: bool
     #: Grants and parks dropped because a worker's channel was full. Not on the wire yet: a
@@ -447,6 +446,11 @@ class ManagerStats:
     shared_by_ranks: tuple[int, ...] = ()
     #: Bubble events of ranks other than the followed one: counted, not otherwise used.
     events_other_ranks: int = 0
+    #: Well-formed bubble events the scheduler ignored as out of order: an end without its open start (its
+    #: start went to a manager that died, after a restart under a running trainer, or was lost), an end before
+    #: its start, a start older than the open one. (Until this count, they were added to ``events_rejected``,
+    #: which then rose by one after a restart with no reason anywhere.)
+    events_ignored: int = 0
 
 
 class Drained(NamedTuple):

@@ -451,14 +451,14 @@ class ManagerLoop:
         return []
 
     def _feed_trainer(self, event: _TrainerInput, now_ns: int) -> None:
-        """Feed a trainer's event, timing its delay from the trainer's own stamp (``event_delay``)."""
+        """Feed a trainer's event, timing a bubble event's delay from the trainer's own stamp (``event_delay``).
+
+        Not a layout's: its time is when the layout took effect, and a reporter tells the last one again at
+        each connection (a manager restarted under a running trainer read 6-19 s of "delay" from it)."""
         if isinstance(event, C.BubbleStarted):
-            stamp = event.bubble.start_ns
+            self.event_delay.record(now_ns - event.bubble.start_ns)
         elif isinstance(event, C.BubbleEnded):
-            stamp = event.bubble.end_ns
-        else:
-            stamp = event.layout.at_ns
-        self.event_delay.record(now_ns - stamp)
+            self.event_delay.record(now_ns - event.bubble.end_ns)
         self._feed(event, now_ns)
 
     def _reject_local(self, exc: ConfigError, now_ns: int) -> None:

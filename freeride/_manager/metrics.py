@@ -205,6 +205,9 @@ class ManagerCollector:
                       stats.harvested_s)
         yield counter("freeride_overruns_total", "grants whose side-task step still ran at the bubble's real end",
                       stats.overruns)
+        yield counter("freeride_events_ignored_total",
+                      "well-formed bubble events ignored as out of order (an end without its start: a restart)",
+                      stats.events_ignored)
         yield counter("freeride_events_other_ranks_total",
                       "bubble events of trainer ranks other than the one the device follows (ignored)",
                       stats.events_other_ranks)
