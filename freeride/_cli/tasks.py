@@ -165,8 +165,10 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
             try:
                 check_cpu_device(name)
             except ConfigError as exc:  # advising a manager on a core that is not there helps nobody
-                raise ManagerUnavailable(f"no manager answers at {endpoint}, and none can run on {name} here: "
-                                         f"{exc}") from None
+                message = f"no manager answers at {endpoint}, and none can run on {name} here: {exc}"
+                if endpoint.kind == "unix":  # its manager would be on this host: the device is the bad input
+                    raise ConfigError(message) from None
+                raise ManagerUnavailable(message) from None  # over TCP, another host's device may be meant
         start = f"freeride manager --device {_device(args)}" + (f" --endpoint {endpoint}" if args.endpoint else "")
         # "Or it is stopping": a manager that is draining or exiting answers no call either, and starting a second
         # one then would be the wrong advice without it.
@@ -389,11 +391,13 @@ def _progress_line(info: TaskInfo) -> str:
     """Progress and steps as the worker last reported them (at its last park or checkpoint). A worker frozen
     mid-grant never reported the steps it finished in that grant, so a failure's step (read from its board)
     may be further on: say so rather than show two counts that disagree without a word."""
-    line = f"{_progress(info)} ({info.steps} steps)"
     failure = info.failure
     if failure is not None and failure.step > info.steps:
-        line += f", as last reported: it had finished {failure.step} steps when it failed"
-    return line
+        if not info.steps and not info.progress:  # "- (0 steps), as last reported: ... 9 steps" read as a contradiction
+            return f"none reported (it never parked); its worker had finished {failure.step} steps when it failed"
+        return (f"{_progress(info)} ({info.steps} steps) as last reported; its worker had finished {failure.step} "
+                "steps when it failed")
+    return f"{_progress(info)} ({info.steps} steps)"
 
 
 def render_task(info: TaskInfo, draining: bool = False) -> str:
@@ -471,7 +475,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         _print_json(info)
     else:
         terminal = TaskState(info.state).is_terminal if info.state in TaskState.__members__ else False
-        note = "" if terminal else " (stopping)"
+        # Stranger trial: cancelling a task that had failed printed "spinner-5 FAILED", which read as the cancel's.
+        note = (" (stopping)" if not terminal else "" if info.state == TaskState.CANCELLED.value
+                else " (over already: nothing to cancel)")
         print(f"{info.task_id} {info.state}{note}")
     return _EXIT_OK
 

@@ -489,6 +489,8 @@ def test_show_renders_failure_record_of_a_task_that_crashed_in_setup(
     assert out.count('raise RuntimeError("cannot set up")') == 1  # not again in the log tail
     code, out, _ = run_cli(capsys, "ls", "--all", *ep)
     assert task_id in out and "FAILED" in out
+    code, out, _ = run_cli(capsys, "cancel", task_id, *ep)  # a stranger read "t FAILED" as the cancel's doing
+    assert code == EXIT_OK and out.strip() == f"{task_id} FAILED (over already: nothing to cancel)"
 
 
 def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -> None:
@@ -500,8 +502,11 @@ def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -
     spec = TaskSpec(target="sample_tasks:Counter", memory_bytes=2**26)
     hung = FailureRecord(kind="STEP_TIMEOUT", message="looks hung", step=50)
     out = render_task(TaskInfo("t-1", spec, "FAILED", TaskProgress(steps=45, progress=45.0), failure=hung))
-    assert "progress:   45 steps (45 steps), as last reported: it had finished 50 steps when it failed" in out
+    assert "progress:   45 steps (45 steps) as last reported; its worker had finished 50 steps when it failed" in out
     assert "at step:   50" in out
+    # Stranger trial: "progress: - (0 steps), as last reported: it had finished 9 steps", read as a contradiction.
+    out = render_task(TaskInfo("t-3", spec, "FAILED", TaskProgress(steps=0, progress=0.0), failure=hung))
+    assert "progress:   none reported (it never parked); its worker had finished 50 steps when it failed" in out
     crashed = FailureRecord(kind="EXCEPTION", message="boom", step=45)
     out = render_task(TaskInfo("t-2", spec, "FAILED", TaskProgress(steps=45, progress=45.0), failure=crashed))
     assert "progress:   45 steps (45 steps)\n" in out  # the counts agree: nothing added
