@@ -186,8 +186,9 @@ class Supervisor:
         # still at -1 says it has begun none: it is inside setup().
         board = handle.board
         try:
-            return [C.WorkerStepsSeen(task_id, board.steps_done(), board.step() < 0,
-                                      board.doing() == DOING_CHECKPOINT, run_delay_ns=waited)]
+            step = board.step()
+            return [C.WorkerStepsSeen(task_id, board.steps_done(), step < 0, board.doing() == DOING_CHECKPOINT,
+                                      run_delay_ns=waited, step=step)]
         except (OSError, ValueError) as exc:  # a closed mapping: answered all the same, as nothing read
             log.warning("[%s task=%s] its board could not be read at a freeze: %s", self.device, task_id, exc)
             return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]

@@ -169,7 +169,9 @@ def test_a_step_hung_in_its_first_grant_leaves_other_tasks_bubbles_before_its_st
     other = h.submit("sample_tasks:Counter", args={"step_ms": 1.0})
     feeder.run_until(lambda: h.client.get(other.task_id).steps >= 20, length_ms=20, gap_ms=10, timeout_s=60)
     feeder.close()
-    assert h.client.get(hanger.task_id).state in ("FROZEN", "RUNNING")  # still stuck, not failed
+    info = h.client.get(hanger.task_id)
+    assert info.state in ("FROZEN", "RUNNING")  # still stuck, not failed
+    assert info.steps == 2  # steps 0-1, counted from its board if it never parked after them
 
 
 def test_step_that_ignores_the_bubble_end_is_frozen_then_fails_on_step_timeout(

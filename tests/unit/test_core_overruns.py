@@ -302,6 +302,18 @@ def test_a_step_that_hangs_in_the_first_grant_after_other_steps_looks_hung_once_
     assert grants(sim.start(predicted_ms=10))[0] == "b"
 
 
+def test_steps_a_frozen_worker_finished_without_parking_count_in_its_figures() -> None:
+    # Stranger trial: a task hung after 9 steps, all inside grants it was frozen in, read "progress: - (0 steps)".
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    _overrun(sim)
+    sim.send(WorkerStepsSeen("a", steps_done=9, step=9))  # the board at the freeze: 9 finished, in the 10th
+    task = sim.core.tasks["a"]
+    assert (task.steps, task.progress) == (9, 9.0)
+    sim.send(WorkerStepsSeen("a", steps_done=9, step=7))  # a board read never takes counted steps back
+    assert task.steps == 9
+
+
 def _hung_and_other(sim: Sim) -> None:
     """ "a" learned (its step fits), then stuck in one step for 22 ms of granted time: it looks hung."""
     sim.resident("a", "b")

@@ -177,10 +177,11 @@ def test_a_full_channel_drops_the_message_and_counts_it(rig: Rig) -> None:
 def test_a_frozen_worker_reports_the_steps_its_board_says_it_finished(rig: Rig) -> None:
     rig.board.publish_done(6)
     rig.board.publish_step(6)
-    assert _without_run_delay(rig.sup.freeze(TID)) == [C.WorkerStepsSeen(TID, 6, False)]
+    assert _without_run_delay(rig.sup.freeze(TID)) == [C.WorkerStepsSeen(TID, 6, False, step=6)]
     rig.sup.signal(TID, signal.SIGCONT)
     rig.board.publish_doing(DOING_CHECKPOINT)  # then it began writing a checkpoint
-    assert _without_run_delay(rig.sup.freeze(TID)) == [C.WorkerStepsSeen(TID, 6, False, in_checkpoint=True)]
+    assert _without_run_delay(rig.sup.freeze(TID)) == [C.WorkerStepsSeen(TID, 6, False, in_checkpoint=True,
+                                                                          step=6)]
     rig.sup.signal(TID, signal.SIGCONT)
     assert rig.sup.freeze("nobody-2") == []
 

@@ -269,6 +269,9 @@ class WorkerStepsSeen:
     #: The worker's main thread's time so far runnable but waiting for a core (``/proc/<pid>/schedstat``); -1:
     #: not read. Its growth since the last freeze is granted time the step could not run (``StepHealth.waited``).
     run_delay_ns: int = -1
+    #: The task's steps finished before the one it is frozen in (its board's step word: restored ones included);
+    #: -1: not read, or inside setup().
+    step: int = -1
 
 
 @dataclass(frozen=True)
