@@ -35,8 +35,9 @@ def _child_preexec() -> None:  # pragma: no cover - runs in the child before exe
     os.setpgid(0, 0)
 
 
-def _stop_group(pid: int) -> None:
-    """SIGSTOP the command's process group and wait until its leader is stopped (or gone).
+def _stop_group(pid: int) -> int | None:
+    """SIGSTOP the command's process group and wait until its leader is stopped (or gone): its exit code
+    (``os.waitstatus_to_exitcode``'s) when it is gone, which this wait reaped, else None.
 
     A SIGCONT between the stop and the wait (the manager thaws the worker's command group with the worker)
     clears the stop before it is waited for: waiting for a stop alone then blocked setup() for as long as the
@@ -47,12 +48,12 @@ def _stop_group(pid: int) -> None:
         try:
             _, status = os.waitpid(pid, os.WUNTRACED | os.WCONTINUED)
         except ChildProcessError:
-            return
+            return None
         if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-            return  # gone: its step sees that
+            return os.waitstatus_to_exitcode(status)  # gone: reaped here, so the caller must keep its code
         # A reported stop may be one a thaw has undone since: the process's own state says.
         if not os.WIFCONTINUED(status) and _stopped(pid):
-            return
+            return None
 
 
 def _stopped(pid: int) -> bool:
@@ -94,10 +95,14 @@ class CommandTask(SideTask):
                               f"{exc.strerror}") from None
         # Setup runs inside a grant, so the few instructions the command runs before this stop
         # are inside a bubble too. (Stopping in preexec would deadlock: Popen waits for exec.)
-        _stop_group(self.proc.pid)
+        ended = _stop_group(self.proc.pid)
+        if ended is not None:  # reaped by that wait: the process object would read a reaped child as code 0
+            self.proc.returncode = ended
 
     def step(self) -> None:
         assert self.proc is not None
+        if self._ended():
+            return  # it ended between two steps (the manager's thaw of the worker lets its group run)
         os.killpg(self.proc.pid, signal.SIGCONT)
         time.sleep(self.slice_s)
         try:
@@ -105,12 +110,26 @@ class CommandTask(SideTask):
         except ProcessLookupError:
             pass
         self.slices += 1
-        self.returncode = self.proc.poll()
-        if self.returncode is not None and self.returncode != 0:
-            raise RuntimeError(f"command {self.argv[0]!r} exited with code {self.returncode}")
+        self._ended()
 
     def done(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None
+        """The command has exited with code 0; an exit with another code or by a signal raises (the task fails
+        with it, where it used to be FINISHED as if the work were done)."""
+        return self.proc is not None and self._ended()
+
+    def _ended(self) -> bool:
+        """Whether the command has exited, cleanly; :class:`RuntimeError` naming the code or the signal if not."""
+        assert self.proc is not None
+        self.returncode = self.proc.poll()
+        if self.returncode is None or self.returncode == 0:
+            return self.returncode == 0
+        if self.returncode < 0:
+            try:
+                name = f" ({signal.Signals(-self.returncode).name})"
+            except ValueError:
+                name = ""
+            raise RuntimeError(f"command {self.argv[0]!r} was killed by signal {-self.returncode}{name}")
+        raise RuntimeError(f"command {self.argv[0]!r} exited with code {self.returncode}")
 
     def progress(self) -> float:
         return float(self.slices)

@@ -116,6 +116,10 @@ def build_spec(args: argparse.Namespace) -> TaskSpec:
         if not args.words:
             raise ConfigError("--command needs the program and its arguments after --, e.g. -- python run.py")
         command = tuple(args.words)
+        if "/" in command[0] and not os.path.isabs(command[0]):
+            # As a shell reads it: from the directory submitted from. It ran from the task's work directory, which
+            # does not exist at submit: `./counter.sh` was accepted and failed in setup, "cannot run".
+            command = (os.path.abspath(command[0]), *command[1:])
     else:
         if len(args.words) != 1:
             raise ConfigError(

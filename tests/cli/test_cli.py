@@ -237,6 +237,24 @@ def test_string_args_stay_strings_and_command_tasks_submit(
     }
 
 
+def test_a_command_given_by_a_relative_path_is_taken_from_the_directory_submitted_from(
+    manager: Manager, ep: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Stranger trial: `submit --command -- ./counter.sh` was accepted, then failed in setup ("cannot run
+    # './counter.sh'"): it ran from the task's work directory, which does not exist at submit.
+    script = tmp_path / "counter.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    (tmp_path / "plain.txt").write_text("not a program")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "submit", "--json", "--memory", "16MiB", *ep, "--command", "--", "./counter.sh")
+    assert code == EXIT_OK, err
+    assert json.loads(out)["spec"]["command"] == [str(script)]
+    code, _, err = run_cli(capsys, "submit", "--memory", "16MiB", *ep, "--command", "--", "./plain.txt")
+    assert code == EXIT_BAD_INPUT and "is not an executable file" in err  # refused at submit, as an absolute path is
+
+
 def test_drain_stops_submissions_and_health_reports_it(
     manager: Manager, ep: list[str], in_tests_dir: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -269,6 +269,19 @@ def test_command_task_runs_only_in_slices_and_finishes(harness: ManagerHarness, 
     assert out.read_text() == "done"
 
 
+@pytest.mark.parametrize("script", ["exit 7", "sleep 0.1; exit 7"], ids=["at-once", "after-slices"])
+def test_a_command_task_that_exits_with_an_error_fails_with_its_exit_code(harness: ManagerHarness, script: str) -> None:
+    # Stranger trial: `/bin/false` and `sh -c 'sleep 1; exit 7'` were FINISHED, with no failure record.
+    info = harness.client.submit(
+        __import__("freeride").TaskSpec(command=("/bin/sh", "-c", script), memory_bytes=64 * 2**20))
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(info.task_id).state in ("FINISHED", "FAILED"), length_ms=30)
+    feeder.close()
+    final = harness.client.get(info.task_id)
+    assert final.state == "FAILED" and final.failure is not None
+    assert "exited with code 7" in final.failure.message
+
+
 def test_malformed_bubble_events_are_counted_not_fatal(harness: ManagerHarness) -> None:
     from freeride.messages import BubbleEnd, BubbleStart
 

@@ -52,3 +52,67 @@ def test_setup_leaves_the_command_stopped_even_when_a_thaw_comes_between_its_sto
         signal.signal(signal.SIGALRM, previous)
         monkeypatch.setattr(command.os, "killpg", real_killpg)
         task.close()
+
+
+def _run_to_the_end(task: CommandTask, steps: int = 2000) -> None:
+    """Step the command as the worker does (``done()`` before each step) until it is done, or ``steps`` pass."""
+    for _ in range(steps):
+        if task.done():
+            return
+        task.step()
+    raise AssertionError("the command never ended")
+
+
+@pytest.mark.parametrize("when", ["at-once", "between-steps", "in-a-slice"])
+def test_a_command_that_exits_with_an_error_fails_the_task_with_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    # Stranger trial: `/bin/false`, `sh -c 'exit 7'` and `sh -c 'sleep 1; exit 7'` were FINISHED with no failure
+    # (setup's wait reaped a command that exited at once, which the process object then read as code 0; and
+    # done() took any exit, such as one while the manager's thaw of the worker let the command run between
+    # steps, for the end of its work).
+    argv = {"at-once": ["/bin/sh", "-c", "exit 7"],
+            "between-steps": [sys.executable, "-c", "raise SystemExit(7)"],
+            "in-a-slice": [sys.executable, "-c", "import time; time.sleep(0.05); raise SystemExit(7)"]}[when]
+    task = CommandTask(argv, slice_ms=5.0)
+    if when == "at-once":  # the command is over before setup's first stop reaches it
+        real_killpg = os.killpg
+
+        def killpg_after_the_exit(pgid: int, sig: int) -> None:
+            if sig == signal.SIGSTOP:
+                os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT)
+            real_killpg(pgid, sig)
+
+        monkeypatch.setattr(command.os, "killpg", killpg_after_the_exit)
+    task.setup(task_context(tmp_path))
+    monkeypatch.undo()
+    try:
+        if when == "between-steps":
+            assert task.proc is not None
+            os.killpg(task.proc.pid, signal.SIGCONT)  # the manager thaws the worker and its command group
+            os.waitid(os.P_PID, task.proc.pid, os.WEXITED | os.WNOWAIT)
+        with pytest.raises(RuntimeError, match="exited with code 7"):
+            _run_to_the_end(task)
+    finally:
+        task.close()
+
+
+def test_a_command_killed_by_a_signal_fails_the_task_naming_the_signal(tmp_path: Path) -> None:
+    task = CommandTask([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
+                       slice_ms=5.0)
+    task.setup(task_context(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="killed by signal 11 \\(SIGSEGV\\)"):
+            _run_to_the_end(task)
+    finally:
+        task.close()
+
+
+def test_a_command_that_exits_cleanly_is_done(tmp_path: Path) -> None:
+    for script in ("pass", "import time; time.sleep(0.05)"):
+        task = CommandTask([sys.executable, "-c", script], slice_ms=5.0)
+        task.setup(task_context(tmp_path))
+        try:
+            _run_to_the_end(task)
+        finally:
+            task.close()
