@@ -319,6 +319,20 @@ class SlowCheckpoint(Counter):
         return super().state_dict()
 
 
+class BusyCheckpoint(Counter):
+    """Its ``state_dict`` computes for ``checkpoint_ms`` (serialising a large state takes the CPU so)."""
+
+    def __init__(self, step_ms: float = 1.0, checkpoint_ms: float = 1500.0, **kwargs: Any) -> None:
+        super().__init__(step_ms=step_ms, **kwargs)
+        self.checkpoint_ms = checkpoint_ms
+
+    def state_dict(self) -> dict[str, Any]:
+        until = time.monotonic() + self.checkpoint_ms / 1000
+        while time.monotonic() < until:
+            pass
+        return super().state_dict()
+
+
 class Printer(Counter):
     """Prints ``kib_per_step`` KiB of numbered lines each step; at step ``crash_at`` it says its last words
     and dies from SIGSEGV (so its failure record quotes the log's tail)."""

@@ -503,10 +503,14 @@ class ManagerLoop:
         """Read the CPU time of every parked worker; one that used :data:`OUTSIDE_GRANTS_SHARE` of the time since
         the last reading, still parked and granted nothing meanwhile, runs threads of its own between its steps
         (a prefetcher, a spinner started in setup()): found using 27% of a core, parked, beside the trainer. Its
-        worker is stopped whenever it parks from then on (:meth:`Supervisor.hold_while_parked`)."""
+        worker is stopped whenever it parks from then on (:meth:`Supervisor.hold_while_parked`).
+
+        Not a task being stopped: its checkpoint (a drain's, an eviction's) is written parked, outside any grant,
+        and takes the CPU it takes. Held for it, a task of a 200 MiB state was stopped mid-checkpoint by the drain
+        at the end of a `launch` and killed at the stop timeout, its work since its last checkpoint lost."""
         readings: dict[str, tuple[int, int, int]] = {}
         for task in self.core.tasks.values():
-            if task.state is not TaskState.PARKED or self.workers.holds_while_parked(task.task_id):
+            if task.state is not TaskState.PARKED or task.stopping or self.workers.holds_while_parked(task.task_id):
                 continue
             cpu = self.workers.cpu_ns(task.task_id)
             if cpu is None:

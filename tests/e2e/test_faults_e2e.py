@@ -139,6 +139,26 @@ def test_a_task_whose_own_thread_runs_while_parked_is_stopped_between_grants_and
     wait_for(lambda: h.client.get(task.task_id).state == "CANCELLED", 30, what="a stopped worker obeys a cancel")
 
 
+def test_a_drain_after_training_lets_a_long_checkpoint_finish_however_much_cpu_it_takes_parked(
+    make_manager: Callable[..., ManagerHarness],
+) -> None:
+    # Stranger trial: stopping a manager after training (the end of `launch`) killed a task of a 200 MiB state:
+    # its drain checkpoint, written while parked, read as threads of its own running between steps, so its
+    # worker was stopped "whenever it parks", mid-checkpoint, and killed at the stop timeout, its work since the
+    # last checkpoint lost (4 times in 6).
+    h = make_manager()
+    task = h.submit("sample_tasks:BusyCheckpoint", args={"checkpoint_ms": 1500.0})
+    feeder = h.feeder()
+    feeder.run_until(lambda: h.client.get(task.task_id).steps >= 3 and h.client.get(task.task_id).state == "PARKED",
+                     length_ms=LONG_MS, gap_ms=10, timeout_s=60)
+    feeder.close()  # training is over
+    steps = h.client.get(task.task_id).steps
+    drained = h.client.drain(timeout_s=60)
+    assert (drained.killed, drained.checkpointed) == (0, 1), drained
+    info = h.client.get(task.task_id)
+    assert info.figures.checkpoint_step >= steps
+
+
 #: A task that goes on: parked, in a grant, or frozen mid-step by the last bubble's end until its next grant
 #: (a step that overran, which a loaded machine makes of any step; CI saw the Spawner frozen there).
 ALIVE = ("PARKED", "RUNNING", "FROZEN")
