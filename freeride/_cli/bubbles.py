@@ -185,10 +185,16 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summ
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 < args.timeout_s < float("inf"):  # 0 or less read as "no manager answers" (exit 3) from serving ones
+        raise ConfigError(f"--timeout-s must be a positive number of seconds, got {args.timeout_s:g}")
     targets = _targets(args)
     token = read_token(args.token_file)
     stats, errors = collect(targets, token, args.timeout_s)
     if not stats:
+        if all(endpoint.kind == "unix" and _not_here(name) for name, endpoint in targets):
+            # Every device named is one this host lacks, and a unix socket's manager would be on this host: the
+            # devices are the bad input (exit 2, as the README says), not a manager that is down (3).
+            raise ConfigError("; ".join(errors.values()))
         raise ManagerUnavailable("; ".join(errors.values()))
     if args.json:
         doc = {

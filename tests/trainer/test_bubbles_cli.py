@@ -232,3 +232,22 @@ def test_a_cpu_device_this_machine_does_not_offer_is_named_as_such_not_advised_a
     assert stats == {} and list(errors) == [missing]
     assert errors[missing].startswith(f"no manager answers, and none can run on {missing} here: unknown device")
     assert "start one" not in errors[missing]
+
+
+def test_a_device_this_machine_lacks_and_a_timeout_that_is_not_positive_are_bad_input(
+    manager: Any, endpoint: Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Stranger trial: `bubbles --timeout-s 0` said "no manager answers" of a serving manager and exited 3, and
+    # `bubbles --device cpu:7` (a core this host lacks) exited 3 where the README puts a bad device under 2.
+    import os
+
+    from freeride.errors import ConfigError, ManagerUnavailable
+
+    for timeout in ("0", "-1", "nan"):
+        with pytest.raises(ConfigError, match="--timeout-s must be a positive number"):
+            _cli(["--endpoint", str(endpoint), "--timeout-s", timeout], capsys)
+    missing = f"cpu:{max(os.sched_getaffinity(0)) + 1}"
+    with pytest.raises(ConfigError, match=f"none can run on {missing} here"):
+        _cli(["--device", missing], capsys)
+    with pytest.raises(ManagerUnavailable):  # a manager that is down is still that (exit 3)
+        _cli(["--endpoint", f"unix:{endpoint.address}.none"], capsys)
