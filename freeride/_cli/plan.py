@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,10 @@ _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
 
 #: Per-micro-batch times used when the user gives none: the shape of a schedule, not its timing.
 _ASSUMED_T_F = 1.0
+#: Bounds of the times the planner takes, in ms: from a nanosecond (below it every figure prints as 0.000) to an
+#: hour (above it the tables' numbers run to hundreds of digits).
+MIN_ACTION_MS = 1e-6
+MAX_TIME_MS = 3.6e6
 _ASSUMED_T_B = 2.0
 
 def register(subparsers: Any) -> None:
@@ -241,20 +244,29 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         args.t_forward = _ASSUMED_T_F
     if args.t_backward is None:
         args.t_backward = _ASSUMED_T_B
-    for flag in ("t_forward", "t_backward", "t_step", "margin_ms"):
+    # Each flag checked by its own name and bounds (a stranger met "must be > 0" for 0 but "t_forward_ms must be
+    # a finite number >= 0" for -5, and 1e300 printed 300-digit tables).
+    for flag, low in (("t_forward", MIN_ACTION_MS), ("t_backward", MIN_ACTION_MS), ("t_weight", 0.0),
+                      ("t_step", 0.0), ("margin_ms", 0.0)):
         value = getattr(args, flag)
-        if not math.isfinite(value):
-            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number, got {value}")
+        if value is not None and not low <= value <= MAX_TIME_MS:  # NaN fails it too
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a number of milliseconds from {low:g} to "
+                              f"{MAX_TIME_MS:g}, got {value:g}")
     if args.plot and not args.sweep:
         raise ConfigError("--plot draws the frontier of a sweep: add --sweep")
     if args.plot:
         require("demo", "freeride plan --plot", ["matplotlib"])  # before the sweep, not after it
+    device_memory = None if args.device_memory is None else parse_size(args.device_memory)
+    headroom = _size_or_zero("--headroom", args.headroom)
+    if device_memory is not None and headroom >= device_memory:
+        raise ConfigError(f"--headroom ({format_size(headroom)}) leaves nothing of --device-memory "
+                          f"({format_size(device_memory)}) for training and side tasks")
     return PlanInputs(
         stages=args.stages,
         costs=Costs(args.t_forward, args.t_backward, args.t_weight, args.t_step),
         memory=_memory_inputs(args),
-        device_memory_bytes=None if args.device_memory is None else parse_size(args.device_memory),
-        headroom_bytes=_size_or_zero("--headroom", args.headroom),
+        device_memory_bytes=device_memory,
+        headroom_bytes=headroom,
         margin_ms=args.margin_ms,
         tasks=_tasks(args),
         global_batch=args.global_batch,

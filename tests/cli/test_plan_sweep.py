@@ -121,7 +121,13 @@ def test_plain_plan_json_is_unchanged_without_memory_or_tasks(capsys: pytest.Cap
         (["--sweep", "--microbatches", "4,x"], "expected integers separated by commas"),
         (["--sweep", "--schedule", "1f1b", "--microbatches", "1"], "no valid configuration"),
         (["--microbatches", "4", "--tasks-file", "/nonexistent/tasks.json"], "--tasks-file"),
-        (["--microbatches", "4", "--t-step", "nan"], "--t-step must be a finite number"),
+        (["--microbatches", "4", "--t-step", "nan"], "--t-step must be a number of milliseconds from 0"),
+        # Stranger trial: 0 and -5 were refused in two wordings, one with an internal name; 1e300 was taken.
+        (["--microbatches", "4", "--t-forward", "0"], "--t-forward must be a number of milliseconds from 1e-06"),
+        (["--microbatches", "4", "--t-forward", "-5"], "--t-forward must be a number of milliseconds from 1e-06"),
+        (["--microbatches", "4", "--t-backward", "1e300"], "--t-backward must be a number of milliseconds"),
+        (["--microbatches", "4", "--headroom", "100TiB", "--device-memory", "1GiB"],
+         "--headroom (100.0 TiB) leaves nothing of --device-memory (1.0 GiB)"),
         (["--microbatches", "4", "--headroom=-1GiB"], "--headroom: size must be positive, got '-1GiB'"),
     ],
 )
