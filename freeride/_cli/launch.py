@@ -213,6 +213,11 @@ def summary_lines(managers: Sequence[ManagedManager]) -> list[str]:
         tasks = ", ".join(f"{k} {v}" for k, v in sorted(s.tasks_by_state.items())) or "none"
         lines.append(f"freeride launch: {m.device}: {s.bubbles} bubbles, {s.bubble_time_s:.2f} s of bubble time, "
                      f"{s.harvested_s:.2f} s harvested{share}, {s.overruns} overruns; tasks: {tasks}")
+        if s.queue is not None and not s.queue.connected:
+            # A stranger's `launch --queue redis://localhost:1/0` ran and exited 0 saying nothing of it: the
+            # unreachable queue was in the manager's log only.
+            lines.append(f"freeride launch: {m.device}: the cluster queue was unreachable at the end "
+                         f"({s.queue.errors} failed polls; last: {s.queue.last_error}): it took no cluster task")
     return lines
 
 

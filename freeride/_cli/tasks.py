@@ -466,7 +466,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         if args.json:
             cluster.print_json({"task_id": args.task_id, "outcome": outcome})
         else:
-            note = " (its manager stops it)" if outcome == "REQUESTED" else ""
+            note = (" (its manager stops it)" if outcome == "REQUESTED" else "" if outcome == "CANCELLED"
+                    else " (set aside as unreadable: nothing to cancel; `ls --queue --all` says why)"
+                    if outcome == "SET_ASIDE" else " (over already: nothing to cancel)")
             print(f"{args.task_id} {'CANCEL REQUESTED' if outcome == 'REQUESTED' else outcome}{note}")
         return _EXIT_OK
     with _client(args) as client:

@@ -60,7 +60,7 @@ from freeride._cluster.placement import Candidate, Capacity
 from freeride._cluster.records import ClusterRecord, display_name, is_cluster_id, new_task_fields
 from freeride._cluster.url import QueueURL
 from freeride._validation import Submission, slug
-from freeride.errors import FreerideError, QueueUnavailable, Unauthenticated
+from freeride.errors import ConfigError, FreerideError, QueueUnavailable, Unauthenticated
 
 GROUP = "managers"
 #: The group's own consumer: entries pending to it are the queued (waiting) tasks.
@@ -83,6 +83,8 @@ def redis_errors(url: QueueURL) -> Iterator[None]:
         text = str(exc)
         if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
             raise Unauthenticated(f"the queue at {url} refused the credentials: {text}") from None
+        if "DB index is out of range" in text:  # the URL's database number: bad input (exit 2), not a failure (1)
+            raise ConfigError(f"the queue URL's database {url.db} is not one the server at {url} has: {text}") from None
         raise FreerideError(f"the queue at {url} answered with an error: {text}") from None
     except rx.RedisError as exc:
         raise FreerideError(f"queue error at {url}: {type(exc).__name__}: {exc}") from None

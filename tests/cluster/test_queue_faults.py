@@ -9,6 +9,7 @@ manager on the queue is in ``test_cluster_e2e.py``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -128,6 +129,9 @@ def test_every_kind_of_malformed_record_is_set_aside_with_its_reason_and_the_res
     assert "SET_ASIDE" in shown and "set aside:  its spec is not UTF-8 text" in shown
     assert main(["ls", "--queue", redis_server.url, "--all", "--json"]) == 0
     assert capsys.readouterr().out.count('"state": "SET_ASIDE"') == len(bad) + 1
+    # Stranger trial: cancelling a set-aside record printed "junk-q50 SET_ASIDE", which said nothing of the cancel.
+    assert main(["cancel", bad["spec-not-utf8"], "--queue", redis_server.url]) == 0
+    assert "SET_ASIDE (set aside as unreadable: nothing to cancel" in capsys.readouterr().out
     q.close()
 
 
@@ -379,3 +383,31 @@ def test_an_agent_says_at_the_default_level_that_the_queue_is_back(
     assert any("queue unavailable: " in line and ".;" not in line for line in lines), lines
     assert any("connected to the queue at" in line and "(again, after 1 failed attempt(s))" in line
                for line in lines), lines
+
+
+def test_a_launch_whose_queue_was_unreachable_says_so_in_its_summary(tmp_path: Path) -> None:
+    # Stranger trial: `launch --queue redis://localhost:1/0` ran and exited 0 with nothing on the console: the
+    # unreachable queue was in the manager's log only.
+    from conftest import cpu_devices
+
+    from freeride._cli.launch import ManagedManager, summary_lines
+    from freeride._manager.daemon import Manager
+    from freeride._wire.client import ControlClient
+    from freeride.endpoints import Endpoint
+
+    class Running:
+        def poll(self) -> None:
+            return None
+
+    device = cpu_devices(1)[0]
+    endpoint = Endpoint("unix", f"/tmp/fr-unreachable-queue-{os.getpid()}.sock")
+    config = QueueConfig(parse_queue_url("redis://127.0.0.1:1/0"), tmp_path / "ckpt", poll_ms=50.0)
+    manager = Manager(device, endpoint=endpoint, state_dir=tmp_path / "state", queue=config)
+    manager.start()
+    try:
+        with ControlClient(endpoint) as client:
+            wait_for(lambda: getattr(client.stats().queue, "errors", 0) > 0, what="a failed queue poll")
+        lines = summary_lines([ManagedManager(device, endpoint, Running(), None)])  # type: ignore[arg-type]
+    finally:
+        manager.stop()
+    assert len(lines) == 2 and "the cluster queue was unreachable at the end" in lines[1], lines

@@ -216,6 +216,9 @@ def test_cli_exit_codes_for_a_bad_url_an_unreachable_queue_and_refused_credentia
         assert main(["ls", "--queue", server.url]) == 5  # no password at all
         err = capsys.readouterr().err
         assert "refused the credentials" in err and "s3cret" not in err and "wrong" not in err
+        # Stranger trial: a database the server does not have exited 1 ("DB index is out of range"): bad input.
+        assert main(["ls", "--queue", server.url_with("s3cret", db=99999)]) == 2
+        assert "the queue URL's database 99999 is not one the server" in capsys.readouterr().err
         assert main(["submit", "sample_tasks:Counter", "--queue", server.url_with("s3cret"), "--memory", "1MiB"]) == 0
         assert main(["ls", "--queue", server.url_with("s3cret"), "--json"]) == 0
         assert '"state": "QUEUED"' in capsys.readouterr().out
