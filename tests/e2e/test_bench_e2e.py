@@ -24,6 +24,13 @@ COUNTER = ["--task", "sample_tasks:Counter", "--arg", "step_ms=2", "--arg", "log
 QUICK = ["--min-trials", "2", "--max-trials", "2", "--warmup-runs", "0", "--standalone-s", "0.5"]
 
 
+@pytest.fixture(autouse=True)
+def _temporary_files_in_the_tests_own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bench that fails keeps its logs in its temporary directory (it says where): the test's own here. In /tmp,
+    the suite's failing benches had left 157 ``freeride-bench-*`` folders on one machine (a stranger saw them)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def _bench(*args: str, cwd: Path = TESTS_DIR, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", FREERIDE_LOG_LEVEL="WARNING")
     return subprocess.run([sys.executable, "-m", "freeride.cli", "bench", *args], cwd=cwd, env=env,

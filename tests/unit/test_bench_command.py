@@ -180,7 +180,8 @@ def test_the_report_says_when_the_side_work_is_more_than_the_time_stepped_in_bub
     meta = {"command_text": "train", "devices": ["cpu:0"], "stop": "s", "loadavg": "1"}
     runs = _trial(0, 100.0, 100.5, 101.0, progress=30.0) + _trial(1, 100.0, 100.0, 100.0, progress=40.0)
     over = summarize(runs, {0: {"pr": 10.0}, 1: {"pr": 10.0}}, devices=2, price_ratios=(1.0,))  # H 1.75, share 0.75
-    assert "note: H is more than the share of the bubble time" in "\n".join(render(over, meta))
+    assert "note: H (175.0%) is more than the share of the bubble time the tasks stepped in (75.0%)" in \
+        "\n".join(render(over, meta))
     within = summarize(runs, {0: {"pr": 100.0}, 1: {"pr": 100.0}}, devices=2, price_ratios=(1.0,))  # H 0.175
     assert "note: H is more" not in "\n".join(render(within, meta))
 
