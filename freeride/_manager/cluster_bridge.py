@@ -121,7 +121,8 @@ class ClusterBridge:
         meta = self.records.pop(action.task_id, None)
         self.ids.pop(action.task_id, None)
         figures = TaskProgress(
-            steps=action.steps, progress=action.progress, progress_unit=meta.progress_unit if meta else "steps",
+            steps=action.steps, progress=action.progress,
+            progress_unit=action.progress_unit or (meta.progress_unit if meta else "steps"),
             checkpoint_step=action.checkpoint_step, restarts=action.restarts,
             step_p95_ms=(action.step_p95_ns or 0) / 1e6,
         )

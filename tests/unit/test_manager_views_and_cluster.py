@@ -153,10 +153,11 @@ def test_a_released_task_goes_back_to_the_queue_with_its_figures_or_is_forgotten
     parts.feed(parts.bridge.claimed(claim(), 1))
     parts.bridge.released(C.Released("pr-q7", "evicted", checkpoint=True, steps=8, progress=8.0,
                                      checkpoint_path="/s/ckpt-8.pt", checkpoint_step=8, restarts=1,
-                                     step_p95_ns=None))
+                                     step_p95_ns=None, progress_unit="iters"))
     [left] = parts.notes
     assert (left.kind, left.record.state, left.record.steps, left.record.checkpoint_path) == (
         "left", "EVICTED", 8, "/s/ckpt-8.pt")
+    assert left.record.figures.progress_unit == "iters"  # the worker's unit (a stranger saw "90 steps" after it)
     assert "pr-q7" not in parts.bridge and "pr-q7" not in parts.views.records
     assert parts.bridge.request(ReleaseTask("a-q1", "lease lost", checkpoint=False)) == [
         C.ReleaseRequested("a-q1", "lease lost", False)]

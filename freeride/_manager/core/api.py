@@ -457,6 +457,9 @@ class Released:
     checkpoint_step: int
     restarts: int
     step_p95_ns: int | None
+    #: Its progress's unit as its worker last said it ("" unknown: the record's own stands). The record's, from
+    #: before any worker had said it, turned "90 iters" into "90 steps" at a hand-back.
+    progress_unit: str = ""
 
 
 Action = (

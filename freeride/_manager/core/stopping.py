@@ -85,7 +85,7 @@ class Stopping:
         self.timers.pop(task.task_id, None)
         out.append(Released(
             task.task_id, reason, task.release_checkpoint, task.steps, task.progress, task.checkpoint_path,
-            task.checkpoint_step, task.restarts, task.known_step_ns,
+            task.checkpoint_step, task.restarts, task.known_step_ns, task.progress_unit,
         ))
 
     def exited(self, task: TaskRuntime, event: WorkerExited, out: list[Action]) -> bool:
