@@ -96,9 +96,11 @@ def test_a_job_that_reports_no_bubble_is_named_as_such() -> None:
 
 def test_a_task_that_fails_alone_is_caught_before_any_run_with_its_error() -> None:
     device = cpu_devices(1)[0]
-    proc = _bench("--devices", device, "--task", "sample_tasks:SetupCrasher", "--memory", "64MiB", *QUICK, "--",
-                  *_job([device]))
+    # With a warm-up run: a stranger's task whose arguments broke its setup was found only after it.
+    proc = _bench("--devices", device, "--task", "sample_tasks:SetupCrasher", "--memory", "64MiB", *QUICK,
+                  "--warmup-runs", "1", "--", *_job([device]))
     assert proc.returncode == 1
+    assert "warm-up" not in proc.stdout + proc.stderr
     assert f"side task setupcrasher failed alone on {device}" in proc.stderr and "cannot set up" in proc.stderr
 
 
