@@ -271,12 +271,15 @@ def run(args: argparse.Namespace) -> int:
     failed = interrupted = False
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM unwinds like Ctrl-C
     started = time.monotonic()
+
+    def measure_alone(trial: int) -> None:
+        rates[trial] = runner.standalone_rates(trial, args.standalone_s)
+        alone = ", ".join(f"{name} {rate:.4g}/s" for name, rate in rates[trial].items())
+        _say(f"trial {trial}: side tasks alone on {devices[0]}: {alone}")
+
     try:
         if bench_tasks:  # before the warm-up: a task that cannot run alone is said before any run (a stranger's
-            # task whose arguments broke its setup was found only after a warm-up run of the whole job)
-            rates[0] = runner.standalone_rates(0, args.standalone_s)
-            _say(f"trial 0: side tasks alone on {devices[0]}: "
-                 + ", ".join(f"{name} {rate:.4g}/s" for name, rate in rates[0].items()))
+            measure_alone(0)  # task whose arguments broke its setup was found only after a warm-up run of the job)
         for _ in range(args.warmup_runs):
             warm = runner.run(-1, ALONE, run_timeout(args.run_timeout_s, runs))
             runs.append(warm)
@@ -286,9 +289,7 @@ def run(args: argparse.Namespace) -> int:
         trials_started = time.monotonic()
         while True:
             if bench_tasks and trial not in rates:
-                rates[trial] = runner.standalone_rates(trial, args.standalone_s)
-                alone = ", ".join(f"{name} {rate:.4g}/s" for name, rate in rates[trial].items())
-                _say(f"trial {trial}: side tasks alone on {devices[0]}: {alone}")
+                measure_alone(trial)
             for mode in trial_plan(bool(bench_tasks), rng):
                 result = runner.run(trial, mode, run_timeout(args.run_timeout_s, runs))
                 runs.append(result)

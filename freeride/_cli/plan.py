@@ -59,11 +59,11 @@ _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
 
 #: Per-micro-batch times used when the user gives none: the shape of a schedule, not its timing.
 _ASSUMED_T_F = 1.0
+_ASSUMED_T_B = 2.0
 #: Bounds of the times the planner takes, in ms: from a nanosecond (below it every figure prints as 0.000) to an
 #: hour (above it the tables' numbers run to hundreds of digits).
 MIN_ACTION_MS = 1e-6
 MAX_TIME_MS = 3.6e6
-_ASSUMED_T_B = 2.0
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(

@@ -344,13 +344,6 @@ class SchedulerCore:
             self._fail_hung_too_long(now_ns, out)
         ranking = self.policy.rank(self._tasks.grantable(), granted, remaining, longest)
         task = ranking.best
-        hung: list[TaskRuntime] = []
-        if first:
-            # The steps that look hung share one first turn (each took its own, and two of them took every bubble
-            # between them while the healthy tasks waited out the step timeout), due once the others have had as
-            # much bubble time since (StepHealth.hung_turn_due).
-            hung = [other for other in self._tasks.frozen.values()
-                    if not other.stopping and other.health.looks_hung(longest, other.known_step_ns)]
         if first and not bubble.ranked:
             for unfit in ranking.unfit:  # once a bubble, however often it is offered again
                 unfit.health.unfit_bubbles += 1
@@ -359,14 +352,19 @@ class SchedulerCore:
             if ranking.unfit:
                 self._retry_later(bubble, now_ns)
             return
-        if first and task in hung:
-            if task.health.hung_turn_due:  # a turn, shared; a bubble no other task could use is no turn
+        if first:
+            # The steps that look hung share one first turn (each took its own, and two of them took every bubble
+            # between them while the healthy tasks waited out the step timeout), due once the others have had as
+            # much bubble time since (StepHealth.hung_turn_due).
+            hung = [other for other in self._tasks.frozen.values()
+                    if not other.stopping and other.health.looks_hung(longest, other.known_step_ns)]
+            if task not in hung:
+                for other in hung:
+                    other.health.passed_over_ns += remaining
+                task.health.turn_ns, task.health.passed_over_ns = remaining, 0
+            elif task.health.hung_turn_due:  # a turn, shared; a bubble no other task could use is no turn
                 for other in hung:
                     other.health.turn_ns, other.health.passed_over_ns = remaining, 0
-        elif first:
-            for other in hung:
-                other.health.passed_over_ns += remaining
-            task.health.turn_ns, task.health.passed_over_ns = remaining, 0
         task.health.unfit_bubbles = 0
         thaw = task.state is _FROZEN
         task.finishing_frozen_step = thaw
