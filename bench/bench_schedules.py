@@ -447,11 +447,13 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
 
 def results_table(doc: dict[str, Any]) -> list[str]:
     """The per-rank table of a results document, then the issue's targets (here and in bench_megatron)."""
+    routes = next((list(run["hot_path_ns"]) for run in doc["runs"] if isinstance(run.get("hot_path_ns"), dict)),
+                  ["-"])  # a results file from before bench.hot_path has one figure
     lines = [
         "| schedule | rank | reported / idle in gaps >= 0.5 ms | idle ms/it | idle / reported "
         "| slots modelled + learned | predicted past end | harvest eff. | freezes "
         "| overrun held p50 / p99 ms | overrun ran p50 / p99 ms | step p95 / bubble p50 ms "
-        "| instr. cost: queue / local | load |",
+        f"| instr. cost: {' / '.join(routes)} | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in doc["runs"]:
@@ -481,7 +483,8 @@ def results_table(doc: dict[str, Any]) -> list[str]:
               "competed with the trainer; held: until frozen); "
               "instrumentation cost <= 0.2% where the sender has its own core (queue: the reporter's sender thread "
               "on another core streams the events; local, the default on the manager's host: the training thread "
-              "sends each event on the manager's local socket; every planned wait reported: bench.hot_path).", ""]
+              "sends each event on the manager's local socket; awake: the same to a manager kept awake between events, "
+              "--event-spin-us; every planned wait reported: bench.hot_path).", ""]
     return lines
 
 

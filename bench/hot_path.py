@@ -9,7 +9,8 @@ connected to a real manager. Batches of the two alternate in a fresh random orde
 median over pairs of the per-iteration difference, on the training thread pinned to one core, with the
 manager (and the reporter's sender thread) on the others, as on a GPU host.
 
-**Two routes**, the two a trainer on the manager's host can take (:class:`BubbleReporter`):
+**Three routes**, the two a trainer on the manager's host can take (:class:`BubbleReporter`), the second
+also to a manager kept awake:
 
 ``queue``
     ``local_events=False``: the training thread puts each event on the reporter's queue, and its
@@ -17,6 +18,10 @@ manager (and the reporter's sender thread) on the others, as on a GPU host.
 ``local``
     the default: the training thread itself sends each event as one message on the manager's local
     socket (:mod:`freeride._local_events`), which wakes the manager's loop.
+``awake``
+    ``local`` to a second manager started with ``--event-spin-us`` (:data:`AWAKE_SPIN_US`): its loop turns
+    without sleeping after each event, so that the next one finds it awake, as a manager with a core of its
+    own may (``LoopConfig.event_spin_ns``): the send without the wake-up.
 
 **Everything the real run reports is reported.** No wait lasts in a replay, and the tracker stops
 reporting a planned position whose waits are all short (a bubble nothing fits in): the harness makes
@@ -45,7 +50,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +61,11 @@ from freeride.measure import median
 from freeride.training.reporter import BubbleReporter
 from freeride.training.tracker import BubbleSink
 
-ROUTES = ("queue", "local")
+ROUTES = ("queue", "local", "awake")
+#: The ``awake`` route's manager stays awake this long after each event: longer than the compute between two
+#: events of a replayed iteration (a few actions of :data:`COMPUTE_US`), shorter than a bench run's gap
+#: between iterations.
+AWAKE_SPIN_US = 5000
 #: The marks alone: every event dropped at the sink (module doc).
 TRACKER = "tracker"
 #: Busy time per compute action of a replay (module doc); the replays read it when they are built.
@@ -107,11 +116,11 @@ class Case:
 
 
 @contextmanager
-def _manager() -> Iterator[Endpoint]:
+def _manager(*options: str) -> Iterator[Endpoint]:
     """A real manager on a fresh unix socket, its threads on every core but the training thread's."""
     work = Path(tempfile.mkdtemp(prefix="fr-hot-"))
-    sock = Path(f"/tmp/fr-hot-{os.getpid()}.sock")
-    proc = start_manager(sock, work / "state", cpus=control_cpus())
+    sock = work / "m.sock"
+    proc = start_manager(sock, work / "state", *options, cpus=control_cpus())
     try:
         yield Endpoint("unix", str(sock))
     finally:
@@ -132,10 +141,10 @@ class _Dropped:
 
 
 def _reporter(endpoint: Endpoint, rank: int, route: str) -> BubbleReporter:
-    reporter = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=endpoint, local_events=route == "local",
+    reporter = BubbleReporter("cpu:0", stage=rank, rank=rank, endpoint=endpoint, local_events=route != "queue",
                               cpu_affinity=control_cpus())
     deadline = time.monotonic() + 30
-    while not (reporter.counters().connected and (route != "local" or reporter._local is not None)):
+    while not (reporter.counters().connected and (route == "queue" or reporter._local is not None)):
         if time.monotonic() > deadline:
             reporter.close()
             raise SystemExit(f"hot path: the {route} reporter did not connect to {endpoint}")
@@ -175,11 +184,16 @@ def costs_ns(case_of: Callable[[int], Case], ranks: tuple[int, ...] = (0, 1), *,
     allowed = os.sched_getaffinity(0)
     training_core = {min(allowed - control_cpus() or allowed)}
     out: dict[str, list[float]] = {route: [] for route in routes}
-    with _manager() as endpoint:
+    with ExitStack() as managers:
+        endpoints: dict[str, Endpoint] = {}
+        if {"queue", "local"} & set(routes):
+            endpoints["queue"] = endpoints["local"] = managers.enter_context(_manager())
+        if "awake" in routes:
+            endpoints["awake"] = managers.enter_context(_manager("--event-spin-us", str(AWAKE_SPIN_US)))
         for rank in ranks:
             case = case_of(rank)
             for route in routes:
-                reporter = None if route == TRACKER else _reporter(endpoint, rank, route)  # its thread: not pinned
+                reporter = None if route == TRACKER else _reporter(endpoints[route], rank, route)  # thread unpinned
                 os.sched_setaffinity(0, training_core)  # this (the training) thread only, before it is instrumented
                 try:  # (as a trainer pins its rank: instrumenting an unpinned cpu:N rank is warned about)
                     step, undo = case.instrument(_Dropped() if reporter is None else reporter)
@@ -272,7 +286,9 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         "batches of the time outside compute; the training thread pinned to one core, the manager and the "
         f"reporter's sender thread on the others). `{TRACKER}`: the adapter's hooks and the tracker, every "
         "event dropped at the sink; `queue`: events to the reporter's sender thread; `local`: each event sent "
-        "on the manager's local socket by the training thread. Share: of the median iteration of the last "
+        "on the manager's local socket by the training thread; `awake`: the same, to a manager that stays awake "
+        f"{AWAKE_SPIN_US} us after each event (`--event-spin-us`, on a core of its own). Share: of the median "
+        "iteration of the last "
         "committed bench run of that schedule (`*-spin.json`).",
         "",
         "| schedule | rank | " + " | ".join(f"{r} us/it" for r in routes) + " | " + " | ".join(

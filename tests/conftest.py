@@ -191,7 +191,8 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
     started: list[ManagerHarness] = []
     device = cpu_devices(1)[0]
 
-    def make(trace_path: Path | None = None, device: str = device, **core: object) -> ManagerHarness:
+    def make(trace_path: Path | None = None, device: str = device, event_spin_ns: int = 0,
+             **core: object) -> ManagerHarness:
         index = len(started)
         sock = Path(f"/tmp/fr-{os.getpid()}-{id(tmp_path) % 10**6}-{index}.sock")
         manager = Manager(
@@ -201,6 +202,7 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
             core=CoreConfig(**core),  # type: ignore[arg-type]
             memory_poll_ms=20.0,
             trace_path=trace_path,
+            event_spin_ns=event_spin_ns,
         )
         manager.start()
         harness = ManagerHarness(manager, ControlClient(manager.endpoint), tmp_path)

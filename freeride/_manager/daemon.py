@@ -113,11 +113,13 @@ class Manager:
         node: str | None = None,
         worker_log_max_bytes: int = 8 * 2**20,
         worker_log_backups: int = 1,
+        event_spin_ns: int = 0,
     ) -> None:
         """``metrics_port``: None serves no metrics; 0 serves them on a free port (see ``metrics.port``).
         ``queue``: join the cluster queue; ``node``: this host's name there (default: the host name).
         ``worker_log_max_bytes``, ``worker_log_backups``: each task's log is rotated at that size, and
-        that many older logs are kept."""
+        that many older logs are kept. ``event_spin_ns``: the loop stays awake this long after each trainer
+        event (:attr:`LoopConfig.event_spin_ns`)."""
         self.device = open_device(device) if isinstance(device, str) else device
         self.endpoint = endpoint or default_endpoint(self.device.name)
         if self.endpoint.kind == "tcp" and not token:
@@ -145,6 +147,7 @@ class Manager:
                     worker_log_max_bytes=worker_log_max_bytes,
                     worker_log_backups=worker_log_backups,
                     end_board_path=self.end_board,
+                    event_spin_ns=event_spin_ns,
                 ),
             )
         except BaseException:

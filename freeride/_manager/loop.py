@@ -96,6 +96,8 @@ IDLE_WAKE_NS = 1_000_000_000
 #: It turns without sleeping: never run the loop at a real-time priority (tried: SCHED_FIFO, and the
 #: trainers on the same cores crawled).
 FREEZE_LEAD_NS = 200_000
+#: The longest ``LoopConfig.event_spin_ns``: past it the loop would spin through the gaps between iterations too.
+MAX_EVENT_SPIN_NS = 100_000_000
 #: A local trainer's messages that are no event are each counted, and logged once, then at most once this
 #: often with how many came since: a trainer sending garbage at its event rate would flood the log.
 LOCAL_REJECT_LOG_INTERVAL_NS = 10_000_000_000
@@ -143,11 +145,21 @@ class LoopConfig:
     #: The trainer's end board (:class:`freeride._boards.EndBoard`), made by the daemon next to its unix
     #: socket; workers read it. None: ends reach workers through the manager only.
     end_board_path: Path | None = None
+    #: After each trainer event the loop turns without sleeping this long (``--event-spin-us``; 0: off), so that
+    #: the trainer's next event finds it awake. Waking a loop asleep on another core costs the trainer's send
+    #: ~15 us on the 2-core test VM (an inter-processor interrupt), one awake ~1 us (``bench/results/cpu/
+    #: wake.md``); ~48 events an Interleaved1F1B iteration made that the larger part of the instrumentation's
+    #: cost (``bench/results/cpu/hot_path_awake.md``). The price is the manager's core, busy while events come:
+    #: worth it only where that core is spare, so the loop turns it off where every core it may run on
+    #: computes a rank (:func:`cores_shared_with_training`).
+    event_spin_ns: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0 <= self.event_spin_ns <= MAX_EVENT_SPIN_NS:
+            raise ValueError(f"event_spin_ns must be 0..{MAX_EVENT_SPIN_NS}, got {self.event_spin_ns}")
         check_limits(self.worker_log_max_bytes, self.worker_log_backups)
 
 
@@ -235,6 +247,8 @@ class ManagerLoop:
                       if config.trace_path else None)
         self._local: LocalEvents | None = None
         self._local_rejects_unlogged = 0
+        self._event_spin_ns = config.event_spin_ns  # 0 once the loop finds its cores all computing ranks
+        self._spin_until_ns = 0  # the loop turns without sleeping until then (the last trainer event + the spin)
         self._local_reject_log_ns = 0  # when the next rejected local message may be logged
         #: Wakes the select at the core's next timer to the microsecond (epoll's own timeout is whole ms).
         #: Only on the real clock: a test's fake clock has no kernel timer.
@@ -290,6 +304,10 @@ class ManagerLoop:
             shared = cores_with_cpu_managers(self.config.end_board_path.parent, self._cores)
         if shared:
             self._said_cores_shared = True
+            if self._event_spin_ns:
+                self._event_spin_ns = self._spin_until_ns = 0
+                log.warning("[%s] --event-spin-us is off: every core this manager may run on computes a rank, "
+                            "and turning awake between events would take that core from it", self.device)
             log.warning("[%s] every core this manager may run on (%s) is a training rank's (%s): its own CPU "
                         "(0.4-1 ms per bubble on the 2-core test VM, 1 ms with a side task running) is taken from "
                         "the ranks: two 1F1B ranks ran +10%% slower at 45 ms iterations, +45-93%% at 16-19 ms "
@@ -383,7 +401,10 @@ class ManagerLoop:
         self.poller.start()  # its first reading comes at once
         # After the poller's thread started: only this thread wakes for bubbles (workers put theirs back).
         short = set_time_slice(LOOP_TIME_SLICE_NS)
-        log.info("[%s] manager loop running%s", self.device, " (short time slice)" if short else "")
+        how = ["short time slice"] if short else []
+        if self._event_spin_ns:
+            how.append(f"awake {self._event_spin_ns / 1000:g} us after each trainer event")
+        log.info("[%s] manager loop running%s", self.device, f" ({'; '.join(how)})" if how else "")
         while self._running:
             for key, _ in self._selector.select(self._timeout_s()):
                 for event in key.data():
@@ -397,6 +418,8 @@ class ManagerLoop:
         if self.inbox.has_work():
             return 0
         now = self.now_ns()
+        if now < self._spin_until_ns:
+            return 0  # awake for the trainer's next event (LoopConfig.event_spin_ns)
         deadline = now + IDLE_WAKE_NS
         core_timer = self.core.next_timer_ns()
         if self._timer is not None:
@@ -459,6 +482,8 @@ class ManagerLoop:
             self.event_delay.record(now_ns - event.bubble.start_ns)
         elif isinstance(event, C.BubbleEnded):
             self.event_delay.record(now_ns - event.bubble.end_ns)
+        if self._event_spin_ns:
+            self._spin_until_ns = now_ns + self._event_spin_ns
         self._feed(event, now_ns)
 
     def _reject_local(self, exc: ConfigError, now_ns: int) -> None:

@@ -165,3 +165,28 @@ def test_a_trainer_sending_garbage_at_its_event_rate_is_counted_in_full_and_logg
         assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
     finally:
         sock.close()
+
+
+def test_a_manager_kept_awake_between_events_grants_and_parks_every_bubble_of_a_local_trainer(
+    make_manager: Callable[..., ManagerHarness], caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="freeride._manager.loop")
+    harness = make_manager(event_spin_ns=100 * MS)  # the most --event-spin-us takes: awake through the test
+    wait_for(lambda: "awake 100000 us after each trainer event" in caplog.text, 10, what="the loop to say it spins")
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    harness.wait_state(task.task_id, "PARKED")
+    reporter, wire = _connect(harness)
+    try:
+        for it in range(5):
+            reporter.bubble_start(it, 0, "test", predicted_ns=60 * S)
+            harness.wait_state(task.task_id, "RUNNING", timeout_s=20)
+            reporter.bubble_end(it, 0)
+            harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=20)
+        wait_for(lambda: harness.client.stats().events_received == 10, 10, what="every event to be handled")
+        stats = harness.client.stats()
+        assert (stats.events_rejected, stats.events_ignored) == (0, 0)
+        assert wire.posted == 0 and reporter.counters().local == 10
+    finally:
+        reporter.close()

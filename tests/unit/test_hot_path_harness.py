@@ -99,7 +99,7 @@ def test_an_unknown_route_is_refused_before_any_manager_starts() -> None:
     def no_case(rank: int) -> hot_path.Case:
         raise AssertionError("no case is built for a refused route")
 
-    with pytest.raises(ValueError, match=r"unknown route\(s\) \['wire'\]: pick from queue, local, tracker"):
+    with pytest.raises(ValueError, match=r"unknown route\(s\) \['wire'\]: pick from queue, local, awake, tracker"):
         hot_path.costs_ns(no_case, routes=("queue", "wire"))
 
 

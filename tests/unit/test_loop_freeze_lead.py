@@ -1,8 +1,10 @@
 """The loop wakes ``FREEZE_LEAD_NS`` before a freeze and turns without sleeping until it is due, so that waking
-an idle core does not stretch a step's grace (``ManagerLoop._timeout_s``)."""
+an idle core does not stretch a step's grace (``ManagerLoop._timeout_s``); with ``event_spin_ns`` it also turns
+that long after each trainer event, so that the next one finds it awake."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,8 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import cpu_devices
 
-from freeride._manager.loop import FREEZE_LEAD_NS, IDLE_WAKE_NS, LoopConfig, ManagerLoop
+from freeride._manager import core as C
+from freeride._manager.loop import FREEZE_LEAD_NS, IDLE_WAKE_NS, MAX_EVENT_SPIN_NS, LoopConfig, ManagerLoop
 from freeride.devices import open_device
+from freeride.messages import BubbleEnd, BubbleStart, TrainerLayout
 
 HOUR_NS = 3600 * 10**9
 
@@ -54,3 +58,67 @@ def test_on_a_fake_clock_there_is_no_lead_and_no_turning(tmp_path: Path) -> None
         assert loop._timeout_s() == pytest.approx(0.001)
     finally:
         loop.stop()
+
+
+# ---------------------------------------------------------------- awake after trainer events (--event-spin-us)
+
+SPIN_NS = 2_000_000
+
+
+def _spinning_loop(tmp_path: Path, now: list[int], spin_ns: int = SPIN_NS) -> ManagerLoop:
+    return ManagerLoop(open_device(cpu_devices(1)[0]),
+                       LoopConfig(state_dir=tmp_path / "state", event_spin_ns=spin_ns), now_ns=lambda: now[0])
+
+
+def _start(at_ns: int) -> C.BubbleStarted:
+    return C.BubbleStarted(BubbleStart(0, 0, 0, 0, "bubble", at_ns, 5_000_000, 2**30), at_ns)
+
+
+def test_after_a_trainer_event_the_loop_turns_without_sleeping_for_the_spin(tmp_path: Path) -> None:
+    now = [10 * HOUR_NS]
+    loop = _spinning_loop(tmp_path, now)
+    try:
+        assert loop._timeout_s() == pytest.approx(IDLE_WAKE_NS / 1e9)  # no event yet: asleep
+        loop._feed_trainer(_start(now[0]), now[0])
+        assert loop._timeout_s() == 0
+        now[0] += SPIN_NS - 1
+        assert loop._timeout_s() == 0
+        now[0] += 1  # the spin is over with no further event: asleep until the next timer
+        assert loop._timeout_s() > 0
+        loop._feed_trainer(C.BubbleEnded(BubbleEnd(0, 0, 0, 0, now[0]), now[0]), now[0])
+        assert loop._timeout_s() == 0  # each event starts the spin again
+    finally:
+        loop.stop()
+
+
+def test_without_a_spin_a_trainer_event_leaves_the_loop_sleeping(tmp_path: Path) -> None:
+    now = [10 * HOUR_NS]
+    loop = _spinning_loop(tmp_path, now, spin_ns=0)
+    try:
+        loop._feed_trainer(_start(now[0]), now[0])
+        assert loop._timeout_s() > 0
+    finally:
+        loop.stop()
+
+
+def test_a_manager_whose_cores_all_compute_ranks_turns_its_spin_off_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [10 * HOUR_NS]
+    loop = _spinning_loop(tmp_path, now)
+    try:
+        cores = sorted(loop._cores)
+        layout = TrainerLayout("Schedule1F1B", len(cores), 8, tuple(f"cpu:{c}" for c in cores), now[0])
+        with caplog.at_level(logging.WARNING):
+            loop._trainer_input(layout, now[0])
+        assert "--event-spin-us is off" in caplog.text
+        loop._feed_trainer(_start(now[0]), now[0])
+        assert loop._timeout_s() > 0
+    finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("spin_ns", [-1, MAX_EVENT_SPIN_NS + 1])
+def test_a_spin_out_of_bounds_is_refused(tmp_path: Path, spin_ns: int) -> None:
+    with pytest.raises(ValueError, match="event_spin_ns must be 0.."):
+        LoopConfig(state_dir=tmp_path / "state", event_spin_ns=spin_ns)
