@@ -44,13 +44,16 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import process_cpu_ns, run_delay_ns, worker_environment
+from freeride._task_process import is_runnable, process_cpu_ns, sched_times, worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_BYTES = 4096
+#: A worker that ran less than this between two freezes did not run in the grant between them (the few
+#: microseconds it takes to handle a stop and a continue): it slept through it, or had no core.
+IDLE_GRANT_RUN_NS = 50_000
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class WorkerHandle:
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
     killed: bool = False  # this manager sent it SIGKILL: end-of-file is expected, its exit may lag
     eof_at_ns: int = 0
+    run_ns: int = -1  # its main thread's run time at its last freeze (-1: not read)
 
 
 class Supervisor:
@@ -178,20 +182,27 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is None:
             return []
+        # A worker that has not run since its last freeze, and waits for its core now, had no core in the grant
+        # it is frozen in: the kernel books that wait only once it ends. Read before the stop, which wakes a
+        # sleeping worker (runnable until it has handled the stop: a worker asleep in a hung step read as one
+        # waiting for its core); the run time read is ~5 us, the state only for a worker that did not run.
+        pid = handle.proc.pid
+        starved = (handle.run_ns >= 0 and 0 <= sched_times(pid)[0] - handle.run_ns < IDLE_GRANT_RUN_NS
+                   and is_runnable(pid))
         self._signal(handle, signal.SIGSTOP)
-        waited = run_delay_ns(handle.proc.pid)  # read once it is stopped: it accrues no more
+        handle.run_ns, waited = sched_times(pid)  # read once it is stopped: it accrues no more
         if handle.board is None:
-            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]  # no board to read
+            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved)]  # no board to read
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
         board = handle.board
         try:
             step = board.step()
             return [C.WorkerStepsSeen(task_id, board.steps_done(), step < 0, board.doing() == DOING_CHECKPOINT,
-                                      run_delay_ns=waited, step=step)]
+                                      run_delay_ns=waited, step=step, starved=starved)]
         except (OSError, ValueError) as exc:  # a closed mapping: answered all the same, as nothing read
             log.warning("[%s task=%s] its board could not be read at a freeze: %s", self.device, task_id, exc)
-            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited)]
+            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved)]
 
     def cpu_ns(self, task_id: str) -> int | None:
         """The worker process's CPU time so far (its own threads; not its children's); None without one."""

@@ -54,6 +54,8 @@ class Sim:
         self.boards: dict[str, tuple[int, bool, bool]] = {}
         #: Each worker's main thread's run delay (ns) as read at a freeze; a worker not named here: not read.
         self.run_delays: dict[str, int] = {}
+        #: Workers whose freezes say they had no core in the grant frozen (``WorkerStepsSeen.starved``).
+        self.starved: set[str] = set()
 
     # -- clock and raw events
 
@@ -72,7 +74,8 @@ class Sim:
         for action in [a for a in actions if isinstance(a, Freeze)]:
             done, in_setup, in_checkpoint = self.boards.get(action.task_id, (-1, False, False))
             actions = actions + self.send(WorkerStepsSeen(action.task_id, done, in_setup, in_checkpoint,
-                                                          self.run_delays.get(action.task_id, -1)))
+                                                          self.run_delays.get(action.task_id, -1),
+                                                          starved=action.task_id in self.starved))
         return actions
 
     def tick(self) -> list[Action]:

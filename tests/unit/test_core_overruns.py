@@ -420,6 +420,78 @@ def test_a_setup_past_its_step_timeout_says_setup_and_frozen_in_setup_says_so() 
     assert failure is not None and failure.kind == "STEP_TIMEOUT" and failure.message.startswith("setup() ran for")
 
 
+def _frozen_grants(sim: Sim, count: int) -> None:
+    """``count`` 10 ms grants, each frozen past its end + grace (the task never parks)."""
+    for _ in range(count):
+        sim.advance_ms(5)
+        sim.start(predicted_ms=10)
+        sim.advance_ms(10)
+        sim.end()
+        sim.at(sim.now + sim.core.config.grace_ns)
+        sim.tick()
+
+
+def test_a_task_whose_worker_had_no_core_in_its_grants_is_said_to_be_starved_of_its_core() -> None:
+    # A command task sat FROZEN in setup() through 30 s of a test's bubbles, its worker waiting for a core held by
+    # the test suite's processes, with "resumes at its next grant" as the only word.
+    sim = Sim(step_timeout_ns=60_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (0, True, False)
+    sim.run_delays["a"] = 0  # a wait still going is not in the run delay yet
+    sim.starved.add("a")
+    _frozen_grants(sim, 9)
+    assert "no core" not in sim.core.waiting_reason(sim.core.tasks["a"])  # under 100 ms granted: noise
+    _frozen_grants(sim, 2)
+    reason = sim.core.waiting_reason(sim.core.tasks["a"])
+    assert reason.startswith("frozen in setup() after overrunning a bubble; its worker had no core for 0.1 s of "
+                             "the 0.1 s of bubbles granted since setup() began (the core is busy with other work")
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].health.stuck_ns == 0  # nothing counted as stuck
+
+
+def test_a_worker_starved_of_its_core_past_the_step_timeout_is_not_failed_for_it() -> None:
+    # Its grants were counted as stuck once BOOKING_NS passed without a reading of the wait (the kernel books it
+    # only when the worker gets a core): a starved task would have failed STEP_TIMEOUT for waiting.
+    sim = Sim(step_timeout_ns=50 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (1, False, False)
+    sim.run_delays["a"] = 0
+    _frozen_grants(sim, 1)  # the first freeze has nothing to compare with: not known starved
+    sim.starved.add("a")
+    for _ in range(20):
+        _frozen_grants(sim, 1)
+        sim.advance_ms(BOOKING_NS / MS)
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].failure is None
+    sim.starved.clear()  # it gets its core, and its step hangs with it: judged on the grants from there
+    for _ in range(6):
+        _frozen_grants(sim, 1)
+        sim.advance_ms(BOOKING_NS / MS)
+    assert sim.state("a") == S.FAILED and sim.core.tasks["a"].failure.kind == "STEP_TIMEOUT"  # type: ignore[union-attr]
+
+
+def test_a_task_asleep_in_its_grants_is_not_said_to_be_starved() -> None:
+    sim = Sim(step_timeout_ns=60_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (1, False, False)
+    sim.run_delays["a"] = 0
+    _frozen_grants(sim, 20)
+    reason = sim.core.waiting_reason(sim.core.tasks["a"])
+    assert "frozen in a step" in reason and "no core" not in reason
+
+
+def test_a_step_that_begins_after_a_starved_one_is_judged_afresh() -> None:
+    sim = Sim(step_timeout_ns=60_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (1, False, False)
+    sim.run_delays["a"] = 0
+    sim.starved.add("a")
+    _frozen_grants(sim, 12)
+    assert "no core" in sim.core.waiting_reason(sim.core.tasks["a"])
+    sim.starved.clear()
+    sim.boards["a"] = (2, False, False)  # it got its core and finished that step; the next one is frozen
+    _frozen_grants(sim, 12)
+    assert "no core" not in sim.core.waiting_reason(sim.core.tasks["a"])
+
+
 def test_a_step_timeout_reached_at_a_freeze_names_what_that_freezes_board_read_shows() -> None:
     # A hang in state_dict() that used up its timeout at its first freeze read "one step ran for": the
     # failure was decided before the loop read the board of the freeze it ordered.

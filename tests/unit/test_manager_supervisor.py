@@ -209,9 +209,31 @@ def test_a_frozen_worker_whose_board_cannot_be_read_is_answered_with_nothing_rea
 
 
 def _without_run_delay(events: list[Any]) -> list[Any]:
-    """The events, each run delay checked as read (a live worker's is known) and then left out."""
+    """The events, each run delay checked as read (a live worker's is known) and then left out, with whether the
+    worker was starved (a worker frozen right after its thaw may not have had its core yet under load)."""
     assert all(e.run_delay_ns >= 0 for e in events), events
-    return [dataclasses.replace(e, run_delay_ns=-1) for e in events]
+    return [dataclasses.replace(e, run_delay_ns=-1, starved=False) for e in events]
+
+
+@pytest.mark.parametrize(("runs", "runnable", "starved"), [
+    ((5_000_000, 5_000_000 + 10_000), True, True),  # no run between the freezes, waiting for its core: starved
+    ((5_000_000, 5_000_000 + 10_000), False, False),  # no run, asleep (a hang in a sleep): not starved
+    ((5_000_000, 9_000_000), True, False),  # it ran 4 ms of the grant: not starved
+])
+def test_a_worker_that_had_no_core_in_the_grant_it_is_frozen_in_is_reported_starved(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, runs: tuple[int, int], runnable: bool, starved: bool
+) -> None:
+    import freeride._manager.supervisor as supervisor
+
+    reads = iter([(runs[0], 0), (runs[1], 0), (runs[1], 7_000_000)])  # a first freeze reads after its stop only
+    monkeypatch.setattr(supervisor, "sched_times", lambda pid: next(reads))
+    monkeypatch.setattr(supervisor, "is_runnable", lambda pid: runnable)
+    [first] = rig.sup.freeze(TID)
+    assert not first.starved  # a first freeze has nothing to compare with
+    rig.sup.signal(TID, signal.SIGCONT)
+    [second] = rig.sup.freeze(TID)
+    assert (second.starved, second.run_delay_ns) == (starved, 7_000_000)
+    rig.sup.signal(TID, signal.SIGCONT)
 
 
 def test_a_message_to_a_worker_that_went_away_returns_what_it_said_before_it_closed(rig: Rig) -> None:

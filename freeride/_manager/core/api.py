@@ -272,6 +272,9 @@ class WorkerStepsSeen:
     #: The task's steps finished before the one it is frozen in (its board's step word: restored ones included);
     #: -1: not read, or inside setup().
     step: int = -1
+    #: The worker had not run since its last freeze and was waiting for its core at this one: it had no core in
+    #: the grant it is frozen in (a wait the run delay shows only once it ends).
+    starved: bool = False
 
 
 @dataclass(frozen=True)

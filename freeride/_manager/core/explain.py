@@ -85,8 +85,15 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         if now.since_bubble_ns >= TRAINER_PAUSE_NS:
             paused = (f"; the trainer has made no bubble for {now.since_bubble_ns / 1e9:.0f} s (training paused or "
                       "over): it stays frozen, its memory held, until the next bubble")
-        if task.health.in_setup:
-            return "frozen in setup() after overrunning a bubble" + (paused or "; resumes at its next grant")
+        health = task.health
+        starved = ""
+        if health.starved:
+            began = "setup() began" if health.in_setup else "its step began"
+            starved = (f"; its worker had no core for {min(health.core_wait_ns, health.frozen_granted_ns) / 1e9:.1f} s "
+                       f"of the {health.frozen_granted_ns / 1e9:.1f} s of bubbles granted since {began} (the core is "
+                       "busy with other work, and a worker runs at the lowest CPU priority)")
+        if health.in_setup:
+            return "frozen in setup() after overrunning a bubble" + starved + (paused or "; resumes at its next grant")
         # What its board said at the freeze: a slow checkpoint (a large state written across bubbles) read as
         # a hung step.
         what = "a checkpoint (state_dict() and its write)" if task.health.in_checkpoint else "a step"
@@ -95,5 +102,5 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
                     f"{HUNG_STEPS} of its step estimate); thawed at the start of a bubble once the other tasks "
                     "have had as much bubble time since its last turn, until it finishes, or fails once "
                     "it has looked hung for its step timeout while the trainer makes bubbles")
-        return f"frozen in {what} after overrunning a bubble" + (paused or "; resumes at its next grant")
+        return f"frozen in {what} after overrunning a bubble" + starved + (paused or "; resumes at its next grant")
     return ""

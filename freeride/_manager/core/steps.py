@@ -26,6 +26,9 @@ TRAINER_PAUSE_NS = 5_000_000_000
 #: core (:meth:`StepHealth.waited`): the kernel books a wait only when it ends. A worker at nice 19 beside a busy
 #: loop at nice 0 on its core had its waits booked at most 0.35 s apart (a 2-core VM, 127 bookings, 7 s).
 BOOKING_NS = 1_000_000_000
+#: A step is said to be starved of its core (``StepHealth.starved``) only past this much granted time: a wait
+#: of a few grants is the scheduler's noise.
+STARVED_MIN_NS = 100_000_000
 
 
 @dataclass
@@ -44,6 +47,10 @@ class StepHealth:
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
     run_delay_ns: int = -1  # its main thread's run delay at its last freeze (-1: not read)
+    #: Since its current step (or its setup) began: the granted time of the grants it was frozen in, and what
+    #: its worker's run delay grew by at those freezes (time it was runnable with no core: ``starved``).
+    frozen_granted_ns: int = 0
+    core_wait_ns: int = 0
     #: Frozen grants (when, granted ns) whose wait for the core no reading has shown yet: not stuck time yet.
     unbooked: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
     #: Its step used up the step timeout of granted time at a freeze: it is failed, or not, on that freeze's
@@ -80,6 +87,7 @@ class StepHealth:
         self.run_delay_ns = -1
         self.board_steps = 0
         self.verdict_due = False
+        self.frozen_granted_ns = self.core_wait_ns = 0
         self._to(StepPhase.FRESH)
 
     def finished_steps(self) -> None:
@@ -87,6 +95,7 @@ class StepHealth:
         self.stuck_ns = 0
         self.unbooked.clear()
         self.hung_ns = self.hung_seen_ns = 0
+        self.frozen_granted_ns = self.core_wait_ns = 0
         self._to(StepPhase.STEPPED)
 
     def seen_on_board(self, steps_done: int, in_setup: bool, in_checkpoint: bool = False) -> None:
@@ -110,6 +119,7 @@ class StepHealth:
                 self.stuck_ns = min(self.stuck_ns, self.last_grant_ns)
                 self.unbooked.clear()
             self.hung_ns = self.hung_seen_ns = 0
+            self.frozen_granted_ns, self.core_wait_ns = self.last_grant_ns, 0  # the step began in the last grant
             if self.phase is StepPhase.HUNG:
                 self._to(StepPhase.STEPPED)
         self.board_steps = max(self.board_steps, steps_done)
@@ -119,7 +129,7 @@ class StepHealth:
         elif not self.has_stepped:
             self._to(StepPhase.IN_SETUP if in_setup else StepPhase.FRESH)
 
-    def waited(self, run_delay_ns: int, now_ns: int) -> None:
+    def waited(self, run_delay_ns: int, now_ns: int, starved: bool = False) -> None:
         """At a freeze: its main thread's run delay so far (-1: not read). What it grew by since the last reading
         is time it was runnable and had no core: not the step's, it comes off the step's granted time, the
         grants not yet booked first (:attr:`unbooked`). Those become stuck time once a reading shows their waits,
@@ -135,12 +145,26 @@ class StepHealth:
         after its step timeout) and a later one hold them all. What was waited from the freeze to the landing
         was not granted time and comes off too: a step on a core that busy is judged late, never early. A step
         that hangs by sleeping or blocking accrues none, and is judged on its granted time as before.
+
+        ``starved``: the worker had no core in the grant just frozen, and still waits for one (the supervisor's
+        reading, before the stop): that grant is no step's time, at once, rather than once the wait is booked,
+        which comes only when the worker gets a core (a worker starved for longer than :data:`BOOKING_NS` had
+        its grants counted as stuck, and would have been failed after its step timeout of waiting). When that
+        wait is booked at last, it comes off the stuck time again: a step is judged late, never early.
         """
+        if starved:
+            self.core_wait_ns += self.last_grant_ns
+            if self.unbooked and self.unbooked[-1][1] == self.last_grant_ns:
+                self.unbooked.pop()  # the grant this freeze ended (ran_past_end)
+            else:
+                self.stuck_ns = max(0, self.stuck_ns - self.last_grant_ns)
         if run_delay_ns < 0:
             self._settle(None)  # nothing can be booked: granted time is the step's
             return
         grown = max(0, run_delay_ns - self.run_delay_ns) if self.run_delay_ns >= 0 else 0
         self.run_delay_ns = run_delay_ns
+        if not starved:
+            self.core_wait_ns += grown
         while grown and self.unbooked:
             at, granted = self.unbooked[0]
             if grown < granted:
@@ -165,6 +189,15 @@ class StepHealth:
         else:
             self.stuck_ns += granted_ns
         self.last_grant_ns = granted_ns
+        self.frozen_granted_ns += granted_ns
+
+    @property
+    def starved(self) -> bool:
+        """Its worker had no core for most of the granted time it was frozen in since its step (or setup) began,
+        over :data:`STARVED_MIN_NS` of it at least: the core is busy with other work (a worker runs at the
+        lowest CPU priority), and the step is neither slow nor hung (a command task sat FROZEN in setup() through
+        30 s of a test's bubbles beside the test suite's processes on its core, with no word of why)."""
+        return self.frozen_granted_ns >= STARVED_MIN_NS and 2 * self.core_wait_ns >= self.frozen_granted_ns
 
     def looks_hung(self, longest_bubble_ns: int, step_ns: int | None = None) -> bool:
         """A step that has run more granted time than two of the longest bubbles seen, and than
