@@ -21,9 +21,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from freeride._cli.tasks import uncomputed_as_null
+from freeride._cli.tasks import cannot_run_here, uncomputed_as_null
 from freeride._wire.client import ControlClient
-from freeride.devices import check_cpu_device, parse_device_name
+from freeride.devices import parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, default_endpoint, parse_endpoint, read_token, runtime_dir
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import BubbleSlotStats
@@ -97,17 +97,10 @@ def collect(
 
 
 def _not_here(name: str) -> str:
-    """Why no manager can run on device ``name`` on this machine (a CPU core it does not offer), or "" (where
-    one could: the advice to start one stands)."""
-    if name.startswith("<"):  # a manager named by its endpoint
-        return ""
-    try:
-        device = parse_device_name(name)
-        if device.kind == "cpu":
-            check_cpu_device(device)
-    except ConfigError as exc:
-        return f"no manager answers, and none can run on {name} here: {exc}"
-    return ""
+    """Why no manager can run on device ``name`` on this machine, as the line that names it, or "" (where one
+    could, or a manager named by its endpoint: the advice to start one stands)."""
+    why = "" if name.startswith("<") else cannot_run_here(name)
+    return f"no manager answers, and none can run on {name} here: {why}" if why else ""
 
 
 #: Under the table: what ``pred`` is, so that its distance from p50 reads as intended (a stranger took it for a

@@ -152,6 +152,19 @@ def _queue_url(args: argparse.Namespace) -> str | None:
     return str(args.queue)
 
 
+def cannot_run_here(name: str) -> str:
+    """Why no manager can run on device ``name`` on this machine (a CPU core it does not offer), or "" where one
+    could. Behind a unix socket a manager would be on this host, so such a device is the user's bad input (exit
+    2); over TCP another host's device may be meant."""
+    try:
+        device = parse_device_name(name)
+        if device.kind == "cpu":
+            check_cpu_device(device)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
 @contextlib.contextmanager
 def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None]:
     """Reword "no manager" with the command that starts one for this device and endpoint."""
@@ -160,15 +173,13 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
     except ManagerUnavailable as exc:
         if not str(exc).startswith("no manager answers"):
             raise  # a manager answered: it is stopping, or its loop is stuck; it says which
-        name = parse_device_name(_device(args))
-        if name.kind == "cpu":
-            try:
-                check_cpu_device(name)
-            except ConfigError as exc:  # advising a manager on a core that is not there helps nobody
-                message = f"no manager answers at {endpoint}, and none can run on {name} here: {exc}"
-                if endpoint.kind == "unix":  # its manager would be on this host: the device is the bad input
-                    raise ConfigError(message) from None
-                raise ManagerUnavailable(message) from None  # over TCP, another host's device may be meant
+        name = _device(args)
+        why = cannot_run_here(name)
+        if why:  # advising a manager on a core that is not there helps nobody
+            message = f"no manager answers at {endpoint}, and none can run on {name} here: {why}"
+            if endpoint.kind == "unix":  # its manager would be on this host: the device is the bad input
+                raise ConfigError(message) from None
+            raise ManagerUnavailable(message) from None  # over TCP, another host's device may be meant
         start = f"freeride manager --device {_device(args)}" + (f" --endpoint {endpoint}" if args.endpoint else "")
         # "Or it is stopping": a manager that is draining or exiting answers no call either, and starting a second
         # one then would be the wrong advice without it.
