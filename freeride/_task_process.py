@@ -98,14 +98,14 @@ def run_delay_ns(pid: int) -> int:
     return sched_times(pid)[1]
 
 
-def is_runnable(pid: int) -> bool:
-    """Whether process ``pid`` is runnable now (state R in ``/proc/<pid>/stat``: running, or waiting for a
-    core); False when it sleeps, is stopped, or is gone. ~60 us: read only where a cheaper figure asks."""
+def process_state(pid: int) -> str:
+    """Process ``pid``'s state letter in ``/proc/<pid>/stat`` (R: running or waiting for a core; S, D: asleep;
+    T: stopped), "" when it is gone. ~60 us: read only where a cheaper figure asks."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] == b"R"
-    except (OSError, IndexError):
-        return False
+            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return ""
 
 
 def process_cpu_ns(pid: int) -> int | None:

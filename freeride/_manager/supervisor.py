@@ -44,7 +44,7 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import is_runnable, process_cpu_ns, sched_times, worker_environment
+from freeride._task_process import process_cpu_ns, process_state, sched_times, worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
@@ -182,27 +182,30 @@ class Supervisor:
         handle = self.workers.get(task_id)
         if handle is None:
             return []
-        # A worker that has not run since its last freeze, and waits for its core now, had no core in the grant
-        # it is frozen in: the kernel books that wait only once it ends. Read before the stop, which wakes a
-        # sleeping worker (runnable until it has handled the stop: a worker asleep in a hung step read as one
-        # waiting for its core); the run time read is ~5 us, the state only for a worker that did not run.
+        # A worker that has not run since its last freeze had no core in the grant it is frozen in, if it waits
+        # for one now (the kernel books that wait only once it ends), or slept through it, if it sleeps. Read
+        # before the stop, which wakes a sleeping worker (runnable until it has handled the stop: a worker asleep
+        # in a hung step read as one waiting for its core); the run time read is ~5 us, the state (~60 us) only
+        # for a worker that did not run.
         pid = handle.proc.pid
-        starved = (handle.run_ns >= 0 and 0 <= sched_times(pid)[0] - handle.run_ns < IDLE_GRANT_RUN_NS
-                   and is_runnable(pid))
+        state = ""
+        if handle.run_ns >= 0 and 0 <= sched_times(pid)[0] - handle.run_ns < IDLE_GRANT_RUN_NS:
+            state = process_state(pid)
+        starved, asleep = state == "R", state in ("S", "D")
         self._signal(handle, signal.SIGSTOP)
         handle.run_ns, waited = sched_times(pid)  # read once it is stopped: it accrues no more
-        if handle.board is None:
-            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved)]  # no board to read
+        if handle.board is None:  # no board to read
+            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved, asleep=asleep)]
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word
         # still at -1 says it has begun none: it is inside setup().
         board = handle.board
         try:
             step = board.step()
             return [C.WorkerStepsSeen(task_id, board.steps_done(), step < 0, board.doing() == DOING_CHECKPOINT,
-                                      run_delay_ns=waited, step=step, starved=starved)]
+                                      run_delay_ns=waited, step=step, starved=starved, asleep=asleep)]
         except (OSError, ValueError) as exc:  # a closed mapping: answered all the same, as nothing read
             log.warning("[%s task=%s] its board could not be read at a freeze: %s", self.device, task_id, exc)
-            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved)]
+            return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved, asleep=asleep)]
 
     def cpu_ns(self, task_id: str) -> int | None:
         """The worker process's CPU time so far (its own threads; not its children's); None without one."""

@@ -56,6 +56,8 @@ class Sim:
         self.run_delays: dict[str, int] = {}
         #: Workers whose freezes say they had no core in the grant frozen (``WorkerStepsSeen.starved``).
         self.starved: set[str] = set()
+        #: Workers whose freezes say they slept through the grant frozen (``WorkerStepsSeen.asleep``).
+        self.asleep: set[str] = set()
 
     # -- clock and raw events
 
@@ -75,7 +77,8 @@ class Sim:
             done, in_setup, in_checkpoint = self.boards.get(action.task_id, (-1, False, False))
             actions = actions + self.send(WorkerStepsSeen(action.task_id, done, in_setup, in_checkpoint,
                                                           self.run_delays.get(action.task_id, -1),
-                                                          starved=action.task_id in self.starved))
+                                                          starved=action.task_id in self.starved,
+                                                          asleep=action.task_id in self.asleep))
         return actions
 
     def tick(self) -> list[Action]:

@@ -468,6 +468,20 @@ def test_a_worker_starved_of_its_core_past_the_step_timeout_is_not_failed_for_it
     assert sim.state("a") == S.FAILED and sim.core.tasks["a"].failure.kind == "STEP_TIMEOUT"  # type: ignore[union-attr]
 
 
+def test_a_step_asleep_through_its_grants_counts_them_as_stuck_at_once() -> None:
+    # Its grants waited BOOKING_NS for a reading of a wait for the core that a sleeping worker never has.
+    sim = Sim(step_timeout_ns=60_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.boards["a"] = (1, False, False)
+    sim.run_delays["a"] = 0
+    _frozen_grants(sim, 1)  # frozen before any reading of its run delay: its grant is stuck time at once anyway
+    sim.asleep.add("a")
+    _frozen_grants(sim, 3)  # 3 more grants of 11 ms, well within BOOKING_NS
+    health = sim.core.tasks["a"].health
+    assert health.stuck_ns == 4 * 11 * MS and not health.unbooked
+    assert "looks hung" in sim.core.waiting_reason(sim.core.tasks["a"])
+
+
 def test_a_task_asleep_in_its_grants_is_not_said_to_be_starved() -> None:
     sim = Sim(step_timeout_ns=60_000 * MS, grace_ns=MS)
     sim.resident("a")

@@ -210,29 +210,32 @@ def test_a_frozen_worker_whose_board_cannot_be_read_is_answered_with_nothing_rea
 
 def _without_run_delay(events: list[Any]) -> list[Any]:
     """The events, each run delay checked as read (a live worker's is known) and then left out, with whether the
-    worker was starved (a worker frozen right after its thaw may not have had its core yet under load)."""
+    worker was starved or asleep (a worker frozen right after its thaw may not have had its core yet under load)."""
     assert all(e.run_delay_ns >= 0 for e in events), events
-    return [dataclasses.replace(e, run_delay_ns=-1, starved=False) for e in events]
+    return [dataclasses.replace(e, run_delay_ns=-1, starved=False, asleep=False) for e in events]
 
 
-@pytest.mark.parametrize(("runs", "runnable", "starved"), [
-    ((5_000_000, 5_000_000 + 10_000), True, True),  # no run between the freezes, waiting for its core: starved
-    ((5_000_000, 5_000_000 + 10_000), False, False),  # no run, asleep (a hang in a sleep): not starved
-    ((5_000_000, 9_000_000), True, False),  # it ran 4 ms of the grant: not starved
+@pytest.mark.parametrize(("runs", "state", "starved", "asleep"), [
+    ((5_000_000, 5_000_000 + 10_000), "R", True, False),  # no run between the freezes, waiting for its core
+    ((5_000_000, 5_000_000 + 10_000), "S", False, True),  # no run, asleep (a hang in a sleep)
+    ((5_000_000, 5_000_000 + 10_000), "T", False, False),  # stopped by someone else: neither
+    ((5_000_000, 9_000_000), "R", False, False),  # it ran 4 ms of the grant: neither (its state is not read)
 ])
-def test_a_worker_that_had_no_core_in_the_grant_it_is_frozen_in_is_reported_starved(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, runs: tuple[int, int], runnable: bool, starved: bool
+def test_a_worker_that_did_not_run_in_the_grant_it_is_frozen_in_is_reported_starved_or_asleep(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, runs: tuple[int, int], state: str, starved: bool, asleep: bool
 ) -> None:
     import freeride._manager.supervisor as supervisor
 
     reads = iter([(runs[0], 0), (runs[1], 0), (runs[1], 7_000_000)])  # a first freeze reads after its stop only
+    states: list[int] = []
     monkeypatch.setattr(supervisor, "sched_times", lambda pid: next(reads))
-    monkeypatch.setattr(supervisor, "is_runnable", lambda pid: runnable)
+    monkeypatch.setattr(supervisor, "process_state", lambda pid: states.append(pid) or state)
     [first] = rig.sup.freeze(TID)
-    assert not first.starved  # a first freeze has nothing to compare with
+    assert not first.starved and not first.asleep  # a first freeze has nothing to compare with
     rig.sup.signal(TID, signal.SIGCONT)
     [second] = rig.sup.freeze(TID)
-    assert (second.starved, second.run_delay_ns) == (starved, 7_000_000)
+    assert (second.starved, second.asleep, second.run_delay_ns) == (starved, asleep, 7_000_000)
+    assert len(states) == (runs[1] - runs[0] < 50_000)  # the state is read only for a worker that did not run
     rig.sup.signal(TID, signal.SIGCONT)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride._task_process import is_runnable, process_cpu_ns, sched_times
+from freeride._task_process import process_cpu_ns, process_state, sched_times
 from freeride.devices import CpuWorkerDevice, cpu, parse_device_name
 
 
@@ -117,16 +117,16 @@ def test_a_workers_run_delay_grows_while_it_waits_for_its_core_and_not_while_it_
     assert run_delay_ns(worker.pid) == -1  # reaped: nothing to read
 
 
-def test_a_busy_process_is_runnable_and_one_asleep_stopped_or_gone_is_not() -> None:
+def test_a_process_state_reads_runnable_asleep_stopped_and_gone() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
     asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert is_runnable(busy.pid)
+        assert process_state(busy.pid) == "R"
         deadline = time.monotonic() + 30
-        while is_runnable(asleep.pid):  # until its interpreter has started and sleeps
+        while process_state(asleep.pid) != "S":  # until its interpreter has started and sleeps
             assert time.monotonic() < deadline, "the sleeper never slept"
         busy.send_signal(signal.SIGSTOP)
-        while is_runnable(busy.pid):  # until the stop has landed
+        while process_state(busy.pid) != "T":  # until the stop has landed
             assert time.monotonic() < deadline, "the stop never landed"
         run, delay = sched_times(busy.pid)
         assert run > 0 and delay >= 0
@@ -134,4 +134,4 @@ def test_a_busy_process_is_runnable_and_one_asleep_stopped_or_gone_is_not() -> N
         for proc in (busy, asleep):
             proc.kill()
             proc.wait()
-    assert not is_runnable(busy.pid) and sched_times(busy.pid) == (-1, -1)  # reaped: gone
+    assert process_state(busy.pid) == "" and sched_times(busy.pid) == (-1, -1)  # reaped: gone

@@ -275,6 +275,9 @@ class WorkerStepsSeen:
     #: The worker had not run since its last freeze and was waiting for its core at this one: it had no core in
     #: the grant it is frozen in (a wait the run delay shows only once it ends).
     starved: bool = False
+    #: The worker had not run since its last freeze and was asleep at this one: it slept through the grant it is
+    #: frozen in (a step hung in a sleep, or blocked), which no wait for the core will explain.
+    asleep: bool = False
 
 
 @dataclass(frozen=True)

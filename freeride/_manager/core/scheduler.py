@@ -601,7 +601,7 @@ class SchedulerCore:
             return
         health = task.health
         health.seen_on_board(event.steps_done, event.in_setup, event.in_checkpoint)
-        health.waited(event.run_delay_ns, now_ns, event.starved)
+        health.waited(event.run_delay_ns, now_ns, event.starved, event.asleep)
         if event.step > task.steps:
             # Steps finished inside grants it never parked from (its park would have reported them): a task hung
             # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them.

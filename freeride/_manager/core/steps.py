@@ -129,7 +129,7 @@ class StepHealth:
         elif not self.has_stepped:
             self._to(StepPhase.IN_SETUP if in_setup else StepPhase.FRESH)
 
-    def waited(self, run_delay_ns: int, now_ns: int, starved: bool = False) -> None:
+    def waited(self, run_delay_ns: int, now_ns: int, starved: bool = False, asleep: bool = False) -> None:
         """At a freeze: its main thread's run delay so far (-1: not read). What it grew by since the last reading
         is time it was runnable and had no core: not the step's, it comes off the step's granted time, the
         grants not yet booked first (:attr:`unbooked`). Those become stuck time once a reading shows their waits,
@@ -151,13 +151,19 @@ class StepHealth:
         which comes only when the worker gets a core (a worker starved for longer than :data:`BOOKING_NS` had
         its grants counted as stuck, and would have been failed after its step timeout of waiting). When that
         wait is booked at last, it comes off the stuck time again: a step is judged late, never early.
+        ``asleep``: the worker slept through the grant just frozen (the same reading): no wait will be booked for
+        it, so it is the step's stuck time at once (a step hung in a sleep was judged :data:`BOOKING_NS` late,
+        and took every bubble first meanwhile, as any frozen step does).
         """
+        frozen_now = bool(self.unbooked) and self.unbooked[-1][1] == self.last_grant_ns  # ran_past_end's entry
         if starved:
             self.core_wait_ns += self.last_grant_ns
-            if self.unbooked and self.unbooked[-1][1] == self.last_grant_ns:
-                self.unbooked.pop()  # the grant this freeze ended (ran_past_end)
+            if frozen_now:
+                self.unbooked.pop()
             else:
                 self.stuck_ns = max(0, self.stuck_ns - self.last_grant_ns)
+        elif asleep and frozen_now:
+            self.stuck_ns += self.unbooked.pop()[1]
         if run_delay_ns < 0:
             self._settle(None)  # nothing can be booked: granted time is the step's
             return
