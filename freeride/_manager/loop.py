@@ -636,6 +636,7 @@ class ManagerLoop:
                                                 grace_ns=action.grace_ns))
         if action.thaw:
             self.workers.signal(tid, signal.SIGCONT)
+        self.workers.granted(tid)  # after the grant is on its way: the worker does not wait for this reading
         if action.trainer_ends:
             self.ends.granted(tid, action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.board(tid))
         return events

@@ -93,7 +93,11 @@ class WorkerHandle:
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
     killed: bool = False  # this manager sent it SIGKILL: end-of-file is expected, its exit may lag
     eof_at_ns: int = 0
-    run_ns: int = -1  # its main thread's run time at its last freeze (-1: not read)
+    #: Its main thread's run time and run delay when its current grant began (-1: not read; ``granted``), and
+    #: the run delays that grew inside its grants so far (what a freeze reports as its run delay).
+    run_at_grant_ns: int = -1
+    delay_at_grant_ns: int = -1
+    grant_waits_ns: int = 0
 
 
 class Supervisor:
@@ -176,24 +180,39 @@ class Supervisor:
             self._held_parked.add(task_id)
             self._signal(handle, signal.SIGSTOP)
 
+    def granted(self, task_id: str) -> None:
+        """A grant went to the worker (its message sent, a frozen one thawed): its run time and run delay now,
+        so that its freeze can tell the waits for its core inside the grant from those outside it (~5 us)."""
+        handle = self.workers.get(task_id)
+        if handle is not None:
+            handle.run_at_grant_ns, handle.delay_at_grant_ns = sched_times(handle.proc.pid)
+
     def freeze(self, task_id: str) -> list[Any]:
         """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
-        answered: the core judges a step that used up its timeout on this read, ``WorkerStepsSeen``)."""
+        answered: the core judges a step that used up its timeout on this read, ``WorkerStepsSeen``).
+
+        Its run delay is read before the stop, and only what grew inside its grants is reported (the growth
+        since :meth:`granted`, summed over grants): a worker at nice 19 frozen mid-step on a rank's core waits for
+        that core until the rank's next bubble before its stop lands, and that wait, outside any grant, was taken
+        off its step's granted time, so a step hung in a busy loop beside a rank was never judged (a stranger's
+        ran through 10,000 freezes past a 60 s step timeout, first in every bubble). A worker that did not run
+        in the grant had no core in it, if it waits for one now (a wait the kernel books only once it ends), or
+        slept through it, if it sleeps: read before the stop, which wakes a sleeping worker (runnable until it
+        has handled the stop); the state (~60 us) only for a worker that did not run."""
         handle = self.workers.get(task_id)
         if handle is None:
             return []
-        # A worker that has not run since its last freeze had no core in the grant it is frozen in, if it waits
-        # for one now (the kernel books that wait only once it ends), or slept through it, if it sleeps. Read
-        # before the stop, which wakes a sleeping worker (runnable until it has handled the stop: a worker asleep
-        # in a hung step read as one waiting for its core); the run time read is ~5 us, the state (~60 us) only
-        # for a worker that did not run.
         pid = handle.proc.pid
+        ran, delay = sched_times(pid)
         state = ""
-        if handle.run_ns >= 0 and 0 <= sched_times(pid)[0] - handle.run_ns < IDLE_GRANT_RUN_NS:
+        if handle.run_at_grant_ns >= 0 and 0 <= ran - handle.run_at_grant_ns < IDLE_GRANT_RUN_NS:
             state = process_state(pid)
         starved, asleep = state == "R", state in ("S", "D")
         self._signal(handle, signal.SIGSTOP)
-        handle.run_ns, waited = sched_times(pid)  # read once it is stopped: it accrues no more
+        if delay >= 0 and handle.delay_at_grant_ns >= 0:
+            handle.grant_waits_ns += max(0, delay - handle.delay_at_grant_ns)
+        handle.run_at_grant_ns = handle.delay_at_grant_ns = -1  # until the next grant's reading
+        waited = handle.grant_waits_ns if delay >= 0 else -1
         if handle.board is None:  # no board to read
             return [C.WorkerStepsSeen(task_id, -1, run_delay_ns=waited, starved=starved, asleep=asleep)]
         # Steps it finished inside the grant it is frozen in have not been reported yet; a step word

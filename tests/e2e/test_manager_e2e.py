@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import TESTS_DIR, ManagerHarness, holds_for, read_steps, wait_for
+
+from freeride.messages import BubbleEnd, BubbleStart, TaskSpec
 
 pytestmark = pytest.mark.e2e
 
@@ -173,6 +176,42 @@ def test_a_step_hung_in_its_first_grant_leaves_other_tasks_bubbles_before_its_st
     info = h.client.get(hanger.task_id)
     assert info.state in ("FROZEN", "RUNNING")  # still stuck, not failed
     assert info.steps == 2  # steps 0-1, counted from its board if it never parked after them
+
+
+def test_a_step_hung_in_a_busy_loop_on_a_core_a_rank_computes_on_between_bubbles_fails_on_its_step_timeout(
+    make_manager: object,
+) -> None:
+    # Stranger trial: a busy-looping step on a rank's core ran through 10,000 freezes past a 60 s step timeout,
+    # first in every bubble. Frozen mid-step, the worker (nice 19) waited for the core while the rank computed,
+    # its stop landing at the next bubble, and that wait, outside any grant, came off the step's granted time.
+    # Here a rival at the default nice computes on the manager's core between bubbles, as a rank does.
+    h: ManagerHarness = make_manager(step_timeout_ns=1_000_000_000)  # type: ignore[operator]
+    core = h.manager.device.name.index  # cpu:N: workers run on core N
+    rival = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\n"
+                              "while True:\n    pass\n"])
+    try:
+        os.kill(rival.pid, signal.SIGSTOP)  # it computes only between bubbles
+        task = h.submit("sample_tasks:Hanger", args={"hang_at": 2})
+        h.wait_state(task.task_id, "PARKED")
+        feeder = h.feeder()
+        deadline = time.monotonic() + 30
+        it = 0
+        while h.client.get(task.task_id).state != "FAILED":
+            assert time.monotonic() < deadline, f"not failed in 30 s of bubbles: {h.client.get(task.task_id)}"
+            start = time.monotonic_ns()
+            feeder.send(BubbleStart(0, 0, it, 0, "test", start, 10_000_000))
+            time.sleep(0.01)
+            os.kill(rival.pid, signal.SIGCONT)  # the rank computes from the bubble's end, before the end's event
+            feeder.send(BubbleEnd(0, 0, it, 0, time.monotonic_ns()))
+            time.sleep(0.15)  # far longer than its bubbles, as in training
+            os.kill(rival.pid, signal.SIGSTOP)
+            it += 1
+        feeder.close()
+    finally:
+        rival.kill()
+        rival.wait()
+    info = h.client.get(task.task_id)
+    assert info.failure is not None and info.failure.kind == "STEP_TIMEOUT", info
 
 
 def test_step_that_ignores_the_bubble_end_is_frozen_then_fails_on_step_timeout(
@@ -352,7 +391,6 @@ def test_a_task_that_prints_without_end_keeps_a_bounded_log_and_its_last_words(t
     from freeride._manager.daemon import Manager
     from freeride._wire.client import ControlClient
     from freeride.endpoints import Endpoint
-    from freeride.messages import TaskSpec
 
     limit = 512 * 1024
     sock = Path(f"/tmp/fr-log-{os.getpid()}.sock")
@@ -441,3 +479,4 @@ def test_a_task_left_frozen_when_the_bubbles_stop_says_so_in_its_reason(harness:
              what="the reason to say that the trainer makes no bubbles")
     assert "until the next bubble" in harness.client.get(task.task_id).waiting_reason
     feeder.close()
+

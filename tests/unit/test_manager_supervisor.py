@@ -215,28 +215,45 @@ def _without_run_delay(events: list[Any]) -> list[Any]:
     return [dataclasses.replace(e, run_delay_ns=-1, starved=False, asleep=False) for e in events]
 
 
-@pytest.mark.parametrize(("runs", "state", "starved", "asleep"), [
-    ((5_000_000, 5_000_000 + 10_000), "R", True, False),  # no run between the freezes, waiting for its core
-    ((5_000_000, 5_000_000 + 10_000), "S", False, True),  # no run, asleep (a hang in a sleep)
-    ((5_000_000, 5_000_000 + 10_000), "T", False, False),  # stopped by someone else: neither
-    ((5_000_000, 9_000_000), "R", False, False),  # it ran 4 ms of the grant: neither (its state is not read)
+@pytest.mark.parametrize(("ran_ns", "state", "starved", "asleep"), [
+    (10_000, "R", True, False),  # no run in the grant, waiting for its core
+    (10_000, "S", False, True),  # no run, asleep (a hang in a sleep)
+    (10_000, "T", False, False),  # stopped by someone else: neither
+    (4_000_000, "R", False, False),  # it ran 4 ms of the grant: neither (its state is not read)
 ])
 def test_a_worker_that_did_not_run_in_the_grant_it_is_frozen_in_is_reported_starved_or_asleep(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, runs: tuple[int, int], state: str, starved: bool, asleep: bool
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, ran_ns: int, state: str, starved: bool, asleep: bool
 ) -> None:
     import freeride._manager.supervisor as supervisor
 
-    reads = iter([(runs[0], 0), (runs[1], 0), (runs[1], 7_000_000)])  # a first freeze reads after its stop only
+    reads = iter([(5_000_000, 1_000_000), (5_000_000 + ran_ns, 3_000_000)])  # at the grant; before the stop
     states: list[int] = []
     monkeypatch.setattr(supervisor, "sched_times", lambda pid: next(reads))
     monkeypatch.setattr(supervisor, "process_state", lambda pid: states.append(pid) or state)
-    [first] = rig.sup.freeze(TID)
-    assert not first.starved and not first.asleep  # a first freeze has nothing to compare with
+    rig.sup.granted(TID)
+    [seen] = rig.sup.freeze(TID)
+    assert (seen.starved, seen.asleep, seen.run_delay_ns) == (starved, asleep, 2_000_000)
+    assert len(states) == (ran_ns < 50_000)  # the state is read only for a worker that did not run
     rig.sup.signal(TID, signal.SIGCONT)
-    [second] = rig.sup.freeze(TID)
-    assert (second.starved, second.asleep, second.run_delay_ns) == (starved, asleep, 7_000_000)
-    assert len(states) == (runs[1] - runs[0] < 50_000)  # the state is read only for a worker that did not run
-    rig.sup.signal(TID, signal.SIGCONT)
+
+
+def test_a_freeze_reports_only_the_waits_for_the_core_inside_grants(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Frozen mid-step beside a rank, a worker waits for its core until its stop lands, at the rank's next bubble:
+    # that wait, outside any grant, was taken off the step's granted time, and a busy hang was never judged.
+    import freeride._manager.supervisor as supervisor
+
+    reads = iter([(0, 0), (5_000_000, 1_000_000),  # grant 1: 1 ms of waits in it
+                  (5_100_000, 31_000_000), (9_000_000, 32_500_000),  # a 30 ms wait for the stop; 1.5 ms in grant 2
+                  (9_000_000, 40_000_000)])  # a freeze without a grant's reading: nothing of it counts
+    monkeypatch.setattr(supervisor, "sched_times", lambda pid: next(reads))
+    seen = []
+    for grant in (True, True, False):
+        if grant:
+            rig.sup.granted(TID)
+        seen.extend(rig.sup.freeze(TID))
+        rig.sup.signal(TID, signal.SIGCONT)
+    assert [e.run_delay_ns for e in seen] == [1_000_000, 2_500_000, 2_500_000]
+    assert not any(e.starved or e.asleep for e in seen)
 
 
 def test_a_message_to_a_worker_that_went_away_returns_what_it_said_before_it_closed(rig: Rig) -> None:

@@ -266,8 +266,9 @@ class WorkerStepsSeen:
     steps_done: int
     in_setup: bool = False  # it has begun no step yet: it is inside setup()
     in_checkpoint: bool = False  # it is writing a checkpoint: inside the task's state_dict()
-    #: The worker's main thread's time so far runnable but waiting for a core (``/proc/<pid>/schedstat``); -1:
-    #: not read. Its growth since the last freeze is granted time the step could not run (``StepHealth.waited``).
+    #: The worker's main thread's time so far runnable but waiting for a core inside its grants (the growth of
+    #: ``/proc/<pid>/schedstat``'s run delay from each grant to its freeze, summed); -1: not read. Its growth since
+    #: the last freeze is granted time the step could not run (``StepHealth.waited``).
     run_delay_ns: int = -1
     #: The task's steps finished before the one it is frozen in (its board's step word: restored ones included);
     #: -1: not read, or inside setup().

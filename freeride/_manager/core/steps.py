@@ -46,9 +46,9 @@ class StepHealth:
     board_steps: int = 0  # steps its process had finished at the last reading of its board
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
-    run_delay_ns: int = -1  # its main thread's run delay at its last freeze (-1: not read)
-    #: Since its current step (or its setup) began: the granted time of the grants it was frozen in, and what
-    #: its worker's run delay grew by at those freezes (time it was runnable with no core: ``starved``).
+    run_delay_ns: int = -1  # its main thread's run delay inside grants, at its last freeze (-1: not read)
+    #: Since its current step (or its setup) began: the granted time of the grants it was frozen in, and of those
+    #: in which its worker had no core (``WorkerStepsSeen.starved``; :attr:`starved`).
     frozen_granted_ns: int = 0
     core_wait_ns: int = 0
     #: Frozen grants (when, granted ns) whose wait for the core no reading has shown yet: not stuck time yet.
@@ -130,34 +130,31 @@ class StepHealth:
             self._to(StepPhase.IN_SETUP if in_setup else StepPhase.FRESH)
 
     def waited(self, run_delay_ns: int, now_ns: int, starved: bool = False, asleep: bool = False) -> None:
-        """At a freeze: its main thread's run delay so far (-1: not read). What it grew by since the last reading
-        is time it was runnable and had no core: not the step's, it comes off the step's granted time, the
-        grants not yet booked first (:attr:`unbooked`). Those become stuck time once a reading shows their waits,
-        or :data:`BOOKING_NS` after their freeze, whatever is left of them: a step hung in a sleep is judged that
-        much later (a hung step's grants are not booked either), never a starved one early.
+        """At a freeze: its main thread's run delay inside its grants so far (-1: not read). What it grew by since
+        the last reading is time it was runnable and had no core: not the step's, it comes off the step's granted
+        time, the grants not yet booked first (:attr:`unbooked`). Those become stuck time once a reading shows
+        their waits, or :data:`BOOKING_NS` after their freeze, whatever is left of them, never a starved one early.
 
         On a busy core a worker at nice 19 can spend grant after grant waiting for the core (the trainer, or
-        another job, holds it); counted as stuck, a task of 0.1-0.3 ms steps was held as looking hung. A frozen
-        or parked worker is not runnable, so the delay grows inside grants and, where the worker waited for the
-        core when it was stopped, until the stop lands: the kernel books a wait when the wait ends, and a stop
-        lands only when the worker gets a core. So readings can miss grant after grant's wait (tens of them,
-        beside a busy loop at nice 0: a task of 1 ms steps was held as looking hung, and would have been failed
-        after its step timeout) and a later one hold them all. What was waited from the freeze to the landing
-        was not granted time and comes off too: a step on a core that busy is judged late, never early. A step
-        that hangs by sleeping or blocking accrues none, and is judged on its granted time as before.
+        another job, holds it); counted as stuck, a task of 0.1-0.3 ms steps was held as looking hung. The kernel
+        books a wait when it ends, so a reading can miss a grant's wait that a later one holds. Only waits inside
+        grants count (the supervisor reads the delay at each grant and before each stop): a worker frozen
+        mid-step waits for its core, beside a rank, until the stop lands, often at the rank's next bubble, and
+        that wait, taken off the step's granted time too, kept a step hung in a busy loop from ever being judged.
+        A step that hangs by sleeping or blocking accrues none, and is judged on its granted time.
 
         ``starved``: the worker had no core in the grant just frozen, and still waits for one (the supervisor's
         reading, before the stop): that grant is no step's time, at once, rather than once the wait is booked,
         which comes only when the worker gets a core (a worker starved for longer than :data:`BOOKING_NS` had
-        its grants counted as stuck, and would have been failed after its step timeout of waiting). When that
-        wait is booked at last, it comes off the stuck time again: a step is judged late, never early.
+        its grants counted as stuck, and would have been failed after its step timeout of waiting). Its wait is
+        booked once it ends: at the stop's landing, outside any grant, where it counts for nothing.
         ``asleep``: the worker slept through the grant just frozen (the same reading): no wait will be booked for
         it, so it is the step's stuck time at once (a step hung in a sleep was judged :data:`BOOKING_NS` late,
         and took every bubble first meanwhile, as any frozen step does).
         """
         frozen_now = bool(self.unbooked) and self.unbooked[-1][1] == self.last_grant_ns  # ran_past_end's entry
         if starved:
-            self.core_wait_ns += self.last_grant_ns
+            self.core_wait_ns += self.last_grant_ns  # what "had no core" says: grants known starved only
             if frozen_now:
                 self.unbooked.pop()
             else:
@@ -169,8 +166,6 @@ class StepHealth:
             return
         grown = max(0, run_delay_ns - self.run_delay_ns) if self.run_delay_ns >= 0 else 0
         self.run_delay_ns = run_delay_ns
-        if not starved:
-            self.core_wait_ns += grown
         while grown and self.unbooked:
             at, granted = self.unbooked[0]
             if grown < granted:
