@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 
 import psutil
@@ -105,11 +106,36 @@ class CpuWorkerDevice(WorkerDevice):
 
 
 def check_cpu_device(name: DeviceName) -> None:
-    """Raise ConfigError unless this process may run on core ``name.index``."""
+    """Raise ConfigError unless a thread of this process may be pinned to core ``name.index``: in this process's
+    affinity, or outside it but allowed (online, in the cgroup's cpuset). A manager run under ``taskset -c K`` on a
+    core no rank uses, as its warning advises, serves ``cpu:N`` with workers that pin themselves to core N: its
+    own affinity refused the device ("this machine offers CPU cores cpu:0")."""
     from freeride.errors import ConfigError
 
-    cores = sorted(os.sched_getaffinity(0))
-    if name.index not in cores:
+    if not _may_pin(name.index):
+        cores = [c for c in range(os.cpu_count() or 1) if _may_pin(c)]
         raise ConfigError(
             f"unknown device {name}: this machine offers CPU cores {', '.join(f'cpu:{c}' for c in cores)}"
         )
+
+
+def _may_pin(core: int) -> bool:
+    """Whether a thread of this process may be pinned to ``core`` (tried on a throwaway thread, outside this
+    process's affinity: the kernel refuses a core that is offline or outside the cgroup's cpuset)."""
+    if core in os.sched_getaffinity(0):
+        return True
+    if core < 0:
+        return False
+    pinned: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setaffinity(0, {core})  # this thread only (Linux): gone with it
+            pinned.append(True)
+        except (OSError, ValueError, OverflowError):
+            pinned.append(False)
+
+    thread = threading.Thread(target=probe, name="freeride-core-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return pinned == [True]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import TESTS_DIR, ManagerHarness, holds_for, read_steps, wait_for
+from conftest import TESTS_DIR, ManagerHarness, cpu_devices, holds_for, read_steps, wait_for
 
 from freeride.messages import BubbleEnd, BubbleStart, TaskSpec
 
@@ -480,3 +480,30 @@ def test_a_task_left_frozen_when_the_bubbles_stop_says_so_in_its_reason(harness:
     assert "until the next bubble" in harness.client.get(task.task_id).waiting_reason
     feeder.close()
 
+
+def test_a_manager_pinned_off_its_core_serves_that_core_and_its_workers_run_there(tmp_path: Path) -> None:
+    # Stranger trial: `taskset -c 0 freeride manager --device cpu:1`, as the manager's own warning advises (a core
+    # no rank uses), exited 2: "unknown device cpu:1: this machine offers CPU cores cpu:0".
+    from daemons import socket_path, start_daemon, stop_daemon
+
+    from freeride._wire.client import ControlClient
+    from freeride.endpoints import Endpoint
+
+    manager_core, device = cpu_devices(2)
+    allowed = os.sched_getaffinity(0)
+    sock = socket_path("pinned-off")
+    os.sched_setaffinity(0, {int(manager_core.split(":")[1])})  # the manager inherits it, as under taskset
+    try:
+        daemon = start_daemon(sock, tmp_path / "state", device=device)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    try:
+        with ControlClient(Endpoint("unix", str(sock))) as client:
+            info = client.submit(TaskSpec(target="sample_tasks:Counter", memory_bytes=256 * 2**20,
+                                          working_dir=str(TESTS_DIR)))
+            wait_for(lambda: client.get(info.task_id).state == "PARKED", 60, what="the worker to start")
+            [worker] = psutil.Process(daemon.pid).children()
+            assert worker.cpu_affinity() == [int(device.split(":")[1])]
+            assert psutil.Process(daemon.pid).cpu_affinity() == [int(manager_core.split(":")[1])]
+    finally:
+        stop_daemon(daemon)
