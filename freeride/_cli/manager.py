@@ -233,7 +233,7 @@ def event_spin(us: float) -> int:
     """``--event-spin-us`` in ns, or a :class:`ConfigError` naming the bounds."""
     bound_us = MAX_EVENT_SPIN_NS // 1000
     if not math.isfinite(us) or not 0 <= us <= bound_us:
-        raise ConfigError(f"--event-spin-us must be a number 0..{bound_us}, got {us}")
+        raise ConfigError(f"--event-spin-us must be a number 0..{bound_us}, got {us:g}")
     return round(us * 1000)
 
 
@@ -278,6 +278,8 @@ class _AnnouncingManager(Manager):
         self.loop.on_shutdown = self._announce_stop
         super()._serve()
         metrics = f"; metrics on {self.metrics.url}" if self.metrics is not None else ""
+        if self.loop.config.event_spin_ns:  # it spends a core: said where the user looks, not at -v only
+            metrics += f"; awake {self.loop.config.event_spin_ns / 1000:g} us after each trainer event"
         if self.agent is not None:
             metrics += f"; queue {self.agent.config.url} as {self.agent.where}"
         print(

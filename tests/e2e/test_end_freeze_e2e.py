@@ -190,3 +190,13 @@ def test_a_manager_kept_awake_between_events_grants_and_parks_every_bubble_of_a_
         assert wire.posted == 0 and reporter.counters().local == 10
     finally:
         reporter.close()
+
+
+def test_a_manager_started_awake_between_events_says_so_where_it_says_it_listens(tmp_path: Path) -> None:
+    # A stranger found the spin, which spends a core, said only in the log at -v.
+    from daemons import socket_path, start_daemon, stop_daemon
+
+    daemon = start_daemon(socket_path("spin"), tmp_path / "state", "--event-spin-us", "3000")
+    stop_daemon(daemon)
+    err = daemon.stderr.read().decode() if daemon.stderr else ""
+    assert "listening on" in err and "; awake 3000 us after each trainer event;" in err, err
