@@ -92,12 +92,6 @@ def sched_times(pid: int) -> tuple[int, int]:
         return -1, -1
 
 
-def run_delay_ns(pid: int) -> int:
-    """The second of :func:`sched_times`: how long ``pid``'s main thread has waited for a core so far; -1: not
-    read."""
-    return sched_times(pid)[1]
-
-
 def process_state(pid: int) -> str:
     """Process ``pid``'s state letter in ``/proc/<pid>/stat`` (R: running or waiting for a core; S, D: asleep;
     T: stopped), "" when it is gone. ~60 us: read only where a cheaper figure asks."""

@@ -51,8 +51,8 @@ from freeride.messages import FailureRecord
 log = logging.getLogger(__name__)
 
 LOG_TAIL_BYTES = 4096
-#: A worker that ran less than this between two freezes did not run in the grant between them (the few
-#: microseconds it takes to handle a stop and a continue): it slept through it, or had no core.
+#: A worker that ran less than this from its grant to its freeze did not run in that grant (the few microseconds
+#: it takes to handle a continue): it slept through it, or had no core.
 IDLE_GRANT_RUN_NS = 50_000
 
 
