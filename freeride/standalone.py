@@ -236,6 +236,8 @@ def _check_limit(probe: MemoryProbe, limit: int, target: str, phase: str, step: 
         cpu = probe.measure == "rss_growth"
         what = "beyond its size once constructed" if cpu else "on the device"
         hint = " (libraries first imported in setup or a step count too: import them at module level)" if cpu else ""
+        if phase == "step" and step >= 1:  # past setup and the first step, where libraries load: it grew stepping
+            hint = f" (it grew over {step + 1} steps: what it keeps across steps counts)"
         shown_peak, shown_limit = format_mib_apart(peak, limit)
         exc = MemoryLimitExceeded(
             f"used {shown_peak} {what}, over its limit of {shown_limit} "

@@ -277,6 +277,20 @@ def test_cap_covers_what_a_task_holds_beyond_its_workers_reported_baseline() -> 
     assert "import them at module level" in failure.message  # the usual surprise: a lazy import of torch
 
 
+def test_a_task_over_its_cap_after_many_steps_is_told_it_grew_while_stepping_not_to_move_its_imports() -> None:
+    # Stranger trial: a task leaking 2 MiB a step failed at twice its cap with the advice to import its libraries
+    # at module level.
+    sim = Sim()
+    sim.add("a", mem_mib=40)
+    sim.free(100_000)
+    sim.send(WorkerReady("a", pid=1001, baseline_bytes=30 * MiB))
+    sim.core.tasks["a"].steps = 41
+    sim.send(TaskMemorySampled("a", used_bytes=112 * MiB))
+    failure = sim.core.tasks["a"].failure
+    assert failure is not None and failure.kind == "MEMORY_LIMIT"
+    assert "it grew over 41 steps" in failure.message and "module level" not in failure.message
+
+
 def test_starting_worker_is_not_held_to_its_cap_while_it_imports() -> None:
     sim = Sim()
     sim.add("a", mem_mib=50)

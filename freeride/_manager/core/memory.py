@@ -128,13 +128,16 @@ def over_cap(task: TaskRuntime) -> FailureRecord | None:
     if used <= task.memory_bytes and host <= task.memory_bytes:
         return None
     beyond = hint = ""
+    # Libraries are loaded in setup or the first step; a task over its cap after more steps grew while stepping
+    # (a stranger's task that leaked 2 MiB a step was told to import its libraries at module level).
+    grew = f" (it grew over {task.steps} steps: what it keeps across steps counts)" if task.steps > 1 else ""
     if used <= task.memory_bytes:  # its host memory, on a device whose own memory is capped apart
         used = host
         beyond = f" of host memory beyond its worker's {format_mib(task.host_baseline_bytes)} baseline"
-        hint = " (libraries loaded in setup or a step count too)"
+        hint = grew or " (libraries loaded in setup or a step count too)"
     elif task.baseline_bytes:
         beyond = f" beyond its worker's {format_mib(task.baseline_bytes)} baseline"
-        hint = " (libraries first imported in setup or a step count too: import them at module level)"
+        hint = grew or " (libraries first imported in setup or a step count too: import them at module level)"
     shown_used, shown_cap = format_mib_apart(used, task.memory_bytes)
     return FailureRecord(
         kind="MEMORY_LIMIT",
