@@ -66,7 +66,7 @@ from freeride.devices import (
 )
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext, check_saveable, finite_progress
-from freeride.units import format_mib_apart, over_device_text
+from freeride.units import format_mib_apart, memory_limit_hint, over_device_text
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +235,8 @@ def _check_limit(probe: MemoryProbe, limit: int, target: str, phase: str, step: 
     if peak > limit:
         cpu = probe.measure == "rss_growth"
         what = "beyond its size once constructed" if cpu else "on the device"
-        hint = " (libraries first imported in setup or a step count too: import them at module level)" if cpu else ""
-        if phase == "step" and step >= 1:  # past setup and the first step, where libraries load: it grew stepping
-            hint = f" (it grew over {step + 1} steps: what it keeps across steps counts)"
+        steps = step + 1 if phase == "step" else 0  # ``step``: the index of the step it was over in
+        hint = memory_limit_hint(steps) if cpu or steps > 1 else ""
         shown_peak, shown_limit = format_mib_apart(peak, limit)
         exc = MemoryLimitExceeded(
             f"used {shown_peak} {what}, over its limit of {shown_limit} "

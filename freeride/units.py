@@ -102,6 +102,18 @@ def format_mib_apart(used: int | float, cap: int | float) -> tuple[str, str]:
     return f"{int(used)} B", f"{int(cap)} B"
 
 
+def memory_limit_hint(steps: int, *, host: bool = False) -> str:
+    """What a MEMORY_LIMIT message adds, worded alike by the manager and ``run-task``: libraries load in setup
+    or the first step, so a task over its cap before its second step is told where to import them (``host``: its
+    host memory, on a device whose own memory is capped apart); one over it after more steps grew while stepping
+    (a stranger's task that leaked 2 MiB a step was told to import its libraries at module level)."""
+    if steps > 1:
+        return f" (it grew over {steps} steps: what it keeps across steps counts)"
+    if host:
+        return " (libraries loaded in setup or a step count too)"
+    return " (libraries first imported in setup or a step count too: import them at module level)"
+
+
 def over_device_text(memory_bytes: int, device: object, total_bytes: int) -> str:
     """Why a cap over the device's whole memory is refused, worded alike by ``submit`` and ``run-task`` (which
     ran a 1 TiB cap on a 24 GiB host that ``submit`` refused)."""

@@ -89,7 +89,7 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         starved = ""
         if health.starved:
             began = "setup() began" if health.in_setup else "its step began"
-            starved = (f"; its worker had no core for {min(health.core_wait_ns, health.frozen_granted_ns) / 1e9:.1f} s "
+            starved = (f"; its worker had no core for {health.core_wait_ns / 1e9:.1f} s "
                        f"of the {health.frozen_granted_ns / 1e9:.1f} s of bubbles granted since {began} (the core is "
                        "busy with other work, and a worker runs at the lowest CPU priority)")
         if health.in_setup:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from freeride._manager.core.machines import BUDGET, BudgetPhase
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.messages import FailureRecord
-from freeride.units import format_mib, format_mib_apart
+from freeride.units import format_mib, format_mib_apart, memory_limit_hint
 
 
 class MemoryBudget:
@@ -128,16 +128,13 @@ def over_cap(task: TaskRuntime) -> FailureRecord | None:
     if used <= task.memory_bytes and host <= task.memory_bytes:
         return None
     beyond = hint = ""
-    # Libraries are loaded in setup or the first step; a task over its cap after more steps grew while stepping
-    # (a stranger's task that leaked 2 MiB a step was told to import its libraries at module level).
-    grew = f" (it grew over {task.steps} steps: what it keeps across steps counts)" if task.steps > 1 else ""
     if used <= task.memory_bytes:  # its host memory, on a device whose own memory is capped apart
         used = host
         beyond = f" of host memory beyond its worker's {format_mib(task.host_baseline_bytes)} baseline"
-        hint = grew or " (libraries loaded in setup or a step count too)"
+        hint = memory_limit_hint(task.steps, host=True)
     elif task.baseline_bytes:
         beyond = f" beyond its worker's {format_mib(task.baseline_bytes)} baseline"
-        hint = grew or " (libraries first imported in setup or a step count too: import them at module level)"
+        hint = memory_limit_hint(task.steps)
     shown_used, shown_cap = format_mib_apart(used, task.memory_bytes)
     return FailureRecord(
         kind="MEMORY_LIMIT",
