@@ -12,8 +12,10 @@ completes when compute can resume. Those two completions are the bubble, as the 
 :class:`CudaEventClock` resolves the events on a thread of its own, in order: it waits for each (the
 events are blocking-sync events, so the wait sleeps instead of spinning a core, and it releases the
 GIL) and converts its device timestamp to the host's ``CLOCK_MONOTONIC`` through an *anchor*. The
-training thread never synchronizes and never waits: a mark costs one ``cudaEventRecord`` and a queue
-append. What it costs the trainer is measured in ``bench/gpu``.
+training thread never synchronizes and never waits: a mark costs a capture check, the current stream,
+one ``cudaEventRecord`` and a deque append. The resolver is woken only when it sleeps for want of marks
+(it usually waits on an earlier event, the host being ahead), so a mark takes no lock and signals no
+condition. What it costs the trainer is measured in ``bench/gpu`` (``bubble_timing``, call by call).
 
 **Anchors.** An anchor is an event recorded on a private stream (created with the driver, not taken
 from torch's pool, which other code, NCCL's streams among them, draws from too) and polled to its
@@ -41,9 +43,9 @@ order the marks were made; tests drive the consumer through a fake device with c
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -127,6 +129,8 @@ _ANCHOR_SPIN_NS = 2_000_000
 #: After a refused anchor, the next is tried no sooner than this.
 _ANCHOR_RETRY_NS = 20_000_000
 _FIRST_ANCHOR_TRIES = 5
+#: How long the resolver sleeps with nothing pending before it looks again (a mark wakes it sooner).
+_IDLE_WAIT_S = 0.05
 
 
 class CudaEventClock:
@@ -145,9 +149,15 @@ class CudaEventClock:
         self._consumer = consumer
         self._anchor_interval_ns = int(anchor_interval_s * 1e9)
         self._anchor_window_limit_ns = anchor_window_ns
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
-        self._free: list[Any] = []  # finished events, reused: recording one allocates nothing new
-        self._free_lock = threading.Lock()
+        # Marks waiting for the resolver, oldest first. A deque's append and popleft are atomic, so the marking
+        # thread takes no lock; it wakes the resolver only when that one said it sleeps (``_idle``).
+        self._pending: collections.deque[Any] = collections.deque()
+        self._max_pending = max_pending
+        self._idle = False  # the resolver found nothing pending and waits on ``_wake``
+        self._wake = threading.Event()
+        # Finished events, reused: recording one allocates nothing new (the resolver appends, the marking
+        # thread pops; both atomic).
+        self._free: list[Any] = []
         self._anchor: tuple[Any, int] | None = None  # (event, host ns of its device time)
         self._next_anchor_ns = 0
         #: Half the window of the anchor in use: the most a converted time can be off by it (ns).
@@ -161,29 +171,35 @@ class CudaEventClock:
         self._queued = 0  # marks queued (training thread)
         self._settled = 0  # marks delivered or dropped (resolver thread)
         self._settled_cond = threading.Condition()
+        self._flushers = 0  # threads in flush(), counted under the condition: only they need a notify
         self._stopping = False
         self._stream = self._dev.private_stream()
         self._thread = threading.Thread(target=self._run, name=f"freeride-device-clock-{device_index}", daemon=True)
         self._thread.start()
 
-    def _event(self) -> Any:
-        with self._free_lock:
-            if self._free:
-                return self._free.pop()
-        return self._dev.new_event()
+    @property
+    def marks(self) -> int:
+        """Marks taken so far (recorded and queued for the resolver; not those dropped or skipped)."""
+        return self._queued
 
     def mark(self, payload: Any) -> None:
-        if self._dev.capturing():  # an event recorded into a capture cannot be waited for
+        dev = self._dev
+        if dev.capturing():  # an event recorded into a capture cannot be waited for
             self.skipped_in_capture += 1
             return
-        event = self._event()
-        event.record(self._dev.current_stream())
-        try:
-            self._queue.put_nowait((event, payload))
-        except queue.Full:  # the trainer never waits for us: the mark is lost, and counted
+        pending = self._pending
+        if len(pending) >= self._max_pending:  # the trainer never waits for us: the mark is lost, and counted
             self.dropped += 1
             return
+        try:
+            event = self._free.pop()
+        except IndexError:
+            event = dev.new_event()
+        event.record(dev.current_stream())
+        pending.append((event, payload))
         self._queued += 1  # only the marking thread writes it
+        if self._idle:  # read after the append: a resolver that said it sleeps after it sees the mark itself
+            self._wake.set()
 
     # ------------------------------------------------------------------ the resolver thread
 
@@ -221,9 +237,13 @@ class CudaEventClock:
         return host_ns + round(anchor.elapsed_time(event) * 1e6)
 
     def _settle(self, count: int = 1) -> None:
-        with self._settled_cond:
-            self._settled += count
-            self._settled_cond.notify_all()
+        # Counted without a lock (only this thread writes it), then a notify only where a flush waits: the lock
+        # and the notify were the resolver's own Python at every mark, time the training thread waits for the GIL.
+        # A flusher counts itself before it reads the count, so one that read it before this increment is seen.
+        self._settled += count
+        if self._flushers:
+            with self._settled_cond:
+                self._settled_cond.notify_all()
 
     def _run(self) -> None:
         self.capture_safe = self._dev.thread_local_capture_mode()
@@ -241,12 +261,18 @@ class CudaEventClock:
                 break
         self._next_anchor_ns = time.monotonic_ns() + (self._anchor_interval_ns if self.anchors_refused == 0
                                                       else _ANCHOR_RETRY_NS)
+        pending, wake = self._pending, self._wake
         while True:
             try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
+                item = pending.popleft()
+            except IndexError:
                 if self._stopping:
                     return
+                self._idle = True
+                if not pending:  # checked after saying so: a mark appended before it is seen here, one after wakes us
+                    wake.wait(_IDLE_WAIT_S)
+                wake.clear()
+                self._idle = False
                 continue
             if item is _STOP:
                 return
@@ -263,8 +289,7 @@ class CudaEventClock:
                 self.dropped += 1
                 self._settle()
                 continue
-            with self._free_lock:
-                self._free.append(event)
+            self._free.append(event)
             self.resolved += 1
             try:
                 self._consumer(payload, at_ns)
@@ -277,7 +302,11 @@ class CudaEventClock:
     def flush(self, timeout_s: float = 30.0) -> bool:
         target = self._queued
         with self._settled_cond:
-            return self._settled_cond.wait_for(lambda: self._settled >= target, timeout_s)
+            self._flushers += 1
+            try:
+                return self._settled_cond.wait_for(lambda: self._settled >= target, timeout_s)
+            finally:
+                self._flushers -= 1
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what resolves within ``timeout_s``, then stop; never waits longer, even behind a
@@ -287,10 +316,8 @@ class CudaEventClock:
             log.warning("device clock: %d mark(s) not resolved within %.0f s; left undelivered",
                         self._queued - self._settled, timeout_s)
         self._stopping = True
-        try:
-            self._queue.put_nowait(_STOP)
-        except queue.Full:
-            pass  # it stops at its next empty wait
+        self._pending.append(_STOP)
+        self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
         if self._thread.is_alive():
             log.warning("device clock: its thread is still waiting for a device event; left behind")
@@ -312,6 +339,10 @@ class TorchClockDevice:
 
         self._torch = torch
         self._index = device_index
+        # The current stream as torch's Python object, kept while torch's current stream is the same one: a mark
+        # asks for it every time, and building the object anew (what ``torch.cuda.current_stream`` does) is
+        # most of that call. One tuple (key, stream), replaced whole: right from any thread.
+        self._current: tuple[Any, Any] = (None, None)
         self._lib: Any = None
         self._ctx = ctypes.c_void_p()
         self._dev = ctypes.c_int()
@@ -324,7 +355,16 @@ class TorchClockDevice:
         return self._torch.cuda.Event(enable_timing=True, blocking=True)
 
     def current_stream(self) -> Any:
-        return self._torch.cuda.current_stream(self._index)
+        torch = self._torch
+        get = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream id, device index, device type)
+        if get is None:  # a torch without it: the public call
+            return torch.cuda.current_stream(self._index)
+        key = get(self._index)
+        current = self._current
+        if current[0] != key:
+            current = self._current = (key, torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                              device_type=key[2]))
+        return current[1]
 
     def capturing(self) -> bool:
         return bool(self._torch.cuda.is_current_stream_capturing())

@@ -7,12 +7,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from conftest import wait_for
 from gpu_fakes import FakeCudaError, FakeTorchCuda
 
-from freeride.training.device_clock import CudaEventClock
+from freeride.training import device_clock
+from freeride.training.device_clock import CudaEventClock, TorchClockDevice
 
 MS = 1_000_000
 
@@ -200,3 +202,96 @@ def test_close_releases_the_private_stream(clocks: list[CudaEventClock]) -> None
     clock.close(timeout_s=5)
     assert [p for p, _ in got.items] == ["a"]
     assert gpu.released == gpu.private_streams and gpu.private_streams[0].private
+
+
+def test_a_mark_wakes_a_resolver_that_sleeps_for_want_of_marks(clocks: list[CudaEventClock],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The resolver would sleep a minute with nothing pending: each mark must wake it, or its flush times out.
+    monkeypatch.setattr(device_clock, "_IDLE_WAIT_S", 60.0)
+    gpu, got = FakeTorchCuda(), Got()
+    clock = make(clocks, gpu, got)
+    for i in range(20):
+        wait_for(lambda: clock._idle, what="the resolver asleep with nothing pending")
+        clock.mark(i)
+        assert clock.flush(5), f"mark {i} was not delivered: the resolver slept through it"
+    assert [p for p, _ in got.items] == list(range(20))
+    assert clock.marks == 20
+
+
+def test_marks_past_max_pending_are_dropped_counted_and_the_rest_delivered_in_order(
+        clocks: list[CudaEventClock]) -> None:
+    gpu, got = FakeTorchCuda(), Got()
+    clock = make(clocks, gpu, got, max_pending=3)
+    got.gate.clear()  # the resolver takes "a" and is held delivering it
+    clock.mark("a")
+    wait_for(lambda: not clock._pending, what="the resolver holding the first mark")
+    for name in "bcdef":
+        clock.mark(name)  # the trainer never waits: three are queued, two dropped
+    assert (clock.marks, clock.dropped) == (4, 2)
+    got.gate.set()
+    assert clock.flush(10)
+    assert [p for p, _ in got.items] == ["a", "b", "c", "d"]
+
+
+class _StubCuda:
+    """torch.cuda as :class:`TorchClockDevice` sees it: streams named by a key that a test changes."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[int, int, int]] = []
+        self.public_calls = 0
+
+    def Stream(self, stream_id: int, device_index: int, device_type: int) -> object:  # noqa: N802 - torch's name
+        self.made.append((stream_id, device_index, device_type))
+        return object()
+
+    def current_stream(self, index: int) -> object:
+        self.public_calls += 1
+        return ("public", index)
+
+
+def test_the_real_devices_current_stream_is_built_once_per_stream_torch_makes_current() -> None:
+    dev = TorchClockDevice(0)
+    key = [(11, 0, 1)]
+    cuda = _StubCuda()
+    dev._torch = SimpleNamespace(cuda=cuda, _C=SimpleNamespace(_cuda_getCurrentStream=lambda index: key[0]))
+    first = dev.current_stream()
+    assert dev.current_stream() is first and cuda.made == [(11, 0, 1)]
+    key[0] = (12, 0, 1)  # the trainer entered another stream's context
+    second = dev.current_stream()
+    assert second is not first and cuda.made == [(11, 0, 1), (12, 0, 1)]
+    key[0] = (11, 0, 1)
+    assert dev.current_stream() is not second and len(cuda.made) == 3
+    assert cuda.public_calls == 0
+
+
+def test_without_torchs_raw_current_stream_the_real_device_asks_the_public_call() -> None:
+    dev = TorchClockDevice(3)
+    cuda = _StubCuda()
+    dev._torch = SimpleNamespace(cuda=cuda, _C=SimpleNamespace())
+    assert dev.current_stream() == ("public", 3) and cuda.public_calls == 1
+
+
+def test_flushes_beside_a_marking_thread_each_return_once_their_marks_are_delivered(
+        clocks: list[CudaEventClock]) -> None:
+    gpu, got = FakeTorchCuda(), Got()
+    clock = make(clocks, gpu, got)
+    done = threading.Event()
+
+    def trainer() -> None:
+        for i in range(3000):
+            clock.mark(i)
+        done.set()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    flushes = 0
+    while not done.is_set() or flushes == 0:
+        # A flush whose notify was lost still returns True, at its timeout: so the timeout is long, and a flush
+        # must return long before it (each waits for milliseconds of marks).
+        started = time.monotonic()
+        assert clock.flush(60)
+        assert time.monotonic() - started < 20, "a flush was not told its marks were delivered; it timed out"
+        flushes += 1
+    thread.join()
+    assert clock.flush(10)
+    assert [p for p, _ in got.items] == list(range(3000)) and clock.dropped == 0
