@@ -19,7 +19,10 @@ against detached, interleaved, as a trainer runs it: marks only where waits begi
 iterations (``remodel_iterations``, whose action marks and model fits are a start-up cost, counted apart
 as ``host_ms_profiling``). Every sample is kept in the JSON, so a tail can be told from a start-up.
 (The first GPU run, on an H200, measured with ``time_actions`` on and the profiling iterations in:
-3.65 ms attached against 1.74 ms bare, p50 of 20.)
+3.65 ms attached against 1.74 ms bare, p50 of 20. The second, as here: 0.56 ms more an iteration for
+18 marks, about 31 us a mark, unexplained.) So the cost is also given as a share of the iteration as
+the device runs it (a bare iteration launched and waited for), and a mark is taken apart
+(:func:`mark_costs`): each call it makes on the training thread, timed alone on the real device.
 
     python -m bench.gpu.bubble_timing [--iterations 60]
 """
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.gpu.common import pct, write_results
+from freeride.training.device_clock import CudaEventClock, TorchClockDevice
+from freeride.training.free_memory import MemorySampler
 from freeride.training.instrument import InstrumentedSchedule
 from freeride.training.schedules import build_schedule
 
@@ -193,15 +198,24 @@ def host_cost(schedule: Any, iterations: int, synchronize: Callable[[], None], d
               remodel_iterations: int = 5) -> dict[str, list[float]]:
     """The training thread's ms per iteration, as a trainer runs the instrumentation (module doc): the
     profiling iterations first (``profiling``), then ``iterations`` alternating ``attached`` / ``detached``.
-    ``synchronize`` waits for the device between iterations (``torch.cuda.synchronize``)."""
+    ``synchronize`` waits for the device between iterations (``torch.cuda.synchronize``). Beside them:
+    ``iteration``, each bare iteration's ms from its launch until the device finished it (what the cost is
+    a share of), and ``marks``, the device clock's marks in each attached iteration (empty on the host
+    clock, which keeps no count)."""
     inst = InstrumentedSchedule(schedule, sink=Sink(), device=device, remodel_iterations=remodel_iterations)
-    host: dict[str, list[float]] = {"profiling": [], "attached": [], "detached": []}
+    host: dict[str, list[float]] = {"profiling": [], "attached": [], "detached": [], "iteration": [], "marks": []}
 
     def timed(key: str) -> None:
+        marks = getattr(inst.clock, "marks", None)
         t0 = time.perf_counter_ns()
         inst.step()
-        host[key].append((time.perf_counter_ns() - t0) / 1e6)
+        t1 = time.perf_counter_ns()
+        host[key].append((t1 - t0) / 1e6)
         synchronize()  # between iterations only: each one starts on an idle GPU
+        if key == "detached":
+            host["iteration"].append((time.perf_counter_ns() - t0) / 1e6)
+        elif key == "attached" and marks is not None:
+            host["marks"].append(float(inst.clock.marks - marks))  # type: ignore[attr-defined]
         inst.flush()  # and the tracker has every mark of the last one: its learning falls in the next one
 
     for _ in range(remodel_iterations + 1):  # delivered one iteration late: one more ends the profiling
@@ -212,6 +226,48 @@ def host_cost(schedule: Any, iterations: int, synchronize: Callable[[], None], d
         timed("attached" if attached else "detached")
     inst.close()
     return host
+
+
+def cost_share(cost_ms: list[float], iteration_ms: list[float]) -> float:
+    """The instrumentation's cost as a share of the iteration: p50 of the pair-by-pair cost over p50 of the
+    bare iterations' time on the device (NaN without samples)."""
+    if not cost_ms or not iteration_ms:
+        return float("nan")
+    return pct(cost_ms)["p50"] / pct(iteration_ms)["p50"]
+
+
+def mark_costs(device: Any, calls: int = 2000, blocks: int = 5,
+               also: dict[str, Callable[[], Any]] | None = None) -> dict[str, float]:
+    """What a device-clock mark costs the training thread, call by call (us a call; each the median over
+    ``blocks`` blocks of ``calls`` calls): the capture check, the current stream, an event's record, and
+    the whole :meth:`CudaEventClock.mark` with its resolver thread running, as in use; then each of
+    ``also`` (other calls the hooks make, by name). ``device`` is a
+    :class:`~freeride.training.device_clock.ClockDevice` (the real one on a GPU, a fake in tests)."""
+
+    def per_call(fn: Callable[[], Any]) -> float:
+        samples = []
+        for _ in range(blocks):
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter_ns() - t0) / calls / 1000)
+        return sorted(samples)[len(samples) // 2]
+
+    stream = device.current_stream()
+    event = device.new_event()
+    costs = {
+        "capture check": per_call(device.capturing),
+        "current stream": per_call(device.current_stream),
+        "event record": per_call(lambda: event.record(stream)),
+    }
+    clock = CudaEventClock(lambda payload, at_ns: None, 0, device=device, max_pending=calls * blocks + 1)
+    try:
+        costs["whole mark, resolver running"] = per_call(lambda: clock.mark(None))
+        clock.flush()
+    finally:
+        clock.close()
+    costs.update((name, per_call(fn)) for name, fn in (also or {}).items())
+    return costs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     cycles_per_ms = 10_000_000 / start.elapsed_time(end)
     schedule = Schedule1F1B(stage, 8, int(ns.wait_ms * cycles_per_ms))
     host = host_cost(schedule, ns.iterations, torch.cuda.synchronize)
+    memory = MemorySampler("cuda:0")
+    memory.refresh()
+    parts = mark_costs(TorchClockDevice(0), also={"free memory at a bubble start": memory.free_bytes})
 
     sink = Sink()
     inst = InstrumentedSchedule(schedule, sink=sink, device="cuda:0", time_actions=True)
@@ -260,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     data = {"start_error_us": pct(start_err), "end_error_us": pct(end_err),
             "host_ms_attached": pct(host["attached"]), "host_ms_detached": pct(host["detached"]),
             "host_cost_ms_per_iteration": pct(cost_ms), "host_ms_profiling": pct(host["profiling"]),
+            "iteration_ms": pct(host["iteration"]), "marks_per_iteration": pct(host["marks"]),
+            "cost_share_of_iteration": cost_share(cost_ms, host["iteration"]), "mark_us": parts,
             "host_samples_ms": host, "marks_dropped": getattr(inst.clock, "dropped", 0),
             "anchor_window_us": getattr(inst.clock, "anchor_window_ns", 0) / 1000,
             "anchors_refused": getattr(inst.clock, "anchors_refused", 0),
@@ -272,7 +333,16 @@ def main(argv: list[str] | None = None) -> int:
                           ("training-thread ms per iteration, instrumented", data["host_ms_attached"]),
                           ("training-thread ms per iteration, bare", data["host_ms_detached"]),
                           ("instrumented minus bare, pair by pair (ms)", data["host_cost_ms_per_iteration"]),
-                          ("training-thread ms per profiling iteration", data["host_ms_profiling"]))),
+                          ("training-thread ms per profiling iteration", data["host_ms_profiling"]),
+                          ("iteration ms, bare, launch to the device's end", data["iteration_ms"]),
+                          ("device-clock marks per instrumented iteration", data["marks_per_iteration"]))),
+        "",
+        f"Cost as a share of the bare iteration (p50 over p50): {data['cost_share_of_iteration']:.3%}.",
+        "",
+        "A mark on the training thread, call by call (us each, median of blocks of calls, on this device):",
+        "",
+        "| call | us |", "|---|---|",
+        *(f"| {name} | {us:.2f} |" for name, us in parts.items()),
     ])
     write_results("bubble_timing", data, table, "python -m bench.gpu.bubble_timing " + " ".join(sys.argv[1:]))
     inst.close()

@@ -1,11 +1,15 @@
-"""``bench.gpu.bubble_timing.host_cost`` on CPU: the GPU run's cost figure is taken as a trainer runs the
-instrumentation (profiling iterations apart, then attached and detached alternating), on a CPU stand-in."""
+"""``bench.gpu.bubble_timing``'s cost figures on CPU: the GPU run's cost is taken as a trainer runs the
+instrumentation (profiling iterations apart, then attached and detached alternating), on a CPU stand-in,
+as a share of the bare iteration; a device-clock mark is taken apart call by call on the simulated GPU."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from bench.gpu.bubble_timing import host_cost
+from gpu_fakes import FakeTorchCuda
+
+from bench.gpu.bubble_timing import cost_share, host_cost, mark_costs
 from freeride.training.schedules import build_schedule
 
 
@@ -42,9 +46,27 @@ def test_host_cost_keeps_the_profiling_iterations_apart_and_alternates_attached_
     schedule = Schedule1F1B(stage, 4)
     syncs: list[int] = []
     host = host_cost(schedule, 6, lambda: syncs.append(1), device="cpu:0", remodel_iterations=2)
-    assert [len(host[k]) for k in ("profiling", "attached", "detached")] == [3, 3, 3]
+    assert [len(host[k]) for k in ("profiling", "attached", "detached", "iteration")] == [3, 3, 3, 3]
+    assert host["marks"] == []  # the host clock keeps no count of marks
     assert len(syncs) == 9  # one wait for the device after every iteration
     assert stage.calls == 9 * len(schedule.order)
-    assert all(ms > 0 for series in host.values() for ms in series)
+    assert all(ms > 0 for key, series in host.items() for ms in series)
+    # a bare iteration's time runs from its launch to the device's end: the step and the wait after it
+    assert all(it >= step for it, step in zip(host["iteration"], host["detached"], strict=True))
     # closed: the stage's own methods are back, so the schedule runs bare afterwards
     assert "forward_one_chunk" not in vars(stage)
+
+
+def test_the_cost_is_a_share_of_the_bare_iteration_and_nan_without_samples() -> None:
+    assert cost_share([0.5, 0.6, 0.7], [100.0, 120.0, 140.0]) == 0.6 / 120.0
+    assert math.isnan(cost_share([], [100.0])) and math.isnan(cost_share([0.5], []))
+
+
+def test_a_mark_is_taken_apart_call_by_call_and_every_mark_it_makes_is_delivered() -> None:
+    gpu = FakeTorchCuda()
+    seen: list[int] = []
+    parts = mark_costs(gpu, calls=50, blocks=3, also={"an extra call": lambda: seen.append(1)})
+    assert list(parts) == ["capture check", "current stream", "event record", "whole mark, resolver running",
+                           "an extra call"]
+    assert all(us > 0 for us in parts.values())
+    assert len(seen) == 150  # each named call ran calls x blocks times
