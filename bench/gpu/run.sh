@@ -4,10 +4,10 @@
 # commands, two to a session: 1 and 2 first (the most wanted), then 3 and 4. Each takes at most the
 # sum of its steps' limits; `bash bench/gpu/run.sh --plan` prints them:
 #
-#   1. bash bench/gpu/run.sh deps bubbles timing caps tasks         # <= 7.2 min
+#   1. bash bench/gpu/run.sh deps bubbles caps backends timing nccl # <= 6.4 min
 #   2. bash bench/gpu/run.sh deps modes                             # <= 6.0 min
-#   3. bash bench/gpu/run.sh deps clock tests park                  # <= 7.3 min
-#   4. bash bench/gpu/run.sh deps backends nccl park-mps            # <= 5.0 min
+#   3. bash bench/gpu/run.sh deps clock tests tasks                 # <= 8.7 min
+#   4. bash bench/gpu/run.sh deps park park-mps                     # <= 4.5 min
 #
 # (`--part N` is command N.) With the device tool: carry .whl (made here by bench/gpu/fetch_wheels.sh),
 # one call per command, the second at once while the machine is warm, e.g.

@@ -8,11 +8,13 @@ under a time limit of its own, and after every step its results are already unde
 ``bench/results/gpu-<model>/`` and packed into ``$OUT/gpu-results.tgz``: a step that overruns is killed
 (with every process it started) and costs only itself.
 
-The first session's parts hold what the first GPU run (an H200, ``bench/results/gpu-h200/``) did not
-measure or must measure again after its fixes: the instrumentation's cost, step times with PageRank,
-caps with steps taken, every task stepping in bubbles, and the bench modes to a decision. The second's
-hold what that run measured (its regression checks), the park tails with each task stepping first,
-CuPy against torch and MPS. The limits are about one and a half times what each step took there.
+The first session's parts hold what the two GPU runs so far (an H200 each, ``bench/results/gpu-h200/``)
+did not measure or must measure again after changes: the instrumentation's cost taken apart call by call
+(the second run measured about 31 us a mark, and the mark has changed since), caps with steps taken, CuPy
+against torch, step times with PageRank, the stand-in for a neighbour's receive, and the bench modes. The
+second's hold what the second run measured (its regression checks: the GPU tests, every task stepping in
+bubbles, the device clock, the park tails) and MPS. The limits are about one and a half times what each
+step took there.
 
     bash bench/gpu/run.sh --plan          # the plan, with each step's limit
     bash bench/gpu/run.sh --part 1        # the first command of the plan
@@ -117,10 +119,10 @@ STEPS: dict[str, Step] = {s.name: s for s in (
 
 #: The GPU run, as commands: ``bash bench/gpu/run.sh --part N`` runs ``PARTS[N-1]``.
 PARTS: tuple[tuple[str, ...], ...] = (
-    ("deps", "bubbles", "timing", "caps", "tasks"),
+    ("deps", "bubbles", "caps", "backends", "timing", "nccl"),
     ("deps", "modes"),
-    ("deps", "clock", "tests", "park"),
-    ("deps", "backends", "nccl", "park-mps"),
+    ("deps", "clock", "tests", "tasks"),
+    ("deps", "park", "park-mps"),
 )
 #: The parts each session of 15 device minutes runs (numbers as ``--part`` takes them), most wanted first.
 SESSIONS: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4))

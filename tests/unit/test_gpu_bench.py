@@ -72,7 +72,7 @@ def test_steps_are_chosen_by_name_part_or_all() -> None:
 
 def test_no_arguments_print_the_plan_and_run_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     assert steps.main([]) == 0
-    assert "bash bench/gpu/run.sh deps bubbles timing caps tasks" in capsys.readouterr().out
+    assert f"bash bench/gpu/run.sh {' '.join(steps.PARTS[0])}" in capsys.readouterr().out
 
 
 def test_run_sh_without_a_gpu_says_so_and_measures_nothing(tmp_path: Path) -> None:
