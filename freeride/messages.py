@@ -446,6 +446,9 @@ class ManagerStats:
     shared_by_ranks: tuple[int, ...] = ()
     #: Bubble events of ranks other than the followed one: counted, not otherwise used.
     events_other_ranks: int = 0
+    #: Of ``bubbles``, those that ended while other ranks shared the device: their time is not in
+    #: ``bubble_time_s`` (a device is idle only while all its ranks wait, which freeride does not follow).
+    bubbles_while_shared: int = 0
     #: Well-formed bubble events the scheduler ignored as out of order: an end without its open start (its
     #: start went to a manager that died, after a restart under a running trainer, or was lost), an end before
     #: its start, a start older than the open one. (Until this count, they were added to ``events_rejected``,

@@ -521,7 +521,8 @@ def render_stats(s: ManagerStats) -> str:
           if s.device_problem else []),
         ("uptime", f"{s.uptime_s:.1f} s"),
         ("bubbles", str(s.bubbles)),
-        ("bubble time", f"{s.bubble_time_s:.3f} s"),
+        ("bubble time", f"{s.bubble_time_s:.3f} s" + (f"  {shared_bubbles_note(s.bubbles_while_shared)}"
+                                                      if s.bubbles_while_shared else "")),
         ("granted", f"{s.granted_s:.3f} s"),
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
         ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")),
@@ -546,6 +547,12 @@ def render_stats(s: ManagerStats) -> str:
     if s.layout:
         fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
+
+
+def shared_bubbles_note(count: int) -> str:
+    """Why ``bubble time`` is less than the bubbles counted: some ended while trainer ranks shared the device."""
+    return (f"(not counting {count} bubble{'s' if count != 1 else ''} that ended while trainer ranks shared this "
+            "device: it was idle only while all of them waited, which freeride does not follow)")
 
 
 def shared_line(ranks: Sequence[int]) -> str:

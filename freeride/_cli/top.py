@@ -144,7 +144,8 @@ def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
         f"freeride top - {stats.device}  up {_duration(stats.uptime_s)}" + ("  DRAINING" if stats.draining else "")
         + window,
         f"bubbles {stats.bubbles}  bubble time {stats.bubble_time_s:.3f} s "
-        f"({_share(stats.bubble_time_s, stats.uptime_s)} of uptime{now_bubble})",
+        f"({_share(stats.bubble_time_s, stats.uptime_s)} of uptime{now_bubble})"
+        + (f"  ({stats.bubbles_while_shared} while shared: not counted)" if stats.bubbles_while_shared else ""),
         f"harvested {stats.harvested_s:.3f} s ({_share(stats.harvested_s, stats.bubble_time_s)} of bubble time"
         f"{now_harvest})  granted {stats.granted_s:.3f} s",
         f"overruns {stats.overruns}{overrun_p99}  grant p99 {format_ms(stats.grant_latency_ms.p99)}  "

@@ -211,6 +211,9 @@ class ManagerCollector:
         yield counter("freeride_events_other_ranks_total",
                       "bubble events of trainer ranks other than the one the device follows (ignored)",
                       stats.events_other_ranks)
+        yield counter("freeride_bubbles_while_shared_total",
+                      "bubbles that ended while trainer ranks shared the device (their time not in bubble seconds)",
+                      stats.bubbles_while_shared)
         yield gauge("freeride_shared_by_ranks",
                     "trainer ranks that share the device now (0: one rank, or none); nothing is granted while they do",
                     len(stats.shared_by_ranks))

@@ -184,6 +184,7 @@ class Views:
             queue=self.cluster.queue_stats(),
             shared_by_ranks=core.shared_by,
             events_other_ranks=s.other_rank_events,
+            bubbles_while_shared=s.shared_bubbles,
         )
 
 

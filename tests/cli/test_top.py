@@ -115,6 +115,18 @@ def test_a_device_that_trainer_ranks_share_says_so_in_top_and_stats() -> None:
     assert "share this device" not in render(stats(), TASKS, BUBBLES, width=300) + render_stats(stats())
 
 
+def test_bubble_time_says_which_bubbles_it_leaves_out_after_ranks_shared_the_device() -> None:
+    # Stranger trial: both ranks on one core; once the second rank had gone quiet, `stats` read "bubbles: 750,
+    # bubble time: 0.000 s" with no word of why.
+    after = stats(bubbles=750, bubble_time_s=0.0, bubbles_while_shared=750)
+    line = ("bubble time: 0.000 s  (not counting 750 bubbles that ended while trainer ranks shared this device: it "
+            "was idle only while all of them waited, which freeride does not follow)")
+    assert line in render_stats(after).splitlines()
+    assert "bubbles 750  bubble time 0.000 s" in render(after, TASKS, BUBBLES, width=200)
+    assert "(750 while shared: not counted)" in render(after, TASKS, BUBBLES, width=200)
+    assert "while shared" not in render_stats(stats()) + render(stats(), TASKS, BUBBLES, width=300)
+
+
 def test_json_says_null_for_a_p999_that_was_not_computed_not_zero() -> None:
     from freeride._cli.tasks import _to_json
 

@@ -353,6 +353,8 @@ def test_a_second_rank_on_the_device_stops_grants_and_its_events_are_counted_apa
     stats = sim.core.stats
     assert (stats.anomalies, stats.ignored_events) == (0, 0)
     assert stats.other_rank_events == 7 and stats.bubbles == 4
+    # every one of rank 0's bubbles ended while rank 2 shared the device: counted, their time not the device's
+    assert stats.shared_bubbles == 4 and stats.bubble_ns == 0
     assert "trainer ranks 0, 2 share this device" in sim.core.waiting_reason(sim.core.tasks["a"])
 
 
@@ -376,6 +378,7 @@ def test_once_the_other_rank_falls_silent_the_device_is_granted_again() -> None:
     assert grants(actions) == ["a"]
     assert [n for n in _notes(actions) if "no longer shared by trainer ranks (only trainer rank 1 reports" in n]
     assert sim.core.shared_by == () and sim.core.waiting_reason(sim.core.tasks["a"]) == ""
+    assert sim.core.stats.shared_bubbles == 1  # the one rank 1 had while rank 3 was there; the first counts
 
 
 def test_when_the_followed_rank_falls_silent_the_device_follows_the_rank_that_reports() -> None:

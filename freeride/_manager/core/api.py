@@ -506,6 +506,9 @@ class CoreStats:
     ignored_events: int = 0
     #: Bubble events of a trainer rank other than the one the device follows (``SchedulerCore._follows``).
     other_rank_events: int = 0
+    #: The followed rank's bubbles that ended while other ranks shared the device: counted in ``bubbles``, not
+    #: in ``bubble_ns`` (one rank's wait there is another's compute), so ``stats`` can say why the time is less.
+    shared_bubbles: int = 0
     overrun_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     grant_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     park_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))

@@ -316,6 +316,8 @@ class SchedulerCore:
         length = self.bubbles.measure_end(bubble, end_ns, measured)
         if not self.sharing_ranks:  # a rank's wait on a shared device is not the device's idle time (_follows)
             self.stats.bubble_ns += length
+        else:
+            self.stats.shared_bubbles += 1
         if bubble.running:
             self.policy.bubble_ended(self, bubble, self.tasks[bubble.running], end_ns, measured, now_ns, out)
         self.bubbles.close(bubble, end_ns, now_ns)
