@@ -104,18 +104,21 @@ def _progress(rec: ClusterRecord) -> str:
     return format_progress(rec.progress, rec.steps, rec.progress_unit)
 
 
-def render_table(recs: Sequence[ClusterRecord]) -> str:
-    rows = [["ID", "NAME", "STATE", "DEVICE", "PRIO", "MEMORY", "PROGRESS", "CHECKPOINT", "RESTARTS", "LAST"]]
+def render_table(recs: Sequence[ClusterRecord], width: int | None = None) -> str:
+    """The queue's ``ls``: one row per record; its last word (why it waits, was set aside or failed) as a last
+    column, or under its row where the sentences would not fit in ``width`` (``tasks.with_reasons``)."""
+    from freeride._cli.tasks import with_reasons
+
+    rows = [["ID", "NAME", "STATE", "DEVICE", "PRIO", "MEMORY", "PROGRESS", "CHECKPOINT", "RESTARTS"]]
     for r in recs:
         rows.append([
             r.task_id, r.name, r.state, r.device or "-", str(r.submission.priority),
             format_size(r.submission.memory_bytes), _progress(r),
             f"step {r.checkpoint_step}" if r.checkpoint_step >= 0 else "-", str(r.restarts),
-            f"set aside: {r.aside}" if r.aside else f"cannot be read: {r.unreadable}" if r.unreadable
-            else (r.reason or "-"),
         ])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+    reasons = [f"set aside: {r.aside}" if r.aside else f"cannot be read: {r.unreadable}" if r.unreadable
+               else r.reason for r in recs]
+    return "\n".join(with_reasons(rows, reasons, width, header="LAST"))
 
 
 def render_record(rec: ClusterRecord) -> str:

@@ -29,7 +29,10 @@ import contextlib
 import dataclasses
 import json
 import math
+import shutil
 import signal
+import sys
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -254,10 +257,54 @@ def _progress(info: TaskInfo) -> str:
     return format_progress(info.progress, info.steps, info.progress_unit)
 
 
-def _table(rows: list[list[str]]) -> str:
+def aligned(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as lines of left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join(lines)
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+#: Where a reason goes under its row: indented, so that the rows stand out.
+_REASON_FIRST = "    why: "
+_REASON_NEXT = " " * len(_REASON_FIRST)
+
+
+def with_reasons(rows: list[list[str]], reasons: Sequence[str], width: int | None = None,
+                 reason_lines: int | None = None, header: str = "WHY") -> list[str]:
+    """A table whose last column is a sentence (why a task waits or failed): ``rows`` are the header and one row
+    per item without it, ``reasons`` each item's ("" for none).
+
+    Where every line fits in ``width`` (None: any width fits), the reasons are the last column, as before.
+    Otherwise a column of sentences would be cut by the screen (``top``) or broken across the next row by the
+    terminal (``ls``): each reason goes under its row instead, indented and wrapped to the width, at most
+    ``reason_lines`` lines (None: all of it), the last one then ending in "...".
+    """
+    full = aligned([[*rows[0], header], *([*row, reason or "-"] for row, reason in zip(rows[1:], reasons,
+                                                                                          strict=True))])
+    if width is None or all(len(line) <= width for line in full):
+        return full
+    room = max(len(_REASON_FIRST) + 10, width)
+    lines = aligned(rows)
+    out = [lines[0]]
+    for line, reason in zip(lines[1:], reasons, strict=True):
+        out.append(line)
+        if not reason:
+            continue
+        wrapped = textwrap.wrap(reason, room, initial_indent=_REASON_FIRST, subsequent_indent=_REASON_NEXT,
+                                break_on_hyphens=False)
+        if reason_lines is not None and len(wrapped) > reason_lines:
+            wrapped = wrapped[:reason_lines]
+            last = wrapped[-1]
+            wrapped[-1] = (last if len(last) + 3 <= room else last[:room - 3]) + "..."
+        out.extend(wrapped)
+    return out
+
+
+def reason_width() -> int | None:
+    """The width ``ls`` fits its reasons in: the terminal's; None when the output is not a terminal (a pipe or a
+    file keeps one line per task, for grep)."""
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size(fallback=(120, 24)).columns
 
 
 #: What ``ls`` and ``top`` show for a SUBMITTED task of a draining manager: it is not waiting to start.
@@ -287,8 +334,10 @@ def why(info: TaskInfo) -> str:
     return info.waiting_reason
 
 
-def render_task_table(infos: Sequence[TaskInfo], draining: bool = False) -> str:
-    rows = [["ID", "NAME", "STATE", "PRIO", "MEMORY", "PROGRESS", "STEP P95", "HARVESTED", "WHY"]]
+def render_task_table(infos: Sequence[TaskInfo], draining: bool = False, width: int | None = None) -> str:
+    """``ls``: one row per task; why each waits or failed as a last column, or under its row where the
+    sentences would not fit in ``width`` (:func:`with_reasons`)."""
+    rows = [["ID", "NAME", "STATE", "PRIO", "MEMORY", "PROGRESS", "STEP P95", "HARVESTED"]]
     for i in infos:
         rows.append(
             [
@@ -300,10 +349,9 @@ def render_task_table(infos: Sequence[TaskInfo], draining: bool = False) -> str:
                 _progress(i),
                 format_ms(i.step_p95_ms),
                 f"{i.harvested_s:.2f} s",
-                why(i) or "-",
             ]
         )
-    return _table(rows)
+    return "\n".join(with_reasons(rows, [why(i) for i in infos], width))
 
 
 def hidden_note(hidden: Sequence[TaskInfo]) -> str:
@@ -327,7 +375,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.json:
             cluster.print_json([cluster.to_json(r) for r in records])
             return _EXIT_OK
-        print(cluster.render_table(records) if records else "no tasks in the queue" if args.all
+        print(cluster.render_table(records, reason_width()) if records else "no tasks in the queue" if args.all
               else "no active tasks in the queue (--all shows finished and set-aside ones)")
         note = cluster.unusable_note(every, args.all)
         if note:  # never let a record that cannot be used go unnoticed
@@ -342,7 +390,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _EXIT_OK
     note = hidden_note([i for i in infos if is_terminal(i)] if not args.all else [])
     if shown:
-        print(render_task_table(shown, draining))
+        print(render_task_table(shown, draining, reason_width()))
         if note:
             print(note)
     else:

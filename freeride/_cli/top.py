@@ -32,7 +32,7 @@ from time import monotonic, sleep
 from typing import Any, Protocol
 
 from freeride._cli.cluster import queue_line
-from freeride._cli.tasks import _endpoint, _manager_hint, display_state, why
+from freeride._cli.tasks import _endpoint, _manager_hint, aligned, display_state, why, with_reasons
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
@@ -44,6 +44,8 @@ _EXIT_OK = 0
 _EXIT_INTERRUPTED = 130
 #: Narrower than this, a frame is not worth drawing; lines are cut to this at the least.
 MIN_WIDTH = 40
+#: At most this many lines of a task's reason under its row where the reasons do not fit as a column.
+REASON_LINES = 2
 #: The longest refresh interval accepted (an hour); longer is a unit mistake.
 MAX_INTERVAL_S = 3600.0
 
@@ -158,29 +160,24 @@ def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
     ]
 
 
-def _columns(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
 def _task_lines(tasks: Sequence[TaskInfo], draining: bool, previous: Sequence[TaskInfo],
-                bubble_delta_s: float) -> list[str]:
+                bubble_delta_s: float, width: int | None = None) -> list[str]:
     """One row per task. HARVESTED is since the task was submitted; NOW, its share of the bubble time of
     the last interval: the header's "now" window, so the tasks' NOW add up to the header's harvested now."""
     if not tasks:
         return ["no tasks (submit one with `freeride submit`)"]
     before = {t.task_id: t.harvested_s for t in previous}
-    rows = [["ID", "NAME", "STATE", "PROGRESS", "STEPS", "STEP P95", "HARVESTED", *(["NOW"] if previous else []),
-             "WHY"]]
-    for t in order_tasks(tasks):
+    rows = [["ID", "NAME", "STATE", "PROGRESS", "STEPS", "STEP P95", "HARVESTED", *(["NOW"] if previous else [])]]
+    ordered = order_tasks(tasks)
+    for t in ordered:
         now = (_share(t.harvested_s - before[t.task_id], bubble_delta_s)
                if t.task_id in before and bubble_delta_s > 0 else "-")
         rows.append([
             _fit(t.task_id, 24), _fit(t.spec.display_name, 20), display_state(t, draining), _progress(t),
             str(t.steps), format_ms(t.step_p95_ms), f"{t.harvested_s:.2f} s", *([now] if previous else []),
-            why(t) or "-",
         ])
-    return _columns(rows)
+    # A reason cut at the screen's edge lost its point (a stranger's top): under its row, two lines at most.
+    return with_reasons(rows, [why(t) for t in ordered], width, reason_lines=REASON_LINES)
 
 
 def _bubble_lines(bubbles: Sequence[BubbleSlotStats]) -> list[str]:
@@ -194,17 +191,19 @@ def _bubble_lines(bubbles: Sequence[BubbleSlotStats]) -> list[str]:
             f"{b.abs_error_pct.p50:.1f}%" if b.abs_error_pct.count else "-",
             format_size(b.min_free_memory_bytes) if b.min_free_memory_bytes >= 0 else "?",
         ])
-    return _columns(rows)
+    return aligned(rows)
 
 
 def _clip(lines: list[str], room: int, what: str) -> list[str]:
-    """At most ``room`` lines; the last one says how many were left out."""
+    """At most ``room`` lines; the last one says how many rows were left out (a task's reason, indented under
+    its row, is not a row of its own)."""
     if len(lines) <= room:
         return lines
     if room <= 0:
         return []
     kept = max(0, room - 1)
-    return lines[:kept] + [f"... {len(lines) - kept} more {what}"]
+    left_out = sum(1 for line in lines[kept:] if not line.startswith(" "))
+    return lines[:kept] + [f"... {left_out} more {what}"]
 
 
 def render(
@@ -230,7 +229,7 @@ def render(
     if notice:
         head.append(f"! {notice}")
     bubble_delta_s = stats.bubble_time_s - previous.bubble_time_s if previous is not None else 0.0
-    task_lines = _task_lines(tasks, stats.draining, previous_tasks, bubble_delta_s)
+    task_lines = _task_lines(tasks, stats.draining, previous_tasks, bubble_delta_s, width)
     bubble_lines = _bubble_lines(bubbles)
     if height is not None:
         room = max(0, height - len(head) - 4)  # two blank lines and two titles

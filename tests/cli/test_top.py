@@ -404,3 +404,61 @@ def test_stats_says_what_each_latency_and_overrun_count_covers() -> None:
     assert "(end received -> parked" in lines["park lat."]
     quiet = render_stats(stats(overruns=0, overrun_ms=Percentiles(0, 0, 0, 0, 0)))
     assert "ran past the bubble's real end" not in quiet
+
+
+# ------------------------------------------------------------------ reasons that do not fit
+
+LONG_REASON = ("frozen in setup() after overrunning a bubble; its worker had no core for 10.9 s of the 10.9 s of "
+               "bubbles granted since setup() began (the core is busy with other work, and a worker runs at the "
+               "lowest CPU priority)")
+STARVED = [task("starved-1", "FROZEN", 1.0, waiting_reason=LONG_REASON),
+           task("parked-2", "PARKED", 2.0, waiting_reason="waiting for a bubble"),
+           task("running-3", "RUNNING", 3.0)]
+
+
+def test_ls_puts_a_reason_too_long_for_the_terminal_under_its_row_whole_and_keeps_a_column_where_it_fits() -> None:
+    # Stranger trial: `ls` and `top` cut the WHY column, or the terminal broke it across the next row.
+    from freeride._cli.tasks import render_task_table
+
+    narrow = render_task_table(STARVED, width=100).splitlines()
+    assert all(len(line) <= 100 for line in narrow)
+    assert "WHY" not in narrow[0]
+    assert narrow[1].startswith("starved-1") and narrow[2].startswith("    why: frozen in setup()")
+    under = [line for line in narrow if line.startswith("    ")]
+    assert " ".join(line.split(":", 1)[1] if line.startswith("    why:") else line for line in under[:-1]
+                    ).split() == LONG_REASON.split()  # the whole reason, wrapped, nothing cut
+    assert under[-1] == "    why: waiting for a bubble"
+    assert [line.split()[0] for line in narrow if not line.startswith(" ")] == ["ID", "starved-1", "parked-2",
+                                                                                 "running-3"]
+    wide = render_task_table(STARVED, width=400).splitlines()
+    assert wide[0].split()[-1] == "WHY" and wide[1].endswith(LONG_REASON) and len(wide) == 4
+    assert render_task_table(STARVED).splitlines() == wide  # no width (a pipe): one line per task
+
+
+def test_top_puts_a_long_reason_under_its_row_in_two_lines_at_most_and_counts_clipped_rows_not_lines() -> None:
+    frame = render(stats(), STARVED, BUBBLES, width=100).splitlines()
+    assert all(len(line) <= 100 for line in frame)
+    row = next(i for i, line in enumerate(frame) if line.startswith("starved-1"))
+    assert frame[row + 1].startswith("    why: frozen in setup()")
+    assert frame[row + 2].startswith("         ") and frame[row + 2].endswith("...")
+    assert frame[row + 3].startswith("parked-2")
+    assert frame[row + 4] == "    why: waiting for a bubble"
+    # a screen too short for every task: the last line counts the tasks left out, not their reasons' lines
+    short = render(stats(), STARVED, BUBBLES, width=100, height=14).splitlines()
+    assert "... 2 more tasks" in short
+
+
+def test_the_queues_ls_puts_a_long_last_word_under_its_row() -> None:
+    from freeride._cli.cluster import render_table
+    from freeride._cluster.records import ClusterRecord, Submission
+
+    aside = ("its submission cannot be read: args_json is not a JSON object (expected a mapping of argument "
+             "names to values, got a list)")
+    recs = [ClusterRecord("task-a", Submission(target="m:C", args_json="[]", memory_bytes=2**26), aside=aside),
+            ClusterRecord("task-b", Submission(target="m:C", args_json="{}", memory_bytes=2**26), reason="claimed")]
+    narrow = render_table(recs, width=90).splitlines()
+    assert all(len(line) <= 90 for line in narrow) and "LAST" not in narrow[0]
+    assert narrow[1].startswith("task-a") and narrow[2].startswith("    why: set aside: its submission")
+    assert narrow[-2].startswith("task-b") and narrow[-1] == "    why: claimed"
+    wide = render_table(recs).splitlines()
+    assert wide[0].split()[-1] == "LAST" and wide[1].endswith(f"set aside: {aside}") and len(wide) == 3
