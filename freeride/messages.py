@@ -488,6 +488,9 @@ class BubbleSlotStats:
     min_free_memory_bytes: int
     #: Its bubbles were reported as a learned slot (a recurring wait the schedule model does not list).
     learned: bool = False
+    #: The mean of the same lengths as ``length_ms`` (ms; 0 with none): a slot whose lengths vary sums to
+    #: its share of the bubble time by its mean, not its median.
+    length_mean_ms: float = 0.0
 
 
 @dataclass(frozen=True)

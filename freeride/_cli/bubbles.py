@@ -7,8 +7,9 @@ trainer learned it from waits that recur where the model has none (``learned``: 
 communication; see ``freeride.training.learned_slots``), how many times the bubble occurred, its
 measured length (p50 / p90 / p99 / max), the trainer's predicted length, the prediction error
 (|predicted - real| / real, p50 / p90) and the least free device memory reported in it. A footer per
-device sums the median bubble time per iteration and stage, modelled and learned apart; a last line says what
-the prediction is. Without
+device gives the bubble time per iteration and stage, modelled and learned apart: the sum of its slots' mean
+lengths (what ``stats`` adds up; a stranger read a sum of medians as less than half of it where lengths
+varied), the sum of their medians in brackets; a last line says what the prediction is. Without
 ``--devices`` or ``--endpoint`` it asks every manager whose socket is in the per-user runtime
 directory.
 """
@@ -113,26 +114,34 @@ def _ms(value: float) -> str:
     return f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
 
+#: The footer's figure: the sums of the slots' mean lengths, their medians' in brackets.
+PER_ITERATION = "bubble time per iteration, mean (median)"
+
+
 def _pct(value: float) -> str:
     return f"{value:.1f}%"
 
 
-def bubble_time_per_stage(slots: list[BubbleSlotStats]) -> dict[int, tuple[float, float]]:
-    """Per model stage, in order: the median bubble time per iteration (ms) of its modelled and of its learned
-    slots (the sum of their p50 lengths)."""
+def bubble_time_per_stage(slots: list[BubbleSlotStats]) -> dict[int, tuple[float, float, float, float]]:
+    """Per model stage, in order, the bubble time per iteration (ms) of its modelled and of its learned slots:
+    ``(modelled mean, learned mean, modelled median, learned median)``, each the sum of its slots' mean or
+    p50 lengths (a slot comes once an iteration)."""
     per_stage: dict[int, list[float]] = {}
     for s in slots:
-        sums = per_stage.setdefault(s.stage, [0.0, 0.0])
-        sums[1 if s.learned else 0] += s.length_ms.p50
-    return {k: (m, learned) for k, (m, learned) in sorted(per_stage.items())}
+        sums = per_stage.setdefault(s.stage, [0.0, 0.0, 0.0, 0.0])
+        sums[1 if s.learned else 0] += s.length_mean_ms
+        sums[3 if s.learned else 2] += s.length_ms.p50
+    return {k: (sums[0], sums[1], sums[2], sums[3]) for k, sums in sorted(per_stage.items())}
 
 
 def summary_doc(slots: list[BubbleSlotStats]) -> dict[str, Any]:
-    """``--summary --json``: a device's slots counted, and its bubble time per iteration per stage."""
+    """``--summary --json``: a device's slots counted, and its bubble time per iteration per stage (the sums of
+    the slots' means; ``..._median``: of their medians, the only figure before)."""
     return {"slots": len(slots), "measured": sum(1 for s in slots if s.count),
             "learned": sum(1 for s in slots if s.learned),
-            "bubble_ms_per_iteration": {str(k): {"modelled": m, "learned": learned}
-                                        for k, (m, learned) in bubble_time_per_stage(slots).items()}}
+            "bubble_ms_per_iteration": {str(k): {"modelled": m, "learned": learned, "modelled_median": m50,
+                                                 "learned_median": learned50}
+                                        for k, (m, learned, m50, learned50) in bubble_time_per_stage(slots).items()}}
 
 
 def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summary: bool = False) -> str:
@@ -161,15 +170,16 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summ
             )
         per_stage = bubble_time_per_stage(slots)
         per = ", ".join(
-            f"stage {k}: {_ms(m)} ms" + (f" + {_ms(learned)} ms learned" if learned else "")
-            for k, (m, learned) in per_stage.items()
+            f"stage {k}: {_ms(m)} ms ({_ms(m50)})" + (f" + {_ms(learned)} ms ({_ms(learned50)}) learned"
+                                                      if learned or learned50 else "")
+            for k, (m, learned, m50, learned50) in per_stage.items()
         )
         if summary:
             counted = summary_doc(slots)
             lines.append(f"{device:<8} {counted['slots']} slots ({counted['measured']} measured, "
-                         f"{counted['learned']} learned); median bubble time per iteration: {per}")
+                         f"{counted['learned']} learned); {PER_ITERATION}: {per}")
         else:
-            lines.append(f"{'':<8} median bubble time per iteration: {per}")
+            lines.append(f"{'':<8} {PER_ITERATION}: {per}")
     for device, message in errors.items():
         lines.append(f"{device:<8} unavailable: {message}")
     if not summary and any(stats.values()):

@@ -338,7 +338,7 @@ class BubblesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BubbleSlotStats(_message.Message):
-    __slots__ = ("stage", "rank", "slot", "kind", "count", "length_ms", "predicted_ms", "abs_error_pct", "min_free_memory_bytes", "learned")
+    __slots__ = ("stage", "rank", "slot", "kind", "count", "length_ms", "predicted_ms", "abs_error_pct", "min_free_memory_bytes", "learned", "length_mean_ms")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +349,7 @@ class BubbleSlotStats(_message.Message):
     ABS_ERROR_PCT_FIELD_NUMBER: _ClassVar[int]
     MIN_FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEARNED_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     rank: int
     slot: int
@@ -359,7 +360,8 @@ class BubbleSlotStats(_message.Message):
     abs_error_pct: Percentiles
     min_free_memory_bytes: int
     learned: bool
-    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., length_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., predicted_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., abs_error_pct: _Optional[_Union[Percentiles, _Mapping]] = ..., min_free_memory_bytes: _Optional[int] = ..., learned: _Optional[bool] = ...) -> None: ...
+    length_mean_ms: float
+    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., length_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., predicted_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., abs_error_pct: _Optional[_Union[Percentiles, _Mapping]] = ..., min_free_memory_bytes: _Optional[int] = ..., learned: _Optional[bool] = ..., length_mean_ms: _Optional[float] = ...) -> None: ...
 
 class BubblesResponse(_message.Message):
     __slots__ = ("slots",)

@@ -87,7 +87,7 @@ def test_reported_bubbles_reach_the_manager_and_the_cli(
 
     code, out = _cli(["--endpoint", str(endpoint)], capsys)
     assert code == 0
-    assert "turnaround" in out and "drain" in out and "median bubble time per iteration" in out
+    assert "turnaround" in out and "drain" in out and "bubble time per iteration, mean (median)" in out
     assert out.splitlines()[-1].startswith("pred: the trainer's prediction, by default the 10th percentile")
     code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
     doc = json.loads(out)
@@ -100,7 +100,10 @@ def test_reported_bubbles_reach_the_manager_and_the_cli(
     assert code == 0 and (summary["slots"], summary["measured"], summary["learned"]) == (2, 2, 0)
     assert list(summary["bubble_ms_per_iteration"]) == ["1"]
     assert summary["bubble_ms_per_iteration"]["1"]["modelled"] == pytest.approx(
+        sum(r["length_mean_ms"] for r in rows))
+    assert summary["bubble_ms_per_iteration"]["1"]["modelled_median"] == pytest.approx(
         sum(r["length_ms"]["p50"] for r in rows))
+    assert all(r["length_mean_ms"] > 0 for r in rows)
 
 
 def test_reporter_reconnects_after_the_manager_restarts(tmp_path: Path, endpoint: Endpoint) -> None:
@@ -152,7 +155,7 @@ def test_learned_slots_reach_the_manager_flagged_and_the_cli_shows_them_apart(
     rows = {cells[3]: cells[4] for cells in map(str.split, out.splitlines()[1:])
             if len(cells) > 5 and cells[4] in ("model", "learned")}
     assert rows == {"0": "model", str(learned_id): "learned"}
-    assert "stage 0: 4.00 ms + 2.00 ms learned" in out
+    assert "stage 0: 4.00 ms (4.00) + 2.00 ms (2.00) learned" in out
     code, out = _cli(["--endpoint", str(endpoint), "--json"], capsys)
     (rows_json,) = json.loads(out)["devices"].values()
     assert sorted((r["slot"], r["learned"]) for r in rows_json) == [(0, False), (learned_id, True)]
@@ -178,17 +181,19 @@ def test_a_slot_seen_but_never_measured_shows_dashes_not_zero_lengths() -> None:
 def test_the_summary_is_one_line_per_device_with_its_slots_and_bubble_time_per_stage() -> None:
     from freeride.messages import BubbleSlotStats, Percentiles
 
-    def slot(stage: int, index: int, count: int, p50: float, learned: bool = False) -> BubbleSlotStats:
+    def slot(stage: int, index: int, count: int, p50: float, mean: float, learned: bool = False) -> BubbleSlotStats:
         return BubbleSlotStats(stage=stage, rank=stage, slot=index, kind="steady", count=count,
                                length_ms=Percentiles(count, p50, p50, p50, p50), predicted_ms=Percentiles(),
-                               abs_error_pct=Percentiles(), min_free_memory_bytes=-1, learned=learned)
+                               abs_error_pct=Percentiles(), min_free_memory_bytes=-1, learned=learned,
+                               length_mean_ms=mean)
 
-    stats = {"cpu:0": [slot(0, 1, 5, 1.5), slot(0, 2, 0, 0.0), slot(0, 65536, 4, 0.5, learned=True)],
+    # a slot mostly short and now and then long: its mean is its share of the bubble time, not its median
+    stats = {"cpu:0": [slot(0, 1, 5, 1.5, 6.0), slot(0, 2, 0, 0.0, 0.0), slot(0, 65536, 4, 0.5, 0.75, learned=True)],
              "cpu:1": []}
     text = bubbles_cli.render(stats, {"cpu:2": "no manager answers"}, summary=True)
     assert text.splitlines() == [
-        "cpu:0    3 slots (2 measured, 1 learned); median bubble time per iteration: stage 0: 1.50 ms + 0.50 ms "
-        "learned",
+        "cpu:0    3 slots (2 measured, 1 learned); bubble time per iteration, mean (median): stage 0: 6.00 ms "
+        "(1.50) + 0.75 ms (0.50) learned",
         "cpu:1    (no bubbles reported yet)",
         "cpu:2    unavailable: no manager answers",
     ]

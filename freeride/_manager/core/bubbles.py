@@ -252,6 +252,7 @@ class Bubbles:
                     abs_error_pct=_pct(list(s.abs_error_pct)),
                     min_free_memory_bytes=s.min_free,
                     learned=s.learned,
+                    length_mean_ms=sum(s.lengths_ns) / len(s.lengths_ns) / MS if s.lengths_ns else 0.0,
                 )
             )
         return out
