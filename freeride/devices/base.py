@@ -169,6 +169,11 @@ class WorkerDevice(abc.ABC):
         """Device memory this process holds as the device counts it; 0 where the manager measures it."""
         return 0
 
+    def resident_bytes(self) -> int | None:
+        """This process's resident set now, where the task's cap is the host's and the worker checks it too
+        between steps (a CPU core); None where it does not."""
+        return None
+
     def peak_bytes(self) -> int:
         """The most :meth:`used_bytes` has been since :meth:`prepare`, as far as it is known."""
         return self.used_bytes()

@@ -145,6 +145,21 @@ def test_a_drain_says_how_many_tasks_it_had_to_kill_past_the_stop_timeout(make_m
     assert h.client.get(counter.task_id).state == "SUBMITTED"  # it went back: nothing lost
 
 
+def test_a_task_that_grows_fast_is_failed_near_its_cap_not_a_watchdog_poll_past_it(harness: ManagerHarness) -> None:
+    # Stranger trial: 2 MiB a step at a 40 MiB cap was failed at 82 MiB, 50 ms of steps after the cap (the manager's
+    # watchdog poll). The worker now reads its own resident set between steps, every millisecond of them at most.
+    hog = harness.submit("sample_tasks:MemoryHog", memory_mib=40, args={"mib_per_step": 2, "step_ms": 0.0})
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(hog.task_id).state == "FAILED", length_ms=200, timeout_s=60)
+    failure = harness.client.get(hog.task_id).failure
+    assert failure is not None and failure.kind == "MEMORY_LIMIT", failure
+    figures = re.search(r"used ([0-9.]+) MiB .* over its cap of ([0-9.]+) MiB", failure.message)
+    assert figures is not None, failure.message
+    # at most a millisecond of 2 MiB steps past the cap (a step writes its 2 MiB in a quarter of a millisecond or
+    # more), where a 50 ms poll let it reach twice the cap
+    assert 40 < float(figures[1]) < 60, failure.message
+
+
 def test_task_over_its_memory_cap_fails_with_memory_limit(harness: ManagerHarness) -> None:
     hog = harness.submit("sample_tasks:MemoryHog", memory_mib=200, args={"mib_per_step": 16})
     other = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
