@@ -28,6 +28,36 @@ SCHEDSTAT_PATH = "/proc/thread-self/schedstat"
 CPU_WORKER_THREADS = "1"
 
 
+class ProcField:
+    """One number of a ``/proc`` file, read by one ``pread`` of a descriptor kept open (~1-3 us): the ``field``-th
+    whitespace-separated one. Opened at the first read, by the reading thread (``/proc/thread-self`` then names
+    that thread for good); :meth:`read` is None where the file cannot be opened or read, then and from then on."""
+
+    def __init__(self, path: str, field: int) -> None:
+        self._path = path
+        self._field = field
+        self._fd: int | None = None
+        self._missing = False
+
+    def read(self) -> int | None:
+        fd = self._fd
+        if fd is None:
+            if self._missing:
+                return None
+            try:
+                fd = self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._missing = True
+                return None
+        try:
+            return int(os.pread(fd, 128, 0).split()[self._field])
+        except (OSError, IndexError, ValueError):
+            self._missing, self._fd = True, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            return None
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size from /proc/PID/statm: about 20 us, cheap enough to poll often."""
     try:
@@ -67,10 +97,8 @@ class CpuWorkerDevice(WorkerDevice):
 
     def __init__(self, name: DeviceName) -> None:
         super().__init__(name)
-        self._schedstat: int | None = None
-        self._schedstat_missing = False
-        self._statm: int | None = None
-        self._statm_missing = False
+        self._run_delay = ProcField(SCHEDSTAT_PATH, 1)  # the second field: time runnable without a core (ns)
+        self._resident_pages = ProcField("/proc/self/statm", 1)
 
     @property
     def torch_device(self) -> str:
@@ -88,40 +116,13 @@ class CpuWorkerDevice(WorkerDevice):
     def resident_bytes(self) -> int | None:
         """The resident set as the manager's watchdog reads it (``/proc/self/statm``), by one ``pread`` of a
         descriptor kept open (a few microseconds); None where it cannot be read."""
-        fd = self._statm
-        if fd is None:
-            if self._statm_missing:
-                return None
-            try:
-                fd = self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._statm_missing = True
-                return None
-        try:
-            return int(os.pread(fd, 128, 0).split()[1]) * _PAGE_SIZE
-        except (OSError, IndexError, ValueError):
-            return None
+        pages = self._resident_pages.read()
+        return None if pages is None else pages * _PAGE_SIZE
 
     def waited_ns(self) -> int | None:
         """The run delay of the thread that first asked (the worker's stepping thread), in ns; None where the
         kernel does not keep it (no ``/proc/thread-self/schedstat``: a kernel without ``CONFIG_SCHED_INFO``)."""
-        fd = self._schedstat
-        if fd is None:
-            if self._schedstat_missing:
-                return None
-            try:
-                # /proc/thread-self names the opening thread: the descriptor keeps reading that thread's.
-                fd = self._schedstat = os.open(SCHEDSTAT_PATH, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._schedstat_missing = True
-                return None
-        try:
-            return int(os.pread(fd, 96, 0).split()[1])
-        except (OSError, IndexError, ValueError):
-            self._schedstat_missing, self._schedstat = True, None
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            return None
+        return self._run_delay.read()
 
 
 def check_cpu_device(name: DeviceName) -> None:
