@@ -1,22 +1,23 @@
 """What ``--event-spin-us`` does to the trainer's event delay, with the manager's core to itself and shared.
 
 The event delay is a manager's own figure (``freeride stats``: the trainer's stamp of a bubble event to the
-loop handing it to the scheduler). Two real managers, one asleep between events (no spin) and one that
-stays awake :data:`SPIN_US` after each (``--event-spin-us``), both on the control cores
-(:func:`bench.bench_control_plane.control_cpus`), each receive in turn the events of the same replay: an
-Interleaved1F1B rank's actions on the training core (``bench.hot_path``'s walker, ~48 events an
-iteration), sent by the training thread on the manager's local socket. That runs twice:
+loop handing it to the scheduler). A real manager, asleep between events (no spin) or staying awake
+:data:`SPIN_US` after each (``--event-spin-us``), on the control cores
+(:func:`bench.bench_control_plane.control_cpus`), receives the events of a replay: an Interleaved1F1B rank's
+actions on the training core (``bench.hot_path``'s walker, ~48 events an iteration), sent by the training
+thread on the manager's local socket, ``--rounds`` times. Each kind of manager runs alone, a fresh one per
+condition, so its cumulative figures are that condition's:
 
 ``alone``
-    nothing else on the managers' cores but each other, as a manager given a core of its own;
+    nothing else on the manager's cores but its own threads (and the replay's reporter), as a manager given a
+    core of its own;
 ``shared``
-    with a busy process pinned to each control core at the managers' priority (another job, another
+    with a busy process pinned to each control core at the manager's priority (another job, another
     manager's loop): the case the spin's probe found its rarest delays growing in (p99.9 2.7-4.6 ms against
     1.3-1.5 ms asleep), which a spinning loop now gives way to (``ManagerLoop._still_spinning``).
 
-Each condition uses fresh managers, so their cumulative figures are that condition's alone; the two managers'
-replays alternate, ``--rounds`` times. Beside the delays: the training thread's cost an iteration
-(``bench.hot_path.paired_ns``), as in ``bench.hot_path``'s ``local`` and ``awake`` routes.
+Beside the delays: the training thread's cost an iteration (``bench.hot_path.paired_ns``), as in
+``bench.hot_path``'s ``local`` and ``awake`` routes.
 
     python -m bench.bench_spin [--rounds 2] [--batches 20] [--results-name NAME]
 """
@@ -65,32 +66,31 @@ def run(rounds: int, batches: int, schedule: str = "interleaved-1f1b", microbatc
     training_core = {min(allowed - control_cpus() or allowed)}
     out: dict[str, Any] = {}
     for condition in CONDITIONS:
-        with ExitStack() as stack:
-            endpoints = {"asleep": stack.enter_context(hot_path._manager()),
-                         "awake": stack.enter_context(hot_path._manager("--event-spin-us", str(SPIN_US)))}
-            if condition == "shared":
-                stack.enter_context(competitors(control_cpus()))
-            cost: dict[str, list[float]] = {m: [] for m in MANAGERS}
-            for _ in range(rounds):
-                for manager in MANAGERS:
+        out[condition] = {}
+        for manager in MANAGERS:
+            with ExitStack() as stack:
+                options = ("--event-spin-us", str(SPIN_US)) if manager == "awake" else ()
+                endpoint = stack.enter_context(hot_path._manager(*options))
+                if condition == "shared":
+                    stack.enter_context(competitors(control_cpus()))
+                cost: list[float] = []
+                for _ in range(rounds):
                     case = bench_schedules._torch_case(schedule, 0, microbatches, csv_path)
-                    reporter = hot_path._reporter(endpoints[manager], 0, "local")
+                    reporter = hot_path._reporter(endpoint, 0, "local")
                     os.sched_setaffinity(0, training_core)
                     try:
                         step, undo = case.instrument(reporter)
                         try:
-                            cost[manager].append(hot_path.paired_ns(case.bare, step, 6, batches) / 1e3)
+                            cost.append(hot_path.paired_ns(case.bare, step, 6, batches) / 1e3)
                         finally:
                             undo()
                     finally:
                         os.sched_setaffinity(0, allowed)
                         reporter.close()
-            out[condition] = {}
-            for manager in MANAGERS:
-                with ControlClient(endpoints[manager]) as client:
+                with ControlClient(endpoint) as client:
                     delay = client.stats().event_delay_ms
                 out[condition][manager] = {
-                    "us_per_iteration": cost[manager],
+                    "us_per_iteration": cost,
                     "event_delay_ms": {"count": delay.count, "p50": delay.p50, "p90": delay.p90, "p99": delay.p99,
                                        "p999": delay.p999, "max": delay.max},
                 }

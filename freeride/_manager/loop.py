@@ -101,9 +101,15 @@ FREEZE_LEAD_NS = 200_000
 MAX_EVENT_SPIN_NS = 100_000_000
 #: While it spins, the loop reads its thread's run delay this often (one ``pread``, ~1 us) ...
 SPIN_CHECK_NS = 100_000
-#: ... and gives way, asleep until the next event, once that grew by more than this since the last reading: the
-#: loop was runnable without its core, so another thread or process wanted it (``ManagerLoop._still_spinning``).
-SPIN_GIVE_WAY_NS = 20_000
+#: ... and gives way once that grew by more than this since the last reading, beyond what the manager's own other
+#: threads ran meanwhile: the loop was runnable without its core, another process had it
+#: (``ManagerLoop._still_spinning``) ...
+SPIN_GIVE_WAY_NS = 2_000_000
+#: ... and then does not spin for this long, twice as long each time it gives way again, up to
+#: :data:`MAX_SPIN_BACKOFF_NS`, and back to this once it has not given way for :data:`SPIN_QUIET_NS`.
+SPIN_BACKOFF_NS = 10_000_000
+MAX_SPIN_BACKOFF_NS = 1_000_000_000
+SPIN_QUIET_NS = 10_000_000_000
 #: A local trainer's messages that are no event are each counted, and logged once, then at most once this
 #: often with how many came since: a trainer sending garbage at its event rate would flood the log.
 LOCAL_REJECT_LOG_INTERVAL_NS = 10_000_000_000
@@ -257,9 +263,12 @@ class ManagerLoop:
         self._spin_until_ns = 0  # the loop turns without sleeping until then (the last trainer event + the spin)
         self._run_delay = ProcField(SCHEDSTAT_PATH, 1)  # the loop thread's (opened by it, at its first spin)
         self._spin_check_ns = 0  # the next reading of it in this spin (0: the spin's first, its baseline)
-        self._spin_delay: int | None = None  # the last reading in this spin
+        self._spin_delay: tuple[int, int, int] | None = None  # the last reading in this spin (:meth:`_spin_reading`)
         #: Spins cut short because the loop's core was wanted (:meth:`_still_spinning`).
         self.spins_given_way = 0
+        self._spin_backoff_ns = SPIN_BACKOFF_NS  # how long the next give-way stops spinning for
+        self._spin_off_until_ns = 0  # no spin before then (the last give-way + its back-off)
+        self._spin_gave_way_ns = 0  # when it last gave way
         self._local_reject_log_ns = 0  # when the next rejected local message may be logged
         #: Wakes the select at the core's next timer to the microsecond (epoll's own timeout is whole ms).
         #: Only on the real clock: a test's fake clock has no kernel timer.
@@ -493,7 +502,7 @@ class ManagerLoop:
             self.event_delay.record(now_ns - event.bubble.start_ns)
         elif isinstance(event, C.BubbleEnded):
             self.event_delay.record(now_ns - event.bubble.end_ns)
-        if self._event_spin_ns:
+        if self._event_spin_ns and now_ns >= self._spin_off_until_ns:
             if now_ns >= self._spin_until_ns:  # a new spin (not one this event extends): a new baseline
                 self._spin_check_ns, self._spin_delay = 0, None
             self._spin_until_ns = now_ns + self._event_spin_ns
@@ -507,21 +516,43 @@ class ManagerLoop:
         that comes meanwhile waits with it. A probe measured the spin's rarest event delays at 2.7-4.6 ms (p99.9)
         against 1.3-1.5 ms asleep, where a sleeping loop woken by an event runs at once. So while it spins the loop
         reads its own run delay every :data:`SPIN_CHECK_NS`, and where that grew by more than
-        :data:`SPIN_GIVE_WAY_NS` it sleeps until the next event, which starts a new spin."""
+        :data:`SPIN_GIVE_WAY_NS` it stops spinning for a back-off (:data:`SPIN_BACKOFF_NS`, doubled at each
+        give-way up to :data:`MAX_SPIN_BACKOFF_NS`, short again after :data:`SPIN_QUIET_NS` without one): it is
+        preempted inside a spin before it can tell, so giving way only until the next event changed nothing on a
+        shared core (``bench.bench_spin``). The threshold is a preemption's, not the few microseconds other
+        threads of the manager or the kernel take now and then, which cost the spin most of its use."""
         if now_ns < self._spin_check_ns:
             return True
         self._spin_check_ns = now_ns + SPIN_CHECK_NS
-        delay = self._run_delay.read()
-        last, self._spin_delay = self._spin_delay, delay
-        if delay is None or last is None or delay - last <= SPIN_GIVE_WAY_NS:
+        reading = self._spin_reading()
+        last, self._spin_delay = self._spin_delay, reading
+        if reading is None or last is None:
+            return True
+        # What the loop waited for its core, less what the manager's other threads ran meanwhile (its gRPC
+        # threads, its watchdog, on the same core): those are its own work, which a core of its own also runs.
+        waited = (reading[0] - last[0]) - ((reading[1] - last[1]) - (reading[2] - last[2]))
+        if waited <= SPIN_GIVE_WAY_NS:
             return True
         self._spin_until_ns = 0
+        if now_ns - self._spin_gave_way_ns >= SPIN_QUIET_NS:
+            self._spin_backoff_ns = SPIN_BACKOFF_NS  # the last contention was long ago: start short again
+        self._spin_gave_way_ns = now_ns
+        self._spin_off_until_ns = now_ns + self._spin_backoff_ns
+        self._spin_backoff_ns = min(2 * self._spin_backoff_ns, MAX_SPIN_BACKOFF_NS)
         self.spins_given_way += 1
         if self.spins_given_way == 1:
-            log.info("[%s] --event-spin-us gives way: the loop waited %.0f us for its core while it spun; it sleeps "
-                     "until the next trainer event whenever another thread wants the core (said once)",
-                     self.device.name, (delay - last) / 1000)
+            log.info("[%s] --event-spin-us gives way: the loop waited %.0f us for its core while it spun; it stops "
+                     "spinning for a while whenever another process wants the core (said once)",
+                     self.device.name, waited / 1000)
         return False
+
+    def _spin_reading(self) -> tuple[int, int, int] | None:
+        """The loop thread's run delay, the process's CPU time and the loop thread's (ns); None where the run
+        delay cannot be read."""
+        delay = self._run_delay.read()
+        if delay is None:
+            return None
+        return delay, time.process_time_ns(), time.thread_time_ns()
 
     def _reject_local(self, exc: ConfigError, now_ns: int) -> None:
         """Count a local message that is no event; log it, or, within ``LOCAL_REJECT_LOG_INTERVAL_NS`` of the
