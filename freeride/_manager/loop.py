@@ -320,20 +320,29 @@ class ManagerLoop:
         if self._said_cores_shared:
             return
         shared = cores_shared_with_training(self.device.name, layout, self.config.node, self._cores)
+        guessed = False
         if not shared and self.device.name.kind == "cpu" and self.config.end_board_path is not None:
             shared = cores_with_cpu_managers(self.config.end_board_path.parent, self._cores)
+            guessed = bool(shared)
         if shared:
             self._said_cores_shared = True
-            if self._event_spin_ns:
-                self._event_spin_ns = self._spin_until_ns = 0
-                log.warning("[%s] --event-spin-us is off: every core this manager may run on computes a rank, "
-                            "and turning awake between events would take that core from it", self.device)
-            log.warning("[%s] every core this manager may run on (%s) is a training rank's (%s): its own CPU "
-                        "(0.4-1 ms per bubble on the 2-core test VM, 1 ms with a side task running) is taken from "
-                        "the ranks: two 1F1B ranks ran +10%% slower at 45 ms iterations, +45-93%% at 16-19 ms "
+            if guessed:
+                # A guess from the managers' sockets (the layout names no devices): a stranger's ranks both ran on
+                # one core, and the other core's manager made this one turn its spin off, "every core computes a
+                # rank", for a core no rank used. The spin gives way by itself where a rank takes its core.
+                whose = (f"has a cpu manager, and is taken for a rank's: the layout ({layout.describe()}) names no "
+                         "devices, and one rank per cpu manager is the usual way")
+            else:
+                whose = f"is a training rank's ({layout.describe()})"
+                if self._event_spin_ns:
+                    self._event_spin_ns = self._spin_until_ns = 0
+                    log.warning("[%s] --event-spin-us is off: every core this manager may run on computes a rank, "
+                                "and turning awake between events would take that core from it", self.device)
+            log.warning("[%s] every core this manager may run on (%s) %s. Its own CPU (0.4-1 ms per bubble on the "
+                        "2-core test VM, 1 ms with a side task running) is then taken from the ranks: two 1F1B ranks "
+                        "ran +10%% slower at 45 ms iterations, +45-93%% at 16-19 ms "
                         "(bench/results/cpu/instrumentation-side-task.md). Give the managers a core no rank uses "
-                        "(taskset -c K freeride manager ...)", self.device, ",".join(map(str, sorted(shared))),
-                        layout.describe())
+                        "(taskset -c K freeride manager ...)", self.device, ",".join(map(str, sorted(shared))), whose)
 
     def call(self, request: Request | GetQueueView, timeout_s: float = 10.0) -> Any:
         """Run a request on the loop thread and return its answer (or raise its error)."""

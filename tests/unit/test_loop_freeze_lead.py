@@ -128,6 +128,29 @@ def test_a_manager_whose_cores_all_compute_ranks_turns_its_spin_off_and_says_so(
         loop.stop()
 
 
+def test_cores_guessed_to_be_ranks_from_the_managers_sockets_leave_the_spin_on_and_the_warning_says_it_is_a_guess(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stranger trial: both DeepSpeed ranks on core 0, a spinning manager on core 1; the idle cpu:0 manager's socket
+    # made it say "every core computes a rank" and turn its spin off.
+    now = [10 * HOUR_NS]
+    sockets = tmp_path / "run"
+    sockets.mkdir()
+    config = LoopConfig(state_dir=tmp_path / "state", event_spin_ns=SPIN_NS, end_board_path=sockets / "ends")
+    loop = ManagerLoop(open_device(cpu_devices(1)[0]), config, now_ns=lambda: now[0])
+    try:
+        for core in loop._cores:
+            (sockets / f"cpu-{core}.sock").touch()
+        with caplog.at_level(logging.WARNING):
+            loop._trainer_input(TrainerLayout("TrainSchedule", 2, 8, (), now[0]), now[0])
+        assert "has a cpu manager, and is taken for a rank's" in caplog.text
+        assert "--event-spin-us is off" not in caplog.text
+        loop._feed_trainer(_start(now[0]), now[0])
+        assert loop._timeout_s() == 0  # still spinning: it gives way by itself where a rank takes its core
+    finally:
+        loop.stop()
+
+
 class _Readings:
     """The loop thread's run delay, the process's CPU time and the loop thread's, as the kernel would count
     them (``ManagerLoop._spin_reading``): a test moves them."""
