@@ -89,6 +89,39 @@ def test_overrun_widens_the_task_margin_up_to_the_bound() -> None:
     assert margins == [2 * MS, 3 * MS, 5 * MS, 5 * MS, 5 * MS]
 
 
+def test_a_worker_that_waited_for_its_core_past_the_end_is_not_given_a_wider_margin_for_it() -> None:
+    # Stranger trial: a DeepSpeed rank and its side task on one core; at each end the rank took the core back and
+    # the worker (nice 19) could not finish its 58 us step: 1,449 of 1,630 bubbles were frozen at the grace, and
+    # the margin widened from 0.2 to 2.4 ms against 0.7 ms bubbles (11.9% harvested).
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    sim.run_delays["a"] = 450_000  # in the grant it was frozen in, it waited 0.45 ms for its core
+    _overrun(sim)
+    assert sim.state("a") == S.FROZEN and task.margin_ns == 0 and task.margin_before_freeze_ns is None
+    assert task.health.freeze_wait_ns == 450_000
+    # the next freeze, its waits summed as the supervisor does: 0.45 ms more, again not its step's fault
+    sim.run_delays["a"] = 900_000
+    sim.advance_ms(5)
+    _overrun_after_the_thawed_step(sim, frozen_grant=task.grant_id)
+    assert task.margin_ns == 0 and task.health.freeze_wait_ns == 450_000
+
+
+def test_a_worker_that_had_its_core_past_the_end_has_its_margin_widened_as_before() -> None:
+    sim = Sim(margin_ns=MS, max_margin_ns=20 * MS, grace_ns=MS // 2)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.estimator.extend([MS] * 8)
+    sim.run_delays["a"] = 20_000  # it had its core: its step ran past the end
+    _overrun(sim)
+    assert task.margin_ns == MS
+    sim.run_delays.pop("a")  # and where the wait cannot be read, the step is taken to have overrun too
+    sim.advance_ms(5)
+    _overrun_after_the_thawed_step(sim, frozen_grant=task.grant_id)
+    assert task.margin_ns == 2 * MS
+
+
 def test_a_thawed_step_frozen_again_before_it_finished_does_not_widen_the_margin() -> None:
     """Regression: a step frozen at one bubble's end, thawed, and frozen again at the next before it was
     done doubled the margin at every freeze (grants that thaw do not size the step they continue): on a

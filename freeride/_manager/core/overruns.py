@@ -65,6 +65,7 @@ class Overruns:
         """Its step was frozen past the end: if its estimate was wrong (not a setup, a probe, or a step an
         earlier grant began and a freeze stopped, which its thawing grant did not size), widen its margin."""
         if task.known_step_ns is not None and not task.probing and not task.finishing_frozen_step:
+            task.margin_before_freeze_ns = task.margin_ns
             task.margin_ns = min(self._max_margin_ns - self._margin_ns, max(task.margin_ns * 2, self._margin_ns))
 
     def freeze_running(self, now_ns: int, out: list[Action]) -> list[TaskRuntime]:

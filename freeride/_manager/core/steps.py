@@ -47,6 +47,9 @@ class StepHealth:
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
     run_delay_ns: int = -1  # its main thread's run delay inside grants, at its last freeze (-1: not read)
+    #: What it waited for its core in the grant of its last freeze (the supervisor sums only grants that end in a
+    #: freeze, from 0 for each process); -1: not read.
+    freeze_wait_ns: int = -1
     #: Since its current step (or its setup) began: the granted time of the grants it was frozen in, and of those
     #: in which its worker had no core (``WorkerStepsSeen.starved``; :attr:`starved`).
     frozen_granted_ns: int = 0
@@ -85,6 +88,7 @@ class StepHealth:
         self.hung_ns = self.hung_seen_ns = 0
         self._settle(None)  # the new process's run delay says nothing of the old one's waits
         self.run_delay_ns = -1
+        self.freeze_wait_ns = -1
         self.board_steps = 0
         self.verdict_due = False
         self.frozen_granted_ns = self.core_wait_ns = 0
@@ -162,8 +166,10 @@ class StepHealth:
         elif asleep and frozen_now:
             self.stuck_ns += self.unbooked.pop()[1]
         if run_delay_ns < 0:
+            self.freeze_wait_ns = -1
             self._settle(None)  # nothing can be booked: granted time is the step's
             return
+        self.freeze_wait_ns = max(0, run_delay_ns - max(0, self.run_delay_ns))
         grown = max(0, run_delay_ns - self.run_delay_ns) if self.run_delay_ns >= 0 else 0
         self.run_delay_ns = run_delay_ns
         while grown and self.unbooked:

@@ -34,6 +34,9 @@ class TaskRuntime:
     progress_unit: str = "steps"
     estimator: StepEstimator = field(default_factory=StepEstimator)
     margin_ns: int = 0
+    #: Its margin before its last freeze widened it, until the freeze's reading says whether the step or its core
+    #: overran (``SchedulerCore._on_worker_steps_seen``); None: no widening pending.
+    margin_before_freeze_ns: int | None = None
     grant_id: int = 0
     granted_at_ns: int = 0
     grant_bubble: tuple[int, int, int, int] | None = None
