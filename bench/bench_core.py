@@ -23,6 +23,7 @@ Run: ``python -m bench.bench_core [--bubbles 4000] [--trials 7] [--seeds 1,2,3] 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import heapq
 import importlib.util
@@ -31,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,6 +88,9 @@ def load_baseline(rev: str) -> ModuleType:
     is this tree's: a baseline far older than it may not run, and :func:`check_same` says where two cores
     decide differently."""
     folder = Path(tempfile.mkdtemp(prefix="freeride-core-baseline-"))
+    # Its modules are imported by the end of this call, but a traceback reads their source: gone at exit, not
+    # before (each test run left one of these in /tmp: a stranger counted 98).
+    atexit.register(shutil.rmtree, folder, True)
     listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{NEW_PATH}"], cwd=REPO, capture_output=True,
                             text=True)
     if listed.returncode == 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,17 @@ def test_the_committed_core_package_loads_as_the_baseline_and_decides_as_this_on
     assert old.__name__ == "baseline_core" and old.SchedulerCore is not C.SchedulerCore
     events = bench_core.Device(old, seed=1, chaos=False).run(60)
     assert bench_core.check_same(events, old, "freeride") == len(events) > 0
+
+
+@pytest.mark.skipif(not _in_a_git_checkout(), reason="the baseline is read from git")
+def test_the_baselines_folder_is_gone_once_its_process_exits() -> None:
+    code = "from bench import bench_core; print(bench_core.load_baseline('HEAD').__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=bench_core.REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = Path(done.stdout.strip())
+    assert loaded.name == "__init__.py" and loaded.parent.name == "baseline_core"
+    assert not loaded.parent.parent.exists()  # the freeride-core-baseline-* folder
 
 
 @dataclasses.dataclass(frozen=True)
