@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -62,8 +61,6 @@ def run(rounds: int, batches: int, schedule: str = "interleaved-1f1b", microbatc
 
     csv_path = Path(tempfile.mkdtemp(prefix="fr-spin-")) / "order.csv"
     bench_schedules.write_csv_order(csv_path, microbatches)
-    allowed = os.sched_getaffinity(0)
-    training_core = {min(allowed - control_cpus() or allowed)}
     out: dict[str, Any] = {}
     for condition in CONDITIONS:
         out[condition] = {}
@@ -77,15 +74,9 @@ def run(rounds: int, batches: int, schedule: str = "interleaved-1f1b", microbatc
                 for _ in range(rounds):
                     case = bench_schedules._torch_case(schedule, 0, microbatches, csv_path)
                     reporter = hot_path._reporter(endpoint, 0, "local")
-                    os.sched_setaffinity(0, training_core)
                     try:
-                        step, undo = case.instrument(reporter)
-                        try:
-                            cost.append(hot_path.paired_ns(case.bare, step, 6, batches) / 1e3)
-                        finally:
-                            undo()
+                        cost.append(hot_path.replay_cost_ns(case, reporter, 6, batches) / 1e3)
                     finally:
-                        os.sched_setaffinity(0, allowed)
                         reporter.close()
                 with ControlClient(endpoint) as client:
                     delay = client.stats().event_delay_ms

@@ -181,8 +181,6 @@ def costs_ns(case_of: Callable[[int], Case], ranks: tuple[int, ...] = (0, 1), *,
     unknown = set(routes) - {*ROUTES, TRACKER}
     if unknown:
         raise ValueError(f"unknown route(s) {sorted(unknown)}: pick from {', '.join((*ROUTES, TRACKER))}")
-    allowed = os.sched_getaffinity(0)
-    training_core = {min(allowed - control_cpus() or allowed)}
     out: dict[str, list[float]] = {route: [] for route in routes}
     with ExitStack() as managers:
         endpoints: dict[str, Endpoint] = {}
@@ -194,18 +192,30 @@ def costs_ns(case_of: Callable[[int], Case], ranks: tuple[int, ...] = (0, 1), *,
             case = case_of(rank)
             for route in routes:
                 reporter = None if route == TRACKER else _reporter(endpoints[route], rank, route)  # thread unpinned
-                os.sched_setaffinity(0, training_core)  # this (the training) thread only, before it is instrumented
-                try:  # (as a trainer pins its rank: instrumenting an unpinned cpu:N rank is warned about)
-                    step, undo = case.instrument(_Dropped() if reporter is None else reporter)
-                    try:
-                        out[route].append(paired_ns(case.bare, step, rounds, per_batch))
-                    finally:
-                        undo()
+                try:
+                    out[route].append(replay_cost_ns(case, _Dropped() if reporter is None else reporter, rounds,
+                                                     per_batch))
                 finally:
-                    os.sched_setaffinity(0, allowed)
                     if reporter is not None:
                         reporter.close()
     return out
+
+
+def replay_cost_ns(case: Case, sink: Any, rounds: int, per_batch: int) -> float:
+    """The training thread's ns per iteration that ``case``'s instrumentation, reporting to ``sink``, adds
+    (:func:`paired_ns`), with this thread pinned to the training core meanwhile: the core that is not the control
+    plane's (:func:`control_cpus`), as a trainer pins its rank (instrumenting an unpinned cpu:N rank is warned
+    about). Only this thread is pinned, before it is instrumented; the sink's threads stay where they are."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed - control_cpus() or allowed)})
+    try:
+        step, undo = case.instrument(sink)
+        try:
+            return paired_ns(case.bare, step, rounds, per_batch)
+        finally:
+            undo()
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def main(argv: list[str] | None = None) -> int:

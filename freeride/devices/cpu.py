@@ -52,10 +52,16 @@ class ProcField:
         try:
             return int(os.pread(fd, 128, 0).split()[self._field])
         except (OSError, IndexError, ValueError):
-            self._missing, self._fd = True, None
+            self.close()
+            return None
+
+    def close(self) -> None:
+        """Close its descriptor: :meth:`read` is None from then on."""
+        self._missing = True
+        fd, self._fd = self._fd, None
+        if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-            return None
 
 
 def rss_bytes(pid: int) -> int:

@@ -20,10 +20,11 @@ Costs three clock reads per action (a few microseconds): a bench instrument, not
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from freeride.devices.cpu import SCHEDSTAT_PATH, ProcField
 
 _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -35,15 +36,11 @@ class IdleProbe:
         self.min_gap_ns = min_gap_ns
         self._exit: tuple[int, int, int] | None = None  # (wall, thread CPU, run delay) at the last action's end
         self._gaps: list[tuple[int, int, int]] = []
-        try:  # this (the training) thread's scheduler statistics: CPU time, run delay, time slices
-            self._schedstat: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._schedstat = None
+        # The training thread's run delay (opened by it, at its first read; 0 where the kernel keeps none).
+        self._run_delay = ProcField(SCHEDSTAT_PATH, 1)
 
     def _run_delay_ns(self) -> int:
-        if self._schedstat is None:
-            return 0
-        return int(os.pread(self._schedstat, 64, 0).split()[1])
+        return self._run_delay.read() or 0
 
     def wrap(self, stage: Any) -> None:
         for name in _METHODS:
@@ -83,6 +80,4 @@ class IdleProbe:
         return gaps
 
     def close(self) -> None:
-        if self._schedstat is not None:
-            os.close(self._schedstat)
-            self._schedstat = None
+        self._run_delay.close()

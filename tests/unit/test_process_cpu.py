@@ -137,3 +137,17 @@ def test_a_process_state_reads_runnable_asleep_stopped_and_gone() -> None:
             proc.kill()
             proc.wait()
     assert process_state(busy.pid) == "" and sched_times(busy.pid) == (-1, -1)  # reaped: gone
+
+
+def test_a_proc_field_reads_its_number_until_closed_and_none_where_the_file_is_missing(tmp_path: Path) -> None:
+    field = cpu.ProcField("/proc/self/statm", 1)  # resident pages
+    first = field.read()
+    assert first is not None and first > 0
+    assert field.read() is not None  # the kept descriptor reads afresh
+    field.close()
+    assert field.read() is None
+    assert cpu.ProcField(str(tmp_path / "no-such-file"), 0).read() is None
+    short = tmp_path / "short"
+    short.write_text("7\n")
+    assert cpu.ProcField(str(short), 0).read() == 7
+    assert cpu.ProcField(str(short), 1).read() is None  # no second field: None, and from then on
