@@ -107,6 +107,27 @@ def _share(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 
 
+def _wrap(line: str, width: int) -> list[str]:
+    """A header line of ``width`` or less as it is; a longer one broken where its parts are (two spaces apart),
+    each further line indented by two, a part longer than a line cut by :func:`_fit`. A header line cut at the
+    terminal's edge lost what it ended with (a stranger's 80 columns lost the figures "now" and "while shared")."""
+    if len(line) <= width:
+        return [line]
+    out: list[str] = []
+    current = ""
+    for part in line.split("  "):
+        if not part:
+            continue
+        joined = f"{current}  {part}" if current else part
+        if len(joined) <= width or not current:
+            current = joined
+            continue
+        out.append(current)
+        current = "  " + part
+    out.append(current)
+    return [_fit(text, width) for text in out]
+
+
 def _fit(text: str, width: int) -> str:
     """Cut ``text`` to ``width`` characters, marking the cut."""
     if len(text) <= width:
@@ -180,7 +201,13 @@ def _task_lines(tasks: Sequence[TaskInfo], draining: bool, previous: Sequence[Ta
     return with_reasons(rows, [why(t) for t in ordered], width, reason_lines=REASON_LINES)
 
 
-def _bubble_lines(bubbles: Sequence[BubbleSlotStats]) -> list[str]:
+#: The bubble table's columns a narrow screen loses first, in order (the slot, its count and lengths stay).
+_BUBBLE_COLUMNS_DROPPED = ("MAX", "ERR P50", "MIN FREE", "P99", "PREDICTED")
+
+
+def _bubble_lines(bubbles: Sequence[BubbleSlotStats], width: int | None = None) -> list[str]:
+    """The bubble table; where it is wider than ``width``, whole columns are left out
+    (:data:`_BUBBLE_COLUMNS_DROPPED`) rather than the right end of every row cut mid-figure."""
     if not bubbles:
         return ["no bubbles reported yet"]
     rows = [["STAGE", "RANK", "SLOT", "KIND", "COUNT", "P50", "P99", "MAX", "PREDICTED", "ERR P50", "MIN FREE"]]
@@ -191,7 +218,14 @@ def _bubble_lines(bubbles: Sequence[BubbleSlotStats]) -> list[str]:
             f"{b.abs_error_pct.p50:.1f}%" if b.abs_error_pct.count else "-",
             format_size(b.min_free_memory_bytes) if b.min_free_memory_bytes >= 0 else "?",
         ])
-    return aligned(rows)
+    lines = aligned(rows)
+    for name in _BUBBLE_COLUMNS_DROPPED:
+        if width is None or all(len(line) <= width for line in lines):
+            break
+        column = rows[0].index(name)
+        rows = [row[:column] + row[column + 1:] for row in rows]
+        lines = aligned(rows)
+    return lines
 
 
 def _clip(lines: list[str], room: int, what: str) -> list[str]:
@@ -225,12 +259,12 @@ def render(
     manager stopped answering and the figures are the last ones it gave.
     """
     width = max(MIN_WIDTH, width)
-    head = _header(stats, previous)
+    head = [wrapped for line in _header(stats, previous) for wrapped in _wrap(line, width)]
     if notice:
         head.append(f"! {notice}")
     bubble_delta_s = stats.bubble_time_s - previous.bubble_time_s if previous is not None else 0.0
     task_lines = _task_lines(tasks, stats.draining, previous_tasks, bubble_delta_s, width)
-    bubble_lines = _bubble_lines(bubbles)
+    bubble_lines = _bubble_lines(bubbles, width)
     if height is not None:
         room = max(0, height - len(head) - 4)  # two blank lines and two titles
         # Bubbles get what they need up to a third of the room; tasks get the rest.

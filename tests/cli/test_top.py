@@ -165,6 +165,31 @@ def test_every_line_fits_the_width() -> None:
     assert "..." in frame
 
 
+def test_a_header_line_too_wide_is_broken_between_its_parts_not_cut() -> None:
+    # Stranger trial: at 80 columns the header lost its "now" window and its "while shared" count at the edge.
+    before = stats(uptime_s=100.0, bubble_time_s=40.0, harvested_s=30.0)
+    after = stats(uptime_s=102.0, bubble_time_s=41.0, harvested_s=30.5, bubbles_while_shared=123)
+    lines = render(after, [], [], width=80, previous=before).splitlines()
+    head = lines[:lines.index("")]
+    assert all(len(line) <= 80 for line in head)
+    assert not any(line.endswith("...") for line in head)
+    text = " ".join(line.strip() for line in head)
+    assert "now: the last 2.0s)" in text and "(123 while shared: not counted)" in text and "memory budget 3.0 GiB" in text
+    assert head[1].startswith("  (totals since the manager started")  # a continuation is indented under its line
+    wide = render(after, [], [], width=200, previous=before).splitlines()
+    assert len(wide[:wide.index("")]) == len(head) - 3  # three lines broke at 80, none at 200
+
+
+def test_a_narrow_screen_leaves_whole_bubble_columns_out_rather_than_cutting_rows() -> None:
+    lines = render(stats(), [], BUBBLES, width=80).splitlines()
+    table = lines[lines.index("BUBBLES (recent, per stage/rank/slot)") + 1:]
+    assert table[0].split() == ["STAGE", "RANK", "SLOT", "KIND", "COUNT", "P50", "P99", "PREDICTED", "MIN", "FREE"]
+    assert not any(line.endswith("...") for line in table)
+    assert "25.0 ms" in table[1] and "30.0 ms" not in table[1]  # P99 kept, MAX left out
+    full = render(stats(), [], BUBBLES, width=160).splitlines()
+    assert "MAX" in full[full.index("BUBBLES (recent, per stage/rank/slot)") + 1]
+
+
 def test_a_short_terminal_keeps_the_header_and_counts_the_rows_left_out() -> None:
     many = [task(f"t-{i}", "PARKED", float(i)) for i in range(40)]
     frame = render(stats(), many, BUBBLES, width=120, height=20)
