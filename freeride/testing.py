@@ -112,29 +112,34 @@ def run_steps(task: SideTask, steps: int, *, ctx: TaskContext | None = None, wor
     Stops at the first ``done()`` that is true, as a worker does (the task is finished then, whatever a
     later call says); ``done`` is checked once more after the last of ``steps``. ``progress()`` is read after
     every step as a worker reads it (:func:`~freeride.task.finite_progress`: a NaN raises ValueError). The cap is
-    ``ctx.memory_limit_bytes`` (a context is made from ``work_dir`` and ``memory_limit_bytes`` when none is
-    given); the resident set is sampled after ``setup`` and after every step, from a baseline taken now, as a
-    worker takes its baseline once the task is built. Raises :class:`MemoryCapExceeded`; the task's own
-    exceptions propagate unchanged, and its ``os._exit(code)`` raises
-    :class:`~freeride._loading.ProcessExitCalled`.
+    ``ctx.memory_limit_bytes``, else ``memory_limit_bytes``; a task to be set up without ``ctx`` gets a context
+    made from ``work_dir`` and the cap (a task set up already needs none, and no directory is made for it). The
+    resident set is sampled after ``setup`` and after every step, from a baseline taken now, as a worker takes
+    its baseline once the task is built. Raises :class:`MemoryCapExceeded`; the task's own exceptions propagate
+    unchanged, and its ``os._exit(code)`` raises :class:`~freeride._loading.ProcessExitCalled`.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    if ctx is None:
-        ctx = task_context(work_dir, memory_limit_bytes=memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES)
+    if memory_limit_bytes is not None and not (isinstance(memory_limit_bytes, int) and memory_limit_bytes > 0):
+        raise ValueError(f"memory_limit_bytes must be a positive int, got {memory_limit_bytes!r}")
+    cap = memory_limit_bytes or DEFAULT_MEMORY_LIMIT_BYTES
+    if ctx is not None:
+        cap = ctx.memory_limit_bytes
+    elif setup:  # a task set up already has its directory: none is made for it
+        ctx = task_context(work_dir, memory_limit_bytes=cap)
     probe = MemoryProbe()
     name = type(task).__name__
     with exit_raises():  # a task's os._exit() took the test session down without a word
-        if setup:
+        if ctx is not None and setup:
             task.setup(ctx)
-            _check_cap(probe, ctx.memory_limit_bytes, f"{name}.setup()")
+            _check_cap(probe, cap, f"{name}.setup()")
         times: list[float] = []
         done = bool(task.done())
         while len(times) < steps and not done:
             start = time.perf_counter()
             task.step()
             times.append(time.perf_counter() - start)
-            _check_cap(probe, ctx.memory_limit_bytes, f"{name}'s step {len(times) - 1}")
+            _check_cap(probe, cap, f"{name}'s step {len(times) - 1}")
             finite_progress(task.progress(), len(times))  # a worker fails a task whose progress() is no number
             done = bool(task.done())
     return StepsRun(len(times), done, probe.peak_bytes(), tuple(times))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,22 @@ def test_run_steps_sets_up_runs_n_steps_and_stops_when_done(tmp_path: Path) -> N
     assert (run.steps, run.done, len(run.step_s)) == (3, False, 3) and task.work_dir == tmp_path
     again = run_steps(task, 10, setup=False)
     assert (again.steps, again.done, task.moves) == (2, True, 5)
+
+
+def test_run_steps_on_a_task_set_up_already_makes_no_directory(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stranger trial: our own test runs left a /tmp/freeride-test-* directory for each such call.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    task = Walk(total=5)
+    run_steps(task, 2, work_dir=tmp_path / "w")
+    assert run_steps(task, 10, setup=False).done
+    assert list(temp.iterdir()) == []
+    run_steps(Walk(total=1), 1)  # set up without a directory given: a fresh temporary one, as documented
+    assert len(list(temp.iterdir())) == 1
+    with pytest.raises(ValueError, match="memory_limit_bytes"):
+        run_steps(Walk(total=1), 1, setup=False, memory_limit_bytes=-1)
 
 
 def test_run_steps_fails_a_task_over_its_cap_as_a_worker_would(tmp_path: Path) -> None:
