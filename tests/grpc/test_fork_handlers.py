@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 _CHILD = textwrap.dedent("""
-    import ctypes, subprocess, sys, tempfile, threading
+    import ctypes, shutil, subprocess, sys, tempfile, threading
     from pathlib import Path
     import os
     import freeride  # first, as every freeride command and manager does
@@ -30,7 +30,7 @@ _CHILD = textwrap.dedent("""
     from freeride._wire.client import health_status
     from freeride.endpoints import Endpoint
 
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(tempfile.mkdtemp(prefix="frfork-"))  # short: a unix socket's path has about 100 bytes
     manager = Manager(sys.argv[1], endpoint=Endpoint("unix", str(tmp / "s.sock")), state_dir=tmp / "state")
     manager.start()
     stop = threading.Event()
@@ -49,6 +49,7 @@ _CHILD = textwrap.dedent("""
     for t in threads:
         t.join()
     manager.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
     print("children started: 40")
 """)
 
