@@ -491,6 +491,9 @@ class BubbleSlotStats:
     #: The mean of the same lengths as ``length_ms`` (ms; 0 with none): a slot whose lengths vary sums to
     #: its share of the bubble time by its mean, not its median.
     length_mean_ms: float = 0.0
+    #: Of ``count``, the bubbles that ended while other trainer ranks shared the device: one rank's waits there,
+    #: not the device's idle time (``ManagerStats.bubbles_while_shared``), though measured in this slot.
+    shared: int = 0
 
 
 @dataclass(frozen=True)

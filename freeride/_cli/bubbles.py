@@ -6,7 +6,9 @@ One row per (device, stage, slot): whether the schedule model lists the slot (``
 trainer learned it from waits that recur where the model has none (``learned``: stage imbalance,
 communication; see ``freeride.training.learned_slots``), how many times the bubble occurred, its
 measured length (p50 / p90 / p99 / max), the trainer's predicted length, the prediction error
-(|predicted - real| / real, p50 / p90) and the least free device memory reported in it. A footer per
+(|predicted - real| / real, p50 / p90) and the least free device memory reported in it. A count marked ``*``
+holds bubbles that ended while other trainer ranks shared the device (a line under the device's rows says how
+many): one rank's waits there, which are not the device's idle time nor in ``stats``' bubble time. A footer per
 device gives the bubble time per iteration and stage, modelled and learned apart: the sum of its slots' mean
 lengths (what ``stats`` adds up; a stranger read a sum of medians as less than half of it where lengths
 varied), the sum of their medians in brackets; a last line says what the prediction is. Without
@@ -110,6 +112,11 @@ PRED_LEGEND = ("pred: the trainer's prediction, by default the 10th percentile o
                "a grant cut to it rarely outlives the wait); err: |pred - real| / real")
 
 
+#: After the count of a device's bubbles measured while its ranks shared it (``BubbleSlotStats.shared``).
+SHARED_NOTE = ("of these bubbles ended while other trainer ranks shared the device: one rank's waits, not the "
+               "device's idle time (not in `stats`' bubble time)")
+
+
 def _ms(value: float) -> str:
     return f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
@@ -138,7 +145,7 @@ def summary_doc(slots: list[BubbleSlotStats]) -> dict[str, Any]:
     """``--summary --json``: a device's slots counted, and its bubble time per iteration per stage (the sums of
     the slots' means; ``..._median``: of their medians, the only figure before)."""
     return {"slots": len(slots), "measured": sum(1 for s in slots if s.count),
-            "learned": sum(1 for s in slots if s.learned),
+            "learned": sum(1 for s in slots if s.learned), "shared": sum(s.shared for s in slots),
             "bubble_ms_per_iteration": {str(k): {"modelled": m, "learned": learned, "modelled_median": m50,
                                                  "learned_median": learned50}
                                         for k, (m, learned, m50, learned50) in bubble_time_per_stage(slots).items()}}
@@ -166,8 +173,9 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summ
                 figures = f"{'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>7} {'-':>7}"
             lines.append(
                 f"{device:<8} {s.stage:>5} {s.rank:>4} {s.slot:>6} {'learned' if s.learned else 'model':<7} "
-                f"{s.kind:<10} {s.count:>6} {figures} {free:>9}"
+                f"{s.kind:<10} {str(s.count) + ('*' if s.shared else ''):>6} {figures} {free:>9}"
             )
+        shared = sum(s.shared for s in slots)
         per_stage = bubble_time_per_stage(slots)
         per = ", ".join(
             f"stage {k}: {_ms(m)} ms ({_ms(m50)})" + (f" + {_ms(learned)} ms ({_ms(learned50)}) learned"
@@ -177,9 +185,12 @@ def render(stats: dict[str, list[BubbleSlotStats]], errors: dict[str, str], summ
         if summary:
             counted = summary_doc(slots)
             lines.append(f"{device:<8} {counted['slots']} slots ({counted['measured']} measured, "
-                         f"{counted['learned']} learned); {PER_ITERATION}: {per}")
+                         f"{counted['learned']} learned); {PER_ITERATION}: {per}"
+                         + (f"; {shared} {SHARED_NOTE}" if shared else ""))
         else:
             lines.append(f"{'':<8} {PER_ITERATION}: {per}")
+            if shared:
+                lines.append(f"{'':<8} *: {shared} {SHARED_NOTE}")
     for device, message in errors.items():
         lines.append(f"{device:<8} unavailable: {message}")
     if not summary and any(stats.values()):

@@ -256,7 +256,7 @@ def slot_to_pb(s: BubbleSlotStats) -> _pb.BubbleSlotStats:
     return _pb.BubbleSlotStats(
         stage=s.stage, rank=s.rank, slot=s.slot, kind=s.kind, count=s.count, length_ms=pct(s.length_ms),
         predicted_ms=pct(s.predicted_ms), abs_error_pct=pct(s.abs_error_pct),
-        min_free_memory_bytes=s.min_free_memory_bytes, learned=s.learned, length_mean_ms=s.length_mean_ms,
+        min_free_memory_bytes=s.min_free_memory_bytes, learned=s.learned, length_mean_ms=s.length_mean_ms, shared=s.shared,
     )
 
 
@@ -265,7 +265,7 @@ def slot_from_pb(msg: _pb.BubbleSlotStats) -> BubbleSlotStats:
     return BubbleSlotStats(
         stage=msg.stage, rank=msg.rank, slot=msg.slot, kind=msg.kind, count=msg.count, length_ms=pct(msg.length_ms),
         predicted_ms=pct(msg.predicted_ms), abs_error_pct=pct(msg.abs_error_pct),
-        min_free_memory_bytes=msg.min_free_memory_bytes, learned=msg.learned, length_mean_ms=msg.length_mean_ms,
+        min_free_memory_bytes=msg.min_free_memory_bytes, learned=msg.learned, length_mean_ms=msg.length_mean_ms, shared=msg.shared,
     )
 
 

@@ -338,7 +338,7 @@ class BubblesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BubbleSlotStats(_message.Message):
-    __slots__ = ("stage", "rank", "slot", "kind", "count", "length_ms", "predicted_ms", "abs_error_pct", "min_free_memory_bytes", "learned", "length_mean_ms")
+    __slots__ = ("stage", "rank", "slot", "kind", "count", "length_ms", "predicted_ms", "abs_error_pct", "min_free_memory_bytes", "learned", "length_mean_ms", "shared")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class BubbleSlotStats(_message.Message):
     MIN_FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEARNED_FIELD_NUMBER: _ClassVar[int]
     LENGTH_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     stage: int
     rank: int
     slot: int
@@ -361,7 +362,8 @@ class BubbleSlotStats(_message.Message):
     min_free_memory_bytes: int
     learned: bool
     length_mean_ms: float
-    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., length_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., predicted_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., abs_error_pct: _Optional[_Union[Percentiles, _Mapping]] = ..., min_free_memory_bytes: _Optional[int] = ..., learned: _Optional[bool] = ..., length_mean_ms: _Optional[float] = ...) -> None: ...
+    shared: int
+    def __init__(self, stage: _Optional[int] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., length_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., predicted_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., abs_error_pct: _Optional[_Union[Percentiles, _Mapping]] = ..., min_free_memory_bytes: _Optional[int] = ..., learned: _Optional[bool] = ..., length_mean_ms: _Optional[float] = ..., shared: _Optional[int] = ...) -> None: ...
 
 class BubblesResponse(_message.Message):
     __slots__ = ("slots",)

@@ -178,6 +178,26 @@ def test_a_slot_seen_but_never_measured_shows_dashes_not_zero_lengths() -> None:
     assert seen.split()[6:9] == ["2", "1.50", "1.50"]
 
 
+def test_counts_measured_while_ranks_shared_the_device_are_marked_and_said_under_the_devices_rows() -> None:
+    # Stranger trial: rows measured while two ranks shared a device read as its idle time, with no mark.
+    from freeride.messages import BubbleSlotStats, Percentiles
+
+    def slot(index: int, count: int, shared: int) -> BubbleSlotStats:
+        return BubbleSlotStats(stage=0, rank=0, slot=index, kind="steady", count=count,
+                               length_ms=Percentiles(count, 2.0, 2.0, 2.0, 2.0), predicted_ms=Percentiles(),
+                               abs_error_pct=Percentiles(), min_free_memory_bytes=-1, length_mean_ms=2.0, shared=shared)
+
+    rows = bubbles_cli.render({"cpu:0": [slot(1, 10, 7), slot(2, 10, 0)], "cpu:1": [slot(1, 5, 0)]}, {}).splitlines()
+    counts = {r.split()[3]: r.split()[6] for r in rows if r.startswith("cpu:0")}
+    assert counts == {"1": "10*", "2": "10"}
+    said = [r for r in rows if "*: " in r]
+    assert len(said) == 1 and said[0].split()[:2] == ["*:", "7"] and "not the device's idle time" in said[0]
+    assert rows.index(said[0]) < next(i for i, r in enumerate(rows) if r.startswith("cpu:1"))  # under cpu:0's rows
+    summary = bubbles_cli.render({"cpu:0": [slot(1, 10, 7)]}, {}, summary=True)
+    assert "; 7 of these bubbles ended while other trainer ranks shared the device" in summary
+    assert bubbles_cli.summary_doc([slot(1, 10, 7), slot(2, 3, 1)])["shared"] == 8
+
+
 def test_the_summary_is_one_line_per_device_with_its_slots_and_bubble_time_per_stage() -> None:
     from freeride.messages import BubbleSlotStats, Percentiles
 

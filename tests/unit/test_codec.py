@@ -66,7 +66,7 @@ STATS = ManagerStats(
     shared_by_ranks=(0, 2), events_other_ranks=12, events_ignored=3, bubbles_while_shared=4,
 )
 SLOT = BubbleSlotStats(stage=1, rank=2, slot=3, kind="tail", count=4, length_ms=P, predicted_ms=P, abs_error_pct=P,
-                       min_free_memory_bytes=5, learned=True, length_mean_ms=2.5)
+                       min_free_memory_bytes=5, learned=True, length_mean_ms=2.5, shared=3)
 
 COMMAND_INFO = TaskInfo(
     task_id="c-8", spec=TaskSpec(command=("python", "-c", "pass"), args={"x": 1}, memory_bytes=1, priority=2, name="c",

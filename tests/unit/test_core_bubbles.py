@@ -355,6 +355,8 @@ def test_a_second_rank_on_the_device_stops_grants_and_its_events_are_counted_apa
     assert stats.other_rank_events == 7 and stats.bubbles == 4
     # every one of rank 0's bubbles ended while rank 2 shared the device: counted, their time not the device's
     assert stats.shared_bubbles == 4 and stats.bubble_ns == 0
+    # ... and their slot says so: `bubbles` marks them (a stranger read such rows as the device's idle time)
+    assert {(s.rank, s.count, s.shared) for s in sim.core.slot_stats() if s.count} == {(0, 4, 4)}
     assert "trainer ranks 0, 2 share this device" in sim.core.waiting_reason(sim.core.tasks["a"])
 
 

@@ -131,6 +131,8 @@ class SlotStats:
     predicted_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
     abs_error_pct: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     count: int = 0
+    #: Of ``count``, those that ended while other trainer ranks shared the device (``BubbleSlotStats.shared``).
+    shared: int = 0
     min_free: int = -1
 
 
@@ -166,13 +168,15 @@ class Bubbles:
         self.open = OpenBubble(event=b, received_ns=received_ns, survival_ns=survival)
         return self.open
 
-    def measure_end(self, bubble: OpenBubble, end_ns: int, measured: bool) -> int:
-        """The bubble's length to ``end_ns``; a measured end also feeds its slot's statistics."""
+    def measure_end(self, bubble: OpenBubble, end_ns: int, measured: bool, shared: bool = False) -> int:
+        """The bubble's length to ``end_ns``; a measured end also feeds its slot's statistics (``shared``: it
+        ended while other trainer ranks shared the device, and is counted as such)."""
         start = bubble.event
         length = max(0, end_ns - start.start_ns)
         slot = self.slots.get((start.stage, start.rank, start.slot)) if measured else None
         if slot is not None:
             slot.count += 1
+            slot.shared += shared
             slot.lengths_ns.append(length)
             slot.predicted_ns.append(start.predicted_ns)
             if length > 0:
@@ -253,6 +257,7 @@ class Bubbles:
                     min_free_memory_bytes=s.min_free,
                     learned=s.learned,
                     length_mean_ms=sum(s.lengths_ns) / len(s.lengths_ns) / MS if s.lengths_ns else 0.0,
+                    shared=s.shared,
                 )
             )
         return out

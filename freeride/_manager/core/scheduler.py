@@ -313,7 +313,7 @@ class SchedulerCore:
         self.policy.end_seen(self, bubble, event.end_ns, now_ns)
 
     def _end_bubble(self, bubble: OpenBubble, end_ns: int, now_ns: int, out: list[Action], measured: bool) -> None:
-        length = self.bubbles.measure_end(bubble, end_ns, measured)
+        length = self.bubbles.measure_end(bubble, end_ns, measured, shared=bool(self.sharing_ranks))
         if not self.sharing_ranks:  # a rank's wait on a shared device is not the device's idle time (_follows)
             self.stats.bubble_ns += length
         else:
