@@ -449,6 +449,9 @@ class ManagerStats:
     #: Of ``bubbles``, those that ended while other ranks shared the device: their time is not in
     #: ``bubble_time_s`` (a device is idle only while all its ranks wait, which freeride does not follow).
     bubbles_while_shared: int = 0
+    #: While ``shared_by_ranks`` is not empty, how long since any of those ranks sent an event (s): a job that
+    #: ended leaves its device shared for 5 s more, which the CLI then says in the past tense.
+    shared_quiet_s: float = 0.0
     #: Well-formed bubble events the scheduler ignored as out of order: an end without its open start (its
     #: start went to a manager that died, after a restart under a running trainer, or was lost), an end before
     #: its start, a start older than the open one. (Until this count, they were added to ``events_rejected``,

@@ -591,7 +591,7 @@ def render_stats(s: ManagerStats) -> str:
 
         fields.append(("queue", queue_line(s.queue)))
     if s.shared_by_ranks:
-        fields.append(("shared", shared_line(s.shared_by_ranks)))
+        fields.append(("shared", shared_line(s.shared_by_ranks, s.shared_quiet_s)))
     if s.layout:
         fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
@@ -603,10 +603,21 @@ def shared_bubbles_note(count: int) -> str:
             "device: it was idle only while all of them waited, which freeride does not follow)")
 
 
-def shared_line(ranks: Sequence[int]) -> str:
-    """What ``stats`` and ``top`` say of a device that trainer ranks share (the followed one first)."""
-    return (f"trainer ranks {', '.join(str(r) for r in sorted(ranks))} share this device: nothing is granted while "
-            f"they do (it is idle only while all of them wait; the bubbles shown are rank {ranks[0]}'s)")
+#: Quiet this long (s), ranks that share a device are said to have shared it: their job ended or paused, and the
+#: manager counts the device as shared until 5 s of quiet (the core's ``explain.SHARED_QUIET_NS``).
+SHARED_QUIET_S = 1.0
+
+
+def shared_line(ranks: Sequence[int], quiet_s: float = 0.0) -> str:
+    """What ``stats`` says of a device that trainer ranks share (the followed one first), ``quiet_s`` after the
+    last event of any of them: in the past tense once they fell quiet (a stranger's job had ended for seconds
+    while "share" still read as now)."""
+    names = ", ".join(str(r) for r in sorted(ranks))
+    if quiet_s >= SHARED_QUIET_S:
+        return (f"trainer ranks {names} shared this device until {quiet_s:.0f} s ago (no event from them since): "
+                f"nothing is granted until it has been quiet for 5 s (the bubbles shown are rank {ranks[0]}'s)")
+    return (f"trainer ranks {names} share this device: nothing is granted while they do (it is idle only while "
+            f"all of them wait; the bubbles shown are rank {ranks[0]}'s)")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -32,7 +32,15 @@ from time import monotonic, sleep
 from typing import Any, Protocol
 
 from freeride._cli.cluster import queue_line
-from freeride._cli.tasks import _endpoint, _manager_hint, aligned, display_state, why, with_reasons
+from freeride._cli.tasks import (
+    SHARED_QUIET_S,
+    _endpoint,
+    _manager_hint,
+    aligned,
+    display_state,
+    why,
+    with_reasons,
+)
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
@@ -148,6 +156,14 @@ def order_tasks(tasks: Sequence[TaskInfo]) -> list[TaskInfo]:
     return live + ended
 
 
+def _shared_header(stats: ManagerStats) -> str:
+    """The header's line for a device that trainer ranks share, in the past tense once they fell quiet."""
+    ranks = ", ".join(str(r) for r in sorted(stats.shared_by_ranks))
+    if stats.shared_quiet_s >= SHARED_QUIET_S:
+        return f"SHARED by trainer ranks {ranks} until {stats.shared_quiet_s:.0f} s ago: no grants until 5 s quiet"
+    return f"SHARED by trainer ranks {ranks}: no grants (idle only while all of them wait)"
+
+
 def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
     now_bubble = now_harvest = ""
     if previous is not None and stats.uptime_s > previous.uptime_s:
@@ -176,8 +192,7 @@ def _header(stats: ManagerStats, previous: ManagerStats | None) -> list[str]:
         f"tasks: {counts or 'none'}  events {stats.events_received} ({stats.events_rejected} rejected)",
         *([f"queue: {queue_line(stats.queue)}"] if stats.queue is not None else []),
         # Short enough for a narrow terminal (a cut line loses its point): `stats` says it in full.
-        *([f"SHARED by trainer ranks {', '.join(str(r) for r in sorted(stats.shared_by_ranks))}: no grants "
-           "(idle only while all of them wait)"] if stats.shared_by_ranks else []),
+        *([_shared_header(stats)] if stats.shared_by_ranks else []),
     ]
 
 

@@ -185,6 +185,7 @@ class Views:
             shared_by_ranks=core.shared_by,
             events_other_ranks=s.other_rank_events,
             bubbles_while_shared=s.shared_bubbles,
+            shared_quiet_s=core.shared_quiet_ns(self.now_ns()) / 1e9,
         )
 
 

@@ -226,7 +226,7 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         end_to_worker_ms=pct(s.end_to_worker_ms),
         queue=_pb.QueueStats(**dataclasses.asdict(s.queue)) if s.queue is not None else None,
         shared_by_ranks=s.shared_by_ranks, events_other_ranks=s.events_other_ranks, events_ignored=s.events_ignored,
-        bubbles_while_shared=s.bubbles_while_shared,
+        bubbles_while_shared=s.bubbles_while_shared, shared_quiet_s=s.shared_quiet_s,
     )
 
 
@@ -244,6 +244,7 @@ def stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         queue=_queue_stats_from_pb(msg.queue) if msg.HasField("queue") else None,
         shared_by_ranks=tuple(msg.shared_by_ranks), events_other_ranks=msg.events_other_ranks,
         events_ignored=msg.events_ignored, bubbles_while_shared=msg.bubbles_while_shared,
+        shared_quiet_s=msg.shared_quiet_s,
     )
 
 
@@ -256,7 +257,8 @@ def slot_to_pb(s: BubbleSlotStats) -> _pb.BubbleSlotStats:
     return _pb.BubbleSlotStats(
         stage=s.stage, rank=s.rank, slot=s.slot, kind=s.kind, count=s.count, length_ms=pct(s.length_ms),
         predicted_ms=pct(s.predicted_ms), abs_error_pct=pct(s.abs_error_pct),
-        min_free_memory_bytes=s.min_free_memory_bytes, learned=s.learned, length_mean_ms=s.length_mean_ms, shared=s.shared,
+        min_free_memory_bytes=s.min_free_memory_bytes, learned=s.learned, length_mean_ms=s.length_mean_ms,
+        shared=s.shared,
     )
 
 
@@ -265,7 +267,8 @@ def slot_from_pb(msg: _pb.BubbleSlotStats) -> BubbleSlotStats:
     return BubbleSlotStats(
         stage=msg.stage, rank=msg.rank, slot=msg.slot, kind=msg.kind, count=msg.count, length_ms=pct(msg.length_ms),
         predicted_ms=pct(msg.predicted_ms), abs_error_pct=pct(msg.abs_error_pct),
-        min_free_memory_bytes=msg.min_free_memory_bytes, learned=msg.learned, length_mean_ms=msg.length_mean_ms, shared=msg.shared,
+        min_free_memory_bytes=msg.min_free_memory_bytes, learned=msg.learned, length_mean_ms=msg.length_mean_ms,
+        shared=msg.shared,
     )
 
 

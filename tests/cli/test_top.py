@@ -115,6 +115,18 @@ def test_a_device_that_trainer_ranks_share_says_so_in_top_and_stats() -> None:
     assert "share this device" not in render(stats(), TASKS, BUBBLES, width=300) + render_stats(stats())
 
 
+def test_ranks_quiet_for_a_second_or_more_are_said_to_have_shared_the_device() -> None:
+    # Stranger trial: for up to 5 s after the job ended, `stats` and `top` said the ranks share the device, now.
+    quiet = stats(shared_by_ranks=(2, 0), shared_quiet_s=3.4)
+    assert "SHARED by trainer ranks 0, 2 until 3 s ago: no grants until 5 s quiet" in \
+        render(quiet, TASKS, BUBBLES, width=80).splitlines()
+    said = ("shared:      trainer ranks 0, 2 shared this device until 3 s ago (no event from them since): nothing is "
+            "granted until it has been quiet for 5 s (the bubbles shown are rank 2's)")
+    assert said in render_stats(quiet).splitlines()
+    busy = stats(shared_by_ranks=(2, 0), shared_quiet_s=0.2)  # events still coming: the present tense
+    assert "share this device:" in render_stats(busy) and "until" not in render_stats(busy)
+
+
 def test_bubble_time_says_which_bubbles_it_leaves_out_after_ranks_shared_the_device() -> None:
     # Stranger trial: both ranks on one core; once the second rank had gone quiet, `stats` read "bubbles: 750,
     # bubble time: 0.000 s" with no word of why.
@@ -174,7 +186,8 @@ def test_a_header_line_too_wide_is_broken_between_its_parts_not_cut() -> None:
     assert all(len(line) <= 80 for line in head)
     assert not any(line.endswith("...") for line in head)
     text = " ".join(line.strip() for line in head)
-    assert "now: the last 2.0s)" in text and "(123 while shared: not counted)" in text and "memory budget 3.0 GiB" in text
+    assert "now: the last 2.0s)" in text and "(123 while shared: not counted)" in text
+    assert "memory budget 3.0 GiB" in text
     assert head[1].startswith("  (totals since the manager started")  # a continuation is indented under its line
     wide = render(after, [], [], width=200, previous=before).splitlines()
     assert len(wide[:wide.index("")]) == len(head) - 3  # three lines broke at 80, none at 200

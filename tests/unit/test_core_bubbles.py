@@ -429,8 +429,14 @@ def test_after_training_a_shared_device_stops_being_shared_on_its_own_5_s_after_
     sim.end()  # rank 2's last event; rank 0's came before
     assert sim.core.shared_by == (0, 2)
     assert sim.core.next_timer_ns() == last + MS + 5_000 * MS + 1  # rank 2's end was its last event
+    assert sim.core.shared_quiet_ns(sim.now) == 0
+    assert "trainer ranks 0, 2 share this device" in sim.core.waiting_reason(sim.core.tasks["a"], sim.now)
     sim.advance_ms(4_000)
     assert not _notes(sim.tick()) and sim.core.shared_by == (0, 2)
+    # quiet for 4 s: still counted as shared, and said in the past tense (a stranger read "share" as now)
+    assert sim.core.shared_quiet_ns(sim.now) == 4_000 * MS
+    assert "trainer ranks 0, 2 shared this device until 4 s ago (no event from them since)" in \
+        sim.core.waiting_reason(sim.core.tasks["a"], sim.now)
     sim.at(last + MS + 5_000 * MS + 1)
     notes = _notes(sim.tick())
     assert notes == ["this device is no longer shared by trainer ranks (no trainer rank has reported for 5 s): its "

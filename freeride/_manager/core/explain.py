@@ -28,6 +28,13 @@ class Circumstances:
     sharing_ranks: tuple[int, ...] = ()
     #: How long since the last bubble started (0: unknown, or none yet).
     since_bubble_ns: int = 0
+    #: While ranks share the device, how long since any of them sent an event (0: unknown, or not shared).
+    shared_quiet_ns: int = 0
+
+
+#: Quiet this long, ranks that share a device are said to have shared it (training ended or paused), until the
+#: core stops counting them (``scheduler.RANK_LEFT_NS``).
+SHARED_QUIET_NS = 1_000 * MS
 
 
 def _ms(ns: int) -> str:
@@ -51,6 +58,9 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         )
     if task.state in (TaskState.PARKED, TaskState.FROZEN) and now.sharing_ranks and not now.draining:
         ranks = ", ".join(str(r) for r in sorted(now.sharing_ranks))
+        if now.shared_quiet_ns >= SHARED_QUIET_NS:
+            return (f"trainer ranks {ranks} shared this device until {now.shared_quiet_ns / 1e9:.0f} s ago (no event "
+                    "from them since): nothing is granted until it has been quiet for 5 s")
         return (f"trainer ranks {ranks} share this device: it is idle only while all of them wait, so nothing is "
                 "granted here (run one pipeline rank per device)")
     if task.state == TaskState.PARKED:

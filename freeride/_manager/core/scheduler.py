@@ -202,6 +202,7 @@ class SchedulerCore:
             longest_bubble_ns=self.bubbles.longest_ns, margin_ns=self.config.margin_ns,
             reprobe_after_bubbles=self.config.reprobe_after_bubbles, reprobes=self.policy.reprobes,
             sharing_ranks=self.shared_by, since_bubble_ns=max(0, now_ns - last) if now_ns and last else 0,
+            shared_quiet_ns=self.shared_quiet_ns(now_ns) if now_ns else 0,
         ))
 
     @property
@@ -210,6 +211,13 @@ class SchedulerCore:
         if self.followed_rank is None or not self.sharing_ranks:
             return ()
         return (self.followed_rank, *self.sharing_ranks)
+
+    def shared_quiet_ns(self, now_ns: int) -> int:
+        """While ranks share the device: how long since any of them sent an event (0 otherwise). A job that ended
+        leaves its device shared until :data:`RANK_LEFT_NS` of quiet; what says so says it in the past tense."""
+        heard = self._ranks_heard
+        times = [heard[r] for r in self.shared_by if r in heard]
+        return max(0, now_ns - max(times)) if times else 0
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         return self.bubbles.slot_stats()
