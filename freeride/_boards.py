@@ -21,6 +21,9 @@ memory access, no system call:
   (SIGSTOP) just before it does, and when it continues it (SIGCONT), just before that, adds the time since to
   the total of word 6 and clears word 5. The worker reads the total at a step's start and end, and so knows
   how long the step stood still, however many stops it met (two SIGCONTs pending at once are one signal).
+  Word 7, **step began**: when the step now running began (``CLOCK_MONOTONIC`` ns; 0 between steps), written
+  by the worker with word 0 and cleared with word 3, so that the manager, told of a bubble's end, can tell a
+  step that will end within the grace from one that will not and is frozen at the end instead.
 * :class:`EndBoard`, one per manager on a unix socket (``<socket>.ends``, in the socket's owner-only
   directory), written by the trainer: when a rank's bubble ends, its reporter writes the bubble's
   start time (its identity) and its end time into the record of that rank, from the training thread,
@@ -61,7 +64,7 @@ END_BOARD_RANKS = 64
 END_BOARD_BYTES = END_BOARD_RANKS * _RECORD.size
 WORKER_BOARD_BYTES = 64
 
-_STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING, _STOPPED_AT, _STOOD_STILL = 0, 8, 16, 24, 32, 40, 48
+_STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING, _STOPPED_AT, _STOOD_STILL, _STEP_BEGAN = 0, 8, 16, 24, 32, 40, 48, 56
 #: What the worker is doing (word 4): setting up (or nothing yet), a step, a checkpoint's ``state_dict()``.
 DOING_SETUP, DOING_STEP, DOING_CHECKPOINT = 0, 1, 2
 
@@ -114,15 +117,22 @@ class WorkerBoard:
         """The worker's side: the board its manager made."""
         return cls(_map(path, WORKER_BOARD_BYTES, writable=True))
 
-    def publish_step(self, step: int) -> None:
+    def publish_step(self, step: int, began_ns: int = 0) -> None:
+        """The step the worker begins (its index), and when (``CLOCK_MONOTONIC`` ns; 0: not said)."""
+        _WORD.pack_into(self._mm, _STEP_BEGAN, began_ns)
         _WORD.pack_into(self._mm, _STEP, step)
 
     def step(self) -> int:
         return int(_WORD.unpack_from(self._mm, _STEP)[0])
 
     def publish_done(self, steps: int) -> None:
-        """Steps this worker process has finished (the worker, after each)."""
+        """Steps this worker process has finished (the worker, after each); no step runs now."""
+        _WORD.pack_into(self._mm, _STEP_BEGAN, 0)
         _WORD.pack_into(self._mm, _DONE, steps)
+
+    def step_began_ns(self) -> int:
+        """When the step now running began (0: none runs, or the worker did not say)."""
+        return int(_WORD.unpack_from(self._mm, _STEP_BEGAN)[0])
 
     def steps_done(self) -> int:
         return int(_WORD.unpack_from(self._mm, _DONE)[0])

@@ -14,7 +14,8 @@ A trainer on the manager's host sends its events as datagrams that the loop read
 (:mod:`freeride._local_events`); the loop hands each end here first (:meth:`EndPath.local_end`): an end
 of the published grant's bubble sets the worker's word (for a worker that could not map the trainer's
 board) and becomes a :class:`~freeride._manager.core.TrainerEndSeen`, with which the core freezes a step
-still running at the trainer's end + grace, not grace after the end reached the loop.
+still running at the trainer's end + grace, not grace after the end reached the loop (at the end itself, a step
+that the worker's board says began too late to end within the grace).
 
 ``end_to_worker`` times an end received (the servicer's stamp) -> the word set, recorded by servicer
 threads and the loop thread alike, under a lock.
@@ -70,7 +71,11 @@ class EndPath:
                 self._record(self.now_ns() - received_ns)
         except ValueError:  # the worker was reaped and its board closed meanwhile
             pass
-        return [C.TrainerEndSeen(hot.task_id, hot.grant_id, event.end_ns)]
+        try:
+            began = hot.board.step_began_ns()
+        except ValueError:  # closed meanwhile: the step's start is unknown
+            began = 0
+        return [C.TrainerEndSeen(hot.task_id, hot.grant_id, event.end_ns, began)]
 
     def reported(self, grant_id: int) -> None:
         """The worker reported the grant's steps: its bubble is no longer held, an end for it times nothing."""

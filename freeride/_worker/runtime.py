@@ -422,7 +422,7 @@ class WorkerRuntime:
                     break
                 deadline = extended
             if self._board is not None:
-                self._board.publish_step(self.steps)
+                self._board.publish_step(self.steps, now)
             thaws, stood_before = self.thaws.count, self.thaws.stood_still_ns()
             step_deadline = deadline
             waited_start = self.device.waited_ns()

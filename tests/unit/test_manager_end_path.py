@@ -46,3 +46,17 @@ def test_a_grant_without_a_board_is_not_published_and_the_cores_park_sets_the_wo
     assert board.ended_grant() == 3 and path.end_to_worker_ms().count == 1
     path.parked(board, 3, end_ns=400, end_received_ns=100)  # the same word again: no second timing
     assert path.end_to_worker_ms().count == 1
+
+
+def test_a_local_end_carries_when_the_workers_running_step_began_from_its_board(tmp_path: Path) -> None:
+    from freeride._manager.core import TrainerEndSeen
+
+    path = EndPath(lambda: 3_000)
+    board = WorkerBoard.create(tmp_path / "board")
+    path.granted("t", 7, KEY, start_ns=1_000, board=board)
+    board.publish_step(4, began_ns=1_800)  # the worker, before its step
+    assert path.local_end(end(), received_ns=2_500) == [TrainerEndSeen("t", 7, 2_000, 1_800)]
+    board.publish_done(5)  # between steps: no step runs, so none is said to have begun
+    path.granted("t", 8, KEY, start_ns=1_000, board=board)
+    assert path.local_end(end(), received_ns=2_500) == [TrainerEndSeen("t", 8, 2_000, 0)]
+    assert board.step() == 4 and board.steps_done() == 5

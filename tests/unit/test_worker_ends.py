@@ -223,3 +223,26 @@ def test_a_step_the_end_came_during_is_timed_by_its_run_in_the_bubble_not_its_wa
     assert (msg.steps, msg.reason) == (2, "ended")
     assert msg.durations_ns[1] < 25 * MS  # its CPU time (a little); it waited 50 ms
     assert rt.estimator.estimate_ns() is not None and rt.estimator.estimate_ns() < 25 * MS
+
+
+def test_the_board_says_when_the_running_step_began_and_nothing_between_steps(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # The manager, told of the end, freezes at once a step that began too late to end within the grace.
+    manager, channel = channels
+    box: dict[str, WorkerBoard] = {}
+    seen: list[tuple[int, int]] = []
+
+    def hook(i: int) -> None:
+        seen.append((box["b"].step(), box["b"].step_began_ns()))
+        if i == 2:
+            box["b"].end_grant(7, 1)
+
+    rt, board, _ = worker(tmp_path, channel, CallsBack(hook))
+    box["b"] = board
+    before = time.monotonic_ns()
+    rt._run_grant(grant(7, start_ns=100))
+    parked(manager)
+    assert [step for step, _ in seen] == [0, 1, 2]
+    began = [at for _, at in seen]
+    assert before <= began[0] <= began[1] <= began[2] <= time.monotonic_ns()
+    assert board.step_began_ns() == 0  # after the last step: none runs

@@ -100,12 +100,14 @@ class BubbleEnded:
 class TrainerEndSeen:
     """The manager read the trainer's end of the bubble ``grant_id`` holds, straight from the trainer (a local
     trainer's event, :mod:`freeride._local_events`): the end the worker sees on the end board. The freeze is
-    armed at ``end_ns`` + grace, not grace after the end reached the loop; the end event is fed right after it
-    and measured as usual."""
+    armed at ``end_ns`` + grace, not grace after the end reached the loop, or at the end itself for a step that
+    will not end within the grace (``step_began_ns``: when the worker's step now running began, from its
+    board; 0: none runs, or unknown); the end event is fed right after it and measured as usual."""
 
     task_id: str
     grant_id: int
     end_ns: int
+    step_began_ns: int = 0
 
 
 @dataclass(frozen=True)

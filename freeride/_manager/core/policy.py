@@ -61,8 +61,9 @@ class SchedulingPolicy(Protocol):
                      now_ns: int, out: list) -> None:
         """The open bubble ended at ``end_ns`` (``measured``: the trainer's end; else lost) while ``task`` held it."""
 
-    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
-        """The manager read ``bubble``'s real end (``end_ns``) from the trainer itself while its worker runs."""
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0) -> None:
+        """The manager read ``bubble``'s real end (``end_ns``) from the trainer itself while its worker runs a
+        step that began at ``step_began_ns`` (0: none, or unknown)."""
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
@@ -107,14 +108,16 @@ class FreeridePolicy:
             if not bubble.seen_end_ns:  # else the freeze is armed at the end the trainer gave: keep it
                 core.overruns.arm_at_end(end_ns, now_ns)
 
-    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0) -> None:
         # The end the worker reads on the trainer's board, reached the manager without the wire: nothing more
         # is granted in this bubble, and a step still running at end + grace is frozen then (at once when
-        # that has passed), not grace after a wire trip.
+        # that has passed), not grace after a wire trip; a step that will not end within the grace is frozen
+        # at the end (Overruns.arm_at_seen_end).
         if bubble.seen_end_ns:
             return
         core.bubbles.saw_end(bubble, end_ns)
-        core.overruns.arm_at_seen_end(end_ns)
+        task = core.tasks.get(bubble.running) if bubble.running else None
+        core.overruns.arm_at_seen_end(end_ns, task, step_began_ns)
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
@@ -178,7 +181,7 @@ class ReferencePolicy:
                      now_ns: int, out: list) -> None:
         pass  # the reference never sees real ends: its poll parks at the predicted one
 
-    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0) -> None:
         pass  # the reference never sees real ends (its grants do not follow them: no end is published)
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,

@@ -318,7 +318,7 @@ class SchedulerCore:
         bubble = self.bubbles.held_by(task.task_id)
         if bubble is None or not bubble.event.start_ns <= event.end_ns <= now_ns:
             return
-        self.policy.end_seen(self, bubble, event.end_ns, now_ns)
+        self.policy.end_seen(self, bubble, event.end_ns, now_ns, event.step_began_ns)
 
     def _end_bubble(self, bubble: OpenBubble, end_ns: int, now_ns: int, out: list[Action], measured: bool) -> None:
         length = self.bubbles.measure_end(bubble, end_ns, measured, shared=bool(self.sharing_ranks))
