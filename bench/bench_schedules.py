@@ -505,6 +505,18 @@ def write_csv_order(path: Path, microbatches: int) -> None:
     path.write_text("\n".join(",".join(str(a) for a in megatron.orders[r]) for r in (0, 1)) + "\n")
 
 
+def temporary_csv_order(microbatches: int, prefix: str = "fr-csv-") -> Path:
+    """:func:`write_csv_order` into a fresh temporary folder, removed when this process exits (the replays read
+    it to the end; each run of a bench that made one and kept it left a folder in /tmp)."""
+    import atexit
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, True)
+    path = folder / "order.csv"
+    write_csv_order(path, microbatches)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_schedules", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="40 iterations per schedule, a shorter standalone probe")

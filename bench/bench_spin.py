@@ -28,7 +28,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -59,8 +58,7 @@ def run(rounds: int, batches: int, schedule: str = "interleaved-1f1b", microbatc
     from bench.bench_control_plane import control_cpus
     from freeride._wire.client import ControlClient
 
-    csv_path = Path(tempfile.mkdtemp(prefix="fr-spin-")) / "order.csv"
-    bench_schedules.write_csv_order(csv_path, microbatches)
+    csv_path = bench_schedules.temporary_csv_order(microbatches, "fr-spin-")
     out: dict[str, Any] = {}
     for condition in CONDITIONS:
         out[condition] = {}

@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists():
             for run in json.loads(path.read_text())["runs"]:
                 iteration_ms[prefix + run["schedule"]] = [r["iteration_ms_p50"] for r in run["ranks"]]
-    csv_path = Path(tempfile.mkdtemp(prefix="fr-hot-")) / "megatron-interleaved.csv"
-    bench_schedules.write_csv_order(csv_path, args.microbatches)
+    csv_path = bench_schedules.temporary_csv_order(args.microbatches, "fr-hot-")
     rows: list[dict[str, object]] = []
     for name in [n.strip() for n in args.schedules.split(",") if n.strip()]:
         if name.startswith("megatron-"):

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args(argv)
-    csv_path = Path(tempfile.mkdtemp(prefix="fr-learn-")) / "order.csv"
-    bench_schedules.write_csv_order(csv_path, args.microbatches)
+    csv_path = bench_schedules.temporary_csv_order(args.microbatches, "fr-learn-")
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(allowed)})
     rows: list[dict[str, Any]] = []

@@ -35,6 +35,19 @@ settings.register_profile("ci", deadline=None, derandomize=True, database=None, 
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_socket_files_left_in_tmp() -> Iterator[None]:
+    """Remove, when the session ends, the unix socket paths our tests made in /tmp (short names: pytest's own
+    directories are too long for a socket) and what a manager keeps beside its socket (``.ends``, ``.events``),
+    which a manager killed on purpose leaves behind: a stranger counted hundreds of them."""
+    yield
+    pid = os.getpid()
+    for pattern in (f"fr-*-{pid}.sock*", f"fr-{pid}-*.sock*"):
+        for path in Path("/tmp").glob(pattern):
+            if not path.is_dir():
+                path.unlink(missing_ok=True)
+
+
 def cpu_devices(count: int = 1) -> list[str]:
     """``count`` distinct ``cpu:N`` devices this process may run on, from ``os.sched_getaffinity``.
 
