@@ -298,3 +298,37 @@ def test_harvested_time_is_what_the_worker_says_its_steps_cost_in_all() -> None:
 
 def test_costs_that_do_not_match_the_durations_are_not_learned() -> None:
     assert parked_with_costs((MS // 5,)).known_step_ns == 3 * MS
+
+
+def _high_takes_every_bubble(sim: Sim, bubbles: int) -> None:
+    """``bubbles`` bubbles of 10 ms, each granted to "high" (priority 5, 5 ms steps), which fits one step."""
+    for _ in range(bubbles):
+        assert grants(sim.start(predicted_ms=10)) == ["high"]
+        sim.advance_ms(10)
+        sim.end()
+        sim.parked("high", [5.0], reason="park")
+        sim.advance_ms(1)
+
+
+def test_a_task_outranked_for_many_bubbles_says_by_whom_not_just_waiting_for_a_bubble() -> None:
+    # A low-priority task behind a busy higher one read "waiting for a bubble", as if no bubble came.
+    sim = Sim()
+    sim.resident("low", priority=0)
+    sim.resident("high", priority=5)
+    _high_takes_every_bubble(sim, 9)
+    assert sim.core.waiting_reason(sim.core.tasks["low"]) == "waiting for a bubble"  # a few: nothing to say yet
+    _high_takes_every_bubble(sim, 3)
+    assert sim.core.waiting_reason(sim.core.tasks["low"]) == (
+        "waiting for a bubble: the last 12 bubbles its step fitted went to other tasks first (of a higher priority)")
+    assert sim.core.waiting_reason(sim.core.tasks["high"]) == "waiting for a bubble"
+
+
+def test_a_grant_starts_the_outranked_count_again() -> None:
+    sim = Sim()
+    sim.resident("low", priority=0)
+    sim.resident("high", priority=5)
+    _high_takes_every_bubble(sim, 11)
+    assert sim.core.tasks["low"].health.outranked_bubbles == 11
+    assert grants(sim.start(predicted_ms=3, slot=1)) == ["low"]  # too short for high's 5 ms step: low's turn
+    assert sim.core.tasks["low"].health.outranked_bubbles == 0
+    assert "went to other tasks" not in sim.core.waiting_reason(sim.core.tasks["low"])

@@ -32,6 +32,10 @@ class Circumstances:
     shared_quiet_ns: int = 0
 
 
+#: Bubbles in a row that a parked task's step fitted and another task took first, from which its waiting reason
+#: says so: a low-priority task behind busy higher ones read "waiting for a bubble", as if none came.
+OUTRANKED_SAID = 10
+
 #: Quiet this long, ranks that share a device are said to have shared it (training ended or paused), until the
 #: core stops counting them (``scheduler.RANK_LEFT_NS``).
 SHARED_QUIET_NS = 1_000 * MS
@@ -82,6 +86,12 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
             )
         if longest == 0:
             return "no bubble reported yet"
+        outranked, by_priority = task.health.outranked_bubbles, task.health.outranked_by_priority
+        if outranked >= OUTRANKED_SAID:
+            whose = (" (of a higher priority)" if by_priority == outranked else
+                     f" ({by_priority} of them to a higher priority)" if by_priority else "")
+            return (f"waiting for a bubble: the last {outranked} bubbles its step fitted went to other tasks "
+                    f"first{whose}" + (f"; margin {total} ms{widened}" if widened else ""))
         return "waiting for a bubble" + (f" (margin {total} ms{widened})" if widened else "")
     if task.state == TaskState.STARTING:
         # Stranger trial: after a restart, tasks sat in STARTING for a minute with no word (workers importing torch

@@ -357,6 +357,8 @@ class SchedulerCore:
         if first and not bubble.ranked:
             for unfit in ranking.unfit:  # once a bubble, however often it is offered again
                 unfit.health.unfit_bubbles += 1
+            if task is not None:
+                self._count_outranked(task, ranking.unfit)
         bubble.ranked = True
         if task is None:
             if ranking.unfit:
@@ -376,6 +378,7 @@ class SchedulerCore:
                 for other in hung:
                     other.health.turn_ns, other.health.passed_over_ns = remaining, 0
         task.health.unfit_bubbles = 0
+        task.health.outranked_bubbles = task.health.outranked_by_priority = 0
         thaw = task.state is _FROZEN
         task.finishing_frozen_step = thaw
         probe = ranking.reprobe
@@ -392,6 +395,16 @@ class SchedulerCore:
         self._tasks.move(task, _RUNNING, "granted", out)
         grant = self.policy.grant(self, task, bubble, thaw, probe, now_ns)
         out.append(dataclasses.replace(grant, late=True) if first and bubble.offered_again else grant)
+
+    def _count_outranked(self, winner: TaskRuntime, unfit: tuple[TaskRuntime, ...]) -> None:
+        """A bubble's first grant goes to ``winner``: every other candidate whose step fitted it was outranked
+        once more (in a row: a grant starts its count again), by priority or not. A task that sat parked while
+        others of a higher priority took every bubble read only "waiting for a bubble"."""
+        for other in self._tasks.grantable():
+            if other is winner or other.stopping or other in unfit:
+                continue
+            other.health.outranked_bubbles += 1
+            other.health.outranked_by_priority += winner.spec.priority > other.spec.priority
 
     def _retry_later(self, bubble: OpenBubble, now_ns: int) -> None:
         """No step fits what the open bubble has left: try again once it has outlived one more of its slot's

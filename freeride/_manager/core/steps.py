@@ -38,6 +38,10 @@ class StepHealth:
     hung_ns: int = 0  # wall time the current step has looked hung while the trainer made bubbles (phase HUNG)
     hung_seen_ns: int = 0  # when that was last counted (0: the step does not look hung)
     unfit_bubbles: int = 0  # bubbles in a row whose time the task's step estimate did not fit
+    #: Bubbles in a row that its step fitted and whose first grant went to another task, and of those, to a
+    #: task of a higher priority: what its waiting reason says once they are many (``explain``).
+    outranked_bubbles: int = 0
+    outranked_by_priority: int = 0
     #: The bubble time (predicted at each first grant) of the task's last first turn, and the bubble time whose
     #: first grant went to a task whose step does not look hung since: a step that looks hung takes a turn only
     #: once the others have had as much (``hung_turn_due``; a bubble no other task could use is no turn).
