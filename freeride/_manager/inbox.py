@@ -135,6 +135,10 @@ class Inbox(Generic[T]):
         while self._items:
             yield self._items.popleft()
 
+    def has_chunks(self) -> bool:
+        """Whether a bubble chunk waits (the loop thread's cheap look before it takes one)."""
+        return bool(self._chunks)
+
     def take_chunk(self) -> list[T] | None:
         """The oldest waiting bubble chunk (None: none); taking it makes room for waiting streams."""
         if not self._chunks:

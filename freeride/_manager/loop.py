@@ -440,7 +440,8 @@ class ManagerLoop:
                     self._dispatch(event)
             self._take_inbox()
             self._timers()
-            self._feed(C.Tick())
+            if self.core.wants_tick(self.now_ns()):
+                self._feed(C.Tick())
         self._close()
 
     def _timeout_s(self) -> float:
@@ -581,8 +582,8 @@ class ManagerLoop:
         for item in self.inbox.items():
             self._dispatch(item)
         budget = BUBBLES_PER_TURN
-        while budget > 0 and self._running:
-            self._read_local()
+        while budget > 0 and self._running and self.inbox.has_chunks():
+            self._read_local()  # a connection's datagrams precede its wire events (the selector reads the rest)
             chunk = self.inbox.take_chunk()
             if chunk is None:
                 break

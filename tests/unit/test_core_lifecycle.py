@@ -429,3 +429,20 @@ def test_a_starting_task_says_its_worker_is_starting_not_nothing() -> None:
     assert sim.core.waiting_reason(sim.core.tasks["a"]).startswith("its worker is starting: importing the task's")
     sim.ready("a")
     assert not sim.core.waiting_reason(sim.core.tasks["a"]).startswith("its worker is starting")
+
+
+def test_a_tick_is_wanted_only_when_one_has_work() -> None:
+    # The loop feeds a tick at a turn only then: one at each of its ~7 turns a bubble cost its thread ~4 us each.
+    sim = Sim(grace_ns=MS // 2)
+    assert not sim.core.wants_tick(sim.now)  # nothing at all
+    sim.add("a")
+    assert sim.core.wants_tick(sim.now)  # a task waits for admission
+    sim.free(100_000)
+    sim.ready("a")
+    assert not sim.core.wants_tick(sim.now)  # parked, nothing due
+    sim.start(predicted_ms=10)  # granted: its freeze is armed at the predicted end + grace
+    due = sim.core.next_timer_ns()
+    assert due is not None and not sim.core.wants_tick(due - 1) and sim.core.wants_tick(due)
+    sim.at(due)
+    sim.tick()  # frozen: a step that may come to look hung is judged on ticks
+    assert sim.state("a") == S.FROZEN and sim.core.wants_tick(sim.now)
