@@ -79,6 +79,10 @@ DEFAULT_QUEUE_SIZE = 4096
 MAX_BATCH_EVENTS = 512
 
 _STOP = object()
+#: Put on the queue as a call ends: its request iterator, blocked in the queue's ``get`` on gRPC's thread, returns
+#: at once instead of taking the next connection's first events and dropping them as its own call's (a manager
+#: restarted under a trainer lost the first events the new one was sent, up to 0.2 s of them).
+_CALL_ENDED = object()
 _START = 0
 _END = 1
 _LAYOUT = 2
@@ -448,6 +452,14 @@ class BubbleReporter:
                 if item is _STOP:
                     stop = True
                     break
+                if item is _CALL_ENDED:  # its own call's end (a later call's iterator passes it by)
+                    if not alive.is_set():
+                        break
+                    try:
+                        item = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    continue
                 try:
                     if item[-1] >= self._wire_from:  # type: ignore[index]
                         batch.append(self._to_event(item))  # type: ignore[arg-type]
@@ -485,7 +497,7 @@ class BubbleReporter:
                 return stop
             if item is _STOP:
                 stop = True
-            else:
+            elif item is not _CALL_ENDED:
                 self._dropped_bg += 1
 
     def _run(self) -> None:
@@ -552,6 +564,7 @@ class BubbleReporter:
                 with self._route_lock:  # the training thread may be sending on it: dropped, never closed here
                     self._route = (None, self._route[1] + 1)
                 alive.clear()
+                self._queue.put(_CALL_ENDED)  # before any event for the next call: its iterator stops here
                 # A connection that carried events was answered too, whether or not its health check ran first.
                 self._answered += answered or self.sent > sent_before
                 self._connected = False
@@ -636,6 +649,8 @@ class BubbleReporter:
                 except queue.Empty:
                     break
             for i, item in enumerate(drained):
+                if item is _CALL_ENDED:  # the last call's iterator is gone, or stops on its own
+                    continue
                 if item is _STOP:
                     self._queue.put(_STOP)
                     continue
@@ -644,7 +659,7 @@ class BubbleReporter:
                 except Exception:  # noqa: BLE001 - a malformed event is dropped, as the wire would
                     sent = False
                 if not sent:
-                    self._dropped_bg += sum(1 for rest in drained[i:] if rest is not _STOP)
+                    self._dropped_bg += sum(1 for rest in drained[i:] if rest is not _STOP and rest is not _CALL_ENDED)
                     if _STOP in drained[i:]:
                         self._queue.put(_STOP)
                     return  # the manager is gone (or far behind): this connection stays on the wire

@@ -334,6 +334,55 @@ def test_a_reconnection_tells_the_manager_the_jobs_layout_again(tmp_path: Path) 
     assert counters.enqueued == 4 and counters.sent == 4  # the layout told again is the reporter's, not training's
 
 
+class EndsWhilePulling(FakeStream):
+    """A call that ends while gRPC's thread waits in the request iterator for its next event (a manager stopped
+    while the trainer had nothing to send): ``end()`` ends it; its thread is still inside ``next``."""
+
+    def __init__(self, batches, sink: list) -> None:  # type: ignore[no-untyped-def]
+        self.ended = threading.Event()
+        super().__init__(batches, sink, die_after=None)
+
+    def done(self) -> bool:
+        return self.ended.is_set() or super().done()
+
+    def answers(self, timeout_s: float) -> bool:
+        return not self.done()
+
+    def summary(self, timeout_s: float | None = None) -> StreamSummary:
+        raise ManagerUnavailable("gone")
+
+
+def test_the_first_events_after_a_reconnection_reach_the_new_manager_not_the_ended_calls_iterator(
+        tmp_path: Path) -> None:
+    # Regression: the ended call's iterator, blocked in the queue on gRPC's thread for up to 0.2 s, took the
+    # first events meant for the next connection and dropped them as its own call's (a manager restarted under
+    # a trainer over the wire lost the end, start and end sent right after it came back).
+    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
+                              backoff_initial_s=0.01)
+    old: list = []
+    new: list = []
+    streams: list[FakeStream] = []
+
+    def open_stream(alive):  # type: ignore[no-untyped-def]
+        stream = EndsWhilePulling(reporter._batches(alive), old) if not streams else \
+            FakeStream(reporter._batches(alive), new, die_after=None)
+        streams.append(stream)
+        return stream
+
+    reporter._open_stream = open_stream  # type: ignore[method-assign]
+    reporter._thread.start()
+    wait_for(lambda: streams and reporter.counters().connected, 5)
+    streams[0].ended.set()  # type: ignore[attr-defined]
+    wait_for(lambda: len(streams) == 2 and reporter.counters().connected, 5)
+    reporter.bubble_end(0, 0, end_ns=100)
+    reporter.bubble_start(1, 0, "k", predicted_ns=MS, start_ns=200)
+    reporter.bubble_end(1, 0, end_ns=300)
+    wait_for(lambda: len(new) == 3, 5)
+    reporter.close()
+    assert old == [] and [type(e).__name__ for e in new] == ["BubbleEnd", "BubbleStart", "BubbleEnd"]
+    assert reporter.counters().dropped == 0
+
+
 class PullingStream:
     """Stands in for BubbleStream: a gRPC-like sender thread that asks for a message when told to."""
 
