@@ -138,6 +138,15 @@ class LocalEvents:
     def fileno(self) -> int:
         return self._epoll.fileno()
 
+    def listener_fileno(self) -> int:
+        """The listening socket alone: readable when a trainer connects (a loop that reads the connections
+        late still takes each new one at once, to know it has some)."""
+        return self._listener.fileno()
+
+    def accept(self) -> int:
+        """Take every waiting connection (their messages are read by :meth:`read`); how many."""
+        return len(self._accept())
+
     @property
     def connections(self) -> int:
         return len(self._conns)

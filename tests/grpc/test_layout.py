@@ -69,8 +69,10 @@ def test_a_manager_restarted_under_a_running_trainer_learns_its_layout_again_and
     endpoint = Endpoint("unix", f"/tmp/fr-relayout-{os.getpid()}.sock")
     first = Manager(device, endpoint=endpoint, state_dir=tmp_path / "a")
     first.start()
+    # Over the wire: with no task resident, a local trainer's events are read late on purpose and not timed
+    # (loop.LAZY_READ_NS), and this test times them.
     with BubbleReporter(device, stage=0, rank=0, endpoint=endpoint, backoff_initial_s=0.01,
-                        backoff_max_s=0.05) as reporter:
+                        backoff_max_s=0.05, local_events=False) as reporter:
         reporter.report_layout("1f1b", 2, 4, (), 2**30, at_ns=now_ns() - 30_000 * MS)  # training began long ago
         reporter.bubble_start(0, 0, "k", 5 * MS, 2**30)
         with ControlClient(endpoint) as client:

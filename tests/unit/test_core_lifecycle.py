@@ -446,3 +446,14 @@ def test_a_tick_is_wanted_only_when_one_has_work() -> None:
     sim.at(due)
     sim.tick()  # frozen: a step that may come to look hung is judged on ticks
     assert sim.state("a") == S.FROZEN and sim.core.wants_tick(sim.now)
+
+
+def test_trainer_events_may_decide_something_only_while_a_task_is_resident() -> None:
+    sim = Sim()
+    assert not sim.core.wants_trainer_events()  # no task: they only add to the statistics
+    sim.add("a")
+    assert not sim.core.wants_trainer_events()  # waiting for admission: its memory figure may come late
+    sim.free(100_000)
+    assert sim.state("a") == S.STARTING and sim.core.wants_trainer_events()
+    sim.ready("a")
+    assert sim.core.wants_trainer_events()  # parked: the next bubble is its

@@ -147,6 +147,12 @@ class SchedulerCore:
             times.append(0 if last is None else last + RANK_LEFT_NS + 1)  # (none heard: due at once)
         return min(times) if times else None
 
+    def wants_trainer_events(self) -> bool:
+        """Whether the trainer's events may decide something now: a task is resident (starting, parked, running,
+        frozen), so a bubble may be granted or its end park or freeze one. Otherwise they only add to the
+        statistics, and the loop may read them late (``loop.LAZY_READ_NS``)."""
+        return any(True for _ in self._tasks.resident())
+
     def wants_tick(self, now_ns: int) -> bool:
         """Whether a :class:`Tick` now has anything to do: a timer due, a frozen step that may look hung, ranks
         that share the device, tasks waiting for admission, a drain. The loop feeds one only then: a tick at
