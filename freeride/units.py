@@ -40,7 +40,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
         if match is None or unit not in _SIZE_UNITS:
             raise ConfigError(
                 f"cannot parse {what} {text!r}: use a number with an optional unit "
-                "(B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB or 512MB"
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2GiB or 512MB"
             )
         value = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if value <= 0:

@@ -51,7 +51,10 @@ def parse_device_name(text: str) -> DeviceName:
     """Parse ``cpu:N`` or ``cuda:N`` (syntax only; :func:`freeride.devices.open_device` checks it exists)."""
     match = _DEVICE_RE.match(text.strip()) if isinstance(text, str) else None
     if match is None:
-        raise ConfigError(f"unknown device {text!r}: expected cpu:N or cuda:N, e.g. cpu:0")
+        several = isinstance(text, str) and "," in text
+        raise ConfigError(f"unknown device {text!r}: expected cpu:N or cuda:N, e.g. cpu:0" + (
+            "; one device per --device (repeat it), or --devices cpu:0,cpu:1 where a command takes several"
+            if several else ""))
     return DeviceName(match.group(1), int(match.group(2)))
 
 

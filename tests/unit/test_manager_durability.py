@@ -3,6 +3,7 @@ disk, only what matters after a restart is written, and a restart recovers from 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,8 +74,9 @@ def test_only_changes_that_matter_after_a_restart_are_written(durable: tuple[Dur
 
 
 def test_a_restart_recovers_live_tasks_from_the_newest_checkpoint_file_and_leaves_ended_ones(
-    durable: tuple[Durability, Clock], tmp_path: Path,
+    durable: tuple[Durability, Clock], tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="freeride")
     d, _ = durable
     live, ended = d.submit(SPEC).task_id, d.submit(SPEC).task_id
     d.store.set_state(live, TaskState.PARKED)
@@ -89,6 +91,8 @@ def test_a_restart_recovers_live_tasks_from_the_newest_checkpoint_file_and_leave
     assert (added.task_id, added.checkpoint_path, added.checkpoint_step, added.steps, added.restarts) == (
         live, str(checkpoints / "ckpt-6.pt"), 6, 6, 1)
     assert set(again.records) == {live, ended} and d.store.get(live).state == "SUBMITTED"  # type: ignore[union-attr]
+    # said once, with where they came from (a stranger's first manager listed someone's earlier tasks, unsaid)
+    assert f"1 task(s) from {tmp_path} start again" in caplog.text
 
 
 def test_a_failure_the_core_decided_is_completed_with_the_time_the_boards_step_and_the_log() -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from freeride.units import format_mib_apart, format_progress
+import pytest
+
+from freeride.errors import ConfigError
+from freeride.units import format_mib_apart, format_progress, parse_size
 
 MiB = 2**20
 
@@ -23,3 +26,23 @@ def test_progress_reads_plainly_and_huge_values_in_three_figures() -> None:
     assert format_progress(2.5, 3, "epochs") == "2.50 epochs"
     assert format_progress(0.0, 42, "") == "42 steps"  # no progress reported: the steps
     assert format_progress(0.0, 0, "steps") == "-"  # nothing done yet: its unit may not be known (a queued task)
+
+
+def test_a_device_list_given_where_one_device_goes_says_how_to_name_several() -> None:
+    # Stranger trial: `freeride bubbles --device cpu:0,cpu:5` answered only "unknown device 'cpu:0,cpu:5'".
+    from freeride.devices import parse_device_name
+
+    with pytest.raises(ConfigError, match=r"one device per --device \(repeat it\), or --devices cpu:0,cpu:1"):
+        parse_device_name("cpu:0,cpu:5")
+    with pytest.raises(ConfigError) as plain:
+        parse_device_name("gpu:0")
+    assert "repeat" not in str(plain.value)
+
+
+def test_the_size_units_named_in_an_error_are_those_accepted() -> None:
+    with pytest.raises(ConfigError) as bad:
+        parse_size("12QB", "--memory")
+    named = str(bad.value).split("(")[1].split(")")[0].split(", ")
+    for unit in named:
+        assert parse_size(f"1{unit}") > 0
+    assert {"TB", "TiB"} <= set(named)
