@@ -475,7 +475,7 @@ def render_task(info: TaskInfo, draining: bool = False) -> str:
         ("step p50", format_ms(info.step_p50_ms)),
         ("step p95", format_ms(info.step_p95_ms)),
         ("harvested", f"{info.harvested_s:.3f} s"),
-        ("overruns", str(info.overruns)),
+        ("overruns", str(info.overruns) + (_TASK_OVERRUN_NOTE if info.overruns else "")),
         ("checkpoint", f"step {info.checkpoint_step}" if info.checkpoint_step >= 0 else "-"),
         ("ckpt every", f"{spec.checkpoint_interval_s:g} s" if spec.checkpoint_interval_s else "the manager's default"),
         ("restarts", str(info.restarts)),
@@ -549,6 +549,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 _PARK_NOTE = "  (end received -> parked; 0 when the worker saw the trainer's end first)"
 # Stranger trial: "grant latency n=117, park latency n=781, overruns 845" with no word of what each counts.
 _OVERRUN_NOTE = "  (grants whose side task still ran past the bubble's real end, by how much)"
+#: Stranger trial: "overruns: 60" for a task of 15 us steps read as its steps running long.
+_TASK_OVERRUN_NOTE = ("  (its worker still held a bubble grace after the end and was frozen: a long step, or, on "
+                      "a cpu:N device, a worker at the lowest priority that waited for the core the rank took back)")
 _GRANT_NOTE = "  (bubble start received -> first step; a bubble's first grant, when its worker was parked)"
 
 

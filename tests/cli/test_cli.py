@@ -533,6 +533,19 @@ def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -
     assert "progress:   45 steps (45 steps)\n" in out  # the counts agree: nothing added
 
 
+def test_show_says_what_an_overrun_is_where_a_task_has_any() -> None:
+    # Stranger trial: "overruns: 60" for a task of 15 us steps read as its steps running long.
+    from freeride._cli.tasks import render_task
+    from freeride.messages import TaskInfo, TaskProgress, TaskSpec
+
+    spec = TaskSpec(target="sample_tasks:Counter", memory_bytes=2**26)
+    out = render_task(TaskInfo("t-1", spec, "PARKED", TaskProgress(steps=49, progress=49.0, overruns=60)))
+    line = next(line for line in out.splitlines() if line.startswith("overruns:"))
+    assert line.split()[1] == "60" and "waited for the core the rank took back" in line
+    clean = render_task(TaskInfo("t-2", spec, "PARKED", TaskProgress(steps=49, progress=49.0)))
+    assert next(line for line in clean.splitlines() if line.startswith("overruns:")).split() == ["overruns:", "0"]
+
+
 # ------------------------------------------------------------------ real processes
 
 
