@@ -630,7 +630,9 @@ class ManagerLoop:
             self._dispatch(item)
         budget = BUBBLES_PER_TURN
         while budget > 0 and self._running and self.inbox.has_chunks():
-            self._read_local()  # a connection's datagrams precede its wire events (the selector reads the rest)
+            # A connection's datagrams precede its wire events (the selector reads the rest); read late on purpose
+            # while nothing could be decided on them (_follow_local): not timed then.
+            self._read_local(lazy=not self._local_eager)
             chunk = self.inbox.take_chunk()
             if chunk is None:
                 break
