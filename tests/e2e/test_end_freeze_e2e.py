@@ -200,3 +200,32 @@ def test_a_manager_started_awake_between_events_says_so_where_it_says_it_listens
     stop_daemon(daemon)
     err = daemon.stderr.read().decode() if daemon.stderr else ""
     assert "listening on" in err and "; awake 3000 us after each trainer event;" in err, err
+
+
+def test_a_manager_without_a_task_reads_a_local_trainer_late_and_grants_at_once_when_one_comes(
+    make_manager: Callable[..., ManagerHarness],
+) -> None:
+    # With no side task resident nothing is decided on a trainer's event: the loop reads them every 10 ms, so a
+    # send wakes no one (a stranger's trainer ran +17% slower beside managers with no task). A task that comes is
+    # granted the next bubble as before.
+    harness = make_manager()
+    reporter, wire = _connect(harness)
+    try:
+        reporter.bubble_start(0, 0, "test", predicted_ns=5 * MS)
+        reporter.bubble_end(0, 0)
+        wait_for(lambda: harness.client.stats().bubbles == 1, 10, what="the events read late")
+        assert harness.manager.loop._local_eager is False
+        assert harness.client.stats().event_delay_ms.count == 0  # read late on purpose: not timed
+        task = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+        harness.wait_state(task.task_id, "PARKED")
+        wait_for(lambda: harness.manager.loop._local_eager, 10, what="the loop to read events at once again")
+        reporter.bubble_start(1, 0, "test", predicted_ns=60 * S)
+        harness.wait_state(task.task_id, "RUNNING", timeout_s=20)
+        reporter.bubble_end(1, 0)
+        harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=20)
+        wait_for(lambda: harness.client.stats().bubbles == 2, 10)
+        stats = harness.client.stats()
+        assert stats.event_delay_ms.count == 2 and stats.harvested_s > 0 and stats.events_rejected == 0
+        assert wire.posted == 0 and reporter.counters().local_fallbacks == 0
+    finally:
+        reporter.close()
