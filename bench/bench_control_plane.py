@@ -50,10 +50,12 @@ MS = 1_000_000
 
 def start_manager(sock: Path, state: Path, *options: str, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
     """A manager for cpu:0; with ``cpus``, its threads are moved there once it serves (threads it starts
-    later inherit that; its workers pin themselves to cpu:0 whatever their parent's affinity)."""
+    later inherit that; its workers pin themselves to cpu:0 whatever their parent's affinity). It reads a local
+    trainer's events at each one even with no side task (``--idle-read-ms 0``): the benches that start it time
+    those events as a manager with a task reads them."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "freeride.cli", "manager", "--device", "cpu:0", "--endpoint", f"unix:{sock}",
-         "--state-dir", str(state), *options],
+         "--state-dir", str(state), "--idle-read-ms", "0", *options],
         stderr=subprocess.DEVNULL,
     )
     endpoint = Endpoint("unix", str(sock))

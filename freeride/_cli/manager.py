@@ -4,7 +4,7 @@
                      [--token-file FILE] [--headroom 256MiB] [--grace-ms 0.5] [--margin-ms 0.2]
                      [--step-timeout-s 60] [--stop-timeout-s 10] [--memory-poll-ms 50] [--trace FILE]
                      [--policy freeride|paper [--paper-profile FILE]] [--autogroup-nice N]
-                     [--metrics-port N [--metrics-address 127.0.0.1]] [--event-spin-us N]
+                     [--metrics-port N [--metrics-address 127.0.0.1]] [--event-spin-us N] [--idle-read-ms 10]
                      [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
                       [--queue-hold-ms 5000] [--queue-spread-ms 1000] [--node NAME]]
 
@@ -30,6 +30,10 @@ trainer event, so that the trainer's next event costs its training thread a send
 instead of a wake-up of a sleeping one (~15 us on the 2-core test VM): for a manager with a core of its own
 (``taskset``), at the price of that core while training runs. A manager whose cores all compute ranks turns it
 off and says so. 0 (default) is off; at most 100,000.
+
+``--idle-read-ms N``: while no side task is resident, a local trainer's events are read every N ms instead of at
+each, so that a send wakes no one (a stranger's trainer ran +17% slower beside managers with no task; default
+10, at most 100); 0 reads each at once whatever the tasks (and times each as ``stats``' event delay).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any
 
 from freeride._manager.core import MS, POLICIES, CoreConfig
 from freeride._manager.daemon import Manager
-from freeride._manager.loop import MAX_EVENT_SPIN_NS
+from freeride._manager.loop import LAZY_READ_NS, MAX_EVENT_SPIN_NS, MAX_IDLE_READ_NS
 from freeride._manager.metrics import DEFAULT_ADDRESS
 from freeride.devices import MANAGER_AUTOGROUP_NICE, open_device, set_autogroup_nice
 from freeride.devices.mps import DEFAULT_SM_PERCENT, MpsMode
@@ -116,6 +120,11 @@ def register(subparsers: Any) -> None:
         "--event-spin-us", type=float, default=0.0, metavar="N",
         help="stay awake N us after each trainer event so that the next one costs the trainer ~1 us, not a "
         "wake-up (~15 us on a VM); spends the manager's core while training runs: give it one (default 0: off)",
+    )
+    parser.add_argument(
+        "--idle-read-ms", type=float, default=LAZY_READ_NS / 1e6, metavar="N",
+        help="while no side task is resident, read a local trainer's events every N ms, not at each (a send then "
+        "wakes no one; default %(default)g, at most 100); 0: at each, always",
     )
     parser.add_argument("--trace", default=None,
                         help="write a JSON-lines timeline of bubbles, grants and steps to FILE (see the demo)")
@@ -229,6 +238,14 @@ def _ms(name: str, value: float, positive: bool) -> float:
     return value
 
 
+def idle_read(ms: float) -> int:
+    """``--idle-read-ms`` in ns, or a :class:`ConfigError` naming the bounds."""
+    bound_ms = MAX_IDLE_READ_NS / 1e6
+    if not math.isfinite(ms) or not 0 <= ms <= bound_ms:
+        raise ConfigError(f"--idle-read-ms must be a number 0..{bound_ms:g}, got {ms:g}")
+    return round(ms * 1e6)
+
+
 def event_spin(us: float) -> int:
     """``--event-spin-us`` in ns, or a :class:`ConfigError` naming the bounds."""
     bound_us = MAX_EVENT_SPIN_NS // 1000
@@ -307,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
     args.device = str(device.name)  # as every log line and client spells it ("cpu:0 " was logged as [cpu:0 ])
     memory_poll_ms = _ms("memory-poll-ms", args.memory_poll_ms, positive=True)
     event_spin_ns = event_spin(args.event_spin_us)
+    idle_read_ns = idle_read(args.idle_read_ms)
     # The same endpoint the client commands resolve for this device (explicit, $FREERIDE_ENDPOINT, default).
     endpoint = resolve_endpoint(args.endpoint, args.device)
     token = read_token(args.token_file)
@@ -334,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
             worker_log_max_bytes=parse_size(args.worker_log_max),
             worker_log_backups=args.worker_log_backups,
             event_spin_ns=event_spin_ns,
+            idle_read_ns=idle_read_ns,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         device.close()

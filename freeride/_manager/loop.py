@@ -102,8 +102,11 @@ FREEZE_LEAD_NS = 200_000
 #: on them then, and a send that wakes no one costs the training thread ~1 us instead of ~15, the loop one
 #: wake-up per read instead of one per event. A stranger's interleaved trainer ran +17% slower (about 115 us a
 #: bubble) beside managers that had no side task. Far below what a connection's buffer holds (~550 events at
-#: Linux's default cap): ~50 events at 5,000 a second.
+#: Linux's default cap): ~50 events at 5,000 a second. ``LoopConfig.idle_read_ns`` (``--idle-read-ms``) sets it; 0
+#: reads every event at once whatever the tasks (the benches that time a manager's events do).
 LAZY_READ_NS = 10_000_000
+#: The longest ``LoopConfig.idle_read_ns``: a connection's buffer holds ~550 events at Linux's default cap.
+MAX_IDLE_READ_NS = 100_000_000
 #: The longest ``LoopConfig.event_spin_ns``: past it the loop would spin through the gaps between iterations too.
 MAX_EVENT_SPIN_NS = 100_000_000
 #: While it spins, the loop reads its thread's run delay this often (one ``pread``, ~1 us) ...
@@ -172,6 +175,9 @@ class LoopConfig:
     #: worth it only where that core is spare, so the loop turns it off where every core it may run on
     #: computes a rank (:func:`cores_shared_with_training`).
     event_spin_ns: int = 0
+    #: With no side task resident, a local trainer's events are read this often, not at each (:data:`LAZY_READ_NS`,
+    #: ``--idle-read-ms``); 0: at each, always.
+    idle_read_ns: int = LAZY_READ_NS
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
@@ -179,6 +185,8 @@ class LoopConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 <= self.event_spin_ns <= MAX_EVENT_SPIN_NS:
             raise ValueError(f"event_spin_ns must be 0..{MAX_EVENT_SPIN_NS}, got {self.event_spin_ns}")
+        if not 0 <= self.idle_read_ns <= MAX_IDLE_READ_NS:
+            raise ValueError(f"idle_read_ns must be 0..{MAX_IDLE_READ_NS}, got {self.idle_read_ns}")
         check_limits(self.worker_log_max_bytes, self.worker_log_backups)
 
 
@@ -461,7 +469,8 @@ class ManagerLoop:
         local = self._local
         if local is None or not self._running:
             return
-        eager = self.core.wants_trainer_events()
+        every = self.config.idle_read_ns
+        eager = not every or self.core.wants_trainer_events()
         if eager != self._local_eager:
             self._local_eager = eager
             if eager:
@@ -472,10 +481,10 @@ class ManagerLoop:
             self._selector.unregister(local.fileno())
             # New trainers are still taken at once: the lazy reads are due only while some are connected.
             self._selector.register(local.listener_fileno(), selectors.EVENT_READ, self._accept_local)
-            self._lazy_read_at_ns = self.now_ns() + LAZY_READ_NS
+            self._lazy_read_at_ns = self.now_ns() + every
         if not eager and self.now_ns() >= self._lazy_read_at_ns:
             self._read_local(lazy=True)
-            self._lazy_read_at_ns = self.now_ns() + LAZY_READ_NS
+            self._lazy_read_at_ns = self.now_ns() + every
 
     def _accept_local(self) -> list[Any]:
         """A trainer connected while the loop reads local events late (the selector's callback)."""

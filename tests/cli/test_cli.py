@@ -443,6 +443,9 @@ def test_manager_bad_options_exit_2(short_dir: Path, capsys: pytest.CaptureFixtu
     for spin in ("-1", "nan", "100001"):
         code, _, err = run_cli(capsys, *base, "--endpoint", f"unix:{short_dir}/m.sock", "--event-spin-us", spin)
         assert code == EXIT_BAD_INPUT and "--event-spin-us must be a number 0..100000" in err, spin
+    for every in ("-1", "inf", "101"):
+        code, _, err = run_cli(capsys, *base, "--endpoint", f"unix:{short_dir}/m.sock", "--idle-read-ms", every)
+        assert code == EXIT_BAD_INPUT and "--idle-read-ms must be a number 0..100" in err, every
 
 
 def test_manager_refuses_a_bad_paper_profile_with_exit_2(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,10 +24,11 @@ class Clock:
         return self.ns
 
 
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[tuple[ManagerLoop, LocalEventSender, Clock]]:
+@pytest.fixture(params=[LAZY_READ_NS])
+def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ManagerLoop, LocalEventSender, Clock]]:
     clock = Clock()
-    loop = ManagerLoop(open_device(cpu_devices(1)[0]), LoopConfig(state_dir=tmp_path / "state"), now_ns=clock)
+    config = LoopConfig(state_dir=tmp_path / "state", idle_read_ns=request.param)
+    loop = ManagerLoop(open_device(cpu_devices(1)[0]), config, now_ns=clock)
     local = LocalEvents(tmp_path / "ev")
     loop.listen_locally(local)
     sender = LocalEventSender(tmp_path / "ev")
@@ -75,3 +76,22 @@ def test_a_task_that_could_take_a_grant_brings_the_events_back_at_once(rig, monk
     for key, _ in loop._selector.select(0):  # the selector sees the next one
         key.data()
     assert loop.core.bubbles.open is None and loop.event_delay.count == 1
+
+
+@pytest.mark.parametrize("rig", [0], indirect=True)
+def test_idle_reads_off_read_every_event_at_once_without_a_task(rig) -> None:
+    # --idle-read-ms 0: the benches that time a manager's events run it so.
+    loop, sender, clock = rig
+    loop._follow_local()
+    assert _registered(loop)
+    assert sender.send_start(0, 0, 1, 0, "fwd", clock.ns - MS, 5 * MS, -1, False)
+    for key, _ in loop._selector.select(1):
+        key.data()
+    assert loop.core.bubbles.open is not None and loop.event_delay.count == 1
+
+
+def test_an_idle_read_interval_out_of_bounds_is_refused(tmp_path: Path) -> None:
+    from freeride._manager.loop import MAX_IDLE_READ_NS
+
+    with pytest.raises(ValueError, match="idle_read_ns"):
+        LoopConfig(state_dir=tmp_path / "state", idle_read_ns=MAX_IDLE_READ_NS + 1)
