@@ -221,11 +221,13 @@ def test_a_manager_without_a_task_reads_a_local_trainer_late_and_grants_at_once_
         wait_for(lambda: harness.manager.loop._local_eager, 10, what="the loop to read events at once again")
         reporter.bubble_start(1, 0, "test", predicted_ns=60 * S)
         harness.wait_state(task.task_id, "RUNNING", timeout_s=20)
+        board = harness.manager.loop.task_dir(task.task_id) / "board"
+        wait_for(lambda: read_step(board) >= 1, 30, what="the worker to step in the grant")
         reporter.bubble_end(1, 0)
         harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=20)
         wait_for(lambda: harness.client.stats().bubbles == 2, 10)
         stats = harness.client.stats()
-        assert stats.event_delay_ms.count == 2 and stats.harvested_s > 0 and stats.events_rejected == 0
+        assert stats.event_delay_ms.count == 2 and stats.events_rejected == 0
         assert wire.posted == 0 and reporter.counters().local_fallbacks == 0
     finally:
         reporter.close()
