@@ -403,6 +403,11 @@ class QueueStats:
     last_error: str = ""
 
 
+#: Quiet this long, trainer ranks that share a device are said to have shared it (their job ended or paused), by
+#: the waiting reasons and the CLI alike, until the core stops counting them as sharing (after 5 s).
+SHARED_QUIET_NS = 1_000_000_000
+
+
 @dataclass(frozen=True)
 class ManagerStats:
     device: str
@@ -450,7 +455,8 @@ class ManagerStats:
     #: ``bubble_time_s`` (a device is idle only while all its ranks wait, which freeride does not follow).
     bubbles_while_shared: int = 0
     #: While ``shared_by_ranks`` is not empty, how long since any of those ranks sent an event (s): a job that
-    #: ended leaves its device shared for 5 s more, which the CLI then says in the past tense.
+    #: ended leaves its device shared for 5 s more, which the CLI then says in the past tense
+    #: (from :data:`SHARED_QUIET_NS`).
     shared_quiet_s: float = 0.0
     #: Well-formed bubble events the scheduler ignored as out of order: an end without its open start (its
     #: start went to a manager that died, after a restart under a running trainer, or was lost), an end before

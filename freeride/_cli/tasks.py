@@ -42,7 +42,7 @@ from freeride._wire.client import ControlClient, health_status
 from freeride.devices import check_cpu_device, parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import FailureRecord, ManagerStats, Percentiles, TaskInfo
+from freeride.messages import SHARED_QUIET_NS, FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
 from freeride.units import format_ms, format_progress, format_size
 
@@ -606,9 +606,7 @@ def shared_bubbles_note(count: int) -> str:
             "device: it was idle only while all of them waited, which freeride does not follow)")
 
 
-#: Quiet this long (s), ranks that share a device are said to have shared it: their job ended or paused, and the
-#: manager counts the device as shared until 5 s of quiet (the core's ``explain.SHARED_QUIET_NS``).
-SHARED_QUIET_S = 1.0
+SHARED_QUIET_S = SHARED_QUIET_NS / 1e9
 
 
 def shared_line(ranks: Sequence[int], quiet_s: float = 0.0) -> str:

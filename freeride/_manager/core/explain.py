@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from freeride._manager.core.steps import HUNG_STEPS, TRAINER_PAUSE_NS
 from freeride._manager.core.tasks import TaskRuntime
+from freeride.messages import SHARED_QUIET_NS
 from freeride.states import TaskState
 
 MS = 1_000_000
@@ -36,9 +37,6 @@ class Circumstances:
 #: says so: a low-priority task behind busy higher ones read "waiting for a bubble", as if none came.
 OUTRANKED_SAID = 10
 
-#: Quiet this long, ranks that share a device are said to have shared it (training ended or paused), until the
-#: core stops counting them (``scheduler.RANK_LEFT_NS``).
-SHARED_QUIET_NS = 1_000 * MS
 
 
 def _ms(ns: int) -> str:
