@@ -294,8 +294,9 @@ def pin_threads(pid: int, cores: frozenset[int]) -> int:
 
 @contextmanager
 def managers(layout: Layout, run_dir: Path, sock_dir: Path, policy: str,
-             profile: Path | None) -> Iterator[dict[str, Endpoint]]:
-    """One real manager daemon per device, off the stage's core where the layout says; SIGTERM on exit."""
+             profile: Path | None, extra: Sequence[str] = ()) -> Iterator[dict[str, Endpoint]]:
+    """One real manager daemon per device, off the stage's core where the layout says; SIGTERM on exit.
+    ``extra``: more ``freeride manager`` options (a bench comparing one of them)."""
     procs: list[subprocess.Popen[bytes]] = []
     endpoints: dict[str, Endpoint] = {}
     try:
@@ -306,6 +307,7 @@ def managers(layout: Layout, run_dir: Path, sock_dir: Path, policy: str,
                     "--trace", str(run_dir / f"trace-{_slug(dev)}.jsonl")]
             if policy == "paper":
                 argv += ["--policy", "paper"] + (["--paper-profile", str(profile)] if profile else [])
+            argv += list(extra)
             log = (run_dir / f"manager-{_slug(dev)}.log").open("wb")
             # As ``freeride launch`` and the demo start them: each in a session, so an autogroup, of its own
             # (not sharing the bench's, which users' managers never do).

@@ -170,7 +170,7 @@ def run_schedule(name: str, args: argparse.Namespace, run_dir: Path, rates: dict
     states: dict[str, str] = {}
     t0 = time.monotonic()
     try:
-        with managers(layout, run_dir, sock_dir, "freeride", None) as endpoints:
+        with managers(layout, run_dir, sock_dir, "freeride", None, args.manager_arg) as endpoints:
             ids: dict[str, str] = {}
             for dev, ep in endpoints.items():
                 with ControlClient(ep) as client:
@@ -531,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     p.add_argument("--results-name", default="schedules", help="results go to <out>/<name>.json and .md")
     p.add_argument("--side-task", default="pagerank", help="pagerank (rmat:12) or spin:US (busy steps of US us)")
+    p.add_argument("--manager-arg", action="append", default=[], metavar="ARG",
+                   help="one more option for every manager (repeat it; e.g. --manager-arg=--no-trainer-stops)")
     args = p.parse_args(argv)
     try:
         side_task(args.side_task)
@@ -559,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --results-name {args.results_name}"
     if args.side_task != "pagerank":
         command += f" --side-task {args.side_task}"
+    command += "".join(f" --manager-arg={arg}" for arg in args.manager_arg)
     doc: dict[str, Any] = {"command": command,
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "machine": machine_info(), "standalone_progress_per_s": rates, "runs": runs, "failed": {},

@@ -36,6 +36,24 @@ memory access, no system call:
   A trainer that is another user, or on another host, reaches the manager over TCP and has no board:
   its ends travel over the wire only.
 
+  After the end records, one **stop record** per rank (:meth:`EndBoard.arm_stop`): the trainer stops, at its
+  own end, a side-task step still running in that bubble, on a device whose worker shares the trainer's core
+  (``cpu:N``). There the trainer's compute takes the core back at the end and a worker at nice 19 hardly runs:
+  a step in flight cannot end within the grace, and waiting for the manager to freeze it held it unfrozen
+  past the end for as long as the manager waited for a core (p99 1.3-5.6 ms on the 2-core VM; the trainer
+  is the one process certain to run at that moment). So is a worker between two steps, or about to report
+  its park: starved as well, it held the bubble until frozen. Four words: the **bubble** it is armed for (its
+  start time, the identity: written last by the manager at a grant, and 0 when the grant is over), the
+  worker's **pid** (the manager's child, cleared before it is reaped: the pid cannot name another process
+  while it is here), **holding** (set by the manager at the grant and by the worker at each step it begins in
+  that bubble, cleared by the worker right before it reports its park: a worker that parked is left be), and
+  **stopped at** (the
+  trainer's claim, written just before it stops the worker's process group with SIGSTOP,
+  :meth:`EndBoard.stop_at_end`). The manager reads that last word as it takes the record back with the end
+  (:meth:`EndBoard.disarm_stop`) and books a freeze at that time (its own SIGSTOP is then a no-op), or, for a
+  worker it had already seen park, continues it before its next message. A stop that lands as a step ends
+  leaves a worker stopped between steps, which a freeze already could.
+
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
 Each record's identity word is written last and read first; a stale companion word (an end time)
@@ -52,16 +70,22 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import signal
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 _WORD = struct.Struct("<q")
 _RECORD = struct.Struct("<qq")
 
+_STOP = struct.Struct("<qqqq")  # bubble start (identity), pid, holding, stopped at
+
 #: Records in an end board: one per rank, by ``rank % END_BOARD_RANKS`` (a device hosts a few ranks at most).
 END_BOARD_RANKS = 64
-END_BOARD_BYTES = END_BOARD_RANKS * _RECORD.size
+#: The end records alone: a board this short (an older manager's) has no stop records.
+END_RECORDS_BYTES = END_BOARD_RANKS * _RECORD.size
+END_BOARD_BYTES = END_RECORDS_BYTES + END_BOARD_RANKS * _STOP.size
 WORKER_BOARD_BYTES = 64
 
 _STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING, _STOPPED_AT, _STOOD_STILL, _STEP_BEGAN = 0, 8, 16, 24, 32, 40, 48, 56
@@ -89,13 +113,15 @@ def _make(path: Path, size: int, initial: bytes = b"") -> None:
         raise
 
 
-def _map(path: Path, size: int, writable: bool) -> mmap.mmap:
+def _map(path: Path, size: int, writable: bool, least: int | None = None) -> mmap.mmap:
+    """Map ``size`` bytes of ``path`` (or all of it when it is shorter but holds ``least``)."""
     fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     try:
-        if os.fstat(fd).st_size < size:
+        have = os.fstat(fd).st_size
+        if have < (size if least is None else least):
             raise OSError(f"{path} is shorter than a board ({size} bytes)")
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        return mmap.mmap(fd, min(size, have), mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
 
@@ -158,6 +184,10 @@ class WorkerBoard:
             _WORD.pack_into(self._mm, _STOOD_STILL, total + at_ns - stopped)
         _WORD.pack_into(self._mm, _STOPPED_AT, 0)
 
+    def stopped_at_ns(self) -> int:
+        """When the worker was stopped, while it is (0: it is not, as far as its stops were dated)."""
+        return int(_WORD.unpack_from(self._mm, _STOPPED_AT)[0])
+
     def stood_still_ns(self) -> int:
         """How long, in all, the manager has kept the worker stopped, up to its last continue."""
         return int(_WORD.unpack_from(self._mm, _STOOD_STILL)[0])
@@ -209,16 +239,19 @@ class EndBoard:
 
     def __init__(self, mapping: mmap.mmap) -> None:
         self._mm = mapping
+        #: Whether the board has stop records (not an older manager's).
+        self.stops = len(mapping) >= END_BOARD_BYTES
 
     @staticmethod
     def create(path: Path) -> None:
-        """The manager's side: make (or reset) the board before anyone maps it; it never reads it."""
+        """The manager's side: make (or reset) the board before anyone maps it."""
         _make(path, END_BOARD_BYTES)
 
     @classmethod
     def open(cls, path: Path, writable: bool) -> EndBoard:
-        """The trainer maps it writable, workers read-only. Raises OSError when there is none."""
-        return cls(_map(path, END_BOARD_BYTES, writable))
+        """The trainer, the manager and workers map it writable (a worker that cannot, read-only: it then sets
+        no holding word). Raises OSError when there is none."""
+        return cls(_map(path, END_BOARD_BYTES, writable, least=END_RECORDS_BYTES))
 
     def record_end(self, rank: int, start_ns: int, end_ns: int) -> None:
         """The bubble of ``rank`` that started at ``start_ns`` ended at ``end_ns``."""
@@ -232,6 +265,58 @@ class EndBoard:
         if int(_WORD.unpack_from(self._mm, offset)[0]) != start_ns:
             return 0
         return int(_WORD.unpack_from(self._mm, offset + 8)[0]) or 1
+
+    # ---------------------------------------------------------------- stop records
+
+    @staticmethod
+    def _stop_offset(rank: int) -> int:
+        return END_RECORDS_BYTES + (rank % END_BOARD_RANKS) * _STOP.size
+
+    def arm_stop(self, rank: int, start_ns: int, pid: int, holding: bool = True) -> None:
+        """The manager, at a grant of ``rank``'s bubble that started at ``start_ns`` to the worker ``pid``: the
+        trainer stops that worker at the end unless it parked first (``holding`` False: only once it begins a
+        step; a test's)."""
+        offset = self._stop_offset(rank)
+        _WORD.pack_into(self._mm, offset, 0)  # the identity first: no trainer acts on a half-written record
+        _STOP.pack_into(self._mm, offset, 0, pid, int(holding), 0)
+        _WORD.pack_into(self._mm, offset, start_ns)
+
+    def disarm_stop(self, rank: int, pid: int) -> int:
+        """The manager: the grant armed for the worker ``pid`` in ``rank``'s record is over (the bubble ended, the
+        worker parked, froze or is about to be reaped). When the trainer stopped it (its claim, read after the
+        record is cleared: a trainer stopping it meanwhile claimed the stop before it looked at the record a
+        second time), when it did; else 0. A record armed for another worker since is left alone (0)."""
+        offset = self._stop_offset(rank)
+        if int(_WORD.unpack_from(self._mm, offset + 8)[0]) != pid:
+            return 0
+        _WORD.pack_into(self._mm, offset, 0)
+        return int(_WORD.unpack_from(self._mm, offset + 24)[0])
+
+    def set_holding(self, rank: int, holding: bool) -> None:
+        """The worker, as it begins a step in a bubble of ``rank`` (True), and right before it reports its park
+        there (False): whether it holds that bubble."""
+        _WORD.pack_into(self._mm, self._stop_offset(rank) + 16, int(holding))
+
+    def stop_at_end(self, rank: int, start_ns: int) -> int:
+        """The trainer, at the end of ``rank``'s bubble that started at ``start_ns``: stop the step that runs in it,
+        where the manager armed this record for it; the pid stopped (0: none). The stop is claimed (its time
+        written) before it is made, and made only if the record is still armed then, so that a manager taking
+        the record back meanwhile reads the claim (a claim without a stop costs a worker that was not stopped a
+        SIGCONT). A worker gone, or not this user's, is not stopped (the manager freezes what runs on)."""
+        offset = self._stop_offset(rank)
+        if int(_WORD.unpack_from(self._mm, offset)[0]) != start_ns:
+            return 0
+        _, pid, holding, _ = _STOP.unpack_from(self._mm, offset)
+        if not pid or not holding:
+            return 0
+        _WORD.pack_into(self._mm, offset + 24, time.monotonic_ns())
+        if int(_WORD.unpack_from(self._mm, offset)[0]) != start_ns:
+            return 0
+        try:
+            os.killpg(pid, signal.SIGSTOP)
+        except OSError:
+            return 0
+        return int(pid)
 
     def close(self) -> None:
         try:

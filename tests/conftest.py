@@ -205,7 +205,7 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
     device = cpu_devices(1)[0]
 
     def make(trace_path: Path | None = None, device: str = device, event_spin_ns: int = 0,
-             **core: object) -> ManagerHarness:
+             trainer_stops: bool = True, **core: object) -> ManagerHarness:
         index = len(started)
         sock = Path(f"/tmp/fr-{os.getpid()}-{id(tmp_path) % 10**6}-{index}.sock")
         manager = Manager(
@@ -216,6 +216,7 @@ def make_manager(tmp_path: Path) -> Iterator[Callable[..., ManagerHarness]]:
             memory_poll_ms=20.0,
             trace_path=trace_path,
             event_spin_ns=event_spin_ns,
+            trainer_stops=trainer_stops,
         )
         manager.start()
         harness = ManagerHarness(manager, ControlClient(manager.endpoint), tmp_path)

@@ -5,6 +5,7 @@
                      [--step-timeout-s 60] [--stop-timeout-s 10] [--memory-poll-ms 50] [--trace FILE]
                      [--policy freeride|paper [--paper-profile FILE]] [--autogroup-nice N]
                      [--metrics-port N [--metrics-address 127.0.0.1]] [--event-spin-us N] [--idle-read-ms 10]
+                     [--no-trainer-stops]
                      [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
                       [--queue-hold-ms 5000] [--queue-spread-ms 1000] [--node NAME]]
 
@@ -34,6 +35,10 @@ off and says so. 0 (default) is off; at most 100,000.
 ``--idle-read-ms N``: while no side task is resident, a local trainer's events are read every N ms instead of at
 each, so that a send wakes no one (a stranger's trainer ran +17% slower beside managers with no task; default
 10, at most 100); 0 reads each at once whatever the tasks (and times each as ``stats``' event delay).
+
+``--no-trainer-stops``: on a ``cpu:N`` device a trainer on this host stops a side task's step still running at its
+bubble's end itself (the rank takes the core back then; the manager waits for a core to do it); with this, only
+the manager freezes such steps, grace after the end.
 """
 
 from __future__ import annotations
@@ -125,6 +130,11 @@ def register(subparsers: Any) -> None:
         "--idle-read-ms", type=float, default=LAZY_READ_NS / 1e6, metavar="N",
         help="while no side task is resident, read a local trainer's events every N ms, not at each (a send then "
         "wakes no one; default %(default)g, at most 100); 0: at each, always",
+    )
+    parser.add_argument(
+        "--no-trainer-stops", dest="trainer_stops", action="store_false",
+        help="cpu:N: the manager alone freezes a step still running at a bubble's end (by default the trainer on this "
+        "host stops it at the end itself)",
     )
     parser.add_argument("--trace", default=None,
                         help="write a JSON-lines timeline of bubbles, grants and steps to FILE (see the demo)")
@@ -353,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             worker_log_backups=args.worker_log_backups,
             event_spin_ns=event_spin_ns,
             idle_read_ns=idle_read_ns,
+            trainer_stops=args.trainer_stops,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         device.close()

@@ -178,6 +178,9 @@ class LoopConfig:
     #: With no side task resident, a local trainer's events are read this often, not at each (:data:`LAZY_READ_NS`,
     #: ``--idle-read-ms``); 0: at each, always.
     idle_read_ns: int = LAZY_READ_NS
+    #: On a ``cpu:N`` device with an end board, the trainer stops a side task's step still running at its end
+    #: (``--no-trainer-stops``: the manager freezes it, a wake-up and a core later; :mod:`freeride._boards`).
+    trainer_stops: bool = True
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
@@ -269,7 +272,9 @@ class ManagerLoop:
         self.views = Views(self.core, device, self.durability, self.cluster, self.failures, self.workers.pid,
                            self._counters, config.core.margin_ns, now_ns, self.paths.task_dir)
         self.watchers = Watchers()
-        self.ends = EndPath(now_ns)
+        stops = config.trainer_stops and device.name.kind == "cpu"
+        self.ends = EndPath(now_ns, config.end_board_path if stops else None, self.workers.stopped_by_trainer)
+        self.workers.before_reap = self.ends.forget_pid
         self.trace = (LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns, self.workers.cpu_ns)
                       if config.trace_path else None)
         self._local: LocalEvents | None = None
@@ -646,6 +651,9 @@ class ManagerLoop:
             if chunk is None:
                 break
             for event in with_ends_known(chunk):
+                if isinstance(event, C.BubbleEnded):
+                    for seen in self.ends.wire_end(event.bubble):  # only where the trainer stopped the step
+                        self._feed(seen)
                 self._feed_trainer(event, self.now_ns())
             budget -= len(chunk)
 
@@ -765,6 +773,8 @@ class ManagerLoop:
         # The grant goes out before a frozen worker is thawed: its interrupted step then ends with the new
         # grant waiting, rather than with the old grant's ended word alone.
         tid = action.task_id
+        if action.trainer_ends:  # before the grant goes out: its worker may begin a step (or go on with one) at once
+            self.ends.arm_stop(tid, action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.pid(tid))
         events = self.workers.send(tid, W.Grant(action.grant_id, action.deadline_ns, action.margin_ns,
                                                 probe=action.probe, rank=action.rank,
                                                 bubble_start_ns=action.bubble_start_ns,
@@ -785,6 +795,7 @@ class ManagerLoop:
         return self.workers.send(action.task_id, W.Park(action.grant_id))
 
     def _freeze(self, action: C.Freeze) -> list[Any]:
+        self.ends.frozen(action.task_id)
         return self.workers.freeze(action.task_id)
 
     def _stop(self, action: C.Stop) -> list[Any]:
@@ -902,6 +913,7 @@ class ManagerLoop:
         self.poller.stop()
         if self._local is not None:
             self._local.close()
+        self.ends.close()  # before the workers are reaped: no trainer signals their pids from now on
         self.workers.close()
         self.durability.close()
         self.watchers.close()

@@ -98,6 +98,11 @@ class WorkerHandle:
     run_at_grant_ns: int = -1
     delay_at_grant_ns: int = -1
     grant_waits_ns: int = 0
+    #: When the trainer stopped it at a bubble's end (:meth:`Supervisor.stopped_by_trainer`), until it is continued;
+    #: 0: not so stopped. A freeze of it then dates nothing: the stop was dated at the trainer's time.
+    trainer_stopped_ns: int = 0
+    #: This manager stopped it (SIGSTOP: a freeze, a hold while parked) and has not continued it since.
+    stopped: bool = False
 
 
 class Supervisor:
@@ -121,6 +126,8 @@ class Supervisor:
         #: (:meth:`hold_while_parked`); and those stopped now, parked, continued before any message.
         self._stop_when_parked: set[str] = set()
         self._held_parked: set[str] = set()
+        #: Called with a worker's pid right before it is reaped (the end path takes back a stop armed for it).
+        self.before_reap: Callable[[int], None] = lambda pid: None
 
     # ------------------------------------------------------------ what the loop asks
 
@@ -180,6 +187,20 @@ class Supervisor:
             self._held_parked.add(task_id)
             self._signal(handle, signal.SIGSTOP)
 
+    def stopped_by_trainer(self, task_id: str, at_ns: int) -> None:
+        """The trainer stopped ``task_id``'s worker (SIGSTOP) at ``at_ns``, at a bubble's end: dated on its board
+        as a stop of this manager's is, and continued before its next message (like a worker held while parked),
+        unless the core freezes it first (:meth:`freeze`: its grant then thaws it). Nothing where this manager had
+        stopped it already (a freeze dated it)."""
+        handle = self.workers.get(task_id)
+        if handle is None or handle.trainer_stopped_ns or handle.stopped:
+            return
+        handle.trainer_stopped_ns = at_ns
+        self._held_parked.add(task_id)
+        if handle.board is not None:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                handle.board.note_stop(at_ns, continued=False)
+
     def granted(self, task_id: str) -> None:
         """A grant went to the worker (its message sent, a frozen one thawed): its run time and run delay now,
         so that its freeze can tell the waits for its core inside the grant from those outside it (~5 us)."""
@@ -208,6 +229,7 @@ class Supervisor:
         if handle.run_at_grant_ns >= 0 and 0 <= ran - handle.run_at_grant_ns < IDLE_GRANT_RUN_NS:
             state = process_state(pid)
         starved, asleep = state == "R", state in ("S", "D")
+        self._held_parked.discard(task_id)  # frozen: its grant thaws it, not the next message
         self._signal(handle, signal.SIGSTOP)
         if delay >= 0 and handle.delay_at_grant_ns >= 0:
             handle.grant_waits_ns += max(0, delay - handle.delay_at_grant_ns)
@@ -441,6 +463,7 @@ class Supervisor:
     def _channel_eof(self, handle: WorkerHandle) -> None:
         if handle.closed:
             return
+        self.before_reap(handle.proc.pid)  # its poll below reaps a worker that is gone
         handle.closed = True
         self._selector.unregister(handle.channel.fileno())
         handle.channel.close()
@@ -453,6 +476,7 @@ class Supervisor:
         # Whatever the task spawned dies with it. The unreaped worker still holds its pid, so the
         # group id cannot have been reused by an unrelated process yet.
         _killpg(handle.proc.pid, signal.SIGKILL)
+        self.before_reap(handle.proc.pid)
         returncode = handle.proc.wait()
         # What the worker wrote last (a crash's last words) is still in the pipe: log it before the
         # tail is read. Bounded: a process the task left behind may still be writing.
@@ -478,6 +502,7 @@ class Supervisor:
     def close(self) -> None:
         """Kill every worker and wait for it (the manager is stopping)."""
         for handle in list(self.workers.values()):
+            self.before_reap(handle.proc.pid)
             self._signal(handle, signal.SIGKILL)
             handle.proc.wait()
             self._read_log(handle, chunks=64)
@@ -489,9 +514,16 @@ class Supervisor:
     def _signal(self, handle: WorkerHandle, sig: int) -> None:
         """Signal the worker's process groups. A stop or continue is dated on its board first: a step it is in
         leaves the time it stood still out of its own (:class:`freeride._worker.timing.ThawCounter`)."""
-        if sig in (signal.SIGSTOP, signal.SIGCONT) and handle.board is not None:
+        if sig == signal.SIGSTOP and handle.trainer_stopped_ns:
+            pass  # stopped by the trainer already: dated then (stopped_by_trainer)
+        elif sig in (signal.SIGSTOP, signal.SIGCONT) and handle.board is not None:
             with contextlib.suppress(OSError, ValueError, TypeError):  # a closed mapping: the step keeps its bound
                 handle.board.note_stop(time.monotonic_ns(), sig == signal.SIGCONT)
+        if sig == signal.SIGCONT:
+            handle.trainer_stopped_ns = 0
+            handle.stopped = False
+        elif sig == signal.SIGSTOP:
+            handle.stopped = True
         for pgid in [handle.proc.pid, *handle.extra_pgids]:
             _killpg(pgid, sig)
         if sig == signal.SIGKILL:  # a frozen process must run to die

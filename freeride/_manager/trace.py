@@ -138,7 +138,9 @@ class LoopTrace:
         elif isinstance(action, C.Park):
             write("park", task=action.task_id, grant=action.grant_id, at_ns=self.now_ns())
         elif isinstance(action, C.Freeze):
-            write("freeze", task=action.task_id, at_ns=self.now_ns(), **self._cpu(action.task_id))
+            # At the trainer's stop, where it stopped the step at the end (the worker's CPU time stood still since).
+            write("freeze", task=action.task_id, at_ns=action.at_ns or self.now_ns(), **self._cpu(action.task_id),
+                  **({"by": "trainer"} if action.at_ns else {}))
         elif isinstance(action, C.StateChanged):
             write("state", task=action.task_id, old=action.old.value if action.old else None, new=action.new.value,
                   reason=action.reason, at_ns=self.now_ns())

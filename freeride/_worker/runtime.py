@@ -216,12 +216,20 @@ class WorkerRuntime:
                 log.warning("[task=%s] no board (%s)", self.task_id, exc)
         #: Where the trainer writes its bubble ends, when it runs on this host as this user.
         self._end_board: EndBoard | None = None
+        #: Whether this worker says on the end board that it holds a bubble (from its first step to its park: the
+        #: trainer stops it at the end where the manager armed that, :mod:`freeride._boards`); not on a board it could
+        #: only read.
+        self._says_holding = False
         if init.end_board:
             try:
-                self._end_board = EndBoard.open(Path(init.end_board), writable=False)
-            except OSError as exc:
-                log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
-                            self.task_id, exc)
+                self._end_board = EndBoard.open(Path(init.end_board), writable=True)
+                self._says_holding = self._end_board.stops
+            except OSError:
+                try:
+                    self._end_board = EndBoard.open(Path(init.end_board), writable=False)
+                except OSError as exc:
+                    log.warning("[task=%s] no end board (%s): bubble ends arrive from the manager only",
+                                self.task_id, exc)
         self.thaws = ThawCounter()
         if self._board is not None:  # the manager dates each stop there: a frozen step's time is then exact
             self.thaws.stood_still = self._board.stood_still_ns
@@ -363,7 +371,7 @@ class WorkerRuntime:
         reason = "deadline"
         while True:
             if self._done():
-                self._send_parked(grant_id, record, "done")
+                self._send_parked(grant_id, record, "done", bubble)
                 self.chan.send(Finished(total_steps=self.steps, progress=self._progress()))
                 self._close_task()
                 return True
@@ -394,7 +402,7 @@ class WorkerRuntime:
                     # mean "none"; 0 before any step: the next step measures it).
                     record.first_ns = min(record.first_ns, 1)
                 elif isinstance(msg, Stop):
-                    self._send_parked(grant_id, record, "stop")
+                    self._send_parked(grant_id, record, "stop", bubble)
                     self._stop(msg.checkpoint)
                     return True
                 msg = self.chan.recv_nowait()
@@ -423,6 +431,8 @@ class WorkerRuntime:
                 deadline = extended
             if self._board is not None:
                 self._board.publish_step(self.steps, now)
+            if bubble is not None and self._says_holding:  # (the manager said so at the grant; a thaw's may not have)
+                self._end_board.set_holding(bubble[0], True)  # type: ignore[union-attr]
             thaws, stood_before = self.thaws.count, self.thaws.stood_still_ns()
             step_deadline = deadline
             waited_start = self.device.waited_ns()
@@ -486,7 +496,7 @@ class WorkerRuntime:
             record.first_ns = record.first_ns or (1 if set_up_now or frozen else now)
             if self.paper:
                 time.sleep(PAPER_SLEEP_AFTER_STEP_S)
-        self._send_parked(grant_id, record, reason)
+        self._send_parked(grant_id, record, reason, bubble)
         return False
 
     def _check_resident(self, now_ns: int) -> None:
@@ -508,8 +518,13 @@ class WorkerRuntime:
         except _TASK_ERRORS as exc:
             raise _TaskError("EXCEPTION", "done()", exc) from exc
 
-    def _send_parked(self, grant_id: int, record: _GrantSteps, reason: str) -> None:
+    def _send_parked(self, grant_id: int, record: _GrantSteps, reason: str,
+                     bubble: tuple[int, int] | None = None) -> None:
+        """Report a grant's steps. Parking in ``bubble`` (its rank and start), it says first on the end board that
+        it holds that bubble no more: the trainer then leaves it be at the end (:mod:`freeride._boards`)."""
         self._grant_steps = None  # reported here: a later failure must not count them again
+        if bubble is not None and self._says_holding:
+            self._end_board.set_holding(bubble[0], False)  # type: ignore[union-attr]
         self.chan.send(Parked(
             grant_id=grant_id,
             steps=record.count,

@@ -50,8 +50,9 @@ def test_a_long_step_running_at_an_early_end_is_frozen_at_the_trainers_end_plus_
 ) -> None:
     trace = tmp_path / "trace.jsonl"
     # A grace of 5 s: a freeze counted from the end's arrival would come >= 5 s after it; one counted from
-    # the trainer's own end, which the test puts 10 s in the past, comes as soon as the end is read.
-    harness = make_manager(trace_path=trace, grace_ns=5 * S)
+    # the trainer's own end, which the test puts 10 s in the past, comes as soon as the end is read. The
+    # manager's own freeze: the trainer does not stop the step (test_a_step_running_at_the_end_is_stopped_...).
+    harness = make_manager(trace_path=trace, grace_ns=5 * S, trainer_stops=False)
     task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
     harness.wait_state(task.task_id, "PARKED")
     reporter, wire = _connect(harness)
@@ -83,10 +84,61 @@ def test_a_long_step_running_at_an_early_end_is_frozen_at_the_trainers_end_plus_
     freeze = next(r for r in records if r["ev"] == "freeze")
     assert seen["end_ns"] == t0 - 10 * S
     assert 0 <= freeze["at_ns"] - seen["at_ns"] < 5 * S, "the freeze was counted from the end's arrival"
+    assert "by" not in freeze, "the trainer stopped the step although the manager said it should not"
     # The worker's CPU time when its frozen step began, and when the manager froze it: what bounds the
     # part of that step past the end (freeride.harvest).
     frozen = next(r for r in records if r["ev"] == "steps" and r["reason"] == "frozen")
     assert 0 < frozen["start_cpu_ns"] <= freeze["cpu_ns"]
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_step_running_at_the_end_is_stopped_by_the_trainer_itself_and_frozen_as_of_that_stop(
+    make_manager: Callable[..., ManagerHarness], tmp_path: Path,
+) -> None:
+    # cpu:N: the trainer's training thread stops the worker at its end (the end board's stop record). A grace of
+    # 5 s: the manager's own freeze would come 5 s after the end; the trainer's comes within the end call.
+    from freeride._boards import WorkerBoard
+
+    trace = tmp_path / "trace.jsonl"
+    harness = make_manager(trace_path=trace, grace_ns=5 * S)
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 50.0})
+    harness.wait_state(task.task_id, "PARKED")
+    reporter, wire = _connect(harness)
+    pid = harness.client.get(task.task_id).pid
+    board = WorkerBoard.attach(harness.manager.loop.task_dir(task.task_id) / "board")
+    try:
+        reporter.bubble_start(0, 0, "test", predicted_ns=60 * S)
+        wait_for(lambda: board.step_began_ns() > 0, 30, what="the worker to begin a step")
+        before = now_ns()
+        reporter.bubble_end(0, 0)  # a 50 ms step is running
+        after = now_ns()
+        assert _proc_state(pid) in ("T", "t") or wait_for(lambda: _proc_state(pid) == "T", 1, what="the stop")
+        frozen = harness.wait_state(task.task_id, "FROZEN", timeout_s=4)  # well before end + grace
+        assert frozen.state == "FROZEN"
+        # The time it stood still counts from the trainer's stop (its board), whenever the manager read the end.
+        assert before <= board.stopped_at_ns() <= after
+        # The next bubble thaws the step: it runs again, finishes, and goes on under the new grant.
+        done, stopped, still = board.steps_done(), board.stopped_at_ns(), board.stood_still_ns()
+        thawed_after = now_ns()
+        reporter.bubble_start(1, 0, "test", predicted_ns=60 * S)
+        harness.wait_state(task.task_id, "RUNNING", timeout_s=20)
+        assert board.stood_still_ns() - still >= thawed_after - stopped  # the thaw added the time since the stop
+        wait_for(lambda: board.steps_done() > done + 1, 30, what="the thawed step and the next to finish")
+        reporter.bubble_end(1, 0)
+        harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=4)
+        assert harness.client.stats().overruns >= 1 and wire.posted == 0
+    finally:
+        reporter.close()
+        board.close()
+    wait_for(lambda: {"freeze", "frozen"} <= {r.get("reason", r["ev"]) for r in read_trace(trace)}, 10,
+             what="the trace to carry the freeze and the frozen grant's steps")
+    records = read_trace(trace)
+    freeze = next(r for r in records if r["ev"] == "freeze")
+    assert freeze.get("by") == "trainer" and before <= freeze["at_ns"] <= after
 
 
 def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_manager_serves_on(

@@ -246,3 +246,36 @@ def test_the_board_says_when_the_running_step_began_and_nothing_between_steps(
     began = [at for _, at in seen]
     assert before <= began[0] <= began[1] <= began[2] <= time.monotonic_ns()
     assert board.step_began_ns() == 0  # after the last step: none runs
+
+
+def test_the_end_board_says_the_worker_holds_its_grants_bubble_from_its_first_step_until_it_parks(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # What the trainer reads at its end to stop a worker still holding its bubble (the end board's stop record).
+    import struct
+
+    from freeride._boards import END_RECORDS_BYTES
+
+    manager, channel = channels
+    box: dict[str, EndBoard] = {}
+    seen: list[int] = []
+
+    def holding() -> int:
+        with open(tmp_path / "ends", "rb") as fh:
+            fh.seek(END_RECORDS_BYTES + RANK * 32 + 16)
+            return int(struct.unpack("<q", fh.read(8))[0])
+
+    def hook(i: int) -> None:
+        seen.append(holding())
+        if i == 2:
+            box["e"].record_end(RANK, 100, time.monotonic_ns())
+
+    rt, _, ends = worker(tmp_path, channel, CallsBack(hook))
+    box["e"] = ends
+    rt._run_grant(grant(7, start_ns=100))
+    parked(manager)
+    assert seen == [1, 1, 1] and holding() == 0
+    # A grant that does not follow the trainer's ends says nothing there.
+    seen.clear()
+    rt._run_grant(grant(8, start_ns=200, seconds=0.01, trainer_ends=False))
+    parked(manager)
+    assert seen and set(seen) == {0}

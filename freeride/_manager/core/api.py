@@ -102,12 +102,17 @@ class TrainerEndSeen:
     trainer's event, :mod:`freeride._local_events`): the end the worker sees on the end board. The freeze is
     armed at ``end_ns`` + grace, not grace after the end reached the loop, or at the end itself for a step that
     will not end within the grace (``step_began_ns``: when the worker's step now running began, from its
-    board; 0: none runs, or unknown); the end event is fed right after it and measured as usual."""
+    board; 0: none runs, or unknown); the end event is fed right after it and measured as usual.
+
+    ``stopped_ns``: the trainer itself stopped the worker at this end, then (``cpu:N``, the end board's stop
+    record, :mod:`freeride._boards`): it is frozen at once, booked at that time; with ``step_began_ns`` 0 it was
+    between steps (about to park), which says nothing against its step estimate."""
 
     task_id: str
     grant_id: int
     end_ns: int
     step_began_ns: int = 0
+    stopped_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -390,6 +395,9 @@ class Park:
 @dataclass(frozen=True)
 class Freeze:
     task_id: str
+    #: When the worker was stopped, where something before this freeze stopped it (the trainer, at the end:
+    #: :attr:`TrainerEndSeen.stopped_ns`); 0: the freeze stops it now.
+    at_ns: int = 0
 
 
 @dataclass(frozen=True)

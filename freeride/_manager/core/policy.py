@@ -61,9 +61,11 @@ class SchedulingPolicy(Protocol):
                      now_ns: int, out: list) -> None:
         """The open bubble ended at ``end_ns`` (``measured``: the trainer's end; else lost) while ``task`` held it."""
 
-    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0) -> None:
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0,
+                 stopped_ns: int = 0) -> None:
         """The manager read ``bubble``'s real end (``end_ns``) from the trainer itself while its worker runs a
-        step that began at ``step_began_ns`` (0: none, or unknown)."""
+        step that began at ``step_began_ns`` (0: none, or unknown); ``stopped_ns``: the trainer stopped that step
+        then."""
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,
              longest_bubble_ns: int) -> Ranking:
@@ -108,14 +110,19 @@ class FreeridePolicy:
             if not bubble.seen_end_ns:  # else the freeze is armed at the end the trainer gave: keep it
                 core.overruns.arm_at_end(end_ns, now_ns)
 
-    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0) -> None:
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0,
+                 stopped_ns: int = 0) -> None:
         # The end the worker reads on the trainer's board, reached the manager without the wire: nothing more
         # is granted in this bubble, and a step still running at end + grace is frozen then (at once when
         # that has passed), not grace after a wire trip; a step that will not end within the grace is frozen
-        # at the end (Overruns.arm_at_seen_end).
-        if bubble.seen_end_ns:
+        # at the end (Overruns.arm_at_seen_end), and one the trainer stopped at the end is frozen now, booked then.
+        if not bubble.seen_end_ns:
+            core.bubbles.saw_end(bubble, end_ns)
+        elif not stopped_ns:
             return
-        core.bubbles.saw_end(bubble, end_ns)
+        if stopped_ns:
+            core.overruns.arm_stopped(end_ns, stopped_ns, mid_step=step_began_ns > 0)
+            return
         task = core.tasks.get(bubble.running) if bubble.running else None
         core.overruns.arm_at_seen_end(end_ns, task, step_began_ns)
 
@@ -181,7 +188,8 @@ class ReferencePolicy:
                      now_ns: int, out: list) -> None:
         pass  # the reference never sees real ends: its poll parks at the predicted one
 
-    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0) -> None:
+    def end_seen(self, core: Scheduling, bubble: OpenBubble, end_ns: int, now_ns: int, step_began_ns: int = 0,
+                 stopped_ns: int = 0) -> None:
         pass  # the reference never sees real ends (its grants do not follow them: no end is published)
 
     def rank(self, tasks: Iterable[TaskRuntime], granted: set[str], remaining_ns: int,

@@ -333,7 +333,7 @@ class SchedulerCore:
         bubble = self.bubbles.held_by(task.task_id)
         if bubble is None or not bubble.event.start_ns <= event.end_ns <= now_ns:
             return
-        self.policy.end_seen(self, bubble, event.end_ns, now_ns, event.step_began_ns)
+        self.policy.end_seen(self, bubble, event.end_ns, now_ns, event.step_began_ns, event.stopped_ns)
 
     def _end_bubble(self, bubble: OpenBubble, end_ns: int, now_ns: int, out: list[Action], measured: bool) -> None:
         length = self.bubbles.measure_end(bubble, end_ns, measured, shared=bool(self.sharing_ranks))
@@ -454,6 +454,13 @@ class SchedulerCore:
         task.steps = event.total_steps
         if event.steps:
             task.health.finished_steps()
+        late = task.frozen_first_grant
+        if late is not None and late[0] == event.grant_id:
+            # The report of a bubble's first grant that a freeze closed (on cpu:N the trainer stops a worker still
+            # holding its bubble at the end: most grants end so there): its first step measures as a park would.
+            task.frozen_first_grant = None
+            if event.first_step_ns:
+                self.stats.grant_latency_ms.append((event.first_step_ns - late[1]) / MS)
         if event.grant_id != task.grant_id or task.state != _RUNNING:
             return  # a park for a grant that a freeze already closed; stats only
         bubble = self.bubbles.held_by(task.task_id)
@@ -488,8 +495,9 @@ class SchedulerCore:
             self.grant_next(now_ns, out)
         freeze_at = self.overruns.freeze_at_ns
         if freeze_at and now_ns >= freeze_at:
+            stopped, mid_step = self.overruns.stopped_ns, self.overruns.stopped_mid_step
             self.overruns.disarm()
-            for stuck in self.overruns.freeze_running(now_ns, out):
+            for stuck in self.overruns.freeze_running(now_ns, out, stopped, mid_step):
                 stuck.health.verdict_due = True  # judged on this freeze's board read (_on_worker_steps_seen)
             # A bubble that opened while the frozen worker overran is free now: use what is left.
             self.grant_next(now_ns, out)

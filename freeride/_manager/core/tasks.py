@@ -48,6 +48,9 @@ class TaskRuntime:
     #: Thawed, it has not reported since: it is still finishing the step a freeze stopped (the worker
     #: reports the frozen grant's steps when that step is done), not one its current grant admitted.
     finishing_frozen_step: bool = False
+    #: (grant id, its bubble's start received) of a bubble's first grant that a freeze closed: the worker reports
+    #: that grant's steps later (once thawed), and its first step still measures the grant latency.
+    frozen_first_grant: tuple[int, int] | None = None
     used_bytes: int = 0
     reported_bytes: int = 0  # the worker's own measure of its device memory
     baseline_bytes: int = 0  # of used_bytes, what the cap does not cover (the worker's libraries on CPU)

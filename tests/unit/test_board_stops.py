@@ -1,0 +1,116 @@
+"""The end board's stop records (:mod:`freeride._boards`): on a ``cpu:N`` device the trainer stops, at its own
+end, the side-task step still running in the bubble the manager armed, and claims the stop for the manager.
+
+A real process in its own session stands in for the worker: what is checked is whether it is stopped
+(``/proc/<pid>/stat``), not what a call returned alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from freeride._boards import END_RECORDS_BYTES, EndBoard
+
+RANK, START = 3, 1_000
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def worker() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    yield proc
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture
+def boards(tmp_path: Path) -> Iterator[tuple[EndBoard, EndBoard, EndBoard]]:
+    """The manager's, the worker's and the trainer's mappings of one board."""
+    path = tmp_path / "ends"
+    EndBoard.create(path)
+    maps = (EndBoard.open(path, writable=True), EndBoard.open(path, writable=True), EndBoard.open(path, writable=True))
+    yield maps
+    for board in maps:
+        board.close()
+
+
+def test_the_trainer_stops_a_step_running_at_the_end_of_the_armed_bubble_and_claims_when(
+        boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
+    manager, in_worker, trainer = boards
+    manager.arm_stop(RANK, START, worker.pid, holding=False)
+    in_worker.set_holding(RANK, True)
+    before = time.monotonic_ns()
+    assert trainer.stop_at_end(RANK, START) == worker.pid
+    wait_for(lambda: state(worker.pid) == "T", 5, what="the worker to be stopped")
+    claimed = manager.disarm_stop(RANK, worker.pid)
+    assert before <= claimed <= time.monotonic_ns()
+    # Taken back: the record no longer names the bubble, so no later end stops anything.
+    os.killpg(worker.pid, signal.SIGCONT)
+    assert trainer.stop_at_end(RANK, START) == 0
+
+
+def test_a_worker_that_parked_or_another_bubble_or_rank_is_not_stopped(
+        boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
+    manager, in_worker, trainer = boards
+    manager.arm_stop(RANK, START, worker.pid)
+    in_worker.set_holding(RANK, True)
+    in_worker.set_holding(RANK, False)  # it parked before the end
+    assert trainer.stop_at_end(RANK, START) == 0
+    in_worker.set_holding(RANK, True)
+    assert trainer.stop_at_end(RANK, START + 1) == 0  # the end of another bubble
+    assert trainer.stop_at_end(RANK + 1, START) == 0  # of another rank
+    assert state(worker.pid) != "T"
+    assert manager.disarm_stop(RANK, worker.pid) == 0  # nothing was claimed
+
+
+def test_a_worker_is_held_from_its_grant_on_before_its_first_step_and_in_a_step_it_was_stopped_in(
+        boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
+    # A grant that thaws a step stopped mid-way: the worker set nothing for it (it was stopped); the manager does.
+    manager, _, trainer = boards
+    manager.arm_stop(RANK, START, worker.pid)
+    assert trainer.stop_at_end(RANK, START) == worker.pid
+    wait_for(lambda: state(worker.pid) == "T", 5, what="the worker to be stopped")
+
+
+def test_a_record_armed_again_for_another_worker_is_not_taken_back_by_the_first(
+        boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
+    manager, _, trainer = boards
+    manager.arm_stop(RANK, START, 4_000_000, holding=True)  # a pid beyond any pid_max: never stopped
+    manager.arm_stop(RANK, START + 5, worker.pid, holding=True)
+    assert manager.disarm_stop(RANK, 4_000_000) == 0
+    assert trainer.stop_at_end(RANK, START + 5) == worker.pid
+
+
+def test_a_worker_that_is_gone_is_not_claimed_stopped(boards: tuple[EndBoard, EndBoard, EndBoard]) -> None:
+    manager, _, trainer = boards
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()  # reaped: its pid names nothing (here the manager would have taken the record back first)
+    manager.arm_stop(RANK, START, proc.pid, holding=True)
+    assert trainer.stop_at_end(RANK, START) == 0
+
+
+def test_an_older_managers_board_without_stop_records_maps_and_keeps_its_end_records(tmp_path: Path) -> None:
+    path = tmp_path / "ends"
+    path.write_bytes(bytes(END_RECORDS_BYTES))
+    board = EndBoard.open(path, writable=True)
+    try:
+        assert not board.stops
+        board.record_end(RANK, START, START + 7)
+        assert board.ended_ns(RANK, START) == START + 7
+    finally:
+        board.close()
+    path.write_bytes(bytes(END_RECORDS_BYTES - 8))
+    with pytest.raises(OSError, match="shorter"):
+        EndBoard.open(path, writable=False)
