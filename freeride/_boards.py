@@ -52,7 +52,9 @@ memory access, no system call:
   :meth:`EndBoard.stop_at_end`). The manager reads that last word as it takes the record back with the end
   (:meth:`EndBoard.disarm_stop`) and books a freeze at that time (its own SIGSTOP is then a no-op), or, for a
   worker it had already seen park, continues it before its next message. A stop that lands as a step ends
-  leaves a worker stopped between steps, which a freeze already could.
+  leaves a worker stopped between steps, which a freeze already could. The board ends with the manager's pid
+  namespace: a trainer in another one (a container of its own sharing the socket's volume) stops nothing, as
+  the pids written there would name other processes of its own.
 
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
@@ -85,7 +87,19 @@ _STOP = struct.Struct("<qqqq")  # bubble start (identity), pid, holding, stopped
 END_BOARD_RANKS = 64
 #: The end records alone: a board this short (an older manager's) has no stop records.
 END_RECORDS_BYTES = END_BOARD_RANKS * _RECORD.size
-END_BOARD_BYTES = END_RECORDS_BYTES + END_BOARD_RANKS * _STOP.size
+#: After the stop records, the manager's pid namespace (device and inode of ``/proc/self/ns/pid``).
+_NAMESPACE_OFFSET = END_RECORDS_BYTES + END_BOARD_RANKS * _STOP.size
+_NAMESPACE = struct.Struct("<qq")
+END_BOARD_BYTES = _NAMESPACE_OFFSET + _NAMESPACE.size
+
+
+def pid_namespace() -> tuple[int, int]:
+    """This process's pid namespace, as (device, inode) of ``/proc/self/ns/pid``; (0, 0) where it cannot be read."""
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return 0, 0
+    return st.st_dev, st.st_ino
 WORKER_BOARD_BYTES = 64
 
 _STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING, _STOPPED_AT, _STOOD_STILL, _STEP_BEGAN = 0, 8, 16, 24, 32, 40, 48, 56
@@ -239,13 +253,18 @@ class EndBoard:
 
     def __init__(self, mapping: mmap.mmap) -> None:
         self._mm = mapping
-        #: Whether the board has stop records (not an older manager's).
-        self.stops = len(mapping) >= END_BOARD_BYTES
+        #: Whether this process may use the stop records: the board has them (not an older manager's), and the
+        #: manager that made it sees pids as this process does. A trainer in a container of its own (a pod's
+        #: sidecar manager sharing only the socket's volume) has other pids: a pid the manager writes would name
+        #: another process there, so it stops nothing.
+        here = pid_namespace()
+        self.stops = (len(mapping) >= END_BOARD_BYTES and here != (0, 0)
+                      and _NAMESPACE.unpack_from(mapping, _NAMESPACE_OFFSET) == here)
 
     @staticmethod
     def create(path: Path) -> None:
-        """The manager's side: make (or reset) the board before anyone maps it."""
-        _make(path, END_BOARD_BYTES)
+        """The manager's side: make (or reset) the board before anyone maps it, saying its pid namespace."""
+        _make(path, END_BOARD_BYTES, bytes(_NAMESPACE_OFFSET) + _NAMESPACE.pack(*pid_namespace()))
 
     @classmethod
     def open(cls, path: Path, writable: bool) -> EndBoard:

@@ -17,9 +17,10 @@ board) and becomes a :class:`~freeride._manager.core.TrainerEndSeen`, with which
 still running at the trainer's end + grace, not grace after the end reached the loop (at the end itself, a step
 that the worker's board says began too late to end within the grace).
 
-On a ``cpu:N`` device the loop also arms the trainer's stop of the grant's step (:meth:`EndPath.arm_stop`, the
-end board's stop record: :mod:`freeride._boards`) before the grant goes out: the trainer stops a step still
-running at its end itself, the one process sure to run then. The end's datagram (or wire message) comes after
+On a ``cpu:N`` device the loop also arms the trainer's stop of the grant's worker (:meth:`EndPath.arm_stop`, the
+end board's stop record: :mod:`freeride._boards`) before the grant goes out: the trainer itself stops a worker
+still holding its bubble at the end (in a step, or between steps, not yet parked), the one process sure to run
+then. The end's datagram (or wire message) comes after
 that stop, and :meth:`EndPath.local_end` / :meth:`EndPath.wire_end` read when it was, so that the core books a
 freeze at that time (:attr:`~freeride._manager.core.TrainerEndSeen.stopped_ns`). The record is disarmed when
 the grant is over (:meth:`EndPath.reported`, :meth:`EndPath.frozen`) and before the worker is reaped
@@ -83,9 +84,9 @@ class EndPath:
         #: with no board, or one that cannot be mapped or has no stop records (then no stop is armed).
         self._board_path = end_board_path
         self._board: EndBoard | None = None
-        #: The grant whose step the trainer stops at its end (the loop's thread only): one at a time, as grants.
+        #: The grant whose worker the trainer stops at its end (the loop's thread only): one at a time, as grants.
         self._armed: _ArmedStop | None = None
-        #: Steps the trainer stopped at its end.
+        #: Workers the trainer stopped at its end.
         self.trainer_stops = 0
 
     # ------------------------------------------------------------ the loop's thread

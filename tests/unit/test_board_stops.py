@@ -114,3 +114,25 @@ def test_an_older_managers_board_without_stop_records_maps_and_keeps_its_end_rec
     path.write_bytes(bytes(END_RECORDS_BYTES - 8))
     with pytest.raises(OSError, match="shorter"):
         EndBoard.open(path, writable=False)
+
+
+def test_a_trainer_in_another_pid_namespace_stops_nothing(tmp_path: Path) -> None:
+    # A trainer in a container of its own (a sidecar manager sharing only the socket's volume): the manager's pids
+    # name other processes there. The board says the manager's namespace; a trainer elsewhere leaves stops be.
+    import struct
+
+    from freeride._boards import END_BOARD_BYTES
+
+    path = tmp_path / "ends"
+    EndBoard.create(path)
+    board = EndBoard.open(path, writable=True)
+    assert board.stops
+    board.close()
+    with open(path, "r+b") as fh:
+        fh.seek(END_BOARD_BYTES - 16)
+        fh.write(struct.pack("<qq", 1, 2))  # another namespace's
+    trainer = EndBoard.open(path, writable=True)
+    try:
+        assert not trainer.stops  # what the reporter checks before it reads a stop record
+    finally:
+        trainer.close()
