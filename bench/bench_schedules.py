@@ -39,13 +39,17 @@ Per rank (the trainer's logs, iterations after the warm-up):
 * **predicted past the end**: the share of bubbles whose predicted length exceeded the real one.
 
 Per device (the manager's trace, from the first side-task step after the warm-up): **harvest
-efficiency** (:func:`freeride.harvest.harvest`: standalone-equivalent side-task work / bubble time),
-**freezes** (workers stopped with SIGSTOP because a step outlived its bubble), **overrun** past the
+efficiency** (:func:`freeride.harvest.harvest`: standalone-equivalent side-task work / bubble time), and
+**of the idle**: that over the rank's idle / reported (what a side task ran of the time the rank's core was
+free; on these CPU ranks idle / reported is the ceiling of the harvest), **freezes** (workers stopped with
+SIGSTOP because a step outlived its bubble), **overrun** past the
 real end p50/p99 (per granted bubble) twice: as the time a step stayed unfrozen past the end ("held"),
 and with a frozen step's part past the end bounded by the worker's CPU time from its start to the
 freeze ("ran", :attr:`freeride.harvest.BubbleAccount.cpu_overrun_ms`). They differ on these cores: at
-the end the trainer's wake takes the core from the worker (nice 19), which then waits, idle and
-unfrozen, until its manager gets a core to freeze it; "ran" is what competed with the trainer. Then
+the end the trainer's wake takes the core from the worker (nice 19), which then waited, idle and
+unfrozen, until its manager got a core to freeze it (now the trainer stops it at the end itself; the
+managers' ``--no-trainer-stops``, ``--manager-arg``, measures the old way); "ran" is what competed with the
+trainer. Then
 the side task's step time against the typical bubble.
 
 **Instrumentation cost** per iteration on the training thread, twice: with the events streamed by the
@@ -451,10 +455,10 @@ def results_table(doc: dict[str, Any]) -> list[str]:
                   ["-"])  # a results file from before bench.hot_path has one figure
     lines = [
         "| schedule | rank | reported / idle in gaps >= 0.5 ms | idle ms/it | idle / reported "
-        "| slots modelled + learned | predicted past end | harvest eff. | freezes "
+        "| slots modelled + learned | predicted past end | harvest eff. | of the idle | freezes "
         "| overrun held p50 / p99 ms | overrun ran p50 / p99 ms | step p95 / bubble p50 ms "
         f"| instr. cost: {' / '.join(routes)} | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in doc["runs"]:
         for rank, dev in zip(run["ranks"], run["devices"].values(), strict=True):
@@ -470,14 +474,19 @@ def results_table(doc: dict[str, Any]) -> list[str]:
             cost = instrumentation_cost(run["hot_path_ns"], rank["rank"], rank["iteration_ms_p50"])
             reported = rank.get("reported_ms_per_iteration") or 0.0
             ceiling = f"{100 * rank['idle_ms_per_iteration'] / reported:.0f}%" if reported else "-"
+            # The harvest over the idle share: what a side task ran of the time the rank's core was free.
+            idle_share = rank["idle_ms_per_iteration"] / reported if reported else 0.0
+            of_idle = (f"{100 * dev['harvest_efficiency'] / idle_share:.0f}%"
+                       if dev["harvest_efficiency"] is not None and idle_share > 0 else "-")
             lines.append(
                 f"| {run['schedule']} | {rank['rank']} | {ratio:.2f} | {rank['idle_in_gaps_ms_per_iteration']:.1f} "
                 f"| {ceiling} | {rank['modelled_slots_reported']} + {rank['learned_slots']} | {past} | {eff} "
+                f"| {of_idle} "
                 f"| {dev['freezes']} | {over} | {ran} | {steps} | {cost} "
                 f"| {run['loadavg_before'][0]:.1f} / {run['loadavg_after'][0]:.1f} |"
-                if ratio is not None else f"| {run['schedule']} | {rank['rank']} | no idle measured |" + " |" * 11)
+                if ratio is not None else f"| {run['schedule']} | {rank['rank']} | no idle measured |" + " |" * 12)
     for name, error in doc.get("failed", {}).items():
-        lines.append(f"| {name} | - | failed: {error.splitlines()[0][:120]} |" + " |" * 11)
+        lines.append(f"| {name} | - | failed: {error.splitlines()[0][:120]} |" + " |" * 12)
     lines += ["", "Targets (issue 21): reported >= 90% of the idle in gaps >= 0.5 ms on each rank; harvest >= 50% "
               "where the side task's steps are under a third of the typical bubble; overrun p99 <= 1 ms (ran: what "
               "competed with the trainer; held: until frozen); "
