@@ -289,6 +289,7 @@ def test_a_worker_the_trainer_stopped_is_dated_at_that_stop_and_continued_before
 def test_a_freeze_of_a_worker_the_trainer_stopped_keeps_the_trainers_date_and_its_grant_thaws_it(rig: Rig) -> None:
     stopped = time.monotonic_ns() - 5_000_000  # 5 ms before the freeze: the trainer's end came to the loop late
     os.killpg(rig.proc.pid, signal.SIGSTOP)
+    wait_for(lambda: _state(rig.proc.pid) == "T", 5, what="the worker to be stopped")
     rig.sup.stopped_by_trainer(TID, stopped)
     rig.sup.freeze(TID)
     assert rig.board.stopped_at_ns() == stopped
@@ -301,6 +302,7 @@ def test_a_freeze_of_a_worker_the_trainer_stopped_keeps_the_trainers_date_and_it
 
 def test_a_stop_the_trainer_claims_for_a_worker_this_manager_froze_already_changes_nothing(rig: Rig) -> None:
     rig.sup.freeze(TID)
+    wait_for(lambda: _state(rig.proc.pid) == "T", 5, what="the worker to be frozen")
     frozen_at = rig.board.stopped_at_ns()
     rig.sup.stopped_by_trainer(TID, frozen_at + 1)
     assert rig.board.stopped_at_ns() == frozen_at

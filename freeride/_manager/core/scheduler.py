@@ -73,13 +73,12 @@ from freeride._manager.core.overruns import Overruns
 from freeride._manager.core.policy import make_policy
 from freeride._manager.core.stopping import Stopping
 from freeride._manager.core.tasks import TaskRuntime, Tasks
-from freeride.messages import BubbleSlotStats, TrainerLayout
+from freeride.messages import RANK_LEFT_NS, BubbleSlotStats, TrainerLayout
 from freeride.states import TaskState
 
 MS = 1_000_000
-#: A trainer rank that sent this device no bubble event for this long has left it (its run ended, or moved):
-#: the device no longer counts it as sharing (:meth:`SchedulerCore._follows`).
-RANK_LEFT_NS = 5_000 * MS
+# A trainer rank that sent this device no bubble event for RANK_LEFT_NS has left it (its run ended, or moved):
+# the device no longer counts it as sharing (SchedulerCore._follows).
 _PARKED, _RUNNING, _FROZEN = TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN
 _SERVING, _DRAINING = DrainPhase.SERVING, DrainPhase.DRAINING
 
@@ -283,7 +282,7 @@ class SchedulerCore:
                 "measured, the others' events are counted and ignored")))
         elif not sharing:
             alone = (f"only trainer rank {followed} reports bubbles to it now" if followed in heard
-                     else "no trainer rank has reported for 5 s")
+                     else f"no trainer rank has reported for {RANK_LEFT_NS // 10**9} s")
             out.append(Note(NoteLevel.WARNING, f"this device is no longer shared by trainer ranks ({alone}): its "
                                                "bubbles are granted again"))
         self.sharing_ranks = sharing
