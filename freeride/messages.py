@@ -461,6 +461,9 @@ class ManagerStats:
     #: ended leaves its device shared for 5 s more, which the CLI then says in the past tense
     #: (from :data:`SHARED_QUIET_NS`).
     shared_quiet_s: float = 0.0
+    #: Of the freezes behind ``overruns``, the workers a trainer on this host stopped at the bubble's end itself
+    #: (``cpu:N``: the end board's stop records), a wake-up and a core before the manager could.
+    trainer_stops: int = 0
     #: Well-formed bubble events the scheduler ignored as out of order: an end without its open start (its
     #: start went to a manager that died, after a restart under a running trainer, or was lost), an end before
     #: its start, a start older than the open one. (Until this count, they were added to ``events_rejected``,

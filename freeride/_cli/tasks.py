@@ -550,8 +550,9 @@ _PARK_NOTE = "  (end received -> parked; 0 when the worker saw the trainer's end
 # Stranger trial: "grant latency n=117, park latency n=781, overruns 845" with no word of what each counts.
 _OVERRUN_NOTE = "  (grants whose side task still ran past the bubble's real end, by how much)"
 #: Stranger trial: "overruns: 60" for a task of 15 us steps read as its steps running long.
-_TASK_OVERRUN_NOTE = ("  (its worker still held a bubble grace after the end and was frozen: a long step, or, on "
-                      "a cpu:N device, a worker at the lowest priority that waited for the core the rank took back)")
+_TASK_OVERRUN_NOTE = ("  (its worker still held a bubble after the end and was frozen until a later one: on a GPU a "
+                      "step that ran past the grace; on a cpu:N device one the trainer stopped at the end, its step or "
+                      "its park report not done when the rank took the core back)")
 _GRANT_NOTE = "  (bubble start received -> first step; a bubble's first grant, when its worker was parked)"
 
 
@@ -576,7 +577,8 @@ def render_stats(s: ManagerStats) -> str:
                                                       if s.bubbles_while_shared else "")),
         ("granted", f"{s.granted_s:.3f} s"),
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
-        ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")),
+        ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")
+         + (f"; {s.trainer_stops} stopped by the trainer at the end" if s.trainer_stops else "")),
         ("grant lat.", _pct_line(s.grant_latency_ms) + (_GRANT_NOTE if s.grant_latency_ms.count else "")),
         ("park lat.", _pct_line(s.park_latency_ms) + (_PARK_NOTE if s.park_latency_ms.count else "")),
         ("end->worker", _pct_line(s.end_to_worker_ms)),

@@ -899,7 +899,8 @@ class ManagerLoop:
 
     def _counters(self) -> Counters:
         return Counters(self.started_unix, self.inbox.received, self.inbox.rejected, self.inbox.dropped,
-                        self.workers.messages_dropped, self.event_delay.percentiles(), self.ends.end_to_worker_ms())
+                        self.workers.messages_dropped, self.event_delay.percentiles(), self.ends.end_to_worker_ms(),
+                        self.ends.trainer_stops)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -58,6 +58,7 @@ class Counters:
     messages_dropped: int
     event_delay_ms: Percentiles
     end_to_worker_ms: Percentiles
+    trainer_stops: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class Views:
             events_other_ranks=s.other_rank_events,
             bubbles_while_shared=s.shared_bubbles,
             shared_quiet_s=core.shared_quiet_ns(self.now_ns()) / 1e9,
+            trainer_stops=n.trainer_stops,
         )
 
 

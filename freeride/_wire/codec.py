@@ -226,7 +226,7 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         end_to_worker_ms=pct(s.end_to_worker_ms),
         queue=_pb.QueueStats(**dataclasses.asdict(s.queue)) if s.queue is not None else None,
         shared_by_ranks=s.shared_by_ranks, events_other_ranks=s.events_other_ranks, events_ignored=s.events_ignored,
-        bubbles_while_shared=s.bubbles_while_shared, shared_quiet_s=s.shared_quiet_s,
+        bubbles_while_shared=s.bubbles_while_shared, shared_quiet_s=s.shared_quiet_s, trainer_stops=s.trainer_stops,
     )
 
 
@@ -244,7 +244,7 @@ def stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         queue=_queue_stats_from_pb(msg.queue) if msg.HasField("queue") else None,
         shared_by_ranks=tuple(msg.shared_by_ranks), events_other_ranks=msg.events_other_ranks,
         events_ignored=msg.events_ignored, bubbles_while_shared=msg.bubbles_while_shared,
-        shared_quiet_s=msg.shared_quiet_s,
+        shared_quiet_s=msg.shared_quiet_s, trainer_stops=msg.trainer_stops,
     )
 
 

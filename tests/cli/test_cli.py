@@ -544,7 +544,7 @@ def test_show_says_what_an_overrun_is_where_a_task_has_any() -> None:
     spec = TaskSpec(target="sample_tasks:Counter", memory_bytes=2**26)
     out = render_task(TaskInfo("t-1", spec, "PARKED", TaskProgress(steps=49, progress=49.0, overruns=60)))
     line = next(line for line in out.splitlines() if line.startswith("overruns:"))
-    assert line.split()[1] == "60" and "waited for the core the rank took back" in line
+    assert line.split()[1] == "60" and "when the rank took the core back" in line
     clean = render_task(TaskInfo("t-2", spec, "PARKED", TaskProgress(steps=49, progress=49.0)))
     assert next(line for line in clean.splitlines() if line.startswith("overruns:")).split() == ["overruns:", "0"]
 

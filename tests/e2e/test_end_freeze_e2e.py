@@ -85,6 +85,7 @@ def test_a_long_step_running_at_an_early_end_is_frozen_at_the_trainers_end_plus_
     assert seen["end_ns"] == t0 - 10 * S
     assert 0 <= freeze["at_ns"] - seen["at_ns"] < 5 * S, "the freeze was counted from the end's arrival"
     assert "by" not in freeze, "the trainer stopped the step although the manager said it should not"
+    assert harness.client.stats().trainer_stops == 0
     # The worker's CPU time when its frozen step began, and when the manager froze it: what bounds the
     # part of that step past the end (freeride.harvest).
     frozen = next(r for r in records if r["ev"] == "steps" and r["reason"] == "frozen")
@@ -130,7 +131,8 @@ def test_a_step_running_at_the_end_is_stopped_by_the_trainer_itself_and_frozen_a
         wait_for(lambda: board.steps_done() > done + 1, 30, what="the thawed step and the next to finish")
         reporter.bubble_end(1, 0)
         harness.wait_state(task.task_id, "PARKED", "FROZEN", timeout_s=4)
-        assert harness.client.stats().overruns >= 1 and wire.posted == 0
+        stats = harness.client.stats()
+        assert stats.overruns >= 1 and stats.trainer_stops >= 1 and wire.posted == 0
     finally:
         reporter.close()
         board.close()
