@@ -123,8 +123,9 @@ def test_a_process_state_reads_runnable_asleep_stopped_and_gone() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
     asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert process_state(busy.pid) == "R"
         deadline = time.monotonic() + 30
+        while process_state(busy.pid) != "R":  # until its interpreter is loaded (reading it, it may be in "D")
+            assert time.monotonic() < deadline, "the busy loop never ran"
         while process_state(asleep.pid) != "S":  # until its interpreter has started and sleeps
             assert time.monotonic() < deadline, "the sleeper never slept"
         busy.send_signal(signal.SIGSTOP)
