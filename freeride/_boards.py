@@ -37,24 +37,25 @@ memory access, no system call:
   its ends travel over the wire only.
 
   After the end records, one **stop record** per rank (:meth:`EndBoard.arm_stop`): the trainer stops, at its
-  own end, a side-task step still running in that bubble, on a device whose worker shares the trainer's core
+  own end, a side-task worker still holding that bubble, on a device whose worker shares the trainer's core
   (``cpu:N``). There the trainer's compute takes the core back at the end and a worker at nice 19 hardly runs:
-  a step in flight cannot end within the grace, and waiting for the manager to freeze it held it unfrozen
-  past the end for as long as the manager waited for a core (p99 1.3-5.6 ms on the 2-core VM; the trainer
-  is the one process certain to run at that moment). So is a worker between two steps, or about to report
-  its park: starved as well, it held the bubble until frozen. Four words: the **bubble** it is armed for (its
-  start time, the identity: written last by the manager at a grant, and 0 when the grant is over), the
-  worker's **pid** (the manager's child, cleared before it is reaped: the pid cannot name another process
-  while it is here), **holding** (set by the manager at the grant and by the worker at each step it begins in
-  that bubble, cleared by the worker right before it reports its park: a worker that parked is left be), and
-  **stopped at** (the
-  trainer's claim, written just before it stops the worker's process group with SIGSTOP,
-  :meth:`EndBoard.stop_at_end`). The manager reads that last word as it takes the record back with the end
-  (:meth:`EndBoard.disarm_stop`) and books a freeze at that time (its own SIGSTOP is then a no-op), or, for a
-  worker it had already seen park, continues it before its next message. A stop that lands as a step ends
-  leaves a worker stopped between steps, which a freeze already could. The board ends with the manager's pid
-  namespace: a trainer in another one (a container of its own sharing the socket's volume) stops nothing, as
-  the pids written there would name other processes of its own.
+  a step in flight cannot end within the grace, and waiting for the manager to freeze it held it unfrozen past
+  the end for as long as the manager waited for a core (p99 1.3-5.6 ms on the 2-core VM; the trainer is the one
+  process certain to run at that moment). So is a worker between two steps, or about to report its park:
+  starved as well, it held the bubble until frozen. Four words: the **bubble** it is armed for (its start
+  time, the identity: written last by the manager at a grant, and 0 when the grant is over); the worker's
+  **pid** (the manager's child, cleared before it is reaped, so the pid cannot name another process while it is
+  here; a manager killed with -9 leaves it, and its worker dies with it, but only that bubble's end reads it:
+  the system would have to hand the pid out again, to a new process group, within that bubble); **holding**
+  (set by the manager at the grant and by the worker at each step it begins in that bubble, cleared by the
+  worker right before it reports its park: a worker that parked is left be); and **stopped at** (the trainer's
+  claim, written just before it stops the worker's process group with SIGSTOP, :meth:`EndBoard.stop_at_end`).
+  The manager reads that last word as it takes the record back with the end (:meth:`EndBoard.disarm_stop`) and
+  books a freeze at that time (its own SIGSTOP is then a no-op), or, for a worker it had already seen park,
+  continues it before its next message. A stop that lands as a step ends leaves a worker stopped between steps,
+  which a freeze already could. The board ends with the manager's pid namespace: a trainer in another one (a
+  container of its own sharing the socket's volume) stops nothing, as the pids written there would name other
+  processes of its own.
 
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
