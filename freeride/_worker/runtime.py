@@ -2,7 +2,8 @@
 
 Lifecycle of a worker process (one per task, in its own session, started by the manager):
 
-1. Arrange to die with the manager (``PR_SET_PDEATHSIG``, and end-of-file on the channel).
+1. Arrange to die with the manager (``PR_SET_PDEATHSIG``, and end-of-file on the channel), and for what the task
+   starts in its process group to die with the worker (:func:`kill_group_when_gone`).
 2. Read ``init``; prepare the device (core pinning and low priority on CPU; on CUDA the context,
    one cap for context, torch and CuPy, low priority and few threads: see
    :mod:`freeride.devices.cuda_worker`); import and construct the task. Report ``ready`` (with the CUDA
@@ -45,6 +46,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -126,6 +128,38 @@ def _failure_kind(exc: BaseException) -> str:
     if _is_oom(exc):
         return "MEMORY_LIMIT"
     return "CONFIG" if isinstance(exc, ConfigError) else "EXCEPTION"
+
+
+#: The write end of :func:`kill_group_when_gone`'s pipe, held open for the worker's whole life.
+_GROUP_WATCH: int | None = None
+
+
+def kill_group_when_gone() -> None:
+    """Have the processes of this worker's group (what its task started) killed once the worker is gone.
+
+    The manager kills a worker's group when it reaps the worker; a manager killed with -9 cannot, and the worker
+    dies with it (its death signal) while the task's children live on, reparented, and stopped for good if a
+    freeze had stopped the group (the group was orphaned from the start, so the kernel continues none of it). A
+    tiny shell in a session of its own (never stopped with the group) reads a pipe whose write end only this
+    process holds, and kills the group at its end-of-file: when the worker exits, however it dies. Only a worker
+    that leads its own group (as the manager starts it): elsewhere the group is someone else's."""
+    global _GROUP_WATCH
+    pgid = os.getpgid(0)
+    if _GROUP_WATCH is not None or pgid != os.getpid():
+        return
+    read_end, write_end = os.pipe()  # neither is inherited by what the task starts (PEP 446)
+    try:
+        subprocess.Popen(["/bin/sh", "-c", 'read _ ; kill -s KILL -- -"$0" 2>/dev/null', str(pgid)],
+                         stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    except OSError as exc:
+        os.close(write_end)
+        log.warning("no watch on this worker's process group (%s): what the task starts may outlive a manager "
+                    "killed with -9", exc)
+        return
+    finally:
+        os.close(read_end)
+    _GROUP_WATCH = write_end
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -715,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0)
     ns = parser.parse_args(argv)
     _die_with_parent(ns.parent_pid)
+    kill_group_when_gone()
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,0 +1,82 @@
+"""What a side task starts dies with its worker, even when nobody is left to kill it.
+
+A stranger's task started a child; its manager was killed with -9 while a freeze had stopped the worker's group.
+The worker died with its manager (its death signal), and the child lived on, reparented and stopped for good:
+the manager that kills a worker's group when it reaps the worker was gone. The worker now leaves a watch outside
+its group (:func:`freeride._worker.runtime.kill_group_when_gone`). Real processes: a "worker" leading its own
+group as the manager starts it, its child, a freeze of the group, and the worker's death by SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+WORKER = """
+import subprocess, sys
+from freeride._worker import runtime
+runtime.kill_group_when_gone()
+child = subprocess.Popen(["sleep", "600"])
+print(child.pid, runtime._GROUP_WATCH is not None, flush=True)
+sys.stdin.read()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, its reaper not yet there
+    except FileNotFoundError:
+        return True
+
+
+def _start(session: bool) -> tuple[subprocess.Popen[str], int, bool]:
+    proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, start_new_session=session)
+    assert proc.stdout is not None
+    child, watching = proc.stdout.readline().split()
+    return proc, int(child), watching == "True"
+
+
+def test_the_children_of_a_worker_killed_while_frozen_die_with_it() -> None:
+    worker, child, watching = _start(session=True)
+    try:
+        assert watching
+        os.killpg(worker.pid, signal.SIGSTOP)  # a freeze: the whole group stops
+        os.kill(worker.pid, signal.SIGKILL)  # its manager killed with -9: the worker's death signal
+        worker.wait()
+        wait_for(lambda: _gone(child), 10, what="the stopped child to be killed with its worker")
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_that_exits_takes_its_children_with_it() -> None:
+    worker, child, _ = _start(session=True)
+    try:
+        assert worker.stdin is not None
+        worker.stdin.close()  # it returns and exits
+        worker.wait()
+        wait_for(lambda: _gone(child), 10, what="the child to be killed as its worker exited")
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_process_that_does_not_lead_its_group_kills_nothing_of_it() -> None:
+    # Started from a shell's job, its group is the job's: it must not watch it.
+    worker, child, watching = _start(session=False)
+    try:
+        assert not watching
+    finally:
+        assert worker.stdin is not None
+        worker.stdin.close()
+        worker.wait()
+        assert not _gone(child)  # left alone, as without the watch
+        os.kill(child, signal.SIGKILL)
