@@ -132,6 +132,15 @@ def _failure_kind(exc: BaseException) -> str:
 
 #: The write end of :func:`kill_group_when_gone`'s pipe, held open for the worker's whole life.
 _GROUP_WATCH: int | None = None
+#: The watch (``sh -c``; ``$0``: the worker's pid, its group's id). After the pipe's end-of-file it waits until the
+#: worker is gone or dead (a task that closed every descriptor closed the pipe too, and the manager judges that
+#: worker), polling ``/proc`` every 0.1 s, then kills the group.
+_GROUP_WATCH_SCRIPT = (
+    'read _ ; '
+    'while s=$(cat "/proc/$0/stat" 2>/dev/null) && [ -n "$s" ]; do '
+    'case "${s##*) }" in Z*) break ;; esac ; sleep 0.1 ; done ; '
+    'kill -s KILL -- -"$0" 2>/dev/null'
+)
 
 
 def kill_group_when_gone() -> None:
@@ -141,15 +150,16 @@ def kill_group_when_gone() -> None:
     dies with it (its death signal) while the task's children live on, reparented, and stopped for good if a
     freeze had stopped the group (the group was orphaned from the start, so the kernel continues none of it). A
     tiny shell in a session of its own (never stopped with the group) reads a pipe whose write end only this
-    process holds, and kills the group at its end-of-file: when the worker exits, however it dies. Only a worker
-    that leads its own group (as the manager starts it): elsewhere the group is someone else's."""
+    process holds, and at its end-of-file, once the worker is gone or dead (:data:`_GROUP_WATCH_SCRIPT`), kills
+    the group: however the worker dies. Only a worker that leads its own group (as the manager starts it):
+    elsewhere the group is someone else's."""
     global _GROUP_WATCH
     pgid = os.getpgid(0)
     if _GROUP_WATCH is not None or pgid != os.getpid():
         return
     read_end, write_end = os.pipe()  # neither is inherited by what the task starts (PEP 446)
     try:
-        subprocess.Popen(["/bin/sh", "-c", 'read _ ; kill -s KILL -- -"$0" 2>/dev/null', str(pgid)],
+        subprocess.Popen(["/bin/sh", "-c", _GROUP_WATCH_SCRIPT, str(pgid)],
                          stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
     except OSError as exc:

@@ -80,3 +80,24 @@ def test_a_process_that_does_not_lead_its_group_kills_nothing_of_it() -> None:
         worker.wait()
         assert not _gone(child)  # left alone, as without the watch
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_task_that_closes_every_descriptor_leaves_its_worker_to_the_manager() -> None:
+    # The watch's pipe closed with the rest while the worker lives: it kills nothing until the worker is gone (the
+    # manager judges a worker that closed its channel; killed by the watch, it was recorded as killed by a signal).
+    closer = WORKER.replace("sys.stdin.read()", "import os\nos.closerange(3, 1024)\nsys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", closer], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, start_new_session=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    child = int(proc.stdout.readline().split()[0])
+    try:
+        import psutil
+
+        watch = next(p for p in psutil.Process(proc.pid).children() if p.cmdline()[:1] == ["/bin/sh"])
+        # Past its end-of-file, it polls for the worker's death (a sleep of its own between looks).
+        wait_for(lambda: any(c.name() == "sleep" for c in watch.children()), 10, what="the watch to wait")
+        assert proc.poll() is None and not _gone(child)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: _gone(child), 10, what="the child to be killed once its worker was gone")
