@@ -36,9 +36,9 @@ off and says so. 0 (default) is off; at most 100,000.
 each, so that a send wakes no one (a stranger's trainer ran +17% slower beside managers with no task; default
 10, at most 100); 0 reads each at once whatever the tasks (and times each as ``stats``' event delay).
 
-``--no-trainer-stops``: on a ``cpu:N`` device a trainer on this host stops a side task's step still running at its
-bubble's end itself (the rank takes the core back then; the manager waits for a core to do it); with this, only
-the manager freezes such steps, grace after the end.
+``--no-trainer-stops``: on a ``cpu:N`` device a trainer on this host stops a side task's worker still holding its
+bubble (in a step, or not yet parked) at the bubble's end itself (the rank takes the core back then; the manager
+waits for a core to do it); with this, only the manager freezes such workers, grace after the end.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--no-trainer-stops", dest="trainer_stops", action="store_false",
-        help="cpu:N: the manager alone freezes a step still running at a bubble's end (by default the trainer on this "
-        "host stops it at the end itself)",
+        help="cpu:N: the manager alone freezes a side task still holding a bubble past its end (by default the trainer "
+        "on this host stops it at the end itself)",
     )
     parser.add_argument("--trace", default=None,
                         help="write a JSON-lines timeline of bubbles, grants and steps to FILE (see the demo)")

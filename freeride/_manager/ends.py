@@ -21,7 +21,7 @@ On a ``cpu:N`` device the loop also arms the trainer's stop of the grant's worke
 end board's stop record: :mod:`freeride._boards`) before the grant goes out: the trainer itself stops a worker
 still holding its bubble at the end (in a step, or between steps, not yet parked), the one process sure to run
 then. The end's datagram (or wire message) comes after
-that stop, and :meth:`EndPath.local_end` / :meth:`EndPath.wire_end` read when it was, so that the core books a
+that stop, and :meth:`EndPath.local_end` / :meth:`EndPath.stopped_end` read when it was, so that the core books a
 freeze at that time (:attr:`~freeride._manager.core.TrainerEndSeen.stopped_ns`). The record is disarmed when
 the grant is over (:meth:`EndPath.reported`, :meth:`EndPath.frozen`) and before the worker is reaped
 (:meth:`EndPath.forget_pid`): a pid the trainer reads there is the manager's unreaped child.
@@ -149,9 +149,10 @@ class EndPath:
         at_ns = self._disarm(armed)
         return (armed, at_ns) if at_ns else None
 
-    def wire_end(self, event: BubbleEnd) -> list[C.TrainerEndSeen]:
-        """An end from the wire: said as seen only where the trainer stopped the grant's worker at it (a trainer
-        whose local messages failed still wrote the board), so that the core books that freeze."""
+    def stopped_end(self, event: BubbleEnd) -> list[C.TrainerEndSeen]:
+        """An end said as seen only where the trainer stopped the armed grant's worker at it, so that the core books
+        that freeze: an end from the wire (a trainer whose local messages failed still wrote the board), or a local
+        one whose grant was reported already (the trainer may have stopped the worker as it parked)."""
         stop = self._trainer_stop(event)
         if stop is None:
             return []
@@ -175,7 +176,7 @@ class EndPath:
         own end + grace (at once, when the trainer stopped it: ``stopped_ns``)."""
         hot = self._hot
         if hot is None or event.key != hot.bubble_key or event.end_ns < hot.start_ns:
-            return self.wire_end(event)  # a grant reported already, which the trainer may have stopped as it parked
+            return self.stopped_end(event)
         stop = self._trainer_stop(event)
         try:
             if hot.board.end_grant(hot.grant_id, event.end_ns):

@@ -178,8 +178,8 @@ class LoopConfig:
     #: With no side task resident, a local trainer's events are read this often, not at each (:data:`LAZY_READ_NS`,
     #: ``--idle-read-ms``); 0: at each, always.
     idle_read_ns: int = LAZY_READ_NS
-    #: On a ``cpu:N`` device with an end board, the trainer stops a side task's step still running at its end
-    #: (``--no-trainer-stops``: the manager freezes it, a wake-up and a core later; :mod:`freeride._boards`).
+    #: On a ``cpu:N`` device with an end board, the trainer stops a side task's worker still holding its bubble at
+    #: the end (``--no-trainer-stops``: the manager freezes it, a wake-up and a core later; :mod:`freeride._boards`).
     trainer_stops: bool = True
 
     def __post_init__(self) -> None:
@@ -652,7 +652,7 @@ class ManagerLoop:
                 break
             for event in with_ends_known(chunk):
                 if isinstance(event, C.BubbleEnded):
-                    for seen in self.ends.wire_end(event.bubble):  # only where the trainer stopped the step
+                    for seen in self.ends.stopped_end(event.bubble):  # only where the trainer stopped the worker
                         self._feed(seen)
                 self._feed_trainer(event, self.now_ns())
             budget -= len(chunk)

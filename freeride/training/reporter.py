@@ -27,9 +27,9 @@ the gRPC thread it starts are not confined to the training thread's core.
 beside it (:mod:`freeride._boards`): a small shared file in the socket's owner-only directory. The
 reporter maps it each time it connects, and :meth:`BubbleReporter.bubble_end` writes the ended
 bubble's start and end time into this rank's record (two memory stores, no system call) first; the
-side task granted that bubble reads the record before each step and stops at once; a step of it still
-running at the end, on a ``cpu:N`` device where the manager armed that, is stopped by the training thread
-itself (one ``killpg``, a few microseconds, only when a step runs). Then every event,
+side task granted that bubble reads the record before each step and stops at once; a worker still holding
+the bubble at the end (in a step, or not yet parked), on a ``cpu:N`` device where the manager armed that, is
+stopped by the training thread itself (one ``killpg``, about a microsecond, only then). Then every event,
 starts and layouts too, goes from the training thread straight to the manager's loop as one message
 (``<socket>.events``, :mod:`freeride._local_events`: one non-blocking ``send``, ~7 us an event on the
 2-core test VM against ~1 us for the queue; ``local_events=False`` keeps the queue), so the scheduler
@@ -275,7 +275,7 @@ class BubbleReporter:
             board, last = self._end_board, self._last_start
             if board is not None and last is not None and last[0] == iteration and last[1] == slot:
                 board.record_end(self.rank, last[2], end_ns)
-                if board.stops:  # a step still running in this bubble, where the manager armed that: stop it now
+                if board.stops:  # a worker still holding this bubble, where the manager armed that: stop it now
                     board.stop_at_end(self.rank, last[2])
         except Exception:  # noqa: BLE001 - a board gone bad costs only its speed-up; the end still goes out
             pass

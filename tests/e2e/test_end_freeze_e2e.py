@@ -15,6 +15,7 @@ from conftest import ManagerHarness, now_ns, wait_for
 
 from freeride._boards import read_step
 from freeride._manager.trace import read_trace
+from freeride._task_process import process_state
 from freeride.messages import TrainerEvent
 from freeride.training.reporter import BubbleReporter
 
@@ -92,11 +93,6 @@ def test_a_long_step_running_at_an_early_end_is_frozen_at_the_trainers_end_plus_
     assert 0 < frozen["start_cpu_ns"] <= freeze["cpu_ns"]
 
 
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_a_step_running_at_the_end_is_stopped_by_the_trainer_itself_and_frozen_as_of_that_stop(
     make_manager: Callable[..., ManagerHarness], tmp_path: Path,
 ) -> None:
@@ -117,7 +113,7 @@ def test_a_step_running_at_the_end_is_stopped_by_the_trainer_itself_and_frozen_a
         before = now_ns()
         reporter.bubble_end(0, 0)  # a 50 ms step is running
         after = now_ns()
-        assert _proc_state(pid) in ("T", "t") or wait_for(lambda: _proc_state(pid) == "T", 1, what="the stop")
+        assert process_state(pid) in ("T", "t") or wait_for(lambda: process_state(pid) == "T", 1, what="the stop")
         frozen = harness.wait_state(task.task_id, "FROZEN", timeout_s=4)  # well before end + grace
         assert frozen.state == "FROZEN"
         # The time it stood still counts from the trainer's stop (its board), whenever the manager read the end.

@@ -18,13 +18,9 @@ import pytest
 from conftest import wait_for
 
 from freeride._boards import END_RECORDS_BYTES, EndBoard
+from freeride._task_process import process_state as state
 
 RANK, START = 3, 1_000
-
-
-def state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.fixture

@@ -143,10 +143,10 @@ def test_an_end_from_the_wire_is_said_seen_only_where_the_trainer_stopped_the_st
         tmp_path: Path, sleeper: int) -> None:
     path, trainer, _ = stopping_path(tmp_path)
     path.arm_stop("t", 7, KEY, 1_000, sleeper)
-    assert path.wire_end(end((1, 0, 6, 2))) == []  # another bubble's
+    assert path.stopped_end(end((1, 0, 6, 2))) == []  # another bubble's
     trainer.set_holding(KEY[1], True)
     trainer.stop_at_end(KEY[1], 1_000)
-    [seen] = path.wire_end(end())
+    [seen] = path.stopped_end(end())
     assert (seen.task_id, seen.grant_id, seen.end_ns) == ("t", 7, 2_000) and seen.stopped_ns > 0
 
 

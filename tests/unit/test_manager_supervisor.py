@@ -26,6 +26,7 @@ from freeride._manager import core as C
 from freeride._manager.paths import TaskPaths
 from freeride._manager.supervisor import StepsReported, Supervisor, WorkerSettings
 from freeride._manager.worker_log import WorkerLog
+from freeride._task_process import process_state
 
 TID = "counter-1"
 
@@ -268,46 +269,41 @@ def test_a_message_to_a_worker_that_went_away_returns_what_it_said_before_it_clo
     assert rig.sup.send(TID, W.Park(3)) == []
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_a_worker_the_trainer_stopped_is_dated_at_that_stop_and_continued_before_its_next_message(rig: Rig) -> None:
     # The trainer stopped it at a bubble's end as it parked (the core saw the park first): its next grant must reach
     # a running worker, and the time it stood still counts from the trainer's stop.
     stopped = time.monotonic_ns()
     os.killpg(rig.proc.pid, signal.SIGSTOP)  # what the trainer's stop_at_end does
-    wait_for(lambda: _state(rig.proc.pid) == "T", 5, what="the worker to be stopped")
+    wait_for(lambda: process_state(rig.proc.pid) == "T", 5, what="the worker to be stopped")
     rig.sup.stopped_by_trainer(TID, stopped)
     assert rig.board.stopped_at_ns() == stopped
     rig.sup.send(TID, W.Grant(4, deadline_ns=1, margin_ns=0))
-    wait_for(lambda: _state(rig.proc.pid) != "T", 5, what="the worker to be continued")
+    wait_for(lambda: process_state(rig.proc.pid) != "T", 5, what="the worker to be continued")
     assert stopped < rig.board.stood_still_ns() + stopped <= time.monotonic_ns()
 
 
 def test_a_freeze_of_a_worker_the_trainer_stopped_keeps_the_trainers_date_and_its_grant_thaws_it(rig: Rig) -> None:
     stopped = time.monotonic_ns() - 5_000_000  # 5 ms before the freeze: the trainer's end came to the loop late
     os.killpg(rig.proc.pid, signal.SIGSTOP)
-    wait_for(lambda: _state(rig.proc.pid) == "T", 5, what="the worker to be stopped")
+    wait_for(lambda: process_state(rig.proc.pid) == "T", 5, what="the worker to be stopped")
     rig.sup.stopped_by_trainer(TID, stopped)
     rig.sup.freeze(TID)
     assert rig.board.stopped_at_ns() == stopped
     rig.sup.send(TID, W.Grant(4, deadline_ns=1, margin_ns=0))  # frozen: a message alone does not continue it
-    assert _state(rig.proc.pid) == "T"
+    assert process_state(rig.proc.pid) == "T"
     rig.sup.signal(TID, signal.SIGCONT)  # the grant's thaw
     assert rig.board.stood_still_ns() >= 5_000_000
-    wait_for(lambda: _state(rig.proc.pid) != "T", 5, what="the worker to be thawed")
+    wait_for(lambda: process_state(rig.proc.pid) != "T", 5, what="the worker to be thawed")
 
 
 def test_a_stop_the_trainer_claims_for_a_worker_this_manager_froze_already_changes_nothing(rig: Rig) -> None:
     rig.sup.freeze(TID)
-    wait_for(lambda: _state(rig.proc.pid) == "T", 5, what="the worker to be frozen")
+    wait_for(lambda: process_state(rig.proc.pid) == "T", 5, what="the worker to be frozen")
     frozen_at = rig.board.stopped_at_ns()
     rig.sup.stopped_by_trainer(TID, frozen_at + 1)
     assert rig.board.stopped_at_ns() == frozen_at
     rig.sup.send(TID, W.Grant(4, deadline_ns=1, margin_ns=0))
-    assert _state(rig.proc.pid) == "T"  # still frozen: its thaw is the core's
+    assert process_state(rig.proc.pid) == "T"  # still frozen: its thaw is the core's
 
 
 def test_a_worker_is_named_to_the_end_path_before_it_is_reaped(rig: Rig) -> None:

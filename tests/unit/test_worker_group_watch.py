@@ -8,13 +8,18 @@ group as the manager starts it, its child, a freeze of the group, and the worker
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 from conftest import wait_for
+
+from freeride._task_process import process_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,75 +34,63 @@ sys.stdin.read()
 
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, its reaper not yet there
-    except FileNotFoundError:
-        return True
+    return process_state(pid) in ("", "Z")  # reaped, or dead with its reaper not yet there
 
 
-def _start(session: bool) -> tuple[subprocess.Popen[str], int, bool]:
-    proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+@contextlib.contextmanager
+def _worker(session: bool, script: str = WORKER) -> Iterator[tuple[subprocess.Popen[str], int, bool]]:
+    """The "worker" (``session``: leading a group of its own, as the manager starts it), its child's pid, and
+    whether it watches its group; the child is killed at the end if the test left it alive."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=REPO, start_new_session=session)
     assert proc.stdout is not None
     child, watching = proc.stdout.readline().split()
-    return proc, int(child), watching == "True"
+    try:
+        yield proc, int(child), watching == "True"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if not _gone(int(child)):
+            os.kill(int(child), signal.SIGKILL)
 
 
 def test_the_children_of_a_worker_killed_while_frozen_die_with_it() -> None:
-    worker, child, watching = _start(session=True)
-    try:
+    with _worker(session=True) as (worker, child, watching):
         assert watching
         os.killpg(worker.pid, signal.SIGSTOP)  # a freeze: the whole group stops
         os.kill(worker.pid, signal.SIGKILL)  # its manager killed with -9: the worker's death signal
         worker.wait()
         wait_for(lambda: _gone(child), 10, what="the stopped child to be killed with its worker")
-    finally:
-        if not _gone(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_worker_that_exits_takes_its_children_with_it() -> None:
-    worker, child, _ = _start(session=True)
-    try:
+    with _worker(session=True) as (worker, child, _):
         assert worker.stdin is not None
         worker.stdin.close()  # it returns and exits
         worker.wait()
         wait_for(lambda: _gone(child), 10, what="the child to be killed as its worker exited")
-    finally:
-        if not _gone(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_process_that_does_not_lead_its_group_kills_nothing_of_it() -> None:
     # Started from a shell's job, its group is the job's: it must not watch it.
-    worker, child, watching = _start(session=False)
-    try:
+    with _worker(session=False) as (worker, child, watching):
         assert not watching
-    finally:
         assert worker.stdin is not None
         worker.stdin.close()
         worker.wait()
         assert not _gone(child)  # left alone, as without the watch
-        os.kill(child, signal.SIGKILL)
 
 
 def test_a_task_that_closes_every_descriptor_leaves_its_worker_to_the_manager() -> None:
     # The watch's pipe closed with the rest while the worker lives: it kills nothing until the worker is gone (the
     # manager judges a worker that closed its channel; killed by the watch, it was recorded as killed by a signal).
     closer = WORKER.replace("sys.stdin.read()", "import os\nos.closerange(3, 1024)\nsys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", closer], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=REPO, start_new_session=True)
-    assert proc.stdout is not None and proc.stdin is not None
-    child = int(proc.stdout.readline().split()[0])
-    try:
-        import psutil
-
-        watch = next(p for p in psutil.Process(proc.pid).children() if p.cmdline()[:1] == ["/bin/sh"])
+    with _worker(session=True, script=closer) as (worker, child, _):
+        watch = next(p for p in psutil.Process(worker.pid).children() if p.cmdline()[:1] == ["/bin/sh"])
         # Past its end-of-file, it polls for the worker's death (a sleep of its own between looks).
         wait_for(lambda: any(c.name() == "sleep" for c in watch.children()), 10, what="the watch to wait")
-        assert proc.poll() is None and not _gone(child)
-    finally:
-        proc.kill()
-        proc.wait()
-    wait_for(lambda: _gone(child), 10, what="the child to be killed once its worker was gone")
+        assert worker.poll() is None and not _gone(child)
+        worker.kill()
+        worker.wait()
+        wait_for(lambda: _gone(child), 10, what="the child to be killed once its worker was gone")
