@@ -464,6 +464,9 @@ class ManagerStats:
     #: Of the freezes behind ``overruns``, the workers a trainer on this host stopped at the bubble's end itself
     #: (``cpu:N``: the end board's stop records), a wake-up and a core before the manager could.
     trainer_stops: int = 0
+    #: Of ``overruns``, those of a step that looked hung (thawed at its turns to see whether it finishes, it runs past
+    #: the end of each), not in ``overrun_ms``, which holds the steps that were not taken for hung.
+    hung_overruns: int = 0
     #: Well-formed bubble events the scheduler ignored as out of order: an end without its open start (its
     #: start went to a manager that died, after a restart under a running trainer, or was lost), an end before
     #: its start, a start older than the open one. (Until this count, they were added to ``events_rejected``,

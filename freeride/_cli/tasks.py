@@ -578,7 +578,9 @@ def render_stats(s: ManagerStats) -> str:
         ("granted", f"{s.granted_s:.3f} s"),
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
         ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")
-         + (f"; {s.trainer_stops} stopped by the trainer at the end" if s.trainer_stops else "")),
+         + (f"; {s.trainer_stops} stopped by the trainer at the end" if s.trainer_stops else "")
+         + (f"; {s.hung_overruns} of a step that looked hung (thawed at its turns, not in the percentiles)"
+            if s.hung_overruns else "")),
         ("grant lat.", _pct_line(s.grant_latency_ms) + (_GRANT_NOTE if s.grant_latency_ms.count else "")),
         ("park lat.", _pct_line(s.park_latency_ms) + (_PARK_NOTE if s.park_latency_ms.count else "")),
         ("end->worker", _pct_line(s.end_to_worker_ms)),

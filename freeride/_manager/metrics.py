@@ -205,6 +205,9 @@ class ManagerCollector:
                       stats.harvested_s)
         yield counter("freeride_overruns_total", "grants whose side-task step still ran at the bubble's real end",
                       stats.overruns)
+        yield counter("freeride_hung_overruns_total",
+                      "of the overruns, those of a side-task step that looked hung (thawed at its turns)",
+                      stats.hung_overruns)
         yield counter("freeride_events_ignored_total",
                       "well-formed bubble events ignored as out of order (an end without its start: a restart)",
                       stats.events_ignored)

@@ -188,6 +188,7 @@ class Views:
             bubbles_while_shared=s.shared_bubbles,
             shared_quiet_s=core.shared_quiet_ns(self.now_ns()) / 1e9,
             trainer_stops=n.trainer_stops,
+            hung_overruns=s.hung_overruns,
         )
 
 

@@ -444,6 +444,15 @@ def test_stats_says_what_each_latency_and_overrun_count_covers() -> None:
     assert "ran past the bubble's real end" not in quiet
 
 
+
+def test_stats_says_how_many_overruns_were_of_a_step_that_looked_hung() -> None:
+    # Sixth trial: a hung step's overruns, one at each of its turns, swamped the overrun line.
+    line = next(ln for ln in render_stats(stats(overruns=5910, hung_overruns=5890)).splitlines()
+                if ln.startswith("overruns"))
+    assert line.split()[1] == "5910"
+    assert line.endswith("; 5890 of a step that looked hung (thawed at its turns, not in the percentiles)")
+    assert "looked hung" not in render_stats(stats())
+
 # ------------------------------------------------------------------ reasons that do not fit
 
 LONG_REASON = ("frozen in setup() after overrunning a bubble; its worker had no core for 10.9 s of the 10.9 s of "

@@ -107,6 +107,7 @@ EXPECTED_SAMPLES = [
     "freeride_granted_seconds_total",
     "freeride_harvested_seconds_total",
     "freeride_overruns_total",
+    "freeride_hung_overruns_total",
     "freeride_events_ignored_total",
     "freeride_events_other_ranks_total",
     "freeride_bubbles_while_shared_total",

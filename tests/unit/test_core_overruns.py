@@ -21,6 +21,7 @@ from freeride._manager.core import (
     TrainerEndSeen,
     WorkerStepsSeen,
 )
+from freeride._manager.core.machines import StepPhase
 from freeride._manager.core.steps import BOOKING_NS, TRAINER_PAUSE_NS
 from freeride._manager.core.tasks import TaskRuntime
 from freeride.messages import BubbleEnd
@@ -307,6 +308,19 @@ def test_a_step_that_looks_hung_gets_every_other_bubble_instead_of_all_of_them()
     sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
     _hung_and_other(sim)
     assert [_steps_once_or_thaw(sim) for _ in range(4)] == ["b", "a", "b", "a"]
+
+
+def test_the_overruns_of_a_step_that_looks_hung_are_counted_apart_and_kept_out_of_the_overrun_lengths() -> None:
+    # Sixth trial: a hung step overran at each of its turns (5,910 times) and swamped the overrun figures.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    _hung_and_other(sim)  # overruns before its step looked hung: their lengths kept
+    stats, task = sim.core.stats, sim.core.tasks["a"]
+    before = (stats.overruns, task.overruns)
+    assert stats.hung_overruns == 0 and len(stats.overrun_ms) == stats.overruns > 0
+    assert [_steps_once_or_thaw(sim) for _ in range(4)] == ["b", "a", "b", "a"]
+    assert task.health.phase is StepPhase.HUNG
+    assert (stats.overruns, stats.hung_overruns, len(stats.overrun_ms)) == (before[0] + 2, 2, before[0])
+    assert task.overruns == before[1] + 2  # the task's own count keeps every one
 
 
 def _steps_once(sim: Sim, task_id: str) -> None:

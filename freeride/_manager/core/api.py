@@ -509,6 +509,10 @@ class CoreStats:
     granted_ns: int = 0
     harvested_ns: int = 0
     overruns: int = 0
+    #: Of ``overruns``, a step's that looked hung (its step phase ``HUNG``), not in ``overrun_ms``: thawed at its turns
+    #: to see whether it finishes, such a step runs past the end of each (thousands, in a stranger's minute of a
+    #: hang), and they hid the tail of the steps that do finish.
+    hung_overruns: int = 0
     anomalies: int = 0
     layout_changes: int = 0
     #: Out-of-order events dropped: an end without its open start, an end before its start, a start

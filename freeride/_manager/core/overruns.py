@@ -24,6 +24,7 @@ from __future__ import annotations
 from freeride._estimator import within_grace
 from freeride._manager.core.api import MS, Action, CoreConfig, CoreStats, Freeze
 from freeride._manager.core.bubbles import Bubbles
+from freeride._manager.core.machines import StepPhase
 from freeride._manager.core.tasks import TaskRuntime, Tasks
 from freeride.states import TaskState
 
@@ -84,9 +85,13 @@ class Overruns:
         return bool(self.freeze_at_ns) and now_ns >= self.freeze_at_ns
 
     def record(self, task: TaskRuntime, overrun_ns: int) -> None:
+        """An overrun of ``task``'s step: counted, and its length kept unless the step looks hung (``hung_overruns``)."""
         task.overruns += 1
         self._stats.overruns += 1
-        self._stats.overrun_ms.append(overrun_ns / MS)
+        if task.health.phase is StepPhase.HUNG:
+            self._stats.hung_overruns += 1
+        else:
+            self._stats.overrun_ms.append(overrun_ns / MS)
 
     def clean_grant(self, task: TaskRuntime) -> None:
         """A grant that ended in time: a margin widened by earlier overruns shrinks back (1/8 a time)."""
