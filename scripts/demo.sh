@@ -5,6 +5,8 @@
 # timeline.png,trace.json}. Arguments go to `freeride demo`, e.g. --quick, --iterations N, --out DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Only what the demo needs (torch, freeride[demo]); `bash .ci/run` adds the tests' tools and frameworks.
+export FREERIDE_SETUP=demo
 # shellcheck disable=SC1091
 . scripts/setup.sh
 exec freeride demo "$@"

@@ -5,8 +5,15 @@
 # The cluster queue's tests start a real redis-server: installed here with apt when it is missing
 # and we run as root (CI); otherwise a message says how to install it.
 # Source this file: it leaves the environment activated.
+# FREERIDE_SETUP=demo (scripts/demo.sh) installs only what `freeride demo` needs: torch and freeride[demo],
+# no test tools, frameworks or redis-server; the default, test, installs everything the tests use.
 VENV=${FREERIDE_VENV:-.venv}
-if ! command -v redis-server >/dev/null 2>&1; then
+SETUP=${FREERIDE_SETUP:-test}
+case $SETUP in
+    test|demo) ;;
+    *) echo "setup: FREERIDE_SETUP must be test or demo, not '$SETUP'" >&2; return 2 2>/dev/null || exit 2 ;;
+esac
+if [ "$SETUP" = test ] && ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing redis-server (the cluster queue's tests start a real one)"
         export DEBIAN_FRONTEND=noninteractive
@@ -23,15 +30,16 @@ fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-# With the frameworks the adapters' tests run (pinned CPU-capable versions). A constraint holds torch at
-# the build in place, so a framework's own torch requirement can never replace it (with a CUDA build):
+# For the tests, with the frameworks the adapters' tests run (pinned CPU-capable versions). A constraint holds
+# torch at the build in place, so a framework's own torch requirement can never replace it (with a CUDA build):
 # pip fails instead. torchtitan (Python >= 3.11) goes in alone: its declared dependencies are its
 # trainer's (datasets, wandb, ...), not its pipeline builder's.
+if [ "$SETUP" = demo ]; then extras=demo; else extras=test,test-deepspeed,test-torchtitan; fi
 torch_pin=$(mktemp)
-python -c "import torch; print('torch==' + torch.__version__)" >"$torch_pin"
-python -m pip install -q -c "$torch_pin" -e ".[test,test-deepspeed,test-torchtitan]"
+python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >"$torch_pin"  # (importing torch before NumPy is here warns)
+python -m pip install -q -c "$torch_pin" -e ".[$extras]"
 rm -f "$torch_pin"
-if python -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+if [ "$SETUP" = test ] && python -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
     python -m pip install -q --no-deps "torchtitan==0.3.0" \
         || echo "setup: could not install torchtitan 0.3.0; its adapter's tests will be skipped (fail under CI)" >&2
 fi
@@ -39,14 +47,15 @@ fi
 # which its release declares; it runs on 3.11 too). --no-deps: its dependencies (torch, numpy, packaging)
 # are already here, and pip must never swap the CPU torch for a CUDA build. No triton (691 MB): the tests
 # stand in for the one kernel module that imports it (tests/frameworks/megatron_cpu.py).
-python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '0.19.2')" 2>/dev/null \
+[ "$SETUP" = demo ] \
+    || python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '0.19.2')" 2>/dev/null \
     || python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" \
     || echo "setup: could not install megatron-core 0.19.2; the Megatron adapter's tests will fail under CI" >&2
 # On an NVIDIA machine (or with FREERIDE_GPU=1): CuPy built for the CUDA major version that torch uses.
 if [ "${FREERIDE_GPU:-}" = 1 ] || { [ "${FREERIDE_GPU:-}" != 0 ] && command -v nvidia-smi >/dev/null 2>&1; }; then
     cuda_major=$(python -c "import torch; print((torch.version.cuda or '').split('.')[0])")
     case $cuda_major in
-        12|13) python -m pip install -q -e ".[test,cuda$cuda_major]" \
+        12|13) python -m pip install -q -e ".[$SETUP,cuda$cuda_major]" \
                    || echo "setup: could not install CuPy for CUDA $cuda_major (freeride[cuda$cuda_major])" >&2 ;;
         *) echo "setup: torch has no CUDA ${cuda_major:+($cuda_major) }that CuPy is built for; no CuPy" >&2 ;;
     esac
