@@ -27,7 +27,7 @@ from typing import Any
 from freeride._cli.submission import TaskCode, parse_task_args
 from freeride._validation import check_memory
 from freeride.standalone import StandaloneReport, check_target_syntax, run_standalone
-from freeride.units import format_ms, format_size, parse_size
+from freeride.units import format_ms, format_rate, format_size, parse_size
 
 
 def register(subparsers: Any) -> None:
@@ -57,10 +57,10 @@ def render(report: StandaloneReport) -> str:
               if report.memory_measure == "rss_growth"
               else "as the GPU counts it: context + allocator; a cap of this size holds")
     ran = f"{report.steps} steps"
-    throughput = f"{report.steps_per_s:.3g} steps/s"
+    throughput = f"{format_rate(report.steps_per_s)} steps/s"
     if report.progress_unit != "steps":  # a unit of its own: both, or "200 steps, 200 steps"
         ran += f", {report.progress:g} {report.progress_unit}"
-        throughput = f"{report.progress_per_s:.3g} {report.progress_unit}/s, " + throughput
+        throughput = f"{format_rate(report.progress_per_s)} {report.progress_unit}/s, " + throughput
     return "\n".join([
         f"task        {report.target} on {report.device} ({status})",
         f"arguments   {arguments}",

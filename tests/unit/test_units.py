@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freeride.errors import ConfigError
-from freeride.units import format_mib_apart, format_progress, parse_size
+from freeride.units import format_mib_apart, format_progress, format_rate, parse_size
 
 MiB = 2**20
 
@@ -46,3 +46,11 @@ def test_the_size_units_named_in_an_error_are_those_accepted() -> None:
     for unit in named:
         assert parse_size(f"1{unit}") > 0
     assert {"TB", "TiB"} <= set(named)
+
+
+def test_a_rate_is_whole_and_grouped_from_a_hundred_up_and_never_in_exponent_form() -> None:
+    # Stranger trial: run-task printed "3e+04 iterations/s" for 30.6k.
+    assert format_rate(30_412.4) == "30,412"
+    assert format_rate(1_234_567.0) == "1,234,567"
+    assert format_rate(123.6) == "124"
+    assert format_rate(20.0) == "20" and format_rate(2.345) == "2.35" and format_rate(0.0123) == "0.0123"
