@@ -140,7 +140,10 @@ class ControlClient:
         ``spec.working_dir``, else the current directory, first), build it once with its arguments and drop
         it, and take its ``estimate_memory`` for a ``memory_bytes`` of 0. A bad target, argument or value
         then raises :class:`TaskLoadError` or :class:`ConfigError` here, in one line, rather than failing
-        ``IMPORT`` or ``CONFIG`` in the worker later. It runs the task's module and constructor here."""
+        ``IMPORT`` or ``CONFIG`` in the worker later. It runs the task's module and constructor here, and sets an
+        empty ``working_dir`` to the current directory (as ``freeride submit`` does). Without ``check`` the spec goes
+        as it is: a class in a module beside the caller's script needs ``working_dir``, or the worker cannot import it
+        (the manager may be on another host, where this directory means nothing)."""
         if check:
             from freeride._validation import checked_spec
 
