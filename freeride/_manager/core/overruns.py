@@ -85,7 +85,7 @@ class Overruns:
         return bool(self.freeze_at_ns) and now_ns >= self.freeze_at_ns
 
     def record(self, task: TaskRuntime, overrun_ns: int) -> None:
-        """An overrun of ``task``'s step: counted, and its length kept unless the step looks hung (``hung_overruns``)."""
+        """An overrun of ``task``'s step: counted, its length kept unless the step looks hung (``hung_overruns``)."""
         task.overruns += 1
         self._stats.overruns += 1
         if task.health.phase is StepPhase.HUNG:
