@@ -36,7 +36,9 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 # trainer's (datasets, wandb, ...), not its pipeline builder's.
 if [ "$SETUP" = demo ]; then extras=demo; else extras=test,test-deepspeed,test-torchtitan; fi
 torch_pin=$(mktemp)
-python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >"$torch_pin"  # (importing torch before NumPy is here warns)
+# From its metadata: importing torch before NumPy is here warns; a torch without metadata is imported.
+python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >"$torch_pin" 2>/dev/null \
+    || python -c "import torch; print('torch==' + torch.__version__)" >"$torch_pin"
 python -m pip install -q -c "$torch_pin" -e ".[$extras]"
 rm -f "$torch_pin"
 if [ "$SETUP" = test ] && python -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
