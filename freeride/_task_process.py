@@ -102,6 +102,23 @@ def process_state(pid: int) -> str:
         return ""
 
 
+#: A task's flags (``/proc/<pid>/stat``'s ninth field) while it dies: ``PF_EXITING`` (in the kernel's exit path),
+#: ``PF_DUMPCORE`` (writing its core), ``PF_SIGNALED`` (killed by a signal).
+_PF_DYING = 0x4 | 0x200 | 0x400
+
+
+def process_dying(pid: int) -> bool:
+    """Whether process ``pid`` is on its way out: exiting, dumping its core, a zombie, or gone (its main thread's
+    flags, ~10 us). A worker that crashed closes its channel at once, and at nice 19 on a busy core its exit can
+    take longer than the manager's grace for it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_DYING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
 def process_cpu_ns(pid: int) -> int | None:
     """The CPU time of process ``pid`` (all its threads, as its own ``CLOCK_PROCESS_CPUTIME_ID`` reads it);
     None when it is gone or the clock cannot be read.

@@ -44,13 +44,17 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import process_cpu_ns, process_state, sched_times, worker_environment
+from freeride._task_process import process_cpu_ns, process_dying, process_state, sched_times, worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_BYTES = 4096
+#: A worker that closed its channel and is dying (:func:`process_dying`) gets up to this many more end-of-file graces
+#: to exit: a crash is then reported as its signal, not as a protocol failure. Found on a loaded 2-core machine: a
+#: segfaulting worker at nice 19 was still in its exit 500 ms after its channel closed.
+MAX_DYING_GRACES = 20
 #: A worker that ran less than this from its grant to its freeze did not run in that grant (the few microseconds
 #: it takes to handle a continue): it slept through it, or had no core.
 IDLE_GRANT_RUN_NS = 50_000
@@ -93,6 +97,8 @@ class WorkerHandle:
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
     killed: bool = False  # this manager sent it SIGKILL: end-of-file is expected, its exit may lag
     eof_at_ns: int = 0
+    #: Graces it was given past the first because it was dying (:data:`MAX_DYING_GRACES`).
+    dying_graces: int = 0
     #: Its main thread's run time and run delay when its current grant began (-1: not read; ``granted``), and
     #: the run delays that grew inside its grants so far (what a freeze reports as its run delay).
     run_at_grant_ns: int = -1
@@ -278,6 +284,11 @@ class Supervisor:
                 # long after on a loaded core (nice 19 runs its exit too). Judged a protocol failure, a task
                 # killed while starting in a drain was FAILED instead of going back to wait.
                 if handle.proc.poll() is None and not handle.killed:
+                    if process_dying(handle.proc.pid) and handle.dying_graces < MAX_DYING_GRACES:
+                        # On its way out (a crash, its core): its exit says how it died, however late it comes.
+                        handle.dying_graces += 1
+                        handle.eof_at_ns = now + int(self.settings.eof_grace_ms * 1e6)
+                        continue
                     events.append(self._protocol_failure(handle, "the worker closed its channel but kept running"))
                     self._signal(handle, signal.SIGKILL)
         return events

@@ -152,6 +152,42 @@ def test_a_worker_this_manager_killed_is_no_protocol_failure_however_late_its_ex
     assert signal.SIGKILL in sent and rig.proc.poll() is None  # alive still, and not judged
 
 
+def test_a_dying_worker_gets_more_graces_to_exit_and_is_judged_once_it_no_longer_dies_or_they_run_out(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found on a loaded machine: a segfaulting worker at nice 19 was still in its exit 500 ms after its channel
+    # closed, and its crash was reported as "closed its channel but kept running" (PROTOCOL), not as SIGSEGV.
+    from freeride._manager import supervisor as supervisor_module
+
+    dying = [True]
+    monkeypatch.setattr(supervisor_module, "process_dying", lambda pid: dying[0])
+    rig.worker.close()
+    assert rig.ready() == []
+    for _ in range(supervisor_module.MAX_DYING_GRACES):
+        deadline = rig.sup.next_timer_ns()
+        assert deadline is not None and rig.sup.poll(deadline) == []
+    deadline = rig.sup.next_timer_ns()
+    assert deadline is not None
+    [failed] = rig.sup.poll(deadline)  # dying for twenty graces: judged all the same
+    assert isinstance(failed, C.WorkerFailed) and "closed its channel" in failed.failure.message
+
+
+def test_a_worker_that_stops_dying_is_judged_at_its_next_grace(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    from freeride._manager import supervisor as supervisor_module
+
+    dying = [True]
+    monkeypatch.setattr(supervisor_module, "process_dying", lambda pid: dying[0])
+    rig.worker.close()
+    assert rig.ready() == []
+    first = rig.sup.next_timer_ns()
+    assert first is not None and rig.sup.poll(first) == []
+    dying[0] = False
+    second = rig.sup.next_timer_ns()
+    assert second is not None and second > first
+    [failed] = rig.sup.poll(second)
+    assert isinstance(failed, C.WorkerFailed) and "closed its channel" in failed.failure.message
+
+
 def test_a_goodbye_makes_the_end_of_file_an_exit_and_the_exit_carries_the_logs_tail(rig: Rig) -> None:
     log = rig.sup.paths.task_dir(TID) / "worker.log"
     wait_for(lambda: rig.ready() is not None and log.exists() and "last words" in log.read_text(), 10)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride._task_process import process_cpu_ns, process_state, sched_times
+from freeride._task_process import process_cpu_ns, process_dying, process_state, sched_times
 from freeride.devices import CpuWorkerDevice, cpu, parse_device_name
 
 
@@ -152,3 +152,18 @@ def test_a_proc_field_reads_its_number_until_closed_and_none_where_the_file_is_m
     short.write_text("7\n")
     assert cpu.ProcField(str(short), 0).read() == 7
     assert cpu.ProcField(str(short), 1).read() is None  # no second field: None, and from then on
+
+
+def test_a_process_is_dying_once_it_has_exited_unreaped_or_is_gone_and_not_while_it_lives() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert not process_dying(child.pid)
+        assert child.stdin is not None
+        child.stdin.close()  # it exits; unreaped, it stays a zombie until waited for
+        deadline = time.monotonic() + 30
+        while process_state(child.pid) != "Z" and time.monotonic() < deadline:
+            os.sched_yield()
+        assert process_state(child.pid) == "Z" and process_dying(child.pid)
+    finally:
+        child.wait()
+    assert process_dying(child.pid)  # reaped: gone
