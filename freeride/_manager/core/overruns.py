@@ -15,8 +15,7 @@ still running at its end (:mod:`freeride._boards`' stop records): that freeze is
 Each freeze of a step whose time was known (not a setup, a first step or a probe) past the end its grant was
 sized to doubles that task's extra margin, up to ``max_margin`` (a bubble that ended before its prediction
 says nothing about the step, nor does a thawed step frozen again before the worker reported anything since the
-thaw: the grant that thawed it did not size that step, nor a step the trainer stopped at the end itself, which
-cost the training nothing to speak of); each clean grant lets it shrink back by an eighth.
+thaw: the grant that thawed it did not size that step); each clean grant lets it shrink back by an eighth.
 One timer is enough: at most one worker holds a bubble at a time.
 """
 
@@ -138,16 +137,12 @@ class Overruns:
             self._stats.granted_ns += max(0, end - task.granted_at_ns)
             real_end = bubble.end_ns or bubble.seen_end_ns
             short = within_grace(task.known_step_ns, self._grace_ns)
-            if mid_step and not stopped_ns and (not real_end or real_end >= bubble.sized_end_ns(real_end, short)):
+            if mid_step and (not real_end or real_end >= bubble.sized_end_ns(real_end, short)):
                 # A step running past the end the grant was sized to (the prediction, or the longer end it
                 # was extended to while the bubble outlived it): its estimate (plus margin) was wrong. A
                 # bubble that ended before that proves nothing about the step; widening for it made every
                 # early end cost later grants (the schedules with short, jittery slots froze a 0.2 ms task
-                # hundreds of times, and its margin grew until no step fitted a grant). Nor does a step the
-                # trainer stopped at the end itself (``stopped_ns``): that cost the training a signal, and
-                # the step goes on in its next grant. Widening for those (a 30 us step's margin at 0.5-0.8 ms
-                # in a stranger's 0.9 ms Interleaved1F1B bubbles) left a third of the bubbles ungranted and
-                # a quarter in margins: 8% harvested.
+                # hundreds of times, and its margin grew until no step fitted a grant).
                 self.frozen(task)
             # An open bubble whose end has not come stays open: its end may still arrive (late: a trainer
             # that reports ends after its next compute action, a delayed stream), and is then measured like
