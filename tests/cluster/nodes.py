@@ -175,10 +175,12 @@ def kill_9(proc: subprocess.Popen[bytes]) -> None:
 
 
 class Queue:
-    """The test's own view of the queue (what ``freeride ls --queue`` reads)."""
+    """The test's own view of the queue (what ``freeride ls --queue`` reads). Its reads wait up to 10 s: the test
+    server fsyncs every write (``appendfsync always``), and on a CI machine's busy disk one fsync held a read of
+    the record past the client's default 2 s (a placement test failed "cannot reach the queue")."""
 
     def __init__(self, url: str) -> None:
-        self.q = RedisQueue(parse_queue_url(url))
+        self.q = RedisQueue(parse_queue_url(url), timeout_s=10.0)
         self.q.connect()
 
     def record(self, task_id: str) -> ClusterRecord:
