@@ -48,7 +48,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.bench_modes import _wait_resident, managers, two_stage_cpu  # noqa: E402
-from bench.bench_schedules import FRAMEWORKS, SCHEDULES, side_task, trainer_argv, write_csv_order  # noqa: E402
+from bench.bench_schedules import (  # noqa: E402
+    FRAMEWORKS,
+    SCHEDULES,
+    side_task,
+    side_task_option,
+    trainer_argv,
+    write_csv_order,
+)
 from bench.machine import machine_info  # noqa: E402
 from freeride._wire.client import ControlClient  # noqa: E402
 from freeride.measure import median  # noqa: E402
@@ -204,16 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--slow-ms", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--side-task", default="spin:200", help="pagerank (rmat:12) or spin:US (busy steps of US us)")
+    side_task_option(p, "spin:200")
     p.add_argument("--manager-arg", action="append", default=[], metavar="ARG",
                    help="one more option for every manager (repeat it)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     p.add_argument("--results-name", default="colocation", help="results go to <out>/<name>.json and .md")
     args = p.parse_args(argv)
-    try:
-        side_task(args.side_task)
-    except ValueError as exc:
-        p.error(str(exc))
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(names) - set(choices)) + sorted(set(modes) - set(MODES))

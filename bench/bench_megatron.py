@@ -64,6 +64,7 @@ from bench.bench_schedules import (  # noqa: E402
     results_table,
     side_label,
     side_task,
+    side_task_option,
     standalone_rate,
 )
 from bench.hot_path import ROUTES, Case, compute, costs_ns  # noqa: E402
@@ -282,12 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="ms more per forward of rank 1 (6: rank 0's waits are ~3x a 2 ms step)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     p.add_argument("--results-name", default="megatron", help="results go to <out>/<name>.json and .md")
-    p.add_argument("--side-task", default="pagerank", help="pagerank (rmat:12) or spin:US (busy steps of US us)")
+    side_task_option(p, "pagerank")
     args = p.parse_args(argv)
-    try:
-        side_task(args.side_task)
-    except ValueError as exc:
-        p.error(str(exc))
     if args.quick:
         args.iterations, args.warmup = 40, 10
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]

@@ -119,6 +119,21 @@ def side_task(spec: str) -> dict[str, Any]:
         return {"name": f"spin-{step_us:g}us", "target": "bench.bench_tasks:SpinStep", "args": {"step_us": step_us},
                 "memory_bytes": 64 << 20}
     raise ValueError(f"unknown side task {spec!r}: pagerank or spin:US")
+def side_task_option(parser: argparse.ArgumentParser, default: str) -> None:
+    """Add ``--side-task`` (:func:`side_task`'s specs) to ``parser``, checked as it is parsed: a bad spec is the
+    parser's usage error."""
+
+    def checked(spec: str) -> str:
+        try:
+            side_task(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return spec
+
+    parser.add_argument("--side-task", default=default, type=checked,
+                        help="pagerank (rmat:12) or spin:US (busy steps of US us)")
+
+
 MODEL = ["--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "128", "--microbatch-size", "4"]
 GAP_NS = 500_000
 
@@ -539,14 +554,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cpu")
     p.add_argument("--results-name", default="schedules", help="results go to <out>/<name>.json and .md")
-    p.add_argument("--side-task", default="pagerank", help="pagerank (rmat:12) or spin:US (busy steps of US us)")
+    side_task_option(p, "pagerank")
     p.add_argument("--manager-arg", action="append", default=[], metavar="ARG",
                    help="one more option for every manager (repeat it; e.g. --manager-arg=--no-trainer-stops)")
     args = p.parse_args(argv)
-    try:
-        side_task(args.side_task)
-    except ValueError as exc:
-        p.error(str(exc))
     if args.quick:
         args.iterations, args.warmup = 40, 10
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
