@@ -95,10 +95,10 @@ def sched_times(pid: int) -> tuple[int, int]:
 def process_state(pid: int) -> str:
     """Process ``pid``'s state letter in ``/proc/<pid>/stat`` (R: running or waiting for a core; S, D: asleep;
     T: stopped), "" when it is gone. ~60 us: read only where a cheaper figure asks."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError, UnicodeDecodeError):
+        return fields[0].decode() if fields else ""
+    except UnicodeDecodeError:
         return ""
 
 
@@ -111,12 +111,20 @@ def process_dying(pid: int) -> bool:
     """Whether process ``pid`` is on its way out: exiting, dumping its core, a zombie, or gone (its main thread's
     flags, ~10 us). A worker that crashed closes its channel at once, and at nice 19 on a busy core its exit can
     take longer than the manager's grace for it."""
+    fields = _stat_fields(pid)
+    try:
+        return not fields or fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_DYING)
+    except (IndexError, ValueError):
+        return True
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state first); [] when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_DYING)
-    except (OSError, IndexError, ValueError):
-        return True
+            return fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
 
 
 def process_cpu_ns(pid: int) -> int | None:
