@@ -93,14 +93,6 @@ _NAMESPACE_OFFSET = END_RECORDS_BYTES + END_BOARD_RANKS * _STOP.size
 _NAMESPACE = struct.Struct("<qq")
 END_BOARD_BYTES = _NAMESPACE_OFFSET + _NAMESPACE.size
 
-
-def pid_namespace() -> tuple[int, int]:
-    """This process's pid namespace, as (device, inode) of ``/proc/self/ns/pid``; (0, 0) where it cannot be read."""
-    try:
-        st = os.stat("/proc/self/ns/pid")
-    except OSError:
-        return 0, 0
-    return st.st_dev, st.st_ino
 WORKER_BOARD_BYTES = 64
 
 _STEP, _ENDED_GRANT, _ENDED_AT, _DONE, _DOING, _STOPPED_AT, _STOOD_STILL, _STEP_BEGAN = 0, 8, 16, 24, 32, 40, 48, 56
@@ -247,6 +239,15 @@ def read_step(path: Path) -> int:
 def end_board_path(socket_path: str) -> Path:
     """Where the manager listening on the unix socket ``socket_path`` keeps its end board."""
     return Path(socket_path + ".ends")
+
+
+def pid_namespace() -> tuple[int, int]:
+    """This process's pid namespace, as (device, inode) of ``/proc/self/ns/pid``; (0, 0) where it cannot be read."""
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return 0, 0
+    return st.st_dev, st.st_ino
 
 
 class EndBoard:
