@@ -44,7 +44,7 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import process_cpu_ns, process_dying, process_state, sched_times, worker_environment
+from freeride._task_process import SchedTimes, process_cpu_ns, process_dying, process_state, worker_environment
 from freeride.devices import Device
 from freeride.messages import FailureRecord
 
@@ -92,6 +92,7 @@ class WorkerHandle:
     log: WorkerLog
     log_fd: int  # the read end of the worker's output pipe; -1 once closed
     board: WorkerBoard | None  # its step and ended-grant words (None: the state directory refused it)
+    sched: SchedTimes  # its run time and run delay, read at each grant and freeze (closed when it is reaped)
     extra_pgids: list[int] = field(default_factory=list)
     closed: bool = False
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
@@ -212,7 +213,7 @@ class Supervisor:
         so that its freeze can tell the waits for its core inside the grant from those outside it (~5 us)."""
         handle = self.workers.get(task_id)
         if handle is not None:
-            handle.run_at_grant_ns, handle.delay_at_grant_ns = sched_times(handle.proc.pid)
+            handle.run_at_grant_ns, handle.delay_at_grant_ns = handle.sched.read()
 
     def freeze(self, task_id: str) -> list[Any]:
         """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
@@ -230,7 +231,7 @@ class Supervisor:
         if handle is None:
             return []
         pid = handle.proc.pid
-        ran, delay = sched_times(pid)
+        ran, delay = handle.sched.read()
         state = ""
         if handle.run_at_grant_ns >= 0 and 0 <= ran - handle.run_at_grant_ns < IDLE_GRANT_RUN_NS:
             state = process_state(pid)
@@ -365,7 +366,8 @@ class Supervisor:
         os.set_blocking(log_fd, False)
         sock.setblocking(False)
         channel = Channel(sock)
-        handle = WorkerHandle(task_id, proc, channel, os.pidfd_open(proc.pid), worker_log, log_fd, board)
+        handle = WorkerHandle(task_id, proc, channel, os.pidfd_open(proc.pid), worker_log, log_fd, board,
+                              SchedTimes(proc.pid))
         self.workers[task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, lambda: self._read_channel(handle))
         self._selector.register(handle.pidfd, selectors.EVENT_READ, lambda: self._reap(handle))
@@ -499,6 +501,7 @@ class Supervisor:
         orphans.forget(self.paths.task_dir(handle.task_id))
         self._selector.unregister(handle.pidfd)
         os.close(handle.pidfd)
+        handle.sched.close()
         self.workers.pop(handle.task_id, None)
         self._stop_when_parked.discard(handle.task_id)
         self._held_parked.discard(handle.task_id)

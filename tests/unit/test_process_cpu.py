@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from freeride._task_process import process_cpu_ns, process_dying, process_state, sched_times
+from freeride._task_process import SchedTimes, process_cpu_ns, process_dying, process_state, sched_times
 from freeride.devices import CpuWorkerDevice, cpu, parse_device_name
 
 
@@ -167,3 +167,24 @@ def test_a_process_is_dying_once_it_has_exited_unreaped_or_is_gone_and_not_while
     finally:
         child.wait()
     assert process_dying(child.pid)  # reaped: gone
+
+
+def test_a_kept_schedstat_reads_as_a_fresh_open_does_and_nothing_once_the_process_is_reaped() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
+    kept = SchedTimes(busy.pid)
+    try:
+        first = kept.read()
+        deadline = time.monotonic() + 30
+        while kept.read()[0] <= first[0]:  # the same descriptor sees the run time grow
+            assert time.monotonic() < deadline, "the busy loop never ran"
+        busy.send_signal(signal.SIGSTOP)
+        while process_state(busy.pid) != "T":
+            assert time.monotonic() < deadline, "the stop never landed"
+        assert kept.read() == sched_times(busy.pid)  # stopped: both read the same figures
+    finally:
+        busy.kill()
+        busy.wait()
+    assert kept.read() == (-1, -1)  # its process reaped: never another's figures
+    kept.close()
+    kept.close()  # twice is harmless
+    assert kept.read() == (-1, -1) and SchedTimes(busy.pid).read() == (-1, -1)
