@@ -22,7 +22,8 @@ Per run: the median training iteration after the warm-up (rank 0's log; the rank
 against the round's ``none``; per device, the bubbles and events its manager saw, the share of its bubble time the
 side task harvested (the manager's own ``stats``: worked time over bubble time) and the manager's CPU time per
 iteration while the trainer ran (user + system, every thread, from ``/proc``): on two cores every millisecond of
-it comes out of a rank's core.
+it comes out of a rank's core. The managers run as users run them, without ``--trace`` (writing the trace took about
+a seventh of a manager's CPU per bubble; the runs before this was so had it on).
 
 Results: ``<out>/<name>.json`` and ``<name>.md`` (default ``colocation``), with the machine and the load.
 """
@@ -114,7 +115,7 @@ def run_mode(name: str, mode: str, args: argparse.Namespace, run_dir: Path, csv_
     else:
         sock_dir = Path(tempfile.mkdtemp(prefix="frc-", dir="/tmp"))
         try:
-            with managers(layout, run_dir, sock_dir, "freeride", None, args.manager_arg) as endpoints:
+            with managers(layout, run_dir, sock_dir, "freeride", None, args.manager_arg, trace=False) as endpoints:
                 task = side_task(args.side_task)
                 for dev in _task_devices(mode, layout.devices):
                     with ControlClient(endpoints[dev]) as client:
@@ -196,7 +197,8 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
             lines.append(f"| {schedule} | {mode} | {its} | {ov} | {harvest} | {bubbles} | {cpu} | {load} |")
     lines += ["", "Overhead: the run's median iteration over its round's `none` run, less 1. Harvest: the manager's "
               "harvested time over its bubble time (`freeride stats`). Manager CPU: user + system of every thread "
-              "while the trainer ran (with its start-up and the warm-up), per iteration.", ""]
+              "while the trainer ran (with its start-up and the warm-up), per iteration; the managers write no "
+              "trace.", ""]
     path.write_text("\n".join(lines))
 
 

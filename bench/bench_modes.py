@@ -294,17 +294,20 @@ def pin_threads(pid: int, cores: frozenset[int]) -> int:
 
 @contextmanager
 def managers(layout: Layout, run_dir: Path, sock_dir: Path, policy: str,
-             profile: Path | None, extra: Sequence[str] = ()) -> Iterator[dict[str, Endpoint]]:
+             profile: Path | None, extra: Sequence[str] = (), trace: bool = True) -> Iterator[dict[str, Endpoint]]:
     """One real manager daemon per device, off the stage's core where the layout says; SIGTERM on exit.
-    ``extra``: more ``freeride manager`` options (a bench comparing one of them)."""
+    ``extra``: more ``freeride manager`` options (a bench comparing one of them). ``trace``: each writes its trace
+    (``trace-<device>.jsonl`` in ``run_dir``), which the harvest analyses read; a bench of what the managers cost
+    the training leaves it off, as users run them (writing it is a seventh of a manager's CPU per bubble)."""
     procs: list[subprocess.Popen[bytes]] = []
     endpoints: dict[str, Endpoint] = {}
     try:
         for dev in layout.devices:
             sock = sock_dir / f"{_slug(dev)}.sock"
             argv = [sys.executable, "-m", "freeride.cli", "manager", "--device", dev, "--endpoint", f"unix:{sock}",
-                    "--state-dir", str(run_dir / f"state-{_slug(dev)}"),
-                    "--trace", str(run_dir / f"trace-{_slug(dev)}.jsonl")]
+                    "--state-dir", str(run_dir / f"state-{_slug(dev)}")]
+            if trace:
+                argv += ["--trace", str(run_dir / f"trace-{_slug(dev)}.jsonl")]
             if policy == "paper":
                 argv += ["--policy", "paper"] + (["--paper-profile", str(profile)] if profile else [])
             argv += list(extra)
