@@ -229,8 +229,11 @@ def _validate(msg: Submission) -> TaskSpec:
     args = parse_args_json(msg.args_json)
     if abs(msg.priority) > MAX_PRIORITY:
         raise RequestRejected(f"priority must be within +-{MAX_PRIORITY}, got {msg.priority}")
-    if len(msg.name) > 64 or not msg.name.isprintable():
-        raise RequestRejected("a task name has at most 64 printable characters")
+    if len(msg.name) > 64:
+        raise RequestRejected(f"a task name has at most 64 characters, got {len(msg.name)}")
+    if not msg.name.isprintable():
+        bad = next(ch for ch in msg.name if not ch.isprintable())
+        raise RequestRejected(f"a task name has only printable characters, got {bad!r} in {msg.name!r}")
     _check_working_dir(msg.working_dir)
     for name in ("checkpoint_interval_s", "step_time_hint_ms"):
         value = getattr(msg, name)

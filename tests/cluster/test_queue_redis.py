@@ -196,7 +196,7 @@ def test_cli_validates_a_queued_submission_exactly_as_submit_does(
     monkeypatch.chdir(TESTS_DIR)
     code = main(["submit", "sample_tasks:Counter", "--queue", redis_server.url, "--memory", "1MiB",
                  "--name", "x" * 65])
-    assert code == 2 and "a task name has at most 64 printable characters" in capsys.readouterr().err
+    assert code == 2 and "a task name has at most 64 characters, got 65" in capsys.readouterr().err
     code = main(["submit", "sample_tasks:Counter", "--queue", redis_server.url, "--memory", "1MiB",
                  "--args-json", '{"step_ms": 1e999}'])
     assert code == 2 and "must be standard JSON" in capsys.readouterr().err

@@ -222,6 +222,15 @@ def test_the_queue_validates_a_submission_with_the_same_function_as_submit() -> 
             validate_spec(bad)
 
 
+def test_a_task_name_is_refused_for_what_is_wrong_with_it_its_length_or_the_character() -> None:
+    # Stranger trial: a 3-character name with a control character was refused as "at most 64 printable characters".
+    for name, says in [("x" * 65, "at most 64 characters, got 65"),
+                       ("a\x07b", r"only printable characters, got '\\x07'"), ("tab\t", r"got '\\t' in 'tab\\t'")]:
+        with pytest.raises(RequestRejected, match=says):
+            validate_spec(TaskSpec(target="m:C", memory_bytes=GIB, name=name))
+    assert validate_spec(TaskSpec(target="m:C", memory_bytes=GIB, name="ü" * 64)).name == "ü" * 64
+
+
 # ------------------------------------------------------------------ launch: this node's devices
 
 
