@@ -48,7 +48,7 @@ fi
 # Megatron Core for the Megatron adapter's tests, pinned (the [test] extra installs it on Python >= 3.12,
 # which its release declares; it runs on 3.11 too). --no-deps: its dependencies (torch, numpy, packaging)
 # are already here, and pip must never swap the CPU torch for a CUDA build. No triton (691 MB): the tests
-# stand in for the one kernel module that imports it (tests/frameworks/megatron_cpu.py).
+# stand in for the one kernel module that imports it (examples/megatron_cpu.py).
 [ "$SETUP" = demo ] \
     || python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '0.19.2')" 2>/dev/null \
     || python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" \

@@ -373,10 +373,11 @@ def _import_megatron() -> tuple[Any, Any, Any]:
         if exc.name in ("megatron", "megatron.core"):
             raise FrameworkNotInstalled(
                 "freeride.training.megatron needs Megatron Core: pip install 'freeride[megatron]' (on Python "
-                "3.11 add --ignore-requires-python: the release declares 3.12 and runs on 3.11)"
+                "3.11: pip install 'freeride[tasks]' first, then add --ignore-requires-python: the release "
+                "declares 3.12 and runs on 3.11)"
             ) from None
         hint = (" (Megatron Core imports triton: pip install triton, or on a machine without a GPU a stand-in "
-                "module, as the repository's tests/frameworks/megatron_cpu.py makes)") if exc.name == "triton" else ""
+                "module, as the repository's examples/megatron_cpu.py makes)") if exc.name == "triton" else ""
         raise ConfigError(f"Megatron Core is installed but cannot be imported: {exc}{hint}") from exc
     return schedules, parallel_state, get_model_config
 

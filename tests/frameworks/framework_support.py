@@ -32,7 +32,7 @@ FRAMEWORKS = {
     "deepspeed": ("deepspeed", "pip install -e '.[test-deepspeed]'"),
     "torchtitan": ("torchtitan.distributed.pipeline_parallel",
                    "pip install --no-deps torchtitan==0.3.0 and -e '.[test-torchtitan]'"),
-    # Found, not imported: importing Megatron Core on CPU needs tests/frameworks/megatron_cpu.py first.
+    # Found, not imported: importing Megatron Core on CPU needs examples/megatron_cpu.py first.
     "megatron": ("megatron.core", "pip install --no-deps --ignore-requires-python megatron-core==0.19.2"),
 }
 

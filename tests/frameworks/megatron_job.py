@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # megatron_cpu, as a user copies it
 
 import megatron_cpu  # noqa: E402 (before any Megatron import)
 
@@ -120,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None
     )
     hidden, seq, micro = args.hidden, 8, 2
+    # Interleaved on two ranks: no batched transfers on gloo (megatron_cpu says why); overlapped ones are not batched.
+    overrides = megatron_cpu.cpu_config_overrides(virtual)
+    if args.overlap:
+        overrides["batch_p2p_comm"] = False
     config = TransformerConfig(
         num_layers=world * virtual, hidden_size=hidden, num_attention_heads=1, pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None,
-        # Two ranks, interleaved: batched P2P posts both directions to one peer on one group and tag, and
-        # gloo matches them wrongly (see FRAMEWORKS.md); unbatched transfers are correct.
-        batch_p2p_comm=virtual == 1 and not args.overlap, overlap_p2p_comm=args.overlap,
-        **megatron_cpu.cpu_config_overrides(),
+        overlap_p2p_comm=args.overlap, **overrides,
     )
     seen: list[tuple[str, int, int]] = []
     slow_s = args.slow_ms / 1000 if rank == args.slow_rank else 0.0

@@ -16,12 +16,16 @@ one-process group (see the ``one_process_group`` fixture).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import megatron_cpu
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # megatron_cpu, as a user copies it
+
+import megatron_cpu  # noqa: E402
+import torch  # noqa: E402
 
 megatron_cpu.stand_in_triton_kernels()
 

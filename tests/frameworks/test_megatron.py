@@ -142,8 +142,8 @@ def test_importing_the_adapter_does_not_import_megatron_and_a_missing_megatron_i
         "assert 'megatron' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
         "sys.modules['megatron'] = None  # as if not installed")
     assert said == ("FrameworkNotInstalled freeride.training.megatron needs Megatron Core: "
-                          "pip install 'freeride[megatron]' (on Python 3.11 add --ignore-requires-python: the "
-                          "release declares 3.12 and runs on 3.11)\n")
+                          "pip install 'freeride[megatron]' (on Python 3.11: pip install 'freeride[tasks]' first, "
+                          "then add --ignore-requires-python: the release declares 3.12 and runs on 3.11)\n")
 
 
 def test_a_megatron_without_triton_is_named_with_what_to_do_in_one_line() -> None:
