@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run side tasks inside the bubbles of pipeline-parallel training.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (repeatable)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Not dest="command": `bench` and `launch` take a `command` (the job after --) and `submit` a --command flag,
+    # which overwrote the name of the command given, and a misspelt option of theirs crashed on the list.
+    sub = parser.add_subparsers(dest="_command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -663,3 +663,29 @@ def test_a_command_line_it_cannot_take_never_prints_a_password_and_says_it_in_js
                                        "exit_code": EXIT_BAD_INPUT}
         else:
             assert out == ""
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--max-trails", "2", "--", "true"],
+    ["launch", "--devices", "cpu:0", "--bogus", "--", "true"],
+    ["submit", "x:Y", "--devcie", "cpu:0"],
+    ["submit", "--command", "--devcie", "cpu:0", "--", "true"],
+])
+def test_a_misspelt_option_of_a_command_with_a_command_of_its_own_is_said_under_that_commands_usage(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Stranger trial: `bench --max-trails 2 -- true` crashed (TypeError: unhashable type: 'list'): the top level's
+    # dest "command" was overwritten by bench's and launch's own `command`; submit's --command flag sent its
+    # misspelt option under the top level's usage.
+    has_json = argv[0] != "launch"
+    for json_too in (False, True) if has_json else (False,):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            main([argv[0], *(["--json"] if json_too else []), *argv[1:]])
+        out, err = capsys.readouterr()
+        assert info.value.code == EXIT_BAD_INPUT and "Traceback" not in err
+        assert f"usage: freeride {argv[0]} " in err and f"freeride {argv[0]}: error: unrecognized arguments: " in err
+        if json_too:
+            assert json.loads(out)["exit_code"] == EXIT_BAD_INPUT
+        else:
+            assert out == ""
