@@ -299,7 +299,11 @@ def render(summary: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str]:
         out.append(f"  note: {', '.join(stalled)} made no progress in any run: a setup() longer than the bubbles a "
                    "run gives (it runs in them), or steps that fit no bubble? `freeride run-task` times both")
     if summary.get("finished"):
-        out.append(f"  finished during a run (its work stopped there): {', '.join(summary['finished'])}")
+        # A stranger's PageRank finished in 5 iterations: the saving then printed at every price ratio was the
+        # overhead's noise alone, and nothing said that the task's size, not the bubbles, bounded its work.
+        out.append(f"  finished during a run (its work stopped there): {', '.join(summary['finished'])}: its size, "
+                   "not the bubbles, bounded the side work and the saving below; give it more work (or no end) to "
+                   "measure what the bubbles hold")
     out.append(f"  overruns: {summary['overruns_per_run']:.1f} a run, p99 {format_p99_ms(summary['overrun_p99_ms'])}; "
                f"grant p99 {format_p99_ms(summary['grant_p99_ms'])}, park p99 {format_p99_ms(summary['park_p99_ms'])}")
     out += ["", f"  saving = {SAVING_TEXT}", "  at price ratio r (an hour of a training device / an hour of a "

@@ -14,7 +14,7 @@ before the command starts; then the command, timed by its wall clock, in its own
 its output in the run's log (:func:`~freeride._cli.launch.supervise`); then the managers' figures,
 once their statistics stop moving (the last events reach them shortly after the command exits); then
 the managers are stopped. A command that exits non-zero, or outlives its time, ends the bench with the
-tail of its log; so does a side task that fails (with its failure record). Ctrl-C is forwarded to the
+tail of its log (under torchrun, with the job's own last words above torchrun's summary); so does a side task that fails (with its failure record). Ctrl-C is forwarded to the
 command, which is given ``kill_after_s`` to stop before its group is stopped, and then ends the bench.
 
 **The yardstick** (:meth:`Runner.standalone_rates`): each task alone on the job's first device, in a
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,12 +83,28 @@ def job_env(base: Mapping[str, str], runtime: Path) -> dict[str, str]:
     return env
 
 
+#: A line of torch's own logging (``W1130 11:32:23.008000 776 torch/...``): torchrun's, not the job's.
+_TORCH_LOG_LINE = re.compile(r"[WEIF]\d{4} \d\d:\d\d:\d\d")
+#: Where torchrun begins its summary of a failed job (``... failed (exitcode: 1) local_rank: 0 ...``).
+_TORCHRUN_FAILED = "failed (exitcode:"
+
+
 def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a command's log, indented; and where torchrun's summary of a failed job (~40
+    lines of its own) fills them, the job's last words before it too: a stranger's trainer said "unknown schedule
+    bogus" and the bench showed only torchrun's summary."""
     try:
-        text = path.read_text(errors="replace")
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+    tail = text[-lines:]
+    start = len(text) - len(tail)
+    failed = next((i for i, line in enumerate(text) if _TORCHRUN_FAILED in line), None)
+    if failed is not None and failed < start:
+        said = [line for line in text[:failed] if not _TORCH_LOG_LINE.match(line)][-10:]
+        if said:
+            return "\n".join(["    " + line for line in said] + ["    ..."] + ["    " + line for line in tail])
+    return "\n".join("    " + line for line in tail)
 
 
 @dataclass

@@ -105,6 +105,7 @@ def test_a_device_without_bubbles_and_a_task_that_finished_are_named() -> None:
     text = "\n".join(render(doc, {"command_text": "train", "devices": ["cpu:0", "cpu:1"], "stop": "x",
                                   "loadavg": "1"}))
     assert "no bubble was reported on cpu:1" in text and "finished during a run" in text
+    assert "its size, not the bubbles, bounded the side work and the saving below" in text
 
 
 def test_the_report_defines_the_saving_and_every_price_ratio_where_it_prints_them() -> None:
@@ -298,3 +299,25 @@ def test_without_scipy_the_bench_says_which_extra_to_install_in_one_line(monkeyp
 def test_a_missing_command_is_bad_input() -> None:
     with pytest.raises(ConfigError, match="no command given"):
         bench.run(_args("--task", "a:B"))
+
+
+def test_a_failed_torchrun_jobs_tail_shows_the_jobs_last_words_above_torchruns_summary(tmp_path: Path) -> None:
+    # Stranger trial: a trainer that said "unknown schedule bogus" and exited 1 under torchrun; the bench showed the
+    # last 20 lines, all of them torchrun's summary of the failure.
+    from freeride._cli.bench_runs import log_tail
+
+    stamp = "W1130 11:32:23.008000 776 torch/distributed/run.py:874]"
+    summary = ["E1130 11:32:26.158000 776 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+               "(exitcode: 1) local_rank: 0 (pid: 781) of binary: python", "Traceback (most recent call last):",
+               *[f"  summary line {i}" for i in range(36)], "=" * 60]
+    log = tmp_path / "command.log"
+    log.write_text("\n".join([f"{stamp} ***", f"{stamp} Setting OMP_NUM_THREADS", "unknown schedule bogus",
+                              "unknown schedule bogus", *summary]) + "\n")
+    shown = log_tail(log).splitlines()
+    assert shown[:3] == ["    unknown schedule bogus", "    unknown schedule bogus", "    ..."]
+    assert shown[3:] == ["    " + line for line in summary[-20:]] and "OMP_NUM_THREADS" not in log_tail(log)
+    log.write_text("\n".join(["loss 1.0", *summary[:5]]) + "\n")  # short: all of it, once
+    assert log_tail(log).splitlines() == ["    loss 1.0", *("    " + line for line in summary[:5])]
+    log.write_text("\n".join(f"line {i}" for i in range(40)) + "\n")  # no torchrun: the tail alone
+    assert log_tail(log).splitlines() == [f"    line {i}" for i in range(20, 40)]
+    assert log_tail(tmp_path / "missing.log") == ""
