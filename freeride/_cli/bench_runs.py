@@ -14,8 +14,9 @@ before the command starts; then the command, timed by its wall clock, in its own
 its output in the run's log (:func:`~freeride._cli.launch.supervise`); then the managers' figures,
 once their statistics stop moving (the last events reach them shortly after the command exits); then
 the managers are stopped. A command that exits non-zero, or outlives its time, ends the bench with the
-tail of its log (under torchrun, with the job's own last words above torchrun's summary); so does a side task that fails (with its failure record). Ctrl-C is forwarded to the
-command, which is given ``kill_after_s`` to stop before its group is stopped, and then ends the bench.
+tail of its log (under torchrun, with the job's own last words above torchrun's summary); so does a
+side task that fails (with its failure record). Ctrl-C is forwarded to the command, which is given
+``kill_after_s`` to stop before its group is stopped, and then ends the bench.
 
 **The yardstick** (:meth:`Runner.standalone_rates`): each task alone on the job's first device, in a
 child process pinned and threaded like a worker (``freeride._demo.probe``, the demo's and the research
