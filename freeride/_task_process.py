@@ -92,34 +92,6 @@ def sched_times(pid: int) -> tuple[int, int]:
         return -1, -1
 
 
-class SchedTimes:
-    """:func:`sched_times` of one process through a descriptor kept open: the manager reads a worker's at each grant
-    and each freeze, and a ``pread`` of the open file takes ~1 us where opening it again took ~10 (the kernel
-    writes the file afresh at each read from its start). The descriptor names that process, not its pid: read
-    after the process is reaped it answers (-1, -1), never another process's figures. Close it when done."""
-
-    def __init__(self, pid: int) -> None:
-        try:
-            self._fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = -1
-
-    def read(self) -> tuple[int, int]:
-        """(run time, run delay) in ns, as :func:`sched_times`; (-1, -1) when they cannot be read."""
-        if self._fd < 0:
-            return -1, -1
-        try:
-            run, delay = os.pread(self._fd, 128, 0).split()[:2]
-            return int(run), int(delay)
-        except (OSError, ValueError):
-            return -1, -1
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 def process_state(pid: int) -> str:
     """Process ``pid``'s state letter in ``/proc/<pid>/stat`` (R: running or waiting for a core; S, D: asleep;
     T: stopped), "" when it is gone. ~60 us: read only where a cheaper figure asks."""

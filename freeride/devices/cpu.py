@@ -31,7 +31,8 @@ CPU_WORKER_THREADS = "1"
 class ProcField:
     """One number of a ``/proc`` file, read by one ``pread`` of a descriptor kept open (~1-3 us): the ``field``-th
     whitespace-separated one. Opened at the first read, by the reading thread (``/proc/thread-self`` then names
-    that thread for good); :meth:`read` is None where the file cannot be opened or read, then and from then on."""
+    that thread for good; ``/proc/<pid>`` that process, so a read after it is reaped fails rather than reading a
+    process that took its pid); :meth:`read` is None where the file cannot be opened or read, then and from then on."""
 
     def __init__(self, path: str, field: int) -> None:
         self._path = path
@@ -40,6 +41,28 @@ class ProcField:
         self._missing = False
 
     def read(self) -> int | None:
+        words = self._words()
+        try:
+            return None if words is None else int(words[self._field])
+        except (IndexError, ValueError):
+            self.close()
+            return None
+
+    def read_first(self, count: int) -> tuple[int, ...] | None:
+        """The file's first ``count`` numbers, from one read (figures of one moment: a process's run time and run
+        delay); None as :meth:`read`."""
+        words = self._words()
+        if words is None:
+            return None
+        try:
+            if len(words) < count:
+                raise ValueError(f"{len(words)} numbers")
+            return tuple(int(w) for w in words[:count])
+        except ValueError:
+            self.close()
+            return None
+
+    def _words(self) -> list[bytes] | None:
         fd = self._fd
         if fd is None:
             if self._missing:
@@ -50,8 +73,8 @@ class ProcField:
                 self._missing = True
                 return None
         try:
-            return int(os.pread(fd, 128, 0).split()[self._field])
-        except (OSError, IndexError, ValueError):
+            return os.pread(fd, 128, 0).split()
+        except OSError:
             self.close()
             return None
 

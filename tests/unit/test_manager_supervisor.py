@@ -265,7 +265,7 @@ def test_a_worker_that_did_not_run_in_the_grant_it_is_frozen_in_is_reported_star
 
     reads = iter([(5_000_000, 1_000_000), (5_000_000 + ran_ns, 3_000_000)])  # at the grant; before the stop
     states: list[int] = []
-    monkeypatch.setattr(rig.sup.workers[TID].sched, "read", lambda: next(reads))
+    monkeypatch.setattr(rig.sup.workers[TID].sched, "read_first", lambda count: next(reads))
     monkeypatch.setattr(supervisor, "process_state", lambda pid: states.append(pid) or state)
     rig.sup.granted(TID)
     [seen] = rig.sup.freeze(TID)
@@ -280,7 +280,7 @@ def test_a_freeze_reports_only_the_waits_for_the_core_inside_grants(rig: Rig, mo
     reads = iter([(0, 0), (5_000_000, 1_000_000),  # grant 1: 1 ms of waits in it
                   (5_100_000, 31_000_000), (9_000_000, 32_500_000),  # a 30 ms wait for the stop; 1.5 ms in grant 2
                   (9_000_000, 40_000_000)])  # a freeze without a grant's reading: nothing of it counts
-    monkeypatch.setattr(rig.sup.workers[TID].sched, "read", lambda: next(reads))
+    monkeypatch.setattr(rig.sup.workers[TID].sched, "read_first", lambda count: next(reads))
     seen = []
     for grant in (True, True, False):
         if grant:
