@@ -44,7 +44,14 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.paths import TaskPaths
 from freeride._manager.worker_log import CHUNK_BYTES, WorkerLog, read_tail_bytes
-from freeride._task_process import process_cpu_ns, process_dying, process_state, worker_environment
+from freeride._task_process import (
+    process_cpu_ns,
+    process_dying,
+    process_state,
+    sched_times,
+    schedstat,
+    worker_environment,
+)
 from freeride.devices import Device
 from freeride.devices.cpu import ProcField
 from freeride.messages import FailureRecord
@@ -93,9 +100,7 @@ class WorkerHandle:
     log: WorkerLog
     log_fd: int  # the read end of the worker's output pipe; -1 once closed
     board: WorkerBoard | None  # its step and ended-grant words (None: the state directory refused it)
-    #: ``/proc/<pid>/schedstat``: its run time and run delay, read at each grant and freeze by one ``pread`` of a
-    #: descriptor kept open (~1 us against ~10 us for an open; closed when it is reaped).
-    sched: ProcField
+    sched: ProcField  # its schedstat (:func:`schedstat`), read at each grant and freeze; closed when it is reaped
     extra_pgids: list[int] = field(default_factory=list)
     closed: bool = False
     goodbye: bool = False  # the worker announced its exit: end-of-file is expected
@@ -216,7 +221,7 @@ class Supervisor:
         so that its freeze can tell the waits for its core inside the grant from those outside it (~5 us)."""
         handle = self.workers.get(task_id)
         if handle is not None:
-            handle.run_at_grant_ns, handle.delay_at_grant_ns = _sched_times(handle)
+            handle.run_at_grant_ns, handle.delay_at_grant_ns = sched_times(handle.sched)
 
     def freeze(self, task_id: str) -> list[Any]:
         """SIGSTOP the worker; the steps it finished in the grant it is frozen in, from its board (always
@@ -234,7 +239,7 @@ class Supervisor:
         if handle is None:
             return []
         pid = handle.proc.pid
-        ran, delay = _sched_times(handle)
+        ran, delay = sched_times(handle.sched)
         state = ""
         if handle.run_at_grant_ns >= 0 and 0 <= ran - handle.run_at_grant_ns < IDLE_GRANT_RUN_NS:
             state = process_state(pid)
@@ -370,7 +375,7 @@ class Supervisor:
         sock.setblocking(False)
         channel = Channel(sock)
         handle = WorkerHandle(task_id, proc, channel, os.pidfd_open(proc.pid), worker_log, log_fd, board,
-                              ProcField(f"/proc/{proc.pid}/schedstat", 1))
+                              schedstat(proc.pid))
         self.workers[task_id] = handle
         self._selector.register(channel.fileno(), selectors.EVENT_READ, lambda: self._read_channel(handle))
         self._selector.register(handle.pidfd, selectors.EVENT_READ, lambda: self._reap(handle))
@@ -547,13 +552,6 @@ class Supervisor:
             handle.killed = True
             for pgid in [handle.proc.pid, *handle.extra_pgids]:
                 _killpg(pgid, signal.SIGCONT)
-
-
-def _sched_times(handle: WorkerHandle) -> tuple[int, int]:
-    """The worker's run time and run delay in ns (``/proc/<pid>/schedstat``'s first two fields); (-1, -1) when they
-    cannot be read (gone, or a kernel without scheduler statistics)."""
-    times = handle.sched.read_first(2)
-    return (times[0], times[1]) if times is not None else (-1, -1)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from freeride._task_process import process_cpu_ns, process_dying, process_state, sched_times
+from freeride._task_process import process_cpu_ns, process_dying, process_state, sched_times, schedstat
 from freeride.devices import CpuWorkerDevice, cpu, parse_device_name
-from freeride.devices.cpu import ProcField
 
 
 def test_a_process_cpu_time_is_what_it_reads_itself_and_stops_growing_when_it_exits() -> None:
@@ -172,22 +171,21 @@ def test_a_process_is_dying_once_it_has_exited_unreaped_or_is_gone_and_not_while
 
 def test_a_kept_schedstat_reads_as_a_fresh_open_does_and_nothing_once_the_process_is_reaped() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
-    kept = ProcField(f"/proc/{busy.pid}/schedstat", 1)  # as the supervisor keeps a worker's
+    kept = schedstat(busy.pid)  # as the supervisor keeps a worker's
     try:
-        first = kept.read_first(2)
-        assert first is not None
+        first = sched_times(kept)
         deadline = time.monotonic() + 30
-        while (kept.read_first(2) or first)[0] <= first[0]:  # the same descriptor sees the run time grow
+        while sched_times(kept)[0] <= first[0]:  # the same descriptor sees the run time grow
             assert time.monotonic() < deadline, "the busy loop never ran"
         busy.send_signal(signal.SIGSTOP)
         while process_state(busy.pid) != "T":
             assert time.monotonic() < deadline, "the stop never landed"
-        assert kept.read_first(2) == sched_times(busy.pid)  # stopped: both read the same figures
+        assert sched_times(kept) == sched_times(busy.pid)  # stopped: both read the same figures
         assert kept.read() == sched_times(busy.pid)[1]
     finally:
         busy.kill()
         busy.wait()
-    assert kept.read_first(2) is None  # its process reaped: never another's figures
+    assert sched_times(kept) == (-1, -1)  # its process reaped: never another's figures
     kept.close()
     kept.close()  # twice is harmless
-    assert kept.read_first(2) is None and ProcField(f"/proc/{busy.pid}/schedstat", 1).read_first(2) is None
+    assert sched_times(kept) == (-1, -1) and sched_times(schedstat(busy.pid)) == (-1, -1)
