@@ -119,6 +119,8 @@ def side_task(spec: str) -> dict[str, Any]:
         return {"name": f"spin-{step_us:g}us", "target": "bench.bench_tasks:SpinStep", "args": {"step_us": step_us},
                 "memory_bytes": 64 << 20}
     raise ValueError(f"unknown side task {spec!r}: pagerank or spin:US")
+
+
 def side_task_option(parser: argparse.ArgumentParser, default: str) -> None:
     """Add ``--side-task`` (:func:`side_task`'s specs) to ``parser``, checked as it is parsed: a bad spec is the
     parser's usage error."""
