@@ -1,7 +1,7 @@
 """``freeride plan``: the bubbles of a pipeline configuration, its memory, and what side tasks fit.
 
     freeride plan --schedule 1f1b --stages 4 --microbatches 8 [--t-forward 1 --t-backward 2]
-    freeride plan --stages 4 --sweep [--schedule gpipe,1f1b,interleaved,zb-h1] [--microbatches 4,8,16]
+    freeride plan --stages 4 --sweep [--schedule 1f1b,interleaved,zb-h1,zbv] [--microbatches 4,8,16]
                   [--virtual 2,4] --layers 32 --hidden 4096 --heads 32 --seq-len 2048 --vocab 50304
                   --device-memory 80GiB --task name=pagerank,memory=2GiB,step_ms=3.5 [--plot frontier.png]
 
@@ -10,6 +10,10 @@ kind) and the bubble fraction; ``--cyclic`` lists the slots as a running trainer
 tail and the next iteration's warm-up are one wait). With a memory model (model dimensions, or
 ``--weight-bytes`` and ``--activation-bytes`` measured per stage) it adds what each stage holds and,
 with ``--device-memory``, what is free in each slot; with ``--task`` where each side task fits.
+
+The schedules torch alone defines (interleaved zero-bubble, looped BFS, ZBV, DualPipeV) take their
+order from torch's own classes (:mod:`freeride.training.torch_plans`), so they need torch; a sweep
+that names no schedules leaves them out, and says so, where torch is not installed.
 
 ``--sweep`` evaluates every schedule x micro-batches x virtual stages combination for the given
 stages and prints one line each, with the Pareto-optimal ones marked (``*``): bubble fraction and
@@ -27,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from freeride._extras import require
+from freeride._extras import installed, require
 from freeride.errors import ConfigError
 from freeride.training.memory import (
     OPTIMIZER_STATES,
@@ -51,7 +55,17 @@ from freeride.training.planner import (
     plan_config,
     sweep,
 )
-from freeride.training.schedules import SCHEDULE_NAMES, IdleSlot, Schedule, draw_grid
+from freeride.training.schedules import (
+    LOOPED,
+    OWN_SCHEDULES,
+    SCHEDULE_NAMES,
+    TORCH_SCHEDULES,
+    ZERO_BUBBLE,
+    IdleSlot,
+    Schedule,
+    chunks_per_rank,
+    draw_grid,
+)
 from freeride.units import format_size, parse_size
 
 _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
@@ -74,13 +88,15 @@ def register(subparsers: Any) -> None:
     )
     sched = parser.add_argument_group("schedule")
     sched.add_argument("--schedule", default=None,
-                       help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b); with --sweep a comma list "
+                       help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b; {', '.join(TORCH_SCHEDULES)} "
+                       "read their order off torch's own classes, so need torch); with --sweep a comma list "
                        "(default all)")
     sched.add_argument("--stages", type=int, required=True, help="pipeline stages (ranks)")
     sched.add_argument("--microbatches", default=None,
                        help="micro-batches per iteration; with --sweep a comma list (default p,2p,4p,8p)")
     sched.add_argument("--virtual", default=None,
-                       help="model chunks per stage (interleaved only); with --sweep a comma list (default 2,4)")
+                       help=f"model chunks per stage ({', '.join(LOOPED)}; V-shaped zbv and dualpipev hold 2); "
+                       "with --sweep a comma list (default 2,4)")
     sched.add_argument("--t-forward", type=float, default=None,
                        help=f"forward time of one micro-batch (ms; default {_ASSUMED_T_F:g}, a placeholder)")
     sched.add_argument("--t-backward", type=float, default=None,
@@ -413,7 +429,7 @@ def render_plan(schedule: Schedule, cyclic: bool = False, grid: bool = True) -> 
         f"schedule {schedule.name}: {schedule.ranks} stages x {schedule.microbatches} micro-batches"
         + (f" x {schedule.virtual} chunks" if schedule.virtual > 1 else "")
         + f", t_f={schedule.t_forward:g} ms, t_b={schedule.t_backward:g} ms"
-        + (f", t_w={schedule.t_weight:g} ms" if schedule.name.startswith("zb") else ""),
+        + (f", t_w={schedule.t_weight:g} ms" if schedule.name in ZERO_BUBBLE else ""),
         f"iteration {schedule.makespan:g} ms, bubble fraction {schedule.bubble_fraction():.1%}",
     ]
     if grid:
@@ -532,17 +548,29 @@ def render_sweep(inputs: PlanInputs, result: SweepResult) -> str:
 # ------------------------------------------------------------------ run
 
 
-def _sweep_candidates(args: argparse.Namespace) -> list[Candidate]:
-    schedules = [s.strip() for s in args.schedule.split(",")] if args.schedule else list(SCHEDULE_NAMES)
+def _default_schedules() -> tuple[list[str], str]:
+    """The schedules a sweep compares when none are named, and a note of those left out (or "")."""
+    if installed("torch"):
+        return list(SCHEDULE_NAMES), ""
+    return list(OWN_SCHEDULES), (f"left out: torch's schedules ({', '.join(TORCH_SCHEDULES)}), whose order comes "
+                                 "from torch, which is not installed here (pip install 'freeride[tasks]')")
+
+
+def _sweep_candidates(args: argparse.Namespace) -> tuple[list[Candidate], str]:
+    if args.schedule:
+        schedules, left_out = [s.strip() for s in args.schedule.split(",")], ""
+    else:
+        schedules, left_out = _default_schedules()
     ms = _int_list("--microbatches", args.microbatches) if args.microbatches else []
     vs = _int_list("--virtual", args.virtual) if args.virtual else [2, 4]
-    return candidates(args.stages, schedules, ms, vs)
+    return candidates(args.stages, schedules, ms, vs), left_out
 
 
 def run(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args)
     if args.sweep:
-        result = sweep(inputs, _sweep_candidates(args))
+        cands, left_out = _sweep_candidates(args)
+        result = sweep(inputs, cands)
         if not result.plans:
             raise ConfigError("no valid configuration in the sweep: "
                               + "; ".join(f"{c.label}: {why}" for c, why in result.rejected))
@@ -551,10 +579,15 @@ def run(args: argparse.Namespace) -> int:
 
             draw_frontier(result, Path(args.plot))
         if args.json:
-            json.dump(sweep_json(inputs, result), sys.stdout, indent=2)
+            doc = sweep_json(inputs, result)
+            if left_out:
+                doc["left_out"] = left_out
+            json.dump(doc, sys.stdout, indent=2)
             sys.stdout.write("\n")
         else:
             print(render_sweep(inputs, result))
+            if left_out:
+                print("\n" + left_out)
             if note := _assumed_times_note(args):
                 print("\n" + note)
             if args.plot:
@@ -565,10 +598,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--schedule takes one name without --sweep")
     if args.microbatches is None:
         raise ConfigError("--microbatches is required without --sweep")
-    candidate = Candidate(args.schedule or "1f1b", _single_int("--microbatches", args.microbatches, 1),
-                          _single_int("--virtual", args.virtual, 1))
-    if candidate.schedule.strip().lower().startswith("interleaved") and candidate.virtual < 2:
-        candidate = Candidate(candidate.schedule, candidate.microbatches, 2)
+    name = args.schedule or "1f1b"
+    candidate = Candidate(name, _single_int("--microbatches", args.microbatches, 1),
+                          chunks_per_rank(name, _single_int("--virtual", args.virtual, 1)))
     plan = plan_config(inputs, candidate)
     detailed = inputs.memory is not None or bool(inputs.tasks)
     t_step = inputs.costs.t_step_ms

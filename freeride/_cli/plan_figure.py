@@ -22,6 +22,10 @@ _STYLE = {
     "1f1b": ("#dd8452", "s"),
     "interleaved-1f1b": ("#55a868", "^"),
     "zb-h1": ("#c44e52", "D"),
+    "interleaved-zb": ("#8172b2", "v"),
+    "looped-bfs": ("#937860", "P"),
+    "zbv": ("#da8bc3", "h"),
+    "dualpipev": ("#8c8c8c", "*"),
 }
 
 

@@ -64,7 +64,7 @@ Everything here is pure (no torch, no I/O); sizes are bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from freeride.errors import ConfigError
@@ -285,16 +285,19 @@ def transformer_chunks(dims: TransformerDims, chunks: int, precision: Precision)
     return tuple(out)
 
 
-def measured_chunks(measured: MeasuredStages, virtual: int, precision: Precision) -> tuple[ChunkMemory, ...]:
-    """Per model chunk (rank ``r`` holds chunks ``r, r + p, ...``), from per-rank measurements.
+def measured_chunks(measured: MeasuredStages, virtual: int, precision: Precision,
+                    rank_of: Mapping[int, int] | None = None) -> tuple[ChunkMemory, ...]:
+    """Per model chunk, from per-rank measurements split evenly over the rank's chunks.
 
-    The state kept between ``I`` and ``W`` is taken to be the full activation (see the module doc).
+    ``rank_of`` maps a chunk to the rank holding it (a V-shaped schedule's rank ``r`` holds ``r`` and
+    ``2p - 1 - r``); without it rank ``r`` holds chunks ``r, r + p, ...``. The state kept between ``I``
+    and ``W`` is taken to be the full activation (see the module doc).
     """
     p = measured.stages
     chunks = p * virtual
     out = []
     for c in range(chunks):
-        r = c % p
+        r = c % p if rank_of is None else rank_of[c]
         weights = measured.weight_bytes[r] // virtual
         act = measured.activation_bytes[r] // virtual
         out.append(ChunkMemory(
@@ -307,13 +310,15 @@ def measured_chunks(measured: MeasuredStages, virtual: int, precision: Precision
     return tuple(out)
 
 
-def chunk_memory(source: MemorySource, stages: int, virtual: int, precision: Precision) -> tuple[ChunkMemory, ...]:
-    """The chunks of a ``stages`` x ``virtual`` pipeline from either kind of input."""
+def chunk_memory(source: MemorySource, stages: int, virtual: int, precision: Precision,
+                 rank_of: Mapping[int, int] | None = None) -> tuple[ChunkMemory, ...]:
+    """The chunks of a ``stages`` x ``virtual`` pipeline from either kind of input (``rank_of``: see
+    :func:`measured_chunks`)."""
     if isinstance(source, TransformerDims):
         return transformer_chunks(source, stages * virtual, precision)
     if source.stages != stages:
         raise ConfigError(f"measured figures are given for {source.stages} stages, the pipeline has {stages}")
-    return measured_chunks(source, virtual, precision)
+    return measured_chunks(source, virtual, precision, rank_of)
 
 
 # ------------------------------------------------------------------ the walk
@@ -406,7 +411,7 @@ def rank_memory(
     if len(chunks) != num_chunks:
         raise ConfigError(f"the memory model has {len(chunks)} chunks, the schedule {num_chunks}")
     order = schedule.orders[rank]
-    own = sorted({a.stage for a in order} | set(range(rank, num_chunks, schedule.ranks)))
+    own = sorted(c for c, r in schedule.placement.items() if r == rank)
     m = schedule.microbatches
     params = sum(chunks[c].params for c in own)
     weights = params * precision.weight_bytes

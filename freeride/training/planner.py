@@ -54,7 +54,14 @@ from freeride.training.memory import (
     chunk_memory,
     rank_memory,
 )
-from freeride.training.schedules import SCHEDULE_NAMES, Schedule, build_schedule, canonical_name
+from freeride.training.schedules import (
+    LOOPED,
+    SCHEDULE_NAMES,
+    Schedule,
+    build_schedule,
+    canonical_name,
+    chunks_per_rank,
+)
 from freeride.units import parse_size
 
 #: The manager's default admission margin and memory headroom (``freeride manager`` options; the trainer
@@ -200,7 +207,7 @@ class PlanInputs:
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One configuration to evaluate (``virtual`` > 1 only for interleaved schedules)."""
+    """One configuration to evaluate (``virtual`` > 1 only for looped and V-shaped schedules)."""
 
     schedule: str
     microbatches: int
@@ -308,7 +315,7 @@ def candidates(
     microbatches: Iterable[int] = (),
     virtuals: Iterable[int] = (2,),
 ) -> list[Candidate]:
-    """Every (schedule, m, v) combination; ``virtuals`` apply to interleaved schedules only.
+    """Every (schedule, m, v) combination; ``virtuals`` apply to looped schedules only (V-shaped ones take 2).
 
     No ``microbatches``: ``p, 2p, 4p, 8p``.
     """
@@ -316,7 +323,7 @@ def candidates(
     out: list[Candidate] = []
     for name in schedules:
         key = canonical_name(name)
-        vs = sorted(set(virtuals)) if key == "interleaved-1f1b" else [1]
+        vs = sorted(set(virtuals)) if key in LOOPED else [chunks_per_rank(key)]
         out += [Candidate(key, m, v) for m in ms for v in vs]
     return out
 
@@ -340,8 +347,8 @@ def _scaled_source(source: MemorySource, microbatch_size: int, reference: int) -
 def plan_config(inputs: PlanInputs, candidate: Candidate) -> ConfigPlan:
     """Evaluate one configuration (ConfigError when it is not a valid one, saying why)."""
     key = canonical_name(candidate.schedule)
-    if key == "interleaved-1f1b" and candidate.virtual < 2:
-        raise ConfigError("interleaved-1f1b needs virtual stages >= 2")
+    if key in LOOPED and candidate.virtual < 2:
+        raise ConfigError(f"{key} needs virtual stages >= 2")
     mbs = _microbatch_size(inputs, candidate.microbatches)
     costs = inputs.costs.scaled(mbs / inputs.microbatch_size)
     schedule = build_schedule(
@@ -353,7 +360,7 @@ def plan_config(inputs: PlanInputs, candidate: Candidate) -> ConfigPlan:
     mem = inputs.memory
     if mem is not None:
         source = _scaled_source(mem.source, mbs, inputs.microbatch_size)
-        chunks = chunk_memory(source, inputs.stages, schedule.virtual, mem.precision)
+        chunks = chunk_memory(source, inputs.stages, schedule.virtual, mem.precision, schedule.placement)
     device = inputs.device_memory_bytes
     stages: list[StagePlan] = []
     for r in range(inputs.stages):

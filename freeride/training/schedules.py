@@ -26,9 +26,11 @@ Stages that cost differently (the first holds the embedding, the last the head a
 ``stage_costs``: per model stage, the ``(t_forward, t_backward, t_weight)`` of one micro-batch through
 that one chunk, used as given (not divided by ``virtual``).
 
-The module is pure (no torch, no I/O): the same simulator feeds ``freeride plan``, the predictor in
-the trainer, the tests and the benchmarks. :func:`schedule_from_orders` builds a :class:`Schedule`
-from any action order, e.g. one read off ``torch.distributed.pipelining`` at run time.
+The module is pure (no I/O; torch only for the schedules torch alone defines, whose order
+:mod:`freeride.training.torch_plans` reads off torch's own classes when one is asked for): the same
+simulator feeds ``freeride plan``, the predictor in the trainer, the tests and the benchmarks.
+:func:`schedule_from_orders` builds a :class:`Schedule` from any action order, e.g. one read off
+``torch.distributed.pipelining`` at run time.
 """
 
 from __future__ import annotations
@@ -45,8 +47,24 @@ BACKWARD_INPUT = "I"
 BACKWARD_WEIGHT = "W"
 ACTION_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
+#: Schedules whose order this module builds itself.
+OWN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+#: Schedules whose order comes from ``torch.distributed.pipelining``'s own class (torch needed; see
+#: :mod:`freeride.training.torch_plans`), by the name :func:`build_schedule` knows them by.
+TORCH_SCHEDULES = {
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 #: Schedules :func:`build_schedule` knows, with accepted aliases.
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULE_NAMES = OWN_SCHEDULES + tuple(TORCH_SCHEDULES)
+#: V-shaped schedules: two model stages per rank, rank ``r`` holding stages ``r`` and ``2p - 1 - r``.
+V_SHAPED = ("zbv", "dualpipev")
+#: Schedules of several model chunks per rank placed round-robin (rank ``r`` holds ``r, r + p, ...``).
+LOOPED = ("interleaved-1f1b", "interleaved-zb", "looped-bfs")
+#: Schedules that split a backward into ``I`` and ``W`` (``t_weight`` must be less than ``t_backward``).
+ZERO_BUBBLE = ("zb-h1", "interleaved-zb", "zbv", "dualpipev")
 _ALIASES = {
     "gpipe": "gpipe",
     "1f1b": "1f1b",
@@ -56,7 +74,19 @@ _ALIASES = {
     "zb-h1": "zb-h1",
     "zero-bubble": "zb-h1",
     "zbh1": "zb-h1",
+    "interleaved-zb": "interleaved-zb",
+    "interleaved-zero-bubble": "interleaved-zb",
+    "interleavedzerobubble": "interleaved-zb",
+    "looped-bfs": "looped-bfs",
+    "loopedbfs": "looped-bfs",
+    "zbv": "zbv",
+    "zbv-zero-bubble": "zbv",
+    "zbvzerobubble": "zbv",
+    "dualpipev": "dualpipev",
+    "dualpipe-v": "dualpipev",
 }
+#: torch's class names (``ScheduleZBVZeroBubble``, any case) are aliases of the names above too.
+_ALIASES.update({cls.lower(): key for key, cls in TORCH_SCHEDULES.items()})
 
 # Slot kinds, in the vocabulary of the reference system's 4x4 1F1B where one exists (A, B, C, D).
 WARMUP = "warmup"  # before the rank's first action: waiting for the first activation (A)
@@ -151,6 +181,11 @@ class Schedule:
     _cyclic: Mapping[int, tuple[IdleSlot, ...]] = field(repr=False)
     #: Per model stage ``(t_forward, t_backward, t_weight)`` of one chunk, where given (see module doc).
     stage_costs: Mapping[int, tuple[float, float, float]] = field(default_factory=dict)
+
+    @property
+    def placement(self) -> dict[int, int]:
+        """The rank holding each model stage, as the orders place them."""
+        return {a.stage: r for r, order in self.orders.items() for a in order}
 
     def cost(self, action: Action) -> float:
         """The simulated cost of one action of this schedule."""
@@ -315,17 +350,13 @@ def build_schedule(
     if p * m * v > MAX_CHUNK_MICROBATCHES:
         raise ConfigError(f"{p} stages x {m} micro-batches x {v} chunks is {p * m * v} forwards an iteration, more "
                           f"than the model simulates ({MAX_CHUNK_MICROBATCHES}; 1024 x 1024 took half a minute)")
-    if key == "interleaved-1f1b":
-        if v < 2:
-            v = 2
-    elif v != 1:
-        raise ConfigError(f"schedule {key} has one model chunk per stage; --virtual applies to interleaved-1f1b")
+    v = chunks_per_rank(key, v)
     if key == "1f1b" and m < p:
         raise ConfigError(f"1f1b needs micro-batches ({m}) >= stages ({p})")
     tf = _check_cost("t_forward", t_forward)
     tb = _check_cost("t_backward", t_backward)
     tw = tb / 2 if t_weight is None else _check_cost("t_weight", t_weight, allow_zero=True)
-    if key == "zb-h1" and not tw < tb:
+    if key in ZERO_BUBBLE and not tw < tb:
         raise ConfigError(f"t_weight ({tw}) must be less than t_backward ({tb})")
 
     if key == "gpipe":
@@ -334,9 +365,33 @@ def build_schedule(
         orders = {r: _one_f_one_b(r, p, m) for r in range(p)}
     elif key == "interleaved-1f1b":
         orders = _interleaved_orders(p, m, v)
-    else:
+    elif key == "zb-h1":
         orders = _zb_h1_orders(p, m)
+    else:
+        from freeride.training.torch_plans import torch_schedule_orders  # torch, only for these
+
+        orders = torch_schedule_orders(key, p, m, v)
     return schedule_from_orders(key, orders, p * v, tf, tb, tw, virtual=v, microbatches=m)
+
+
+def chunks_per_rank(name: str, virtual: int = 1) -> int:
+    """The model chunks per rank a schedule runs with ``virtual`` asked for (1 meaning "not given").
+
+    Looped schedules take 2 or more (2 when not given); V-shaped ones exactly 2; the rest 1. ConfigError
+    for a number the schedule cannot run with.
+    """
+    key = canonical_name(name)
+    v = _check_positive_int("virtual", virtual)
+    if key in LOOPED:
+        return max(v, 2)
+    if key in V_SHAPED:
+        if v not in (1, 2):
+            raise ConfigError(f"schedule {key} is V-shaped: two model stages per rank, not {v}")
+        return 2
+    if v != 1:
+        raise ConfigError(f"schedule {key} has one model chunk per stage; --virtual applies to "
+                          f"{', '.join(LOOPED)}")
+    return 1
 
 
 # ------------------------------------------------------------------ simulation
@@ -543,10 +598,11 @@ def expected_bubble_fraction(name: str, stages: int, microbatches: int, virtual:
     It holds for any ``t_f``, ``t_b`` when every chunk costs the same; zero-bubble schedules have no
     closed form here (simulate them).
     """
-    if name.startswith("zb") or name.startswith("zero"):
-        raise ConfigError("zero-bubble schedules have no closed-form bubble fraction; simulate them")
+    key = canonical_name(name)
+    if key not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        raise ConfigError(f"{key} has no closed-form bubble fraction here; simulate it")
     p, m = stages, microbatches
-    v = virtual if name.startswith("interleaved") else 1
+    v = virtual if key == "interleaved-1f1b" else 1
     return (p - 1) / (v * m + p - 1)
 
 

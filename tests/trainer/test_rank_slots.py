@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stand_in_stage import StandInStage
 
 from freeride.errors import ConfigError
 from freeride.training.instrument import torch_orders
 from freeride.training.rank_slots import RankPlan, gap_length, stage_ranks, steady_state, wait_positions
 from freeride.training.schedules import BOUNDARY, Action, build_schedule
+from freeride.training.torch_plans import StandInStage
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 

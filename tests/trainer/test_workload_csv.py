@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stand_in_stage import StandInStage
 
 from freeride.errors import ConfigError
+from freeride.training.torch_plans import StandInStage
 from freeride.workload import pipelines
 
 torch = pytest.importorskip("torch")

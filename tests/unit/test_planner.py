@@ -94,9 +94,13 @@ def test_invalid_candidates_are_listed_with_the_reason() -> None:
 
 def test_default_sweep_covers_every_schedule_and_p_2p_4p_8p() -> None:
     cands = candidates(2)
-    assert {c.schedule for c in cands} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
+    assert {c.schedule for c in cands} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb",
+                                           "looped-bfs", "zbv", "dualpipev"}
     assert sorted({c.microbatches for c in cands}) == [2, 4, 8, 16]
-    assert {c.virtual for c in cands if c.schedule == "interleaved-1f1b"} == {2}
+    assert {c.virtual for c in cands if c.schedule in ("interleaved-1f1b", "interleaved-zb", "looped-bfs")} == {2}
+    assert {c.virtual for c in cands if c.schedule in ("zbv", "dualpipev")} == {2}
+    assert {c.virtual for c in candidates(2, ["zbv", "looped-bfs"], [4], [2, 4])} == {2, 4}
+    assert {c.virtual for c in candidates(2, ["zbv"], [4], [3, 4])} == {2}
     with pytest.raises(ConfigError, match="unknown schedule"):
         candidates(2, ["pipedream"])
 

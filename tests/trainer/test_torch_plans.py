@@ -1,0 +1,124 @@
+"""The planner's schedules that only torch defines (interleaved zero-bubble, looped BFS, ZBV, DualPipeV): their
+order is torch's own, their model stages sit where torch places them, torch's refusals and a missing torch are
+one clear error, and ``freeride plan`` offers them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freeride import _extras
+from freeride.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from freeride.errors import ConfigError, MissingExtra
+from freeride.training.instrument import torch_orders
+from freeride.training.memory import PRECISIONS, RUNTIMES, MeasuredStages, chunk_memory, rank_memory
+from freeride.training.planner import Candidate, MemoryInputs, PlanInputs, plan_config
+from freeride.training.schedules import (
+    TORCH_SCHEDULES,
+    build_schedule,
+    canonical_name,
+    expected_bubble_fraction,
+)
+from freeride.training.torch_plans import StandInStage, placement
+
+torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+FP32 = PRECISIONS["fp32"]
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_SCHEDULES))
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (4, 8)])
+def test_every_ranks_order_is_the_one_torch_builds_for_that_rank(name: str, ranks: int, microbatches: int) -> None:
+    schedule = build_schedule(name, ranks, microbatches)
+    cls = getattr(torch_schedules, TORCH_SCHEDULES[name])
+    for rank in range(ranks):
+        own = cls([StandInStage(s, 2 * ranks, ranks, rank) for s in placement(name, ranks, 2)[rank]], microbatches)
+        assert list(schedule.orders[rank]) == torch_orders(own.pipeline_order_with_comms)[rank]
+    assert sum(len(o) for o in schedule.orders.values()) == len(schedule.timeline[0]) + sum(
+        len(schedule.timeline[r]) for r in range(1, ranks))
+
+
+def test_v_shaped_schedules_place_stages_r_and_2p_minus_1_minus_r_on_rank_r() -> None:
+    for name in ("zbv", "dualpipev"):
+        schedule = build_schedule(name, 4, 8)
+        assert schedule.virtual == 2
+        assert schedule.placement == {0: 0, 7: 0, 1: 1, 6: 1, 2: 2, 5: 2, 3: 3, 4: 3}
+    assert build_schedule("interleaved-zb", 2, 4, virtual=3).placement == {0: 0, 2: 0, 4: 0, 1: 1, 3: 1, 5: 1}
+
+
+def test_zero_bubble_orders_idle_less_than_their_one_f_one_b_counterparts() -> None:
+    def fraction(name: str, virtual: int = 1) -> float:
+        return build_schedule(name, 4, 8, 1.0, 2.0, t_weight=1.0, virtual=virtual).bubble_fraction()
+
+    assert fraction("zbv") < fraction("1f1b")
+    assert fraction("interleaved-zb", 2) < fraction("interleaved-1f1b", 2)
+    assert fraction("looped-bfs", 2) > 0
+
+
+def test_a_v_shaped_ranks_memory_counts_its_own_two_stages() -> None:
+    measured = MeasuredStages(weight_bytes=(400, 800), activation_bytes=(40, 80))
+    schedule = build_schedule("zbv", 2, 4)
+    chunks = chunk_memory(measured, 2, 2, FP32, schedule.placement)
+    # rank 0 holds model stages 0 and 3, rank 1 stages 1 and 2: each half of its own rank's measurement
+    assert [c.params * FP32.weight_bytes for c in chunks] == [200, 400, 400, 200]
+    held = rank_memory(schedule, 0, chunks, FP32, "adam", RUNTIMES["lean"]).points[0]
+    assert held.weights == 400
+    plan = plan_config(PlanInputs(stages=2, memory=MemoryInputs(measured, FP32, "adam", RUNTIMES["lean"])),
+                       Candidate("zbv", 4))
+    assert [s.peak.weights for s in plan.stages if s.peak is not None] == [400, 800]
+
+
+def test_torch_class_names_are_aliases_and_closed_forms_are_not_claimed_for_them() -> None:
+    assert canonical_name("ScheduleZBVZeroBubble") == "zbv"
+    assert canonical_name("scheduledualpipev") == "dualpipev"
+    assert canonical_name("ScheduleInterleavedZeroBubble") == "interleaved-zb"
+    with pytest.raises(ConfigError, match="no closed-form"):
+        expected_bubble_fraction("interleaved-zb", 4, 8, 2)
+
+
+def test_configurations_torch_or_the_shape_refuses_are_one_clear_error() -> None:
+    with pytest.raises(ConfigError, match="ScheduleDualPipeV refuses 4 ranks x 2 stages each and 6 micro-batches: "
+                                          "DualPipeV requires at least as many microbatches as stages"):
+        build_schedule("dualpipev", 4, 6)
+    with pytest.raises(ConfigError, match="V-shaped: two model stages per rank, not 3"):
+        build_schedule("zbv", 2, 4, virtual=3)
+    with pytest.raises(ConfigError, match="t_weight"):
+        build_schedule("zbv", 2, 4, t_backward=2.0, t_weight=2.0)
+
+
+def test_without_torch_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_extras, "installed", lambda module: module != "torch")
+    with pytest.raises(MissingExtra, match=r"freeride\[tasks\]"):
+        build_schedule("zbv", 2, 4)
+    assert build_schedule("zb-h1", 2, 4).bubble_fraction() > 0  # the planner's own schedules need no torch
+
+
+def test_plan_prints_a_v_shaped_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--schedule", "zbv", "--stages", "2", "--microbatches", "4", "--t-forward", "1",
+                 "--t-backward", "2", "--t-weight", "1"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "schedule zbv: 2 stages x 4 micro-batches x 2 chunks" in out and "t_w=1 ms" in out
+    # rank 0 warms up through its first stage, then takes micro-batch 0 back down its second (the V's turn)
+    assert " stage 0 |F0.0 F1.0 F2.0 F0.1 I0.1 W0.1" in out
+
+
+def test_plan_refuses_a_v_shaped_schedule_with_three_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--schedule", "dualpipev", "--stages", "2", "--microbatches", "4", "--virtual", "3"]) \
+        == EXIT_BAD_INPUT
+    assert "V-shaped: two model stages per rank, not 3" in capsys.readouterr().err
+
+
+def test_a_sweep_covers_torchs_schedules_and_says_when_it_leaves_them_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--stages", "2", "--sweep", "--microbatches", "4", "--json"]) == EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert {c["schedule"] for c in doc["configs"]} >= set(TORCH_SCHEDULES)
+    assert "left_out" not in doc
+
+    monkeypatch.setattr("freeride._cli.plan.installed", lambda module: module != "torch")
+    assert main(["plan", "--stages", "2", "--sweep", "--microbatches", "4"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "zbv" not in out.split("left out:")[0]
+    assert "left out: torch's schedules (interleaved-zb, looped-bfs, zbv, dualpipev)" in out
+    assert "pip install 'freeride[tasks]'" in out
