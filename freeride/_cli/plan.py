@@ -66,6 +66,7 @@ from freeride.training.schedules import (
     chunks_per_rank,
     draw_grid,
 )
+from freeride.training.torch_plans import csv_orders
 from freeride.units import format_size, parse_size
 
 _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
@@ -91,6 +92,9 @@ def register(subparsers: Any) -> None:
                        help=f"one of {', '.join(SCHEDULE_NAMES)} (default 1f1b; {', '.join(TORCH_SCHEDULES)} "
                        "read their order off torch's own classes, so need torch); with --sweep a comma list "
                        "(default all)")
+    sched.add_argument("--schedule-csv", default=None, metavar="FILE",
+                       help="an order of your own in torch's compute-only CSV (one row per rank: 0F0,1F0,...,0B0); "
+                       "micro-batches and stages per rank come from it")
     sched.add_argument("--stages", type=int, required=True, help="pipeline stages (ranks)")
     sched.add_argument("--microbatches", default=None,
                        help="micro-batches per iteration; with --sweep a comma list (default p,2p,4p,8p)")
@@ -568,6 +572,8 @@ def _sweep_candidates(args: argparse.Namespace) -> tuple[list[Candidate], str]:
 
 def run(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args)
+    if args.sweep and args.schedule_csv is not None:
+        raise ConfigError("--schedule-csv fixes the order: plan it without --sweep")
     if args.sweep:
         cands, left_out = _sweep_candidates(args)
         result = sweep(inputs, cands)
@@ -596,11 +602,30 @@ def run(args: argparse.Namespace) -> int:
 
     if args.schedule is not None and "," in args.schedule:
         raise ConfigError("--schedule takes one name without --sweep")
+    if args.schedule_csv is not None:
+        return _print_plan(args, inputs, _csv_candidate(args))
     if args.microbatches is None:
-        raise ConfigError("--microbatches is required without --sweep")
+        raise ConfigError("--microbatches is required without --sweep (or --schedule-csv)")
     name = args.schedule or "1f1b"
     candidate = Candidate(name, _single_int("--microbatches", args.microbatches, 1),
                           chunks_per_rank(name, _single_int("--virtual", args.virtual, 1)))
+    return _print_plan(args, inputs, candidate)
+
+
+def _csv_candidate(args: argparse.Namespace) -> Candidate:
+    """The configuration ``--schedule-csv`` gives: its order, its micro-batches, its stages per rank."""
+    if args.schedule not in (None, "csv"):
+        raise ConfigError(f"--schedule-csv is the schedule; drop --schedule {args.schedule}")
+    orders, virtual = csv_orders(args.schedule_csv)
+    microbatches = len({a.microbatch for order in orders.values() for a in order})
+    for flag, given, found in (("--microbatches", args.microbatches, microbatches),
+                               ("--virtual", args.virtual, virtual)):
+        if given is not None and _single_int(flag, given, found) != found:
+            raise ConfigError(f"{flag} {given} does not match {args.schedule_csv}, which has {found}")
+    return Candidate("csv", microbatches, virtual, {r: tuple(o) for r, o in orders.items()})
+
+
+def _print_plan(args: argparse.Namespace, inputs: PlanInputs, candidate: Candidate) -> int:
     plan = plan_config(inputs, candidate)
     detailed = inputs.memory is not None or bool(inputs.tasks)
     t_step = inputs.costs.t_step_ms

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from freeride.errors import ConfigError
 from freeride.training.memory import (
@@ -55,12 +55,16 @@ from freeride.training.memory import (
     rank_memory,
 )
 from freeride.training.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     LOOPED,
     SCHEDULE_NAMES,
+    Action,
     Schedule,
     build_schedule,
     canonical_name,
     chunks_per_rank,
+    schedule_from_orders,
 )
 from freeride.units import parse_size
 
@@ -212,6 +216,9 @@ class Candidate:
     schedule: str
     microbatches: int
     virtual: int = 1
+    #: An order of one's own (``schedule`` ``"csv"``): every rank's actions, e.g. as
+    #: :func:`freeride.training.torch_plans.csv_orders` reads them from torch's compute-only CSV.
+    orders: Mapping[int, Sequence[Action]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -346,15 +353,19 @@ def _scaled_source(source: MemorySource, microbatch_size: int, reference: int) -
 
 def plan_config(inputs: PlanInputs, candidate: Candidate) -> ConfigPlan:
     """Evaluate one configuration (ConfigError when it is not a valid one, saying why)."""
-    key = canonical_name(candidate.schedule)
-    if key in LOOPED and candidate.virtual < 2:
-        raise ConfigError(f"{key} needs virtual stages >= 2")
     mbs = _microbatch_size(inputs, candidate.microbatches)
     costs = inputs.costs.scaled(mbs / inputs.microbatch_size)
-    schedule = build_schedule(
-        key, inputs.stages, candidate.microbatches, costs.t_forward_ms, costs.t_backward_ms,
-        costs.t_weight_ms, virtual=candidate.virtual,
-    )
+    if candidate.orders is not None:
+        key = candidate.schedule
+        schedule = _own_order(inputs.stages, candidate, costs)
+    else:
+        key = canonical_name(candidate.schedule)
+        if key in LOOPED and candidate.virtual < 2:
+            raise ConfigError(f"{key} needs virtual stages >= 2")
+        schedule = build_schedule(
+            key, inputs.stages, candidate.microbatches, costs.t_forward_ms, costs.t_backward_ms,
+            costs.t_weight_ms, virtual=candidate.virtual,
+        )
     iteration_ms = schedule.makespan + costs.t_step_ms
     chunks = None
     mem = inputs.memory
@@ -392,7 +403,7 @@ def plan_config(inputs: PlanInputs, candidate: Candidate) -> ConfigPlan:
         ))
     total_idle = sum(s.idle_ms for s in stages)
     return ConfigPlan(
-        candidate=Candidate(key, candidate.microbatches, schedule.virtual),
+        candidate=Candidate(key, candidate.microbatches, schedule.virtual, candidate.orders),
         microbatch_size=mbs,
         schedule=schedule,
         iteration_ms=iteration_ms,
@@ -401,6 +412,21 @@ def plan_config(inputs: PlanInputs, candidate: Candidate) -> ConfigPlan:
         fits=fit_tasks(stages, inputs.tasks, inputs.margin_ms),
         device_memory_bytes=device,
     )
+
+
+def _own_order(stages: int, candidate: Candidate, costs: Costs) -> Schedule:
+    """Simulate a candidate's own order (ConfigError where it does not match the pipeline or the costs)."""
+    assert candidate.orders is not None
+    if len(candidate.orders) != stages:
+        raise ConfigError(f"the order has {len(candidate.orders)} ranks; the pipeline has {stages} stages (--stages)")
+    tb = costs.t_backward_ms
+    tw = tb / 2 if costs.t_weight_ms is None else costs.t_weight_ms
+    split = any(a.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) for o in candidate.orders.values() for a in o)
+    if split and not tw < tb:
+        raise ConfigError(f"t_weight ({tw}) must be less than t_backward ({tb}): the order splits backwards "
+                          "into I and W")
+    return schedule_from_orders(candidate.schedule, candidate.orders, stages * candidate.virtual, costs.t_forward_ms,
+                                tb, tw, virtual=candidate.virtual, microbatches=candidate.microbatches)
 
 
 def fit_tasks(stages: Sequence[StagePlan], tasks: Sequence[SideTaskDemand], margin_ms: float) -> tuple[TaskFit, ...]:

@@ -11,15 +11,24 @@ no model, nothing runs.
 torch is imported only when one of these schedules is asked for; without it the planner says, in one line,
 which extra brings it. A configuration torch refuses (DualPipeV with fewer micro-batches than model stages)
 is a :class:`ConfigError` with torch's own reason.
+
+An order of one's own, in torch's compute-only CSV (what ``_PipelineScheduleRuntime._load_csv`` runs: one
+row per rank, one action per cell, ``0F0``, ``2B1``, ``1I0``, ``1W0``, or an overlapped pair
+``(0F3;3B1)OVERLAP_F_B``), is read here without torch
+(:func:`csv_orders`): the format is four action kinds between two numbers, and the simulator refuses an
+order that deadlocks or misses an action.
 """
 
 from __future__ import annotations
 
+import csv
+import re
+from pathlib import Path
 from typing import Any
 
 from freeride._extras import require
 from freeride.errors import ConfigError
-from freeride.training.schedules import TORCH_SCHEDULES, V_SHAPED, Action
+from freeride.training.schedules import ACTION_KINDS, TORCH_SCHEDULES, V_SHAPED, Action
 
 
 class StandInStage:
@@ -73,3 +82,74 @@ def torch_schedule_orders(name: str, ranks: int, microbatches: int, virtual: int
         raise ConfigError(f"torch's {TORCH_SCHEDULES[name]} gave orders for ranks {sorted(orders)}, not for each "
                           f"of 0..{ranks - 1}")
     return orders
+
+
+_CELL = re.compile(r"(\d+)([A-Z_]+)(\d+)")
+
+
+def csv_rows(path: str | Path) -> list[list[str]]:
+    """The cells of a compute-only schedule CSV, per rank; ConfigError when unreadable or empty."""
+    try:
+        with open(path, newline="") as fh:
+            rows = [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(fh)]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"cannot read the schedule CSV {path}: {exc}") from exc
+    if not rows or not all(rows):
+        raise ConfigError(f"the schedule CSV {path} needs one non-empty row per rank")
+    return rows
+
+
+def csv_actions(cell: str, path: str | Path) -> list[Action]:
+    """One cell of a compute-only CSV as its compute actions: ``2B1`` (stage 2, full backward, micro-batch 1),
+    or torch's overlapped pair ``(0F3;3B1)OVERLAP_F_B``, its sub-actions in order (as the runtime runs them)."""
+    if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
+        return [csv_action(sub.strip(), path) for sub in cell[1:-len(")OVERLAP_F_B")].split(";")]
+    return [csv_action(cell, path)]
+
+
+def csv_action(cell: str, path: str | Path) -> Action:
+    """One compute action of a compute-only CSV (``2B1``: stage 2, full backward, micro-batch 1)."""
+    match = _CELL.fullmatch(cell)
+    if match is None:
+        raise ConfigError(f"{path}: {cell!r} is no action (expected e.g. 0F0, 2B1, 1I0, 1W0)")
+    stage, kind, microbatch = match.groups()
+    if kind not in ACTION_KINDS:
+        raise ConfigError(f"{path}: {cell!r} is a {kind} action; a compute-only CSV holds {', '.join(ACTION_KINDS)}")
+    return Action(kind, int(stage), int(microbatch))
+
+
+def csv_orders(path: str | Path) -> tuple[dict[int, list[Action]], int]:
+    """Every rank's order from a compute-only CSV, and the model stages each rank holds (the same on every rank).
+
+    ConfigError, naming the file, for a cell that is no compute action, an action given twice, a stage on two
+    ranks, a stage that does not run every micro-batch's forward and backward (``B``, or ``I`` and ``W``), or
+    ranks holding different numbers of stages (a cost is a rank's share of the model split evenly over its
+    stages).
+    """
+    orders = {r: [a for cell in row for a in csv_actions(cell, path)] for r, row in enumerate(csv_rows(path))}
+    seen: set[Action] = set()
+    rank_of: dict[int, int] = {}
+    for r, order in orders.items():
+        for action in order:
+            if action in seen:
+                raise ConfigError(f"{path}: {action} appears twice")
+            seen.add(action)
+            if rank_of.setdefault(action.stage, r) != r:
+                raise ConfigError(f"{path}: stage {action.stage} is on rank {rank_of[action.stage]} and rank {r}")
+    held = {r: sum(1 for s in rank_of.values() if s == r) for r in orders}
+    if len(set(held.values())) != 1:
+        raise ConfigError(f"{path}: ranks hold different numbers of stages ({held}); the planner needs the same "
+                          "number on every rank")
+    if sorted(rank_of) != list(range(len(rank_of))):
+        raise ConfigError(f"{path}: the stages are {sorted(rank_of)}, not 0..{len(rank_of) - 1}")
+    microbatches = sorted({a.microbatch for a in seen})
+    if microbatches != list(range(len(microbatches))):
+        raise ConfigError(f"{path}: the micro-batches are {microbatches}, not 0..{len(microbatches) - 1}")
+    for stage in rank_of:
+        for mb in microbatches:
+            has = {kind for kind in ACTION_KINDS if Action(kind, stage, mb) in seen}
+            if "F" not in has or not ("B" in has or {"I", "W"} <= has) or ("B" in has and has & {"I", "W"}):
+                ran = "".join(sorted(has)) or "nothing"
+                raise ConfigError(f"{path}: stage {stage} runs micro-batch {mb} as {ran}; each stage runs each "
+                                  "micro-batch's F and either its B or its I and W")
+    return orders, held[0]

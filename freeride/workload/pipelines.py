@@ -30,20 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from freeride.errors import ConfigError
+from freeride.training.schedules import LOOPED, TORCH_SCHEDULES, V_SHAPED
+from freeride.training.torch_plans import csv_actions, csv_rows
 
 SINGLE = ("gpipe", "1f1b")
-LOOPED = ("interleaved-1f1b", "interleaved-zb", "looped-bfs")
-V_SHAPED = ("zbv", "dualpipev")
 SCHEDULES = (*SINGLE, *LOOPED, *V_SHAPED, "csv")
 
 _CLASSES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    "looped-bfs": "ScheduleLoopedBFS",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
+    **TORCH_SCHEDULES,
     "csv": "_PipelineScheduleRuntime",
 }
 
@@ -57,27 +54,8 @@ def virtual_stages(schedule: str, virtual: int) -> int:
     return virtual
 
 
-def csv_rows(path: str | Path) -> list[list[str]]:
-    """The cells of a compute-only schedule CSV, per rank; ConfigError when unreadable or empty."""
-    try:
-        with open(path, newline="") as fh:
-            rows = [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(fh)]
-    except OSError as exc:
-        raise ConfigError(f"cannot read the schedule CSV {path}: {exc}") from exc
-    if not rows or not all(rows):
-        raise ConfigError(f"the schedule CSV {path} needs one non-empty row per rank")
-    return rows
-
-
-def _csv_stage(cell: str, path: str | Path) -> int:
-    digits = ""
-    for ch in cell:
-        if not ch.isdigit():
-            break
-        digits += ch
-    if not digits:
-        raise ConfigError(f"{path}: {cell!r} is no action (expected e.g. 0F0, 2B1, 1I0, 1W0)")
-    return int(digits)
+def _csv_stages(cells: Sequence[str], path: str | Path) -> set[int]:
+    return {a.stage for cell in cells for a in csv_actions(cell, path)}
 
 
 def local_chunks(schedule: str, rank: int, world: int, virtual: int, csv_path: str = "") -> list[int]:
@@ -90,13 +68,13 @@ def local_chunks(schedule: str, rank: int, world: int, virtual: int, csv_path: s
         rows = csv_rows(csv_path)
         if len(rows) != world:
             raise ConfigError(f"the schedule CSV {csv_path} has {len(rows)} rows but torchrun started {world} ranks")
-        return sorted({_csv_stage(cell, csv_path) for cell in rows[rank]})
+        return sorted(_csv_stages(rows[rank], csv_path))
     return [c for c in range(world * virtual) if c % world == rank]
 
 
 def total_chunks(schedule: str, world: int, virtual: int, csv_path: str = "") -> int:
     if schedule == "csv":
-        return max(_csv_stage(cell, csv_path) for row in csv_rows(csv_path) for cell in row) + 1
+        return max(_csv_stages([cell for row in csv_rows(csv_path) for cell in row], csv_path)) + 1
     return world * virtual_stages(schedule, virtual)
 
 

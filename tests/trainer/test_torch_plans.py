@@ -5,6 +5,7 @@ one clear error, and ``freeride plan`` offers them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,14 +14,15 @@ from freeride.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from freeride.errors import ConfigError, MissingExtra
 from freeride.training.instrument import torch_orders
 from freeride.training.memory import PRECISIONS, RUNTIMES, MeasuredStages, chunk_memory, rank_memory
-from freeride.training.planner import Candidate, MemoryInputs, PlanInputs, plan_config
+from freeride.training.planner import Candidate, Costs, MemoryInputs, PlanInputs, plan_config
 from freeride.training.schedules import (
     TORCH_SCHEDULES,
     build_schedule,
     canonical_name,
     expected_bubble_fraction,
 )
-from freeride.training.torch_plans import StandInStage, placement
+from freeride.training.torch_plans import StandInStage, csv_orders, placement
+from freeride.workload.pipelines import write_csv
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 FP32 = PRECISIONS["fp32"]
@@ -122,3 +124,62 @@ def test_a_sweep_covers_torchs_schedules_and_says_when_it_leaves_them_out(
     assert "zbv" not in out.split("left out:")[0]
     assert "left out: torch's schedules (interleaved-zb, looped-bfs, zbv, dualpipev)" in out
     assert "pip install 'freeride[tasks]'" in out
+
+
+# ------------------------------------------------------------------ an order of one's own (compute-only CSV)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev", "interleaved-zb"])
+def test_a_csv_written_from_a_torch_order_plans_as_that_schedule_does(name: str, tmp_path: Path) -> None:
+    built = build_schedule(name, 2, 4, 1.0, 2.0, t_weight=1.0)
+    cls = getattr(torch_schedules, TORCH_SCHEDULES[name])
+    path = tmp_path / "order.csv"
+    write_csv(path, cls([StandInStage(s, 4, 2, 0) for s in placement(name, 2, 2)[0]], 4).pipeline_order)
+    orders, virtual = csv_orders(path)
+    assert virtual == 2 and {r: tuple(o) for r, o in orders.items()} == dict(built.orders)
+    plan = plan_config(PlanInputs(stages=2, costs=Costs(1.0, 2.0, 1.0)), Candidate("csv", 4, virtual, orders))
+    assert plan.schedule.makespan == built.makespan
+    assert [s.idle_ms for s in plan.stages] == [sum(x.length for x in built.cyclic_slots(r)) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("0F0,0B0\n1F0,1Q0\n", "'1Q0' is a Q action; a compute-only CSV holds F, B, I, W"),
+    ("0F0,F0\n", "'F0' is no action"),
+    ("0F0,0B0,0F0\n", "0F0 appears twice"),
+    ("0F0,1F0,0B0\n1B0\n", "stage 1 is on rank 0 and rank 1"),
+    ("0F0,0F1\n1F0,1B0,1F1,1B1\n", "stage 0 runs micro-batch 0 as F; each stage runs each micro-batch's F and "
+                                   "either its B or its I and W"),
+    ("0F0,0I0,0W0,0B0\n", "stage 0 runs micro-batch 0 as BFIW"),
+    ("0F0,0B0,2F0,2B0\n1F0,1B0\n", "ranks hold different numbers of stages"),
+    ("0F0,0B0\n2F0,2B0\n", r"the stages are \[0, 2\], not 0..1"),
+    ("0F1,0B1\n", r"the micro-batches are \[1\], not 0..0"),
+    ("\n\n", "needs one non-empty row per rank"),
+])
+def test_a_csv_that_is_no_complete_order_is_refused_naming_what_is_wrong(text: str, message: str,
+                                                                          tmp_path: Path) -> None:
+    path = tmp_path / "order.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        csv_orders(path)
+
+
+def test_plan_takes_an_order_from_a_csv_and_checks_it_against_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "order.csv"
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    base = ["plan", "--stages", "2", "--schedule-csv", str(path)]
+    assert main(base) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "schedule csv: 2 stages x 2 micro-batches" in out and "stage 0 |F0 F1" in out
+    for extra, message in ((["--microbatches", "3"], f"--microbatches 3 does not match {path}, which has 2"),
+                           (["--virtual", "2"], f"--virtual 2 does not match {path}, which has 1"),
+                           (["--schedule", "zbv"], "--schedule-csv is the schedule; drop --schedule zbv"),
+                           (["--sweep"], "--schedule-csv fixes the order: plan it without --sweep")):
+        assert main([*base, *extra]) == EXIT_BAD_INPUT
+        assert message in capsys.readouterr().err
+    path.write_text("0F0,0B0\n1B0,1F0\n")
+    assert main(base) == EXIT_BAD_INPUT
+    assert "schedule deadlocks" in capsys.readouterr().err
+    assert main(["plan", "--stages", "3", "--schedule-csv", str(path)]) == EXIT_BAD_INPUT
+    assert "the order has 2 ranks; the pipeline has 3 stages" in capsys.readouterr().err

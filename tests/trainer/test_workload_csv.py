@@ -19,10 +19,10 @@ def _schedule(path: Path) -> Any:
     return pipelines.make_schedule("csv", stages, 4, lambda out, target: out, str(path))
 
 
-def test_a_schedule_csv_cell_torch_cannot_parse_is_one_config_error(tmp_path: Path) -> None:
+def test_a_schedule_csv_cell_of_no_compute_action_is_one_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.csv"
     bad.write_text("0F0,0X3,2F0\n1F0,3F0,1B0\n")  # "0X3": a stage, then no action torch knows
-    with pytest.raises(ConfigError, match=r"the schedule CSV .*bad.csv is not one torch can run: .*0X3"):
+    with pytest.raises(ConfigError, match=r"bad.csv: '0X3' is a X action; a compute-only CSV holds F, B, I, W"):
         _schedule(bad)
 
 
