@@ -406,6 +406,8 @@ class QueueStats:
 #: A trainer rank silent this long has left its device (the core stops counting it as one sharing the device; the
 #: waiting reasons and the CLI say how long nothing is granted). Whole seconds.
 RANK_LEFT_NS = 5_000_000_000
+#: :data:`RANK_LEFT_NS` in seconds, as the messages that name it print it.
+RANK_LEFT_S = RANK_LEFT_NS // 10**9
 #: Quiet this long, trainer ranks that share a device are said to have shared it (their job ended or paused), by
 #: the waiting reasons and the CLI alike, until the core stops counting them as sharing (:data:`RANK_LEFT_NS`).
 SHARED_QUIET_NS = 1_000_000_000

@@ -42,7 +42,7 @@ from freeride._wire.client import ControlClient, health_status
 from freeride.devices import check_cpu_device, parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import RANK_LEFT_NS, SHARED_QUIET_NS, FailureRecord, ManagerStats, Percentiles, TaskInfo
+from freeride.messages import RANK_LEFT_S, SHARED_QUIET_NS, FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
 from freeride.units import format_ms, format_progress, format_size
 
@@ -620,7 +620,7 @@ def shared_line(ranks: Sequence[int], quiet_s: float = 0.0) -> str:
     names = ", ".join(str(r) for r in sorted(ranks))
     if quiet_s >= SHARED_QUIET_S:
         return (f"trainer ranks {names} shared this device until {quiet_s:.0f} s ago (no event from them since): "
-                f"nothing is granted until it has been quiet for {RANK_LEFT_NS // 10**9} s (the bubbles shown are rank "
+                f"nothing is granted until it has been quiet for {RANK_LEFT_S} s (the bubbles shown are rank "
                 f"{ranks[0]}'s)")
     return (f"trainer ranks {names} share this device: nothing is granted while they do (it is idle only while "
             f"all of them wait; the bubbles shown are rank {ranks[0]}'s)")

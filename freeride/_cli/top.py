@@ -44,7 +44,7 @@ from freeride._cli.tasks import (
 from freeride._wire.client import ControlClient
 from freeride.endpoints import TOKEN_ENV, read_token
 from freeride.errors import ConfigError, ManagerUnavailable
-from freeride.messages import RANK_LEFT_NS, BubbleSlotStats, ManagerStats, TaskInfo
+from freeride.messages import RANK_LEFT_S, BubbleSlotStats, ManagerStats, TaskInfo
 from freeride.states import TaskState
 from freeride.units import format_ms, format_progress, format_size
 
@@ -161,7 +161,7 @@ def _shared_header(stats: ManagerStats) -> str:
     ranks = ", ".join(str(r) for r in sorted(stats.shared_by_ranks))
     if stats.shared_quiet_s >= SHARED_QUIET_S:
         return (f"SHARED by trainer ranks {ranks} until {stats.shared_quiet_s:.0f} s ago: no grants until "
-                f"{RANK_LEFT_NS // 10**9} s quiet")
+                f"{RANK_LEFT_S} s quiet")
     return f"SHARED by trainer ranks {ranks}: no grants (idle only while all of them wait)"
 
 

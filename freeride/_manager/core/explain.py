@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from freeride._manager.core.steps import HUNG_STEPS, TRAINER_PAUSE_NS
 from freeride._manager.core.tasks import TaskRuntime
-from freeride.messages import RANK_LEFT_NS, SHARED_QUIET_NS
+from freeride.messages import RANK_LEFT_S, SHARED_QUIET_NS
 from freeride.states import TaskState
 
 MS = 1_000_000
@@ -62,7 +62,7 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         ranks = ", ".join(str(r) for r in sorted(now.sharing_ranks))
         if now.shared_quiet_ns >= SHARED_QUIET_NS:
             return (f"trainer ranks {ranks} shared this device until {now.shared_quiet_ns / 1e9:.0f} s ago (no event "
-                    f"from them since): nothing is granted until it has been quiet for {RANK_LEFT_NS // 10**9} s")
+                    f"from them since): nothing is granted until it has been quiet for {RANK_LEFT_S} s")
         return (f"trainer ranks {ranks} share this device: it is idle only while all of them wait, so nothing is "
                 "granted here (run one pipeline rank per device)")
     if task.state == TaskState.PARKED:

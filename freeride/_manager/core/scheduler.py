@@ -73,7 +73,7 @@ from freeride._manager.core.overruns import Overruns
 from freeride._manager.core.policy import make_policy
 from freeride._manager.core.stopping import Stopping
 from freeride._manager.core.tasks import TaskRuntime, Tasks
-from freeride.messages import RANK_LEFT_NS, BubbleSlotStats, TrainerLayout
+from freeride.messages import RANK_LEFT_NS, RANK_LEFT_S, BubbleSlotStats, TrainerLayout
 from freeride.states import TaskState
 
 MS = 1_000_000
@@ -282,7 +282,7 @@ class SchedulerCore:
                 "measured, the others' events are counted and ignored")))
         elif not sharing:
             alone = (f"only trainer rank {followed} reports bubbles to it now" if followed in heard
-                     else f"no trainer rank has reported for {RANK_LEFT_NS // 10**9} s")
+                     else f"no trainer rank has reported for {RANK_LEFT_S} s")
             out.append(Note(NoteLevel.WARNING, f"this device is no longer shared by trainer ranks ({alone}): its "
                                                "bubbles are granted again"))
         self.sharing_ranks = sharing
