@@ -51,6 +51,12 @@ def placement(name: str, ranks: int, virtual: int) -> dict[int, list[int]]:
     return {r: [r + k * ranks for k in range(virtual)] for r in range(ranks)}
 
 
+#: The most forwards an iteration (ranks x micro-batches x stages per rank) torch's orders are built for: torch's
+#: generators grow with about the square of it (torch 2.13 on the 2-core VM: ZBV and interleaved zero-bubble
+#: 5-6 s at 2**15, 19-21 s at 2**16; the planner's own generators take 2**18 in less).
+MAX_TORCH_FORWARDS = 2**16
+
+
 def torch_schedule_orders(name: str, ranks: int, microbatches: int, virtual: int) -> dict[int, list[Action]]:
     """Every rank's compute order of torch's schedule ``name`` (a key of ``TORCH_SCHEDULES``).
 
@@ -59,6 +65,12 @@ def torch_schedule_orders(name: str, ranks: int, microbatches: int, virtual: int
     """
     if name not in TORCH_SCHEDULES:
         raise ConfigError(f"{name!r} is not one of torch's schedules ({', '.join(TORCH_SCHEDULES)})")
+    forwards = ranks * microbatches * virtual
+    if forwards > MAX_TORCH_FORWARDS:
+        raise ConfigError(f"{ranks} ranks x {microbatches} micro-batches x {virtual} stages each is {forwards} "
+                          f"forwards an iteration, more than torch's {name} order is built for here "
+                          f"({MAX_TORCH_FORWARDS}: torch's generator takes ~20 s there, and about four times as long "
+                          "at twice the size)")
     require("tasks", f"the {name} schedule (its order comes from torch)", modules=("torch",))
     from torch.distributed.pipelining import schedules
 

@@ -78,7 +78,7 @@ def test_torch_class_names_are_aliases_and_closed_forms_are_not_claimed_for_them
         expected_bubble_fraction("interleaved-zb", 4, 8, 2)
 
 
-def test_configurations_torch_or_the_shape_refuses_are_one_clear_error() -> None:
+def test_configurations_torch_or_the_shape_refuses_are_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="ScheduleDualPipeV refuses 4 ranks x 2 stages each and 6 micro-batches: "
                                           "DualPipeV requires at least as many microbatches as stages"):
         build_schedule("dualpipev", 4, 6)
@@ -86,6 +86,10 @@ def test_configurations_torch_or_the_shape_refuses_are_one_clear_error() -> None
         build_schedule("zbv", 2, 4, virtual=3)
     with pytest.raises(ConfigError, match="t_weight"):
         build_schedule("zbv", 2, 4, t_backward=2.0, t_weight=2.0)
+    # refused before torch's generator runs (minutes at this size)
+    monkeypatch.setattr(torch_schedules, "ScheduleZBVZeroBubble", lambda *a: pytest.fail("torch's generator ran"))
+    with pytest.raises(ConfigError, match="131072 forwards an iteration, more than torch's zbv order is built for"):
+        build_schedule("zbv", 128, 512)
 
 
 def test_without_torch_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
