@@ -63,6 +63,7 @@ from freeride.training.schedules import (
     ZERO_BUBBLE,
     IdleSlot,
     Schedule,
+    canonical_name,
     chunks_per_rank,
     draw_grid,
 )
@@ -75,6 +76,8 @@ _DIM_FLAGS = ("layers", "hidden", "heads", "seq_len", "vocab")
 #: Per-micro-batch times used when the user gives none: the shape of a schedule, not its timing.
 _ASSUMED_T_F = 1.0
 _ASSUMED_T_B = 2.0
+#: The formats ``--plot`` draws, by the file's suffix.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 #: Bounds of the times the planner takes, in ms: from a nanosecond (below it every figure prints as 0.000) to an
 #: hour (above it the tables' numbers run to hundreds of digits).
 MIN_ACTION_MS = 1e-6
@@ -95,7 +98,8 @@ def register(subparsers: Any) -> None:
     sched.add_argument("--schedule-csv", default=None, metavar="FILE",
                        help="an order of your own in torch's compute-only CSV (one row per rank: 0F0,1F0,...,0B0); "
                        "micro-batches and stages per rank come from it")
-    sched.add_argument("--stages", type=int, required=True, help="pipeline stages (ranks)")
+    sched.add_argument("--stages", type=int, default=None,
+                       help="pipeline stages (ranks); required but with --schedule-csv, whose rows they are")
     sched.add_argument("--microbatches", default=None,
                        help="micro-batches per iteration; with --sweep a comma list (default p,2p,4p,8p)")
     sched.add_argument("--virtual", default=None,
@@ -276,6 +280,10 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         raise ConfigError("--plot draws the frontier of a sweep: add --sweep")
     if args.plot:
         require("demo", "freeride plan --plot", ["matplotlib"])  # before the sweep, not after it
+        suffix = Path(args.plot).suffix.lower()
+        if suffix not in PLOT_SUFFIXES:
+            raise ConfigError(f"--plot {args.plot}: the picture's name ends in {', '.join(PLOT_SUFFIXES)} (its "
+                              "format)" + (f", not {suffix}" if suffix else ""))
     device_memory = None if args.device_memory is None else parse_size(args.device_memory)
     headroom = _size_or_zero("--headroom", args.headroom)
     if device_memory is not None and headroom >= device_memory:
@@ -571,9 +579,14 @@ def _sweep_candidates(args: argparse.Namespace) -> tuple[list[Candidate], str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    inputs = plan_inputs(args)
     if args.sweep and args.schedule_csv is not None:
         raise ConfigError("--schedule-csv fixes the order: plan it without --sweep")
+    own = _csv_candidate(args) if args.schedule_csv is not None else None
+    if args.stages is None:
+        if own is None or own.orders is None:
+            raise ConfigError("--stages is required (or --schedule-csv, whose rows are the stages)")
+        args.stages = len(own.orders)
+    inputs = plan_inputs(args)
     if args.sweep:
         cands, left_out = _sweep_candidates(args)
         result = sweep(inputs, cands)
@@ -583,7 +596,10 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             from freeride._cli.plan_figure import draw_frontier
 
-            draw_frontier(result, Path(args.plot))
+            try:
+                draw_frontier(result, Path(args.plot))
+            except OSError as exc:
+                raise ConfigError(f"cannot write the frontier to {args.plot}: {exc.strerror or exc}") from None
         if args.json:
             doc = sweep_json(inputs, result)
             if left_out:
@@ -602,13 +618,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.schedule is not None and "," in args.schedule:
         raise ConfigError("--schedule takes one name without --sweep")
-    if args.schedule_csv is not None:
-        return _print_plan(args, inputs, _csv_candidate(args))
+    if own is not None:
+        return _print_plan(args, inputs, own)
     if args.microbatches is None:
         raise ConfigError("--microbatches is required without --sweep (or --schedule-csv)")
     name = args.schedule or "1f1b"
-    candidate = Candidate(name, _single_int("--microbatches", args.microbatches, 1),
-                          chunks_per_rank(name, _single_int("--virtual", args.virtual, 1)))
+    virtual = chunks_per_rank(name, _single_int("--virtual", args.virtual, 1))
+    if args.virtual is not None and canonical_name(name) in LOOPED and _single_int("--virtual", args.virtual, 1) < 2:
+        raise ConfigError(f"{canonical_name(name)} runs 2 or more model chunks per stage: --virtual 2 or more")
+    candidate = Candidate(name, _single_int("--microbatches", args.microbatches, 1), virtual)
     return _print_plan(args, inputs, candidate)
 
 

@@ -441,11 +441,14 @@ def _check_stage_costs(
 
 
 def input_dependency(action: Action, num_stages: int) -> Action | None:
-    """The action whose output ``action`` consumes, or None (a first stage's forward, a weight pass)."""
+    """The action whose output ``action`` consumes, or None (a first stage's forward).
+
+    A weight pass ``W`` consumes its own ``I`` (the gradient at its stage's output), on its own rank: an order
+    that runs a ``W`` before its ``I`` deadlocks, as torch's runtime refuses it."""
     if action.kind == FORWARD:
         return Action(FORWARD, action.stage - 1, action.microbatch) if action.stage > 0 else None
     if action.kind == BACKWARD_WEIGHT:
-        return None  # needs its own I, which the same rank ran earlier in its order
+        return Action(BACKWARD_INPUT, action.stage, action.microbatch)
     if action.stage == num_stages - 1:
         return Action(FORWARD, action.stage, action.microbatch)
     return Action(action.kind, action.stage + 1, action.microbatch)

@@ -14,21 +14,22 @@ is a :class:`ConfigError` with torch's own reason.
 
 An order of one's own, in torch's compute-only CSV (what ``_PipelineScheduleRuntime._load_csv`` runs: one
 row per rank, one action per cell, ``0F0``, ``2B1``, ``1I0``, ``1W0``, or an overlapped pair
-``(0F3;3B1)OVERLAP_F_B``), is read here without torch
-(:func:`csv_orders`): the format is four action kinds between two numbers, and the simulator refuses an
-order that deadlocks or misses an action.
+``(0F3;3B1)OVERLAP_F_B``), is read here without torch (:func:`csv_orders`): the format is four action kinds
+between two numbers, and the simulator refuses an order that deadlocks or misses an action. A dump with
+torch's transfers (``0SEND_F0``, ``0UNSHARD``) is read with the transfers left out.
 """
 
 from __future__ import annotations
 
 import csv
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 from freeride._extras import require
 from freeride.errors import ConfigError
-from freeride.training.schedules import ACTION_KINDS, TORCH_SCHEDULES, V_SHAPED, Action
+from freeride.training.schedules import ACTION_KINDS, MAX_CHUNK_MICROBATCHES, TORCH_SCHEDULES, V_SHAPED, Action
 
 
 class StandInStage:
@@ -72,7 +73,10 @@ def torch_schedule_orders(name: str, ranks: int, microbatches: int, virtual: int
                           f"({MAX_TORCH_FORWARDS}: torch's generator takes ~20 s there, and about four times as long "
                           "at twice the size)")
     require("tasks", f"the {name} schedule (its order comes from torch)", modules=("torch",))
-    from torch.distributed.pipelining import schedules
+    with warnings.catch_warnings():
+        # torch without NumPy says so at its import, twice on stderr; the planner needs no NumPy.
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, TORCH_SCHEDULES[name], None)
     if cls is None:
@@ -96,7 +100,9 @@ def torch_schedule_orders(name: str, ranks: int, microbatches: int, virtual: int
     return orders
 
 
-_CELL = re.compile(r"(\d+)([A-Z_]+)(\d+)")
+_CELL = re.compile(r"(\d+)([A-Z_]+)(\d*)")
+#: torch's actions that move data, not compute: in a CSV dumped with transfers (``compute_comms``), left out.
+_TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
 
 
 def csv_rows(path: str | Path) -> list[list[str]]:
@@ -116,6 +122,9 @@ def csv_actions(cell: str, path: str | Path) -> list[Action]:
     or torch's overlapped pair ``(0F3;3B1)OVERLAP_F_B``, its sub-actions in order (as the runtime runs them)."""
     if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
         return [csv_action(sub.strip(), path) for sub in cell[1:-len(")OVERLAP_F_B")].split(";")]
+    match = _CELL.fullmatch(cell)
+    if match is not None and match.group(2) in _TRANSFERS:
+        return []  # a transfer (a CSV dumped with them): the order of the compute is what the planner needs
     return [csv_action(cell, path)]
 
 
@@ -126,7 +135,10 @@ def csv_action(cell: str, path: str | Path) -> Action:
         raise ConfigError(f"{path}: {cell!r} is no action (expected e.g. 0F0, 2B1, 1I0, 1W0)")
     stage, kind, microbatch = match.groups()
     if kind not in ACTION_KINDS:
-        raise ConfigError(f"{path}: {cell!r} is a {kind} action; a compute-only CSV holds {', '.join(ACTION_KINDS)}")
+        raise ConfigError(f"{path}: {cell!r} is a {kind} action; a schedule's CSV holds {', '.join(ACTION_KINDS)} "
+                          "(and torch's transfers, which are left out)")
+    if not microbatch:
+        raise ConfigError(f"{path}: {cell!r} names no micro-batch (expected e.g. 0F0, 2B1, 1I0, 1W0)")
     return Action(kind, int(stage), int(microbatch))
 
 
@@ -138,7 +150,16 @@ def csv_orders(path: str | Path) -> tuple[dict[int, list[Action]], int]:
     ranks holding different numbers of stages (a cost is a rank's share of the model split evenly over its
     stages).
     """
-    orders = {r: [a for cell in row for a in csv_actions(cell, path)] for r, row in enumerate(csv_rows(path))}
+    rows = csv_rows(path)
+    cells = sum(len(row) for row in rows)
+    if cells > 4 * MAX_CHUNK_MICROBATCHES:  # (F, I, W and a transfer or two for each forward at most)
+        raise ConfigError(f"{path} has {cells} cells, more than the planner simulates (an iteration of at most "
+                          f"{MAX_CHUNK_MICROBATCHES} forwards)")
+    orders = {r: [a for cell in row for a in csv_actions(cell, path)] for r, row in enumerate(rows)}
+    forwards = sum(1 for order in orders.values() for a in order if a.kind == "F")
+    if forwards > MAX_CHUNK_MICROBATCHES:
+        raise ConfigError(f"{path} has {forwards} forwards an iteration, more than the planner simulates "
+                          f"({MAX_CHUNK_MICROBATCHES})")
     seen: set[Action] = set()
     rank_of: dict[int, int] = {}
     for r, order in orders.items():

@@ -129,6 +129,13 @@ def test_plain_plan_json_is_unchanged_without_memory_or_tasks(capsys: pytest.Cap
         (["--microbatches", "4", "--headroom", "100TiB", "--device-memory", "1GiB"],
          "--headroom (100.0 TiB) leaves nothing of --device-memory (1.0 GiB)"),
         (["--microbatches", "4", "--headroom=-1GiB"], "--headroom: size must be positive, got '-1GiB'"),
+        # Stranger trial: an unknown format, or a name without one, failed after the sweep with a traceback
+        # (or wrote "adir.png" and said "adir"); an unwritable path, with a traceback.
+        (["--sweep", "--microbatches", "4", "--plot", "frontier.xyz"],
+         "--plot frontier.xyz: the picture's name ends in .png, .svg, .pdf (its format), not .xyz"),
+        (["--sweep", "--microbatches", "4", "--plot", "frontier"], "--plot frontier: the picture's name ends in"),
+        (["--sweep", "--microbatches", "4", "--plot", "/proc/frontier.png"],
+         "cannot write the frontier to /proc/frontier.png"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv: list[str], message: str,

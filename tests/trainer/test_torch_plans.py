@@ -147,7 +147,7 @@ def test_a_csv_written_from_a_torch_order_plans_as_that_schedule_does(name: str,
 
 
 @pytest.mark.parametrize("text,message", [
-    ("0F0,0B0\n1F0,1Q0\n", "'1Q0' is a Q action; a compute-only CSV holds F, B, I, W"),
+    ("0F0,0B0\n1F0,1Q0\n", "'1Q0' is a Q action; a schedule's CSV holds F, B, I, W"),
     ("0F0,F0\n", "'F0' is no action"),
     ("0F0,0B0,0F0\n", "0F0 appears twice"),
     ("0F0,1F0,0B0\n1B0\n", "stage 1 is on rank 0 and rank 1"),
@@ -187,3 +187,53 @@ def test_plan_takes_an_order_from_a_csv_and_checks_it_against_the_flags(
     assert "schedule deadlocks" in capsys.readouterr().err
     assert main(["plan", "--stages", "3", "--schedule-csv", str(path)]) == EXIT_BAD_INPUT
     assert "the order has 2 ranks; the pipeline has 3 stages" in capsys.readouterr().err
+
+
+def test_a_weight_pass_before_its_own_input_pass_deadlocks(tmp_path: Path) -> None:
+    path = tmp_path / "order.csv"
+    path.write_text("0F0,0W0,0I0\n1F0,1I0,1W0\n")
+    orders, virtual = csv_orders(path)
+    with pytest.raises(ConfigError, match="schedule deadlocks: ranks wait on {0: '0W0'}"):
+        plan_config(PlanInputs(stages=2), Candidate("csv", 1, virtual, orders))
+
+
+def test_a_csv_dumped_with_torchs_transfers_plans_as_its_compute_alone(tmp_path: Path) -> None:
+    with_transfers = tmp_path / "comms.csv"
+    with_transfers.write_text("0UNSHARD,0F0,0SEND_F0,0RECV_B0,0B0,0RESHARD\n1RECV_F0,1F0,1B0,1SEND_B0,1REDUCE_GRAD\n")
+    compute = tmp_path / "compute.csv"
+    compute.write_text("0F0,0B0\n1F0,1B0\n")
+    assert csv_orders(with_transfers) == csv_orders(compute)
+    no_microbatch = tmp_path / "bad.csv"
+    no_microbatch.write_text("0F,0B0\n")
+    with pytest.raises(ConfigError, match="'0F' names no micro-batch"):
+        csv_orders(no_microbatch)
+
+
+def test_a_csv_larger_than_the_planner_simulates_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("freeride.training.torch_plans.MAX_CHUNK_MICROBATCHES", 2)
+    path = tmp_path / "order.csv"
+    path.write_text("0F0,0F1,0F2,0B0,0B1,0B2\n")
+    with pytest.raises(ConfigError, match="3 forwards an iteration, more than the planner simulates"):
+        csv_orders(path)
+    path.write_text(",".join(f"0F{i}" for i in range(9)) + "\n")
+    with pytest.raises(ConfigError, match="9 cells, more than the planner simulates"):
+        csv_orders(path)
+
+
+def test_plan_takes_its_stages_from_the_csv_and_asks_for_them_otherwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "order.csv"
+    path.write_text("0F0,0B0\n1F0,1B0\n2F0,2B0\n")
+    assert main(["plan", "--schedule-csv", str(path)]) == EXIT_OK
+    assert "schedule csv: 3 stages x 1 micro-batches" in capsys.readouterr().out
+    assert main(["plan", "--microbatches", "4"]) == EXIT_BAD_INPUT
+    assert "--stages is required (or --schedule-csv, whose rows are the stages)" in capsys.readouterr().err
+
+
+def test_plan_refuses_one_chunk_for_a_looped_schedule_given_explicitly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--schedule", "interleaved-zb", "--stages", "2", "--microbatches", "4", "--virtual", "1"]) \
+        == EXIT_BAD_INPUT
+    assert "interleaved-zb runs 2 or more model chunks per stage: --virtual 2 or more" in capsys.readouterr().err
+    assert main(["plan", "--schedule", "interleaved-zb", "--stages", "2", "--microbatches", "4"]) == EXIT_OK
+    assert "x 2 chunks" in capsys.readouterr().out

@@ -22,7 +22,7 @@ def _schedule(path: Path) -> Any:
 def test_a_schedule_csv_cell_of_no_compute_action_is_one_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.csv"
     bad.write_text("0F0,0X3,2F0\n1F0,3F0,1B0\n")  # "0X3": a stage, then no action torch knows
-    with pytest.raises(ConfigError, match=r"bad.csv: '0X3' is a X action; a compute-only CSV holds F, B, I, W"):
+    with pytest.raises(ConfigError, match=r"bad.csv: '0X3' is a X action; a schedule's CSV holds F, B, I, W"):
         _schedule(bad)
 
 
