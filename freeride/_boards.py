@@ -313,6 +313,14 @@ class EndBoard:
         _WORD.pack_into(self._mm, offset, 0)
         return int(_WORD.unpack_from(self._mm, offset + 24)[0])
 
+    def stop_claim(self, rank: int, pid: int) -> int:
+        """The manager: when the trainer stopped the worker ``pid`` armed in ``rank``'s record (0: it has not, or the
+        record is not armed for it), leaving the record as it is."""
+        offset = self._stop_offset(rank)
+        if not int(_WORD.unpack_from(self._mm, offset)[0]) or int(_WORD.unpack_from(self._mm, offset + 8)[0]) != pid:
+            return 0
+        return int(_WORD.unpack_from(self._mm, offset + 24)[0])
+
     def set_holding(self, rank: int, holding: bool) -> None:
         """The worker, as it begins a step in a bubble of ``rank`` (True), and right before it reports its park
         there (False): whether it holds that bubble."""

@@ -161,6 +161,30 @@ class EndPath:
         began = self._began(hot.board) if hot is not None and hot.grant_id == armed.grant_id else 0
         return [C.TrainerEndSeen(armed.task_id, armed.grant_id, event.end_ns, began, stopped_ns=at_ns)]
 
+    def stopped_before_freeze(self) -> list[C.TrainerEndSeen]:
+        """Before the core freezes a step on its own timer: whether the trainer stopped the armed grant's worker at
+        its end already, the end's message not read yet (a manager that waited for a core: on the 2-core VM,
+        ends read 2-17 ms late at p99 and worst, their freezes booked then, as overruns of that length, and each
+        widened the task's margin). Said seen as :meth:`stopped_end` says it, with the end the trainer wrote on
+        its board (or the stop's time, where that record was overwritten by a later bubble's end already)."""
+        armed = self._armed
+        board = self._board
+        if armed is None or board is None:
+            return []
+        try:
+            if not board.stop_claim(armed.rank, armed.pid):
+                return []
+            end_ns = board.ended_ns(armed.rank, armed.start_ns)
+        except ValueError:  # closed at shutdown
+            return []
+        at_ns = self._disarm(armed)
+        if not at_ns:
+            return []
+        hot = self._hot
+        began = self._began(hot.board) if hot is not None and hot.grant_id == armed.grant_id else 0
+        return [C.TrainerEndSeen(armed.task_id, armed.grant_id, end_ns if end_ns > 1 else at_ns, began,
+                                 stopped_ns=at_ns)]
+
     @staticmethod
     def _began(board: WorkerBoard) -> int:
         """When the worker's step now running began, from its board (0: none, or the board is closed)."""

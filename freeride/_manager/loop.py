@@ -726,8 +726,16 @@ class ManagerLoop:
         sent first, and the records after it, in their order: on a core the trainer's host work shares, each
         microsecond of the loop's before the grant was about two of the bubble's before the worker could
         start (``decision`` in :mod:`freeride.harvest`)."""
+        now = self.now_ns() if now_ns is None else now_ns
+        due = self.core.next_freeze_ns()
+        if due is not None and due <= now and not isinstance(event, C.TrainerEndSeen):
+            # The core freezes a step on its timer in this event (any event fires the timers due): first, whether
+            # the trainer stopped that worker at its end already, the end's message still unread, so that the
+            # freeze is booked when it was (EndPath.stopped_before_freeze).
+            for seen in self.ends.stopped_before_freeze():
+                self._feed(seen, now)
         try:
-            actions = self.core.on_event(event, self.now_ns() if now_ns is None else now_ns)
+            actions = self.core.on_event(event, now)
         except Exception:
             # A bug in policy must not take the manager down; the event is dropped and logged.
             log.exception("[%s] core failed on %r", self.device, event)

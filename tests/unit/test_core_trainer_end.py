@@ -195,3 +195,18 @@ def test_the_late_report_of_a_bubbles_first_grant_the_trainer_stopped_still_meas
     sim.send(WorkerParked("a", grant.grant_id, steps=0, durations_ns=(), first_step_ns=first_step, last_end_ns=sim.now,
                           parked_ns=sim.now, reason="frozen", progress=3.0, total_steps=3))  # said twice: measured once
     assert len(sim.core.stats.grant_latency_ms) == 1
+
+
+def test_a_trainer_stop_fed_after_the_freeze_timer_fell_due_is_booked_at_the_stop_and_widens_nothing() -> None:
+    # A manager that waited for its core past the grant's deadline + grace: the loop reads the trainer's stop off
+    # the board before the event that would fire the timer (loop._feed), so the freeze is the trainer's.
+    sim = Sim(grace_ns=MS // 2)
+    grant = _running(sim, predicted_ms=1)
+    task = sim.core.tasks["a"]
+    sim.advance_ms(0.8)
+    end_ns = sim.now  # the bubble ended before the end it was granted to (its prediction): the step says nothing
+    sim.advance_ms(14)  # deadline + grace long past, the end's message unread
+    assert sim.core.next_freeze_ns() is not None and sim.core.next_freeze_ns() < sim.now
+    out = sim.send(TrainerEndSeen("a", grant.grant_id, end_ns, end_ns - 100_000, stopped_ns=end_ns + 10_000))
+    assert non_state(out) == [Freeze("a", end_ns + 10_000)]
+    assert sim.core.stats.overrun_ms[-1] == 0.01 and task.margin_ns == 0

@@ -25,9 +25,10 @@ LOG: list[str] = []
 class ScriptedCore:
     """Answers each event with the actions the test gave for its type; logs what it was fed."""
 
-    def __init__(self, script: dict[type, list[Any]]) -> None:
+    def __init__(self, script: dict[type, list[Any]], freeze_at_ns: int | None = None) -> None:
         self.script = script
         self.tasks: dict[str, Any] = {}
+        self.freeze_at_ns = freeze_at_ns
 
     def on_event(self, event: Any, now_ns: int) -> list[Any]:
         LOG.append(f"core <- {type(event).__name__}")
@@ -35,6 +36,9 @@ class ScriptedCore:
 
     def next_timer_ns(self) -> None:
         return None
+
+    def next_freeze_ns(self) -> int | None:
+        return self.freeze_at_ns
 
 
 class FakeWorkers:
@@ -130,3 +134,31 @@ def test_a_grant_after_an_action_on_a_worker_keeps_its_place(loop: ManagerLoop) 
     loop._feed(C.Tick(), 0)
     assert ["core <- Tick", "record Tick", f"signal {int(signal.SIGKILL)} to b-2", "record Kill",
                    "send Grant to a-1", "record Grant"] == LOG
+
+
+class StoppingEnds:
+    """Stands for the end path: the trainer stopped the armed worker at its end, once."""
+
+    def __init__(self) -> None:
+        self.seen = [C.TrainerEndSeen("a-1", 7, 900, stopped_ns=910)]
+
+    def stopped_before_freeze(self) -> list[C.TrainerEndSeen]:
+        LOG.append("read the trainer's stop")
+        seen, self.seen = self.seen, []
+        return seen
+
+
+def test_an_event_fed_while_a_freeze_is_due_comes_after_the_trainers_stop_read_off_its_board(
+        loop: ManagerLoop) -> None:
+    # A manager that waited 14 ms for a core woke to a worker's message: fed first, it fired the freeze timer, booked
+    # at that wake, although the trainer had stopped the worker at its end (the end's message still unread).
+    loop.core = ScriptedCore({}, freeze_at_ns=1_000)
+    loop.ends = StoppingEnds()  # type: ignore[assignment]
+    loop._feed(C.Tick(), 5_000)
+    loop._feed(C.Tick(), 6_000)  # the stop was read once: the record is spent
+    assert LOG == ["read the trainer's stop", "core <- TrainerEndSeen", "core <- Tick", "read the trainer's stop",
+                   "core <- Tick"]
+    LOG.clear()
+    loop.core = ScriptedCore({}, freeze_at_ns=9_000)  # not due yet: the board is not read
+    loop._feed(C.Tick(), 6_000)
+    assert LOG == ["core <- Tick"]

@@ -173,3 +173,32 @@ def test_no_stop_is_armed_without_a_board_with_stop_records(tmp_path: Path, slee
     old.write_bytes(bytes(END_RECORDS_BYTES))  # an older manager's size: no stop records
     EndPath(lambda: 0, old).arm_stop("t", 7, KEY, 1_000, sleeper)
     EndPath(lambda: 0, tmp_path / "missing").arm_stop("t", 7, KEY, 1_000, sleeper)
+
+
+def test_a_stop_the_trainer_made_is_read_off_its_board_before_the_cores_own_freeze_without_its_end_message(
+        tmp_path: Path, sleeper: int) -> None:
+    from freeride._manager.core import TrainerEndSeen
+
+    path, trainer, told = stopping_path(tmp_path)
+    board = WorkerBoard.create(tmp_path / "board")
+    path.arm_stop("t", 7, KEY, 1_000, sleeper)
+    path.granted("t", 7, KEY, start_ns=1_000, board=board)
+    assert path.stopped_before_freeze() == []  # not stopped: the record stays armed for the trainer
+    trainer.record_end(KEY[1], 1_000, 2_000)
+    assert trainer.stop_at_end(KEY[1], 1_000) == sleeper
+    [seen] = path.stopped_before_freeze()
+    assert seen == TrainerEndSeen("t", 7, 2_000, 0, stopped_ns=seen.stopped_ns) and seen.stopped_ns > 0
+    assert told.calls == [("t", seen.stopped_ns)] and path.trainer_stops == 1
+    assert path.stopped_before_freeze() == [] and path.local_end(end(), received_ns=2_500) == [
+        TrainerEndSeen("t", 7, 2_000, 0)]  # the end's message, read later, books no second stop
+
+
+def test_a_stop_whose_end_record_a_later_bubble_overwrote_is_said_seen_at_the_stop(tmp_path: Path,
+                                                                                  sleeper: int) -> None:
+    path, trainer, _ = stopping_path(tmp_path)
+    path.arm_stop("t", 7, KEY, 1_000, sleeper)
+    trainer.record_end(KEY[1], 1_000, 2_000)
+    trainer.stop_at_end(KEY[1], 1_000)
+    trainer.record_end(KEY[1], 3_000, 3_500)  # the rank's next bubble, over too before the manager woke
+    [seen] = path.stopped_before_freeze()
+    assert seen.end_ns == seen.stopped_ns > 0
