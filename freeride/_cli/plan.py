@@ -583,9 +583,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--schedule-csv fixes the order: plan it without --sweep")
     own = _csv_candidate(args) if args.schedule_csv is not None else None
     if args.stages is None:
-        if own is None or own.orders is None:
+        if own is None:
             raise ConfigError("--stages is required (or --schedule-csv, whose rows are the stages)")
-        args.stages = len(own.orders)
+        args.stages = len(own.orders or {})
     inputs = plan_inputs(args)
     if args.sweep:
         cands, left_out = _sweep_candidates(args)
@@ -623,10 +623,10 @@ def run(args: argparse.Namespace) -> int:
     if args.microbatches is None:
         raise ConfigError("--microbatches is required without --sweep (or --schedule-csv)")
     name = args.schedule or "1f1b"
-    virtual = chunks_per_rank(name, _single_int("--virtual", args.virtual, 1))
-    if args.virtual is not None and canonical_name(name) in LOOPED and _single_int("--virtual", args.virtual, 1) < 2:
+    asked = _single_int("--virtual", args.virtual, 1)
+    if args.virtual is not None and asked < 2 and canonical_name(name) in LOOPED:
         raise ConfigError(f"{canonical_name(name)} runs 2 or more model chunks per stage: --virtual 2 or more")
-    candidate = Candidate(name, _single_int("--microbatches", args.microbatches, 1), virtual)
+    candidate = Candidate(name, _single_int("--microbatches", args.microbatches, 1), chunks_per_rank(name, asked))
     return _print_plan(args, inputs, candidate)
 
 

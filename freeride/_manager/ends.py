@@ -157,9 +157,7 @@ class EndPath:
         if stop is None:
             return []
         armed, at_ns = stop
-        hot = self._hot
-        began = self._began(hot.board) if hot is not None and hot.grant_id == armed.grant_id else 0
-        return [C.TrainerEndSeen(armed.task_id, armed.grant_id, event.end_ns, began, stopped_ns=at_ns)]
+        return [self._seen_stopped(armed, event.end_ns, at_ns)]
 
     def stopped_before_freeze(self) -> list[C.TrainerEndSeen]:
         """Before the core freezes a step on its own timer: whether the trainer stopped the armed grant's worker at
@@ -178,12 +176,13 @@ class EndPath:
         except ValueError:  # closed at shutdown
             return []
         at_ns = self._disarm(armed)
-        if not at_ns:
-            return []
+        return [self._seen_stopped(armed, end_ns if end_ns > 1 else at_ns, at_ns)] if at_ns else []
+
+    def _seen_stopped(self, armed: _ArmedStop, end_ns: int, at_ns: int) -> C.TrainerEndSeen:
+        """The armed grant's end, seen with the trainer's stop at ``at_ns`` (and when the step it stopped began)."""
         hot = self._hot
         began = self._began(hot.board) if hot is not None and hot.grant_id == armed.grant_id else 0
-        return [C.TrainerEndSeen(armed.task_id, armed.grant_id, end_ns if end_ns > 1 else at_ns, began,
-                                 stopped_ns=at_ns)]
+        return C.TrainerEndSeen(armed.task_id, armed.grant_id, end_ns, began, stopped_ns=at_ns)
 
     @staticmethod
     def _began(board: WorkerBoard) -> int:

@@ -411,7 +411,7 @@ def rank_memory(
     if len(chunks) != num_chunks:
         raise ConfigError(f"the memory model has {len(chunks)} chunks, the schedule {num_chunks}")
     order = schedule.orders[rank]
-    own = sorted(c for c, r in schedule.placement.items() if r == rank)
+    own = sorted({a.stage for a in order})  # where the orders place them: a V-shaped rank holds r and 2p - 1 - r
     m = schedule.microbatches
     params = sum(chunks[c].params for c in own)
     weights = params * precision.weight_bytes

@@ -125,12 +125,15 @@ def csv_actions(cell: str, path: str | Path) -> list[Action]:
     match = _CELL.fullmatch(cell)
     if match is not None and match.group(2) in _TRANSFERS:
         return []  # a transfer (a CSV dumped with them): the order of the compute is what the planner needs
-    return [csv_action(cell, path)]
+    return [_action(cell, match, path)]
 
 
 def csv_action(cell: str, path: str | Path) -> Action:
     """One compute action of a compute-only CSV (``2B1``: stage 2, full backward, micro-batch 1)."""
-    match = _CELL.fullmatch(cell)
+    return _action(cell, _CELL.fullmatch(cell), path)
+
+
+def _action(cell: str, match: re.Match[str] | None, path: str | Path) -> Action:
     if match is None:
         raise ConfigError(f"{path}: {cell!r} is no action (expected e.g. 0F0, 2B1, 1I0, 1W0)")
     stage, kind, microbatch = match.groups()
@@ -178,9 +181,12 @@ def csv_orders(path: str | Path) -> tuple[dict[int, list[Action]], int]:
     microbatches = sorted({a.microbatch for a in seen})
     if microbatches != list(range(len(microbatches))):
         raise ConfigError(f"{path}: the micro-batches are {microbatches}, not 0..{len(microbatches) - 1}")
+    kinds: dict[tuple[int, int], set[str]] = {}
+    for action in seen:
+        kinds.setdefault((action.stage, action.microbatch), set()).add(action.kind)
     for stage in rank_of:
         for mb in microbatches:
-            has = {kind for kind in ACTION_KINDS if Action(kind, stage, mb) in seen}
+            has = kinds.get((stage, mb), set())
             if "F" not in has or not ("B" in has or {"I", "W"} <= has) or ("B" in has and has & {"I", "W"}):
                 ran = "".join(sorted(has)) or "nothing"
                 raise ConfigError(f"{path}: stage {stage} runs micro-batch {mb} as {ran}; each stage runs each "
