@@ -48,7 +48,9 @@ memory access, no system call:
   here; a manager killed with -9 leaves it, and its worker dies with it, but only that bubble's end reads it:
   the system would have to hand the pid out again, to a new process group, within that bubble); **holding**
   (set by the manager at the grant and by the worker at each step it begins in that bubble, cleared by the
-  worker right before it reports its park: a worker that parked is left be); and **stopped at** (the trainer's
+  worker as it reports its park: right before, where the bubble's end is known, and right after, where its
+  deadline parked it with the end still to come, so that a worker starved between its decision and its report
+  is stopped at the end too; a worker that parked is left be); and **stopped at** (the trainer's
   claim, written just before it stops the worker's process group with SIGSTOP, :meth:`EndBoard.stop_at_end`).
   The manager reads that last word as it takes the record back with the end (:meth:`EndBoard.disarm_stop`) and
   books a freeze at that time (its own SIGSTOP is then a no-op), or, for a worker it had already seen park,
@@ -322,9 +324,17 @@ class EndBoard:
         return int(_WORD.unpack_from(self._mm, offset + 24)[0])
 
     def set_holding(self, rank: int, holding: bool) -> None:
-        """The worker, as it begins a step in a bubble of ``rank`` (True), and right before it reports its park
-        there (False): whether it holds that bubble."""
+        """The worker, as it begins a step in a bubble of ``rank`` (True), and before it reports its park there
+        where the bubble's end is known (False): whether it holds that bubble (:meth:`let_go` after a park)."""
         _WORD.pack_into(self._mm, self._stop_offset(rank) + 16, int(holding))
+
+    def let_go(self, rank: int, start_ns: int) -> None:
+        """The worker, once it reported its park in ``rank``'s bubble that started at ``start_ns``: it holds that
+        bubble no more. Cleared only while the record still names that bubble: a worker slow to get here (starved on a
+        shared core) leaves a later grant's record, armed meanwhile, as the manager wrote it."""
+        offset = self._stop_offset(rank)
+        if int(_WORD.unpack_from(self._mm, offset)[0]) == start_ns:
+            _WORD.pack_into(self._mm, offset + 16, 0)
 
     def stop_at_end(self, rank: int, start_ns: int) -> int:
         """The trainer, at the end of ``rank``'s bubble that started at ``start_ns``: stop the step that runs in it,

@@ -564,11 +564,17 @@ class WorkerRuntime:
 
     def _send_parked(self, grant_id: int, record: _GrantSteps, reason: str,
                      bubble: tuple[int, int] | None = None) -> None:
-        """Report a grant's steps. Parking in ``bubble`` (its rank and start), it says first on the end board that
-        it holds that bubble no more: the trainer then leaves it be at the end (:mod:`freeride._boards`)."""
+        """Report a grant's steps. Parking in ``bubble`` (its rank and start), it says on the end board that it holds
+        that bubble no more, so that the trainer leaves it be at the end (:mod:`freeride._boards`): before the
+        report where the end is known (it has come: a stop now would only cost a continue), after it where the
+        deadline parks the worker ahead of the end. A worker starved at nice 19 between that decision and its
+        report (77 us of work in a 4 ms hold, on a 2-core VM) held the bubble past the end until the manager froze
+        it; still holding it, it is stopped by the trainer at the end, like a step."""
         self._grant_steps = None  # reported here: a later failure must not count them again
-        if bubble is not None and self._says_holding:
-            self._end_board.set_holding(bubble[0], False)  # type: ignore[union-attr]
+        let_go = bubble is not None and self._says_holding
+        if let_go and reason != "deadline":
+            self._end_board.set_holding(bubble[0], False)  # type: ignore[union-attr,index]
+            let_go = False
         self.chan.send(Parked(
             grant_id=grant_id,
             steps=record.count,
@@ -588,6 +594,8 @@ class WorkerRuntime:
             costs_ns=tuple(record.costs) if record.costs != record.durations else (),
             worked_ns=record.worked_ns,
         ))
+        if let_go:
+            self._end_board.let_go(*bubble)  # type: ignore[union-attr,misc]
         if reason != "frozen":
             self._report_usage()
 

@@ -71,6 +71,24 @@ def test_a_worker_that_parked_or_another_bubble_or_rank_is_not_stopped(
     assert manager.disarm_stop(RANK, worker.pid) == 0  # nothing was claimed
 
 
+def test_a_worker_letting_go_of_its_bubble_late_leaves_a_later_grants_record_holding(
+        boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
+    # A worker starved between its park report and letting go: the manager armed its next grant meanwhile.
+    manager, in_worker, trainer = boards
+    manager.arm_stop(RANK, START, worker.pid)
+    manager.disarm_stop(RANK, worker.pid)  # the park reached the manager
+    manager.arm_stop(RANK, START + 5, worker.pid)  # and the next bubble's grant went out
+    in_worker.let_go(RANK, START)  # the first grant's, late
+    assert trainer.stop_at_end(RANK, START + 5) == worker.pid
+    wait_for(lambda: state(worker.pid) == "T", 5, what="the worker to be stopped")
+    os.killpg(worker.pid, signal.SIGCONT)
+    manager.disarm_stop(RANK, worker.pid)
+    # On time, it lets go of the bubble it parked in.
+    manager.arm_stop(RANK, START + 9, worker.pid)
+    in_worker.let_go(RANK, START + 9)
+    assert trainer.stop_at_end(RANK, START + 9) == 0
+
+
 def test_a_worker_is_held_from_its_grant_on_before_its_first_step_and_in_a_step_it_was_stopped_in(
         boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
     # A grant that thaws a step stopped mid-way: the worker set nothing for it (it was stopped); the manager does.

@@ -8,6 +8,7 @@ it kept starting steps until that message came (about 1% of steps began after th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,43 @@ def parked(manager: Channel) -> Parked:
     msg = manager.recv(timeout_s=5)
     assert isinstance(msg, Parked), msg
     return msg
+
+
+def test_a_worker_its_deadline_parks_holds_its_bubble_until_its_report_is_sent(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # Starved between its decision to park and its report, it is still stopped by the trainer at the end; where
+    # the end is known already, it lets go first (a stop then would cost a continue).
+    import struct
+
+    from freeride._boards import END_RECORDS_BYTES
+
+    manager, channel = channels
+
+    def holding() -> int:
+        with open(tmp_path / "ends", "rb") as fh:
+            fh.seek(END_RECORDS_BYTES + RANK * 32 + 16)
+            return int(struct.unpack("<q", fh.read(8))[0])
+
+    box: dict[str, EndBoard] = {}
+    rt, _, ends = worker(tmp_path, channel, CallsBack(lambda i: box["e"].record_end(RANK, 300, 7) if i == 1 else None))
+    box["e"] = ends
+    at_send: list[tuple[str, int]] = []
+    send = channel.send
+
+    def spy(msg: Any) -> None:
+        if isinstance(msg, Parked):
+            at_send.append((msg.reason, holding()))
+        send(msg)
+
+    channel.send = spy  # type: ignore[method-assign]
+    ends.arm_stop(RANK, 200, os.getpid())
+    rt._run_grant(grant(8, start_ns=200, seconds=0.002))
+    assert parked(manager).reason == "deadline"
+    assert at_send == [("deadline", 1)] and holding() == 0
+    ends.arm_stop(RANK, 300, os.getpid())
+    rt._run_grant(grant(9, start_ns=300))
+    assert parked(manager).reason == "ended"
+    assert at_send[1] == ("ended", 0)
 
 
 def test_the_managers_end_word_stops_the_next_step(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
