@@ -12,19 +12,28 @@ Best effort, by nature:
 * There is no checkpoint: a command that is restarted (after an eviction or a manager restart)
   starts again from the beginning. Write an iterative task where resumption matters.
 * Grandchildren that leave the command's process group are not frozen.
+
+What the command starts in its group dies with it whichever way the worker ends: a manager killed with -9 takes
+the worker with it and the command with the worker (their death signals), and a watch outside the group kills
+the rest once the command is gone (:func:`freeride._task_process.watch_group`); else they lived on, reparented,
+and stopped for good where a slice's end had stopped the group.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import time
 from typing import Any
 
+from freeride._task_process import watch_group
 from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -81,6 +90,8 @@ class CommandTask(SideTask):
         self.proc: subprocess.Popen[bytes] | None = None
         self.slices = 0
         self.returncode: int | None = None
+        #: The write end of the watch on the command's group (module doc), closed by :meth:`close`.
+        self._watch: int | None = None
 
     def setup(self, ctx: TaskContext) -> None:
         # The manager's threads are irrelevant here: a worker process is single-threaded.
@@ -95,6 +106,11 @@ class CommandTask(SideTask):
                               f"{exc.strerror}") from None
         # Setup runs inside a grant, so the few instructions the command runs before this stop
         # are inside a bubble too. (Stopping in preexec would deadlock: Popen waits for exec.)
+        try:
+            self._watch = watch_group(self.proc.pid)
+        except OSError as exc:
+            log.warning("no watch on the command's process group (%s): what it starts may outlive a manager "
+                        "killed with -9", exc)
         ended = _stop_group(self.proc.pid)
         if ended is not None:  # reaped by that wait: the process object would read a reaped child as code 0
             self.proc.returncode = ended
@@ -145,3 +161,6 @@ class CommandTask(SideTask):
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        if self._watch is not None:  # its end kills what the command left in its group, now that it is gone
+            os.close(self._watch)
+            self._watch = None

@@ -46,7 +46,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -75,7 +74,7 @@ from freeride._channel import (
     Usage,
 )
 from freeride._estimator import StepEstimator, surviving_end_ns, within_grace
-from freeride._task_process import prepare_process
+from freeride._task_process import prepare_process, watch_group
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.errors import ConfigError
@@ -130,45 +129,28 @@ def _failure_kind(exc: BaseException) -> str:
     return "CONFIG" if isinstance(exc, ConfigError) else "EXCEPTION"
 
 
-#: The write end of :func:`kill_group_when_gone`'s pipe, held open for the worker's whole life.
+#: The write end of :func:`kill_group_when_gone`'s watch, held open for the worker's whole life.
 _GROUP_WATCH: int | None = None
-#: The watch (``sh -c``; ``$0``: the worker's pid, its group's id). After the pipe's end-of-file it waits until the
-#: worker is gone or dead (a task that closed every descriptor closed the pipe too, and the manager judges that
-#: worker), polling ``/proc`` every 0.1 s, then kills the group.
-_GROUP_WATCH_SCRIPT = (
-    'read _ ; '
-    'while s=$(cat "/proc/$0/stat" 2>/dev/null) && [ -n "$s" ]; do '
-    'case "${s##*) }" in Z*) break ;; esac ; sleep 0.1 ; done ; '
-    'kill -s KILL -- -"$0" 2>/dev/null'
-)
 
 
 def kill_group_when_gone() -> None:
     """Have the processes of this worker's group (what its task started) killed once the worker is gone.
 
     The manager kills a worker's group when it reaps the worker; a manager killed with -9 cannot, and the worker
-    dies with it (its death signal) while the task's children live on, reparented, and stopped for good if a
-    freeze had stopped the group (the group was orphaned from the start, so the kernel continues none of it). A
-    tiny shell in a session of its own (never stopped with the group) reads a pipe whose write end only this
-    process holds, and at its end-of-file, once the worker is gone or dead (:data:`_GROUP_WATCH_SCRIPT`), kills
-    the group: however the worker dies. Only a worker that leads its own group (as the manager starts it):
-    elsewhere the group is someone else's."""
+    dies with it (its death signal) while the task's children live on: :func:`freeride._task_process.watch_group`
+    kills the group however the worker dies. Only a worker that leads its own group (as the manager starts it):
+    elsewhere the group is someone else's. (A command task's own group is watched by the task:
+    :class:`freeride.command.CommandTask`.)"""
     global _GROUP_WATCH
     pgid = os.getpgid(0)
     if _GROUP_WATCH is not None or pgid != os.getpid():
         return
-    read_end, write_end = os.pipe()  # neither is inherited by what the task starts (PEP 446)
     try:
-        subprocess.Popen(["/bin/sh", "-c", _GROUP_WATCH_SCRIPT, str(pgid)],
-                         stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+        write_end = watch_group(pgid)
     except OSError as exc:
-        os.close(write_end)
         log.warning("no watch on this worker's process group (%s): what the task starts may outlive a manager "
                     "killed with -9", exc)
         return
-    finally:
-        os.close(read_end)
     _GROUP_WATCH = write_end
 
 

@@ -94,3 +94,46 @@ def test_a_task_that_closes_every_descriptor_leaves_its_worker_to_the_manager() 
         worker.kill()
         worker.wait()
         wait_for(lambda: _gone(child), 10, what="the child to be killed once its worker was gone")
+
+
+#: A worker of a command task: the command (in a group of its own) starts a child, then a slice's end stops the
+#: group, as between two steps.
+COMMAND_WORKER = """
+import os, sys, tempfile, time
+from pathlib import Path
+from freeride.command import CommandTask
+from freeride.task import TaskContext
+work = Path(tempfile.mkdtemp())
+task = CommandTask(["sh", "-c", "sleep 600 & echo $! > child.pid; wait"], slice_ms=5)
+task.setup(TaskContext("cpu", "cpu:0", 2**28, "t-1", work))
+while not (work / "child.pid").exists() or not (work / "child.pid").read_text().strip():
+    task.step()
+print(int((work / "child.pid").read_text()), task._watch is not None, flush=True)
+if sys.stdin.read() == "close":
+    while not task.done():  # the command runs to its end, its child left behind in its group
+        task.step()
+    task.close()
+    print("closed", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_what_a_command_task_starts_dies_with_its_worker_killed_while_the_command_is_stopped() -> None:
+    # Its manager killed with -9: the worker dies, and the command with it (their death signals); the command's
+    # child, in the command's group and not the worker's, lived on, stopped for good.
+    with _worker(session=True, script=COMMAND_WORKER) as (worker, child, watching):
+        assert watching and process_state(child) == "T"
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        wait_for(lambda: _gone(child), 10, what="the command's stopped child to be killed with its worker")
+
+
+def test_a_command_task_closed_after_its_command_ended_takes_what_the_command_left_in_its_group() -> None:
+    script = COMMAND_WORKER.replace('"sleep 600 & echo $! > child.pid; wait"',
+                                    '"sleep 600 & echo $! > child.pid; sleep 0.01"')
+    with _worker(session=True, script=script) as (worker, child, _):
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write("close")
+        worker.stdin.close()
+        assert worker.stdout.readline().strip() == "closed"
+        wait_for(lambda: _gone(child), 10, what="the command's child to be killed as the task closed")
