@@ -50,6 +50,20 @@ def missing(extra: str, modules: Sequence[str] | None = None) -> list[str]:
     return [m for m in (EXTRA_MODULES[extra] if modules is None else modules) if not installed(m)]
 
 
+#: Said wherever torch is missing: the extras' bare ``torch`` requirement, on a machine without it, pulls a CUDA
+#: build of several GB (5.7 GB in one new user's environment), which a CPU machine never uses.
+TORCH_FIRST = ("torch first, the build for this machine (a CPU one: pip install torch --index-url "
+               "https://download.pytorch.org/whl/cpu; a bare torch requirement pulls a CUDA build of several GB)")
+
+
+def install_hint(extra: str, absent: Sequence[str]) -> str:
+    """How to install ``extra`` where ``absent`` modules are missing: with torch among them, torch's own build
+    first (:data:`TORCH_FIRST`)."""
+    if "torch" in absent:
+        return f"install {TORCH_FIRST}, then pip install 'freeride[{extra}]'"
+    return f"pip install 'freeride[{extra}]'"
+
+
 def require(extra: str, what: str, modules: Sequence[str] | None = None) -> None:
     """Raise :class:`MissingExtra` unless ``what`` (e.g. ``"freeride demo"``) can import what ``extra`` brings.
 
@@ -58,6 +72,5 @@ def require(extra: str, what: str, modules: Sequence[str] | None = None) -> None
     absent = missing(extra, modules)
     if absent:
         names = ", ".join("Pillow" if m == "PIL" else m for m in absent)
-        raise MissingExtra(f"{what} needs {names}, not installed in this environment: "
-                           f"pip install 'freeride[{extra}]'")
+        raise MissingExtra(f"{what} needs {names}, not installed in this environment: {install_hint(extra, absent)}")
 

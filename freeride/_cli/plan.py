@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from freeride._extras import installed, require
+from freeride._extras import TORCH_FIRST, installed, require
 from freeride.errors import ConfigError
 from freeride.training.memory import (
     OPTIMIZER_STATES,
@@ -565,7 +565,7 @@ def _default_schedules() -> tuple[list[str], str]:
     if installed("torch"):
         return list(SCHEDULE_NAMES), ""
     return list(OWN_SCHEDULES), (f"left out: torch's schedules ({', '.join(TORCH_SCHEDULES)}), whose order comes "
-                                 "from torch, which is not installed here (pip install 'freeride[tasks]')")
+                                 f"from torch, which is not installed here (install {TORCH_FIRST})")
 
 
 def _sweep_candidates(args: argparse.Namespace) -> tuple[list[Candidate], str]:

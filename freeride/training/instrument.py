@@ -261,7 +261,8 @@ class InstrumentedSchedule:
             from torch.distributed.pipelining.schedules import _PipelineSchedule
         except ImportError as exc:
             raise FrameworkNotInstalled(f"freeride's torch pipelining instrumentation needs torch ({exc}): install "
-                                        "the training job's torch, or pip install 'freeride[tasks]'") from exc
+                                        "the training job's torch (its own build: a bare torch requirement pulls "
+                                        "a CUDA build of several GB)") from exc
         if isinstance(schedule, InstrumentedSchedule):
             raise ConfigError(f"this {type(schedule.schedule).__name__} is instrumented already (it is an "
                               "InstrumentedSchedule): use it as it is")
