@@ -639,7 +639,32 @@ def draw_grid(schedule: Schedule, max_columns: int = 160) -> str:
             for c in range(first + 1, last):
                 cells[c] = "~" * (width - 1) + " "
         lines.append(f"{'stage ' + str(r):>8} |{''.join(cells).rstrip()}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *grid_legend(schedule)])
+
+
+_KIND_NAMES = {FORWARD: "a forward", BACKWARD: "a backward", BACKWARD_INPUT: "a backward's input half",
+               BACKWARD_WEIGHT: "a backward's weight half"}
+
+
+def grid_legend(schedule: Schedule) -> list[str]:
+    """What the grid's labels say: the kinds it shows, and with virtual stages which model stage each rank's chunk is
+    (a row is a rank, ``.c`` its chunk ``c``, where the slot tables name model stages)."""
+    present = {t.action.kind for ts in schedule.timeline.values() for t in ts}
+    kinds = [k for k in _KIND_NAMES if k in present] or [FORWARD]
+    virtual = schedule.virtual > 1
+    label = f"{kinds[0]}3" + (".1" if virtual else "")
+    through = " through the row's chunk 1" if virtual else ""
+    others = "".join(f", {k}: {_KIND_NAMES[k]}" for k in kinds[1:])
+    lines = [f"{'':>8}  {label} = micro-batch 3's {_KIND_NAMES[kinds[0]].removeprefix('a ')}{through} "
+             f"({kinds[0]}: {_KIND_NAMES[kinds[0]]}{others}); ~ it goes on; . idle"]
+    if virtual:
+        held: dict[int, list[int]] = {}
+        for stage, rank in sorted(schedule.placement.items()):
+            held.setdefault(rank, []).append(stage)
+        ranks = "; ".join(f"rank {r}: " + ", ".join(f"{s} (.{s // schedule.ranks})" for s in stages)
+                          for r, stages in sorted(held.items()))
+        lines.append(f"{'':>8}  rows are ranks, the model stages each holds: {ranks}")
+    return lines
 
 
 def _common_step(costs: Sequence[float]) -> float | None:

@@ -143,6 +143,17 @@ def test_grid_and_text_form() -> None:
     assert grid[1].split("|")[1].split() == ["F0", "F1", "..", "..", "B0", "~~", "F2", "B1", "~~", "..", "B2", "~~"]
     assert grid[2].split("|")[1].split() == ["..", "F0", "B0", "~~", "F1", "B1", "~~", "F2", "B2", "~~", "..", ".."]
     assert s.text_form() == "0: F0 F1 B0 F2 B1 B2\n1: F0 B0 F1 B1 F2 B2"
+    assert grid[3].split() == ["F3", "=", "micro-batch", "3's", "forward", "(F:", "a", "forward,", "B:", "a",
+                               "backward);", "~", "it", "goes", "on;", ".", "idle"]
+    assert len(grid) == 4  # one rank per model stage: no chunks to name
+
+
+def test_the_grid_says_which_model_stage_each_ranks_chunk_is() -> None:
+    # A row is a rank; ``F3.1`` runs through its chunk 1, which is model stage 2 on a looped rank 0 and model stage 3
+    # on a V-shaped one (the slot tables name model stages).
+    looped = draw_grid(build_schedule("interleaved-1f1b", 2, 4, 1.0, 2.0, virtual=2)).splitlines()
+    assert looped[-1].split("holds: ")[1] == "rank 0: 0 (.0), 2 (.1); rank 1: 1 (.0), 3 (.1)"
+    assert "through the row's chunk 1" in looped[-2]
 
 
 def _plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -19,6 +19,7 @@ from freeride.training.schedules import (
     TORCH_SCHEDULES,
     build_schedule,
     canonical_name,
+    draw_grid,
     expected_bubble_fraction,
 )
 from freeride.training.torch_plans import StandInStage, csv_orders, placement
@@ -238,3 +239,9 @@ def test_plan_refuses_one_chunk_for_a_looped_schedule_given_explicitly(capsys: p
     assert "interleaved-zb runs 2 or more model chunks per stage: --virtual 2 or more" in capsys.readouterr().err
     assert main(["plan", "--schedule", "interleaved-zb", "--stages", "2", "--microbatches", "4"]) == EXIT_OK
     assert "x 2 chunks" in capsys.readouterr().out
+
+
+def test_the_grid_of_a_v_shaped_schedule_names_each_ranks_two_model_stages() -> None:
+    grid = draw_grid(build_schedule("zbv", 2, 4)).splitlines()
+    assert grid[-1].split("holds: ")[1] == "rank 0: 0 (.0), 3 (.1); rank 1: 1 (.0), 2 (.1)"
+    assert "(F: a forward, I: a backward's input half, W: a backward's weight half)" in grid[-2]
