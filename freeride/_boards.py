@@ -29,7 +29,9 @@ memory access, no system call:
   start time (its identity) and its end time into the record of that rank, from the training thread,
   before the end is even queued for the wire. A worker granted that bubble reads the record before
   each step and stops at once: the end reaches it in about a microsecond instead of the ~0.3 ms (p99
-  ~0.6 ms, more under load) that the reporter, gRPC and the manager's loop take. The manager still
+  ~0.6 ms, more under load) that the reporter, gRPC and the manager's loop take. A record naming a later
+  bubble of the rank says so too (:meth:`EndBoard.ended_by_ns`): a grant that reached its worker late has
+  its bubble's end even once the trainer's record has moved on. The manager still
   learns every end (statistics, parks), as a datagram from a trainer on its host
   (:mod:`freeride._local_events`) or over the wire; the board only lets a worker stop before the manager
   knows. The reference policy's emulation never reads it (it ignores real ends).
@@ -288,6 +290,23 @@ class EndBoard:
         if int(_WORD.unpack_from(self._mm, offset)[0]) != start_ns:
             return 0
         return int(_WORD.unpack_from(self._mm, offset + 8)[0]) or 1
+
+    def ended_by_ns(self, rank: int, start_ns: int) -> int:
+        """The worker's read: when the bubble of ``rank`` that started at ``start_ns`` ended, or, where the record
+        names a later bubble of that rank (whose end the trainer wrote since: a rank's bubbles come one after the
+        other), that later bubble's start, before which this one ended; 0 while neither is there.
+
+        A grant can reach its worker after its bubble's end (the manager granted before the end reached it, and
+        the worker, at nice 19 on the rank's core, ran only later): on the 2-core VM 5-9% of a second rank's
+        grants. A worker that ran once the record had moved on to the next bubble read no end, and stepped to
+        the grant's deadline, outside any bubble, until frozen (held 1.6-3.0 ms past the end). Two ranks that share
+        a record (``END_BOARD_RANKS`` apart on one device) may park each other's grants early: lost time, never
+        an overrun."""
+        offset = (rank % END_BOARD_RANKS) * _RECORD.size
+        identity = int(_WORD.unpack_from(self._mm, offset)[0])
+        if identity == start_ns:
+            return int(_WORD.unpack_from(self._mm, offset + 8)[0]) or 1
+        return identity if identity > start_ns else 0
 
     # ---------------------------------------------------------------- stop records
 

@@ -352,13 +352,14 @@ class WorkerRuntime:
     def _ended(self, grant_id: int, bubble: tuple[int, int] | None) -> tuple[str, int] | None:
         """Whether the bubble of this grant has ended, by the boards: ``("park", end_ns)`` when the manager
         said so, ``("ended", end_ns)`` when the trainer did (``bubble``: its rank and start time; None
-        when the grant does not follow the trainer's ends), else None. Two memory loads, no syscall:
+        when the grant does not follow the trainer's ends; ``end_ns`` a later bubble's start where the trainer's
+        record has moved on: :meth:`EndBoard.ended_by_ns`), else None. Two memory loads, no syscall:
         checked right before each step, so that no step starts after an end the worker could know of.
         """
         if self._board is not None and self._board.ended_grant() >= grant_id:
             return ("park", self._board.ended_at_ns())
         if bubble is not None and self._end_board is not None:
-            end_ns = self._end_board.ended_ns(*bubble)
+            end_ns = self._end_board.ended_by_ns(*bubble)
             if end_ns:
                 return ("ended", end_ns)
         return None

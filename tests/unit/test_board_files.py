@@ -81,3 +81,19 @@ def test_a_remade_worker_board_starts_at_step_minus_one_while_the_old_mapping_ke
     finally:
         old.close()
         new.close()
+
+
+def test_the_workers_read_of_an_end_takes_a_later_bubble_of_the_rank_as_the_end_of_an_earlier_one(
+        tmp_path: Path) -> None:
+    EndBoard.create(tmp_path / "ends")
+    board = EndBoard.open(tmp_path / "ends", writable=True)
+    try:
+        assert board.ended_by_ns(1, 100) == 0  # nothing written yet
+        board.record_end(1, 100, 150)
+        assert board.ended_by_ns(1, 100) == 150 and board.ended_by_ns(1, 200) == 0
+        board.record_end(1, 200, 260)
+        assert board.ended_by_ns(1, 100) == 200  # over before the later bubble began
+        assert board.ended_ns(1, 100) == 0  # the manager's read names only the bubble's own end
+        assert board.ended_by_ns(2, 100) == 0  # another rank's record says nothing
+    finally:
+        board.close()

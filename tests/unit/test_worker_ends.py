@@ -79,8 +79,9 @@ def test_a_worker_its_deadline_parks_holds_its_bubble_until_its_report_is_sent(
             fh.seek(END_RECORDS_BYTES + RANK * 32 + 16)
             return int(struct.unpack("<q", fh.read(8))[0])
 
-    box: dict[str, EndBoard] = {}
-    rt, _, ends = worker(tmp_path, channel, CallsBack(lambda i: box["e"].record_end(RANK, 300, 7) if i == 1 else None))
+    box: dict[str, Any] = {"second": False}
+    rt, _, ends = worker(tmp_path, channel, CallsBack(
+        lambda i: box["e"].record_end(RANK, 300, 7) if box["second"] else None))
     box["e"] = ends
     at_send: list[tuple[str, int]] = []
     send = channel.send
@@ -96,6 +97,7 @@ def test_a_worker_its_deadline_parks_holds_its_bubble_until_its_report_is_sent(
     assert parked(manager).reason == "deadline"
     assert at_send == [("deadline", 1)] and holding() == 0
     ends.arm_stop(RANK, 300, os.getpid())
+    box["second"] = True
     rt._run_grant(grant(9, start_ns=300))
     assert parked(manager).reason == "ended"
     assert at_send[1] == ("ended", 0)
@@ -145,6 +147,22 @@ def test_an_end_of_another_bubble_or_rank_stops_nothing(tmp_path: Path, channels
     box.update(ends=ends, board=board)
     rt._run_grant(grant(7, start_ns=100))
     assert parked(manager).steps == 5
+
+
+def test_a_grant_whose_bubble_the_trainers_record_has_moved_past_runs_no_step(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # Granted before its bubble's end reached the manager, a worker starved until the trainer's next bubble had
+    # ended too read no end for its own, and stepped to the grant's deadline outside any bubble.
+    manager, channel = channels
+    rt, _, ends = worker(tmp_path, channel, CallsBack(lambda i: None))
+    ends.record_end(RANK, 100, 42)
+    ends.record_end(RANK, 300, 350)  # the rank's next bubble, over as well
+    rt._run_grant(grant(7, start_ns=100))
+    msg = parked(manager)
+    assert (msg.steps, msg.reason, msg.end_ns) == (0, "ended", 300)
+    # An earlier bubble's record says nothing of a later one's end.
+    rt._run_grant(grant(8, start_ns=400, seconds=0.002))
+    assert parked(manager).reason == "deadline"
 
 
 def test_a_grant_whose_bubble_already_ended_runs_no_step(tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
