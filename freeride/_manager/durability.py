@@ -163,9 +163,11 @@ class Durability:
             figures = dataclasses.replace(stored.figures, restarts=restarts, checkpoint_step=ck_step)
             events.append(task_added(dataclasses.replace(stored, figures=figures, checkpoint_path=ck_path)))
         if events:
-            # A stranger's first manager on the default state directory listed someone's earlier tasks, unsaid.
-            log.info("[%s] %d task(s) from %s start again (`freeride ls` lists them; `freeride cancel ID` ends one, "
-                     "and another --state-dir starts afresh)", self.device, len(events), paths.state_dir)
+            # A stranger's first manager on the default state directory listed someone's earlier tasks, unsaid; said
+            # at INFO, the line reached no terminal (the CLI's default level is WARNING), and those tasks run in this
+            # manager's bubbles.
+            log.warning("[%s] %d task(s) from %s start again (`freeride ls` lists them; `freeride cancel ID` ends "
+                        "one, and another --state-dir starts afresh)", self.device, len(events), paths.state_dir)
         return events
 
     def close(self) -> None:

@@ -93,6 +93,8 @@ def test_a_restart_recovers_live_tasks_from_the_newest_checkpoint_file_and_leave
     assert set(again.records) == {live, ended} and d.store.get(live).state == "SUBMITTED"  # type: ignore[union-attr]
     # said once, with where they came from (a stranger's first manager listed someone's earlier tasks, unsaid)
     assert f"1 task(s) from {tmp_path} start again" in caplog.text
+    # at a level the CLI shows by default (WARNING): a user's first manager on an old directory runs those tasks
+    assert [r.levelno for r in caplog.records if "start again" in r.getMessage()] == [logging.WARNING]
 
 
 def test_a_failure_the_core_decided_is_completed_with_the_time_the_boards_step_and_the_log() -> None:
