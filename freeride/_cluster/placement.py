@@ -28,7 +28,7 @@ class Capacity:
     """What a manager offers now, as its loop sees it."""
 
     budget_bytes: int | None  # None: no memory figure yet
-    longest_bubble_ns: int  # since start or the last layout change; 0: no bubble seen
+    longest_bubble_ns: int  # predicted, since start or the last layout change; 0: no bubble seen
     margin_ns: int
     waiting: int  # tasks here that wait for memory
     draining: bool = False
@@ -83,7 +83,7 @@ def refusal(task: Candidate, cap: Capacity) -> str | None:
                 f"{max(0, cap.budget_bytes) / 2**20:.0f} MiB")
     if task.step_ns is not None and task.step_ns + cap.margin_ns > cap.longest_bubble_ns:
         return (f"its step ({task.step_ns / MS:.1f} ms) fits no bubble here "
-                f"(longest {cap.longest_bubble_ns / MS:.1f} ms)")
+                f"(longest predicted {cap.longest_bubble_ns / MS:.1f} ms)")
     return None
 
 

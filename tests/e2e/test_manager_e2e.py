@@ -260,14 +260,14 @@ def test_step_longer_than_every_bubble_is_never_granted_again(harness: ManagerHa
     feeder = harness.feeder()
     # Learned once its step time is known: the first step is a warm-up and no sample, so on a loaded
     # machine a second probe may run before the estimate exists. Wait for the estimate, not a count.
-    feeder.run_until(lambda: "fits no bubble seen" in harness.client.get(task.task_id).waiting_reason,
+    feeder.run_until(lambda: "fits no bubble as predicted" in harness.client.get(task.task_id).waiting_reason,
                      length_ms=10, gap_ms=30)
     steps = harness.client.get(task.task_id).steps
     feeder.run(10, length_ms=10, gap_ms=10)
     feeder.close()
     info = harness.wait_state(task.task_id, "PARKED")
     assert info.steps == steps
-    assert "fits no bubble seen" in info.waiting_reason
+    assert "fits no bubble as predicted" in info.waiting_reason
 
 
 def test_worker_that_closes_its_channel_is_killed_with_protocol_record(harness: ManagerHarness) -> None:

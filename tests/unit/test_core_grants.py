@@ -185,7 +185,7 @@ def test_step_learned_longer_than_every_bubble_is_never_granted_and_says_why() -
     assert sim.state("slow") == S.PARKED
     reason = sim.core.waiting_reason(sim.core.tasks["slow"])
     assert "fits no bubble" in reason
-    assert "20.0 ms p95" in reason and "longest 10.0 ms" in reason
+    assert "20.0 ms p95" in reason and "longest predicted 10.0 ms" in reason
 
 
 def test_waiting_reason_names_step_and_longest_bubble_when_the_step_fits_no_bubble() -> None:
@@ -200,7 +200,7 @@ def test_waiting_reason_names_step_and_longest_bubble_when_the_step_fits_no_bubb
         sim.end()
     reason = sim.core.waiting_reason(sim.core.tasks["slow"])
     assert "fits no bubble" in reason
-    assert "20.0 ms" in reason and "1.00 ms margin" in reason and "longest 10.0 ms" in reason
+    assert "20.0 ms" in reason and "1.00 ms margin" in reason and "longest predicted 10.0 ms" in reason
 
 
 def test_margin_counts_against_the_fit() -> None:

@@ -78,9 +78,12 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
             if now.reprobes:
                 left = max(0, now.reprobe_after_bubbles - task.health.unfit_bubbles)
                 again = f"; its step time is measured again in {left} more bubbles"
+            # What fits is judged against the trainer's predictions (a low percentile of each slot's waits), not the
+            # lengths seen: a stranger read "longest 1.9 ms" against slots of 4-7 ms p99 in `freeride bubbles`.
             return (
-                f"its step ({est / MS:.1f} ms p95 + {total} ms margin{widened}) fits no bubble seen "
-                f"(longest {longest / MS:.1f} ms){again}"
+                f"its step ({est / MS:.1f} ms p95 + {total} ms margin{widened}) fits no bubble as predicted "
+                f"(longest predicted {longest / MS:.1f} ms, a low percentile of its slot's waits: `freeride bubbles` "
+                f"shows both){again}"
             )
         if longest == 0:
             return "no bubble reported yet"
