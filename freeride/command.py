@@ -12,6 +12,9 @@ Best effort, by nature:
 * There is no checkpoint: a command that is restarted (after an eviction or a manager restart)
   starts again from the beginning. Write an iterative task where resumption matters.
 * Grandchildren that leave the command's process group are not frozen.
+* On a ``cpu:N`` device the trainer stops the worker at a bubble's end, not the command: a slice in flight runs
+  on until the manager freezes the command's group with the worker (the manager's thaws continue only the
+  worker: the command runs in its task's slices alone).
 
 What the command starts in its group dies with it whichever way the worker ends: a manager killed with -9 takes
 the worker with it and the command with the worker (their death signals), and a watch outside the group kills
@@ -48,8 +51,8 @@ def _stop_group(pid: int) -> int | None:
     """SIGSTOP the command's process group and wait until its leader is stopped (or gone): its exit code
     (``os.waitstatus_to_exitcode``'s) when it is gone, which this wait reaped, else None.
 
-    A SIGCONT between the stop and the wait (the manager thaws the worker's command group with the worker)
-    clears the stop before it is waited for: waiting for a stop alone then blocked setup() for as long as the
+    A SIGCONT between the stop and the wait (from another process: the manager's thaws continued the command's
+    group with the worker's until they no longer did) clears the stop before it is waited for: waiting for a stop alone then blocked setup() for as long as the
     command ran free, outside any bubble, until the task failed STEP_TIMEOUT "in setup()". A stop undone
     so is sent again."""
     while True:
@@ -118,7 +121,7 @@ class CommandTask(SideTask):
     def step(self) -> None:
         assert self.proc is not None
         if self._ended():
-            return  # it ended between two steps (the manager's thaw of the worker lets its group run)
+            return  # it ended between two steps (in a slice's last moments, or killed from outside)
         os.killpg(self.proc.pid, signal.SIGCONT)
         time.sleep(self.slice_s)
         try:

@@ -546,7 +546,10 @@ class Supervisor:
             handle.stopped = False
         elif sig == signal.SIGSTOP:
             handle.stopped = True
-        for pgid in [handle.proc.pid, *handle.extra_pgids]:
+        # A command task's own group is stopped with its worker and killed with it, but continued only by its task's
+        # slices: between two of them the task stopped it, and a thaw that continued it too let the command run on
+        # outside every bubble while its worker parked (runnable in 88% of a stranger's samples).
+        for pgid in [handle.proc.pid, *handle.extra_pgids] if sig != signal.SIGCONT else [handle.proc.pid]:
             _killpg(pgid, sig)
         if sig == signal.SIGKILL:  # a frozen process must run to die
             handle.killed = True

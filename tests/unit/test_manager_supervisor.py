@@ -347,3 +347,25 @@ def test_a_worker_is_named_to_the_end_path_before_it_is_reaped(rig: Rig) -> None
     rig.worker.close()
     wait_for(lambda: any(isinstance(e, C.WorkerExited) for e in rig.ready()), 5, what="the worker's exit")
     assert named and named[0] == (rig.proc.pid, True)  # first before its pid could name another process
+
+
+def test_a_thaw_continues_the_worker_and_leaves_a_command_tasks_own_group_to_its_slices(rig: Rig) -> None:
+    # The command between two slices is stopped by its task; a thaw that continued it too let it run outside every
+    # bubble while its worker parked (a stranger's command was runnable in 88% of samples). A freeze stops both; a
+    # kill ends both.
+    command = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        handle = rig.sup.workers[TID]
+        rig.sup.on_message(handle, W.ProcessGroup(pgid=command.pid))
+        rig.sup.freeze(TID)
+        wait_for(lambda: process_state(rig.proc.pid) == "T" and process_state(command.pid) == "T", 5,
+                 what="the worker and its command to be stopped")
+        rig.sup.signal(TID, signal.SIGCONT)  # a grant's thaw
+        wait_for(lambda: process_state(rig.proc.pid) in ("S", "R"), 5, what="the worker to be continued")
+        assert process_state(command.pid) == "T"
+        rig.sup.signal(TID, signal.SIGKILL)
+        assert command.wait(10) == -signal.SIGKILL
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
