@@ -28,6 +28,8 @@ state directory on a shared file system is never shared by two nodes. ``--queue`
 3. Run the command as an argument list (no shell) in its own process group; SIGINT and SIGTERM
    received by ``launch`` are forwarded to it (the handlers only record the signal; the wait loop
    forwards it).
+   While it runs, what the managers log at WARNING or above is said on this terminal too
+   (:class:`WarningRelay`), prefixed ``freeride launch: manager D:``.
 4. Print what each started manager harvested (bubbles, bubble time, harvested time, overruns, tasks by
    state: its figures go with it), then stop the managers: SIGTERM to each manager's process group (they
    drain and exit 0), one deadline for all (``--stop-timeout-s``), then SIGKILL. A temporary log
@@ -46,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -192,6 +195,58 @@ def wait_ready(managers: Sequence[ManagedManager], timeout_s: float) -> None:
                 f"{pending[0].log_tail()}"
             )
         time.sleep(0.1)
+
+
+class WarningRelay:
+    """The warnings and errors the started managers log, said on this terminal as they come (every
+    ``interval_s``), each line once: a manager's output goes to its log file, and a stranger's launch printed only
+    "logs in ..." while its managers warned that every core computed a rank and their own CPU came out of
+    training's. :meth:`relay` reads what was written since the last read; :meth:`close` stops the thread after
+    a last read."""
+
+    #: The level names of the lines relayed, as the managers' log format writes them (``time LEVEL name: message``).
+    LEVELS = (" WARNING ", " ERROR ", " CRITICAL ")
+
+    def __init__(self, managers: Sequence[ManagedManager], out: IO[str] | None = None,
+                 interval_s: float = 0.5) -> None:
+        self._logs = [(m.device, m.log_path) for m in managers if m.log_path is not None]
+        self._read: dict[Path, int] = {}
+        self._out = out
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> WarningRelay:
+        self._thread = threading.Thread(target=self._run, name="freeride-launch-relay", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.relay()
+
+    def relay(self) -> None:
+        out = self._out or sys.stderr
+        for device, path in self._logs:
+            try:
+                with path.open("rb") as fh:
+                    fh.seek(self._read.get(path, 0))
+                    data = fh.read()
+            except OSError:
+                continue
+            complete = data[:data.rfind(b"\n") + 1]  # a line still being written is read whole next time
+            self._read[path] = self._read.get(path, 0) + len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                level = next((lv for lv in self.LEVELS if lv in line), None)
+                if level is not None:
+                    print(f"freeride launch: manager {device}:{level.rstrip()} {line.split(level, 1)[1]}",
+                          file=out, flush=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.relay()
 
 
 def summary_lines(managers: Sequence[ManagedManager]) -> list[str]:
@@ -553,9 +608,11 @@ def run(args: argparse.Namespace) -> int:
                                            ("--state-dir", args.state_dir), ("--manager-arg", args.manager_arg))
                   if given]
     managers: list[ManagedManager] = []
+    relay: WarningRelay | None = None
     try:
         managers = start_managers(devices, state_dir, log_dir, extra, configured=configured)
         wait_ready(managers, args.ready_timeout_s)
+        relay = WarningRelay(managers).start()
         ours = [m.device for m in managers if m.proc is not None]
         found = [m.device for m in managers if m.proc is None]
         serving = (f"managers serving {', '.join(ours)} (logs in {log_dir})" if ours else "")
@@ -564,6 +621,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"freeride launch: {serving}; running: " + " ".join(command), file=sys.stderr, flush=True)
         return run_command(command)
     finally:
+        if relay is not None:
+            relay.close()
         for line in summary_lines(managers):
             print(line, file=sys.stderr, flush=True)
         stop_managers(managers, args.stop_timeout_s)
