@@ -186,32 +186,30 @@ def bubbles_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceBubble
 def grants_from_trace(records: Iterable[Mapping[str, Any]]) -> list[TraceGrant]:
     """The grants of a trace joined with their ``steps`` records, in the order granted.
 
-    A ``freeze`` record belongs to the task's latest grant given at or before it.
+    A ``freeze`` record belongs to the task's latest grant written before it (the manager writes a freeze after the
+    grant it ends). Not the latest given at or before its time: a freeze the trainer made at a bubble's end is dated
+    at its stop, and a manager that lost its core between sending a grant and stamping it (before the stamp moved
+    ahead of the send) wrote a grant dated after the stop of its own worker; by the times, the stop went to the
+    grant before, and this grant to a freeze tens of milliseconds later (a 65 ms hold read on a second rank).
     """
     grants: dict[tuple[str, int], Mapping[str, Any]] = {}
     steps: dict[tuple[str, int], Mapping[str, Any]] = {}
-    freezes: dict[str, list[tuple[int, int | None]]] = {}
+    latest: dict[str, tuple[str, int]] = {}  # each task's grant written last so far
+    frozen_at: dict[tuple[str, int], tuple[int, int | None]] = {}
     for r in records:
         ev = r.get("ev")
         if ev == "grant":
-            grants[(str(r["task"]), int(r["grant"]))] = r
+            key = (str(r["task"]), int(r["grant"]))
+            grants[key] = r
+            latest[key[0]] = key
         elif ev == "steps":
             steps[(str(r["task"]), int(r["grant"]))] = r
         elif ev == "freeze":
-            cpu = r.get("cpu_ns")
-            freezes.setdefault(str(r["task"]), []).append((int(r["at_ns"]), None if cpu is None else int(cpu)))
+            granted = latest.get(str(r["task"]))
+            if granted is not None:
+                cpu = r.get("cpu_ns")
+                frozen_at.setdefault(granted, (int(r["at_ns"]), None if cpu is None else int(cpu)))
     ordered = sorted(grants.items(), key=lambda kv: (int(kv[1]["at_ns"]), kv[0][1]))
-    by_task: dict[str, list[tuple[int, tuple[str, int]]]] = {}
-    for key, g in ordered:
-        by_task.setdefault(key[0], []).append((int(g["at_ns"]), key))
-    frozen_at: dict[tuple[str, int], tuple[int, int | None]] = {}
-    for task, ats in freezes.items():
-        mine = by_task.get(task, [])
-        starts = [at for at, _ in mine]
-        for at, cpu in ats:
-            i = bisect.bisect_right(starts, at) - 1
-            if i >= 0:
-                frozen_at.setdefault(mine[i][1], (at, cpu))
     out = []
     stepped: set[str] = set()  # tasks that have run a step: their probe grants are over
     for key, g in ordered:

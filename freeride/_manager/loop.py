@@ -747,16 +747,21 @@ class ManagerLoop:
         if len(actions) > 1 and type(actions[-1]) is C.Grant and all(type(a) in _RECORDS for a in actions[:-1]):
             early = actions[-1]
             actions = actions[:-1]
-            follow = self._apply_one(early)
             if trace is not None:
                 stamp = trace.sent(early)  # its time is when it went, though it is written after the records
+            follow = self._apply_one(early)
         if trace is not None:
             trace.event(event)
         for action in actions:
+            # A grant is stamped as it goes, before the trainer can stop its worker (the stop record is armed as it is
+            # sent): stamped once applied, a loop that lost its core between the two wrote a grant after the stop
+            # of its own worker, and the trace's reader gave that freeze to the grant before (a hold of 65 ms read
+            # where the trainer had stopped the worker 10 us past the end).
+            sent = trace.sent(action) if trace is not None and type(action) is C.Grant else None
             more = self._apply_one(action)
             if trace is not None:
-                # Once applied: a grant's or a freeze's worker CPU time is read after it was sent.
-                trace.action(action)
+                # Once applied: a freeze's worker CPU time is read after it was sent.
+                trace.action(action, sent)
             if more:
                 follow = more if follow is None else follow + more
         if early is not None and trace is not None:

@@ -344,3 +344,21 @@ def test_a_steps_cost_stays_with_its_span_when_the_listed_spans_come_out_of_orde
     assert g.spans == ((2 * MS, 3 * MS), (9 * MS, 12 * MS)) and g.costs == (900_000, 500_000)
     (acc,) = account_trace(records, {"a": 0.001})
     assert acc.cpu_overrun_ms == pytest.approx(0.5)
+
+
+def test_a_trainers_stop_dated_before_its_grants_stamp_is_that_grants_freeze() -> None:
+    # A manager that lost its core between sending a grant and stamping it wrote the grant dated after the trainer's
+    # stop of its worker at the end; read by the times, the stop went to the grant before, and this grant took the
+    # next freeze, 65 ms on (a hold of 65 ms on a bubble the trainer had stopped 10 us past its end).
+    records: list[dict[str, Any]] = [
+        {"ev": "grant", "task": "a", "grant": 1, "deadline_ns": 5 * MS, "margin_ns": 0, "thaw": False, "at_ns": 1 * MS},
+        {"ev": "freeze", "task": "a", "at_ns": 6 * MS},
+        {"ev": "grant", "task": "a", "grant": 2, "deadline_ns": 12 * MS, "margin_ns": 0, "thaw": True,
+         "at_ns": 11 * MS},
+        {"ev": "freeze", "task": "a", "at_ns": 10 * MS + 10 * US, "by": "trainer"},
+        {"ev": "grant", "task": "a", "grant": 3, "deadline_ns": 80 * MS, "margin_ns": 0, "thaw": True,
+         "at_ns": 70 * MS},
+        {"ev": "freeze", "task": "a", "at_ns": 75 * MS},
+    ]
+    frozen = {g.grant: g.frozen_ns for g in grants_from_trace(records)}
+    assert frozen == {1: 6 * MS, 2: 10 * MS + 10 * US, 3: 75 * MS}
