@@ -52,9 +52,9 @@ def _stop_group(pid: int) -> int | None:
     (``os.waitstatus_to_exitcode``'s) when it is gone, which this wait reaped, else None.
 
     A SIGCONT between the stop and the wait (from another process: the manager's thaws continued the command's
-    group with the worker's until they no longer did) clears the stop before it is waited for: waiting for a stop alone then blocked setup() for as long as the
-    command ran free, outside any bubble, until the task failed STEP_TIMEOUT "in setup()". A stop undone
-    so is sent again."""
+    group with the worker's until they no longer did) clears the stop before it is waited for: waiting for a stop
+    alone then blocked setup() for as long as the command ran free, outside any bubble, until the task failed
+    STEP_TIMEOUT "in setup()". A stop undone so is sent again."""
     while True:
         os.killpg(pid, signal.SIGSTOP)
         try:
