@@ -138,7 +138,6 @@ class CpuWorkerDevice(WorkerDevice):
         # time. OMP_NUM_THREADS from worker_env keeps torch to one thread when it loads.
         os.sched_setaffinity(0, {self.name.index})
         lower_priority()
-        idle_policy()
 
     def baseline_bytes(self) -> int:
         return rss_bytes(os.getpid())
@@ -153,23 +152,6 @@ class CpuWorkerDevice(WorkerDevice):
         """The run delay of the thread that first asked (the worker's stepping thread), in ns; None where the
         kernel does not keep it (no ``/proc/thread-self/schedstat``: a kernel without ``CONFIG_SCHED_INFO``)."""
         return self._run_delay.read()
-
-
-def idle_policy() -> bool:
-    """Put this thread, and what it starts, under ``SCHED_IDLE``: it runs only where its core has nothing else to
-    run, and a thread of the trainer that wakes takes the core from it at once, whatever groups the two are in.
-
-    Nice 19 (and the autogroup's nice 19) only weighs a worker against the rank that shares its core: under EEVDF a
-    running thread keeps the core until its slice is spent, and a rank whose wait ended waited for a side task's
-    step to finish; on the 2-core VM a second rank's end reached its board 2-4 ms after the time it stamped while
-    the worker ran six steps past it (``bench/results/cpu/ended_by_later_record.md``). An idle-policy thread is
-    preempted by any other thread that wakes (the kernel's first check at a wake-up, before the groups are
-    compared). No privilege is needed to take it; True when the kernel did."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError):  # not Linux, or a kernel without the policy: nice 19 stays
-        return False
-    return True
 
 
 def check_cpu_device(name: DeviceName) -> None:

@@ -45,28 +45,3 @@ def test_a_process_that_does_not_lead_its_session_leaves_the_sessions_autogroup_
     niceness, group_nice, session_nice = out.stdout.split()
     assert int(niceness) == 19  # the process itself still yields
     assert (int(group_nice), int(session_nice)) == (0, 0)
-
-
-IDLE_CHILD = """
-import os, subprocess, sys, threading
-from freeride.devices import CpuWorkerDevice, parse_device_name
-CpuWorkerDevice(parse_device_name(f"cpu:{min(os.sched_getaffinity(0))}")).prepare(1 << 30)
-seen = []
-thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
-thread.start(); thread.join()
-child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"], capture_output=True,
-                       text=True, check=True).stdout.strip()
-print(os.sched_getscheduler(0), seen[0], child)
-"""
-
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="no SCHED_IDLE here")
-def test_a_cpu_worker_its_threads_and_what_it_starts_run_under_the_idle_policy() -> None:
-    # Nice 19 only weighs a worker against the rank on its core: under EEVDF a running step kept the core until its
-    # slice was spent, and a rank whose wait had ended waited for it (ends reached the board 2-4 ms late). An
-    # idle-policy thread is preempted by any thread that wakes.
-    import os
-
-    out = subprocess.run([sys.executable, "-c", IDLE_CHILD], start_new_session=True, capture_output=True, text=True,
-                         check=True)
-    assert [int(p) for p in out.stdout.split()] == [os.SCHED_IDLE] * 3
