@@ -204,8 +204,8 @@ class WarningRelay:
     training's. :meth:`relay` reads what was written since the last read; :meth:`close` stops the thread after
     a last read."""
 
-    #: The level names of the lines relayed, as the managers' log format writes them (``time LEVEL name: message``).
-    LEVELS = (" WARNING ", " ERROR ", " CRITICAL ")
+    #: The levels relayed: the third field of the managers' log format (``date time LEVEL name: message``).
+    LEVELS = ("WARNING", "ERROR", "CRITICAL")
 
     def __init__(self, managers: Sequence[ManagedManager], out: IO[str] | None = None,
                  interval_s: float = 0.5) -> None:
@@ -237,10 +237,9 @@ class WarningRelay:
             complete = data[:data.rfind(b"\n") + 1]  # a line still being written is read whole next time
             self._read[path] = self._read.get(path, 0) + len(complete)
             for line in complete.decode(errors="replace").splitlines():
-                level = next((lv for lv in self.LEVELS if lv in line), None)
-                if level is not None:
-                    print(f"freeride launch: manager {device}:{level.rstrip()} {line.split(level, 1)[1]}",
-                          file=out, flush=True)
+                fields = line.split(" ", 3)  # the level by its place: an INFO line may say "ERROR" in its text
+                if len(fields) == 4 and fields[2] in self.LEVELS:
+                    print(f"freeride launch: manager {device}: {fields[2]} {fields[3]}", file=out, flush=True)
 
     def close(self) -> None:
         self._stop.set()

@@ -554,10 +554,9 @@ class WorkerRuntime:
         report (77 us of work in a 4 ms hold, on a 2-core VM) held the bubble past the end until the manager froze
         it; still holding it, it is stopped by the trainer at the end, like a step."""
         self._grant_steps = None  # reported here: a later failure must not count them again
-        let_go = bubble is not None and self._says_holding
-        if let_go and reason != "deadline":
-            self._end_board.set_holding(bubble[0], False)  # type: ignore[union-attr,index]
-            let_go = False
+        held = bubble if self._says_holding else None
+        if held is not None and reason != "deadline":
+            self._end_board.set_holding(held[0], False)  # type: ignore[union-attr]
         self.chan.send(Parked(
             grant_id=grant_id,
             steps=record.count,
@@ -577,8 +576,8 @@ class WorkerRuntime:
             costs_ns=tuple(record.costs) if record.costs != record.durations else (),
             worked_ns=record.worked_ns,
         ))
-        if let_go:
-            self._end_board.let_go(*bubble)  # type: ignore[union-attr,misc]
+        if held is not None and reason == "deadline":
+            self._end_board.let_go(*held)  # type: ignore[union-attr]
         if reason != "frozen":
             self._report_usage()
 
