@@ -122,7 +122,9 @@ def test_what_a_command_task_starts_dies_with_its_worker_killed_while_the_comman
     # Its manager killed with -9: the worker dies, and the command with it (their death signals); the command's
     # child, in the command's group and not the worker's, lived on, stopped for good.
     with _worker(session=True, script=COMMAND_WORKER) as (worker, child, watching):
-        assert watching and process_state(child) == "T"
+        assert watching
+        # A group's stop reaches its members one by one: the command's child stops a moment after the command.
+        wait_for(lambda: process_state(child) == "T", 10, what="the command's child to be stopped with it")
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
         wait_for(lambda: _gone(child), 10, what="the command's stopped child to be killed with its worker")
