@@ -190,16 +190,29 @@ def test_a_bubble_is_not_offered_again_with_no_task_to_take_it() -> None:
 
 def test_a_task_unfit_for_a_bubble_offered_again_counts_it_once() -> None:
     sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
+    _measure(sim, [0.5, 3.0] * 8)
+    sim.resident("a")
+    sim.resident("b")
+    a, b = sim.core.tasks["a"], sim.core.tasks["b"]
+    a.estimator.extend([3 * MS] * 8)  # fits neither length
+    b.estimator.extend([MS] * 8)  # fits what the long length leaves once the bubble outlived the short one
+    start = sim.now
+    sim.start(predicted_ms=0.5)  # 0.5 ms left: both ranked, and unfit
+    assert a.health.unfit_bubbles == b.health.unfit_bubbles == 1
+    assert sim.core.next_timer_ns() == start + MS // 2 + 1
+    sim.at(start + MS // 2 + 1)
+    assert [g.task_id for g in of(sim.tick(), Grant)] == ["b"]  # ranked again, 2.5 ms left: a still unfit
+    assert a.health.unfit_bubbles == 1
+
+
+def test_a_bubble_is_not_offered_again_where_no_candidates_step_fits_what_it_could_leave() -> None:
+    # A step that fits none of its slot's lengths woke the loop at each length the bubble outlived, for nothing.
+    sim = Sim(margin_ns=MS // 5, grace_ns=MS // 2)
     _measure(sim, [0.5, 1.0] * 8)
     sim.resident("a")
     task = sim.core.tasks["a"]
     task.estimator.extend([2 * MS] * 8)  # fits neither length
-    start = sim.now
-    sim.start(predicted_ms=0.5)  # 0.5 ms left: ranked, and unfit
-    assert task.health.unfit_bubbles == 1
-    assert sim.core.next_timer_ns() == start + MS // 2 + 1
-    sim.at(start + MS // 2 + 1)
-    assert of(sim.tick(), Grant) == []  # ranked again, 1 ms: still unfit
+    sim.start(predicted_ms=0.5)
     assert task.health.unfit_bubbles == 1
     assert sim.core.next_timer_ns() is None
 

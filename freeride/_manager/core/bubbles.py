@@ -131,6 +131,9 @@ class SlotStats:
     predicted_ns: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
     abs_error_pct: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     count: int = 0
+    #: The most a grant in this slot could be sized to now: the longest of its last ``SURVIVAL_LENGTHS`` lengths
+    #: or its latest prediction, whichever is more (what :meth:`OpenBubble.deadline_at` extends to at most).
+    reach_ns: int = 0
     #: Of ``count``, those that ended while other trainer ranks shared the device (``BubbleSlotStats.shared``).
     shared: int = 0
     min_free: int = -1
@@ -145,6 +148,7 @@ class Bubbles:
         self.longest_ns = 0
         #: When the last bubble started (received; 0: none yet): whether the trainer is making bubbles.
         self.last_start_ns = 0
+        self._reach_ns = -1  # reach_ns() cached; -1: a slot's reach changed since
         self._max_slots = max_slots
         #: The slots and longest bubble of this job's other recent layouts, by shape (:meth:`change_layout`).
         self._kept: OrderedDict[Hashable, tuple[dict[tuple[int, int, int], SlotStats], int]] = OrderedDict()
@@ -159,6 +163,9 @@ class Bubbles:
         if slot is not None:
             slot.kind = b.kind
             slot.learned = b.learned
+            if b.predicted_ns > slot.reach_ns:
+                slot.reach_ns = b.predicted_ns
+                self._reach_ns = -1
             if b.free_memory_bytes >= 0:
                 slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
         survival: tuple[int, ...] = ()
@@ -179,9 +186,19 @@ class Bubbles:
             slot.shared += shared
             slot.lengths_ns.append(length)
             slot.predicted_ns.append(start.predicted_ns)
+            slot.reach_ns = max(start.predicted_ns, max(itertools.islice(reversed(slot.lengths_ns), SURVIVAL_LENGTHS)))
+            self._reach_ns = -1
             if length > 0:
                 slot.abs_error_pct.append(abs(start.predicted_ns - length) * 100.0 / length)
         return length
+
+    def reach_ns(self) -> int:
+        """The most time a grant could be sized to in any slot now (0: no slot yet): the longest of the slots'
+        :attr:`SlotStats.reach_ns`. A step (plus margin) longer than this fits no bubble the trainer makes now,
+        first offer or late re-offer alike. Recomputed only after a slot's reach changed."""
+        if self._reach_ns < 0:
+            self._reach_ns = max((slot.reach_ns for slot in self.slots.values()), default=0)
+        return self._reach_ns
 
     def close(self, bubble: OpenBubble, end_ns: int, now_ns: int) -> None:
         """The open bubble is over. One still held by a worker is kept, closing, until that worker lets go."""
@@ -240,6 +257,7 @@ class Bubbles:
             while len(self._kept) > KEPT_SHAPES:
                 self._kept.popitem(last=False)
         self.slots, self.longest_ns = self._kept.pop(coming, ({}, 0))
+        self._reach_ns = -1
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         out = []

@@ -76,7 +76,7 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         if est is not None and longest and est + margin > longest:
             again = ""
             if now.reprobes:
-                left = max(0, now.reprobe_after_bubbles - task.health.unfit_bubbles)
+                left = max(0, task.health.reprobe_after(now.reprobe_after_bubbles) - task.health.unfit_bubbles)
                 again = f"; its step time is measured again in {left} more bubbles"
             # What fits is judged against the trainer's predictions (a low percentile of each slot's waits), not the
             # lengths seen: a stranger read "longest 1.9 ms" against slots of 4-7 ms p99 in `freeride bubbles`.

@@ -22,7 +22,8 @@ that are not being stopped and have not had a grant in this bubble yet.
 
 A task whose step (plus margin) does not fit the time left is not a candidate; after
 ``reprobe_after_bubbles`` bubbles in a row of that, it is ranked once as a task whose step time is
-unknown (a re-probe: its estimate may be stale, learned under contention).
+unknown (a re-probe: its estimate may be stale, learned under contention); twice as many after each re-probe
+that found it still fitting no bubble (``StepHealth.reprobe_after``).
 
 **reference** (:func:`rank_reference`): the highest priority, FIFO on ties; the task itself decides
 whether a step fits (1.2 x its median, see the worker runtime).
@@ -82,7 +83,7 @@ def rank(
         thaw_rank = 0 if frozen else 1
         if not frozen and est is not None and est + margin > remaining_ns:
             unfit.append(task)
-            if health.unfit_bubbles + seen_now < reprobe_after:
+            if health.unfit_bubbles + seen_now < health.reprobe_after(reprobe_after):
                 continue
             est = None  # a re-probe: ranked like a task whose step time is unknown
         key = (
@@ -104,7 +105,7 @@ def rank(
         return Ranking(None, tuple(unfit)) if unfit else NOBODY
     winner = best[1]
     counted = seen_now if any(task is winner for task in unfit) else 0
-    reprobe = winner.health.unfit_bubbles + counted >= reprobe_after
+    reprobe = winner.health.unfit_bubbles + counted >= winner.health.reprobe_after(reprobe_after)
     return Ranking(winner, tuple(unfit), reprobe)
 
 

@@ -51,6 +51,9 @@ class SchedulingPolicy(Protocol):
     name: str
     #: A step that fits no bubble gets its time measured again after ``reprobe_after_bubbles``.
     reprobes: bool
+    #: A parked task is granted only a bubble that its step (plus margins) fits: while no resident task's step
+    #: fits any bubble, the trainer's events decide nothing (``Scheduler.wants_trainer_events``).
+    fits_steps: bool
     #: A bubble is granted only with more than this much time left.
     grant_floor_ns: int
 
@@ -92,6 +95,7 @@ class SchedulingPolicy(Protocol):
 class FreeridePolicy:
     name = "freeride"
     reprobes = True
+    fits_steps = True
 
     def __init__(self, config: CoreConfig) -> None:
         self._config = config
@@ -172,6 +176,7 @@ class FreeridePolicy:
 class ReferencePolicy:
     name = "paper"
     reprobes = False
+    fits_steps = False  # the task decides at its worker (1.2 x its median)
     grant_floor_ns = 0
 
     def __init__(self, config: CoreConfig) -> None:

@@ -147,10 +147,39 @@ class SchedulerCore:
         return min(times) if times else None
 
     def wants_trainer_events(self) -> bool:
-        """Whether the trainer's events may decide something now: a task is resident (starting, parked, running,
-        frozen), so a bubble may be granted or its end park or freeze one. Otherwise they only add to the
-        statistics, and the loop may read them late (``loop.LAZY_READ_NS``)."""
-        return any(True for _ in self._tasks.resident())
+        """Whether the trainer's events may decide something now: a bubble may be granted, or its end park or
+        freeze a worker. Otherwise they only add to the statistics, and the loop may read them late
+        (``loop.LAZY_READ_NS``): with no task resident, and with every resident task parked and its step
+        (plus margins) longer than any bubble the trainer now makes (:meth:`Bubbles.reach_ns`) and no re-probe
+        near. A stranger's task of 2.2 ms steps beside an interleaved trainer's 0.03-0.8 ms waits ran two steps
+        in 60 iterations, and the managers' per-event work made those iterations 27% longer. A bubble read late
+        is over (``loop.with_ends_known``): it still counts towards the re-probe (:meth:`_count_unfit`), and its
+        free memory reaches the budget up to a lazy read later."""
+        fits_steps = self.policy.fits_steps
+        reach = -1
+        for task in self._tasks.resident():
+            if not fits_steps or task.state is not _PARKED or task.stopping:
+                return True  # starting, holding or frozen in a bubble (a thaw fits any), or being stopped
+            need = self._fit_ns(task)
+            if need <= self.policy.grant_floor_ns:
+                return True
+            if reach < 0:
+                reach = self.bubbles.reach_ns()
+            if need <= reach:
+                return True
+        return False
+
+    def _fit_ns(self, task: TaskRuntime) -> int:
+        """The least time left in a bubble that ``task`` could be granted (``grants.rank``): its step plus margins,
+        or just the policy's floor where any would do (frozen, step not known yet, or a re-probe near)."""
+        floor = self.policy.grant_floor_ns
+        est = task.known_step_ns
+        if task.state is _FROZEN or est is None or not self.policy.fits_steps:
+            return floor
+        health = task.health
+        if self.policy.reprobes and health.unfit_bubbles + 1 >= health.reprobe_after(self.config.reprobe_after_bubbles):
+            return floor
+        return max(floor, est + self.config.margin_ns + task.margin_ns)
 
     def wants_tick(self, now_ns: int) -> bool:
         """Whether a :class:`Tick` now has anything to do: a timer due, a frozen step that may look hung, ranks
@@ -309,6 +338,7 @@ class SchedulerCore:
         if event.end_ns:
             # Over already: a grant would only thaw a worker to freeze it again, and count an overrun.
             self.bubbles.saw_end(bubble, event.end_ns)
+            self._count_unfit(event.end_ns - b.start_ns)
         self.policy.bubble_opened(self, bubble, now_ns, out)
 
     def _on_bubble_ended(self, event: BubbleEnded, now_ns: int, out: list[Action]) -> None:
@@ -398,6 +428,10 @@ class SchedulerCore:
         probe = ranking.reprobe
         task.probing = probe or task.known_step_ns is None
         if probe:
+            task.health.reprobes += 1
+        elif not thaw and not task.probing:
+            task.health.reprobes = 0  # its known step fitted this bubble
+        if probe:
             out.append(Note(NoteLevel.INFO, "re-probing its step time", task.task_id))
             task.estimator = StepEstimator(hint_ns=0)
         self._grant_seq += 1
@@ -422,9 +456,24 @@ class SchedulerCore:
 
     def _retry_later(self, bubble: OpenBubble, now_ns: int) -> None:
         """No step fits what the open bubble has left: try again once it has outlived one more of its slot's
-        lengths and its deadline moves out (``OpenBubble.next_chance_ns``), if a task could take it."""
-        if any(True for _ in self._tasks.grantable()):
-            bubble.retry_at_ns = bubble.next_chance_ns(now_ns, self.policy.grant_floor_ns)
+        lengths and its deadline moves out far enough for the shortest candidate's step
+        (``OpenBubble.next_chance_ns``, :meth:`_fit_ns`), if any. Not at each length it outlives: a task whose
+        step fits none of them woke the loop up to ``SURVIVAL_LENGTHS`` times a bubble for nothing."""
+        need = min((self._fit_ns(task) for task in self._tasks.grantable() if not task.stopping), default=None)
+        if need is not None:
+            bubble.retry_at_ns = bubble.next_chance_ns(now_ns, need)
+
+    def _count_unfit(self, length_ns: int) -> None:
+        """A bubble over before it could be offered (read late: a lazy read, or a loop that fell behind): each
+        parked task whose step would not have fitted it counts it, as a ranking counts the bubbles it offers
+        (``grants.rank``), so that a step that fits no bubble is re-probed however its bubbles are read."""
+        if not self.policy.reprobes:
+            return
+        margin = self.config.margin_ns
+        for task in self._tasks.parked.values():
+            est = task.known_step_ns
+            if est is not None and not task.stopping and est + margin + task.margin_ns > length_ns:
+                task.health.unfit_bubbles += 1
 
     def _fail_hung_too_long(self, now_ns: int, out: list[Action]) -> None:
         """At a bubble's first grant, and at each tick: fail each frozen step that has looked hung for
@@ -575,7 +624,7 @@ class SchedulerCore:
                                    leaving is None or layout.same_job(leaving))
         self.memory.forget()
         for task in self.tasks.values():
-            task.health.unfit_bubbles = 0
+            task.health.unfit_bubbles = task.health.reprobes = 0
         if layout.free_memory_bytes >= 0:
             self.memory.sample_iteration((-1, -1), layout.free_memory_bytes + self._resident_usage())
             self._evict_if_over_budget(now_ns, out)

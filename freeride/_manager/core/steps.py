@@ -26,6 +26,10 @@ TRAINER_PAUSE_NS = 5_000_000_000
 #: core (:meth:`StepHealth.waited`): the kernel books a wait only when it ends. A worker at nice 19 beside a busy
 #: loop at nice 0 on its core had its waits booked at most 0.35 s apart (a 2-core VM, 127 bookings, 7 s).
 BOOKING_NS = 1_000_000_000
+#: A re-probe that finds a step still fitting no bubble doubles the bubbles the next one waits for
+#: (:meth:`StepHealth.reprobe_after`), at most this many times (x32: 6,400 bubbles, minutes of a trainer's, at the
+#: default 200). Each re-probe of a step longer than every bubble runs it past a bubble's end.
+MAX_REPROBE_DOUBLINGS = 5
 #: A step is said to be starved of its core (``StepHealth.starved``) only past this much granted time: a wait
 #: of a few grants is the scheduler's noise.
 STARVED_MIN_NS = 100_000_000
@@ -38,6 +42,8 @@ class StepHealth:
     hung_ns: int = 0  # wall time the current step has looked hung while the trainer made bubbles (phase HUNG)
     hung_seen_ns: int = 0  # when that was last counted (0: the step does not look hung)
     unfit_bubbles: int = 0  # bubbles in a row whose time the task's step estimate did not fit
+    #: Re-probes in a row since its step last fitted a bubble (:meth:`reprobe_after`).
+    reprobes: int = 0
     #: Bubbles in a row that its step fitted and whose first grant went to another task, and of those, to a
     #: task of a higher priority: what its waiting reason says once they are many (``explain``).
     outranked_bubbles: int = 0
@@ -65,6 +71,11 @@ class StepHealth:
     #: named what the board said at the freeze before (a hang in state_dict() at its first freeze read "one
     #: step"), and counted as stuck the grants of steps the board then showed finished.
     verdict_due: bool = False
+
+    def reprobe_after(self, base: int) -> int:
+        """How many unfit bubbles in a row its next re-probe waits for: ``base``, doubled for each re-probe since
+        its step last fitted a bubble (:data:`MAX_REPROBE_DOUBLINGS`)."""
+        return base << min(self.reprobes, MAX_REPROBE_DOUBLINGS)
 
     def _to(self, new: StepPhase) -> None:
         STEP.check(self.phase, new)
