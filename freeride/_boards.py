@@ -61,6 +61,11 @@ memory access, no system call:
   container of its own sharing the socket's volume) stops nothing, as the pids written there would name other
   processes of its own.
 
+  Last, the **quiet slots**: per rank (by ``rank % END_BOARD_RANKS``) one byte per slot index below
+  :data:`QUIET_SLOTS`, written by the manager (non-zero: no resident side task could use a bubble of that slot
+  now, :mod:`freeride._manager.quiet`) and read by the trainer at each bubble's start, which then holds that
+  bubble's events back (:mod:`freeride.training.reporter`). A byte is its own word: a slot reads old or new.
+
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
 Each record's identity word is written last and read first; a stale companion word (an end time)
@@ -95,7 +100,11 @@ END_RECORDS_BYTES = END_BOARD_RANKS * _RECORD.size
 #: After the stop records, the manager's pid namespace (device and inode of ``/proc/self/ns/pid``).
 _NAMESPACE_OFFSET = END_RECORDS_BYTES + END_BOARD_RANKS * _STOP.size
 _NAMESPACE = struct.Struct("<qq")
-END_BOARD_BYTES = _NAMESPACE_OFFSET + _NAMESPACE.size
+#: The end and stop records and the namespace: a board this short (an older manager's) has no quiet slots.
+STOP_RECORDS_END = _NAMESPACE_OFFSET + _NAMESPACE.size
+#: The quiet slots last: per rank (by ``rank % END_BOARD_RANKS``) one byte per slot index, for indices below this.
+QUIET_SLOTS = 1024
+END_BOARD_BYTES = STOP_RECORDS_END + END_BOARD_RANKS * QUIET_SLOTS
 
 WORKER_BOARD_BYTES = 64
 
@@ -264,8 +273,10 @@ class EndBoard:
         #: sidecar manager sharing only the socket's volume) has other pids: a pid the manager writes would name
         #: another process there, so it stops nothing.
         here = pid_namespace()
-        self.stops = (len(mapping) >= END_BOARD_BYTES and here != (0, 0)
+        self.stops = (len(mapping) >= STOP_RECORDS_END and here != (0, 0)
                       and _NAMESPACE.unpack_from(mapping, _NAMESPACE_OFFSET) == here)
+        #: Whether the board has the quiet slots (not an older manager's).
+        self.has_quiet = len(mapping) >= END_BOARD_BYTES
 
     @staticmethod
     def create(path: Path) -> None:
@@ -375,6 +386,25 @@ class EndBoard:
         except OSError:
             return 0
         return int(pid)
+
+    # ---------------------------------------------------------------- quiet slots
+
+    def quiet(self, rank: int, slot: int) -> bool:
+        """The trainer, at a bubble's start: whether the manager said that no side task could use a bubble of this
+        slot of ``rank`` now (its events may wait, :mod:`freeride.training.reporter`). False where the board has no
+        quiet slots or the slot's index is past them."""
+        if not 0 <= slot < QUIET_SLOTS or not self.has_quiet:
+            return False
+        return self._mm[STOP_RECORDS_END + (rank % END_BOARD_RANKS) * QUIET_SLOTS + slot] != 0
+
+    def set_quiet(self, rank: int, slots: bytes) -> None:
+        """The manager: ``rank``'s quiet slots, one byte a slot index from 0 (non-zero: quiet; those past
+        ``slots``, up to :data:`QUIET_SLOTS`, are not). Each byte is its own word: a trainer reading as they are
+        written sees each slot's old or new state."""
+        if not self.has_quiet:
+            return
+        offset = STOP_RECORDS_END + (rank % END_BOARD_RANKS) * QUIET_SLOTS
+        self._mm[offset:offset + QUIET_SLOTS] = slots[:QUIET_SLOTS].ljust(QUIET_SLOTS, b"\0")
 
     def close(self) -> None:
         try:

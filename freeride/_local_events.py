@@ -47,6 +47,10 @@ from freeride.errors import ConfigError
 from freeride.messages import BubbleEnd, BubbleStart, TrainerEvent, TrainerLayout
 
 _TAG_START, _TAG_END, _TAG_LAYOUT = 1, 2, 3
+#: A start or end the trainer held back on purpose (a quiet slot's: :meth:`freeride._boards.EndBoard.quiet`) and
+#: sends with a later event: the same fields; the manager does not time its delay.
+_TAG_START_LATE, _TAG_END_LATE = 4, 5
+_LATE_TAGS = (_TAG_START_LATE, _TAG_END_LATE)
 #: tag, stage, rank, iteration, slot, start, predicted, free memory, learned; then the kind (UTF-8).
 _START = struct.Struct("<Bqqqqqqq?")
 #: tag, stage, rank, iteration, slot, end.
@@ -82,11 +86,11 @@ def decode(data: bytes) -> TrainerEvent:
         raise ConfigError("an empty datagram is not a bubble event")
     tag = data[0]
     try:
-        if tag == _TAG_START and len(data) >= _START.size:
+        if tag in (_TAG_START, _TAG_START_LATE) and len(data) >= _START.size:
             _, stage, rank, iteration, slot, start_ns, predicted_ns, free, learned = _START.unpack_from(data)
             kind = data[_START.size:].decode()
             return BubbleStart(stage, rank, iteration, slot, kind, start_ns, predicted_ns, free, learned)
-        if tag == _TAG_END and len(data) == _END.size:
+        if tag in (_TAG_END, _TAG_END_LATE) and len(data) == _END.size:
             _, stage, rank, iteration, slot, end_ns = _END.unpack(data)
             return BubbleEnd(stage, rank, iteration, slot, end_ns)
         if tag == _TAG_LAYOUT and len(data) >= _LAYOUT.size:
@@ -104,6 +108,11 @@ def decode(data: bytes) -> TrainerEvent:
     except ValueError as exc:  # json.JSONDecodeError, or a text that does not unpack
         raise ConfigError(f"a layout datagram's text is malformed: {exc}") from None
     raise ConfigError(f"a datagram of {len(data)} bytes with tag {tag} is no bubble event")
+
+
+def sent_late(data: bytes) -> bool:
+    """Whether a datagram is an event the trainer held back on purpose (not to be timed as its delay)."""
+    return bool(data) and data[0] in _LATE_TAGS
 
 
 class LocalEvents:
@@ -223,10 +232,11 @@ class LocalEventSender:
         self._sock = sock
 
     def send_start(self, stage: int, rank: int, iteration: int, slot: int, kind: str, start_ns: int,
-                   predicted_ns: int, free_memory_bytes: int, learned: bool) -> bool:
+                   predicted_ns: int, free_memory_bytes: int, learned: bool, late: bool = False) -> bool:
+        """``late``: held back on purpose (a quiet slot's), sent now with a later event."""
         try:
-            data = _START.pack(_TAG_START, stage, rank, iteration, slot, start_ns, predicted_ns, free_memory_bytes,
-                               learned) + kind.encode()
+            data = _START.pack(_TAG_START_LATE if late else _TAG_START, stage, rank, iteration, slot, start_ns,
+                               predicted_ns, free_memory_bytes, learned) + kind.encode()
             if len(data) > MAX_DATAGRAM:
                 return False
             self._send(data, self._FLAGS)
@@ -234,9 +244,10 @@ class LocalEventSender:
         except (OSError, struct.error, UnicodeError):  # full, gone, or a field out of range: the wire says why
             return False
 
-    def send_end(self, stage: int, rank: int, iteration: int, slot: int, end_ns: int) -> bool:
+    def send_end(self, stage: int, rank: int, iteration: int, slot: int, end_ns: int, late: bool = False) -> bool:
         try:
-            self._send(_END.pack(_TAG_END, stage, rank, iteration, slot, end_ns), self._FLAGS)
+            self._send(_END.pack(_TAG_END_LATE if late else _TAG_END, stage, rank, iteration, slot, end_ns),
+                       self._FLAGS)
             return True
         except (OSError, struct.error):
             return False

@@ -5,7 +5,7 @@
                      [--step-timeout-s 60] [--stop-timeout-s 10] [--memory-poll-ms 50] [--trace FILE]
                      [--policy freeride|paper [--paper-profile FILE]] [--autogroup-nice N]
                      [--metrics-port N [--metrics-address 127.0.0.1]] [--event-spin-us N] [--idle-read-ms 10]
-                     [--no-trainer-stops]
+                     [--no-trainer-stops] [--no-quiet-slots]
                      [--queue URL --checkpoint-dir DIR [--queue-lease-ms 10000] [--queue-poll-ms 200]
                       [--queue-hold-ms 5000] [--queue-spread-ms 1000] [--node NAME]]
 
@@ -39,6 +39,10 @@ each, so that a send wakes no one (a stranger's trainer ran +17% slower beside m
 ``--no-trainer-stops``: on a ``cpu:N`` device a trainer on this host stops a side task's worker still holding its
 bubble (in a step, or not yet parked) at the bubble's end itself (the rank takes the core back then; the manager
 waits for a core to do it); with this, only the manager freezes such workers, grace after the end.
+
+``--no-quiet-slots``: a local trainer sends each bubble event as it happens. By default the manager tells it, on the
+end board, which slots no resident task's step could use now, and it holds their events back and sends them with
+its next event of another slot (or 10 ms later): each would otherwise wake the manager for nothing.
 """
 
 from __future__ import annotations
@@ -135,6 +139,11 @@ def register(subparsers: Any) -> None:
         "--no-trainer-stops", dest="trainer_stops", action="store_false",
         help="cpu:N: the manager alone freezes a side task still holding a bubble past its end (by default the trainer "
         "on this host stops it at the end itself)",
+    )
+    parser.add_argument(
+        "--no-quiet-slots", dest="quiet_slots", action="store_false",
+        help="a local trainer sends every bubble event as it happens (by default it holds back those of slots that "
+        "no resident task's step could use, and the manager reads them with its next one)",
     )
     parser.add_argument("--trace", default=None,
                         help="write a JSON-lines timeline of bubbles, grants and steps to FILE (see the demo)")
@@ -364,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
             event_spin_ns=event_spin_ns,
             idle_read_ns=idle_read_ns,
             trainer_stops=args.trainer_stops,
+            quiet_slots=args.quiet_slots,
         )
     except ValueError as exc:  # ConfigError is a ValueError too: keep its message as it is
         device.close()

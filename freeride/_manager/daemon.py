@@ -116,6 +116,7 @@ class Manager:
         event_spin_ns: int = 0,
         idle_read_ns: int | None = None,
         trainer_stops: bool = True,
+        quiet_slots: bool = True,
     ) -> None:
         """``metrics_port``: None serves no metrics; 0 serves them on a free port (see ``metrics.port``).
         ``queue``: join the cluster queue; ``node``: this host's name there (default: the host name).
@@ -123,7 +124,9 @@ class Manager:
         that many older logs are kept. ``event_spin_ns``: the loop stays awake this long after each trainer
         event (:attr:`LoopConfig.event_spin_ns`). ``idle_read_ns``: with no side task resident, a local trainer's
         events are read this often (:attr:`LoopConfig.idle_read_ns`; None: its default; 0: at each).
-        ``trainer_stops``: a local trainer stops a step still running at its end (:attr:`LoopConfig.trainer_stops`)."""
+        ``trainer_stops``: a local trainer stops a step still running at its end (:attr:`LoopConfig.trainer_stops`).
+        ``quiet_slots``: a local trainer holds back the events of slots no task could use
+        (:attr:`LoopConfig.quiet_slots`)."""
         self.device = open_device(device) if isinstance(device, str) else device
         self.endpoint = endpoint or default_endpoint(self.device.name)
         if self.endpoint.kind == "tcp" and not token:
@@ -154,6 +157,7 @@ class Manager:
                     event_spin_ns=event_spin_ns,
                     **({} if idle_read_ns is None else {"idle_read_ns": idle_read_ns}),
                     trainer_stops=trainer_stops,
+                    quiet_slots=quiet_slots,
                 ),
             )
         except BaseException:

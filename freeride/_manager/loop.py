@@ -43,7 +43,7 @@ from typing import Any
 from freeride import _channel as W
 from freeride._cluster.records import CancelTask as QueueCancel
 from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, ReleaseTask
-from freeride._local_events import LocalEvents, decode
+from freeride._local_events import LocalEvents, decode, sent_late
 from freeride._manager import core as C
 from freeride._manager.cluster_bridge import ClusterBridge
 from freeride._manager.device_poller import DevicePoller
@@ -52,6 +52,7 @@ from freeride._manager.ends import EndPath
 from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.inbox import BUBBLES_PER_TURN, Inbox
 from freeride._manager.paths import TaskPaths
+from freeride._manager.quiet import QuietSlots
 from freeride._manager.requests import Drain, Request, Shutdown
 from freeride._manager.store import TaskStore
 from freeride._manager.supervisor import StepsReported, Supervisor, WorkerSettings
@@ -181,6 +182,10 @@ class LoopConfig:
     #: On a ``cpu:N`` device with an end board, the trainer stops a side task's worker still holding its bubble at
     #: the end (``--no-trainer-stops``: the manager freezes it, a wake-up and a core later; :mod:`freeride._boards`).
     trainer_stops: bool = True
+    #: With an end board, the followed rank's slots that no resident task could use are published there, and a
+    #: local trainer holds their events back (:mod:`freeride._manager.quiet`; ``--no-quiet-slots``: every event
+    #: is sent as it happens).
+    quiet_slots: bool = True
 
     def __post_init__(self) -> None:
         for name in ("memory_poll_ms", "device_poll_ms", "eof_grace_ms", "max_pending_events", "store_retry_ms"):
@@ -275,6 +280,7 @@ class ManagerLoop:
         stops = config.trainer_stops and device.name.kind == "cpu"
         self.ends = EndPath(now_ns, config.end_board_path if stops else None, self.workers.stopped_by_trainer)
         self.workers.before_reap = self.ends.forget_pid
+        self.quiet = QuietSlots(config.end_board_path if config.quiet_slots else None)
         self.trace = (LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns, self.workers.cpu_ns)
                       if config.trace_path else None)
         self._local: LocalEvents | None = None
@@ -474,6 +480,7 @@ class ManagerLoop:
         local = self._local
         if local is None or not self._running:
             return
+        self.quiet.publish(self.core.quiet_slots())
         every = self.config.idle_read_ns
         eager = not every or self.core.wants_trainer_events()
         if eager != self._local_eager:
@@ -537,6 +544,7 @@ class ManagerLoop:
         received_ns = self.now_ns()
         latest_ns = received_ns + MAX_CLOCK_AHEAD_NS
         events: list[TrainerEvent] = []
+        held: list[bool] = []  # sent late on purpose (a quiet slot's: QuietSlots): not timed as a delay
         for data in datagrams:
             try:
                 event = decode(data)
@@ -548,16 +556,17 @@ class ManagerLoop:
                 self._reject_local(exc, received_ns)
                 continue
             events.append(event)
+            held.append(sent_late(data))
         self.inbox.count_received(len(events))
         inputs = with_ends_known([self._trainer_input(event, received_ns) for event in events])
-        for event, given in zip(events, inputs, strict=True):
+        for event, given, late in zip(events, inputs, held, strict=True):
             if not self._running:
                 break
             now = self.now_ns()
             if isinstance(event, BubbleEnd):
                 for seen in self.ends.local_end(event, received_ns):
                     self._feed(seen, now)
-            self._feed_trainer(given, now, timed=not lazy)
+            self._feed_trainer(given, now, timed=not (lazy or late))
         return []
 
     def _feed_trainer(self, event: _TrainerInput, now_ns: int, timed: bool = True) -> None:
@@ -928,6 +937,7 @@ class ManagerLoop:
         if self._local is not None:
             self._local.close()
         self.ends.close()  # before the workers are reaped: no trainer signals their pids from now on
+        self.quiet.close()
         self.workers.close()
         self.durability.close()
         self.watchers.close()

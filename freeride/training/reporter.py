@@ -39,6 +39,13 @@ fails (the manager far behind, or gone) sends that event and the connection's la
 so that none overtakes another. Over TCP (another user, another host) there is neither: there a
 message is cut right after each end, so an end is never held behind events queued after it.
 
+**Quiet slots wait.** The end board also says which of this rank's slots no side task could use now (the
+manager's :mod:`freeride._manager.quiet`: every resident task's step is longer than any of the slot's recent
+waits). A bubble of such a slot is held back on the training thread, its start and its end (a list append,
+~0.3 us, instead of a send that may wake the manager's core), and sent, marked late, right before this rank's
+next event of another slot, or with the next event once the first held one is :data:`QUIET_HOLD_NS` old, or
+at :meth:`BubbleReporter.close`. The end board's record is written at the end as always.
+
 Times are ``time.monotonic_ns()``: ``CLOCK_MONOTONIC`` is shared by every process on the host, so
 the manager compares them with its own clock directly.
 """
@@ -88,6 +95,12 @@ _CALL_ENDED = object()
 _START = 0
 _END = 1
 _LAYOUT = 2
+#: A quiet slot's events (the manager's end board says no side task could use that slot now) are held back on the
+#: training thread and sent with the next event of a slot that is not quiet, or once the first of them is this old
+#: (the next event after that sends them all) ...
+QUIET_HOLD_NS = 10_000_000
+#: ... or this many are held.
+MAX_HELD_EVENTS = 64
 
 
 @dataclass(frozen=True)
@@ -203,6 +216,11 @@ class BubbleReporter:
         self._cut_at_ends = self.endpoint.kind != "unix"
         #: (iteration, slot, start_ns) of the last bubble started: the identity an end writes on the board.
         self._last_start: tuple[int, int, int] | None = None
+        #: Whether that bubble's slot was quiet, its start held back: its end is held too (training thread).
+        self._last_quiet = False
+        #: Events held back (quiet slots'), in order, as queue items without their epoch (training thread only).
+        self._held: list[tuple[object, ...]] = []
+        self._held_since_ns = 0  # the first held event's time
         # Counters: each is written by one thread only, so plain ints are race-free under the GIL.
         self._enqueued = 0
         self._dropped_hot = 0
@@ -248,20 +266,54 @@ class BubbleReporter:
             if start_ns is None:
                 start_ns = time.monotonic_ns()
             self._last_start = (iteration, slot, start_ns)
-            local, epoch = self._route
-            if local is not None:
-                if local.send_start(self.stage, self.rank, iteration, slot, kind, start_ns, max(1, predicted_ns),
-                                    free_memory_bytes, learned):
-                    self._sent_local += 1
-                    return
-                epoch = self._local_failed(local)
-            if self._closing or self._queue.qsize() >= self._queue_size:
-                self._dropped_hot += 1
+            board = self._end_board
+            if board is not None and self._route[0] is not None and board.quiet(self.rank, slot):
+                self._last_quiet = True
+                self._hold((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned),
+                           start_ns)
                 return
-            self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned, epoch))
-            self._enqueued += 1
+            self._last_quiet = False
+            if self._held:
+                self._send_held()
+            self._send_start(iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned)
         except Exception:  # noqa: BLE001 - the training thread must never see our failures
             self._dropped_hot += 1
+
+    def _send_start(self, iteration: int, slot: int, kind: str, start_ns: int, predicted_ns: int,
+                    free_memory_bytes: int, learned: bool, late: bool = False) -> None:
+        local, epoch = self._route
+        if local is not None:
+            if local.send_start(self.stage, self.rank, iteration, slot, kind, start_ns, max(1, predicted_ns),
+                                free_memory_bytes, learned, late):
+                self._sent_local += 1
+                return
+            epoch = self._local_failed(local)
+        if self._closing or self._queue.qsize() >= self._queue_size:
+            self._dropped_hot += 1
+            return
+        self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned, epoch))
+        self._enqueued += 1
+
+    def _hold(self, item: tuple[object, ...], at_ns: int) -> None:
+        """Hold a quiet slot's event back (:data:`QUIET_HOLD_NS`, :data:`MAX_HELD_EVENTS`)."""
+        held = self._held
+        if not held:
+            self._held_since_ns = at_ns
+        held.append(item)
+        if len(held) >= MAX_HELD_EVENTS or at_ns - self._held_since_ns >= QUIET_HOLD_NS:
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """Send the held events, in order and marked late, by the route they would have taken."""
+        held, self._held = self._held, []
+        for item in held:
+            if item[0] == _START:
+                _, iteration, slot, kind, start_ns, predicted_ns, free, learned = item
+                self._send_start(iteration, slot, kind, start_ns, predicted_ns, free, learned,  # type: ignore[arg-type]
+                                 late=True)
+            else:
+                _, iteration, slot, end_ns = item
+                self._send_end(iteration, slot, end_ns, late=True)  # type: ignore[arg-type]
 
     def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
         """Report that the wait is over now (or at ``end_ns``). Never blocks or raises.
@@ -282,19 +334,29 @@ class BubbleReporter:
         try:
             if end_ns is None:
                 end_ns = time.monotonic_ns()
-            local, epoch = self._route
-            if local is not None:
-                if local.send_end(self.stage, self.rank, iteration, slot, end_ns):
-                    self._sent_local += 1
+            if self._last_quiet:
+                last = self._last_start
+                if last is not None and last[0] == iteration and last[1] == slot:
+                    self._hold((_END, iteration, slot, end_ns), end_ns)  # its start was held: it follows
                     return
-                epoch = self._local_failed(local)
-            if self._closing or self._queue.qsize() >= self._queue_size:
-                self._dropped_hot += 1
-                return
-            self._queue.put((_END, iteration, slot, end_ns, epoch))
-            self._enqueued += 1
+            if self._held:
+                self._send_held()
+            self._send_end(iteration, slot, end_ns)
         except Exception:  # noqa: BLE001
             self._dropped_hot += 1
+
+    def _send_end(self, iteration: int, slot: int, end_ns: int, late: bool = False) -> None:
+        local, epoch = self._route
+        if local is not None:
+            if local.send_end(self.stage, self.rank, iteration, slot, end_ns, late):
+                self._sent_local += 1
+                return
+            epoch = self._local_failed(local)
+        if self._closing or self._queue.qsize() >= self._queue_size:
+            self._dropped_hot += 1
+            return
+        self._queue.put((_END, iteration, slot, end_ns, epoch))
+        self._enqueued += 1
 
     def report_layout(
         self,
@@ -320,6 +382,8 @@ class BubbleReporter:
                 at_ns = time.monotonic_ns()
             self._last_layout = (str(schedule), int(stages), int(microbatches), tuple(str(d) for d in stage_devices),
                                  int(at_ns), int(free_memory_bytes))
+            if self._held:
+                self._send_held()  # no event overtakes another
             local, epoch = self._route
             if local is not None:
                 layout = TrainerLayout(str(schedule), int(stages), int(microbatches),
@@ -390,6 +454,12 @@ class BubbleReporter:
         """Flush what is queued (up to ``timeout_s``) and stop the background thread."""
         if self._closed.is_set():
             return
+        if self._held:  # the training thread's (close it from there, after the instrumented schedule)
+            held = len(self._held)
+            try:
+                self._send_held()
+            except Exception:  # noqa: BLE001 - never raise at close; what did not go is counted
+                self._dropped_hot += held
         self._closing = True
         self._closed.set()
         self._queue.put(_STOP)

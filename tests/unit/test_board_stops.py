@@ -135,7 +135,7 @@ def test_a_trainer_in_another_pid_namespace_stops_nothing(tmp_path: Path) -> Non
     # name other processes there. The board says the manager's namespace; a trainer elsewhere leaves stops be.
     import struct
 
-    from freeride._boards import END_BOARD_BYTES
+    from freeride._boards import STOP_RECORDS_END
 
     path = tmp_path / "ends"
     EndBoard.create(path)
@@ -143,7 +143,7 @@ def test_a_trainer_in_another_pid_namespace_stops_nothing(tmp_path: Path) -> Non
     assert board.stops
     board.close()
     with open(path, "r+b") as fh:
-        fh.seek(END_BOARD_BYTES - 16)
+        fh.seek(STOP_RECORDS_END - 16)
         fh.write(struct.pack("<qq", 1, 2))  # another namespace's
     trainer = EndBoard.open(path, writable=True)
     try:

@@ -149,6 +149,8 @@ class Bubbles:
         #: When the last bubble started (received; 0: none yet): whether the trainer is making bubbles.
         self.last_start_ns = 0
         self._reach_ns = -1  # reach_ns() cached; -1: a slot's reach changed since
+        #: Grows whenever a slot's reach changes (or the slots are replaced): what was derived from them is stale.
+        self.reach_version = 0
         self._max_slots = max_slots
         #: The slots and longest bubble of this job's other recent layouts, by shape (:meth:`change_layout`).
         self._kept: OrderedDict[Hashable, tuple[dict[tuple[int, int, int], SlotStats], int]] = OrderedDict()
@@ -166,6 +168,7 @@ class Bubbles:
             if b.predicted_ns > slot.reach_ns:
                 slot.reach_ns = b.predicted_ns
                 self._reach_ns = -1
+                self.reach_version += 1
             if b.free_memory_bytes >= 0:
                 slot.min_free = b.free_memory_bytes if slot.min_free < 0 else min(slot.min_free, b.free_memory_bytes)
         survival: tuple[int, ...] = ()
@@ -186,8 +189,11 @@ class Bubbles:
             slot.shared += shared
             slot.lengths_ns.append(length)
             slot.predicted_ns.append(start.predicted_ns)
-            slot.reach_ns = max(start.predicted_ns, max(itertools.islice(reversed(slot.lengths_ns), SURVIVAL_LENGTHS)))
-            self._reach_ns = -1
+            reach = max(start.predicted_ns, max(itertools.islice(reversed(slot.lengths_ns), SURVIVAL_LENGTHS)))
+            if reach != slot.reach_ns:
+                slot.reach_ns = reach
+                self._reach_ns = -1
+                self.reach_version += 1
             if length > 0:
                 slot.abs_error_pct.append(abs(start.predicted_ns - length) * 100.0 / length)
         return length
@@ -258,6 +264,7 @@ class Bubbles:
                 self._kept.popitem(last=False)
         self.slots, self.longest_ns = self._kept.pop(coming, ({}, 0))
         self._reach_ns = -1
+        self.reach_version += 1
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         out = []

@@ -106,6 +106,8 @@ class SchedulerCore:
         self._ranks_heard: dict[int, int] = {}
         #: The rank whose waits are this device's bubbles (None before any event).
         self.followed_rank: int | None = None
+        self._quiet_key: tuple[int, int, int] | None = None  # quiet_slots()'s, as last computed
+        self._quiet: tuple[int, bytes] | None = None
         #: Other ranks heard beside it within :data:`RANK_LEFT_NS`: while there are any, nothing is granted.
         self.sharing_ranks: tuple[int, ...] = ()
         self.stopping = Stopping(self._tasks, self.bubbles, self.overruns, self.config.stop_timeout_ns)
@@ -155,13 +157,13 @@ class SchedulerCore:
         in 60 iterations, and the managers' per-event work made those iterations 27% longer. A bubble read late
         is over (``loop.with_ends_known``): it still counts towards the re-probe (:meth:`_count_unfit`), and its
         free memory reaches the budget up to a lazy read later."""
-        fits_steps = self.policy.fits_steps
+        floor = self.policy.grant_floor_ns
         reach = -1
         for task in self._tasks.resident():
-            if not fits_steps or task.state is not _PARKED or task.stopping:
-                return True  # starting, holding or frozen in a bubble (a thaw fits any), or being stopped
+            if task.state is _RUNNING:
+                return True  # its bubble's end parks it
             need = self._fit_ns(task)
-            if need <= self.policy.grant_floor_ns:
+            if need <= floor:
                 return True
             if reach < 0:
                 reach = self.bubbles.reach_ns()
@@ -169,12 +171,54 @@ class SchedulerCore:
                 return True
         return False
 
+    def need_ns(self) -> int | None:
+        """The least time left in a bubble that some resident task could be granted now (:meth:`_fit_ns`, the least
+        over them; the policy's floor where any bubble would do); None with no task resident."""
+        floor = self.policy.grant_floor_ns
+        need: int | None = None
+        for task in self._tasks.resident():
+            fit = self._fit_ns(task)
+            if need is None or fit < need:
+                need = fit
+                if need <= floor:
+                    break
+        return need
+
+    def quiet_slots(self) -> tuple[int, bytes] | None:
+        """The followed rank and, one byte a slot index from 0, its slots that no resident task could use now
+        (1: every slot of that index, of any stage, reaches less than :meth:`need_ns`; a slot not seen yet is
+        not quiet). The trainer holds such a bubble's events back and sends them with a later one
+        (:meth:`freeride._boards.EndBoard.quiet`): read at once, they would cost the manager a wake-up each
+        on a core that may compute a rank, for nothing. None where no slot is quiet: no rank followed yet,
+        ranks that share the device, no task resident (the loop reads late then), or one that any bubble
+        would do for. Recomputed only when the need, the rank or a slot's reach changed."""
+        rank = self.followed_rank
+        need = self.need_ns()
+        if rank is None or self.sharing_ranks or need is None or need <= self.policy.grant_floor_ns:
+            return None
+        key = (rank, need, self.bubbles.reach_version)
+        if key != self._quiet_key:
+            loud: set[int] = set()
+            quiet: set[int] = set()
+            for (_, slot_rank, slot), stats in self.bubbles.slots.items():
+                if slot_rank == rank and slot >= 0:
+                    (loud if stats.reach_ns >= need else quiet).add(slot)
+            quiet -= loud
+            flags = bytearray(max(quiet) + 1 if quiet else 0)
+            for slot in quiet:
+                flags[slot] = 1
+            self._quiet_key, self._quiet = key, (rank, bytes(flags))
+        return self._quiet
+
     def _fit_ns(self, task: TaskRuntime) -> int:
         """The least time left in a bubble that ``task`` could be granted (``grants.rank``): its step plus margins,
-        or just the policy's floor where any would do (frozen, step not known yet, or a re-probe near)."""
+        or just the policy's floor where any would do (starting, frozen: a thaw fits any; being stopped; step not
+        known yet; a re-probe near; a policy that does not size steps). A task holding a bubble counts as
+        parked: its next grant is what it needs."""
         floor = self.policy.grant_floor_ns
         est = task.known_step_ns
-        if task.state is _FROZEN or est is None or not self.policy.fits_steps:
+        if (task.state is not _PARKED and task.state is not _RUNNING) or task.stopping or est is None \
+                or not self.policy.fits_steps:
             return floor
         health = task.health
         if self.policy.reprobes and health.unfit_bubbles + 1 >= health.reprobe_after(self.config.reprobe_after_bubbles):
