@@ -474,6 +474,10 @@ class ManagerStats:
     #: its start, a start older than the open one. (Until this count, they were added to ``events_rejected``,
     #: which then rose by one after a restart with no reason anywhere.)
     events_ignored: int = 0
+    #: Of ``events_received``, those read late on purpose: held back by a local trainer for its quiet slots (no
+    #: resident task could use them), or read every ``--idle-read-ms`` while no task could use any bubble. Not
+    #: timed in ``event_delay_ms``.
+    events_late: int = 0
 
 
 class Drained(NamedTuple):

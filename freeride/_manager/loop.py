@@ -287,6 +287,8 @@ class ManagerLoop:
         self._local_eager = True  # the local events' descriptor is in the selector (_follow_local)
         self._lazy_read_at_ns = 0  # while it is not: when the loop reads them next
         self._local_rejects_unlogged = 0
+        #: Local events read late on purpose (quiet slots' held back by the trainer, or lazy reads): not timed.
+        self.events_late = 0
         self._event_spin_ns = config.event_spin_ns  # 0 once the loop finds its cores all computing ranks
         self._spin_until_ns = 0  # the loop turns without sleeping until then (the last trainer event + the spin)
         self._run_delay = ProcField(SCHEDSTAT_PATH, 1)  # the loop thread's (opened by it, at its first spin)
@@ -544,7 +546,7 @@ class ManagerLoop:
         received_ns = self.now_ns()
         latest_ns = received_ns + MAX_CLOCK_AHEAD_NS
         events: list[TrainerEvent] = []
-        held: list[bool] = []  # sent late on purpose (a quiet slot's: QuietSlots): not timed as a delay
+        held: list[bool] = []  # read late on purpose (a lazy read, or a quiet slot's: QuietSlots): not timed
         for data in datagrams:
             try:
                 event = decode(data)
@@ -556,8 +558,9 @@ class ManagerLoop:
                 self._reject_local(exc, received_ns)
                 continue
             events.append(event)
-            held.append(sent_late(data))
+            held.append(lazy or sent_late(data))
         self.inbox.count_received(len(events))
+        self.events_late += sum(held)
         inputs = with_ends_known([self._trainer_input(event, received_ns) for event in events])
         for event, given, late in zip(events, inputs, held, strict=True):
             if not self._running:
@@ -566,7 +569,7 @@ class ManagerLoop:
             if isinstance(event, BubbleEnd):
                 for seen in self.ends.local_end(event, received_ns):
                     self._feed(seen, now)
-            self._feed_trainer(given, now, timed=not (lazy or late))
+            self._feed_trainer(given, now, timed=not late)
         return []
 
     def _feed_trainer(self, event: _TrainerInput, now_ns: int, timed: bool = True) -> None:
@@ -922,7 +925,7 @@ class ManagerLoop:
     def _counters(self) -> Counters:
         return Counters(self.started_unix, self.inbox.received, self.inbox.rejected, self.inbox.dropped,
                         self.workers.messages_dropped, self.event_delay.percentiles(), self.ends.end_to_worker_ms(),
-                        self.ends.trainer_stops)
+                        self.ends.trainer_stops, self.events_late)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -211,6 +211,9 @@ class ManagerCollector:
         yield counter("freeride_events_ignored_total",
                       "well-formed bubble events ignored as out of order (an end without its start: a restart)",
                       stats.events_ignored)
+        yield counter("freeride_events_late_total",
+                      "bubble events read late on purpose (quiet slots held back by the trainer, or no task could use "
+                      "any bubble): not timed as event delay", stats.events_late)
         yield counter("freeride_events_other_ranks_total",
                       "bubble events of trainer ranks other than the one the device follows (ignored)",
                       stats.events_other_ranks)

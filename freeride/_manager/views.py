@@ -59,6 +59,7 @@ class Counters:
     event_delay_ms: Percentiles
     end_to_worker_ms: Percentiles
     trainer_stops: int = 0
+    events_late: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class Views:
             events_received=n.events_received,
             events_rejected=n.events_rejected,
             events_ignored=s.ignored_events,
+            events_late=n.events_late,
             draining=core.draining,
             messages_dropped=n.messages_dropped,
             event_delay_ms=n.event_delay_ms,

@@ -139,6 +139,13 @@ def test_bubble_time_says_which_bubbles_it_leaves_out_after_ranks_shared_the_dev
     assert "while shared" not in render_stats(stats()) + render(stats(), TASKS, BUBBLES, width=300)
 
 
+def test_stats_says_how_many_events_were_read_late_on_purpose_and_nothing_when_none() -> None:
+    text = render_stats(stats(events_received=900, events_rejected=0, events_late=640))
+    assert "events:      900 received, 0 rejected, 640 read late on purpose (slots no task could use: not in the " \
+        "delay)" in text.splitlines()
+    assert "late" not in render_stats(stats())
+
+
 def test_json_says_null_for_a_p999_that_was_not_computed_not_zero() -> None:
     from freeride._cli.tasks import _to_json
 

@@ -109,6 +109,7 @@ EXPECTED_SAMPLES = [
     "freeride_overruns_total",
     "freeride_hung_overruns_total",
     "freeride_events_ignored_total",
+    "freeride_events_late_total",
     "freeride_events_other_ranks_total",
     "freeride_bubbles_while_shared_total",
     "freeride_shared_by_ranks",
@@ -298,7 +299,7 @@ def _stats(bubbles: int, queue: QueueStats | None = None) -> ManagerStats:
         overruns=1, overrun_ms=Percentiles(1, 2.0, 2.0, 2.0, 2.0), grant_latency_ms=empty, park_latency_ms=empty,
         memory_budget_bytes=-1, tasks_by_state={"PARKED": 1, "MYSTERY": 2}, events_received=9, events_rejected=1,
         draining=False, messages_dropped=4, queue=queue, shared_by_ranks=(0, 2), events_other_ranks=6, events_ignored=5,
-        bubbles_while_shared=9,
+        bubbles_while_shared=9, events_late=3,
     )
 
 
@@ -344,6 +345,7 @@ def test_scrapes_within_the_interval_reuse_one_answer_of_the_loop() -> None:
     assert value(first, "freeride_shared_by_ranks", device="cpu:7") == 2
     assert value(first, "freeride_events_other_ranks_total", device="cpu:7") == 6
     assert value(first, "freeride_events_ignored_total", device="cpu:7") == 5
+    assert value(first, "freeride_events_late_total", device="cpu:7") == 3
     assert value(first, "freeride_bubbles_while_shared_total", device="cpu:7") == 9
 
 

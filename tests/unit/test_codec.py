@@ -64,7 +64,7 @@ STATS = ManagerStats(
                                          reclaims=5, renewals=6, lost=7, handed_back=8, set_aside_here=9, errors=10,
                                          graces=11, last_error="cannot reach the queue"),
     shared_by_ranks=(0, 2), events_other_ranks=12, events_ignored=3, bubbles_while_shared=4, shared_quiet_s=2.5,
-    trainer_stops=7, hung_overruns=13,
+    trainer_stops=7, hung_overruns=13, events_late=14,
 )
 SLOT = BubbleSlotStats(stage=1, rank=2, slot=3, kind="tail", count=4, length_ms=P, predicted_ms=P, abs_error_pct=P,
                        min_free_memory_bytes=5, learned=True, length_mean_ms=2.5, shared=3)
