@@ -587,8 +587,8 @@ def render_stats(s: ManagerStats) -> str:
         ("mem budget", format_size(s.memory_budget_bytes) if s.memory_budget_bytes >= 0 else "unknown yet"),
         ("tasks", by_state),
         ("events", f"{s.events_received} received, {s.events_rejected} rejected"
-                   + (f", {s.events_late} read late on purpose (slots no task could use: not in the delay)"
-                      if s.events_late else "")
+                   + (f", {s.events_late} read late on purpose (bubbles no task could use: held back by the trainer "
+                      "for quiet slots, or read every --idle-read-ms; not in the event delay)" if s.events_late else "")
                    + (f", {s.events_ignored} out of order (ignored: an end without its start, as after a manager "
                       "restart under a running trainer)" if s.events_ignored else "")
                    + (f", {s.events_dropped} dropped" if s.events_dropped else "")

@@ -141,8 +141,8 @@ def test_bubble_time_says_which_bubbles_it_leaves_out_after_ranks_shared_the_dev
 
 def test_stats_says_how_many_events_were_read_late_on_purpose_and_nothing_when_none() -> None:
     text = render_stats(stats(events_received=900, events_rejected=0, events_late=640))
-    assert "events:      900 received, 0 rejected, 640 read late on purpose (slots no task could use: not in the " \
-        "delay)" in text.splitlines()
+    assert ("events:      900 received, 0 rejected, 640 read late on purpose (bubbles no task could use: held back by "
+            "the trainer for quiet slots, or read every --idle-read-ms; not in the event delay)") in text.splitlines()
     assert "late" not in render_stats(stats())
 
 
