@@ -11,6 +11,7 @@ from core_sim import MS, S, Sim
 
 from freeride._boards import END_BOARD_RANKS, QUIET_SLOTS, STOP_RECORDS_END, EndBoard
 from freeride._local_events import LocalEvents, LocalEventSender
+from freeride._manager.core.scheduler import QUIET_SLOTS as CORE_QUIET_SLOTS
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.quiet import QuietSlots
 from freeride.devices import open_device
@@ -41,6 +42,13 @@ def _with_task(step_ms: float, lengths_ms: dict[int, float]) -> Sim:
 def test_the_slots_that_no_tasks_step_fits_are_quiet() -> None:
     sim = _with_task(1.0, {0: 0.3, 1: 3.0, 3: 0.5})
     assert sim.core.quiet_slots() == (0, bytes([1, 0, 0, 1]))  # slot 2 never seen: not quiet
+
+
+def test_a_slot_past_the_boards_is_never_quiet_however_large_its_index() -> None:
+    # A trainer may number a slot 2**62: the flags are one byte a slot index, so only the board's first ones count.
+    sim = _with_task(1.0, {0: 0.3, QUIET_SLOTS: 0.3, 2**62: 0.3})
+    assert sim.core.quiet_slots() == (0, bytes([1]))
+    assert CORE_QUIET_SLOTS == QUIET_SLOTS
 
 
 def test_a_slot_whose_recent_wait_fits_the_step_is_loud_again() -> None:

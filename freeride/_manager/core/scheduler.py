@@ -80,6 +80,9 @@ MS = 1_000_000
 # A trainer rank that sent this device no bubble event for RANK_LEFT_NS has left it (its run ended, or moved):
 # the device no longer counts it as sharing (SchedulerCore._follows).
 _PARKED, _RUNNING, _FROZEN = TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN
+#: Slot indices below this may be quiet (:meth:`SchedulerCore.quiet_slots`): the end board's
+#: (``freeride._boards.QUIET_SLOTS``; a test checks they agree). A trainer may number a slot 2**62.
+QUIET_SLOTS = 1024
 _SERVING, _DRAINING = DrainPhase.SERVING, DrainPhase.DRAINING
 
 
@@ -201,7 +204,7 @@ class SchedulerCore:
             loud: set[int] = set()
             quiet: set[int] = set()
             for (_, slot_rank, slot), stats in self.bubbles.slots.items():
-                if slot_rank == rank and slot >= 0:
+                if slot_rank == rank and 0 <= slot < QUIET_SLOTS:
                     (loud if stats.reach_ns >= need else quiet).add(slot)
             quiet -= loud
             flags = bytearray(max(quiet) + 1 if quiet else 0)
