@@ -288,10 +288,15 @@ class BubbleReporter:
                 self._sent_local += 1
                 return
             epoch = self._local_failed(local)
+        self._enqueue((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned, epoch))
+
+    def _enqueue(self, item: tuple[object, ...]) -> None:
+        """Put an event (its route's epoch last) on the wire's queue, or drop and count it where the reporter is
+        closing or the queue is full."""
         if self._closing or self._queue.qsize() >= self._queue_size:
             self._dropped_hot += 1
             return
-        self._queue.put((_START, iteration, slot, kind, start_ns, predicted_ns, free_memory_bytes, learned, epoch))
+        self._queue.put(item)
         self._enqueued += 1
 
     def _hold(self, item: tuple[object, ...], at_ns: int) -> None:
@@ -352,11 +357,7 @@ class BubbleReporter:
                 self._sent_local += 1
                 return
             epoch = self._local_failed(local)
-        if self._closing or self._queue.qsize() >= self._queue_size:
-            self._dropped_hot += 1
-            return
-        self._queue.put((_END, iteration, slot, end_ns, epoch))
-        self._enqueued += 1
+        self._enqueue((_END, iteration, slot, end_ns, epoch))
 
     def report_layout(
         self,
@@ -393,12 +394,8 @@ class BubbleReporter:
                     self._sent_local += 1
                     return
                 epoch = self._local_failed(local)
-            if self._closing or self._queue.qsize() >= self._queue_size:
-                self._dropped_hot += 1
-                return
-            self._queue.put((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes,
-                             epoch))
-            self._enqueued += 1
+            self._enqueue((_LAYOUT, schedule, stages, microbatches, tuple(stage_devices), at_ns, free_memory_bytes,
+                           epoch))
         except Exception:  # noqa: BLE001
             self._dropped_hot += 1
 

@@ -160,19 +160,10 @@ class SchedulerCore:
         in 60 iterations, and the managers' per-event work made those iterations 27% longer. A bubble read late
         is over (``loop.with_ends_known``): it still counts towards the re-probe (:meth:`_count_unfit`), and its
         free memory reaches the budget up to a lazy read later."""
-        floor = self.policy.grant_floor_ns
-        reach = -1
-        for task in self._tasks.resident():
-            if task.state is _RUNNING:
-                return True  # its bubble's end parks it
-            need = self._fit_ns(task)
-            if need <= floor:
-                return True
-            if reach < 0:
-                reach = self.bubbles.reach_ns()
-            if need <= reach:
-                return True
-        return False
+        if any(True for _ in self._tasks.in_states(_RUNNING)):
+            return True  # its bubble's end parks it
+        need = self.need_ns()
+        return need is not None and (need <= self.policy.grant_floor_ns or need <= self.bubbles.reach_ns())
 
     def need_ns(self) -> int | None:
         """The least time left in a bubble that some resident task could be granted now (:meth:`_fit_ns`, the least
