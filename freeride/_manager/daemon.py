@@ -159,6 +159,7 @@ class Manager:
                     trainer_stops=trainer_stops,
                     quiet_slots=quiet_slots,
                 ),
+                state_lock=self.state_lock,
             )
         except BaseException:
             self.state_lock.release()

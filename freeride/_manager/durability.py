@@ -11,6 +11,15 @@ with :class:`~freeride.errors.StateNotWritable`: a task is acknowledged only onc
 pending write is only in memory: a manager killed before the directory recovers loses it (the task
 then comes back in its last durable state).
 
+The state directory may also be removed under a running manager (a clean-up of old files, an ``rm -rf``).
+SQLite goes on writing its open, unlinked files without an error, and the directory's lock guards nothing
+(:class:`~freeride._manager.state_lock.StateDirLock`), so a second manager could take the directory. The
+loop asks every :data:`HOME_CHECK_NS` (:meth:`Durability.check_home`); once the lock is lost, the manager
+locks the path again, opens a new store there and writes every task it knows into it as it is now, makes
+the live tasks' directories again (their next checkpoints land there; the files written before are gone),
+and says so. If another manager took the directory meanwhile, this one records nothing more and refuses
+submissions (training and its tasks are still served) until it is stopped.
+
 At a start (:meth:`Durability.recover`) every task that was alive when the last manager died starts
 again, from the newest checkpoint file in its directory when that is newer than the one recorded
 (files are written whole; the manager may have died before recording the newest), after the
@@ -19,11 +28,13 @@ processes a killed manager's workers left behind are killed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from freeride import _checkpoints
 from freeride._cluster.records import is_cluster_id
@@ -31,14 +42,17 @@ from freeride._manager import core as C
 from freeride._manager import orphans
 from freeride._manager.figures import figures_of, task_added
 from freeride._manager.paths import TaskPaths
+from freeride._manager.state_lock import StateDirInUse, StateDirLock
 from freeride._manager.store import TaskStore
-from freeride.errors import StateNotWritable
+from freeride.errors import ConfigError, StateNotWritable
 from freeride.messages import FailureRecord, TaskRecord, TaskSpec
 from freeride.states import TaskState
 
 log = logging.getLogger(__name__)
 
 _FLIPS = (TaskState.PARKED, TaskState.RUNNING, TaskState.FROZEN)
+#: How often the loop checks that the state directory is still its own (one stat and one fstat).
+HOME_CHECK_NS = 1_000_000_000
 
 
 class Durability:
@@ -52,6 +66,12 @@ class Durability:
         self.records: dict[str, TaskRecord] = {}
         #: Why the state directory refuses writes ("" while it takes them).
         self.fault = ""
+        #: Why this manager no longer writes its state directory at all: another manager took it after it was
+        #: removed ("" while it is this manager's; see the module doc).
+        self.homeless = ""
+        self._home_lost = ""  # why the lock was last found lost, while the directory is not made again
+        self._home_error = ""  # why it could not be made again at the last check
+        self._reopening = False  # the lock is held again, the store not yet made again (check_home)
         # Store writes the state directory refused, oldest first.
         self._pending: dict[tuple[str, str], Callable[[], None]] = {}
         self._next_retry_ns = 0
@@ -72,6 +92,8 @@ class Durability:
 
     def flush(self) -> bool:
         """Write what is pending, oldest first; True when nothing is left."""
+        if self.homeless or self._reopening:
+            return not self._pending
         while self._pending:
             key, write = next(iter(self._pending.items()))
             try:
@@ -90,6 +112,8 @@ class Durability:
         return True
 
     def next_timer_ns(self) -> int | None:
+        if self.homeless or self._reopening:
+            return None  # nothing to retry: check_home's own check makes the store again, or none is made
         return self._next_retry_ns if self._pending else None
 
     def poll(self, now: int) -> None:
@@ -100,6 +124,9 @@ class Durability:
 
     def submit(self, spec: TaskSpec) -> TaskRecord:
         """Record a submission, or raise :class:`StateNotWritable`: acknowledged only once on disk."""
+        if self.homeless or self._home_lost:
+            why = self.homeless or f"{self._home_lost} ({self._home_error or 'not made again yet'})"
+            raise StateNotWritable(f"{why}; the task was not submitted (training is still served)")
         if self._pending and not self.flush():
             raise StateNotWritable(f"{self.fault}; the task was not submitted (training is still served)")
         try:
@@ -130,6 +157,67 @@ class Durability:
         figures = (0.0, None, 0) if task is None else (task.harvested_ns / 1e9, task.progress_unit, task.overruns)
         self.write(action.task_id, "checkpoint", functools.partial(
             self.store.record_checkpoint, action.task_id, action.step, action.path, action.progress, *figures))
+
+    # ------------------------------------------------------------ the directory itself
+
+    def check_home(self, lock: StateDirLock, current: Callable[[], list[TaskRecord]],
+                   live_dirs: Callable[[], list[Path]]) -> None:
+        """Whether the state directory is still this manager's; if it was removed under it, make it so again
+        (module doc). ``current``: every task this manager knows, as it is now (the store's rows to write);
+        ``live_dirs``: the directories of its live tasks, made again."""
+        if self.homeless:
+            return
+        path = self.store.path
+        if not self._reopening:
+            lost = lock.lost()
+            if not lost:
+                return
+            if lost != self._home_lost:
+                self._home_lost = lost
+                log.error("[%s] %s while this manager runs: its task records and the checkpoints there are gone; "
+                          "making it again from what the manager holds", self.device, lost)
+            try:
+                lock.retake()
+            except StateDirInUse:
+                self.homeless = (f"another manager took the state directory {path.parent} after it was removed "
+                                 "under this one: this manager records nothing more and accepts no tasks (stop it; "
+                                 "its tasks run on until then, and the other manager does not know them)")
+                log.error("[%s] %s", self.device, self.homeless)
+                return
+            except ConfigError as exc:
+                self._cannot_remake(str(exc))
+                return
+            self.store.close()
+            self._reopening = True  # no write reaches the closed store until a new one holds every record
+        try:
+            store = TaskStore(path)
+        except ConfigError as exc:
+            self._cannot_remake(str(exc))
+            return
+        try:
+            records = current()
+            store.restore(records)
+        except StateNotWritable as exc:
+            store.close()
+            self._cannot_remake(str(exc))
+            return
+        self.store = store
+        self._reopening = False
+        self._pending.clear()  # bound to the old store; the rows just written hold what they would have
+        self.fault = self._home_lost = self._home_error = ""
+        for directory in live_dirs():
+            for part in ("checkpoints", "work"):
+                with contextlib.suppress(OSError):
+                    (directory / part).mkdir(parents=True, exist_ok=True)
+        log.warning("[%s] state directory %s made again: %d task record(s) written from memory; live tasks "
+                    "checkpoint there again from their next checkpoint (a task working in files of its work "
+                    "directory lost them)", self.device, path.parent, len(records))
+
+    def _cannot_remake(self, why: str) -> None:
+        if why != self._home_error:
+            log.error("[%s] cannot make the state directory again yet (%s); trying again every %.0f s", self.device,
+                      why, HOME_CHECK_NS / 1e9)
+        self._home_error = why
 
     # ------------------------------------------------------------ start and stop
 
@@ -173,7 +261,7 @@ class Durability:
     def close(self) -> None:
         if self._pending and not self.flush():
             log.error("[%s] stopping with %d task record(s) not saved (%s): those tasks come back in their last "
-                      "saved state", self.device, len(self._pending), self.fault)
+                      "saved state", self.device, len(self._pending), self.homeless or self.fault)
         self.store.close()
 
 

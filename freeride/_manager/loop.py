@@ -42,18 +42,20 @@ from typing import Any
 
 from freeride import _channel as W
 from freeride._cluster.records import CancelTask as QueueCancel
-from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, ReleaseTask
+from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, ReleaseTask, is_cluster_id
 from freeride._local_events import LocalEvents, decode, sent_late
 from freeride._manager import core as C
 from freeride._manager.cluster_bridge import ClusterBridge
 from freeride._manager.device_poller import DevicePoller
-from freeride._manager.durability import Durability, stamped
+from freeride._manager.durability import HOME_CHECK_NS, Durability, stamped
 from freeride._manager.ends import EndPath
+from freeride._manager.figures import figures_of
 from freeride._manager.histogram import LatencyHistogram
 from freeride._manager.inbox import BUBBLES_PER_TURN, Inbox
 from freeride._manager.paths import TaskPaths
 from freeride._manager.quiet import QuietSlots
 from freeride._manager.requests import Drain, Request, Shutdown
+from freeride._manager.state_lock import StateDirLock
 from freeride._manager.store import TaskStore
 from freeride._manager.supervisor import StepsReported, Supervisor, WorkerSettings
 from freeride._manager.timer import make_timer
@@ -72,6 +74,7 @@ from freeride.messages import (
     BubbleStart,
     QueueStats,
     TaskEvent,
+    TaskRecord,
     TrainerEvent,
     TrainerLayout,
     validate_bubble_event,
@@ -234,9 +237,14 @@ def cores_with_cpu_managers(sockets: Path, cores: set[int]) -> set[int]:
 
 
 class ManagerLoop:
-    def __init__(self, device: Device, config: LoopConfig, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(self, device: Device, config: LoopConfig, now_ns: Callable[[], int] = time.monotonic_ns,
+                 state_lock: StateDirLock | None = None) -> None:
+        """``state_lock``: the state directory's lock, held by the caller; given, the loop checks every second
+        that the directory is still its own and makes it again if it was removed (:meth:`Durability.check_home`)."""
         self.device = device
         self.config = config
+        self._state_lock = state_lock
+        self._next_home_check_ns = 0
         self._cores = os.sched_getaffinity(0)  # where this manager's threads may run (workers pin their own)
         self._said_cores_shared = False
         #: Parked workers' CPU time at the last reading: task id -> (CPU ns, when, grant id) (_check_parked_cpu).
@@ -675,10 +683,33 @@ class ManagerLoop:
             self._next_parked_check_ns = now + PARKED_CPU_CHECK_NS
             self._check_parked_cpu(now)
         self.durability.poll(now)
+        if self._state_lock is not None and now >= self._next_home_check_ns:
+            self._next_home_check_ns = now + HOME_CHECK_NS
+            self.durability.check_home(self._state_lock, self._records_now, self._live_task_dirs)
         if self.trace is not None:
             self.trace.poll(now)
         for event in self.workers.poll(now):
             self._dispatch(event)
+
+    def _records_now(self) -> list[TaskRecord]:
+        """Every task of this manager's own store as it is now (its record, updated from the core for a task
+        this run knows): what a store made again holds (:meth:`Durability.check_home`)."""
+        out = []
+        now = time.time()
+        for tid, meta in self.durability.records.items():
+            if is_cluster_id(tid):
+                continue  # the queue holds it, not the store
+            task = self.core.tasks.get(tid)
+            if task is not None:
+                meta = dataclasses.replace(meta, spec=task.spec, state=task.state.value, figures=figures_of(task),
+                                           checkpoint_path=task.checkpoint_path, failure=self.failures.of(task),
+                                           updated_unix_s=now)
+            out.append(meta)
+        return out
+
+    def _live_task_dirs(self) -> list[Path]:
+        return [self.paths.task_dir(tid) for tid, task in self.core.tasks.items()
+                if not task.state.is_terminal and not is_cluster_id(tid)]
 
     def _check_parked_cpu(self, now_ns: int) -> None:
         """Read the CPU time of every parked worker; one that used :data:`OUTSIDE_GRANTS_SHARE` of the time since

@@ -186,6 +186,23 @@ class TaskStore:
                  figures.restarts, time.time(), task_id),
             )
 
+    def restore(self, records: list[TaskRecord]) -> None:
+        """Write ``records`` whole (ids, sequence numbers, states, figures, checkpoints and failures as they are),
+        in one transaction, over whatever rows of theirs the table holds: the manager's memory written back to a
+        new store, after its directory was removed under it. Later submissions number on from the highest."""
+        with self._writing() as db:
+            for r in records:
+                f, state = r.figures, TaskState(r.state)
+                db.execute(
+                    "INSERT OR REPLACE INTO tasks (seq, task_id, spec_json, state, failure_json, checkpoint_step,"
+                    " checkpoint_path, steps, progress, progress_unit, harvested_s, overruns, restarts,"
+                    " submitted_unix, updated_unix) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (r.seq, r.task_id, _spec_to_json(r.spec), _DURABLE.get(state, state).value,
+                     json.dumps(r.failure.to_json()) if r.failure is not None else None, f.checkpoint_step,
+                     r.checkpoint_path, f.steps, f.progress, f.progress_unit, f.harvested_s, f.overruns, f.restarts,
+                     r.submitted_unix_s, r.updated_unix_s),
+                )
+
     def get(self, task_id: str) -> TaskRecord | None:
         row = self._db.execute("SELECT * FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
         return self._row(row) if row else None

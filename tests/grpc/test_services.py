@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
 from freeride._manager.daemon import Manager
+from freeride._manager.state_lock import LOCK_NAME
 from freeride._wire import freeride_pb2 as pb
 from freeride._wire import freeride_pb2_grpc as pb_grpc
 from freeride._wire.client import ControlClient, health_status
@@ -169,6 +171,40 @@ def test_a_second_manager_on_the_same_state_dir_is_refused_and_the_first_ones_ta
     os.kill(pid, 0)  # its worker lives
     info = harness.client.get(task.task_id)
     assert info.state == "PARKED" and info.pid == pid and health_status(harness.endpoint) == "SERVING"
+
+
+def test_a_state_dir_removed_under_a_running_manager_is_made_again_guarded_and_kept_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    # A stranger's trial: the manager whose state directory was deleted kept serving, wrote its records into the
+    # removed files and left the directory unguarded, so a second manager could take it.
+    sock, state = Endpoint("unix", f"/tmp/fr-removed-{os.getpid()}.sock"), tmp_path / "state"
+    manager = Manager(DEVICE, endpoint=sock, state_dir=state)
+    manager.start()
+    try:
+        with ControlClient(sock) as client:
+            spec = TaskSpec(target="sample_tasks:Counter", memory_bytes=512 * 2**20, working_dir=str(TESTS_DIR))
+            first = client.submit(spec)
+            wait_for(lambda: client.get(first.task_id).state == "PARKED", 30)
+            pid = client.get(first.task_id).pid
+            shutil.rmtree(state)
+            task_dir = state / "tasks" / first.task_id
+            wait_for((task_dir / "work").is_dir, 30, what="the state directory made again")  # made last
+            assert (state / LOCK_NAME).exists() and (state / "tasks.db").exists()
+            assert (task_dir / "checkpoints").is_dir()
+            with pytest.raises(ConfigError, match="another manager"):
+                Manager(DEVICE, endpoint=Endpoint("unix", f"/tmp/fr-removed2-{os.getpid()}.sock"), state_dir=state)
+            second = client.submit(spec)
+            assert second.task_id != first.task_id and client.get(first.task_id).pid == pid  # its worker lives
+    finally:
+        manager.stop()
+    again = Manager(DEVICE, endpoint=sock, state_dir=state)
+    again.start()
+    try:
+        with ControlClient(sock) as client:
+            assert sorted(t.task_id for t in client.list()) == sorted([first.task_id, second.task_id])
+    finally:
+        again.stop()
 
 
 def test_a_stopped_managers_state_dir_is_taken_by_the_next_one(tmp_path: Path) -> None:
