@@ -61,10 +61,15 @@ memory access, no system call:
   container of its own sharing the socket's volume) stops nothing, as the pids written there would name other
   processes of its own.
 
-  Last, the **quiet slots**: per rank (by ``rank % END_BOARD_RANKS``) one byte per slot index below
+  Then the **quiet slots**: per rank (by ``rank % END_BOARD_RANKS``) one byte per slot index below
   :data:`QUIET_SLOTS`, written by the manager (non-zero: no resident side task could use a bubble of that slot
   now, :mod:`freeride._manager.quiet`) and read by the trainer at each bubble's start, which then holds that
   bubble's events back (:mod:`freeride.training.reporter`). A byte is its own word: a slot reads old or new.
+
+  Last, per rank one word: the **command group** of the grant armed in that rank's stop record, written before
+  the record's identity (0: none). A command task's command runs in a process group of its own
+  (:mod:`freeride.command`); the trainer stops it with the worker, else a slice in flight ran on until the
+  manager froze it. A board without it (an older manager's) stops the worker alone.
 
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
@@ -102,9 +107,12 @@ _NAMESPACE_OFFSET = END_RECORDS_BYTES + END_BOARD_RANKS * _STOP.size
 _NAMESPACE = struct.Struct("<qq")
 #: The end and stop records and the namespace: a board this short (an older manager's) has no quiet slots.
 STOP_RECORDS_END = _NAMESPACE_OFFSET + _NAMESPACE.size
-#: The quiet slots last: per rank (by ``rank % END_BOARD_RANKS``) one byte per slot index, for indices below this.
+#: The quiet slots: per rank (by ``rank % END_BOARD_RANKS``) one byte per slot index, for indices below this.
 QUIET_SLOTS = 1024
-END_BOARD_BYTES = STOP_RECORDS_END + END_BOARD_RANKS * QUIET_SLOTS
+#: The quiet slots' end: a board this short (an older manager's) has no command groups.
+QUIET_SLOTS_END = STOP_RECORDS_END + END_BOARD_RANKS * QUIET_SLOTS
+#: Last, per rank one word: the process group of the command task armed in that rank's stop record (0: none).
+END_BOARD_BYTES = QUIET_SLOTS_END + END_BOARD_RANKS * _WORD.size
 
 WORKER_BOARD_BYTES = 64
 
@@ -276,7 +284,8 @@ class EndBoard:
         self.stops = (len(mapping) >= STOP_RECORDS_END and here != (0, 0)
                       and _NAMESPACE.unpack_from(mapping, _NAMESPACE_OFFSET) == here)
         #: Whether the board has the quiet slots (not an older manager's).
-        self.has_quiet = len(mapping) >= END_BOARD_BYTES
+        self.has_quiet = len(mapping) >= QUIET_SLOTS_END
+        self.has_groups = len(mapping) >= END_BOARD_BYTES
 
     @staticmethod
     def create(path: Path) -> None:
@@ -325,14 +334,27 @@ class EndBoard:
     def _stop_offset(rank: int) -> int:
         return END_RECORDS_BYTES + (rank % END_BOARD_RANKS) * _STOP.size
 
-    def arm_stop(self, rank: int, start_ns: int, pid: int, holding: bool = True) -> None:
+    def arm_stop(self, rank: int, start_ns: int, pid: int, holding: bool = True, group: int = 0) -> None:
         """The manager, at a grant of ``rank``'s bubble that started at ``start_ns`` to the worker ``pid``: the
         trainer stops that worker at the end unless it parked first (``holding`` False: only once it begins a
-        step; a test's)."""
+        step; a test's), and with it the process group ``group`` of a command task's command (0: none; the
+        command runs in a group of its own, :mod:`freeride.command`)."""
         offset = self._stop_offset(rank)
         _WORD.pack_into(self._mm, offset, 0)  # the identity first: no trainer acts on a half-written record
         _STOP.pack_into(self._mm, offset, 0, pid, int(holding), 0)
+        if self.has_groups:
+            _WORD.pack_into(self._mm, self._group_offset(rank), group)
         _WORD.pack_into(self._mm, offset, start_ns)
+
+    def set_group(self, rank: int, group: int) -> None:
+        """The manager: the command group of the worker armed in ``rank``'s stop record, learnt after the grant
+        went out (the grant that runs a command task's setup starts its command). A trainer reads it at the end."""
+        if self.has_groups:
+            _WORD.pack_into(self._mm, self._group_offset(rank), group)
+
+    @staticmethod
+    def _group_offset(rank: int) -> int:
+        return QUIET_SLOTS_END + (rank % END_BOARD_RANKS) * _WORD.size
 
     def disarm_stop(self, rank: int, pid: int) -> int:
         """The manager: the grant armed for the worker ``pid`` in ``rank``'s record is over (the bubble ended, the
@@ -378,6 +400,7 @@ class EndBoard:
         _, pid, holding, _ = _STOP.unpack_from(self._mm, offset)
         if not pid or not holding:
             return 0
+        group = int(_WORD.unpack_from(self._mm, self._group_offset(rank))[0]) if self.has_groups else 0
         _WORD.pack_into(self._mm, offset + 24, time.monotonic_ns())
         if int(_WORD.unpack_from(self._mm, offset)[0]) != start_ns:
             return 0
@@ -385,6 +408,9 @@ class EndBoard:
             os.killpg(pid, signal.SIGSTOP)
         except OSError:
             return 0
+        if group > 1:  # a command task's command, in its slice (a slice's own stop, or the manager's, is then a no-op)
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGSTOP)
         return int(pid)
 
     # ---------------------------------------------------------------- quiet slots

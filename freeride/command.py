@@ -12,9 +12,8 @@ Best effort, by nature:
 * There is no checkpoint: a command that is restarted (after an eviction or a manager restart)
   starts again from the beginning. Write an iterative task where resumption matters.
 * Grandchildren that leave the command's process group are not frozen.
-* On a ``cpu:N`` device the trainer stops the worker at a bubble's end, not the command: a slice in flight runs
-  on until the manager freezes the command's group with the worker (the manager's thaws continue only the
-  worker: the command runs in its task's slices alone).
+* On a ``cpu:N`` device the trainer stops the worker and the command at a bubble's end (the manager's end board
+  names both groups); the manager's thaws continue only the worker: the command runs in its task's slices alone.
 
 What the command starts in its group dies with it whichever way the worker ends: a manager killed with -9 takes
 the worker with it and the command with the worker (their death signals), and a watch outside the group kills

@@ -98,15 +98,16 @@ class EndPath:
             self._hot = _HotGrant(task_id, grant_id, bubble_key, start_ns, board)
 
     def arm_stop(self, task_id: str, grant_id: int, bubble_key: tuple[int, int, int, int], start_ns: int,
-                 pid: int) -> None:
+                 pid: int, group: int = 0) -> None:
         """A grant of ``bubble_key`` (started at ``start_ns``) to the worker ``pid`` goes out: the trainer stops that
-        worker at its end unless it parked first (a step still running, or one about to begin or to be reported)."""
+        worker at its end unless it parked first (a step still running, or one about to begin or to be reported),
+        and with it a command task's command, in the process group ``group`` (0: none)."""
         board = self._stop_board()
         if board is None or not pid:
             return
         if self._armed is not None:  # the last grant's, where nothing took it back (a claim in it is read)
             self._disarm(self._armed)
-        board.arm_stop(bubble_key[1], start_ns, pid)
+        board.arm_stop(bubble_key[1], start_ns, pid, group=group)
         self._armed = _ArmedStop(task_id, grant_id, bubble_key, start_ns, pid)
 
     def _stop_board(self) -> EndBoard | None:
@@ -230,6 +231,16 @@ class EndPath:
         armed = self._armed
         if armed is not None and armed.task_id == task_id:
             self._disarm(armed)
+
+    def command_group(self, pid: int, group: int) -> None:
+        """The worker ``pid`` started its command task's command in the process group ``group``: a stop armed for
+        that worker (the grant that runs its setup, which starts the command) stops the command too."""
+        armed, board = self._armed, self._board
+        if armed is not None and armed.pid == pid and board is not None:
+            try:
+                board.set_group(armed.rank, group)
+            except ValueError:  # closed at shutdown
+                pass
 
     def forget_pid(self, pid: int) -> None:
         """The worker ``pid`` is about to be reaped: no trainer may signal that pid from now on."""

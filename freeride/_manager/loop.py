@@ -288,6 +288,7 @@ class ManagerLoop:
         stops = config.trainer_stops and device.name.kind == "cpu"
         self.ends = EndPath(now_ns, config.end_board_path if stops else None, self.workers.stopped_by_trainer)
         self.workers.before_reap = self.ends.forget_pid
+        self.workers.on_command_group = self.ends.command_group
         self.quiet = QuietSlots(config.end_board_path if config.quiet_slots else None)
         self.trace = (LoopTrace(TraceWriter(config.trace_path, str(device)), now_ns, self.workers.cpu_ns)
                       if config.trace_path else None)
@@ -830,7 +831,8 @@ class ManagerLoop:
         # grant waiting, rather than with the old grant's ended word alone.
         tid = action.task_id
         if action.trainer_ends:  # before the grant goes out: its worker may begin a step (or go on with one) at once
-            self.ends.arm_stop(tid, action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.pid(tid))
+            self.ends.arm_stop(tid, action.grant_id, action.bubble_key, action.bubble_start_ns, self.workers.pid(tid),
+                               self.workers.command_group(tid))
         events = self.workers.send(tid, W.Grant(action.grant_id, action.deadline_ns, action.margin_ns,
                                                 probe=action.probe, rank=action.rank,
                                                 bubble_start_ns=action.bubble_start_ns,

@@ -143,6 +143,9 @@ class Supervisor:
         self._held_parked: set[str] = set()
         #: Called with a worker's pid right before it is reaped (the end path takes back a stop armed for it).
         self.before_reap: Callable[[int], None] = lambda pid: None
+        #: Called with a worker's pid and its command task's process group as the worker says it (the end path
+        #: names it in a stop armed for that worker already: the first grant starts the command).
+        self.on_command_group: Callable[[int, int], None] = lambda pid, pgid: None
 
     # ------------------------------------------------------------ what the loop asks
 
@@ -153,6 +156,11 @@ class Supervisor:
     def pid(self, task_id: str) -> int:
         handle = self.workers.get(task_id)
         return handle.proc.pid if handle is not None else 0
+
+    def command_group(self, task_id: str) -> int:
+        """The process group of a command task's command (0: none, or not yet said): stopped with the worker."""
+        handle = self.workers.get(task_id)
+        return handle.extra_pgids[0] if handle is not None and handle.extra_pgids else 0
 
     def send(self, task_id: str, message: W.ManagerMessage) -> list[Any]:
         """Send a message; a full channel drops it (counted). A closed one returns the events of what the
@@ -446,6 +454,7 @@ class Supervisor:
                 raise ProtocolError(f"process group {msg.pgid} is not one a command task could have made")
             handle.extra_pgids.append(msg.pgid)
             self._watch(tid, [handle.proc.pid, *handle.extra_pgids])
+            self.on_command_group(handle.proc.pid, msg.pgid)
             return []
         # The channel decodes only worker messages: a manager's own is no business of a worker.
         raise ProtocolError(f"a {msg.TAG!r} message is not one a worker may send")

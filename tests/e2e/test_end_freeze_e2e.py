@@ -139,6 +139,49 @@ def test_a_step_running_at_the_end_is_stopped_by_the_trainer_itself_and_frozen_a
     assert freeze.get("by") == "trainer" and before <= freeze["at_ns"] <= after
 
 
+def test_a_command_tasks_command_in_its_slice_is_stopped_by_the_trainer_with_the_worker(
+    make_manager: Callable[..., ManagerHarness],
+) -> None:
+    # A command task's command runs in a process group of its own: the trainer stopped the worker alone, and a
+    # slice in flight ran on until the manager froze the group. The grant names the group on the end board.
+    import struct
+    import sys
+
+    import psutil
+
+    from freeride._boards import QUIET_SLOTS_END
+
+    from freeride._manager import core as C
+
+    harness = make_manager(grace_ns=5 * S)
+    # The manager's own freezes are left out: a command found stopped was stopped by the trainer.
+    harness.manager.loop._apply_by_type[C.Freeze] = lambda action: []
+    task = harness.client.submit(__import__("freeride").TaskSpec(
+        command=(sys.executable, "-c", "while True: pass"), args={"slice_ms": 1000.0}, memory_bytes=512 * 2**20))
+    harness.wait_state(task.task_id, "PARKED")
+    pid = harness.client.get(task.task_id).pid
+
+    def running_command() -> int:
+        """The command's pid once it runs in a slice (it starts in the first grant, stopped; 0 until then)."""
+        found = [c.pid for c in psutil.Process(pid).children() if "while True: pass" in c.cmdline()]
+        return found[0] if found and process_state(found[0]) == "R" else 0
+
+    reporter, _ = _connect(harness)
+    try:
+        reporter.bubble_start(0, 0, "test", predicted_ns=60 * S)
+        command = int(wait_for(running_command, 30, what="the command to run in a slice"))  # type: ignore[call-overload]
+        assert harness.manager.end_board is not None
+        with open(harness.manager.end_board, "rb") as fh:
+            fh.seek(QUIET_SLOTS_END)  # rank 0's command group: named in the grant that started the command
+            assert struct.unpack("<q", fh.read(8))[0] == command
+        reporter.bubble_end(0, 0)
+        wait_for(lambda: process_state(pid) == "T" and process_state(command) == "T", 5,
+                 what="the worker and the command stopped by the trainer")
+        assert harness.wait_state(task.task_id, "FROZEN", timeout_s=4).state == "FROZEN"  # booked as of that stop
+    finally:
+        reporter.close()
+
+
 def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_manager_serves_on(
     harness: ManagerHarness,
 ) -> None:

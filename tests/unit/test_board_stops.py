@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from freeride._boards import END_RECORDS_BYTES, EndBoard
+from freeride._boards import END_RECORDS_BYTES, QUIET_SLOTS_END, EndBoard
 from freeride._task_process import process_state as state
 
 RANK, START = 3, 1_000
@@ -149,4 +149,50 @@ def test_a_trainer_in_another_pid_namespace_stops_nothing(tmp_path: Path) -> Non
     try:
         assert not trainer.stops  # what the reporter checks before it reads a stop record
     finally:
+        trainer.close()
+
+
+def test_a_command_tasks_command_is_stopped_with_its_worker_and_a_later_python_grant_stops_no_group(
+        boards: tuple[EndBoard, EndBoard, EndBoard], worker: subprocess.Popen[bytes]) -> None:
+    # A command task's command runs in a process group of its own: stopped with the worker alone, a slice in
+    # flight ran on past the end until the manager froze the group.
+    manager, in_worker, trainer = boards
+    command = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        manager.arm_stop(RANK, START, worker.pid, group=command.pid)
+        in_worker.set_holding(RANK, True)
+        assert trainer.stop_at_end(RANK, START) == worker.pid
+        wait_for(lambda: state(worker.pid) == "T" and state(command.pid) == "T", 5, what="both groups stopped")
+        manager.disarm_stop(RANK, worker.pid)
+        for pid in (worker.pid, command.pid):
+            os.killpg(pid, signal.SIGCONT)
+        wait_for(lambda: state(command.pid) != "T", 5, what="the command continued")
+        manager.arm_stop(RANK, START + 5, worker.pid)  # a grant without a command: the old group is not named
+        in_worker.set_holding(RANK, True)
+        assert trainer.stop_at_end(RANK, START + 5) == worker.pid
+        wait_for(lambda: state(worker.pid) == "T", 5, what="the worker stopped")
+        assert state(command.pid) != "T"
+    finally:
+        os.killpg(command.pid, signal.SIGKILL)
+        command.wait()
+
+
+def test_an_older_managers_board_without_command_groups_stops_the_worker_alone(
+        tmp_path: Path, worker: subprocess.Popen[bytes]) -> None:
+    path = tmp_path / "ends"
+    EndBoard.create(path)
+    with open(path, "r+b") as fh:
+        fh.truncate(QUIET_SLOTS_END)  # as an older manager made it: the quiet slots last
+    manager, trainer = EndBoard.open(path, writable=True), EndBoard.open(path, writable=True)
+    command = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        assert manager.has_quiet and not manager.has_groups
+        manager.arm_stop(RANK, START, worker.pid, group=command.pid)  # nowhere to write the group: not written
+        assert trainer.stop_at_end(RANK, START) == worker.pid
+        wait_for(lambda: state(worker.pid) == "T", 5, what="the worker stopped")
+        assert state(command.pid) != "T"
+    finally:
+        os.killpg(command.pid, signal.SIGKILL)
+        command.wait()
+        manager.close()
         trainer.close()
