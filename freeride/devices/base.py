@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from freeride.devices.time_slice import WORKER_TIME_SLICE_NS, set_time_slice
+from freeride.devices.time_slice import set_time_slice
 from freeride.errors import ConfigError, FreerideError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
@@ -269,9 +269,8 @@ def lower_autogroup_priority(niceness: int) -> bool:
 
 def lower_priority() -> None:
     """Nice 19 for this process and its autogroup: the trainer's threads always win a core. And the
-    longest time slice, so that a trainer thread waking at a bubble's end takes the core from a step at
-    once (:mod:`freeride.devices.time_slice`; the manager's loop thread that started it runs with the
-    shortest, which a process inherits)."""
+    kernel's default time slice: the manager's loop thread that started it runs with a short one, which
+    a process inherits (:mod:`freeride.devices.time_slice`)."""
     os.nice(WORKER_NICENESS)
     lower_autogroup_priority(WORKER_NICENESS)
-    set_time_slice(WORKER_TIME_SLICE_NS)
+    set_time_slice(None)

@@ -1,4 +1,4 @@
-"""A thread's scheduler time slice on Linux: the shortest for the manager's loop, the longest for a worker.
+"""A thread's scheduler time slice on Linux: short for the manager's loop, the kernel's own for a worker.
 
 Linux's fair scheduler (EEVDF, 6.6+) lets a running thread finish its slice before a thread of the same
 weight that wakes takes the core (0.7-3 ms by default, scaled by the core count: 1.4 ms on the 2-core
@@ -16,14 +16,8 @@ p99 stays 3.5-3.7 ms (the trainer's group on that core can still be owed the cor
 time does not change: it runs sooner, not longer.
 
 The slice is inherited by the threads and processes a thread starts, so a worker, which its manager's
-loop thread starts, sets its own in :func:`~freeride.devices.base.lower_priority`: the **longest**
-(:data:`WORKER_TIME_SLICE_NS`). The same rule protects a running thread's slice from a waking one of a
-longer or equal slice: a worker at the kernel's default, picked when the trainer blocked (or again after its
-last step's report), held the core for up to its slice (1.4 ms on the test VM) against the trainer waking at
-the bubble's end, a delay no overrun figure sees (the trainer's end is stamped once it runs). With the longest
-slice, a waking trainer (or any thread at the default) is the shorter and takes the core at once; and a waking
-worker's deadline, its slice scaled by its nice-19 weight, lies far behind any other thread's, so it never
-preempts the trainer sooner than before.
+loop thread starts, puts its own back to the kernel's default (:func:`set_time_slice` with ``None``) in
+:func:`~freeride.devices.base.lower_priority`: a side task never preempts the trainer sooner.
 
 Where the kernel has no custom slices (before 6.12 it ignores the field; other systems have no call)
 nothing changes and :func:`set_time_slice` says so (False); :func:`time_slice_ns` reads None there.
@@ -41,8 +35,6 @@ import struct
 _MIN_SLICE_NS, _MAX_SLICE_NS = 100_000, 100_000_000
 #: What the manager's loop thread asks for: the kernel's shortest.
 LOOP_TIME_SLICE_NS = _MIN_SLICE_NS
-#: What a side-task worker asks for: the kernel's longest (module doc).
-WORKER_TIME_SLICE_NS = _MAX_SLICE_NS
 
 #: ``sched_setattr`` / ``sched_getattr`` syscall numbers (no wrapper in glibc or in Python's ``os``).
 _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}

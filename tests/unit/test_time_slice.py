@@ -1,4 +1,4 @@
-"""The manager loop's short scheduler time slice, and the worker's long one."""
+"""The manager loop's short scheduler time slice, and the worker that puts the kernel's default back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import pytest
 
-from freeride.devices.time_slice import LOOP_TIME_SLICE_NS, WORKER_TIME_SLICE_NS, set_time_slice, time_slice_ns
+from freeride.devices.time_slice import LOOP_TIME_SLICE_NS, set_time_slice, time_slice_ns
 
 T = TypeVar("T")
 
@@ -63,9 +63,9 @@ print(before, time_slice_ns())
 
 
 @needs_custom_slices
-def test_a_worker_started_by_the_loops_thread_takes_the_longest_slice() -> None:
-    # The slice is inherited: a worker at the loop's 0.1 ms would take the core from the trainer at each wake; at
-    # the kernel's default it held the core against the trainer waking at a bubble's end for up to that slice.
+def test_a_worker_started_by_the_loops_thread_puts_the_kernels_default_slice_back() -> None:
+    # The slice is inherited: a worker at the loop's 0.1 ms would take the core from the trainer at each wake.
+    default = time_slice_ns()
 
     def start_worker() -> str:
         set_time_slice(LOOP_TIME_SLICE_NS)  # this thread is the manager's loop
@@ -73,4 +73,4 @@ def test_a_worker_started_by_the_loops_thread_takes_the_longest_slice() -> None:
 
     inherited, after = (int(x) for x in _in_thread(start_worker).split())
     assert inherited == LOOP_TIME_SLICE_NS
-    assert after == WORKER_TIME_SLICE_NS
+    assert after == default
