@@ -582,6 +582,7 @@ class BubbleReporter:
         backoff = self._backoff_initial_s
         absent_since: float | None = None  # since when no manager's socket has been at the endpoint
         absent_told = False
+        lost: tuple[float, int] | None = None  # since when an answering manager went away, and the drops then
         while not self._closed.is_set():
             alive = threading.Event()
             alive.set()
@@ -604,6 +605,9 @@ class BubbleReporter:
                     else:  # until the manager answers (gRPC connects lazily): waits as long as the sleep
                         self._connected = stream.answers(timeout_s=0.05) and not stream.done()
                         answered = self._connected
+                        if answered and lost is not None:
+                            self._tell_back(*lost)
+                            lost = None
                         # Over TCP a peer that takes the connection and never answers keeps the stream open.
                         if not answered and self.endpoint.kind == "tcp" and not absent_told:
                             absent_since = absent_since or time.monotonic()
@@ -643,10 +647,21 @@ class BubbleReporter:
                     stream.close()
             if self.sent > sent_before:
                 backoff = self._backoff_initial_s
+            if (answered or self.sent > sent_before) and lost is None and not self._closed.is_set():
+                # A killed manager leaves its socket behind, so the absence above says nothing of it.
+                lost = (time.monotonic(), self.dropped)
+                log.warning("[%s stage=%d] the freeride manager at %s went away: this rank's bubbles are dropped "
+                            "until one answers there again (reconnecting)", self.device, self.stage, self.endpoint)
             if self._closed.wait(backoff) or self._discard_queued():
                 break
             backoff = min(self._backoff_max_s, backoff * 2)
         self._discard_queued()
+
+    def _tell_back(self, since: float, dropped: int) -> None:
+        """Say that a manager answers again, after the one before went away at ``since`` (monotonic s)."""
+        log.warning("[%s stage=%d] a freeride manager answers at %s again after %.1f s (%d bubble events dropped "
+                    "meanwhile)", self.device, self.stage, self.endpoint, time.monotonic() - since,
+                    self.dropped - dropped)
 
     def _tell_absent(self, since: float) -> bool:
         """Say once that no manager has been there since ``since`` (monotonic s), when that is

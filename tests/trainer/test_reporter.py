@@ -314,6 +314,28 @@ def test_reporter_streams_events_in_order_and_reconnects_after_manager_death(tmp
     assert reporter.sent == 5
 
 
+def test_a_manager_that_goes_away_mid_run_and_one_that_answers_again_are_said_once_each(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A stranger killed a manager mid-run: the trainer said nothing, neither then nor when a new one answered (a
+    # killed manager leaves its socket, so the absence warning never came).
+    caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
+    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
+                              backoff_initial_s=0.01)
+    received, streams = _first_manager_dies_after(reporter, 2)
+    for it in range(3):
+        reporter.bubble_start(it, 1, "drain", predicted_ns=2_000_000, start_ns=100 + it * 100)
+        reporter.bubble_end(it, 1, end_ns=150 + it * 100)
+    wait_for(lambda: len(streams) >= 2 and reporter.counters().connected, 5)
+    wait_for(lambda: any("answers" in r.getMessage() and "again" in r.getMessage() for r in caplog.records), 5)
+    reporter.close()
+    said = [r.getMessage() for r in caplog.records]
+    gone = [m for m in said if "went away" in m]
+    back = [m for m in said if "again after" in m]
+    assert len(gone) == 1 and "this rank's bubbles are dropped until one answers there again" in gone[0]
+    assert len(back) == 1 and "bubble events dropped meanwhile" in back[0]
+    assert not any("went away" in m for m in said[said.index(back[0]):])  # closing is no manager going away
+
+
 def test_a_reconnection_tells_the_manager_the_jobs_layout_again(tmp_path: Path) -> None:
     # Found by a stranger: a manager restarted under a running trainer took its bubbles but never learned its
     # layout (it was reported once, to the manager that died).
