@@ -143,6 +143,8 @@ class LocalEvents:
         self._epoll = select.epoll()
         self._epoll.register(listener.fileno(), select.EPOLLIN)
         self._conns: dict[int, socket.socket] = {}
+        #: The job each connection's trainer named in its layout (:meth:`set_job`), until the connection closes.
+        self._jobs: dict[int, str] = {}
 
     def fileno(self) -> int:
         return self._epoll.fileno()
@@ -162,7 +164,11 @@ class LocalEvents:
 
     def read(self) -> list[bytes]:
         """Every message waiting now on the connections that have one, each connection's in its order."""
-        out: list[bytes] = []
+        return [data for _, data in self.read_from()]
+
+    def read_from(self) -> list[tuple[int, bytes]]:
+        """:meth:`read`, each message with its connection (a key for :meth:`set_job` and :meth:`job`)."""
+        out: list[tuple[int, bytes]] = []
         ready = [fd for fd, _ in self._epoll.poll(0)]
         if self._listener.fileno() in ready:
             ready += self._accept()  # a new connection may have sent already
@@ -178,10 +184,20 @@ class LocalEvents:
                 if not data:  # the trainer closed its end
                     self._epoll.unregister(fd)
                     del self._conns[fd]
+                    self._jobs.pop(fd, None)
                     conn.close()
                     break
-                out.append(data)
+                out.append((fd, data))
         return out
+
+    def set_job(self, connection: int, job: str) -> None:
+        """The trainer on ``connection`` named its job (in a layout): its later messages are that job's."""
+        if connection in self._conns:  # not one closed meanwhile, whose number a new connection may take
+            self._jobs[connection] = job
+
+    def job(self, connection: int) -> str:
+        """The job the trainer on ``connection`` named; "" before it named one (or once it closed)."""
+        return self._jobs.get(connection, "")
 
     def _accept(self) -> list[int]:
         """Take every waiting connection; their descriptors."""

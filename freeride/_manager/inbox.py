@@ -40,8 +40,9 @@ T = TypeVar("T")
 class Inbox(Generic[T]):
     """Thread-safe ingress of one loop; ``T`` is what a bubble chunk holds (the loop's trainer input)."""
 
-    def __init__(self, max_pending: int, convert: Callable[[Any, int], T]) -> None:
-        #: Turns a trainer event and its receive time into what the loop's chunk holds (on the poster's thread).
+    def __init__(self, max_pending: int, convert: Callable[[Any, int, str], T]) -> None:
+        #: Turns a trainer event, its receive time and its job into what the loop's chunk holds (on the poster's
+        #: thread).
         self._convert = convert
         self.max_pending = max_pending
         self._items: collections.deque[Any] = collections.deque()
@@ -96,15 +97,16 @@ class Inbox(Generic[T]):
         with self._room:
             self.received += count
 
-    def post_bubbles(self, events: Sequence[Any], received_ns: int) -> int:
+    def post_bubbles(self, events: Sequence[Any], received_ns: int, job: str = "") -> int:
         """Enqueue valid bubble events, in order, one wake-up per chunk, waiting for room (see the module
-        docstring). Returns how many were not enqueued: those still waiting when the loop stopped."""
+        docstring); ``job`` goes to the conversion. Returns how many were not enqueued: those still waiting when
+        the loop stopped."""
         limit = self.max_pending
         size = min(limit, BUBBLES_PER_TURN)
         with self._room:
             self.received += len(events)
         for first in range(0, len(events), size):
-            chunk = [self._convert(e, received_ns) for e in events[first:first + size]]
+            chunk = [self._convert(e, received_ns, job) for e in events[first:first + size]]
             with self._room:
                 while self._pending + len(chunk) > limit and not self._closed.is_set():
                     self._room.wait(0.1)

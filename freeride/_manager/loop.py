@@ -336,22 +336,24 @@ class ManagerLoop:
         """Enqueue one valid bubble event; see :meth:`post_bubbles`."""
         return self.post_bubbles((event,), received_ns)
 
-    def post_bubbles(self, events: Sequence[TrainerEvent], received_ns: int) -> int:
-        """Enqueue valid bubble events, in order (a trainer stream's thread; see :mod:`~freeride._manager.inbox`).
+    def post_bubbles(self, events: Sequence[TrainerEvent], received_ns: int, job: str = "") -> int:
+        """Enqueue valid bubble events, in order (a trainer stream's thread; see :mod:`~freeride._manager.inbox`);
+        ``job``: the run that sent them, as the stream's layout named it.
 
         An end first sets the word of the worker that holds its bubble (:mod:`~freeride._manager.ends`).
         Returns how many events were not enqueued: those still waiting for room when the loop stopped.
         """
         self.ends.trainer_events(events, received_ns)
-        return self.inbox.post_bubbles(events, received_ns)
+        return self.inbox.post_bubbles(events, received_ns, job)
 
-    def _trainer_input(self, event: TrainerEvent, received_ns: int) -> _TrainerInput:
+    def _trainer_input(self, event: TrainerEvent, received_ns: int, job: str = "") -> _TrainerInput:
+        """The core's event for a trainer's; ``job``: the run that sent it, as its connection's layout named it."""
         if isinstance(event, BubbleStart):
-            return C.BubbleStarted(event, received_ns)
+            return C.BubbleStarted(event, received_ns, job=job)
         if isinstance(event, TrainerLayout):
             self._say_if_cores_shared(event)
             return C.LayoutChanged(event, received_ns, event.hosts_stage(str(self.device), self.config.node))
-        return C.BubbleEnded(event, received_ns)
+        return C.BubbleEnded(event, received_ns, job=job)
 
     def _say_if_cores_shared(self, layout: TrainerLayout) -> None:
         """Warn once when every core this manager may run on computes a stage of ``layout`` (``cpu:N`` ranks):
@@ -549,28 +551,32 @@ class ManagerLoop:
         local = self._local
         if local is None:
             return []
-        datagrams = local.read()
+        datagrams = local.read_from()
         if not datagrams:
             return []
         received_ns = self.now_ns()
         latest_ns = received_ns + MAX_CLOCK_AHEAD_NS
         events: list[TrainerEvent] = []
+        jobs: list[str] = []  # the job each came from, as its connection's layout named it
         held: list[bool] = []  # read late on purpose (a lazy read, or a quiet slot's: QuietSlots): not timed
-        for data in datagrams:
+        for connection, data in datagrams:
             try:
                 event = decode(data)
                 if isinstance(event, TrainerLayout):
                     validate_layout(event, latest_ns)
+                    local.set_job(connection, event.job)
                 else:
                     validate_bubble_event(event, latest_ns)
             except ConfigError as exc:
                 self._reject_local(exc, received_ns)
                 continue
             events.append(event)
+            jobs.append(local.job(connection))
             held.append(lazy or sent_late(data))
         self.inbox.count_received(len(events))
         self.events_late += sum(held)
-        inputs = with_ends_known([self._trainer_input(event, received_ns) for event in events])
+        inputs = with_ends_known([self._trainer_input(event, received_ns, job)
+                                  for event, job in zip(events, jobs, strict=True)])
         for event, given, late in zip(events, inputs, held, strict=True):
             if not self._running:
                 break

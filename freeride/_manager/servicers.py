@@ -29,7 +29,7 @@ from freeride._wire import freeride_pb2 as _pb
 from freeride._wire import freeride_pb2_grpc as _pb_grpc
 from freeride.endpoints import MAX_MESSAGE_BYTES
 from freeride.errors import ConfigError, ManagerUnavailable, RequestRejected, StateNotWritable, TaskNotFound
-from freeride.messages import MAX_CLOCK_AHEAD_NS, StreamSummary, TaskSpec, TrainerEvent
+from freeride.messages import MAX_CLOCK_AHEAD_NS, StreamSummary, TaskSpec, TrainerEvent, TrainerLayout
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
         """
         accepted = rejected = dropped = 0
         last_error = ""
+        job = ""  # as the stream's last layout named it: its events are that run's (SchedulerCore._follows)
         for msg in request_iterator:
             received_ns = time.monotonic_ns()
             events: list[TrainerEvent] = []
@@ -143,7 +144,8 @@ class TrainerServicer(_pb_grpc.TrainerServicer):
                     self._loop.inbox.reject()
                     last_error = str(exc)
             if events:
-                lost = self._loop.post_bubbles(events, received_ns)  # only when the manager is stopping
+                job = next((e.job for e in reversed(events) if isinstance(e, TrainerLayout)), job)
+                lost = self._loop.post_bubbles(events, received_ns, job)  # only when the manager is stopping
                 dropped += lost
                 accepted += len(events) - lost
         if rejected:

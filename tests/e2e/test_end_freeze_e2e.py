@@ -27,13 +27,13 @@ S = 1_000 * MS
 class WatchedWire:
     """Counts the events that reach the manager over the wire (a trainer stream's servicer thread)."""
 
-    def __init__(self, post: Callable[[Sequence[TrainerEvent], int], int]) -> None:
+    def __init__(self, post: Callable[[Sequence[TrainerEvent], int, str], int]) -> None:
         self._post = post
         self.posted = 0
 
-    def __call__(self, events: Sequence[TrainerEvent], received_ns: int) -> int:
+    def __call__(self, events: Sequence[TrainerEvent], received_ns: int, job: str = "") -> int:
         self.posted += len(events)
-        return self._post(events, received_ns)
+        return self._post(events, received_ns, job)
 
 
 def _connect(harness: ManagerHarness) -> tuple[BubbleReporter, WatchedWire]:
@@ -150,7 +150,6 @@ def test_a_command_tasks_command_in_its_slice_is_stopped_by_the_trainer_with_the
     import psutil
 
     from freeride._boards import QUIET_SLOTS_END
-
     from freeride._manager import core as C
 
     harness = make_manager(grace_ns=5 * S)

@@ -219,6 +219,34 @@ def test_the_summary_is_one_line_per_device_with_its_slots_and_bubble_time_per_s
     ]
 
 
+@pytest.mark.parametrize("local_events", [True, False], ids=["local", "wire"])
+def test_two_jobs_rank_0_at_once_on_one_manager_are_told_apart_by_their_layouts_job(
+    manager: Any, endpoint: Endpoint, local_events: bool,
+) -> None:
+    # A stranger ran two jobs at once on the same managers: their rank 0s were taken for one rank, their slots
+    # mixed, 290 ends counted out of order, and the device granted while the other job computed.
+    route = {"endpoint": endpoint, "local_events": local_events}
+    with BubbleReporter(DEVICE, stage=0, rank=0, job="job-i", **route) as first, \
+            BubbleReporter(DEVICE, stage=0, rank=0, job="job-j", **route) as second:
+        wait_for(lambda: first.connected and second.connected, 10)
+        first.report_layout("GPipe", 2, 8, (DEVICE, "cpu:99"))
+        second.report_layout("1F1B", 2, 4, (DEVICE, "cpu:99"))
+        with ControlClient(endpoint, timeout_s=2) as client:  # each job's layout taken on (a new run starts afresh)
+            wait_for(lambda: client.stats().layout_changes == 2, 10)
+        for it in range(6):  # the two jobs' waits interleave, as on a shared device
+            t = now_ns() - 20 * MS
+            first.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t)
+            second.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t + MS)
+            first.bubble_end(it, 1, end_ns=t + 3 * MS)
+            second.bubble_end(it, 1, end_ns=t + 4 * MS)
+        seen: list[Any] = []
+        with ControlClient(endpoint, timeout_s=2) as client:
+            wait_for(lambda: seen.append(client.stats()) or seen[-1].events_other_ranks == 12, 10)
+        stats = seen[-1]
+    assert stats.events_rejected == 0 and stats.events_ignored == 0 and stats.bubbles == 6
+    assert list(stats.shared_by_ranks) == [0, 0]
+
+
 def test_two_ranks_reporting_to_one_manager_are_told_apart_end_to_end(
     manager: Any, endpoint: Endpoint, capsys: pytest.CaptureFixture[str]
 ) -> None:

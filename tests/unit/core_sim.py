@@ -47,6 +47,7 @@ class Sim:
         self.seq = 0
         self.iteration = 0
         self.open: BubbleStart | None = None
+        self.open_job = ""  # the job of the last bubble started
         self.actions: list[Action] = []
         #: What each worker's board shows when it is frozen (steps done, in setup, in a checkpoint): the
         #: loop answers every Freeze with its board read (``WorkerStepsSeen``); a worker not named here has
@@ -152,6 +153,7 @@ class Sim:
         iteration: int | None = None,
         slot: int = 0,
         rank: int = 0,
+        job: str = "",
     ) -> list[Action]:
         if iteration is None:
             self.iteration += 1
@@ -166,9 +168,11 @@ class Sim:
             predicted_ns=int(predicted_ms * MS),
             free_memory_bytes=UNKNOWN_MEMORY if free_mib is None else free_mib * MiB,
         )
-        return self.send(BubbleStarted(bubble=self.open, received_ns=self.now))
+        self.open_job = job
+        return self.send(BubbleStarted(bubble=self.open, received_ns=self.now, job=job))
 
-    def end(self, bubble: BubbleStart | None = None, end_ns: int | None = None) -> list[Action]:
+    def end(self, bubble: BubbleStart | None = None, end_ns: int | None = None, job: str | None = None) -> list[Action]:
+        """The end of ``bubble`` (the last started), of ``job`` (the last started's)."""
         b = bubble or self.open
         assert b is not None
         end = BubbleEnd(
@@ -178,7 +182,7 @@ class Sim:
             slot=b.slot,
             end_ns=self.now if end_ns is None else end_ns,
         )
-        return self.send(BubbleEnded(bubble=end, received_ns=self.now))
+        return self.send(BubbleEnded(bubble=end, received_ns=self.now, job=self.open_job if job is None else job))
 
     def learn(self, task_id: str, step_ms: float, samples: int = 3) -> None:
         """Give a parked task a known step time by granting it a probe bubble that it fills."""

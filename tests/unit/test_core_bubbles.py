@@ -360,6 +360,47 @@ def test_a_second_rank_on_the_device_stops_grants_and_its_events_are_counted_apa
     assert "trainer ranks 0, 2 share this device" in sim.core.waiting_reason(sim.core.tasks["a"])
 
 
+def test_two_jobs_ranks_of_the_same_number_share_the_device_and_are_named_by_job() -> None:
+    # A stranger ran two jobs at once on the same managers: both had a rank 0, their events were taken for one
+    # rank's (mixed into one set of slots, a stream of "out of order" ends) and the side task was granted while
+    # the other job computed.
+    sim = Sim()
+    sim.resident("a")
+    assert grants(sim.start(predicted_ms=10, rank=0, job="first")) == ["a"]
+    sim.advance_ms(1)
+    first = sim.open
+    actions = sim.start(predicted_ms=10, rank=0, job="second")  # the other job's rank 0 waits on the same device
+    notes = [n for n in _notes(actions) if "report bubbles to this device" in n]
+    assert notes and "trainer ranks 0 (job first) and 0 (job second)" in notes[0]
+    assert sim.core.bubble is not None and sim.core.bubble.event == first  # not taken for a lost end
+    sim.advance_ms(1)
+    sim.end(job="second")
+    assert [p.task_id for p in of(sim.end(first, job="first"), Park)] == ["a"]
+    sim.parked("a", [1.0])
+    sim.advance_ms(1)
+    assert grants(sim.start(predicted_ms=10, rank=0, job="first")) == []
+    stats = sim.core.stats
+    assert (stats.anomalies, stats.ignored_events, stats.other_rank_events) == (0, 0, 2)
+    assert sim.core.shared_by == (0, 0)
+    assert "trainer ranks 0, 0 (of different jobs) share this device" in sim.core.waiting_reason(sim.core.tasks["a"])
+
+
+def test_an_event_of_no_known_job_is_the_ranks_of_that_number_whose_job_is_known_and_the_reverse() -> None:
+    # A trainer that reports no layout, or an event that came another way than its layout: the same rank.
+    sim = Sim()
+    sim.resident("a")
+    assert grants(sim.start(predicted_ms=10, rank=0)) == ["a"]  # no job known yet
+    sim.advance_ms(1)
+    sim.end(job="run")  # its job learnt: the same rank
+    sim.parked("a", [0.5])
+    sim.advance_ms(1)
+    assert grants(sim.start(predicted_ms=10, rank=0, job="run")) == ["a"]
+    sim.advance_ms(1)
+    sim.end(job="")
+    stats = sim.core.stats
+    assert stats.other_rank_events == 0 and sim.core.shared_by == () and sim.core.followed_rank == 0
+
+
 def test_once_the_other_rank_falls_silent_the_device_is_granted_again() -> None:
     sim = Sim()
     sim.resident("a")

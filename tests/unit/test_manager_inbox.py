@@ -15,7 +15,7 @@ from freeride.errors import ManagerUnavailable
 
 
 def make(max_pending: int = 10) -> Inbox[tuple[Any, int]]:
-    return Inbox(max_pending, lambda event, received_ns: (event, received_ns))
+    return Inbox(max_pending, lambda event, received_ns, job: (event, received_ns))
 
 
 def readable(inbox: Inbox[Any]) -> bool:

@@ -88,12 +88,17 @@ class BubbleStarted:
     #: The bubble's end, where it came in the same read as its start (a manager that fell behind): the
     #: bubble is recorded, and nothing is granted in it. 0: not known.
     end_ns: int = 0
+    #: The trainer run that sent it, as its reporter's layout named it on the connection it came by ("": unknown):
+    #: two jobs' ranks of the same number are told apart by it (``SchedulerCore._follows``).
+    job: str = ""
 
 
 @dataclass(frozen=True)
 class BubbleEnded:
     bubble: BubbleEnd
     received_ns: int
+    #: As :attr:`BubbleStarted.job`.
+    job: str = ""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         )
     if task.state in (TaskState.PARKED, TaskState.FROZEN) and now.sharing_ranks and not now.draining:
         ranks = ", ".join(str(r) for r in sorted(now.sharing_ranks))
+        if len(set(now.sharing_ranks)) < len(now.sharing_ranks):
+            ranks += " (of different jobs)"
         if now.shared_quiet_ns >= SHARED_QUIET_NS:
             return (f"trainer ranks {ranks} shared this device until {now.shared_quiet_ns / 1e9:.0f} s ago (no event "
                     f"from them since): nothing is granted until it has been quiet for {RANK_LEFT_S} s")

@@ -86,6 +86,17 @@ QUIET_SLOTS = 1024
 _SERVING, _DRAINING = DrainPhase.SERVING, DrainPhase.DRAINING
 
 
+#: A trainer rank as the core tells it apart: its job (as its reporter's layout named it; "" unknown) and number.
+_Rank = tuple[str, int]
+
+
+def _rank_names(ranks: tuple[_Rank, ...]) -> dict[_Rank, str]:
+    """How a message names each of ``ranks``: by number, and by job too where two jobs' ranks share a number."""
+    numbers = [r[1] for r in ranks]
+    clash = {n for n in numbers if numbers.count(n) > 1}
+    return {r: f"{r[1]} (job {r[0] or 'unknown'})" if r[1] in clash else str(r[1]) for r in ranks}
+
+
 class SchedulerCore:
     """Deterministic scheduler of one device. See the module docstring and the parts' for the policy."""
 
@@ -105,13 +116,16 @@ class SchedulerCore:
         #: The trainer's current layout, once one was reported.
         self.layout: TrainerLayout | None = None
         self._grant_seq = 0
-        #: Each trainer rank whose bubble events reached this device, and when it was last heard (:meth:`_follows`).
-        self._ranks_heard: dict[int, int] = {}
-        #: The rank whose waits are this device's bubbles (None before any event).
+        #: Each trainer rank whose bubble events reached this device, by job and rank, and when it was last heard
+        #: (:meth:`_follows`).
+        self._ranks_heard: dict[_Rank, int] = {}
+        #: The rank whose waits are this device's bubbles (None before any event), and its job's.
+        self._followed: _Rank | None = None
         self.followed_rank: int | None = None
         self._quiet_key: tuple[int, int, int] | None = None  # quiet_slots()'s, as last computed
         self._quiet: tuple[int, bytes] | None = None
         #: Other ranks heard beside it within :data:`RANK_LEFT_NS`: while there are any, nothing is granted.
+        self._sharing: tuple[_Rank, ...] = ()
         self.sharing_ranks: tuple[int, ...] = ()
         self.stopping = Stopping(self._tasks, self.bubbles, self.overruns, self.config.stop_timeout_ns)
 
@@ -147,7 +161,7 @@ class SchedulerCore:
             times.append(retry)
         if self.sharing_ranks:  # when the device stops being shared, if no event comes (_update_ranks)
             heard = self._ranks_heard
-            last = min((heard[r] for r in self.sharing_ranks if r in heard), default=None)
+            last = min((heard[r] for r in self._sharing if r in heard), default=None)
             times.append(0 if last is None else last + RANK_LEFT_NS + 1)  # (none heard: due at once)
         return min(times) if times else None
 
@@ -296,8 +310,10 @@ class SchedulerCore:
     def shared_quiet_ns(self, now_ns: int) -> int:
         """While ranks share the device: how long since any of them sent an event (0 otherwise). A job that ended
         leaves its device shared until :data:`RANK_LEFT_NS` of quiet; what says so says it in the past tense."""
+        if self._followed is None or not self._sharing:
+            return 0
         heard = self._ranks_heard
-        times = [heard[r] for r in self.shared_by if r in heard]
+        times = [heard[r] for r in (self._followed, *self._sharing) if r in heard]
         return max(0, now_ns - max(times)) if times else 0
 
     def slot_stats(self) -> list[BubbleSlotStats]:
@@ -305,8 +321,8 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ bubbles
 
-    def _follows(self, rank: int, now_ns: int, out: list[Action]) -> bool:
-        """Whether a bubble event of ``rank`` is one of this device's bubbles.
+    def _follows(self, rank: int, job: str, now_ns: int, out: list[Action]) -> bool:
+        """Whether a bubble event of ``rank`` of the trainer run ``job`` is one of this device's bubbles.
 
         A device is idle only while every trainer rank on it waits. The core follows one rank's waits (the
         first it heard; another once that one has been silent for :data:`RANK_LEFT_NS`, or after a new run's
@@ -317,46 +333,74 @@ class SchedulerCore:
         waits are not counted as the device's bubble time: one rank's wait there is another's compute, which a
         side task would slow. (A bubble granted before the second rank was first heard runs to its end.) Said
         in the log when it starts and when it ends (:meth:`_update_ranks`, also on ticks: a device is no longer
-        shared 5 s after the other rank's last event, whether bubbles come or not)."""
+        shared 5 s after the other rank's last event, whether bubbles come or not).
+
+        A rank is told apart by its job too (the job its reporter's layout named on that connection, "" where
+        none did): two jobs run at once on the same managers both have a rank 0, and a stranger's two jobs' events
+        were taken for one rank's, mixed into one set of slots and granted while the other job computed. An event
+        of an unknown job is the known one's of its rank number (a trainer that reports no layout, or an event that
+        came another way than its layout)."""
         heard = self._ranks_heard
-        heard[rank] = now_ns
-        if len(heard) == 1 and rank == self.followed_rank:
+        key = (job, rank)
+        if key not in heard:
+            key = self._same_rank(key)
+        heard[key] = now_ns
+        if len(heard) == 1 and key == self._followed:
             return True  # the usual case: one rank per device
-        self._update_ranks(now_ns, out, rank)
-        if rank == self.followed_rank:
+        self._update_ranks(now_ns, out, key)
+        if key == self._followed:
             return True
         self.stats.other_rank_events += 1
         return False
 
-    def _update_ranks(self, now_ns: int, out: list[Action], arriving: int | None = None) -> None:
+    def _same_rank(self, key: _Rank) -> _Rank:
+        """The rank heard already that ``key`` is, where one's job or the other's is unknown ("") and their rank
+        numbers agree (a job learnt replaces the unknown one in the key); else ``key``."""
+        job, rank = key
+        for other in self._ranks_heard:
+            if other[1] != rank or (job and other[0]):
+                continue
+            if job:  # the rank's job is known now: its key says so from here on
+                self._ranks_heard[key] = self._ranks_heard.pop(other)
+                if self._followed == other:
+                    self._followed = key
+                self._sharing = tuple(key if k == other else k for k in self._sharing)
+                return key
+            return other
+        return key
+
+    def _update_ranks(self, now_ns: int, out: list[Action], arriving: _Rank | None = None) -> None:
         """Forget the ranks silent for :data:`RANK_LEFT_NS`; the followed rank, once gone, is the ``arriving``
         one's; say when the device starts or stops being shared (:meth:`_follows`)."""
         heard = self._ranks_heard
         for other, at in list(heard.items()):
             if now_ns - at > RANK_LEFT_NS:
                 del heard[other]
-        if self.followed_rank not in heard:
-            self.followed_rank = arriving
-        followed = self.followed_rank
+        if self._followed not in heard:
+            self._followed = arriving
+        followed = self._followed
+        self.followed_rank = followed[1] if followed is not None else None
         sharing = tuple(sorted(r for r in heard if r != followed)) if followed is not None else ()
-        if sharing == self.sharing_ranks:
+        if sharing == self._sharing:
             return
-        if sharing and not self.sharing_ranks:
+        if followed is not None and sharing and not self._sharing:
+            name = _rank_names((followed, *sharing))
             out.append(Note(NoteLevel.WARNING, (
-                f"trainer ranks {followed} and {', '.join(str(r) for r in sharing)} report bubbles to this device: "
-                "it is idle only while all of them wait, which freeride does not follow, so it grants nothing here "
-                f"while they share it (run one pipeline rank per device to harvest it); rank {followed}'s waits are "
-                "measured, the others' events are counted and ignored")))
+                f"trainer ranks {name[followed]} and {', '.join(name[r] for r in sharing)} report bubbles to this "
+                "device: it is idle only while all of them wait, which freeride does not follow, so it grants nothing "
+                f"here while they share it (run one pipeline rank per device to harvest it); rank {name[followed]}'s "
+                "waits are measured, the others' events are counted and ignored")))
         elif not sharing:
-            alone = (f"only trainer rank {followed} reports bubbles to it now" if followed in heard
-                     else f"no trainer rank has reported for {RANK_LEFT_S} s")
+            alone = (f"only trainer rank {followed[1]} reports bubbles to it now" if followed is not None
+                     and followed in heard else f"no trainer rank has reported for {RANK_LEFT_S} s")
             out.append(Note(NoteLevel.WARNING, f"this device is no longer shared by trainer ranks ({alone}): its "
                                                "bubbles are granted again"))
-        self.sharing_ranks = sharing
+        self._sharing = sharing
+        self.sharing_ranks = tuple(r[1] for r in sharing)
 
     def _on_bubble_started(self, event: BubbleStarted, now_ns: int, out: list[Action]) -> None:
         b = event.bubble
-        if not self._follows(b.rank, now_ns, out):
+        if not self._follows(b.rank, event.job, now_ns, out):
             return
         current = self.bubbles.open
         if current is not None and b.start_ns < current.event.start_ns:
@@ -381,7 +425,7 @@ class SchedulerCore:
 
     def _on_bubble_ended(self, event: BubbleEnded, now_ns: int, out: list[Action]) -> None:
         e = event.bubble
-        if not self._follows(e.rank, now_ns, out):
+        if not self._follows(e.rank, event.job, now_ns, out):
             return
         bubble = self.bubbles.open
         if bubble is None or bubble.event.key != e.key or e.end_ns < bubble.event.start_ns:
@@ -654,7 +698,7 @@ class SchedulerCore:
         self.stats.layout_changes += 1
         # A new run: the ranks heard were the last run's (ranks that share the device are heard again at once).
         self._ranks_heard.clear()
-        self.followed_rank, self.sharing_ranks = None, ()
+        self._followed, self.followed_rank, self._sharing, self.sharing_ranks = None, None, (), ()
         current = self.bubbles.open
         if current is not None:
             self._end_bubble(current, max(layout.at_ns, current.event.start_ns), now_ns, out, measured=False)
