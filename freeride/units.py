@@ -118,8 +118,10 @@ def memory_limit_hint(steps: int, *, host: bool = False) -> str:
     if steps > 1:
         return f" (it grew over {steps} steps: what it keeps across steps counts)"
     if host:
-        return " (libraries loaded in setup or a step count too)"
-    return " (libraries first imported in setup or a step count too: import them at module level)"
+        return " (what setup or its first step allocates counts, libraries loaded there too)"
+    # A stranger's first step allocated 1.5 GiB at once and was told only of imports.
+    return (" (what setup or its first step allocates counts, and so do libraries first imported there: import "
+            "them at module level)")
 
 
 def over_device_text(memory_bytes: int, device: object, total_bytes: int) -> str:

@@ -331,8 +331,8 @@ class _AnnouncingManager(Manager):
             return  # the loop warns of an immediate stop itself; a repeated SIGTERM changes nothing
         self._stop_announced = True
         print(f"freeride manager for {self.device}: stopping: draining first (parking and checkpointing every "
-              "task; one that does not stop is killed after --stop-timeout-s); a Ctrl-C (SIGINT) now stops "
-              "at once, without checkpoints", file=sys.stderr, flush=True)
+              "task; one that does not stop is killed after --stop-timeout-s); a SIGINT now stops at once, "
+              "without checkpoints (Ctrl-C, where it runs at a terminal)", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

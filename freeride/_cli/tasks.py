@@ -309,8 +309,9 @@ def reason_width() -> int | None:
 
 #: What ``ls`` and ``top`` show for a SUBMITTED task of a draining manager: it is not waiting to start.
 DRAINED = "DRAINED"
-_DRAINED_NOTE = ("DRAINED: the manager is draining; these tasks are stopped (checkpointed if they had begun) and "
-                 "start again when a manager starts on this state directory")
+_DRAINED_NOTE = ("DRAINED: the manager was told to drain; these tasks are stopped (checkpointed if they had begun) "
+                 "and start again when a manager starts on this state directory (a drained one stays up until it is "
+                 "stopped)")
 
 
 def display_state(info: TaskInfo, draining: bool) -> str:
@@ -602,7 +603,10 @@ def render_stats(s: ManagerStats) -> str:
     if s.shared_by_ranks:
         fields.append(("shared", shared_line(s.shared_by_ranks, s.shared_quiet_s)))
     if s.layout:
-        fields.append(("layout", f"{s.layout}  ({s.layout_changes} change{'s' if s.layout_changes != 1 else ''})"))
+        # A stranger read "(1 change)" after its first job, and a change for each run of one shape: each is a layout
+        # the manager took on (the first, and each run's: a run's bubbles are its own).
+        fields.append(("layout", f"{s.layout}  ({s.layout_changes} layout{'s' if s.layout_changes != 1 else ''} "
+                                 "taken on: one a run, and each change within one)"))
     return "\n".join(f"{key + ':':<12} {value}" for key, value in fields)
 
 

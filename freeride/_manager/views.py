@@ -112,8 +112,9 @@ class Views:
         """The spec, if this manager can take it now; else :class:`RequestRejected` saying why."""
         spec = request.spec
         if self.core.draining:
-            raise RequestRejected("the manager is draining (it stops once its tasks are checkpointed) and accepts "
-                                  "no new tasks: submit once a manager is started on this device again")
+            raise RequestRejected("the manager is draining (`freeride drain`, or stopping) and accepts no new tasks: "
+                                  "submit once a manager is started on this device again (after `freeride drain` it "
+                                  "stays up, drained, until it is stopped)")
         total = self.device.total_memory_bytes()
         if total and spec.memory_bytes > total:
             raise RequestRejected(over_device_text(spec.memory_bytes, self.device, total))

@@ -242,7 +242,7 @@ def test_the_first_ctrl_c_on_a_foreground_manager_says_it_is_draining(
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0
     err = proc.stderr.read().decode() if proc.stderr else ""
-    assert "stopping: draining first" in err and "a Ctrl-C (SIGINT) now stops at once, without checkpoints" in err
+    assert "stopping: draining first" in err and "a SIGINT now stops at once, without checkpoints" in err
     assert err.rstrip().splitlines()[-1].endswith(": stopped")  # the last line says it is gone
 
 

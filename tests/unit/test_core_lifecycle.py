@@ -290,7 +290,8 @@ def test_drain_completes_once_no_task_is_resident_and_tasks_go_back_to_submitted
         "b": S.SUBMITTED,
         "queued": S.SUBMITTED,
     }
-    assert "draining" in sim.core.waiting_reason(sim.core.tasks["a"])
+    # Drained, not "draining": a stranger waited for a stop that comes only with a SIGTERM.
+    assert sim.core.waiting_reason(sim.core.tasks["a"]).startswith("the manager is drained: nothing starts until")
     assert of(sim.tick(), DrainComplete) == []  # announced once
 
 

@@ -298,8 +298,8 @@ def test_a_gpu_tasks_host_memory_beyond_its_baseline_is_capped_as_on_a_cpu_core(
     out = core.on_event(C.TaskMemorySampled("t", 800 * MiB, host_bytes=2600 * MiB), 0)
     failure = core.tasks["t"].failure
     assert failure is not None and failure.kind == "MEMORY_LIMIT"
-    assert failure.message == ("used 1100 MiB of host memory beyond its worker's 1500 MiB baseline, "
-                               "over its cap of 1024 MiB (libraries loaded in setup or a step count too)")
+    assert failure.message == ("used 1100 MiB of host memory beyond its worker's 1500 MiB baseline, over its cap of "
+                               "1024 MiB (what setup or its first step allocates counts, libraries loaded there too)")
     assert any(isinstance(a, C.Kill) for a in out)
 
 

@@ -31,6 +31,8 @@ class Circumstances:
     since_bubble_ns: int = 0
     #: While ranks share the device, how long since any of them sent an event (0: unknown, or not shared).
     shared_quiet_ns: int = 0
+    #: The drain is over: nothing is resident, and nothing starts until the manager is started again.
+    drained: bool = False
 
 
 #: Bubbles in a row that a parked task's step fitted and another task took first, from which its waiting reason
@@ -48,6 +50,10 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
     """Why a non-running task is not running ("" for a running or finished one)."""
     if task.state == TaskState.SUBMITTED:
         budget = now.budget_bytes
+        if now.drained:
+            # A stranger read "draining" long after `freeride drain` had finished, and waited for a stop that
+            # comes only with a SIGTERM.
+            return "the manager is drained: nothing starts until a manager is started again on this state directory"
         if now.draining:
             return "the manager is draining"
         if now.device_problem:

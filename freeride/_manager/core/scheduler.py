@@ -297,7 +297,7 @@ class SchedulerCore:
             longest_bubble_ns=self.bubbles.longest_ns, margin_ns=self.config.margin_ns,
             reprobe_after_bubbles=self.config.reprobe_after_bubbles, reprobes=self.policy.reprobes,
             sharing_ranks=self.shared_by, since_bubble_ns=max(0, now_ns - last) if now_ns and last else 0,
-            shared_quiet_ns=self.shared_quiet_ns(now_ns) if now_ns else 0,
+            shared_quiet_ns=self.shared_quiet_ns(now_ns) if now_ns else 0, drained=self.drain is DrainPhase.DRAINED,
         ))
 
     @property
