@@ -105,10 +105,22 @@ PAGERANK = {"name": "pagerank", "target": "side_tasks.graphs:PageRank",
 
 
 def side_task(spec: str) -> dict[str, Any]:
-    """``pagerank`` (``rmat:12``, steps of ~1-1.8 ms here) or ``spin:US`` (busy steps of US microseconds: the
-    issue's harvest target is for a task whose steps are under a third of the typical bubble)."""
+    """``pagerank`` (``rmat:12``, steps of ~1-1.8 ms here), ``spin:US`` (busy steps of US microseconds: the
+    issue's harvest target is for a task whose steps are under a third of the typical bubble) or ``command:MS``
+    (a command task, :mod:`freeride.command`: a program that computes forever, run in slices of MS
+    milliseconds, as ``freeride submit --command`` runs one)."""
     if spec == "pagerank":
         return PAGERANK
+    if spec.startswith("command:"):
+        try:
+            slice_ms = float(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"command:MS needs the slice's milliseconds, got {spec!r}") from None
+        if not 0.1 <= slice_ms <= 1000:
+            raise ValueError(f"command slices of {slice_ms} ms: give 0.1 <= MS <= 1000")
+        return {"name": f"command-{slice_ms:g}ms", "target": "freeride.command:CommandTask",
+                "args": {"argv": [sys.executable, "-c", "while True: pass"], "slice_ms": slice_ms},
+                "memory_bytes": 64 << 20}
     if spec.startswith("spin:"):
         try:
             step_us = float(spec.split(":", 1)[1])
@@ -118,7 +130,7 @@ def side_task(spec: str) -> dict[str, Any]:
             raise ValueError(f"spin steps of {step_us} us: give 0 < US <= 1,000,000")
         return {"name": f"spin-{step_us:g}us", "target": "bench.bench_tasks:SpinStep", "args": {"step_us": step_us},
                 "memory_bytes": 64 << 20}
-    raise ValueError(f"unknown side task {spec!r}: pagerank or spin:US")
+    raise ValueError(f"unknown side task {spec!r}: pagerank, spin:US or command:MS")
 
 
 def side_task_option(parser: argparse.ArgumentParser, default: str) -> None:
@@ -133,7 +145,8 @@ def side_task_option(parser: argparse.ArgumentParser, default: str) -> None:
         return spec
 
     parser.add_argument("--side-task", default=default, type=checked,
-                        help="pagerank (rmat:12) or spin:US (busy steps of US us)")
+                        help="pagerank (rmat:12), spin:US (busy steps of US us) or command:MS (a command task "
+                             "computing forever, in slices of MS ms)")
 
 
 MODEL = ["--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "128", "--microbatch-size", "4"]
