@@ -591,7 +591,7 @@ def render_stats(s: ManagerStats) -> str:
                    + (f", {s.events_late} read late on purpose (bubbles no task could use: held back by the trainer "
                       "for quiet slots, or read every --idle-read-ms; not in the event delay)" if s.events_late else "")
                    + (f", {s.events_ignored} out of order (ignored: an end without its start, as after a manager "
-                      "restart under a running trainer)" if s.events_ignored else "")
+                      "restart under a running trainer, or a new layout or job mid-bubble)" if s.events_ignored else "")
                    + (f", {s.events_dropped} dropped" if s.events_dropped else "")
                    + (f", {s.events_other_ranks} from other trainer ranks (ignored)" if s.events_other_ranks else "")),
         ("event delay", _pct_line(s.event_delay_ms)),

@@ -206,12 +206,22 @@ class Durability:
         self._pending.clear()  # bound to the old store; the rows just written hold what they would have
         self.fault = self._home_lost = self._home_error = ""
         for directory in live_dirs():
-            for part in ("checkpoints", "work"):
+            # Owner-only, each level, as the manager makes them (``parents=True`` made the upper ones 0755).
+            for made in (directory.parent, directory, directory / "checkpoints", directory / "work"):
                 with contextlib.suppress(OSError):
-                    (directory / part).mkdir(parents=True, exist_ok=True)
+                    made.mkdir(mode=0o700, exist_ok=True)
         log.warning("[%s] state directory %s made again: %d task record(s) written from memory; live tasks "
                     "checkpoint there again from their next checkpoint (a task working in files of its work "
-                    "directory lost them)", self.device, path.parent, len(records))
+                    "directory lost them, and what a worker logs goes to its removed log until it starts again)",
+                    self.device, path.parent, len(records))
+        gone = [r for r in records if r.checkpoint_path and not TaskState(r.state).is_terminal
+                and not Path(r.checkpoint_path).exists()]
+        if gone:
+            # A stranger's task, stopped before its next checkpoint, restarted from its beginning, and `show` still
+            # named the removed checkpoint: said here, per task.
+            log.warning("[%s] the checkpoints of %s were in the removed directory: each starts from its beginning "
+                        "if it stops before it checkpoints again", self.device,
+                        ", ".join(f"{r.task_id} (step {r.figures.checkpoint_step})" for r in gone))
 
     def _cannot_remake(self, why: str) -> None:
         if why != self._home_error:

@@ -164,6 +164,10 @@ def test_a_state_directory_removed_under_the_manager_is_made_again_with_every_ta
     assert "2 task record(s) written from memory" in caplog.text
     assert lock.lost() == "" and not d.fault and d.next_timer_ns() is None
     assert (live / "checkpoints").is_dir() and (live / "work").is_dir()
+    made = (live.parent, live, live / "checkpoints", live / "work")
+    assert {oct(p.stat().st_mode & 0o777) for p in made} == {"0o700"}  # owner-only, as the manager makes them
+    # Its checkpoint was in the removed directory: said, so that a restart from the beginning is no surprise.
+    assert f"the checkpoints of {first.task_id} (step 5) were in the removed directory" in caplog.text
     kept = TaskStore(state / "tasks.db")  # what a manager started after this one reads
     try:
         back = {r.task_id: r for r in kept.all()}
