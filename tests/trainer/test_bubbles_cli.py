@@ -219,6 +219,17 @@ def test_the_summary_is_one_line_per_device_with_its_slots_and_bubble_time_per_s
     ]
 
 
+def _interleave(first: BubbleReporter, second: BubbleReporter, iterations: int) -> None:
+    """Two reporters' waits of slot 1, interleaved as on a device both wait on: ``second``'s starts and ends a
+    millisecond after ``first``'s."""
+    for it in range(iterations):
+        t = now_ns() - 20 * MS
+        first.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t)
+        second.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t + MS)
+        first.bubble_end(it, 1, end_ns=t + 3 * MS)
+        second.bubble_end(it, 1, end_ns=t + 4 * MS)
+
+
 @pytest.mark.parametrize("local_events", [True, False], ids=["local", "wire"])
 def test_two_jobs_rank_0_at_once_on_one_manager_are_told_apart_by_their_layouts_job(
     manager: Any, endpoint: Endpoint, local_events: bool,
@@ -233,12 +244,7 @@ def test_two_jobs_rank_0_at_once_on_one_manager_are_told_apart_by_their_layouts_
         second.report_layout("1F1B", 2, 4, (DEVICE, "cpu:99"))
         with ControlClient(endpoint, timeout_s=2) as client:  # each job's layout taken on (a new run starts afresh)
             wait_for(lambda: client.stats().layout_changes == 2, 10)
-        for it in range(6):  # the two jobs' waits interleave, as on a shared device
-            t = now_ns() - 20 * MS
-            first.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t)
-            second.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t + MS)
-            first.bubble_end(it, 1, end_ns=t + 3 * MS)
-            second.bubble_end(it, 1, end_ns=t + 4 * MS)
+        _interleave(first, second, 6)
         seen: list[Any] = []
         with ControlClient(endpoint, timeout_s=2) as client:
             wait_for(lambda: seen.append(client.stats()) or seen[-1].events_other_ranks == 12, 10)
@@ -257,12 +263,7 @@ def test_two_ranks_reporting_to_one_manager_are_told_apart_end_to_end(
         # stream that connects later than RANK_LEFT_NS (5 s, a loaded machine) would arrive after the first
         # rank counts as gone, which is a rank taking over, not two ranks sharing a device.
         wait_for(lambda: first.connected and second.connected, 10)
-        for it in range(6):  # the two ranks' waits interleave, as on a shared device
-            t = now_ns() - 20 * MS
-            first.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t)
-            second.bubble_start(it, 1, "steady", predicted_ns=4 * MS, start_ns=t + MS)
-            first.bubble_end(it, 1, end_ns=t + 3 * MS)
-            second.bubble_end(it, 1, end_ns=t + 4 * MS)
+        _interleave(first, second, 6)
         _wait_count(endpoint, 6)
         seen: list[Any] = []
         with ControlClient(endpoint, timeout_s=2) as client:
