@@ -315,6 +315,7 @@ class ManagerLoop:
         if self._timer is not None:
             self._selector.register(self._timer.fileno(), selectors.EVENT_READ, self._timer.clear)
         self._drain_waiters: list[Future[Any]] = []
+        self._said_drained = False  # the log said the drain is over (once: a drain asked again completes again)
         self._stop_after_drain = False
         self._running = True
         self._apply_by_type: dict[type, Callable[[Any], list[Any] | None]] = {
@@ -902,6 +903,10 @@ class ManagerLoop:
         self.durability.checkpoint_recorded(action, self.core.tasks.get(action.task_id))
 
     def _drain_complete(self, action: C.DrainComplete) -> None:
+        if not self._stop_after_drain and not self._said_drained:  # a drain asked again completes again, unsaid
+            self._said_drained = True
+            log.warning("[%s] drained: no task is resident; it takes none until it is stopped and started again",
+                        self.device)
         for future in self._drain_waiters:
             if not future.done():
                 future.set_result(None)
@@ -942,6 +947,10 @@ class ManagerLoop:
                     sum(1 for t in stopping if t.killed_at_stop))
 
         self._drain_waiters.append(_chain(future, len(stopping), counted))
+        if not self.core.draining:  # a stranger found nothing in the log of a drain (a SIGTERM's stop says itself)
+            log.warning("[%s] draining (`freeride drain`): parking and checkpointing %d resident task(s); no new task "
+                        "is taken, and the manager stays up, drained, until it is stopped", self.device,
+                        len(stopping))
         self._start_drain()
 
     def _start_drain(self) -> None:

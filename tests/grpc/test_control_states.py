@@ -9,6 +9,7 @@ the client's deadline.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -40,7 +41,10 @@ def stopping(call: Callable[[], object]) -> str:
     return str(caught.value)
 
 
-def test_every_call_answers_while_serving_draining_drained_and_stopping(harness: ManagerHarness) -> None:
+def test_every_call_answers_while_serving_draining_drained_and_stopping(
+    harness: ManagerHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="freeride")
     h = harness
     client = ControlClient(h.endpoint, timeout_s=CLIENT_TIMEOUT_S)
     task = h.submit("sample_tasks:SlowCheckpoint")
@@ -68,6 +72,10 @@ def test_every_call_answers_while_serving_draining_drained_and_stopping(harness:
     assert client.get(task.task_id).state == "SUBMITTED"
     assert client.get(task.task_id).checkpoint_step >= 1
     assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2) == (0, 0, 0)
+    # Said in the log, once each (a stranger found nothing there of a drain): begun, and over.
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("draining (`freeride drain`): parking and checkpointing 1 resident task(s)" in m for m in said) == 1
+    assert sum("drained: no task is resident" in m for m in said) == 1
     assert client.drain(timeout_s=CLIENT_TIMEOUT_S / 2) == (0, 0, 0)
     every_query(client)
 
