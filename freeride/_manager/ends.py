@@ -227,7 +227,8 @@ class EndPath:
             self._disarm(armed)
 
     def frozen(self, task_id: str) -> None:
-        """``task_id``'s worker was frozen: no stop is left to arm for its grant."""
+        """``task_id``'s worker was frozen, or is told to stop: no stop is left for the trainer to make in its grant
+        (a stop it made already is read, and the worker held for its next message)."""
         armed = self._armed
         if armed is not None and armed.task_id == task_id:
             self._disarm(armed)

@@ -864,6 +864,11 @@ class ManagerLoop:
         return self.workers.freeze(action.task_id)
 
     def _stop(self, action: C.Stop) -> list[Any]:
+        # The trainer's stop armed for its grant is taken back first: made at the bubble's end after this, it stopped
+        # the worker in its checkpoint, and nothing continued it (no message came after the stop), so a drain beside
+        # a running job killed it past the stop timeout, its work since the last checkpoint lost (a stranger's; a CI
+        # run's). One the trainer made already is read here and continued by the message.
+        self.ends.frozen(action.task_id)
         events = self.workers.send(action.task_id, W.Stop(action.checkpoint))
         self.workers.signal(action.task_id, signal.SIGCONT)  # a frozen worker must run to obey
         return events

@@ -9,6 +9,7 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ManagerHarness, now_ns, wait_for
@@ -179,6 +180,38 @@ def test_a_command_tasks_command_in_its_slice_is_stopped_by_the_trainer_with_the
         assert harness.wait_state(task.task_id, "FROZEN", timeout_s=4).state == "FROZEN"  # booked as of that stop
     finally:
         reporter.close()
+
+
+def test_a_worker_told_to_stop_in_its_bubble_is_not_stopped_by_the_trainer_at_that_bubbles_end(
+    make_manager: Callable[..., ManagerHarness],
+) -> None:
+    # A drain beside a running job: the trainer's stop armed for the grant stopped the worker, still in its step, at
+    # the bubble's end; the drain's message had gone out before, so nothing continued it, and the drain killed it
+    # past the stop timeout (a stranger's, and a CI run's), its work since the last checkpoint lost.
+    import threading
+
+    from freeride._boards import WorkerBoard
+
+    harness = make_manager(stop_timeout_ns=4 * S)
+    task = harness.submit("sample_tasks:Counter", args={"step_ms": 1500.0})
+    harness.wait_state(task.task_id, "PARKED")
+    reporter, _ = _connect(harness)
+    pid = harness.client.get(task.task_id).pid
+    board = WorkerBoard.attach(harness.manager.loop.task_dir(task.task_id) / "board")
+    drained: list[Any] = []
+    try:
+        reporter.bubble_start(0, 0, "test", predicted_ns=60 * S)
+        wait_for(lambda: board.step_began_ns() > 0, 30, what="the worker to begin a step")
+        drain = threading.Thread(target=lambda: drained.append(harness.client.drain(timeout_s=20)), daemon=True)
+        drain.start()
+        wait_for(lambda: harness.client.stats().draining, 10, what="the drain to begin")
+        reporter.bubble_end(0, 0)  # the end of the bubble it holds, its 1.5 s step still running
+        assert process_state(pid) != "T"
+        drain.join(20)
+    finally:
+        reporter.close()
+        board.close()
+    assert drained and (drained[0].checkpointed, drained[0].killed) == (1, 0), drained
 
 
 def test_a_worker_that_dies_while_its_bubbles_end_is_armed_fails_alone_and_the_manager_serves_on(

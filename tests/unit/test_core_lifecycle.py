@@ -340,6 +340,23 @@ def test_drain_kills_a_starting_task_instead_of_asking_it_to_checkpoint() -> Non
     assert non_state(actions) == [Kill("a")]
 
 
+def test_a_task_told_to_stop_mid_step_is_thawed_at_once_when_its_bubble_ends_and_freezes_it() -> None:
+    # A drain beside a running job: the worker, told to stop mid-step, was frozen at its bubble's end, no grant came
+    # to thaw it, and the stop timeout killed it (a stranger's; a CI run's).
+    from freeride._manager.core import Freeze
+
+    sim = Sim()
+    sim.resident("a")
+    assert grants(sim.start(predicted_ms=10)) == ["a"]
+    sim.advance_ms(1)
+    assert of(sim.send(DrainRequested()), Stop) == [Stop("a", checkpoint=True)]
+    sim.end()
+    sim.advance_ms(5)  # past the end + grace: the step still runs
+    actions = sim.tick()
+    assert of(actions, Freeze) and of(actions, Thaw) == [Thaw("a")]
+    assert sim.core.tasks["a"].killed_at_stop is False
+
+
 def test_worker_that_ignores_stop_is_killed_at_the_stop_timeout() -> None:
     sim = Sim(stop_timeout_ns=100 * MS)
     sim.resident("a")

@@ -22,7 +22,7 @@ One timer is enough: at most one worker holds a bubble at a time.
 from __future__ import annotations
 
 from freeride._estimator import within_grace
-from freeride._manager.core.api import MS, Action, CoreConfig, CoreStats, Freeze
+from freeride._manager.core.api import MS, Action, CoreConfig, CoreStats, Freeze, Thaw
 from freeride._manager.core.bubbles import Bubbles
 from freeride._manager.core.machines import StepPhase
 from freeride._manager.core.tasks import TaskRuntime, Tasks
@@ -153,6 +153,11 @@ class Overruns:
             bubbles.let_go(bubble)
             out.append(Freeze(task.task_id, stopped_ns))
             self._tasks.move(task, TaskState.FROZEN, "overran the bubble", out)
+            if task.stopping:
+                # Told to stop (a drain, an eviction) while it stepped: it runs on to its exit. Left frozen, nothing
+                # thawed it (no grant comes to a task being stopped) and the stop timeout killed it, its work since
+                # the last checkpoint lost: a drain beside a running job (a stranger's; a CI run's).
+                out.append(Thaw(task.task_id))
             if task.health.stuck_ns >= self._step_timeout_ns:
                 stuck.append(task)
         return stuck
