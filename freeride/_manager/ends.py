@@ -23,8 +23,8 @@ still holding its bubble at the end (in a step, or between steps, not yet parked
 then. The end's datagram (or wire message) comes after
 that stop, and :meth:`EndPath.local_end` / :meth:`EndPath.stopped_end` read when it was, so that the core books a
 freeze at that time (:attr:`~freeride._manager.core.TrainerEndSeen.stopped_ns`). The record is disarmed when
-the grant is over (:meth:`EndPath.reported`, :meth:`EndPath.frozen`) and before the worker is reaped
-(:meth:`EndPath.forget_pid`): a pid the trainer reads there is the manager's unreaped child.
+the grant is over (:meth:`EndPath.reported`, :meth:`EndPath.grant_over`, also as a Stop goes out) and before the
+worker is reaped (:meth:`EndPath.forget_pid`): a pid the trainer reads there is the manager's unreaped child.
 
 ``end_to_worker`` times an end received (the servicer's stamp) -> the word set, recorded by servicer
 threads and the loop thread alike, under a lock.
@@ -226,7 +226,7 @@ class EndPath:
         if armed is not None and armed.grant_id == grant_id:
             self._disarm(armed)
 
-    def frozen(self, task_id: str) -> None:
+    def grant_over(self, task_id: str) -> None:
         """``task_id``'s worker was frozen, or is told to stop: no stop is left for the trainer to make in its grant
         (a stop it made already is read, and the worker held for its next message)."""
         armed = self._armed

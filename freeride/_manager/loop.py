@@ -860,7 +860,7 @@ class ManagerLoop:
         return self.workers.send(action.task_id, W.Park(action.grant_id))
 
     def _freeze(self, action: C.Freeze) -> list[Any]:
-        self.ends.frozen(action.task_id)
+        self.ends.grant_over(action.task_id)
         return self.workers.freeze(action.task_id)
 
     def _stop(self, action: C.Stop) -> list[Any]:
@@ -868,7 +868,7 @@ class ManagerLoop:
         # the worker in its checkpoint, and nothing continued it (no message came after the stop), so a drain beside
         # a running job killed it past the stop timeout, its work since the last checkpoint lost (a stranger's; a CI
         # run's). One the trainer made already is read here and continued by the message.
-        self.ends.frozen(action.task_id)
+        self.ends.grant_over(action.task_id)
         events = self.workers.send(action.task_id, W.Stop(action.checkpoint))
         self.workers.signal(action.task_id, signal.SIGCONT)  # a frozen worker must run to obey
         return events

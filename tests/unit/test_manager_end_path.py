@@ -158,7 +158,7 @@ def test_a_worker_about_to_be_reaped_and_a_frozen_one_are_no_longer_stopped_by_t
     path.forget_pid(sleeper)
     assert trainer.stop_at_end(KEY[1], 1_000) == 0
     path.arm_stop("t", 8, KEY, 1_500, sleeper)
-    path.frozen("t")
+    path.grant_over("t")
     assert trainer.stop_at_end(KEY[1], 1_500) == 0
     path.arm_stop("t", 9, KEY, 1_700, sleeper)
     path.close()  # a manager stopping takes its last record back before it kills its workers
