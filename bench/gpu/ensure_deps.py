@@ -44,10 +44,11 @@ REQUIREMENTS = (
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
 )
-#: What only some GPU tests import (the Megatron adapter's device-time test): installed where a carried
-#: wheel meets it, else left missing (those tests skip, naming it); never a reason to install nothing.
+#: What only some GPU tests import (the Megatron and DeepSpeed adapters' device-time tests): installed where a
+#: carried wheel meets it, else left missing (those tests skip, naming it); never a reason to install nothing.
 OPTIONAL = (
     "megatron-core>=0.19.2",
+    "deepspeed>=0.19.8",
 )
 
 VersionOf = Callable[[str], "str | None"]
