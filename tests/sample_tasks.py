@@ -87,6 +87,21 @@ class SetupCrasher(Counter):
         raise RuntimeError("cannot set up")
 
 
+class SlowSetup(Counter):
+    """A Counter whose setup computes for ``setup_cpu_ms`` of its thread's CPU time first (a graph generated, a
+    library's one-off start: done in grants, as every setup is)."""
+
+    def __init__(self, setup_cpu_ms: float = 1000.0, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.setup_cpu_s = setup_cpu_ms / 1000
+
+    def setup(self, ctx: TaskContext) -> None:
+        end_at = time.thread_time() + self.setup_cpu_s
+        while time.thread_time() < end_at:
+            pass
+        super().setup(ctx)
+
+
 class Segfaulter(Counter):
     def step(self) -> None:
         if self.count == 2:

@@ -68,6 +68,18 @@ def test_crashing_task_fails_with_its_traceback_and_the_others_keep_running(harn
     feeder.close()
 
 
+def test_a_task_in_a_long_setup_leaves_bubbles_to_a_task_that_steps(harness: ManagerHarness) -> None:
+    # On an H200 the demo's watermark task, setting up in grants, took every bubble for 23 s while the tasks past
+    # their first steps ran none: a setup kept the first turn until it finished.
+    slow = harness.submit("sample_tasks:SlowSetup", args={"setup_cpu_ms": 30_000})
+    counter = harness.submit("sample_tasks:Counter", args={"step_ms": 1.0})
+    feeder = harness.feeder()
+    feeder.run_until(lambda: harness.client.get(counter.task_id).steps >= 20, length_ms=20, gap_ms=10,
+                     timeout_s=90)
+    feeder.close()
+    assert harness.client.get(slow.task_id).steps == 0  # still in its setup: the counter's steps were its turns
+
+
 def test_setup_error_is_a_failure_record(harness: ManagerHarness) -> None:
     task = harness.submit("sample_tasks:SetupCrasher")
     feeder = harness.feeder()

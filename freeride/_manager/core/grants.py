@@ -8,11 +8,13 @@ that are not being stopped and have not had a grant in this bubble yet.
 
 0. a step that looks hung and whose turn is not due (below) goes last;
 1. priority;
-2. a frozen task, which must finish its step (unless that step looks hung: then the hung steps share
-   first turns of whole bubbles, the least stuck first, and never take the tail another task left: a thaw
-   there only runs it past the end, into training; a turn is due once the other tasks have had as much
-   bubble time since the last, and until then the hung steps rank after every other candidate, whatever
-   the priorities, taking the bubble only when no other task is waiting for bubbles, fitting or not);
+2. a frozen task, which must finish its step (unless that step looks hung, or is a setup or first step
+   that has had more than two of the longest bubbles: then those steps share first turns of whole bubbles,
+   the long setups and first steps first, the most advanced first, then the hung steps, the least stuck
+   first, and never take the tail another task left: a thaw there only runs it past the end, into
+   training; a turn is due once the other tasks have had as much bubble time since the last, and until
+   then those steps rank after every other candidate, whatever the priorities, taking the bubble only when
+   no other task is waiting for bubbles, fitting or not);
 3. a task whose step time is not known yet (one probe);
 4. fair share among tasks whose step fits: the one that has harvested least goes first (best fit alone
    let the task with the longer step win every bubble, and a shorter one at the same priority never ran;
@@ -73,7 +75,8 @@ def rank(
         est = task.known_step_ns
         frozen = task.state is _FROZEN
         health = task.health
-        hung = frozen and health.looks_hung(longest_bubble_ns, est)
+        # A step that looks hung, or a long setup or first step: it takes turns (StepHealth.takes_turns).
+        hung = frozen and health.takes_turns(longest_bubble_ns, est)
         if hung and not first_grant:
             continue
         # A hung step whose turn is not due ranks after every other candidate, whatever its priority (a hung
@@ -94,8 +97,10 @@ def rank(
             # whether their task's step time is known or not: by share, the first of them took every turn (its
             # share does not grow while it hangs); by a known step time first, two tasks hung in their first
             # step (none known) took every bubble from healthy tasks frozen long enough mid-step to look hung.
+            # Long setups and first steps go before hung steps, the most advanced first: they finish one after
+            # the other, not all late together (each is no hang, and takes turns only beside tasks that step).
             0 if hung or est is None else 1,
-            health.stuck_ns if hung else task.share_ns,
+            (health.stuck_ns if health.has_stepped else -health.stuck_ns) if hung else task.share_ns,
             remaining_ns - (est or 0),
             task.seq,
         )

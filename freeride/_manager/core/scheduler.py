@@ -491,11 +491,12 @@ class SchedulerCore:
                 self._retry_later(bubble, now_ns)
             return
         if first:
-            # The steps that look hung share one first turn (each took its own, and two of them took every bubble
-            # between them while the healthy tasks waited out the step timeout), due once the others have had as
-            # much bubble time since (StepHealth.hung_turn_due).
+            # The steps that look hung, and long setups and first steps (StepHealth.takes_turns), share one first
+            # turn (each took its own, and two of them took every bubble between them while the healthy tasks
+            # waited out the step timeout), due once the others have had as much bubble time since
+            # (StepHealth.hung_turn_due).
             hung = [other for other in self._tasks.frozen.values()
-                    if not other.stopping and other.health.looks_hung(longest, other.known_step_ns)]
+                    if not other.stopping and other.health.takes_turns(longest, other.known_step_ns)]
             if task not in hung:
                 for other in hung:
                     other.health.passed_over_ns += remaining

@@ -237,6 +237,23 @@ class StepHealth:
         stuck = self.stuck_ns
         return stuck > 2 * longest_bubble_ns and (step_ns is None or stuck > HUNG_STEPS * step_ns)
 
+    def takes_turns(self, longest_bubble_ns: int, step_ns: int | None = None) -> bool:
+        """Its frozen step shares first turns of whole bubbles with the other tasks (``grants.rank``) rather than
+        being thawed first: it looks hung (:meth:`looks_hung`), or its process has finished no step yet and its
+        setup and first step have had more granted time than two of the longest bubbles.
+
+        A setup or first step is expected to be long and is never taken for a hang (:meth:`looks_hung`), but it
+        kept the first turn of every bubble until it finished: on an H200 the demo's watermark task, importing
+        torchvision and starting nvJPEG in grants of 10-20 ms, took every bubble for 23 s of a 33 s run, and the
+        LSTM and PageRank tasks, past their first steps, ran none. Taking turns, the tasks that step get at least
+        half the bubble time, and it still gets the rest (whole bubbles, first turns only).
+        """
+        if longest_bubble_ns <= 0:
+            return False
+        if not self.has_stepped:
+            return self.stuck_ns > 2 * longest_bubble_ns
+        return self.looks_hung(longest_bubble_ns, step_ns)
+
     def hung_too_long(self, now_ns: int, step_timeout_ns: int, last_bubble_ns: int) -> bool:
         """Note that its step looks hung (from ``now_ns`` if it was not seen so before); True once it has
         looked hung for ``step_timeout`` of wall time while the trainer made bubbles: up to
