@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from freeride import command
 from freeride.command import CommandTask
@@ -52,6 +54,42 @@ def test_setup_leaves_the_command_stopped_even_when_a_thaw_comes_between_its_sto
         signal.signal(signal.SIGALRM, previous)
         monkeypatch.setattr(command.os, "killpg", real_killpg)
         task.close()
+
+
+def test_the_stop_of_a_command_waiting_for_a_child_it_vforked_is_left_pending_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    # A CI run under load: setup() hung in its wait for the command's stop. The command (a shell's ``cmd &``) had
+    # vforked; the group's stop stopped the child before its exec, and the leader, waiting for that exec in the
+    # vfork, could never stop. Here the vforked child (posix_spawn's) blocks opening a FIFO before its exec.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    spawn = ("import os, sys; os.posix_spawn('/bin/true', ['true'], dict(os.environ), "
+             f"file_actions=[(os.POSIX_SPAWN_OPEN, 0, {str(fifo)!r}, os.O_RDONLY, 0)])")
+    proc = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+    try:
+        wait_for(lambda: _state(proc.pid) == "D", 30, what="the command to wait for its vforked child")
+
+        def waited_too_long(signum: int, frame: object) -> None:
+            raise TimeoutError("the stop of a command in a vfork was waited for")
+
+        previous = signal.signal(signal.SIGALRM, waited_too_long)
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        try:
+            assert command._stop_group(proc.pid, wait_s=0.2) is None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        child = next(int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+        assert _state(child) == "T" and _state(proc.pid) == "D"  # nothing of the group runs meanwhile
+        os.killpg(proc.pid, signal.SIGCONT)  # a slice: the child goes on to its exec, and the command to its end
+        with open(fifo, "w"):
+            pass
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _run_to_the_end(task: CommandTask, steps: int = 2000) -> None:
