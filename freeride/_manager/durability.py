@@ -161,17 +161,18 @@ class Durability:
     # ------------------------------------------------------------ the directory itself
 
     def check_home(self, lock: StateDirLock, current: Callable[[], list[TaskRecord]],
-                   live_dirs: Callable[[], list[Path]]) -> None:
+                   live_dirs: Callable[[], list[Path]]) -> bool:
         """Whether the state directory is still this manager's; if it was removed under it, make it so again
         (module doc). ``current``: every task this manager knows, as it is now (the store's rows to write);
-        ``live_dirs``: the directories of its live tasks, made again."""
+        ``live_dirs``: the directories of its live tasks, made again. True when it was made again by this call
+        (the caller opens the live workers' logs again)."""
         if self.homeless:
-            return
+            return False
         path = self.store.path
         if not self._reopening:
             lost = lock.lost()
             if not lost:
-                return
+                return False
             if lost != self._home_lost:
                 self._home_lost = lost
                 log.error("[%s] %s while this manager runs: its task records and the checkpoints there are gone; "
@@ -183,24 +184,24 @@ class Durability:
                                  "under this one: this manager records nothing more and accepts no tasks (stop it; "
                                  "its tasks run on until then, and the other manager does not know them)")
                 log.error("[%s] %s", self.device, self.homeless)
-                return
+                return False
             except ConfigError as exc:
                 self._cannot_remake(str(exc))
-                return
+                return False
             self.store.close()
             self._reopening = True  # no write reaches the closed store until a new one holds every record
         try:
             store = TaskStore(path)
         except ConfigError as exc:
             self._cannot_remake(str(exc))
-            return
+            return False
         try:
             records = current()
             store.restore(records)
         except StateNotWritable as exc:
             store.close()
             self._cannot_remake(str(exc))
-            return
+            return False
         self.store = store
         self._reopening = False
         self._pending.clear()  # bound to the old store; the rows just written hold what they would have
@@ -211,9 +212,8 @@ class Durability:
                 with contextlib.suppress(OSError):
                     made.mkdir(mode=0o700, exist_ok=True)
         log.warning("[%s] state directory %s made again: %d task record(s) written from memory; live tasks "
-                    "checkpoint there again from their next checkpoint (a task working in files of its work "
-                    "directory lost them, and what a worker logs goes to its removed log until it starts again)",
-                    self.device, path.parent, len(records))
+                    "checkpoint there again from their next checkpoint, and their logs begin again there (a task "
+                    "working in files of its work directory lost them)", self.device, path.parent, len(records))
         gone = [r for r in records if r.checkpoint_path and not TaskState(r.state).is_terminal
                 and not Path(r.checkpoint_path).exists()]
         if gone:
@@ -222,6 +222,7 @@ class Durability:
             log.warning("[%s] the checkpoints of %s were in the removed directory: each starts from its beginning "
                         "if it stops before it checkpoints again", self.device,
                         ", ".join(f"{r.task_id} (step {r.figures.checkpoint_step})" for r in gone))
+        return True
 
     def _cannot_remake(self, why: str) -> None:
         if why != self._home_error:

@@ -693,7 +693,8 @@ class ManagerLoop:
         self.durability.poll(now)
         if self._state_lock is not None and now >= self._next_home_check_ns:
             self._next_home_check_ns = now + HOME_CHECK_NS
-            self.durability.check_home(self._state_lock, self._records_now, self._live_task_dirs)
+            if self.durability.check_home(self._state_lock, self._records_now, self._live_task_dirs):
+                self.workers.reopen_logs()
         if self.trace is not None:
             self.trace.poll(now)
         for event in self.workers.poll(now):

@@ -199,6 +199,11 @@ class Supervisor:
         self._stop_when_parked.add(task_id)
         self.parked(task_id)
 
+    def reopen_logs(self) -> None:
+        """Each live worker's log opened again at its path (the state directory was made again)."""
+        for handle in self.workers.values():
+            handle.log.reopen()
+
     def holds_while_parked(self, task_id: str) -> bool:
         """Whether :meth:`hold_while_parked` was said of ``task_id``'s worker."""
         return task_id in self._stop_when_parked

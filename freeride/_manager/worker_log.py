@@ -96,6 +96,12 @@ class WorkerLog:
             self._complain(exc)
         self._open()
 
+    def reopen(self) -> None:
+        """Write to ``path`` as it is now: after the state directory was removed and made again, the open file
+        was the removed one, and a live worker's output went nowhere anyone could read until it started again."""
+        self.close()
+        self._open()
+
     def _backup(self, index: int) -> Path:
         return self.path.with_name(f"{self.path.name}.{index}")
 

@@ -192,6 +192,8 @@ def test_a_state_dir_removed_under_a_running_manager_is_made_again_guarded_and_k
             wait_for((task_dir / "work").is_dir, 30, what="the state directory made again")  # made last
             assert (state / LOCK_NAME).exists() and (state / "tasks.db").exists()
             assert (task_dir / "checkpoints").is_dir()
+            # The live worker's log is written there again (it went to the removed file until it started again).
+            wait_for((task_dir / "worker.log").exists, 30, what="the worker's log opened again")
             with pytest.raises(ConfigError, match="another manager"):
                 Manager(DEVICE, endpoint=Endpoint("unix", f"/tmp/fr-removed2-{os.getpid()}.sock"), state_dir=state)
             second = client.submit(spec)

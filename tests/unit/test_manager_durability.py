@@ -147,7 +147,7 @@ def test_a_state_directory_removed_under_the_manager_is_made_again_with_every_ta
 ) -> None:
     d, lock, state = homed
     first, second = d.submit(SPEC), d.submit(SPEC)
-    d.check_home(lock, lambda: [], lambda: [])  # still its own: nothing is done
+    assert not d.check_home(lock, lambda: [], lambda: [])  # still its own: nothing is done
     assert d.store.get(first.task_id) is not None
     shutil.rmtree(state)
     d.write(first.task_id, "state", lambda: d.store.set_state(first.task_id, TaskState.PARKED))  # into the void
@@ -159,7 +159,8 @@ def test_a_state_directory_removed_under_the_manager_is_made_again_with_every_ta
     ]
     live = state / "tasks" / first.task_id
     with caplog.at_level(logging.WARNING, logger="freeride"):
-        d.check_home(lock, lambda: now, lambda: [live])
+        assert d.check_home(lock, lambda: now, lambda: [live])  # made again: the caller opens the logs again
+    assert not d.check_home(lock, lambda: now, lambda: [live])
     assert f"the state directory {state} was removed while this manager runs" in caplog.text
     assert "2 task record(s) written from memory" in caplog.text
     assert lock.lost() == "" and not d.fault and d.next_timer_ns() is None
@@ -188,13 +189,13 @@ def test_a_directory_that_cannot_be_made_again_yet_is_tried_again_at_the_next_ch
     record = d.submit(SPEC)
     shutil.rmtree(state)
     state.write_text("a file where the directory was")
-    d.check_home(lock, lambda: [record], lambda: [])
+    assert not d.check_home(lock, lambda: [record], lambda: [])
     assert lock.lost()
     refusal = f"the state directory {state} was removed \\(.*File exists.*\\); the task was not submitted"
     with pytest.raises(StateNotWritable, match=refusal):
         d.submit(SPEC)  # it would be written to the removed store only
     state.unlink()
-    d.check_home(lock, lambda: [record], lambda: [])
+    assert d.check_home(lock, lambda: [record], lambda: [])
     assert lock.lost() == ""
     assert [r.task_id for r in d.store.all()] == [record.task_id]
 

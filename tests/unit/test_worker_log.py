@@ -56,6 +56,19 @@ def test_an_existing_log_is_appended_to_and_counted(tmp_path: Path) -> None:
     assert (tmp_path / "worker.log.1").stat().st_size == LIMIT - 10
 
 
+def test_a_log_reopened_after_its_directory_was_removed_and_made_again_is_written_there(tmp_path: Path) -> None:
+    (tmp_path / "task").mkdir()
+    log = WorkerLog(tmp_path / "task" / "worker.log", LIMIT, backups=1)
+    log.write(b"before\n")
+    (tmp_path / "task" / "worker.log").unlink()
+    (tmp_path / "task").rmdir()  # the state directory removed under the manager...
+    (tmp_path / "task").mkdir()  # ...and made again
+    log.write(b"lost\n")  # the open file is the removed one
+    log.reopen()
+    log.write(b"after\n")
+    assert (tmp_path / "task" / "worker.log").read_bytes() == b"after\n"
+
+
 def test_a_log_that_cannot_be_written_drops_its_lines_without_raising(tmp_path: Path) -> None:
     log = WorkerLog(tmp_path / "missing-dir" / "worker.log", LIMIT, backups=1)
     log.write(b"lost\n")
