@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2
 
 from freeride._boards import EndBoard, end_board_path
 from freeride._local_events import LocalEvents, local_events_path
+from freeride._manager.addresses import AddressWatch
 from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
@@ -138,6 +139,8 @@ class Manager:
         #: Where a trainer on this host (as this user: the socket's directory is owner-only) writes its
         #: bubble ends for the workers to read at once (:mod:`freeride._boards`). TCP: none.
         self.end_board = end_board_path(self.endpoint.address) if self.endpoint.kind == "unix" else None
+        #: The files trainers and clients reach it by, once made (watched by the loop: :mod:`addresses`).
+        self._watched: dict[str, Path] = {}
         # Before the loop recovers the directory's tasks (and kills what it takes for a dead manager's workers).
         self.state_lock = StateDirLock(self.state_dir, str(self.endpoint))
         try:
@@ -227,6 +230,7 @@ class Manager:
             if self.end_board is not None:
                 try:
                     self.loop.listen_locally(LocalEvents(local_events_path(path)))
+                    self._watched["events"] = local_events_path(path)
                 except OSError as exc:
                     log.warning("[%s] no local event socket at %s (%s): a trainer on this host reports over the "
                                 "wire", self.device, local_events_path(path), exc)
@@ -267,6 +271,10 @@ class Manager:
         self.server.start()
         if self.endpoint.kind == "unix":
             os.chmod(self.endpoint.address, 0o600)
+            self._watched["socket"] = Path(self.endpoint.address)
+            if self.end_board is not None:
+                self._watched["board"] = self.end_board
+            self.loop.watch_addresses(AddressWatch(str(self.device), self._watched))
         self._update_health()
         log.info("[%s] manager listening on %s (state in %s); %s", self.device, self.endpoint, self.state_dir,
                  self.device.describe())

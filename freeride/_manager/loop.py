@@ -45,6 +45,7 @@ from freeride._cluster.records import CancelTask as QueueCancel
 from freeride._cluster.records import ClaimedTask, GetQueueView, QueueNote, ReleaseTask, is_cluster_id
 from freeride._local_events import LocalEvents, decode, sent_late
 from freeride._manager import core as C
+from freeride._manager.addresses import AddressWatch
 from freeride._manager.cluster_bridge import ClusterBridge
 from freeride._manager.device_poller import DevicePoller
 from freeride._manager.durability import HOME_CHECK_NS, Durability, stamped
@@ -245,6 +246,7 @@ class ManagerLoop:
         self.config = config
         self._state_lock = state_lock
         self._next_home_check_ns = 0
+        self._addresses: AddressWatch | None = None
         self._cores = os.sched_getaffinity(0)  # where this manager's threads may run (workers pin their own)
         self._said_cores_shared = False
         #: Parked workers' CPU time at the last reading: task id -> (CPU ns, when, grant id) (_check_parked_cpu).
@@ -445,6 +447,11 @@ class ManagerLoop:
 
     def slot_stats(self) -> list[BubbleSlotStats]:
         return self.core.slot_stats()
+
+    def watch_addresses(self, watch: AddressWatch) -> None:
+        """Check, with the state directory, the files trainers and clients reach this manager by (set before
+        the loop runs)."""
+        self._addresses = watch
 
     def listen_locally(self, local: LocalEvents) -> None:
         """Select on a local trainer's event datagrams (:mod:`freeride._local_events`); closed when the loop stops."""
@@ -691,10 +698,13 @@ class ManagerLoop:
             self._next_parked_check_ns = now + PARKED_CPU_CHECK_NS
             self._check_parked_cpu(now)
         self.durability.poll(now)
-        if self._state_lock is not None and now >= self._next_home_check_ns:
+        if now >= self._next_home_check_ns:
             self._next_home_check_ns = now + HOME_CHECK_NS
-            if self.durability.check_home(self._state_lock, self._records_now, self._live_task_dirs):
+            if self._state_lock is not None and self.durability.check_home(self._state_lock, self._records_now,
+                                                                           self._live_task_dirs):
                 self.workers.reopen_logs()
+            if self._addresses is not None:
+                self._addresses.check()
         if self.trace is not None:
             self.trace.poll(now)
         for event in self.workers.poll(now):
@@ -993,6 +1003,8 @@ class ManagerLoop:
         self.poller.stop()
         if self._local is not None:
             self._local.close()
+        if self._addresses is not None:
+            self._addresses.close()
         self.ends.close()  # before the workers are reaped: no trainer signals their pids from now on
         self.quiet.close()
         self.workers.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import psutil
 import pytest
 from conftest import TESTS_DIR, ManagerHarness, cpu_devices, wait_for
 
+from freeride._boards import end_board_path
 from freeride._manager.daemon import Manager
 from freeride._manager.state_lock import LOCK_NAME
 from freeride._wire import freeride_pb2 as pb
@@ -207,6 +209,27 @@ def test_a_state_dir_removed_under_a_running_manager_is_made_again_guarded_and_k
             assert sorted(t.task_id for t in client.list()) == sorted([first.task_id, second.task_id])
     finally:
         again.stop()
+
+
+def test_a_socket_removed_under_a_running_manager_is_said_and_what_is_connected_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The clean-up of old files in /tmp took a running manager's socket and end board: new trainers and clients
+    # could not reach it, and it said nothing.
+    sock = Endpoint("unix", f"/tmp/fr-gone-{os.getpid()}.sock")
+    manager = Manager(DEVICE, endpoint=sock, state_dir=tmp_path / "state")
+    manager.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="freeride"), ControlClient(sock) as client:
+            client.list()  # connected before the removal
+            os.unlink(sock.address)
+            os.unlink(end_board_path(sock.address))
+            wait_for(lambda: "its end board" in caplog.text and "its socket" in caplog.text, 30,
+                     what="the manager to say its files are gone")
+            assert client.list() == []  # the connection made before goes on
+        assert f"its socket {sock.address} was removed while this manager runs" in caplog.text
+    finally:
+        manager.stop()
 
 
 def test_a_stopped_managers_state_dir_is_taken_by_the_next_one(tmp_path: Path) -> None:
