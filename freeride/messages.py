@@ -478,6 +478,13 @@ class ManagerStats:
     #: resident task could use them), or read every ``--idle-read-ms`` while no task could use any bubble. Not
     #: timed in ``event_delay_ms``.
     events_late: int = 0
+    #: The current run's figures (since its layout was taken on: :attr:`layout`), beside the totals since the
+    #: manager started; 0 before any layout. ``run_s``: how long ago that was.
+    run_s: float = 0.0
+    run_bubbles: int = 0
+    run_bubble_time_s: float = 0.0
+    run_granted_s: float = 0.0
+    run_harvested_s: float = 0.0
 
 
 class Drained(NamedTuple):

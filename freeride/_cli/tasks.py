@@ -602,6 +602,13 @@ def render_stats(s: ManagerStats) -> str:
         fields.append(("queue", queue_line(s.queue)))
     if s.shared_by_ranks:
         fields.append(("shared", shared_line(s.shared_by_ranks, s.shared_quiet_s)))
+    if s.layout_changes > 1:
+        # A manager kept up across jobs showed totals since it started only (a stranger's service ran 13 jobs):
+        # the figures of the run whose layout it follows now.
+        run_ratio = f"{100 * s.run_harvested_s / s.run_bubble_time_s:.1f}%" if s.run_bubble_time_s > 0 else "-"
+        fields.append(("this run", f"{s.run_bubbles} bubbles, {s.run_bubble_time_s:.3f} s of bubble time, "
+                                   f"{s.run_granted_s:.3f} s granted, {s.run_harvested_s:.3f} s harvested "
+                                   f"({run_ratio}), in the {s.run_s:.1f} s since its layout was taken on"))
     if s.layout:
         # A stranger read "(1 change)" after its first job, and a change for each run of one shape: each is a layout
         # the manager took on (the first, and each run's: a run's bubbles are its own).

@@ -192,7 +192,18 @@ class Views:
             shared_quiet_s=core.shared_quiet_ns(self.now_ns()) / 1e9,
             trainer_stops=n.trainer_stops,
             hung_overruns=s.hung_overruns,
+            **self._run_figures(),
         )
+
+    def _run_figures(self) -> dict[str, Any]:
+        """The current run's figures (:meth:`CoreStats.run`), none before a layout."""
+        s = self.core.stats
+        if not s.layout_changes:
+            return {}
+        bubbles, bubble_ns, granted_ns, harvested_ns = s.run()
+        return {"run_s": max(0, self.now_ns() - s.run_since_ns) / 1e9, "run_bubbles": bubbles,
+                "run_bubble_time_s": bubble_ns / 1e9, "run_granted_s": granted_ns / 1e9,
+                "run_harvested_s": harvested_ns / 1e9}
 
 
 def _now(answer: Any) -> Reply:

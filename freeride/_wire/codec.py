@@ -227,7 +227,8 @@ def stats_to_pb(s: ManagerStats) -> _pb.StatsResponse:
         queue=_pb.QueueStats(**dataclasses.asdict(s.queue)) if s.queue is not None else None,
         shared_by_ranks=s.shared_by_ranks, events_other_ranks=s.events_other_ranks, events_ignored=s.events_ignored,
         bubbles_while_shared=s.bubbles_while_shared, shared_quiet_s=s.shared_quiet_s, trainer_stops=s.trainer_stops,
-        hung_overruns=s.hung_overruns, events_late=s.events_late,
+        hung_overruns=s.hung_overruns, events_late=s.events_late, run_s=s.run_s, run_bubbles=s.run_bubbles,
+        run_bubble_time_s=s.run_bubble_time_s, run_granted_s=s.run_granted_s, run_harvested_s=s.run_harvested_s,
     )
 
 
@@ -246,7 +247,9 @@ def stats_from_pb(msg: _pb.StatsResponse) -> ManagerStats:
         shared_by_ranks=tuple(msg.shared_by_ranks), events_other_ranks=msg.events_other_ranks,
         events_ignored=msg.events_ignored, bubbles_while_shared=msg.bubbles_while_shared,
         shared_quiet_s=msg.shared_quiet_s, trainer_stops=msg.trainer_stops,
-        hung_overruns=msg.hung_overruns, events_late=msg.events_late,
+        hung_overruns=msg.hung_overruns, events_late=msg.events_late, run_s=msg.run_s, run_bubbles=msg.run_bubbles,
+        run_bubble_time_s=msg.run_bubble_time_s, run_granted_s=msg.run_granted_s,
+        run_harvested_s=msg.run_harvested_s,
     )
 
 

@@ -237,7 +237,7 @@ class Percentiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ..., p999: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout", "end_to_worker_ms", "queue", "shared_by_ranks", "events_other_ranks", "events_ignored", "bubbles_while_shared", "shared_quiet_s", "trainer_stops", "hung_overruns", "events_late")
+    __slots__ = ("device", "uptime_s", "bubbles", "bubble_time_s", "granted_s", "harvested_s", "overruns", "overrun_ms", "grant_latency_ms", "park_latency_ms", "memory_budget_bytes", "tasks_by_state", "events_received", "events_rejected", "draining", "event_delay_ms", "events_dropped", "device_info", "device_problem", "layout_changes", "layout", "end_to_worker_ms", "queue", "shared_by_ranks", "events_other_ranks", "events_ignored", "bubbles_while_shared", "shared_quiet_s", "trainer_stops", "hung_overruns", "events_late", "run_s", "run_bubbles", "run_bubble_time_s", "run_granted_s", "run_harvested_s")
     class TasksByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,11 @@ class StatsResponse(_message.Message):
     TRAINER_STOPS_FIELD_NUMBER: _ClassVar[int]
     HUNG_OVERRUNS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_LATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_BUBBLES_FIELD_NUMBER: _ClassVar[int]
+    RUN_BUBBLE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_GRANTED_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_HARVESTED_S_FIELD_NUMBER: _ClassVar[int]
     device: str
     uptime_s: float
     bubbles: int
@@ -307,7 +312,12 @@ class StatsResponse(_message.Message):
     trainer_stops: int
     hung_overruns: int
     events_late: int
-    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ..., end_to_worker_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., queue: _Optional[_Union[QueueStats, _Mapping]] = ..., shared_by_ranks: _Optional[_Iterable[int]] = ..., events_other_ranks: _Optional[int] = ..., events_ignored: _Optional[int] = ..., bubbles_while_shared: _Optional[int] = ..., shared_quiet_s: _Optional[float] = ..., trainer_stops: _Optional[int] = ..., hung_overruns: _Optional[int] = ..., events_late: _Optional[int] = ...) -> None: ...
+    run_s: float
+    run_bubbles: int
+    run_bubble_time_s: float
+    run_granted_s: float
+    run_harvested_s: float
+    def __init__(self, device: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bubbles: _Optional[int] = ..., bubble_time_s: _Optional[float] = ..., granted_s: _Optional[float] = ..., harvested_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., grant_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., park_latency_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tasks_by_state: _Optional[_Mapping[str, int]] = ..., events_received: _Optional[int] = ..., events_rejected: _Optional[int] = ..., draining: _Optional[bool] = ..., event_delay_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., events_dropped: _Optional[int] = ..., device_info: _Optional[str] = ..., device_problem: _Optional[str] = ..., layout_changes: _Optional[int] = ..., layout: _Optional[str] = ..., end_to_worker_ms: _Optional[_Union[Percentiles, _Mapping]] = ..., queue: _Optional[_Union[QueueStats, _Mapping]] = ..., shared_by_ranks: _Optional[_Iterable[int]] = ..., events_other_ranks: _Optional[int] = ..., events_ignored: _Optional[int] = ..., bubbles_while_shared: _Optional[int] = ..., shared_quiet_s: _Optional[float] = ..., trainer_stops: _Optional[int] = ..., hung_overruns: _Optional[int] = ..., events_late: _Optional[int] = ..., run_s: _Optional[float] = ..., run_bubbles: _Optional[int] = ..., run_bubble_time_s: _Optional[float] = ..., run_granted_s: _Optional[float] = ..., run_harvested_s: _Optional[float] = ...) -> None: ...
 
 class QueueStats(_message.Message):
     __slots__ = ("connected", "lease_ms", "depth", "set_aside", "held", "claims", "reclaims", "renewals", "lost", "handed_back", "set_aside_here", "errors", "graces", "last_error")

@@ -103,6 +103,14 @@ def test_a_manager_on_a_queue_shows_the_queues_figures_in_top_and_stats() -> Non
     assert "queue:       UNREACHABLE (3 failed polls: cannot reach the queue)" in render_stats(stats(queue=cut_off))
 
 
+def test_stats_shows_the_current_runs_figures_once_a_manager_has_followed_more_than_one() -> None:
+    assert "this run:" not in render_stats(stats(layout_changes=1, layout="1f1b stages=2"))
+    text = render_stats(stats(layout_changes=3, layout="1f1b stages=2", run_s=12.5, run_bubbles=40,
+                              run_bubble_time_s=2.0, run_granted_s=1.5, run_harvested_s=1.0))
+    assert ("this run:    40 bubbles, 2.000 s of bubble time, 1.500 s granted, 1.000 s harvested (50.0%), in the "
+            "12.5 s since its layout was taken on") in text.splitlines()
+
+
 def test_a_device_that_trainer_ranks_share_says_so_in_top_and_stats() -> None:
     shared = stats(shared_by_ranks=(2, 0), events_other_ranks=41)
     short = "SHARED by trainer ranks 0, 2: no grants (idle only while all of them wait)"

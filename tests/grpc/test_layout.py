@@ -49,6 +49,11 @@ def test_a_trainer_run_again_with_the_same_shape_starts_the_managers_statistics_
             seen = 3 * (run + 1)
             wait_for(lambda: harness.client.stats().bubbles == seen)  # noqa: B023 - waited for here, in the loop
         assert [(s.slot, s.count) for s in harness.client.bubbles()] == [(slot, 3)]  # this run's only
+        # The run's own figures beside the totals (a manager kept up across 13 jobs showed only totals).
+        stats = harness.client.stats()
+        assert (stats.bubbles, stats.run_bubbles) == (seen, 3)
+        assert 0 < stats.run_bubble_time_s <= stats.bubble_time_s and stats.run_s <= stats.uptime_s
+        assert (stats.run_bubble_time_s < stats.bubble_time_s) == (run > 0)
     assert harness.client.stats().layout_changes == 2
     with BubbleReporter(device, stage=0, rank=0, endpoint=harness.endpoint, job="named-run") as a, \
             BubbleReporter(device, stage=1, rank=1, endpoint=harness.endpoint, job="named-run") as b:

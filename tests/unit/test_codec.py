@@ -64,7 +64,8 @@ STATS = ManagerStats(
                                          reclaims=5, renewals=6, lost=7, handed_back=8, set_aside_here=9, errors=10,
                                          graces=11, last_error="cannot reach the queue"),
     shared_by_ranks=(0, 2), events_other_ranks=12, events_ignored=3, bubbles_while_shared=4, shared_quiet_s=2.5,
-    trainer_stops=7, hung_overruns=13, events_late=14,
+    trainer_stops=7, hung_overruns=13, events_late=14, run_s=15.5, run_bubbles=16, run_bubble_time_s=1.25,
+    run_granted_s=0.75, run_harvested_s=0.5,
 )
 SLOT = BubbleSlotStats(stage=1, rank=2, slot=3, kind="tail", count=4, length_ms=P, predicted_ms=P, abs_error_pct=P,
                        min_free_memory_bytes=5, learned=True, length_mean_ms=2.5, shared=3)

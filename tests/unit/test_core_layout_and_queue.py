@@ -61,7 +61,10 @@ def test_a_new_layout_drops_bubble_statistics_and_the_memory_window() -> None:
     assert sim.core.slots == {} and sim.core.longest_bubble_ns == 0
     assert sim.core.budget_bytes() is None  # nothing is admitted on the old layout's figures
     assert sim.core.stats.layout_changes == 1 and sim.core.layout is not None
-    assert sim.core.stats.bubbles == 5  # the run's totals stay
+    assert sim.core.stats.bubbles == 5  # the manager's totals stay
+    assert sim.core.stats.run() == (0, 0, 0, 0) and sim.core.stats.run_since_ns == sim.now  # the run's begin
+    _bubbles(sim, 2, free_mib=4000)
+    assert sim.core.stats.run()[0] == 2 and sim.core.stats.run()[1] == 2 * 20 * MS
 
 
 def test_the_same_layout_again_changes_nothing() -> None:

@@ -528,6 +528,22 @@ class CoreStats:
     #: The followed rank's bubbles that ended while other ranks shared the device: counted in ``bubbles``, not
     #: in ``bubble_ns`` (one rank's wait there is another's compute), so ``stats`` can say why the time is less.
     shared_bubbles: int = 0
+    #: The totals (bubbles, bubble_ns, granted_ns, harvested_ns) when the current run's layout was taken on, and
+    #: when (the manager's clock): the run's own figures are the totals less these (:meth:`run`). A manager kept
+    #: up across jobs showed only totals since it started, and a task's harvested time never reset.
+    run_base: tuple[int, int, int, int] = (0, 0, 0, 0)
+    run_since_ns: int = 0
     overrun_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     grant_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     park_latency_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+
+    def new_run(self, now_ns: int) -> None:
+        """A layout was taken on: the figures of the run it begins start from here."""
+        self.run_base = (self.bubbles, self.bubble_ns, self.granted_ns, self.harvested_ns)
+        self.run_since_ns = now_ns
+
+    def run(self) -> tuple[int, int, int, int]:
+        """The current run's bubbles, bubble time, granted and harvested time (ns) since its layout."""
+        base = self.run_base
+        return (self.bubbles - base[0], self.bubble_ns - base[1], self.granted_ns - base[2],
+                self.harvested_ns - base[3])

@@ -697,6 +697,7 @@ class SchedulerCore:
         out.append(Note(NoteLevel.INFO, f"trainer layout: {layout.describe()} (was {was})"))
         self.layout = layout
         self.stats.layout_changes += 1
+        self.stats.new_run(now_ns)
         # A new run: the ranks heard were the last run's (ranks that share the device are heard again at once).
         self._ranks_heard.clear()
         self._followed, self.followed_rank, self._sharing, self.sharing_ranks = None, None, (), ()
