@@ -243,8 +243,8 @@ class StepHealth:
         setup and first step have had more granted time than two of the longest bubbles.
 
         A setup or first step is expected to be long and is never taken for a hang (:meth:`looks_hung`), but it
-        kept the first turn of every bubble until it finished: on an H200 the demo's watermark task, importing
-        torchvision and starting nvJPEG in grants of 10-20 ms, took every bubble for 23 s of a 33 s run, and the
+        kept the first turn of every bubble until it finished: on an H200 the demo's watermark task, its setup
+        (importing torchvision among it) in grants of 10-20 ms, took every bubble for 23 s of a 33 s run, and the
         LSTM and PageRank tasks, past their first steps, ran none. Taking turns, the tasks that step get at least
         half the bubble time, and it still gets the rest (whole bubbles, first turns only).
         """
