@@ -9,9 +9,10 @@ An event recorded where an action ends completes when that action's kernels are 
 stream runs out of work; one recorded where the next action begins (after the receive's stream wait)
 completes when compute can resume. Those two completions are the bubble, as the device saw it.
 
-:class:`CudaEventClock` resolves the events on a thread of its own, in order: it waits for each (the
-events are blocking-sync events, so the wait sleeps instead of spinning a core, and it releases the
-GIL) and converts its device timestamp to the host's ``CLOCK_MONOTONIC`` through an *anchor*. The
+:class:`CudaEventClock` resolves the events on a thread of its own, in order: it asks each whether it
+is done (a query keeps the GIL) and waits only for one that is not (the events are blocking-sync events,
+so the wait sleeps instead of spinning a core, and it releases the GIL), and converts its device
+timestamp to the host's ``CLOCK_MONOTONIC`` through an *anchor*. The
 training thread never synchronizes and never waits: a mark costs a capture check, the current stream,
 one ``cudaEventRecord`` and a deque append. The resolver is woken only when it sleeps for want of marks
 (it usually waits on an earlier event, the host being ahead), so a mark takes no lock and signals no
