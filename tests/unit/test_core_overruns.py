@@ -696,6 +696,20 @@ def test_a_long_setup_is_no_hang_and_shares_first_turns_with_a_task_that_steps()
     assert later.count("b") >= 10 and later.count("a") >= 8, firsts
 
 
+def test_a_long_setup_starved_of_its_core_still_shares_first_turns() -> None:
+    # A stranger's trainer rank ran on the worker's core through the bubbles: the setup's grants were no stuck time
+    # (its worker had no core), so it kept every first turn, and a task of 1 ms steps ran none in a whole run.
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a", "b")
+    firsts = []
+    for _ in range(30):
+        firsts.append(_bubble(sim, lambda task_id: task_id == "b"))
+        if firsts[-1] == "a":
+            sim.send(WorkerStepsSeen("a", 0, in_setup=True, run_delay_ns=0, starved=True))
+    assert sim.state("a") == S.FROZEN and sim.core.tasks["a"].health.stuck_ns == 0  # no core: nothing stuck
+    assert firsts[6:].count("b") >= 10, firsts
+
+
 def test_long_setups_finish_one_after_the_other_the_most_advanced_first() -> None:
     # Two tasks in long setups at once: the one further on keeps the turns once both are long, rather than both
     # finishing late together.

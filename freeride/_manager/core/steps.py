@@ -240,7 +240,9 @@ class StepHealth:
     def takes_turns(self, longest_bubble_ns: int, step_ns: int | None = None) -> bool:
         """Its frozen step shares first turns of whole bubbles with the other tasks (``grants.rank``) rather than
         being thawed first: it looks hung (:meth:`looks_hung`), or its process has finished no step yet and its
-        setup and first step have had more granted time than two of the longest bubbles.
+        setup and first step have been granted more than two of the longest bubbles, whether or not its worker
+        had its core in them (counted by its stuck time instead, a setup starved of its core by a trainer rank
+        beside it kept every first turn, and a task of 1 ms steps ran none in a stranger's whole run).
 
         A setup or first step is expected to be long and is never taken for a hang (:meth:`looks_hung`), but it
         kept the first turn of every bubble until it finished: on an H200 the demo's watermark task, its setup
@@ -251,7 +253,7 @@ class StepHealth:
         if longest_bubble_ns <= 0:
             return False
         if not self.has_stepped:
-            return self.stuck_ns > 2 * longest_bubble_ns
+            return self.frozen_granted_ns > 2 * longest_bubble_ns
         return self.looks_hung(longest_bubble_ns, step_ns)
 
     def hung_too_long(self, now_ns: int, step_timeout_ns: int, last_bubble_ns: int) -> bool:
