@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -38,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from freeride._cli.submission import build_spec
+from freeride._manager.state_lock import default_state_dir_of, lock_holder
 from freeride._wire.client import ControlClient, health_status
 from freeride.devices import check_cpu_device, parse_device_name
 from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
@@ -184,10 +186,34 @@ def _manager_hint(args: argparse.Namespace, endpoint: Endpoint) -> Iterator[None
                 raise ConfigError(message) from None
             raise ManagerUnavailable(message) from None  # over TCP, another host's device may be meant
         start = f"freeride manager --device {_device(args)}" + (f" --endpoint {endpoint}" if args.endpoint else "")
+        running = _running_manager(name, endpoint)
+        if running:
+            raise ManagerUnavailable(f"no manager answers at {endpoint}, but {running}") from None
         # "Or it is stopping": a manager that is draining or exiting answers no call either, and starting a second
         # one then would be the wrong advice without it.
         raise ManagerUnavailable(f"no manager answers at {endpoint} (none runs there, or it is stopping); start one "
                                  f"with `{start}`") from None
+
+
+def _running_manager(name: str, endpoint: Endpoint) -> str:
+    """What to say where a manager of device ``name`` runs on this host (it holds the device's default state
+    directory) and does not answer at ``endpoint``: its socket was removed under it (a sweep of /tmp took it,
+    and "start one" led a stranger to a second manager on the same device), or it is stopping; "" otherwise."""
+    if endpoint.kind != "unix":
+        return ""
+    try:
+        state_dir = default_state_dir_of(parse_device_name(name))
+    except ConfigError:
+        return ""
+    holder = lock_holder(state_dir)
+    if not holder:
+        return ""
+    if holder.endswith(f"endpoint {endpoint}") and not os.path.exists(endpoint.address):
+        return (f"a manager of {name} runs here ({holder}) and its socket {endpoint.address} is gone (removed "
+                "under it: its log says so); stop it (SIGTERM drains its tasks) and start it again, rather than "
+                "a second manager beside it")
+    return (f"a manager of {name} runs here ({holder}, state in {state_dir}): it is stopping, or serves another "
+            "endpoint")
 
 
 @contextlib.contextmanager

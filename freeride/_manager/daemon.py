@@ -30,7 +30,7 @@ from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
 from freeride._manager.servicers import TokenInterceptor, add_raw_service, add_servicers
-from freeride._manager.state_lock import StateDirLock
+from freeride._manager.state_lock import StateDirLock, default_state_dir_of
 from freeride.devices import Device, open_device
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
 from freeride.errors import ConfigError
@@ -44,8 +44,7 @@ FIRST_READING_TIMEOUT_S = 2.0
 
 
 def default_state_dir(device: Device) -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "freeride" / device.name.slug
+    return default_state_dir_of(device.name)
 
 
 def _socket_in_use(path: str) -> bool:

@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from freeride.devices import DeviceName
 from freeride.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -106,3 +107,32 @@ class StateDirLock:
 
     def __del__(self) -> None:
         self.release()
+
+
+def default_state_dir_of(name: DeviceName) -> Path:
+    """Where a manager of device ``name`` keeps its state unless told (``--state-dir``)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "freeride" / name.slug
+
+
+def lock_holder(state_dir: Path, locks: Path = Path("/proc/locks")) -> str:
+    """Who holds ``state_dir``'s lock now, as the lock file says it ("pid 123, endpoint unix:/..."), or "" where no
+    process does. Read from the kernel's table of locks (``/proc/locks``, matched by the file's inode), without
+    taking the lock even for a moment: a manager starting then would be refused."""
+    path = state_dir / LOCK_NAME
+    try:
+        inode = os.stat(path).st_ino
+        table = locks.read_text()
+    except OSError:
+        return ""
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF" (a blocked waiter's line begins "1: -> FLOCK")
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+            try:
+                said = path.read_text(errors="replace").strip()
+            except OSError:
+                said = ""
+            return said or f"pid {fields[4]}"
+    return ""
+
