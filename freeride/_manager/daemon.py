@@ -30,7 +30,7 @@ from freeride._manager.core import CoreConfig
 from freeride._manager.loop import LoopConfig, ManagerLoop
 from freeride._manager.metrics import DEFAULT_ADDRESS, MetricsServer
 from freeride._manager.servicers import TokenInterceptor, add_raw_service, add_servicers
-from freeride._manager.state_lock import StateDirLock, default_state_dir_of
+from freeride._manager.state_lock import StateDirLock, default_state_dir_of, lock_holder
 from freeride.devices import Device, open_device
 from freeride.endpoints import MAX_MESSAGE_BYTES, Endpoint, default_endpoint
 from freeride.errors import ConfigError
@@ -219,6 +219,8 @@ class Manager:
                 if _socket_in_use(path):
                     raise ConfigError(f"a manager is already listening at {self.endpoint}")
                 os.unlink(path)  # left behind by a manager that was killed
+            else:
+                self._refuse_a_manager_without_its_socket()
             if self.end_board is not None:
                 try:
                     EndBoard.create(self.end_board)  # after the check: a running manager's board stays
@@ -248,6 +250,20 @@ class Manager:
                 raise ConfigError(f"cannot listen on {self.endpoint}: {exc}") from None
             if self.port == 0:
                 raise ConfigError(f"cannot listen on {self.endpoint}")
+
+    def _refuse_a_manager_without_its_socket(self) -> None:
+        """Refuse to start beside a running manager of this device and endpoint whose socket was removed under it
+        (a sweep of /tmp): it holds the device's default state directory, and its lock says its endpoint. A
+        stranger, told that no manager answered, started a second one with another state directory, and two
+        managers granted the same device's bubbles."""
+        default = default_state_dir_of(self.device.name)
+        if self.state_dir.resolve() == default.resolve():
+            return  # the state directory's own lock refused it already, if held
+        holder = lock_holder(default)
+        if holder.endswith(f"endpoint {self.endpoint}"):
+            raise ConfigError(f"a manager of {self.device.name} runs here ({holder}, state in {default}) and its "
+                              f"socket {self.endpoint.address} was removed under it: stop it first (SIGTERM drains "
+                              "its tasks), then start this one")
 
     def _serve(self) -> None:
         if self.agent is not None:

@@ -232,6 +232,28 @@ def test_a_socket_removed_under_a_running_manager_is_said_and_what_is_connected_
         manager.stop()
 
 
+def test_a_second_manager_of_the_device_is_refused_while_the_first_runs_without_its_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A stranger, told that no manager answered once the socket was swept away, started another with its own state
+    # directory: two managers granted the same device's bubbles.
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    sock = Endpoint("unix", f"/tmp/fr-second-{os.getpid()}.sock")
+    first = Manager(DEVICE, endpoint=sock)  # the device's default state directory
+    first.start()
+    try:
+        os.unlink(sock.address)
+        second = Manager(DEVICE, endpoint=sock, state_dir=tmp_path / "other")
+        with pytest.raises(ConfigError, match=f"a manager of {DEVICE} runs here \\(pid {os.getpid()}.*was removed "
+                                              "under it: stop it first"):
+            second.start()
+    finally:
+        first.stop()
+    third = Manager(DEVICE, endpoint=sock, state_dir=tmp_path / "other")  # once it is stopped: served again
+    third.start()
+    third.stop()
+
+
 def test_a_stopped_managers_state_dir_is_taken_by_the_next_one(tmp_path: Path) -> None:
     first = Manager(DEVICE, endpoint=Endpoint("unix", f"/tmp/fr-next-{os.getpid()}.sock"), state_dir=tmp_path / "s")
     first.start()
