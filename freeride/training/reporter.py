@@ -647,7 +647,12 @@ class BubbleReporter:
                     stream.close()
             if self.sent > sent_before:
                 backoff = self._backoff_initial_s
-            if (answered or self.sent > sent_before) and lost is None and not self._closed.is_set():
+            # gRPC takes events from the queue before it finds no one there: events taken say that a manager was
+            # reached only where its socket is there (a killed one leaves it; a rank whose manager never ran, or
+            # whose socket was removed, was told that it "went away").
+            reached = answered or (self.sent > sent_before and not (
+                self.endpoint.kind == "unix" and not os.path.exists(self.endpoint.address)))
+            if reached and lost is None and not self._closed.is_set():
                 # A killed manager leaves its socket behind, so the absence above says nothing of it.
                 lost = (time.monotonic(), self.dropped)
                 log.warning("[%s stage=%d] the freeride manager at %s went away: this rank's bubbles are dropped "

@@ -319,8 +319,9 @@ def test_a_manager_that_goes_away_mid_run_and_one_that_answers_again_are_said_on
     # A stranger killed a manager mid-run: the trainer said nothing, neither then nor when a new one answered (a
     # killed manager leaves its socket, so the absence warning never came).
     caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
-    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=_absent(tmp_path), start=False,
-                              backoff_initial_s=0.01)
+    endpoint = _absent(tmp_path)
+    Path(endpoint.address).touch()  # a killed manager leaves its socket
+    reporter = BubbleReporter("cpu:3", stage=2, rank=5, endpoint=endpoint, start=False, backoff_initial_s=0.01)
     received, streams = _first_manager_dies_after(reporter, 2)
     for it in range(3):
         reporter.bubble_start(it, 1, "drain", predicted_ns=2_000_000, start_ns=100 + it * 100)
@@ -334,6 +335,21 @@ def test_a_manager_that_goes_away_mid_run_and_one_that_answers_again_are_said_on
     assert len(gone) == 1 and "this rank's bubbles are dropped until one answers there again" in gone[0]
     assert len(back) == 1 and "bubble events dropped meanwhile" in back[0]
     assert not any("went away" in m for m in said[said.index(back[0]):])  # closing is no manager going away
+
+
+def test_a_rank_whose_manager_never_answered_is_not_told_that_it_went_away(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A stranger's second rank, with no manager on its device, said "the freeride manager ... went away": gRPC had
+    # taken its events from the queue before it found no one at the socket.
+    caplog.set_level(logging.INFO, logger="freeride.training.reporter")
+    endpoint = Endpoint("unix", str(tmp_path / "none.sock"))
+    with BubbleReporter("cpu:1", stage=1, rank=1, endpoint=endpoint, backoff_initial_s=0.01,
+                        backoff_max_s=0.05) as reporter:
+        for it in range(20):
+            reporter.bubble_start(it, 0, "k", predicted_ns=1_000_000)
+            reporter.bubble_end(it, 0)
+        wait_for(lambda: "bubble stream to" in caplog.text, 10)  # its first try ended: no one is there
+    assert "went away" not in caplog.text
 
 
 def test_a_reconnection_tells_the_manager_the_jobs_layout_again(tmp_path: Path) -> None:
