@@ -122,7 +122,10 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
                        f"of the {health.frozen_granted_ns / 1e9:.1f} s of bubbles granted since {began} (the core is "
                        "busy with other work, and a worker runs at the lowest CPU priority)")
         if health.in_setup:
-            return "frozen in setup() after overrunning a bubble" + starved + (paused or "; resumes at its next grant")
+            turns = ("; a long setup: it takes turns of whole bubbles with the tasks that step"
+                     if health.takes_turns(now.longest_bubble_ns) else "")
+            return ("frozen in setup() after overrunning a bubble" + turns + starved
+                    + (paused or "; resumes at its next grant"))
         # What its board said at the freeze: a slow checkpoint (a large state written across bubbles) read as
         # a hung step.
         what = "a checkpoint (state_dict() and its write)" if task.health.in_checkpoint else "a step"
