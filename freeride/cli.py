@@ -146,7 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(words)
         if unknown:  # said by the command's parser, with its usage (the top level's said "freeride [-h] ...")
-            _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+            hint = ""
+            if getattr(args, "command", False) is True and "--" not in words:
+                # `submit --command sh -c '...'`: the program's own options read as freeride's (a stranger's).
+                hint = "; a command's own options follow `--`: freeride submit --command [options] -- PROGRAM ARGS..."
+            _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     except BadArguments as exc:
         if "--json" in words:
             print(json.dumps({"error": exc.message, "exit_code": EXIT_BAD_INPUT}))

@@ -644,6 +644,18 @@ def test_output_to_a_reader_that_went_away_ends_quietly_with_the_sigpipe_status(
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
 
 
+def test_a_command_tasks_own_options_without_the_separator_are_refused_saying_where_they_go(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A stranger's `submit --command --memory 64MiB sh -c '...'` met a bare argparse "unrecognized arguments".
+    with pytest.raises(SystemExit) as info:
+        main(["submit", "--command", "--memory", "64MiB", "sh", "-c", "sleep 1"])
+    err = capsys.readouterr().err
+    assert info.value.code == EXIT_BAD_INPUT
+    assert ("unrecognized arguments: -c sleep 1; a command's own options follow `--`: freeride submit --command "
+            "[options] -- PROGRAM ARGS...") in err
+
+
 def test_a_command_line_it_cannot_take_never_prints_a_password_and_says_it_in_json_too(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
