@@ -318,9 +318,14 @@ def test_a_task_outranked_for_many_bubbles_says_by_whom_not_just_waiting_for_a_b
     _high_takes_every_bubble(sim, 9)
     assert sim.core.waiting_reason(sim.core.tasks["low"]) == "waiting for a bubble"  # a few: nothing to say yet
     _high_takes_every_bubble(sim, 3)
+    # It never stepped: nothing is known to fit (a stranger's unmeasured task read "its step fitted").
+    assert sim.core.waiting_reason(sim.core.tasks["low"]) == (
+        "waiting for a bubble: the last 12 bubbles (its step not measured yet) went to other tasks first (of a "
+        "higher priority)")
+    assert sim.core.waiting_reason(sim.core.tasks["high"]) == "waiting for a bubble"
+    sim.core.tasks["low"].estimator.add(2 * MS)  # measured (a step of an earlier process, say)
     assert sim.core.waiting_reason(sim.core.tasks["low"]) == (
         "waiting for a bubble: the last 12 bubbles its step fitted went to other tasks first (of a higher priority)")
-    assert sim.core.waiting_reason(sim.core.tasks["high"]) == "waiting for a bubble"
 
 
 def test_a_grant_starts_the_outranked_count_again() -> None:

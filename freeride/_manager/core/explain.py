@@ -99,7 +99,9 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         if outranked >= OUTRANKED_SAID:
             whose = (" (of a higher priority)" if by_priority == outranked else
                      f" ({by_priority} of them to a higher priority)" if by_priority else "")
-            return (f"waiting for a bubble: the last {outranked} bubbles its step fitted went to other tasks "
+            # Before its first step, nothing is known to fit: a stranger's task read "its step fitted" unmeasured.
+            which = "its step fitted" if est is not None else "(its step not measured yet)"
+            return (f"waiting for a bubble: the last {outranked} bubbles {which} went to other tasks "
                     f"first{whose}" + (f"; margin {total} ms{widened}" if widened else ""))
         return "waiting for a bubble" + (f" (margin {total} ms{widened})" if widened else "")
     if task.state == TaskState.STARTING:
