@@ -67,6 +67,31 @@ def one_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def deepspeed_one_rank(store: Path, backend: str) -> Iterator[None]:
+    """DeepSpeed initialised on a one-rank group of ``backend`` (gloo, or nccl on a GPU) over a file store at
+    ``store`` (no port), with the environment DeepSpeed reads; all of it undone afterwards."""
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dist.init_process_group(backend, store=dist.FileStore(str(store), 1), rank=0, world_size=1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def docs_snippet(name: str, path: Path = DOCS) -> str:
     """The code block after ``<!-- snippet: NAME -->`` in ``path``: the code a user copies, run as written."""
     found = re.search(rf"<!-- snippet: {re.escape(name)} -->\s*```python\n(.*?)```", path.read_text(), re.S)

@@ -9,14 +9,13 @@ The two-rank run with waits, a manager and a side task is ``test_deepspeed_torch
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from framework_support import REPO, require_framework
+from framework_support import REPO, deepspeed_one_rank, require_framework
 
 from freeride.errors import ConfigError, FrameworkNotInstalled
 from freeride.training.schedules import build_schedule
@@ -242,26 +241,8 @@ def test_moved_internals_are_named() -> None:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A one-rank gloo group on a file store (no port), and DeepSpeed initialised on it."""
-    import deepspeed
-    import deepspeed.ops
-    import torch.distributed as dist
-
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    try:
+    with deepspeed_one_rank(tmp_path_factory.mktemp("store") / "store", "gloo"):
         yield
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _engine(dualpipev: bool = False, micro_batches: int = 4) -> Any:

@@ -14,7 +14,6 @@ weights are those of an uninstrumented twin, and each iteration's bubbles are de
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,35 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_support import GPU
+from gpu_support import GPU, LengthSink, device_ns
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frameworks"))
 
-from framework_support import require_framework  # noqa: E402
+from framework_support import deepspeed_one_rank, require_framework  # noqa: E402
 
 pytestmark = GPU
 
 CYCLES_PER_UNIT = 4_000_000  # ~2 ms of an H100/H200's clock: far above launch overheads
 HOST_UNIT_NS = 2_000_000
-
-
-class _Sink:
-    device = "cuda:0"
-
-    def __init__(self) -> None:
-        self.started: dict[tuple[int, int], int] = {}
-        self.lengths: dict[tuple[int, int], int] = {}
-
-    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
-                     start_ns: int | None = None, learned: bool = False) -> None:
-        self.started[(iteration, slot)] = start_ns or 0
-
-    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
-        self.lengths[(iteration, slot)] = (end_ns or 0) - self.started[(iteration, slot)]
-
-    def of(self, iteration: int) -> list[int]:
-        """The iteration's bubble lengths, in slot order."""
-        return [ns for (it, _), ns in sorted(self.lengths.items()) if it == iteration]
 
 
 def _replay(schedule_type: Any, stage_id: int, waits: tuple[str, ...], device: str,
@@ -117,7 +97,7 @@ def _bubble_lengths(kind: str, stage_id: int, device: str, wait: Callable[[Any, 
     engine = _replay(getattr(schedule, kind), stage_id, waits, device, wait)
     if device.startswith("cuda"):
         engine.comm = torch.cuda.Stream()
-    sink = _Sink()
+    sink = LengthSink()
     sink.device = device
     handle = fds._install(engine, sink, device=device)
     handle.tracker.report_min_ns = 0
@@ -141,7 +121,7 @@ def test_device_waits_are_the_bubbles_and_the_host_does_not_wait(kind: str, stag
     require_framework("deepspeed")
     import torch
 
-    unit_ns = _device_ns(lambda: torch.cuda._sleep(CYCLES_PER_UNIT))
+    unit_ns = device_ns(lambda: torch.cuda._sleep(CYCLES_PER_UNIT))
     waited, count, host_ns = _bubble_lengths(kind, stage_id, "cuda:0", _device_wait, unit_ns // 2)
     # The same replay with the host waiting, on the host clock, says which waits are bubbles: a receive always
     # is; a DualPipeV commit only at a planned slot (the others are counted as unplanned waits).
@@ -157,45 +137,15 @@ def test_device_waits_are_the_bubbles_and_the_host_does_not_wait(kind: str, stag
     assert host_ns < sum(waited)  # the host ran ahead: it never waited for the device
 
 
-def _device_ns(launch: Any, repeats: int = 3) -> int:
-    """How long ``launch``'s kernels take on the device (the median of ``repeats``, CUDA events)."""
-    import torch
-
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e6)
-    return int(sorted(times)[repeats // 2])
-
-
 @pytest.fixture(scope="module")
 def nccl_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A one-rank NCCL group on a file store (no port), and DeepSpeed initialised on it."""
     require_framework("deepspeed")
-    import deepspeed
     import torch
-    import torch.distributed as dist
 
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     torch.cuda.set_device(0)
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend="nccl")
-    try:
+    with deepspeed_one_rank(tmp_path_factory.mktemp("store") / "store", "nccl"):
         yield
-    finally:
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _engine() -> Any:
@@ -216,7 +166,8 @@ def test_a_real_engine_on_the_gpu_trains_as_its_twin_and_delivers_each_iteration
     engine, twin = _engine(), _engine()
     assert next(engine.module.parameters()).is_cuda
     delivered: list[int] = []
-    handle = fds.instrument(engine, _Sink(), device="cuda:0", on_iteration=lambda it, bubbles: delivered.append(it))
+    handle = fds.instrument(engine, LengthSink(), device="cuda:0",
+                            on_iteration=lambda it, bubbles: delivered.append(it))
     assert type(handle.tracker.clock).__name__ == "CudaEventClock"
     data, twin_data = batches(8, 2, 1), batches(8, 2, 1)
     try:

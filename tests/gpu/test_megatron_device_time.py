@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_support import GPU
+from gpu_support import GPU, LengthSink
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frameworks"))
 
@@ -24,19 +24,6 @@ from framework_support import one_process_group, require_framework  # noqa: E402
 pytestmark = GPU
 
 CYCLES_PER_UNIT = 20_000_000  # ~10 ms of a GPU's clock: far above launch overheads
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.started: dict[tuple[int, int], int] = {}
-        self.lengths: dict[tuple[int, int], int] = {}
-
-    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
-                     start_ns: int | None = None, learned: bool = False) -> None:
-        self.started[(iteration, slot)] = start_ns or 0
-
-    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
-        self.lengths[(iteration, slot)] = (end_ns or 0) - self.started[(iteration, slot)]
 
 
 @pytest.mark.parametrize("virtual", [1, 2])
@@ -52,7 +39,7 @@ def test_device_waits_are_the_bubbles_and_the_host_does_not_wait(virtual: int) -
         rank.state.device = "cuda:0"
         rank.chunks = [c.cuda() for c in rank.chunks]
         rank.state.on_wait = lambda units: torch.cuda._sleep(units * CYCLES_PER_UNIT)
-        sink = _Sink()
+        sink = LengthSink()
         function: Any = instrument(megatron_sim.schedule_function(virtual), sink, device="cuda:0", report_min_ns=0)
         rank.step(function)  # where the rank receives
         positions = sorted(set(rank.state.received_at))

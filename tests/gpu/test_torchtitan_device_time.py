@@ -13,37 +13,12 @@ from __future__ import annotations
 
 import time
 import types
-from typing import Any
 
-from gpu_support import GPU
+from gpu_support import GPU, LengthSink, device_ns
 
 pytestmark = GPU
 
 WAIT_CYCLES = 8_000_000  # ~4 ms of an H100/H200's clock
-
-
-class _Sink:
-    device = "cuda:0"
-
-    def __init__(self) -> None:
-        self.started: dict[tuple[int, int], int] = {}
-        self.lengths: dict[tuple[int, int], int] = {}
-
-    def bubble_start(self, iteration: int, slot: int, kind: str, predicted_ns: int, free_memory_bytes: int = -1,
-                     start_ns: int | None = None, learned: bool = False) -> None:
-        self.started[(iteration, slot)] = start_ns or 0
-
-    def bubble_end(self, iteration: int, slot: int, end_ns: int | None = None) -> None:
-        self.lengths[(iteration, slot)] = (end_ns or 0) - self.started[(iteration, slot)]
-
-
-def _wait_ns(torch: Any) -> int:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(WAIT_CYCLES)
-    end.record()
-    end.synchronize()
-    return int(start.elapsed_time(end) * 1e6)
 
 
 def test_each_step_reports_the_devices_waits_and_the_host_does_not_wait() -> None:
@@ -55,11 +30,11 @@ def test_each_step_reports_the_devices_waits_and_the_host_does_not_wait() -> Non
     stage = GpuStage(torch, 1, 4, 1024, 2)
     schedule = Schedule1F1B(stage, 8, WAIT_CYCLES)
     trainer = types.SimpleNamespace(pp_schedule=schedule)
-    sink = _Sink()
+    sink = LengthSink()
     delivered: list[int] = []
     wrapper = ftt.instrument(trainer, sink, on_iteration=lambda it, bubbles: delivered.append(it))
     assert trainer.pp_schedule is wrapper and type(wrapper.instrumented.clock).__name__ == "CudaEventClock"
-    wait_ns = _wait_ns(torch)
+    wait_ns = device_ns(lambda: torch.cuda._sleep(WAIT_CYCLES), repeats=1)
     host_ns = []
     try:
         for _ in range(4):
