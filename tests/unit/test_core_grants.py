@@ -337,3 +337,19 @@ def test_a_grant_starts_the_outranked_count_again() -> None:
     assert grants(sim.start(predicted_ms=3, slot=1)) == ["low"]  # too short for high's 5 ms step: low's turn
     assert sim.core.tasks["low"].health.outranked_bubbles == 0
     assert "went to other tasks" not in sim.core.waiting_reason(sim.core.tasks["low"])
+
+
+def test_a_running_task_says_when_it_is_in_setup_or_its_first_step() -> None:
+    # A stranger's task spent seconds of bubbles in setup() with "RUNNING -" as the only word in `ls`.
+    sim = Sim()
+    sim.resident("a")
+    sim.start(predicted_ms=10)
+    assert sim.state("a") == S.RUNNING
+    assert sim.core.waiting_reason(sim.core.tasks["a"]) == (
+        "in setup() or its first step: this process has finished no step yet")
+    sim.advance_ms(5)
+    sim.parked("a", [2.0, 2.0])
+    sim.end()
+    sim.advance_ms(5)
+    sim.start(predicted_ms=10)
+    assert sim.state("a") == S.RUNNING and sim.core.waiting_reason(sim.core.tasks["a"]) == ""

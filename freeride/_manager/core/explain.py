@@ -47,7 +47,10 @@ def _ms(ns: int) -> str:
 
 
 def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
-    """Why a non-running task is not running ("" for a running or finished one)."""
+    """Why a non-running task is not running ("" for a finished one, and for a running one past its first step)."""
+    if task.state == TaskState.RUNNING:
+        # A stranger's task spent seconds of bubbles in setup() with "RUNNING -" as the only word.
+        return "" if task.health.has_stepped else "in setup() or its first step: this process has finished no step yet"
     if task.state == TaskState.SUBMITTED:
         budget = now.budget_bytes
         if now.drained:
