@@ -517,7 +517,7 @@ def render_task(info: TaskInfo, draining: bool = False) -> str:
     if info.task_dir:  # there was no way from the CLI to find a task's outputs or its log
         fields += [("outputs", f"{info.task_dir}/work"), ("log", f"{info.task_dir}/worker.log")]
     if info.waiting_reason:
-        fields.append(("waiting", info.waiting_reason))
+        fields.append(("running" if info.state == TaskState.RUNNING.value else "waiting", info.waiting_reason))
     text = "\n".join(f"{key + ':':<11} {value}" for key, value in fields)
     if info.failure is not None:
         text += "\n" + render_failure(info.failure)
