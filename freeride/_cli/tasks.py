@@ -477,13 +477,15 @@ def _progress_line(info: TaskInfo) -> str:
     """Progress and steps as the worker last reported them (at its last park or checkpoint). A worker frozen
     mid-grant never reported the steps it finished in that grant, so a failure's step (read from its board)
     may be further on: say so rather than show two counts that disagree without a word."""
+    counted = f"{_progress(info)} ({info.steps} steps)"
+    if info.progress_unit == "steps" and info.progress == info.steps > 0:
+        counted = _progress(info)  # "396 steps (396 steps)" said it twice
     failure = info.failure
     if failure is not None and failure.step > info.steps:
         if not info.steps and not info.progress:  # "- (0 steps), as last reported: ... 9 steps" read as a contradiction
             return f"none reported (it never parked); its worker had finished {failure.step} steps when it failed"
-        return (f"{_progress(info)} ({info.steps} steps) as last reported; its worker had finished {failure.step} "
-                "steps when it failed")
-    return f"{_progress(info)} ({info.steps} steps)"
+        return f"{counted} as last reported; its worker had finished {failure.step} steps when it failed"
+    return counted
 
 
 def render_task(info: TaskInfo, draining: bool = False) -> str:
