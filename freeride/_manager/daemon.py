@@ -140,6 +140,8 @@ class Manager:
         self.end_board = end_board_path(self.endpoint.address) if self.endpoint.kind == "unix" else None
         #: The files trainers and clients reach it by, once made (watched by the loop: :mod:`addresses`).
         self._watched: dict[str, Path] = {}
+        if self.endpoint.kind == "unix" and not os.path.exists(self.endpoint.address):
+            self._refuse_a_manager_without_its_socket()  # before this one's state directory is made
         # Before the loop recovers the directory's tasks (and kills what it takes for a dead manager's workers).
         self.state_lock = StateDirLock(self.state_dir, str(self.endpoint))
         try:
@@ -219,8 +221,6 @@ class Manager:
                 if _socket_in_use(path):
                     raise ConfigError(f"a manager is already listening at {self.endpoint}")
                 os.unlink(path)  # left behind by a manager that was killed
-            else:
-                self._refuse_a_manager_without_its_socket()
             if self.end_board is not None:
                 try:
                     EndBoard.create(self.end_board)  # after the check: a running manager's board stays

@@ -243,10 +243,10 @@ def test_a_second_manager_of_the_device_is_refused_while_the_first_runs_without_
     first.start()
     try:
         os.unlink(sock.address)
-        second = Manager(DEVICE, endpoint=sock, state_dir=tmp_path / "other")
         with pytest.raises(ConfigError, match=f"a manager of {DEVICE} runs here \\(pid {os.getpid()}.*was removed "
                                               "under it: stop it first"):
-            second.start()
+            Manager(DEVICE, endpoint=sock, state_dir=tmp_path / "other")
+        assert not (tmp_path / "other").exists()  # refused before its state directory was made
     finally:
         first.stop()
     third = Manager(DEVICE, endpoint=sock, state_dir=tmp_path / "other")  # once it is stopped: served again
