@@ -252,25 +252,33 @@ class QueueAgent:
     def _run(self) -> None:
         backoff = self.config.poll_ms
         while not self._stopping.is_set():
-            try:
-                if self._queue is None or self._connected_at is None:
-                    self._connect()
-                self._poll()
+            if self._pass():
                 backoff = self.config.poll_ms
                 delay = self.config.poll_ms
-            except FreerideError as exc:
-                self._disconnected(exc)
-                delay = backoff
-                backoff = min(self.config.retry_max_ms, backoff * 2)
-            except Exception as exc:  # a bug here must not stop the manager: log, back off, go on
-                log.exception("[%s] queue agent poll failed", self.where)
-                self._disconnected(exc)
+            else:
                 delay = backoff
                 backoff = min(self.config.retry_max_ms, backoff * 2)
             self._stats = self._snapshot()
             self._wake.wait(delay / 1000)
             self._wake.clear()
         self._final_flush()
+
+    def _pass(self) -> bool:
+        """One pass of the thread's loop: connect where not connected, then poll. False when it failed: a
+        queue error (an outage, a slow reply past the socket timeout) or a bug here is counted and logged,
+        never raised, and the loop backs off and tries again (the queue's writes are fenced by claim epoch, and a
+        claim whose answer was lost comes back to the queue when its lease runs out)."""
+        try:
+            if self._queue is None or self._connected_at is None:
+                self._connect()
+            self._poll()
+            return True
+        except FreerideError as exc:
+            self._disconnected(exc)
+        except Exception as exc:  # a bug here must not stop the manager: log, back off, go on
+            log.exception("[%s] queue agent poll failed", self.where)
+            self._disconnected(exc)
+        return False
 
     def _connect(self) -> None:
         if self._queue is None:

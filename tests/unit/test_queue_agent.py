@@ -331,6 +331,23 @@ def test_an_unreachable_queue_never_raises_out_of_the_agent() -> None:
     assert loop.posted == []
 
 
+def test_a_pass_whose_poll_fails_midway_is_counted_and_the_next_pass_reconnects_and_claims() -> None:
+    # A heartbeat slower than the socket timeout (a loaded machine) raised out of a test that polled by hand;
+    # the thread's pass counts it and goes on, as this does.
+    queue = FakeQueue()
+    loop = FakeLoop()
+    agent = _agent(queue, loop)
+    assert agent._pass()
+    queue.down = True
+    assert not agent._pass()
+    assert agent.counters["errors"] == 1 and not agent.connected and "cannot reach" in agent.last_error
+    queue.down = False
+    queue.waiting_tasks.append(Candidate("t1-q1", MiB, 0, 1))
+    queue.records["t1-q1"] = _record("t1-q1")
+    assert agent._pass() and agent.connected
+    assert loop.claimed() == ["t1-q1"] and agent.counters["errors"] == 1
+
+
 def test_unreadable_records_are_set_aside_and_the_claim_loop_goes_on_to_the_next() -> None:
     queue = FakeQueue(waiting_tasks=[Candidate("bad-q1", MiB, 0, 1), Candidate("ok-q3", MiB, 0, 3)],
                       records={"ok-q3": _record("ok-q3")},
