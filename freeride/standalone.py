@@ -66,7 +66,7 @@ from freeride.devices import (
 )
 from freeride.errors import ConfigError, FreerideError
 from freeride.task import SideTask, TaskContext, check_saveable, finite_progress
-from freeride.units import format_mib_apart, memory_limit_hint, over_device_text
+from freeride.units import format_mib_apart, format_steps, memory_limit_hint, over_device_text
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,9 @@ class TaskRunError(FreerideError):
     """
 
     def __init__(self, target: str, phase: str, step: int, exc: BaseException) -> None:
-        at = f"step {step}" if phase == "step" else phase
+        # "failed in step 2" read as the second step where it was the third: the count of finished steps is
+        # what no reader counts differently.
+        at = f"a step, after {format_steps(step)}" if phase == "step" else phase
         super().__init__(f"{target} failed in {at}: {type(exc).__name__}: {exc}{task_location(exc)}")
         self.phase = phase
         self.step = step
@@ -416,7 +418,7 @@ def _run(
             except _TASK_ERRORS as exc:
                 raise TaskRunError(target, "step", len(step_ms), exc) from None
             except KeyboardInterrupt:  # Ctrl-C on a step that never returns printed nothing (rc 130)
-                raise TaskInterrupted(f"interrupted in step {len(step_ms)} of {target}, "
+                raise TaskInterrupted(f"interrupted in a step of {target}, after {format_steps(len(step_ms))}, "
                                       f"{time.perf_counter() - t0:.1f} s into it (run-task has no step timeout; a "
                                       "manager fails a step that runs past its own)") from None
             t1 = time.perf_counter()

@@ -73,6 +73,12 @@ def format_progress(progress: float, steps: int, unit: str) -> str:
     return (f"{value:.0f}" if value == int(value) else f"{value:.2f}") + f" {unit or 'steps'}"
 
 
+def format_steps(count: int) -> str:
+    """``1 step``, ``19 steps``: a count of finished steps, which no reader counts differently (``step 19``
+    read as the nineteenth where it was the twentieth)."""
+    return f"{count} step" if count == 1 else f"{count} steps"
+
+
 def format_rate(per_s: float) -> str:
     """A rate per second: whole numbers from 100 up, with thousands grouped (``30,412``), else three significant
     figures. A stranger read ``3e+04 iterations/s`` for 30.6k: too coarse to compare with their own timing."""

@@ -169,7 +169,8 @@ def test_max_steps_bounds_the_run() -> None:
 
 
 def test_failing_step_is_reported_with_its_index() -> None:
-    with pytest.raises(TaskRunError, match=r"FailsOnThirdStep failed in step 2: RuntimeError: widget jammed") as info:
+    with pytest.raises(TaskRunError,
+                       match=r"FailsOnThirdStep failed in a step, after 2 steps: RuntimeError: widget jammed") as info:
         run_standalone(f"{__name__}:FailsOnThirdStep", {}, DEVICE, 10.0, 1 << 20, None)
     assert info.value.step == 2 and "widget jammed" in info.value.traceback_text
 
@@ -177,7 +178,7 @@ def test_failing_step_is_reported_with_its_index() -> None:
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_step_that_calls_sys_exit_fails_the_run_with_its_step_not_silently_with_its_code(code: int) -> None:
     # Stranger trial: run-task printed nothing and exited 0, or 3, which reads "no manager".
-    with pytest.raises(TaskRunError, match=rf"failed in step 2: SystemExit: {code}") as info:
+    with pytest.raises(TaskRunError, match=rf"failed in a step, after 2 steps: SystemExit: {code}") as info:
         run_standalone(f"{__name__}:ExitsInItsThirdStep", {"code": code}, DEVICE, 10.0, 1 << 20, None)
     assert info.value.step == 2
 
@@ -185,8 +186,9 @@ def test_a_step_that_calls_sys_exit_fails_the_run_with_its_step_not_silently_wit
 def test_a_step_that_calls_os_exit_fails_the_run_at_the_tasks_line_and_its_forks_still_exit() -> None:
     # run-task ended with the task's exit code and printed nothing: os._exit skips every handler.
     real = os._exit
-    with pytest.raises(TaskRunError, match=r"failed in step 2: ProcessExitCalled: the task called os\._exit\(7\): "
-                                          r"in a worker the process ends there, and the task FAILS with exit code 7 "
+    with pytest.raises(TaskRunError, match=r"failed in a step, after 2 steps: ProcessExitCalled: the task called "
+                                          r"os\._exit\(7\): in a worker the process ends there, and the task FAILS "
+                                          r"with exit code 7 "
                                           rf"\({__file__}:\d+\)") as info:
         run_standalone(f"{__name__}:CallsOsExit", {}, DEVICE, 10.0, 1 << 30, None)
     assert info.value.step == 2
@@ -372,8 +374,8 @@ def test_cli_with_json_prints_an_error_as_json_on_stdout_too(
 
     monkeypatch.setattr("freeride._cli.run_task.run_standalone", fails)
     code, out, err = _cli(capsys, "m:T", "--json")
-    assert (code, err) == (1, "freeride: error: m:T failed in step 2: SystemExit: 0\n")
-    assert json.loads(out) == {"error": "m:T failed in step 2: SystemExit: 0", "exit_code": 1}
+    assert (code, err) == (1, "freeride: error: m:T failed in a step, after 2 steps: SystemExit: 0\n")
+    assert json.loads(out) == {"error": "m:T failed in a step, after 2 steps: SystemExit: 0", "exit_code": 1}
 
 
 def test_cli_runs_a_real_task_in_a_subprocess(tmp_path: Path) -> None:
@@ -415,7 +417,8 @@ def test_ctrl_c_on_a_step_that_never_returns_says_which_step_it_stopped(tmp_path
     finally:
         proc.kill()
     assert proc.returncode == 130
-    assert "freeride: interrupted in step 3 of sample_tasks:Hanger" in err and "run-task has no step timeout" in err
+    assert "freeride: interrupted in a step of sample_tasks:Hanger, after 3 steps," in err
+    assert "run-task has no step timeout" in err
 
 
 def test_run_task_runs_the_task_in_a_process_set_up_as_a_workers(harness: ManagerHarness, tmp_path: Path) -> None:

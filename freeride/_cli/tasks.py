@@ -46,7 +46,7 @@ from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import RANK_LEFT_S, SHARED_QUIET_NS, FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
-from freeride.units import format_ms, format_progress, format_size
+from freeride.units import format_ms, format_progress, format_size, format_steps
 
 _EXIT_OK = 0
 _EXIT_FAILED = 1
@@ -453,7 +453,7 @@ def render_failure(failure: FailureRecord) -> str:
     elif failure.exit_code is not None:
         lines.append(f"  exit code: {failure.exit_code}")
     if failure.step >= 0:
-        lines.append(f"  at step:   {failure.step}")
+        lines.append(f"  after:     {format_steps(failure.step)} finished")
     if failure.at_unix_s:
         lines.append(f"  at:        {_when(failure.at_unix_s)}")
     if failure.traceback.strip():

@@ -79,6 +79,7 @@ from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.errors import ConfigError
 from freeride.task import SideTask, TaskContext, finite_progress
+from freeride.units import format_steps
 
 log = logging.getLogger("freeride.worker")
 
@@ -470,7 +471,7 @@ class WorkerRuntime:
                 # kernels are queued (a fault in them surfaces here too, as this step's).
                 self.device.synchronize()
             except _TASK_ERRORS as exc:
-                raise _TaskError(_failure_kind(exc), f"step {self.steps}", exc) from exc
+                raise _TaskError(_failure_kind(exc), f"a step, after {format_steps(self.steps)}", exc) from exc
             end = time.monotonic_ns()
             self.steps += 1
             record.count += 1

@@ -519,7 +519,8 @@ def test_show_renders_failure_record_of_a_task_that_crashed_in_setup(
 
 def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -> None:
     # Regression: a task frozen mid-grant and then failed as hung showed "progress: 45 steps (45 steps)"
-    # beside "at step: 50": the steps of its last grant were never reported (it never parked).
+    # beside "at step: 50" (now "after: 50 steps finished"): the steps of its last grant were never reported (it
+    # never parked).
     from freeride._cli.tasks import render_task
     from freeride.messages import FailureRecord, TaskInfo, TaskProgress, TaskSpec
 
@@ -527,7 +528,7 @@ def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -
     hung = FailureRecord(kind="STEP_TIMEOUT", message="looks hung", step=50)
     out = render_task(TaskInfo("t-1", spec, "FAILED", TaskProgress(steps=45, progress=45.0), failure=hung))
     assert "progress:   45 steps as last reported; its worker had finished 50 steps when it failed" in out
-    assert "at step:   50" in out
+    assert "after:     50 steps finished" in out
     # Stranger trial: "progress: - (0 steps), as last reported: it had finished 9 steps", read as a contradiction.
     out = render_task(TaskInfo("t-3", spec, "FAILED", TaskProgress(steps=0, progress=0.0), failure=hung))
     assert "progress:   none reported (it never parked); its worker had finished 50 steps when it failed" in out
