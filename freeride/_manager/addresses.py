@@ -8,7 +8,8 @@ swept; ``rm -rf /tmp/freeride-*``) removes them under a running manager. What is
 a new trainer's reporter warns that no manager answers, a client's command fails to connect, and the manager
 itself said nothing. gRPC cannot bind again in place, and a board made again would not be the one running
 trainers write, so the manager does not repair this: it says what was lost, once per file, as an error, and
-what to do (restart it). Checked with the state directory's check (about once a second); a ``stat`` each.
+what to do (restart it). Checked with the state directory's check (about once a second): a ``stat`` of each
+path against an ``fstat`` of the file it held.
 """
 
 from __future__ import annotations
