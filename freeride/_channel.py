@@ -81,6 +81,9 @@ class Init:
     end_board: str = ""
     #: ``paper``: the reference system's admission rule, for the bench's comparison; else ours.
     admission: str = "freeride"
+    #: Granted time after which a step, setup or checkpoint that has not finished has its threads' stacks
+    #: written to the log (:mod:`freeride._worker.stacks`).
+    stack_report_ms: float = 2000.0
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,8 @@ class ManagerLoop:
             eof_grace_ms=config.eof_grace_ms, worker_log_max_bytes=config.worker_log_max_bytes,
             worker_log_backups=config.worker_log_backups, end_board_path=config.end_board_path,
             admission=config.core.policy, default_checkpoint_interval_s=config.core.default_checkpoint_interval_s,
+            # Where a step is stuck is in its log before the step timeout fails it (an eighth of that, at most 2 s).
+            stack_report_ms=min(2000.0, config.core.step_timeout_ns / 8e6),
         )
         self.workers = Supervisor(device, settings, self.paths, self._selector, self.poller.watch, self.poller.forget,
                                   now_ns)

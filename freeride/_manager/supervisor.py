@@ -89,6 +89,8 @@ class WorkerSettings:
     #: The scheduling policy's name: ``paper`` workers use the reference system's admission rule.
     admission: str = "freeride"
     default_checkpoint_interval_s: float = 30.0
+    #: When a worker writes where its threads are, in a phase that runs long (``Init.stack_report_ms``).
+    stack_report_ms: float = 2000.0
 
 
 @dataclass
@@ -369,6 +371,7 @@ class Supervisor:
             checkpoint_interval_s=spec.checkpoint_interval_s or self.settings.default_checkpoint_interval_s,
             step_time_hint_ms=spec.step_time_hint_ms, board_file=str(task_dir / "board") if board is not None else "",
             end_board=str(self.settings.end_board_path or ""), admission=self.settings.admission,
+            stack_report_ms=self.settings.stack_report_ms,
         )
         try:
             handle.channel.send(init)

@@ -27,7 +27,8 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
    no step starts after an end the worker could know of. Then report ``parked`` with the step
    durations, then (``usage``, apart, so that measuring never delays the park) the device memory the
    worker holds, and go back to waiting. Nothing runs outside
-   grants.
+   grants. A step, setup or checkpoint that runs long has its threads' stacks written to the log
+   (:mod:`freeride._worker.stacks`), so that the failure of a hung step says where it hung.
 4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
    ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
    ever sees whole files, and the last two are kept. A checkpoint the disk refuses (full,
@@ -75,6 +76,7 @@ from freeride._channel import (
 )
 from freeride._estimator import StepEstimator, surviving_end_ns, within_grace
 from freeride._task_process import prepare_process, watch_group
+from freeride._worker.stacks import CHECKPOINT, SETUP, STEP, StackWatch
 from freeride._worker.timing import PAPER_SLEEP_AFTER_STEP_S, ThawCounter, paper_step_fits
 from freeride.devices import WorkerDevice, WorkerSetupError, worker_device
 from freeride.errors import ConfigError
@@ -260,6 +262,10 @@ class WorkerRuntime:
         self.thaws = ThawCounter()
         if self._board is not None:  # the manager dates each stop there: a frozen step's time is then exact
             self.thaws.stood_still = self._board.stood_still_ns
+        #: Writes where the threads are to the log while a step, setup or checkpoint runs long (its marks:
+        #: ``watch.started``, set before the phase and cleared after it).
+        self.watch = StackWatch(self.task_id, self.thaws.stood_still_ns, lambda: self.steps,
+                                first_report_ns=int(init.stack_report_ms * 1e6))
         #: The current grant's steps: a failure report counts them (no park follows a failure); None once reported.
         self._grant_steps: _GrantSteps | None = None
         self._steps_in_process = 0
@@ -277,6 +283,15 @@ class WorkerRuntime:
         except _TaskError as err:
             self._report_failure(err)
             return EXIT_SETUP_FAILED
+        # Started after the process was pinned and lowered (on Linux a thread keeps the affinity and niceness it
+        # was made with): its wakes go where the task's steps go.
+        self.watch.start()
+        try:
+            return self._serve()
+        finally:
+            self.watch.close()
+
+    def _serve(self) -> int:
         baseline = self.device.baseline_bytes()
         self.chan.send(Ready(pid=os.getpid(), progress_unit=self._progress_unit(),
                              context_bytes=self.device.context_bytes, baseline_bytes=baseline,
@@ -465,6 +480,7 @@ class WorkerRuntime:
             step_deadline = deadline
             waited_start = self.device.waited_ns()
             cpu_start = time.process_time_ns()
+            self.watch.started = (now, stood_before, est or 0, STEP)
             try:
                 self.task.step()
                 # Device time: the step is over when the device has done its work, not when its
@@ -473,6 +489,7 @@ class WorkerRuntime:
             except _TASK_ERRORS as exc:
                 raise _TaskError(_failure_kind(exc), f"a step, after {format_steps(self.steps)}", exc) from exc
             end = time.monotonic_ns()
+            self.watch.started = None
             self.steps += 1
             record.count += 1
             self._steps_in_process += 1
@@ -605,6 +622,7 @@ class WorkerRuntime:
             work_dir=self.work_dir,
             logger=logging.getLogger(f"freeride.task.{self.task_id}"),
         )
+        self.watch.started = (time.monotonic_ns(), self.thaws.stood_still_ns(), 0, SETUP)
         try:
             self.task.setup(ctx)
             self.device.synchronize()
@@ -616,6 +634,7 @@ class WorkerRuntime:
             # The command runs in its own process group: the manager freezes and kills it too.
             self.chan.send(ProcessGroup(pgid=proc.pid))
         self._restore()
+        self.watch.started = None
 
     def _restore(self) -> None:
         """Load the newest readable checkpoint, the acknowledged one first."""
@@ -686,6 +705,14 @@ class WorkerRuntime:
             board.publish_doing(DOING_STEP)  # until the next checkpoint: its steps need no store of their own
 
     def _write_checkpoint(self) -> bool:
+        assert self.task is not None
+        self.watch.started = (time.monotonic_ns(), self.thaws.stood_still_ns(), 0, CHECKPOINT)
+        try:
+            return self._write_checkpoint_now()
+        finally:
+            self.watch.started = None
+
+    def _write_checkpoint_now(self) -> bool:
         assert self.task is not None
         try:
             state = self.task.state_dict()

@@ -61,6 +61,8 @@ class Fault:
     core: dict[str, Any] = field(default_factory=dict)
     spec: dict[str, Any] = field(default_factory=dict)
     step: int | None = None  # the step its failure record must name, where the fault fixes it
+    #: What its failure's log tail must hold (where it hung: the worker's stack report, its function's name).
+    tail: tuple[str, ...] = ()
 
 
 FAULTS = [
@@ -69,14 +71,16 @@ FAULTS = [
     Fault("raises-in-step", "sample_tasks:Crasher", {"crash_at": 5}, kind="EXCEPTION", says="boom at step 5",
           step=5),
     Fault("busy-loop-ignoring-deadlines", "sample_tasks:Hanger", {"hang_at": 2}, kind="STEP_TIMEOUT",
-          says="without finishing", core={"step_timeout_ns": 400 * MS}, step=2),
+          says="without finishing", core={"step_timeout_ns": 400 * MS}, step=2,
+          tail=("a step (after 2 steps) has run", "where its threads are", "sample_tasks.py", ", in step")),
     # Stranger trial: a hang in state_dict() was failed as a hang in setup() (its first checkpoint came before any
     # step) or in a step.
     # (A failure decided at a freeze names what the board said at the freeze before: a longer timeout leaves
     # several freezes inside the hang even where a loaded machine starves the worker at first.)
     Fault("hangs-in-its-checkpoint", "sample_tasks:CheckpointHanger", kind="STEP_TIMEOUT",
           says="a checkpoint (state_dict() and its write)", core={"step_timeout_ns": 1500 * MS},
-          spec={"checkpoint_interval_s": 0.05}),
+          spec={"checkpoint_interval_s": 0.05},
+          tail=("a checkpoint (state_dict() and its write) has run", "where its threads are", ", in state_dict")),
     Fault("allocates-past-its-cap", "sample_tasks:MemoryHog", {"mib_per_step": 256}, kind="MEMORY_LIMIT",
           says="over its cap of 200", memory_mib=200),
     # Issue 13: a task killed over its cap in its third step was said to have died in step 0.
@@ -216,6 +220,8 @@ def _assert_clear_failure(info: TaskInfo, fault: Fault) -> None:
         assert failure.step >= 0  # which step it died in
     if fault.step is not None:
         assert failure.step == fault.step, failure
+    for part in fault.tail:
+        assert part in failure.log_tail, (part, failure.log_tail)
 
 
 # ====================================================================== trainer faults
