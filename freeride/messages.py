@@ -67,6 +67,11 @@ MAX_KIND_CHARS = 64
 MAX_CLOCK_AHEAD_NS = 10**9
 
 
+#: The widths of a bubble's numbered fields on the wire (``proto/``: uint32, and uint64 for the iteration).
+_FIELD_MAX = {"stage": 2**32 - 1, "rank": 2**32 - 1, "slot": 2**32 - 1, "iteration": 2**64 - 1}
+_INT64_MAX = 2**63 - 1
+
+
 def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> None:
     """Raise :class:`ConfigError` with a precise message if a bubble event is malformed.
 
@@ -80,6 +85,8 @@ def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> N
         value = getattr(event, name)
         if value < 0:
             raise ConfigError(f"bubble {name} must be >= 0, got {value}")
+        if value > _FIELD_MAX[name]:  # past its field on the wire: the stream's serializer would fail on it
+            raise ConfigError(f"bubble {name} must be at most {_FIELD_MAX[name]}, got {value}")
     if isinstance(event, BubbleStart):
         if event.start_ns <= 0:
             raise ConfigError(f"bubble start_ns must be a positive monotonic time, got {event.start_ns}")
@@ -87,7 +94,7 @@ def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> N
             raise ConfigError(
                 f"bubble predicted_ns must be in (0, {MAX_PREDICTED_NS}], got {event.predicted_ns}"
             )
-        if event.free_memory_bytes < UNKNOWN_MEMORY:
+        if not UNKNOWN_MEMORY <= event.free_memory_bytes <= _INT64_MAX:
             raise ConfigError(f"free_memory_bytes must be >= 0 or -1, got {event.free_memory_bytes}")
         if len(event.kind) > MAX_KIND_CHARS or not event.kind.isprintable():
             raise ConfigError(f"bubble kind must be at most {MAX_KIND_CHARS} printable characters")
@@ -96,6 +103,8 @@ def validate_bubble_event(event: BubbleEvent, latest_ns: int | None = None) -> N
         if event.end_ns <= 0:
             raise ConfigError(f"bubble end_ns must be a positive monotonic time, got {event.end_ns}")
         time_name, time_ns = "end_ns", event.end_ns
+    if time_ns > _INT64_MAX:
+        raise ConfigError(f"bubble {time_name} {time_ns} is past any monotonic time (at most {_INT64_MAX})")
     if latest_ns is not None and time_ns > latest_ns:
         raise ConfigError(
             f"bubble {time_name} {time_ns} is ahead of this host's CLOCK_MONOTONIC (at most {latest_ns} now): "

@@ -75,6 +75,8 @@ from freeride.messages import (
     StreamSummary,
     TrainerEvent,
     TrainerLayout,
+    validate_bubble_event,
+    validate_layout,
 )
 
 if TYPE_CHECKING:
@@ -110,7 +112,8 @@ class ReporterCounters:
     ``messages`` is how many stream messages carried the ``sent`` events that went over the wire. ``accepted``,
     ``rejected`` and ``manager_dropped`` add up the manager's summaries of the streams closed so far
     (a stream is summarised only when it closes; a manager that died sends none; local datagrams are
-    not in them: the manager counts those it rejects in its own ``events_rejected``);
+    not in them: the manager counts those it rejects in its own ``events_rejected``); ``rejected`` also
+    counts the malformed events this reporter did not put on the wire (a negative iteration, say);
     ``manager_dropped`` counts valid events a stopping manager never handed to its scheduler.
     ``connected``: the manager answered on the open stream's channel (``connects`` counts streams opened,
     answered or not; ``reconnects``, the connections a manager answered after the first: a manager that was
@@ -236,6 +239,7 @@ class BubbleReporter:
         self._connects = 0
         self._answered = 0  # connections a manager answered (``reconnects``)
         self._accepted = self._rejected = self._manager_dropped = 0
+        self._rejected_here = 0  # malformed events this reporter refused to put on the wire (_sendable)
         self._thread = threading.Thread(
             target=self._run, name=f"freeride-reporter-{self.stage}", daemon=True
         )
@@ -255,6 +259,10 @@ class BubbleReporter:
         learned: bool = False,
     ) -> None:
         """Report that this stage starts waiting now (or at ``start_ns``). Never blocks or raises.
+
+        ``predicted_ns``: the bubble's predicted length; one below 1 is sent as 1 ns (a bubble with no usable
+        prediction). A malformed event (a negative iteration or slot) is rejected and counted, by the manager or
+        here, and the events after it go on.
 
         ``learned``: the slot is one the instrumentation learned from recurring waits, not one the
         schedule model lists (:mod:`freeride.training.learned_slots`); managers show them apart.
@@ -431,7 +439,7 @@ class BubbleReporter:
             connected=self.connected,
             messages=self._messages,
             accepted=self._accepted,
-            rejected=self._rejected,
+            rejected=self._rejected + self._rejected_here,
             manager_dropped=self._manager_dropped,
             local=self._sent_local + self._drained_local,
             local_fallbacks=self._local_fallbacks,
@@ -533,7 +541,9 @@ class BubbleReporter:
                     continue
                 try:
                     if item[-1] >= self._wire_from:  # type: ignore[index]
-                        batch.append(self._to_event(item))  # type: ignore[arg-type]
+                        event = self._to_event(item)  # type: ignore[arg-type]
+                        if self._sendable(event):
+                            batch.append(event)
                     else:  # queued before this connection's datagrams began: it would arrive after them
                         self._dropped_bg += 1
                 except Exception:  # noqa: BLE001 - a malformed event is dropped, the stream goes on
@@ -769,6 +779,24 @@ class BubbleReporter:
                 self._wire_from = epoch
                 self._local_fallbacks += 1
             return self._route[1]
+
+    def _sendable(self, event: TrainerEvent) -> bool:
+        """Whether ``event`` is well formed: one that is not is rejected here, counted and said once (as the manager
+        rejects it from the local socket), not sent. A negative iteration went out and failed the stream's
+        serializer: the stream ended, "the manager went away" was logged, and the events queued after it were
+        lost (a stranger's trial)."""
+        try:
+            if isinstance(event, TrainerLayout):
+                validate_layout(event)
+            else:
+                validate_bubble_event(event)
+        except ConfigError as exc:
+            self._rejected_here += 1
+            if self._rejected_here == 1:
+                log.warning("[%s stage=%d] a bubble event was rejected and not sent: %s (each such event is counted "
+                            "in the reporter's rejected events, and the stream goes on)", self.device, self.stage, exc)
+            return False
+        return True
 
     def _add_summary(self, summary: StreamSummary) -> None:
         self._accepted += summary.accepted
