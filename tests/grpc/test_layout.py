@@ -132,16 +132,16 @@ def test_a_reporter_over_the_wire_rejects_a_malformed_event_alone_and_keeps_its_
     # Stranger trial: a negative iteration went out on the wire, failed the stream's serializer, and the reporter
     # said "the manager ... went away" and lost the events queued behind it; the local route counted it rejected.
     device = str(harness.manager.device)
-    with caplog.at_level("INFO", logger="freeride.training.reporter"):
-        with BubbleReporter(device, stage=0, rank=0, endpoint=harness.endpoint, local_events=False,
-                            end_board=False) as reporter:
-            reporter.bubble_start(-1, 0, "drain", 5 * MS)
-            reporter.bubble_start(0, 2**40, "drain", 5 * MS)  # a slot past its field on the wire
-            for it in range(5):
-                reporter.bubble_start(it, 1, "drain", 5 * MS)
-                reporter.bubble_end(it, 1)
-            wait_for(lambda: [(s.slot, s.count) for s in harness.client.bubbles()] == [(1, 5)])
-            counters = reporter.counters()
+    with caplog.at_level("INFO", logger="freeride.training.reporter"), \
+            BubbleReporter(device, stage=0, rank=0, endpoint=harness.endpoint, local_events=False,
+                           end_board=False) as reporter:
+        reporter.bubble_start(-1, 0, "drain", 5 * MS)
+        reporter.bubble_start(0, 2**40, "drain", 5 * MS)  # a slot past its field on the wire
+        for it in range(5):
+            reporter.bubble_start(it, 1, "drain", 5 * MS)
+            reporter.bubble_end(it, 1)
+        wait_for(lambda: [(s.slot, s.count) for s in harness.client.bubbles()] == [(1, 5)])
+        counters = reporter.counters()
     assert counters.rejected >= 2 and counters.dropped == 0 and counters.connects == 1
     assert reporter.counters().rejected == 2 and reporter.counters().accepted == 10
     lines = [r.getMessage() for r in caplog.records]
