@@ -237,8 +237,8 @@ def _check_limit(probe: MemoryProbe, limit: int, target: str, phase: str, step: 
     if peak > limit:
         cpu = probe.measure == "rss_growth"
         what = "beyond its size once constructed" if cpu else "on the device"
-        steps = step + 1 if phase == "step" else 0  # ``step``: the index of the step it was over in
-        hint = memory_limit_hint(steps) if cpu or steps > 1 else ""
+        steps = step if phase == "step" else 0  # ``step``: the steps finished before the one it was over in
+        hint = memory_limit_hint(steps) if cpu or steps >= 2 else ""
         shown_peak, shown_limit = format_mib_apart(peak, limit)
         exc = MemoryLimitExceeded(
             f"used {shown_peak} {what}, over its limit of {shown_limit} "

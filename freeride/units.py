@@ -117,12 +117,14 @@ def format_mib_apart(used: int | float, cap: int | float) -> tuple[str, str]:
 
 
 def memory_limit_hint(steps: int, *, host: bool = False) -> str:
-    """What a MEMORY_LIMIT message adds, worded alike by the manager and ``run-task``: libraries load in setup
-    or the first step, so a task over its cap before its second step is told where to import them (``host``: its
-    host memory, on a device whose own memory is capped apart); one over it after more steps grew while stepping
-    (a stranger's task that leaked 2 MiB a step was told to import its libraries at module level)."""
-    if steps > 1:
-        return f" (it grew over {steps} steps: what it keeps across steps counts)"
+    """What a MEMORY_LIMIT message adds, worded alike by the manager and ``run-task`` (``steps``: the steps it had
+    finished): libraries load in setup or the first step, so a task over its cap before its second step finished
+    is told where to import them (``host``: its host memory, on a device whose own memory is capped apart); one
+    over it later grew while stepping (a stranger's task that leaked 2 MiB a step was told to import its libraries
+    at module level). The manager said "grew over 3 steps" where ``run-task`` said 4 of the same task (the one it
+    was in counted): both count finished steps now."""
+    if steps >= 2:
+        return f" (it grew while stepping, after {format_steps(steps)}: what it keeps across steps counts)"
     if host:
         return " (what setup or its first step allocates counts, libraries loaded there too)"
     # A stranger's first step allocated 1.5 GiB at once and was told only of imports.

@@ -288,7 +288,7 @@ def test_a_task_over_its_cap_after_many_steps_is_told_it_grew_while_stepping_not
     sim.send(TaskMemorySampled("a", used_bytes=112 * MiB))
     failure = sim.core.tasks["a"].failure
     assert failure is not None and failure.kind == "MEMORY_LIMIT"
-    assert "it grew over 41 steps" in failure.message and "module level" not in failure.message
+    assert "it grew while stepping, after 41 steps" in failure.message and "module level" not in failure.message
 
 
 def test_starting_worker_is_not_held_to_its_cap_while_it_imports() -> None:
