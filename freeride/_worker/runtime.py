@@ -476,7 +476,7 @@ class WorkerRuntime:
                 self._board.publish_step(self.steps, now)
             if bubble is not None and self._says_holding:  # (the manager said so at the grant; a thaw's may not have)
                 self._end_board.set_holding(bubble[0], True)  # type: ignore[union-attr]
-            thaws, stood_before = self.thaws.count, self.thaws.stood_still_ns()
+            thaws, stood_before = self.thaws.mark(), self.thaws.stood_still_ns()
             step_deadline = deadline
             waited_start = self.device.waited_ns()
             cpu_start = time.process_time_ns()

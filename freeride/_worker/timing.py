@@ -24,14 +24,20 @@ def paper_step_fits(median_ns: int | None, remaining_ns: int) -> bool:
 
 
 class ThawCounter:
-    """Counts the SIGCONTs this process receives and when the last came, to time frozen steps.
+    """Tells whether a step was frozen, and for how long, to time frozen steps.
 
     The manager freezes a worker whose step ran past a bubble's end (SIGSTOP) and thaws it with its
     next grant (SIGCONT). Timed from start to end, such a step would also count the time it spent
     frozen, often a whole compute phase: that one sample made the p95 estimate fit no bubble (the
-    task starved until a re-probe) and counted the trainer's compute as harvested time. The handler
-    only counts and stamps; Python runs it before the next Python-level call, so
-    :meth:`changed_since`, itself a call, always sees it.
+    task starved until a re-probe) and counted the trainer's compute as harvested time.
+
+    With a board (the manager's, as it always starts workers) the manager dates each stop and continue
+    there, and the board's total says it all (:meth:`mark`, :meth:`ran_ns`). Without one, a SIGCONT
+    handler counts and stamps the thaws (:meth:`install`; Python runs it before the next Python-level
+    call, so :meth:`changed_since`, itself a call, always sees it). Only then: a handler wakes a step
+    asleep in a wait at every thaw (the wait returns to run it, then waits again), and a worker woken at
+    each thaw of a step hung in a sleep was runnable, not asleep, when the manager froze it, so its grants
+    read as time without a core and its STEP_TIMEOUT came 2-3 times late (a stranger's trial).
     """
 
     def __init__(self) -> None:
@@ -51,17 +57,25 @@ class ThawCounter:
             return 0
 
     def install(self) -> None:
+        """Count thaws with a SIGCONT handler, where no board dates them (see the class doc)."""
+        if self.stood_still is not None:
+            return
         try:
             signal.signal(signal.SIGCONT, self._on_cont)
         except ValueError:  # not the main thread (an embedded runtime): frozen steps keep their wall time
             pass
 
+    def mark(self) -> int:
+        """What :meth:`changed_since` compares: the board's stood-still total, or the thaws counted."""
+        return self.stood_still_ns() if self.stood_still is not None else self.count
+
     def _on_cont(self, signum: int, frame: Any) -> None:
         self.count += 1
         self.last_ns = time.monotonic_ns()
 
-    def changed_since(self, count: int) -> bool:
-        return self.count != count
+    def changed_since(self, mark: int) -> bool:
+        """Whether the process was stopped and continued since :meth:`mark` said ``mark``."""
+        return self.mark() != mark
 
     def ran_ns(self, start_ns: int, end_ns: int, stood_before: int, deadline_ns: int, cpu_ns: int) -> int:
         """How long a step that was frozen between ``start_ns`` and ``end_ns`` ran (``stood_before``:
