@@ -462,6 +462,28 @@ def test_a_step_that_looks_hung_fails_after_the_step_timeout_between_bubbles() -
     assert sim.state("b") == S.PARKED  # a task whose steps finish is left alone
 
 
+def test_a_step_that_looked_hung_fails_at_the_step_timeout_though_its_later_grants_read_as_waits_for_its_core(
+) -> None:
+    # Stranger trial: a step hung in time.sleep, made runnable by each stop and continue, read as waiting for its
+    # busy core at most freezes; its stuck time fell under the threshold, it was judged only when it looked hung
+    # again, and a 5 s step timeout failed it after 8.5 s of looking hung (27 s after it hung).
+    sim = Sim(step_timeout_ns=200 * MS, grace_ns=MS)
+    _hung_and_other(sim)
+    sim.run_delays["a"] = 0
+    looked_hung_at = sim.now
+    for _ in range(40):  # bubbles every 15 ms
+        if sim.state("a") == S.FAILED:
+            break
+        sim.run_delays["a"] += 50 * MS  # every grant it is frozen in reads as a wait for its core
+        _steps_once_or_thaw(sim)
+    failed = sim.core.tasks["a"].failure
+    assert failed is not None and failed.kind == "STEP_TIMEOUT" and "looked hung" in failed.message
+    assert sim.core.tasks["a"].health.stuck_ns == 0  # nothing counted as its own: judged on its wall time
+    assert "(limit 0.2 s); it was frozen in it after" in failed.message
+    assert "of them read as waits for its core" in failed.message
+    assert sim.now - looked_hung_at <= 200 * MS + 2 * 15 * MS
+
+
 def test_a_step_that_looks_hung_is_not_failed_while_the_trainer_pauses_and_fails_once_it_has_not_finished_in_training(
 ) -> None:
     # Stranger trials: once the training stopped (or paused for an evaluation), a frozen step could not finish

@@ -67,7 +67,7 @@ from freeride._manager.core.api import (
     WorkerUsage,
 )
 from freeride._manager.core.bubbles import Bubbles, OpenBubble, SlotStats
-from freeride._manager.core.machines import DRAIN, BubblePhase, DrainPhase, StopPhase
+from freeride._manager.core.machines import DRAIN, BubblePhase, DrainPhase, StepPhase, StopPhase
 from freeride._manager.core.memory import MemoryBudget, admissions, over_cap, victims
 from freeride._manager.core.overruns import Overruns
 from freeride._manager.core.policy import make_policy
@@ -560,12 +560,18 @@ class SchedulerCore:
 
     def _fail_hung_too_long(self, now_ns: int, out: list[Action]) -> None:
         """At a bubble's first grant, and at each tick: fail each frozen step that has looked hung for
-        ``step_timeout`` of wall time while the trainer made bubbles (``StepHealth.hung_too_long``)."""
+        ``step_timeout`` of wall time while the trainer made bubbles (``StepHealth.hung_too_long``).
+
+        Counted from when it first looked hung, until it finishes: a step asleep in a hang is made runnable by
+        every stop and continue, and on a busy core reads as waiting for its core at most freezes, which takes
+        those grants off its stuck time; judged only while it looked hung again, a stranger's step hung in a sleep
+        was failed after 8.5 s of a 5 s step timeout, 27 s after it hung."""
         timeout = self.config.step_timeout_ns
         longest, last = self.bubbles.longest_ns, self.bubbles.last_start_ns
         for task in list(self._tasks.frozen.values()):
             health = task.health
-            if (not task.stopping and health.looks_hung(longest, task.known_step_ns)
+            if (not task.stopping
+                    and (health.phase is StepPhase.HUNG or health.looks_hung(longest, task.known_step_ns))
                     and health.hung_too_long(now_ns, timeout, last)):
                 self.stopping.fail(task, health.hung_failure(timeout, task.steps), out)
 

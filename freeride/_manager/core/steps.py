@@ -287,10 +287,18 @@ class StepHealth:
             kind="STEP_TIMEOUT",
             message=(f"{self._what} looked hung (more granted time than two of the longest bubbles and than "
                      f"{HUNG_STEPS} of its step estimate) for {self.hung_ns / 1e9:.1f} s of training without "
-                     f"finishing; it ran for {_seconds(self.stuck_ns)} of granted time (limit "
-                     f"{step_timeout_ns / 1e9:.1f} s of either)"),
+                     f"finishing (limit {step_timeout_ns / 1e9:.1f} s); {self._granted_text()}"),
             step=step,
         )
+
+    def _granted_text(self) -> str:
+        """What it was granted in that step: "it ran for 0.0 ms of granted time" said nothing of a step asleep in a
+        hang whose grants read as waits for its core (a stranger's), granted a second and more."""
+        waited = self.frozen_granted_ns - self.stuck_ns  # grants read as its waits for the core (or not booked yet)
+        if waited < 1_000_000:
+            return f"it ran for {_seconds(self.stuck_ns)} of granted time"
+        return (f"it was frozen in it after {_seconds(self.frozen_granted_ns)} of grants, "
+                f"{_seconds(waited)} of them read as waits for its core")
 
     def stuck_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         """The failure of a step (or setup) that ran ``step_timeout`` of granted time without finishing."""
