@@ -35,9 +35,7 @@ class ThawCounter:
     there, and the board's total says it all (:meth:`mark`, :meth:`ran_ns`). Without one, a SIGCONT
     handler counts and stamps the thaws (:meth:`install`; Python runs it before the next Python-level
     call, so :meth:`changed_since`, itself a call, always sees it). Only then: a handler wakes a step
-    asleep in a wait at every thaw (the wait returns to run it, then waits again), and a worker woken at
-    each thaw of a step hung in a sleep was runnable, not asleep, when the manager froze it, so its grants
-    read as time without a core and its STEP_TIMEOUT came 2-3 times late (a stranger's trial).
+    asleep in a wait at every thaw to run Python code (the wait returns to run it, then waits again).
     """
 
     def __init__(self) -> None:
