@@ -74,7 +74,7 @@ from freeride._cluster.records import (
 from freeride._cluster.url import QueueURL, parse_queue_url
 from freeride._validation import validate_submission
 from freeride.errors import ConfigError, FreerideError, ManagerUnavailable, RequestRejected, Unauthenticated
-from freeride.messages import FailureRecord, QueueStats, TaskRecord, TaskSpec
+from freeride.messages import FailureRecord, QueueStats, TaskProgress, TaskRecord, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -593,7 +593,20 @@ class QueueAgent:
                                                 record.checkpoint_step)
         fencing.prune(task_root, record.epoch, ck_path)
         return ClaimedTask(TaskRecord(
-            task_id=record.task_id, spec=spec, state=CLAIMED,
-            figures=dataclasses.replace(record.figures, checkpoint_step=ck_step),
+            task_id=record.task_id, spec=spec, state=CLAIMED, figures=resumed_figures(record.figures, ck_step),
             checkpoint_path=ck_path, seq=record.seq, submitted_unix_s=record.submitted_unix,
         ), epoch=record.epoch)
+
+
+def resumed_figures(figures: TaskProgress, checkpoint_step: int) -> TaskProgress:
+    """A claimed task's figures as it resumes from ``checkpoint_step`` (-1: none, it starts over): its steps and,
+    where it counts in steps, its progress go back to that point. A reclaimed task showed its last holder's 44
+    steps, then 43 once its new holder had resumed from step 35 and stepped on (a stranger's trial). Progress in
+    a unit of the task's own stays as its last holder reported it until its new worker reports (the record does
+    not keep what it was at the checkpoint)."""
+    if checkpoint_step < 0:
+        return dataclasses.replace(figures, checkpoint_step=-1, steps=0, progress=0.0)
+    if figures.steps <= checkpoint_step:
+        return dataclasses.replace(figures, checkpoint_step=checkpoint_step)
+    progress = float(checkpoint_step) if figures.progress_unit == "steps" else figures.progress
+    return dataclasses.replace(figures, checkpoint_step=checkpoint_step, steps=checkpoint_step, progress=progress)

@@ -375,3 +375,16 @@ def test_the_agents_figures_count_claims_renewals_reclaims_and_graces() -> None:
     stats = agent._snapshot()
     assert (stats.claims, stats.held, stats.renewals, stats.reclaims, stats.graces) == (1, 1, 1, 2, 1)
     assert stats.connected and stats.lease_ms == 900
+
+
+def test_a_claimed_tasks_steps_go_back_to_the_checkpoint_it_resumes_from() -> None:
+    # Stranger trial: a reclaimed task showed its last holder's 44 steps, then 43 once its new holder had resumed
+    # from its checkpoint at step 35 and stepped on.
+    from freeride._cluster.agent import resumed_figures
+
+    last = TaskProgress(steps=44, progress=44.0, progress_unit="steps", restarts=1, checkpoint_step=35)
+    assert resumed_figures(last, 35) == dataclasses.replace(last, steps=35, progress=35.0)
+    assert resumed_figures(last, -1) == dataclasses.replace(last, steps=0, progress=0.0, checkpoint_step=-1)
+    samples = dataclasses.replace(last, progress=704.0, progress_unit="samples")
+    assert resumed_figures(samples, 35) == dataclasses.replace(samples, steps=35)  # its own unit: kept until told
+    assert resumed_figures(last, 44) == dataclasses.replace(last, checkpoint_step=44)  # a newer file of its holder
