@@ -383,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         device.close()
         raise ConfigError(f"cannot prepare the manager's state directory: {exc}") from None
-    _set_autogroup_nice(args.autogroup_nice, args.device, device.name.kind)
-    manager.serve_forever()
+    # Once it serves: a second manager refused at a busy endpoint printed this warning before its refusal.
+    manager.serve_forever(serving=lambda: _set_autogroup_nice(args.autogroup_nice, args.device, device.name.kind))
     # The log's last line says the manager is gone, not only that it was stopping (a stranger's log ended there).
     print(f"freeride manager for {device.name}: stopped", file=sys.stderr, flush=True)
     return 0

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -296,9 +297,12 @@ class Manager:
         if self.agent is not None:
             self.agent.start()
 
-    def serve_forever(self) -> None:
-        """Serve until SIGTERM/SIGINT; then drain every task and return."""
+    def serve_forever(self, serving: Callable[[], None] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT; then drain every task and return. ``serving`` is called once the manager
+        serves (its endpoint is its own): what it says comes after a refusal never does."""
         self._serve()
+        if serving is not None:
+            serving()
         self.loop.install_signal_handlers()
         try:
             self.loop.run()

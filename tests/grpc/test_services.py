@@ -157,6 +157,20 @@ def test_second_manager_on_the_same_socket_is_refused(harness: ManagerHarness, t
     assert health_status(harness.endpoint) == 'SERVING'
 
 
+def test_a_second_manager_command_at_a_busy_socket_says_its_refusal_and_nothing_of_its_priority_first(
+    harness: ManagerHarness, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Stranger trial: the refusal came after a warning about the manager's autogroup priority, which never applied.
+    from freeride.cli import main
+
+    with caplog.at_level(logging.INFO):
+        code = main(["manager", "--device", DEVICE, "--endpoint", f"unix:{harness.endpoint.address}",
+                     "--state-dir", str(tmp_path / "other"), "--autogroup-nice", "5"])
+    assert code == 2 and "already listening" in capsys.readouterr().err
+    assert not [r.getMessage() for r in caplog.records if "autogroup" in r.getMessage()]
+    assert health_status(harness.endpoint) == "SERVING"
+
+
 def test_a_second_manager_on_the_same_state_dir_is_refused_and_the_first_ones_task_goes_on(
     harness: ManagerHarness, tmp_path: Path
 ) -> None:
