@@ -583,6 +583,11 @@ _TASK_OVERRUN_NOTE = ("  (its worker still held a bubble after the end and was f
                       "step that ran past the grace; on a cpu:N device one the trainer stopped at the end, its step or "
                       "its park report not done when the rank took the core back)")
 _GRANT_NOTE = "  (bubble start received -> first step; a bubble's first grant, when its worker was parked)"
+#: Where granted time is far more than harvested (a stranger read 2.5 s granted beside 0.2 s harvested and found
+#: nothing saying where the rest went).
+_GRANTED_NOTE = ("  (bubble time handed to side tasks; harvested counts only what their steps ran: the rest went "
+                 "to starting and parking, tails of bubbles no step fitted, and on a cpu:N core waits for the rank's "
+                 "core)")
 
 
 def _pct_line(p: Percentiles) -> str:
@@ -604,7 +609,7 @@ def render_stats(s: ManagerStats) -> str:
         ("bubbles", str(s.bubbles)),
         ("bubble time", f"{s.bubble_time_s:.3f} s" + (f"  {shared_bubbles_note(s.bubbles_while_shared)}"
                                                       if s.bubbles_while_shared else "")),
-        ("granted", f"{s.granted_s:.3f} s"),
+        ("granted", f"{s.granted_s:.3f} s" + (_GRANTED_NOTE if s.harvested_s < s.granted_s / 2 else "")),
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
         ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")
          + (f"; {s.trainer_stops} stopped by the trainer at the end" if s.trainer_stops else "")

@@ -524,3 +524,10 @@ def test_the_queues_ls_puts_a_long_last_word_under_its_row() -> None:
     assert narrow[-2].startswith("task-b") and narrow[-1] == "    why: claimed"
     wide = render_table(recs).splitlines()
     assert wide[0].split()[-1] == "LAST" and wide[1].endswith(f"set aside: {aside}") and len(wide) == 3
+
+
+def test_stats_says_where_granted_time_went_only_where_far_less_of_it_was_harvested() -> None:
+    # Stranger trial: "granted: 2.506 s" beside "harvested: 0.217 s" and nothing said where the rest went.
+    text = render_stats(stats(granted_s=2.5, harvested_s=0.2))
+    assert "granted:     2.500 s  (bubble time handed to side tasks; harvested counts only what their steps ran" in text
+    assert "waits for the rank's core" not in render_stats(stats(granted_s=1.0, harvested_s=0.8))
