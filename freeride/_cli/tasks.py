@@ -612,7 +612,9 @@ def render_stats(s: ManagerStats) -> str:
         ("granted", f"{s.granted_s:.3f} s" + (_GRANTED_NOTE if s.harvested_s < s.granted_s / 2 else "")),
         ("harvested", f"{s.harvested_s:.3f} s ({ratio} of bubble time)"),
         ("overruns", f"{s.overruns}  {_pct_line(s.overrun_ms)}" + (_OVERRUN_NOTE if s.overruns else "")
-         + (f"; {s.trainer_stops} stopped by the trainer at the end" if s.trainer_stops else "")
+         # "1105 overruns" beside a p50 of 17 us read as a problem to a stranger: on cpu:N most grants end so.
+         + (f"; {s.trainer_stops} stopped by the trainer at the end (on a cpu:N device the usual end of a grant "
+            "whose task still stepped: counted from the end to that stop)" if s.trainer_stops else "")
          + (f"; {s.hung_overruns} of a step that looked hung (thawed at its turns, not in the percentiles)"
             if s.hung_overruns else "")),
         ("grant lat.", _pct_line(s.grant_latency_ms) + (_GRANT_NOTE if s.grant_latency_ms.count else "")),

@@ -531,3 +531,10 @@ def test_stats_says_where_granted_time_went_only_where_far_less_of_it_was_harves
     text = render_stats(stats(granted_s=2.5, harvested_s=0.2))
     assert "granted:     2.500 s  (bubble time handed to side tasks; harvested counts only what their steps ran" in text
     assert "waits for the rank's core" not in render_stats(stats(granted_s=1.0, harvested_s=0.8))
+
+
+def test_stats_says_that_overruns_the_trainer_stopped_are_the_usual_end_of_a_grant_on_a_cpu_device() -> None:
+    # Stranger trial: "overruns: 1105" beside a p50 of 19 us read as a problem.
+    text = render_stats(stats(overruns=1105, trainer_stops=756))
+    assert "; 756 stopped by the trainer at the end (on a cpu:N device the usual end of a grant" in text
+    assert "stopped by the trainer" not in render_stats(stats())
