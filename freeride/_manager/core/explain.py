@@ -135,8 +135,8 @@ def waiting_reason(task: TaskRuntime, now: Circumstances) -> str:
         # a hung step.
         what = "a checkpoint (state_dict() and its write)" if task.health.in_checkpoint else "a step"
         if task.health.hung_seen_ns:
-            return (f"frozen in {what} that looks hung (more granted time than two of the longest bubbles and than "
-                    f"{HUNG_STEPS} of its step estimate); thawed at the start of a bubble once the other tasks "
+            return (f"frozen in {what} that looks hung (it has run longer than two of the longest bubbles and "
+                    f"{HUNG_STEPS} times its step estimate); thawed at the start of a bubble once the other tasks "
                     "have had as much bubble time since its last turn, until it finishes, or fails once "
                     "it has looked hung for its step timeout while the trainer makes bubbles")
         return f"frozen in {what} after overrunning a bubble" + starved + (paused or "; resumes at its next grant")

@@ -285,20 +285,21 @@ class StepHealth:
     def hung_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         return FailureRecord(
             kind="STEP_TIMEOUT",
-            message=(f"{self._what} looked hung (more granted time than two of the longest bubbles and than "
-                     f"{HUNG_STEPS} of its step estimate) for {self.hung_ns / 1e9:.1f} s of training without "
+            message=(f"{self._what} looked hung (it had run longer than two of the longest bubbles and "
+                     f"{HUNG_STEPS} times its step estimate) for {self.hung_ns / 1e9:.1f} s of training without "
                      f"finishing (limit {step_timeout_ns / 1e9:.1f} s); {self._granted_text()}"),
             step=step,
         )
 
     def _granted_text(self) -> str:
         """What it was granted in that step: "it ran for 0.0 ms of granted time" said nothing of a step asleep in a
-        hang whose grants read as waits for its core (a stranger's), granted a second and more."""
+        hang whose grants read as waits for its core (a stranger's), granted a second and more; "2.5 s of them read
+        as waits for its core" was read as nothing clear by the next."""
         waited = self.frozen_granted_ns - self.stuck_ns  # grants read as its waits for the core (or not booked yet)
         if waited < 1_000_000:
             return f"it ran for {_seconds(self.stuck_ns)} of granted time"
-        return (f"it was frozen in it after {_seconds(self.frozen_granted_ns)} of grants, "
-                f"{_seconds(waited)} of them read as waits for its core")
+        return (f"its grants in this step came to {_seconds(self.frozen_granted_ns)}, {_seconds(waited)} of which "
+                "its worker was found waiting for the core (not counted as the step's own time)")
 
     def stuck_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         """The failure of a step (or setup) that ran ``step_timeout`` of granted time without finishing."""
