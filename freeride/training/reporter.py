@@ -240,6 +240,8 @@ class BubbleReporter:
         self._answered = 0  # connections a manager answered (``reconnects``)
         self._accepted = self._rejected = self._manager_dropped = 0
         self._rejected_here = 0  # malformed events this reporter refused to put on the wire (_sendable)
+        self._rejected_last = ""
+        self._rejected_start: tuple[int, int] | None = None  # (iteration, slot) of the last start refused
         self._thread = threading.Thread(
             target=self._run, name=f"freeride-reporter-{self.stage}", daemon=True
         )
@@ -470,6 +472,9 @@ class BubbleReporter:
         self._queue.put(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._rejected_here > 1:  # the first was said as it came; the rest only counted (a stranger missed them)
+            log.warning("[%s stage=%d] %d bubble events in all were rejected and not sent, the last: %s", self.device,
+                        self.stage, self._rejected_here, self._rejected_last)
         log.debug("[%s stage=%d] reporter closed: %s", self.device, self.stage, self.counters())
 
     def __enter__(self) -> BubbleReporter:
@@ -790,11 +795,19 @@ class BubbleReporter:
                 validate_layout(event)
             else:
                 validate_bubble_event(event)
+                if isinstance(event, BubbleEnd) and (event.iteration, event.slot) == self._rejected_start:
+                    # Its start was not sent: sent alone, the end reached the manager as "out of order", one bad
+                    # bubble in two counters on two machines (a stranger's).
+                    raise ConfigError("its start was rejected")
         except ConfigError as exc:
             self._rejected_here += 1
+            self._rejected_last = str(exc)
+            if isinstance(event, BubbleStart):
+                self._rejected_start = (event.iteration, event.slot)
             if self._rejected_here == 1:
                 log.warning("[%s stage=%d] a bubble event was rejected and not sent: %s (each such event is counted "
-                            "in the reporter's rejected events, and the stream goes on)", self.device, self.stage, exc)
+                            "in the reporter's rejected events, said again when it closes, and the stream goes on)",
+                            self.device, self.stage, exc)
             return False
         return True
 

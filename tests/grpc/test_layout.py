@@ -137,13 +137,18 @@ def test_a_reporter_over_the_wire_rejects_a_malformed_event_alone_and_keeps_its_
                            end_board=False) as reporter:
         reporter.bubble_start(-1, 0, "drain", 5 * MS)
         reporter.bubble_start(0, 2**40, "drain", 5 * MS)  # a slot past its field on the wire
+        reporter.bubble_start(7, 0, "drain", 10**13)  # a prediction past any bubble: its end must not go alone
+        reporter.bubble_end(7, 0)
         for it in range(5):
             reporter.bubble_start(it, 1, "drain", 5 * MS)
             reporter.bubble_end(it, 1)
         wait_for(lambda: [(s.slot, s.count) for s in harness.client.bubbles()] == [(1, 5)])
         counters = reporter.counters()
-    assert counters.rejected >= 2 and counters.dropped == 0 and counters.connects == 1
-    assert reporter.counters().rejected == 2 and reporter.counters().accepted == 10
+    assert counters.rejected >= 4 and counters.dropped == 0 and counters.connects == 1
+    assert reporter.counters().rejected == 4 and reporter.counters().accepted == 10
+    assert harness.client.stats().events_ignored == 0  # no end without its start reached the manager
     lines = [r.getMessage() for r in caplog.records]
     assert not any("went away" in line for line in lines), lines
     assert sum("rejected and not sent: bubble iteration must be >= 0, got -1" in line for line in lines) == 1, lines
+    assert any("4 bubble events in all were rejected and not sent, the last: its start was rejected" in line
+               for line in lines), lines
