@@ -882,9 +882,28 @@ class ManagerLoop:
         # a running job killed it past the stop timeout, its work since the last checkpoint lost (a stranger's; a CI
         # run's). One the trainer made already is read here and continued by the message.
         self.ends.grant_over(action.task_id)
+        if action.checkpoint and self._in_setup(action.task_id):
+            # Setup cannot read the stop: continued, it ran on to its end (outside every bubble, beside training)
+            # or to the stop timeout, and either way its next start sets up again. Killed now, nothing is lost.
+            log.info("[%s task=%s] stopped in setup(): nothing to checkpoint yet (its next start sets up again); its "
+                     "worker is killed now", self.device, action.task_id)
+            self.workers.signal(action.task_id, signal.SIGKILL)
+            return []
         events = self.workers.send(action.task_id, W.Stop(action.checkpoint))
         self.workers.signal(action.task_id, signal.SIGCONT)  # a frozen worker must run to obey
         return events
+
+    def _in_setup(self, task_id: str) -> bool:
+        """Whether ``task_id``'s worker is inside its setup (granted, and its board says no step has begun in this
+        process: setup, or restoring its checkpoint)."""
+        task = self.core.tasks.get(task_id)
+        board = self.workers.board(task_id)
+        if task is None or board is None or task.state not in (TaskState.RUNNING, TaskState.FROZEN):
+            return False
+        try:
+            return board.step() < 0
+        except (OSError, ValueError):  # a closed mapping: as if unknown
+            return False
 
     def _thaw(self, action: C.Thaw) -> None:
         self.workers.signal(action.task_id, signal.SIGCONT)

@@ -534,3 +534,22 @@ def test_a_manager_pinned_off_its_core_serves_that_core_and_its_workers_run_ther
             assert psutil.Process(daemon.pid).cpu_affinity() == [int(manager_core.split(":")[1])]
     finally:
         stop_daemon(daemon)
+
+
+def test_a_drain_kills_a_task_in_its_setup_at_once_with_nothing_lost(make_manager: object) -> None:
+    # A setup cannot read a stop: continued, it ran on outside every bubble (beside training) until it ended or the
+    # stop timeout killed it, and either way its next start set up again. Killed at once, nothing is lost.
+    h: ManagerHarness = make_manager(stop_timeout_ns=60_000_000_000)  # type: ignore[operator]
+    slow = h.submit("sample_tasks:SlowSetup", args={"setup_cpu_ms": 120_000})
+    feeder = h.feeder()
+    feeder.run_until(lambda: h.client.get(slow.task_id).state in ("RUNNING", "FROZEN"), length_ms=20, gap_ms=10,
+                     timeout_s=60)
+    feeder.close()
+    pid = h.client.get(slow.task_id).pid
+    started = time.monotonic()
+    drained = h.client.drain(timeout_s=50)
+    assert time.monotonic() - started < 30  # not the 60 s stop timeout, nor the 120 s setup
+    assert (drained.parked, drained.checkpointed, drained.killed) == (1, 0, 0), drained
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    info = h.client.get(slow.task_id)
+    assert info.failure is None and info.steps == 0
