@@ -786,10 +786,10 @@ class BubbleReporter:
             return self._route[1]
 
     def _sendable(self, event: TrainerEvent) -> bool:
-        """Whether ``event`` is well formed: one that is not is rejected here, counted and said once (as the manager
-        rejects it from the local socket), not sent. A negative iteration went out and failed the stream's
-        serializer: the stream ended, "the manager went away" was logged, and the events queued after it were
-        lost (a stranger's trial)."""
+        """Whether ``event`` is well formed: one that is not is rejected here, counted and said (the first as it
+        comes, how many at close), as the manager rejects it from the local socket, and not sent. A negative
+        iteration went out and failed the stream's serializer: the stream ended, "the manager went away" was
+        logged, and the events queued after it were lost (a stranger's trial)."""
         try:
             if isinstance(event, TrainerLayout):
                 validate_layout(event)
