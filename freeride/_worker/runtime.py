@@ -28,8 +28,8 @@ Lifecycle of a worker process (one per task, in its own session, started by the 
    durations, then (``usage``, apart, so that measuring never delays the park) the device memory the
    worker holds, and go back to waiting. No task code runs outside
    grants. A step, setup or checkpoint that runs long has its threads' stacks written to the log
-   (:mod:`freeride._worker.stacks`), so that the failure of a hung step says where it hung: the only thread
-   of the runtime's own, it wakes ten times a second, between grants too, to read one attribute (~5 us).
+   (:mod:`freeride._worker.stacks`), so that the failure of a hung step says where it hung: its thread wakes
+   twice a second at the default step timeout, between grants too (~0.1 ms of CPU a wake on the 2-core VM).
 4. Checkpoint when the interval has passed (inside a grant, when its last duration fits) and on
    ``stop``; checkpoints are written to a temporary file, fsynced and renamed, so a reader only
    ever sees whole files, and the last two are kept. A checkpoint the disk refuses (full,

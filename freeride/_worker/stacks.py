@@ -11,8 +11,9 @@ holds the latest, and the log the history of a slow setup.
 
 What it costs: the runtime marks a phase by one attribute write before it and one after (:attr:`started`: a
 tuple the main thread makes; no lock, no event, nothing woken), so a step pays tens of nanoseconds. The
-thread wakes every :data:`CHECK_S` and reads that attribute; it sleeps through a freeze like every thread,
-and takes the GIL only for that read, and for a report. A report needs the GIL: a task stuck in C code that
+thread wakes every quarter of the first report's time (:data:`CHECK_MIN_S`..:data:`CHECK_MAX_S`) and reads
+that attribute; it sleeps through a freeze like every thread, and takes the GIL only for that read, and for a
+report. A report needs the GIL: a task stuck in C code that
 holds it (rare: numpy, torch and the CUDA waits let go of it) gets none, and its log says so by silence.
 """
 
@@ -31,8 +32,10 @@ from freeride.units import format_steps
 
 log = logging.getLogger("freeride.worker")
 
-#: How often the watch thread looks (s): a read of one attribute, about 5 us with its wake.
-CHECK_S = 0.1
+#: How often the watch thread looks: a quarter of the first report's time, within these bounds (s). A wake costs
+#: ~0.1 ms of CPU on the 2-core VM (a timed wait's wake there; the read itself is nothing): at the default step
+#: timeout (first report at 2 s) two a second, about 0.03% of a core, between grants too.
+CHECK_MIN_S, CHECK_MAX_S = 0.05, 0.5
 #: The first report of a phase comes after this much granted time (ns; the manager sends an eighth of its step
 #: timeout where that is shorter), or :data:`STEP_ESTIMATES` of the task's step estimate where that is longer:
 #: a task whose steps take seconds is not reported at every step.
@@ -66,6 +69,7 @@ class StackWatch:
                  first_report_ns: int = FIRST_REPORT_NS, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.task_id = task_id
         self.first_report_ns = first_report_ns
+        self.check_s = min(CHECK_MAX_S, max(CHECK_MIN_S, first_report_ns / 4e9))
         self._stood_still = stood_still
         self._steps = steps
         self._clock = clock
@@ -86,7 +90,7 @@ class StackWatch:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(CHECK_S):
+        while not self._stop.wait(self.check_s):
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - a report must never end the worker
