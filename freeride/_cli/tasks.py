@@ -483,8 +483,9 @@ def _progress_line(info: TaskInfo) -> str:
     failure = info.failure
     if failure is not None and failure.step > info.steps:
         if not info.steps and not info.progress:  # "- (0 steps), as last reported: ... 9 steps" read as a contradiction
-            return f"none reported (it never parked); its worker had finished {failure.step} steps when it failed"
-        return f"{counted} as last reported; its worker had finished {failure.step} steps when it failed"
+            return (f"none reported (it never parked); its worker had finished {format_steps(failure.step)} when it "
+                    "failed")
+        return f"{counted} as last reported; its worker had finished {format_steps(failure.step)} when it failed"
     return counted
 
 
