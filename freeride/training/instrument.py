@@ -12,8 +12,9 @@ wrapper hooks while attached)::
 
 This module is the torch adapter of :class:`freeride.training.tracker.RankTracker`, which maps the
 waits to slots, predicts and reports them (see there). What the adapter adds is where torch
-computes and where it waits, hooked on *instances* only (no class or module is patched;
-:meth:`InstrumentedSchedule.close` restores them):
+computes and where it waits, hooked on *instances* (no class is patched, and one module function only
+while a single-stage schedule on the host clock is attached; :meth:`InstrumentedSchedule.close` restores
+them):
 
 * **Compute.** ``forward_one_chunk``, ``backward_one_chunk`` (``full_backward=False`` is an ``I``)
   and ``backward_weight_one_chunk`` of every ``PipelineStage`` the schedule drives.
@@ -63,12 +64,17 @@ and ``full_backward`` the third of ``backward_one_chunk``. On the host clock, a 
 ``fwd_recv_ops`` / ``bwd_recv_ops`` instance dicts, where present: their ``pop`` is where the rank
 starts waiting for a receive (``RankTracker.wait_blocks``): the bubbles there start at the pop, not at the
 end of the action before, and a position where the rank only does host work (posting, the runtime's own
-Python) goes quiet however long that takes (docs/bubbles.md).
+Python) goes quiet however long that takes (docs/bubbles.md). For ``ScheduleGPipe`` and ``Schedule1F1B``
+on the host clock, the module function ``torch.distributed.pipelining.schedules._wait_batch_p2p`` (their
+waits, for receives and sends alike, call it as a module global): while such a schedule is attached it is
+a pass-through that marks the same point on the thread in that schedule's ``step`` (``_WaitWatch``); a
+torch without it leaves those waits starting at the action's end.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -167,6 +173,82 @@ _OWNER = "_freeride_instrumented_by"
 _RECV_OPS = ("fwd_recv_ops", "bwd_recv_ops")
 
 
+class _WaitWatch:
+    """torch's ``schedules._wait_batch_p2p``, replaced by a pass-through while a single-stage schedule on the
+    host clock is attached: where ``ScheduleGPipe`` and ``Schedule1F1B`` call it, the rank has posted the
+    gap's transfers and now waits for another rank (:meth:`RankTracker.wait_blocks`).
+
+    The single module function this adapter replaces (everything else is hooked on instances): those
+    schedules look it up as a module global, so no instance attribute reaches it. The replacement marks only
+    on a thread that is inside an attached schedule's ``step`` (:meth:`entered`), and calls whatever the module
+    held before; the last :meth:`release` puts that back, unless something replaced it after us (then ours
+    stays, passing through). Measured why (``bench.bench_schedules``, 1F1B, two CPU ranks): the last rank's
+    gaps between its backward and the next forward were 0.2 ms of posting (gloo) with no wait, reported from
+    the backward's end; each woke its manager, which took the rank's core from its host work for 0.35 ms, and
+    the gap so stretched stayed over the reporting threshold.
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+    _own: Callable[..., Any] | None = None
+    _local = threading.local()  # .blocks: the wait_blocks of the schedule stepping on this thread, or None
+
+    @classmethod
+    def acquire(cls) -> bool:
+        """Install the pass-through (once for all attached schedules); False where this torch has no such
+        function (the waits then start where the action before them ends, as on a GPU)."""
+        try:
+            from torch.distributed.pipelining import schedules
+        except ImportError:  # pragma: no cover - the schedule came from this torch
+            return False
+        with cls._lock:
+            if cls._users == 0:
+                own = getattr(schedules, "_wait_batch_p2p", None)
+                if not callable(own):
+                    log.debug("torch %s has no schedules._wait_batch_p2p: single-stage waits start where the "
+                              "action before them ends", _torch_version())
+                    return False
+                if own is not _watched_wait_batch_p2p:
+                    cls._own = own
+                    schedules._wait_batch_p2p = _watched_wait_batch_p2p
+            cls._users += 1
+            return True
+
+    @classmethod
+    def release(cls) -> None:
+        from torch.distributed.pipelining import schedules
+
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0 and schedules._wait_batch_p2p is _watched_wait_batch_p2p and cls._own is not None:
+                schedules._wait_batch_p2p = cls._own
+
+    @classmethod
+    def entered(cls, step: Callable[..., Any], blocks: Callable[[], None]) -> Callable[..., Any]:
+        """``step`` with ``blocks`` the mark of this thread's waits while it runs (nested steps: the inner's)."""
+        local = cls._local
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(local, "blocks", None)
+            local.blocks = blocks
+            try:
+                return step(*args, **kwargs)
+            finally:
+                local.blocks = outer
+
+        return call
+
+
+def _watched_wait_batch_p2p(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``_wait_batch_p2p`` with the stepping schedule's wait marked first (:class:`_WaitWatch`)."""
+    blocks = getattr(_WaitWatch._local, "blocks", None)
+    if blocks is not None:
+        blocks()
+    own = _WaitWatch._own
+    assert own is not None  # installed only once it was kept
+    return own(*args, **kwargs)
+
+
 class _RecvOps(dict):
     """The runtime's dict of posted receives, on the instance: where it pops one to wait for it, the rank's
     host work of the gap is done and its wait for the other rank begins (:meth:`RankTracker.wait_blocks`)."""
@@ -250,6 +332,9 @@ class InstrumentedSchedule:
         #: Whether the pops of posted receives are watched (a runtime schedule on the host clock: module doc).
         self.watches_receives = self.tracker.clock.synchronous and all(
             isinstance(vars(schedule).get(name), dict) for name in _RECV_OPS)
+        #: Whether torch's ``_wait_batch_p2p`` marks this single-stage schedule's waits (the host clock:
+        #: :class:`_WaitWatch`); set while attached.
+        self.watches_waits = False
         self.attach()
 
     # ---------------------------------------------------------------- construction
@@ -373,7 +458,12 @@ class InstrumentedSchedule:
         # attached (a loop written before freeride, a library's) had its stages' marks fall outside any iteration,
         # and half its iterations went unreported.
         tracker = self.tracker
-        self._set(self.schedule, "step", _between(tracker.iteration_begin, self.schedule.step, tracker.iteration_end))
+        step = _between(tracker.iteration_begin, self.schedule.step, tracker.iteration_end)
+        if tracker.clock.synchronous and not self.watches_receives and hasattr(self.schedule, "_stage"):
+            self.watches_waits = _WaitWatch.acquire()
+            if self.watches_waits:
+                step = _WaitWatch.entered(step, tracker.wait_blocks)
+        self._set(self.schedule, "step", step)
         own_eval = getattr(self.schedule, "eval", None)
         if callable(own_eval):
             # torch's ``eval`` runs ``self.step`` forward only: validation is not training, and measured, its
@@ -389,6 +479,9 @@ class InstrumentedSchedule:
 
         Used by A/B measurements (instrumented and bare iterations interleaved in one run).
         """
+        if self.watches_waits:
+            self.watches_waits = False
+            _WaitWatch.release()
         for obj, attr, saved in reversed(self._restore):
             watched = vars(obj).get(attr)
             if isinstance(watched, _RecvOps):  # receives posted meanwhile stay the runtime's

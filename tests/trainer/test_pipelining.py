@@ -469,3 +469,136 @@ def test_on_the_host_clock_a_runtime_position_that_only_posts_goes_quiet_and_the
     real.fwd_recv_ops[(2, 0)] = ["posted before detaching"]
     inst.close()
     assert type(real.fwd_recv_ops) is dict and real.fwd_recv_ops == {(2, 0): ["posted before detaching"]}
+
+
+class P2PStage(TimedStage):
+    """A stand-in stage for torch's own single-stage ``_step_microbatches``: its transfer ops are names that the
+    test's ``_batch_p2p`` posts (0.2 ms each batch) and whose works wait ``waits_ms`` (by receive)."""
+
+    def _ops(self, kind: str, mb: int, needed: bool) -> list[tuple[str, int]]:
+        return [(kind, mb)] if needed else []
+
+    def get_fwd_recv_ops(self, mb: int) -> list[tuple[str, int]]:
+        return self._ops("recv_F", mb, not self.is_first)
+
+    def get_bwd_recv_ops(self, mb: int) -> list[tuple[str, int]]:
+        return self._ops("recv_B", mb, not self.is_last)
+
+    def get_fwd_send_ops(self, mb: int) -> list[tuple[str, int]]:
+        return self._ops("send_F", mb, not self.is_last)
+
+    def get_bwd_send_ops(self, mb: int) -> list[tuple[str, int]]:
+        return self._ops("send_B", mb, not self.is_first)
+
+    def perform_reduce_grad(self, *args: Any) -> None:
+        pass
+
+
+class FakeWork:
+    def __init__(self, clock: list[int], wait_ns: int) -> None:
+        self.clock, self.wait_ns = clock, wait_ns
+
+    def wait(self) -> None:
+        self.clock[0] += self.wait_ns
+        self.wait_ns = 0
+
+
+def single_stage(name: str, rank: int, clock: list[int], m: int = 4) -> Any:
+    """Torch's real ``ScheduleGPipe`` / ``Schedule1F1B`` on a :class:`P2PStage` of two: its own
+    ``_step_microbatches`` runs, with the input handling and losses stubbed on the instance."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    real = getattr(torch_schedules, name)(P2PStage(rank, 2, 2, rank, clock), m)
+    real._check_inputs = lambda *args: ([()] * m, [{}] * m)
+    real._initialize_stage = lambda *args: None
+    real._maybe_compute_loss = lambda *args: None
+    real._maybe_get_loss = lambda *args: None
+    real._update_losses = lambda *args: None
+    real.step = lambda: real._step_microbatches()
+    return real
+
+
+@pytest.fixture
+def posted_p2p(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """torch's ``_batch_p2p`` / ``_sorted_batch_p2p`` replaced: posting takes 0.2 ms, a receive named in
+    ``waits_ms`` waits that long."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    state: dict[str, Any] = {"clock": [10**12], "waits_ms": {}}
+
+    def batch(ops: list[tuple[str, int]], desc: str | None = None) -> list[FakeWork]:
+        if not ops:
+            return []
+        state["clock"][0] += 200_000
+        return [FakeWork(state["clock"], int(state["waits_ms"].get(op, 0.0) * 1e6)) for op in ops]
+
+    # Torch's own wait function and no schedule attached (another test's unclosed one keeps the watch installed).
+    from freeride.training.instrument import _watched_wait_batch_p2p, _WaitWatch
+
+    if torch_schedules._wait_batch_p2p is _watched_wait_batch_p2p:
+        monkeypatch.setattr(torch_schedules, "_wait_batch_p2p", _WaitWatch._own)
+    monkeypatch.setattr(_WaitWatch, "_users", 0)
+    monkeypatch.setattr(torch_schedules, "_batch_p2p", batch)
+    monkeypatch.setattr(torch_schedules, "_sorted_batch_p2p",
+                        lambda ops, desc=None: {1: batch(ops, desc)} if ops else {})
+    return state
+
+
+@pytest.mark.parametrize("name", ["ScheduleGPipe", "Schedule1F1B"])
+def test_on_the_host_clock_a_single_stage_schedules_bubbles_start_where_torch_waits_after_posting(
+        name: str, posted_p2p: dict[str, Any]) -> None:
+    # Bench (1F1B, two CPU ranks): the last rank's gaps between a backward and the next forward were 0.2 ms of
+    # gloo posting and no wait, reported from the backward's end; the manager each woke took the core from the
+    # rank's posting, and the gap so stretched stayed reported. Torch's own loop runs here.
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    own = torch_schedules._wait_batch_p2p
+    clock = posted_p2p["clock"]
+    posted_p2p["waits_ms"] = {("recv_F", mb): 3.0 for mb in (1, 3)}  # two late activations; the rest are there
+    real = single_stage(name, 1, clock)
+    sink = RecordingSink()
+    inst = InstrumentedSchedule(real, sink=sink, clock=lambda consumer: StepClock(consumer, clock))
+    inst.tracker.learn_every = 1
+    assert inst.watches_waits and torch_schedules._wait_batch_p2p is not own
+    order = inst.tracker.plan.order
+    late = {k for k, a in enumerate(order) if a.kind == "F" and a.microbatch in (1, 3)}
+    for _ in range(20):
+        inst.step()
+    starts = {e[2]: e[6] for e in sink.events if e[0] == "start" and e[1] == inst.iteration - 1}
+    ends = {e[2]: e[3] for e in sink.events if e[0] == "end" and e[1] == inst.iteration - 1}
+    assert set(starts) == late  # the posting-only gaps went quiet
+    for k in late:  # each reported from its wait's start (after the 0.2 ms of posting) to the data
+        assert ends[k] - starts[k] == 3_000_000
+    lengths = {b.slot: b.length_ns for b in inst.last_bubbles}
+    assert all(lengths[k] == 3_000_000 for k in late)
+    inst.close()
+    assert torch_schedules._wait_batch_p2p is own
+
+
+def test_the_wait_watch_marks_only_the_thread_in_an_instrumented_step_and_leaves_at_the_last_close(
+        posted_p2p: dict[str, Any]) -> None:
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    own = torch_schedules._wait_batch_p2p
+    clock = posted_p2p["clock"]
+    first = InstrumentedSchedule(single_stage("Schedule1F1B", 1, clock), sink=RecordingSink(),
+                                 clock=lambda consumer: StepClock(consumer, clock))
+    second = InstrumentedSchedule(single_stage("Schedule1F1B", 0, clock), sink=RecordingSink(),
+                                  clock=lambda consumer: StepClock(consumer, clock))
+    marks: list[str] = []
+    first.tracker.wait_blocks = lambda: marks.append("first")  # noqa: B023 - read at the next attach
+    first.detach()
+    first.attach()
+    work = FakeWork(clock, 0)
+    torch_schedules._wait_batch_p2p([work])  # outside any step: passes through, marks nothing
+    assert marks == []
+    first.step()
+    assert marks and set(marks) == {"first"}
+    first.close()
+    assert torch_schedules._wait_batch_p2p is not own  # the second schedule is still attached
+    second.close()
+    assert torch_schedules._wait_batch_p2p is own
+    on_gpu = InstrumentedSchedule(single_stage("Schedule1F1B", 1, clock), sink=RecordingSink(),
+                                  clock=DeferredDeviceClock)
+    assert not on_gpu.watches_waits and torch_schedules._wait_batch_p2p is own
+    on_gpu.close()
