@@ -400,7 +400,12 @@ class _SingleWalk:
         pass
 
     def step(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        stage = self._stage
         for a in self.order:
+            if not (stage.is_first if a.kind == "F" else stage.is_last):
+                schedules._wait_batch_p2p([])  # as torch's: its receive's wait (InstrumentedSchedule marks it)
             if a.kind == "F":
                 self._stage.forward_one_chunk(a.microbatch)
                 self._maybe_compute_loss()
