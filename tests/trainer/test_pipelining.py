@@ -533,7 +533,7 @@ def posted_p2p(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return [FakeWork(state["clock"], int(state["waits_ms"].get(op, 0.0) * 1e6)) for op in ops]
 
     # Torch's own wait function and no schedule attached (another test's unclosed one keeps the watch installed).
-    from freeride.training.instrument import _watched_wait_batch_p2p, _WaitWatch
+    from freeride.training.instrument import _WaitWatch, _watched_wait_batch_p2p
 
     if torch_schedules._wait_batch_p2p is _watched_wait_batch_p2p:
         monkeypatch.setattr(torch_schedules, "_wait_batch_p2p", _WaitWatch._own)
