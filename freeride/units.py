@@ -64,8 +64,9 @@ def format_progress(progress: float, steps: int, unit: str) -> str:
     """A task's progress in its unit, the steps where it reports none: whole numbers plainly, others to two
     decimals, and past ten million in three significant figures (``1.79e+20 bytes``: its twenty-one digits
     widened every table a task was in). ``-`` before any step: a task's unit is known only once a worker says
-    it, so a queued task read "0 steps" whatever it counts in."""
-    if not steps and not progress:
+    it, so a queued task read "0 steps" whatever it counts in. No progress in a unit of the task's own is ``-``
+    too, whatever its steps: they are not its unit (a task that never parked read "29 numbers" for 1,450,000)."""
+    if not progress and (not steps or unit not in ("", "steps")):
         return "-"
     value = progress if progress else float(steps)
     if abs(value) >= 1e7:

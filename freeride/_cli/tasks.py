@@ -478,11 +478,15 @@ def _progress_line(info: TaskInfo) -> str:
     mid-grant never reported the steps it finished in that grant, so a failure's step (read from its board)
     may be further on: say so rather than show two counts that disagree without a word."""
     counted = f"{_progress(info)} ({info.steps} steps)"
+    # Steps counted from the worker's board, no progress in the task's own unit: it never parked to say it.
+    unreported = not info.progress and (not info.steps or info.progress_unit not in ("", "steps"))
     if info.progress_unit == "steps" and info.progress == info.steps > 0:
         counted = _progress(info)  # "396 steps (396 steps)" said it twice
+    elif unreported and info.steps:
+        counted = f"none reported in {info.progress_unit} ({format_steps(info.steps)} finished)"
     failure = info.failure
     if failure is not None and failure.step > info.steps:
-        if not info.steps and not info.progress:  # "- (0 steps), as last reported: ... 9 steps" read as a contradiction
+        if unreported:  # "- (0 steps), as last reported: ... 9 steps" read as a contradiction
             return (f"none reported (it never parked); its worker had finished {format_steps(failure.step)} when it "
                     "failed")
         return f"{counted} as last reported; its worker had finished {format_steps(failure.step)} when it failed"

@@ -532,6 +532,9 @@ def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -
     # Stranger trial: "progress: - (0 steps), as last reported: it had finished 9 steps", read as a contradiction.
     out = render_task(TaskInfo("t-3", spec, "FAILED", TaskProgress(steps=0, progress=0.0), failure=hung))
     assert "progress:   none reported (it never parked); its worker had finished 50 steps when it failed" in out
+    counted = TaskInfo("t-4", spec, "FAILED", TaskProgress(steps=29, progress=0.0, progress_unit="numbers"),
+                       failure=FailureRecord(kind="STEP_TIMEOUT", message="looks hung", step=29))
+    assert "progress:   none reported in numbers (29 steps finished)\n" in render_task(counted)
     crashed = FailureRecord(kind="EXCEPTION", message="boom", step=45)
     out = render_task(TaskInfo("t-2", spec, "FAILED", TaskProgress(steps=45, progress=45.0), failure=crashed))
     assert "progress:   45 steps\n" in out  # the counts agree: nothing added

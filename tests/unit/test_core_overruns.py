@@ -411,6 +411,18 @@ def test_steps_a_frozen_worker_finished_without_parking_count_in_its_figures() -
     assert task.steps == 9
 
 
+def test_steps_a_frozen_worker_finished_never_stand_for_progress_in_a_unit_of_the_tasks_own() -> None:
+    # Stranger trial: a task counting numbers (50,000 a step) hung in its 30th step before it ever parked, and
+    # `show` read "progress: 29 numbers (29 steps)".
+    sim = Sim(step_timeout_ns=10_000 * MS, grace_ns=MS)
+    sim.resident("a")
+    sim.core.tasks["a"].progress_unit = "numbers"
+    _overrun(sim)
+    sim.send(WorkerStepsSeen("a", steps_done=29, step=29))
+    task = sim.core.tasks["a"]
+    assert (task.steps, task.progress) == (29, 0.0)
+
+
 def _hung_and_other(sim: Sim) -> None:
     """ "a" learned (its step fits), then stuck in one step for 22 ms of granted time: it looks hung."""
     sim.resident("a", "b")

@@ -25,6 +25,9 @@ def test_progress_reads_plainly_and_huge_values_in_three_figures() -> None:
     assert format_progress(9_999_999.0, 3, "rows") == "9999999 rows"
     assert format_progress(2.5, 3, "epochs") == "2.50 epochs"
     assert format_progress(0.0, 42, "") == "42 steps"  # no progress reported: the steps
+    assert format_progress(0.0, 42, "steps") == "42 steps"
+    # Stranger trial: a task hung before its first park read "29 numbers" for 1,450,000: steps are not its unit.
+    assert format_progress(0.0, 29, "numbers") == "-"
     assert format_progress(0.0, 0, "steps") == "-"  # nothing done yet: its unit may not be known (a queued task)
 
 

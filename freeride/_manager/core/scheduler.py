@@ -798,8 +798,10 @@ class SchedulerCore:
                 task.margin_ns = before
         if event.step > task.steps:
             # Steps finished inside grants it never parked from (its park would have reported them): a task hung
-            # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them.
-            if task.progress == task.steps:
+            # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them; one in a
+            # unit of the task's own is the task's to say (a task hung before its first park read "29 numbers" for
+            # 1,450,000 numbers).
+            if task.progress == task.steps and task.progress_unit in ("", "steps"):
                 task.progress = float(event.step)
             task.steps = event.step
         if not health.verdict_due:
