@@ -515,6 +515,20 @@ class InstrumentedSchedule:
         """Wait for the device clock to resolve every mark, then deliver (off the training path)."""
         return self.tracker.flush(timeout_s)
 
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward-only pass of the wrapped schedule (same arguments as its ``eval``), run bare: validation is
+        not training, and its iterations would be read against the training order (:meth:`attach`)."""
+        return self.schedule.eval(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other attribute is the wrapped schedule's, as if the trainer held the schedule itself (a stranger's
+        trainer, the wrapper in the schedule's place, failed at its ``eval``). Reading only: what a trainer sets
+        lands on the wrapper."""
+        schedule = self.__dict__.get("schedule")
+        if schedule is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(schedule, name)
+
     # ---------------------------------------------------------------- the tracker's results
 
     @property

@@ -205,6 +205,12 @@ def test_the_schedules_own_step_is_measured_while_the_wrapper_is_attached() -> N
     assert {e[1] for e in sink.events if e[0] == "start"} == {0, 1, 2, 3}  # every iteration's bubbles
     schedule.eval()  # validation: through step, and not measured
     assert inst.tracker.iteration == 4 and inst.attached and "eval" in vars(schedule)
+    # Stranger trial: a trainer holding the wrapper in the schedule's place failed at eval (AttributeError).
+    inst.eval()
+    assert inst.tracker.iteration == 4 and inst.attached and schedule.evaluating is False
+    assert inst._n_microbatches == 4 and inst._stage is schedule._stage  # the schedule's attributes, read through
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        _ = inst.nonesuch
     inst.close()
     assert "step" not in vars(schedule) and "eval" not in vars(schedule)  # the class's own again
     schedule.step()
