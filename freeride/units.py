@@ -60,13 +60,19 @@ def format_size(num_bytes: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def counts_steps(unit: str) -> bool:
+    """Whether a task's progress unit is its steps (``steps``, or none said): where it is not, a step count never
+    stands for its progress."""
+    return unit in ("", "steps")
+
+
 def format_progress(progress: float, steps: int, unit: str) -> str:
     """A task's progress in its unit, the steps where it reports none: whole numbers plainly, others to two
     decimals, and past ten million in three significant figures (``1.79e+20 bytes``: its twenty-one digits
     widened every table a task was in). ``-`` before any step: a task's unit is known only once a worker says
     it, so a queued task read "0 steps" whatever it counts in. No progress in a unit of the task's own is ``-``
     too, whatever its steps: they are not its unit (a task that never parked read "29 numbers" for 1,450,000)."""
-    if not progress and (not steps or unit not in ("", "steps")):
+    if not progress and (not steps or not counts_steps(unit)):
         return "-"
     value = progress if progress else float(steps)
     if abs(value) >= 1e7:

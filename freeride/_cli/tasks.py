@@ -46,7 +46,7 @@ from freeride.endpoints import TOKEN_ENV, Endpoint, read_token, resolve_endpoint
 from freeride.errors import ConfigError, ManagerUnavailable
 from freeride.messages import RANK_LEFT_S, SHARED_QUIET_NS, FailureRecord, ManagerStats, Percentiles, TaskInfo
 from freeride.states import TaskState
-from freeride.units import format_ms, format_progress, format_size, format_steps
+from freeride.units import counts_steps, format_ms, format_progress, format_size, format_steps
 
 _EXIT_OK = 0
 _EXIT_FAILED = 1
@@ -479,7 +479,7 @@ def _progress_line(info: TaskInfo) -> str:
     may be further on: say so rather than show two counts that disagree without a word."""
     counted = f"{_progress(info)} ({info.steps} steps)"
     # Steps counted from the worker's board, no progress in the task's own unit: it never parked to say it.
-    unreported = not info.progress and (not info.steps or info.progress_unit not in ("", "steps"))
+    unreported = not info.progress and (not info.steps or not counts_steps(info.progress_unit))
     if info.progress_unit == "steps" and info.progress == info.steps > 0:
         counted = _progress(info)  # "396 steps (396 steps)" said it twice
     elif unreported and info.steps:

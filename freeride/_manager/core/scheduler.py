@@ -75,6 +75,7 @@ from freeride._manager.core.stopping import Stopping
 from freeride._manager.core.tasks import TaskRuntime, Tasks
 from freeride.messages import RANK_LEFT_NS, RANK_LEFT_S, BubbleSlotStats, TrainerLayout
 from freeride.states import TaskState
+from freeride.units import counts_steps
 
 MS = 1_000_000
 # A trainer rank that sent this device no bubble event for RANK_LEFT_NS has left it (its run ended, or moved):
@@ -801,7 +802,7 @@ class SchedulerCore:
             # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them; one in a
             # unit of the task's own is the task's to say (a task hung before its first park read "29 numbers" for
             # 1,450,000 numbers).
-            if task.progress == task.steps and task.progress_unit in ("", "steps"):
+            if task.progress == task.steps and counts_steps(task.progress_unit):
                 task.progress = float(event.step)
             task.steps = event.step
         if not health.verdict_due:
