@@ -19,6 +19,7 @@ from freeride._manager.core import (
     StateChanged,
     Tick,
     TrainerEndSeen,
+    WorkerParked,
     WorkerStepsSeen,
 )
 from freeride._manager.core.machines import StepPhase
@@ -420,7 +421,29 @@ def test_steps_a_frozen_worker_finished_never_stand_for_progress_in_a_unit_of_th
     _overrun(sim)
     sim.send(WorkerStepsSeen("a", steps_done=29, step=29))
     task = sim.core.tasks["a"]
-    assert (task.steps, task.progress) == (29, 0.0)
+    assert (task.steps, task.progress) == (0, 0.0)
+    assert task.health.step_reached(task.steps) == 29
+
+
+def test_progress_in_a_unit_of_the_tasks_own_keeps_the_steps_it_was_said_at_and_a_failure_the_boards() -> None:
+    # Stranger trial: a task counting matmuls (4 a step) parked at 30 steps with 120, hung in its 51st step, and
+    # `show` read "progress: 120 matmuls (50 steps)".
+    sim = Sim(step_timeout_ns=25 * MS, grace_ns=MS)
+    sim.resident("a")
+    task = sim.core.tasks["a"]
+    task.progress_unit = "matmuls"
+    sim.start(predicted_ms=10)
+    sim.advance_ms(5)
+    sim.send(WorkerParked("a", task.grant_id, steps=30, durations_ns=(MS // 10,) * 30, first_step_ns=sim.now - 4 * MS,
+                          last_end_ns=sim.now, parked_ns=sim.now, reason="deadline", progress=120.0, total_steps=30))
+    sim.advance_ms(5)
+    sim.end()
+    for _ in range(3):  # 33 ms of granted time in one step, past the 25 ms step timeout
+        sim.advance_ms(5)
+        _overrun(sim)
+        sim.send(WorkerStepsSeen("a", steps_done=50, step=50))
+    assert (task.steps, task.progress) == (30, 120.0)
+    assert sim.state("a") == S.FAILED and task.failure is not None and task.failure.step == 50
 
 
 def _hung_and_other(sim: Sim) -> None:

@@ -574,7 +574,7 @@ class SchedulerCore:
             if (not task.stopping
                     and (health.phase is StepPhase.HUNG or health.looks_hung(longest, task.known_step_ns))
                     and health.hung_too_long(now_ns, timeout, last)):
-                self.stopping.fail(task, health.hung_failure(timeout, task.steps), out)
+                self.stopping.fail(task, health.hung_failure(timeout, health.step_reached(task.steps)), out)
 
     def _on_worker_parked(self, event: WorkerParked, now_ns: int, out: list[Action]) -> None:
         task = self.tasks.get(event.task_id)
@@ -797,19 +797,21 @@ class SchedulerCore:
                 # with its side task on the rank's core had 1,449 of 1,630 bubbles "overrun" by the grace, 58 us steps,
                 # and its margin widened from 0.2 to 2.4 ms against 0.7 ms bubbles: 11.9% harvested.
                 task.margin_ns = before
-        if event.step > task.steps:
+        health.board_step = max(health.board_step, event.step)
+        if event.step > task.steps and counts_steps(task.progress_unit):
             # Steps finished inside grants it never parked from (its park would have reported them): a task hung
-            # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them; one in a
-            # unit of the task's own is the task's to say (a task hung before its first park read "29 numbers" for
-            # 1,450,000 numbers).
-            if task.progress == task.steps and counts_steps(task.progress_unit):
+            # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them. One in a
+            # unit of the task's own is the task's to say, and its steps stay those it said it with: a task hung
+            # before its first park read "29 numbers" for 1,450,000 numbers, and one hung after its last park read
+            # "120 matmuls (50 steps)" for 120 matmuls at 30 steps (the board's 50 go to its failure).
+            if task.progress == task.steps:
                 task.progress = float(event.step)
             task.steps = event.step
         if not health.verdict_due:
             return
         health.verdict_due = False
         if task.state is _FROZEN and not task.stopping and health.stuck_ns >= self.config.step_timeout_ns:
-            self.stopping.fail(task, health.stuck_failure(self.config.step_timeout_ns, task.steps), out)
+            self.stopping.fail(task, health.stuck_failure(self.config.step_timeout_ns, health.step_reached(task.steps)), out)
         elif self.bubbles.open is not None:
             self.grant_next(now_ns, out)  # the board showed it stepping: it may take the open bubble
 

@@ -54,6 +54,9 @@ class StepHealth:
     turn_ns: int = 0
     passed_over_ns: int = 0
     board_steps: int = 0  # steps its process had finished at the last reading of its board
+    #: The task's steps finished before the one it was in at the last reading of its board (restored ones
+    #: included: its step word), which its own progress may not have said yet (:meth:`step_reached`).
+    board_step: int = 0
     last_grant_ns: int = 0  # the granted time of the grant it was last frozen in
     in_checkpoint: bool = False  # its board said, when it was last frozen, that it was writing a checkpoint
     run_delay_ns: int = -1  # its main thread's run delay inside grants, at its last freeze (-1: not read)
@@ -104,7 +107,7 @@ class StepHealth:
         self._settle(None)  # the new process's run delay says nothing of the old one's waits
         self.run_delay_ns = -1
         self.freeze_wait_ns = -1
-        self.board_steps = 0
+        self.board_steps = self.board_step = 0
         self.verdict_due = False
         self.frozen_granted_ns = self.core_wait_ns = 0
         self._to(StepPhase.FRESH)
@@ -281,6 +284,10 @@ class StepHealth:
     def _what(self) -> str:
         """What its process was in when it was last frozen: a checkpoint, or a step."""
         return "a checkpoint (state_dict() and its write)" if self.in_checkpoint else "one step"
+
+    def step_reached(self, reported: int) -> int:
+        """The steps it had finished: those its worker ``reported`` at its last park, or more on its board."""
+        return max(reported, self.board_step)
 
     def hung_failure(self, step_timeout_ns: int, step: int) -> FailureRecord:
         return FailureRecord(
