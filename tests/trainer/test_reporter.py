@@ -685,3 +685,57 @@ def test_local_events_off_keeps_the_board_and_sends_every_event_over_the_wire(tm
         reporter.close()
         local.close()
         board.close()
+
+
+def _first_bubble_on_a_thread(reporter: BubbleReporter, cores: set[int]) -> None:
+    """The first bubble reported from a thread of its own, pinned to ``cores``."""
+    import os
+
+    def report() -> None:
+        os.sched_setaffinity(0, cores)
+        reporter.bubble_start(0, 0, "fwd", predicted_ns=MS)
+        reporter.bubble_end(0, 0)
+        reporter.bubble_start(1, 0, "fwd", predicted_ns=MS)
+
+    thread = threading.Thread(target=report)
+    thread.start()
+    thread.join()
+
+
+def test_a_cpu_rank_not_pinned_to_its_devices_core_alone_is_told_once_how_to_pin_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Stranger trial: a DeepSpeed trainer's ranks, left unpinned as the README's snippet showed, trained 30%
+    # slower beside their side tasks, and nothing said why.
+    import os
+
+    caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
+    here = min(os.sched_getaffinity(0))
+    for device, warned in ((f"cpu:{here}", False), (f"cpu:{here + 1000}", True)):
+        caplog.clear()
+        reporter = BubbleReporter(device, stage=0, rank=0, endpoint=_absent(tmp_path), start=False)
+        try:
+            _first_bubble_on_a_thread(reporter, {here})
+        finally:
+            reporter.close(timeout_s=1)
+        told = [r.getMessage() for r in caplog.records if "not on core" in r.getMessage()]
+        assert len(told) == int(warned), device
+        if warned:
+            assert f"may run on cores {here}, not on core {here + 1000} alone" in told[0]
+            assert f"os.sched_setaffinity(0, {{{here + 1000}}})" in told[0]
+
+
+def test_a_cuda_rank_is_not_told_to_pin_itself(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    caplog.set_level(logging.WARNING, logger="freeride.training.reporter")
+    reporter = BubbleReporter("cuda:0", stage=0, rank=0, endpoint=_absent(tmp_path), start=False)
+    try:
+        _first_bubble_on_a_thread(reporter, set(os.sched_getaffinity(0)))
+    finally:
+        reporter.close(timeout_s=1)
+    assert not [r for r in caplog.records if "not on core" in r.getMessage()]
+
+
+def test_cores_read_as_ranges() -> None:
+    assert reporter_module._cores_text({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
+    assert reporter_module._cores_text({5}) == "5"
