@@ -536,7 +536,8 @@ def test_show_says_when_a_failure_came_after_steps_the_worker_never_reported() -
                        failure=FailureRecord(kind="STEP_TIMEOUT", message="looks hung", step=29))
     assert "progress:   none reported in numbers (29 steps finished)\n" in render_task(counted)
     # Stranger trial: "progress: 120 matmuls (50 steps)" for 120 matmuls said at 30 steps, hung after 50.
-    said = TaskInfo("t-5", spec, "FAILED", TaskProgress(steps=30, progress=120.0, progress_unit="matmuls"), failure=hung)
+    said = TaskInfo("t-5", spec, "FAILED", TaskProgress(steps=30, progress=120.0, progress_unit="matmuls"),
+                    failure=hung)
     assert ("progress:   120 matmuls (30 steps) as last reported; its worker had finished 50 steps when it failed"
             in render_task(said))
     crashed = FailureRecord(kind="EXCEPTION", message="boom", step=45)

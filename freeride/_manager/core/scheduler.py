@@ -811,7 +811,8 @@ class SchedulerCore:
             return
         health.verdict_due = False
         if task.state is _FROZEN and not task.stopping and health.stuck_ns >= self.config.step_timeout_ns:
-            self.stopping.fail(task, health.stuck_failure(self.config.step_timeout_ns, health.step_reached(task.steps)), out)
+            reached = health.step_reached(task.steps)
+            self.stopping.fail(task, health.stuck_failure(self.config.step_timeout_ns, reached), out)
         elif self.bubbles.open is not None:
             self.grant_next(now_ns, out)  # the board showed it stepping: it may take the open bubble
 
