@@ -101,7 +101,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def bubble_record(b: MeasuredBubble) -> dict[str, Any]:
     """One measured bubble as it appears in an iteration log record's ``bubbles`` list."""
     return {"slot": b.slot, "kind": b.kind, "start_ns": b.start_ns, "length_ms": b.length_ns / 1e6,
-            "predicted_ms": b.predicted_ns / 1e6, "free_memory_bytes": b.free_memory_bytes}
+            "predicted_ms": b.predicted_ns / 1e6, "free_memory_bytes": b.free_memory_bytes,
+            "core_wait_ms": b.core_wait_ns / 1e6}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainerConfig:

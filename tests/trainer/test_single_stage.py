@@ -40,7 +40,7 @@ UNUSABLE = f"cpu:{max(os.sched_getaffinity(0)) + 1}"  # past every core this pro
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab", "64",
         "--microbatch-size", "2"]
 RUN_KEYS = {"iteration", "rank", "stage", "device", "warmup", "time_ms", "end_ns", "bubbles"}
-BUBBLE_KEYS = {"slot", "kind", "start_ns", "length_ms", "predicted_ms", "free_memory_bytes"}
+BUBBLE_KEYS = {"slot", "kind", "start_ns", "length_ms", "predicted_ms", "free_memory_bytes", "core_wait_ms"}
 
 
 def tiny_config(**kw: Any) -> SingleStageConfig:

@@ -568,3 +568,78 @@ def test_a_device_or_stage_that_is_not_where_the_rank_trains_is_refused(monkeypa
     with pytest.raises(ConfigError, match="this rank's device is cuda:0, and its stage is on cuda:1"):
         check_rank_device("cuda:0", 0, None, types.SimpleNamespace(type="cuda", index=1))
     check_rank_device("cuda:0", 0, None, types.SimpleNamespace(type="cuda", index=None))  # "cuda": the current one
+
+
+class RunDelay:
+    """The training thread's run delay as the test says it grows (ns)."""
+
+    def __init__(self) -> None:
+        self.ns = 5 * MS
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def test_on_the_host_clock_a_wait_ends_where_the_rank_stopped_waiting_for_another_rank_not_for_its_core() -> None:
+    # Stranger trial: a DeepSpeed rank reported 1.15-1.25 ms waits beside its side task where its receives took
+    # 0.45 ms; the rest was the rank runnable without its core (its manager and side task held it).
+    orders = build_schedule("1f1b", 2, 4).orders
+    delay = RunDelay()
+    tracker, clock, sink = make(orders, 1, run_delay=delay)
+    tracker.iteration_begin()
+    tracker.wait_begin()  # position 0: the boundary wait
+    clock.now += 2 * MS
+    delay.ns += int(0.75 * MS)  # the data came 0.75 ms before the rank had its core back
+    clock.now += int(0.75 * MS)
+    a = tracker.plan.order[0]
+    tracker.compute_begin(a.kind, a.stage, a.microbatch)
+    assert [(e[1], e[2] - sink.starts[0][5]) for e in sink.ends] == [(0, 2 * MS)]
+    clock.now += MS
+    tracker.compute_end(a.kind, a.stage, a.microbatch)
+    tracker.wait_begin()  # a wait shorter than what the rank waited for its core in it: no time at all
+    clock.now += MS // 2
+    delay.ns += MS
+    b = tracker.plan.order[1]
+    tracker.compute_begin(b.kind, b.stage, b.microbatch)
+    tracker.compute_end(b.kind, b.stage, b.microbatch)
+    tracker.iteration_end()
+    tracker.flush()
+    assert [(w.length_ns, w.core_wait_ns) for w in tracker.last_bubbles][:1] == [(2 * MS, int(0.75 * MS))]
+    assert (tracker.unplanned_waits, tracker._timeline.unplanned_wait_ns) == (1, 0)  # never before its start
+
+
+def test_a_wait_reported_from_where_the_rank_blocks_counts_only_the_core_waits_after_that_mark() -> None:
+    orders = build_schedule("gpipe", 2, 4).orders
+    delay = RunDelay()
+    tracker, clock, sink = make(orders, 0, run_delay=delay)
+    tracker.learn_every = 1
+    for _ in range(2):  # the first marked wait teaches the tracker that position 4 blocks
+        run_posting_iteration(tracker, clock, 0.5, {4: 3.0})
+    tracker.iteration_begin()
+    order = tracker.plan.order
+    for k, a in enumerate(order):
+        if k == 4:
+            tracker.wait_begin()
+            clock.now += MS // 2
+            delay.ns += MS // 4  # its posting was held up: before the bubble, not in it
+            tracker.wait_blocks()
+            clock.now += 3 * MS
+            delay.ns += MS  # it had its core back 1 ms after the data came
+        tracker.compute_begin(a.kind, a.stage, a.microbatch)
+        clock.now += MS
+        tracker.compute_end(a.kind, a.stage, a.microbatch)
+    tracker.iteration_end()
+    start = [s for s in sink.starts if s[0] == 2 and s[1] == 4][0][5]
+    end = [e for e in sink.ends if e[0] == 2 and e[1] == 4][0][2]
+    assert end - start == 2 * MS
+
+
+def test_only_a_host_clock_reads_the_threads_run_delay_unless_told() -> None:
+    orders = build_schedule("1f1b", 2, 4).orders
+    assert make(orders, 1)[0]._timeline.run_delay is None  # a test's clock: no real thread's figures
+    host = RankTracker(orders, 1, Sink(), device="cpu:0")
+    try:
+        reader = host._timeline.run_delay
+        assert reader is not None and reader() >= -1
+    finally:
+        host.close()
