@@ -66,10 +66,16 @@ memory access, no system call:
   now, :mod:`freeride._manager.quiet`) and read by the trainer at each bubble's start, which then holds that
   bubble's events back (:mod:`freeride.training.reporter`). A byte is its own word: a slot reads old or new.
 
-  Last, per rank one word: the **command group** of the grant armed in that rank's stop record, written before
+  Then, per rank one word: the **command group** of the grant armed in that rank's stop record, written before
   the record's identity (0: none). A command task's command runs in a process group of its own
   (:mod:`freeride.command`); the trainer stops it with the worker, else a slice in flight ran on until the
   manager froze it. A board without it (an older manager's) stops the worker alone.
+
+  Last, per rank one word: the **trainer's thread**, the id of the thread that computes and waits, written by a
+  ``cpu:N`` trainer at its first bubble (:meth:`EndBoard.set_trainer_thread`). A worker granted that rank's
+  bubble reads that thread's state before each step (:func:`thread_runnable`): once it is runnable, the rank's
+  data has come and it waits for the core the worker holds, so the bubble is over though the trainer, without its
+  core, has not said so yet. A board without it (an older manager's, or another pid namespace's) says none.
 
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
@@ -111,8 +117,10 @@ STOP_RECORDS_END = _NAMESPACE_OFFSET + _NAMESPACE.size
 QUIET_SLOTS = 1024
 #: The quiet slots' end: a board this short (an older manager's) has no command groups.
 QUIET_SLOTS_END = STOP_RECORDS_END + END_BOARD_RANKS * QUIET_SLOTS
-#: Last, per rank one word: the process group of the command task armed in that rank's stop record (0: none).
-END_BOARD_BYTES = QUIET_SLOTS_END + END_BOARD_RANKS * _WORD.size
+#: Then, per rank one word: the process group of the command task armed in that rank's stop record (0: none).
+GROUPS_END = QUIET_SLOTS_END + END_BOARD_RANKS * _WORD.size
+#: Last, per rank one word: the id of the trainer's thread that waits (0: not said), written by a ``cpu:N`` trainer.
+END_BOARD_BYTES = GROUPS_END + END_BOARD_RANKS * _WORD.size
 
 WORKER_BOARD_BYTES = 64
 
@@ -285,7 +293,9 @@ class EndBoard:
                       and _NAMESPACE.unpack_from(mapping, _NAMESPACE_OFFSET) == here)
         #: Whether the board has the quiet slots (not an older manager's).
         self.has_quiet = len(mapping) >= QUIET_SLOTS_END
-        self.has_groups = len(mapping) >= END_BOARD_BYTES
+        self.has_groups = len(mapping) >= GROUPS_END
+        #: Whether the board has the trainers' threads (not an older manager's), in this pid namespace.
+        self.has_threads = self.stops and len(mapping) >= END_BOARD_BYTES
 
     @staticmethod
     def create(path: Path) -> None:
@@ -413,6 +423,20 @@ class EndBoard:
                 os.killpg(group, signal.SIGSTOP)
         return int(pid)
 
+    # ---------------------------------------------------------------- trainers' threads
+
+    def set_trainer_thread(self, rank: int, tid: int) -> None:
+        """The trainer of a ``cpu:N`` device: ``tid`` is the thread of ``rank`` that computes and waits (the one that
+        reports its bubbles), pinned to the device's core."""
+        if self.has_threads:
+            _WORD.pack_into(self._mm, GROUPS_END + (rank % END_BOARD_RANKS) * _WORD.size, tid)
+
+    def trainer_thread(self, rank: int) -> int:
+        """A worker: the thread of ``rank`` that computes and waits, as its trainer said it (0: not said)."""
+        if not self.has_threads:
+            return 0
+        return int(_WORD.unpack_from(self._mm, GROUPS_END + (rank % END_BOARD_RANKS) * _WORD.size)[0])
+
     # ---------------------------------------------------------------- quiet slots
 
     def quiet(self, rank: int, slot: int) -> bool:
@@ -437,3 +461,32 @@ class EndBoard:
             self._mm.close()
         except (BufferError, ValueError):
             pass
+
+
+class ThreadState:
+    """Whether a thread is runnable (``R``: running, or waiting for a core) from ``/proc/<tid>/stat``, one ``pread`` of
+    a descriptor kept open (~2 us). A thread gone, or one this process may not read, reads as not runnable."""
+
+    def __init__(self, tid: int) -> None:
+        self.tid = tid
+        try:
+            self._fd: int | None = os.open(f"/proc/{tid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+
+    def runnable(self) -> bool:
+        if self._fd is None:
+            return False
+        try:
+            data = os.pread(self._fd, 256, 0)
+        except OSError:  # gone
+            self.close()
+            return False
+        close = data.rfind(b")")  # the name, in parentheses, may hold anything
+        return close >= 0 and data[close + 2:close + 3] == b"R"
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None

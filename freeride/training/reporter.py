@@ -196,6 +196,9 @@ class BubbleReporter:
         self._cpu_affinity = set(cpu_affinity) if cpu_affinity else None
         #: ``cpu:N``: the core whose pinning the first bubble's thread is checked for (:meth:`_check_pinned`); -1: none.
         self._pin_core = parsed.index if parsed.kind == "cpu" else -1
+        #: ``cpu:N``: the thread that reported the first bubble (the one that computes and waits), said on the end
+        #: board for the side tasks granted this rank's bubbles (:meth:`EndBoard.set_trainer_thread`); 0: not yet.
+        self._trainer_tid = 0
         self._use_end_board = end_board  # False: ends reach side tasks over the wire only (measurements)
         self._use_local_events = local_events
         self._closed = threading.Event()
@@ -295,11 +298,16 @@ class BubbleReporter:
             self._dropped_hot += 1
 
     def _check_pinned(self) -> None:
-        """Once, at the first bubble (on the thread that waits, after the trainer pinned it): a ``cpu:N`` rank runs on
-        core N alone, as its side tasks do, or says how it runs instead. A rank free to run on other cores waits
+        """Once, at the first bubble (on the thread that waits, after the trainer pinned it): that thread is said on
+        the end board (its side tasks stop stepping once it is runnable), and a ``cpu:N`` rank runs on core N
+        alone, as its side tasks do, or says how it runs instead. A rank free to run on other cores waits
         on them too, while its side task, pinned to core N, competes with it there (a stranger's DeepSpeed
         trainer, its ranks left unpinned as the snippet showed, trained 30% slower, without a word)."""
         core, self._pin_core = self._pin_core, -1
+        self._trainer_tid = threading.get_native_id()
+        board = self._end_board
+        if board is not None:  # else said when the board is mapped (the sender thread's connection)
+            board.set_trainer_thread(self.rank, self._trainer_tid)
         try:
             cores = os.sched_getaffinity(0)
         except OSError:
@@ -627,6 +635,8 @@ class BubbleReporter:
             answered = False  # the manager answered on this connection (``reconnects``)
             try:
                 self._end_board = self._open_end_board()
+                if self._end_board is not None and self._trainer_tid:
+                    self._end_board.set_trainer_thread(self.rank, self._trainer_tid)
                 if self._end_board is not None and self._use_local_events:
                     self._use_local(self._open_local())  # before the wire takes anything from the queue
                 if self._connects:

@@ -739,3 +739,30 @@ def test_a_cuda_rank_is_not_told_to_pin_itself(tmp_path: Path, caplog: pytest.Lo
 def test_cores_read_as_ranges() -> None:
     assert reporter_module._cores_text({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
     assert reporter_module._cores_text({5}) == "5"
+
+
+def test_a_cpu_rank_says_its_waiting_thread_on_the_end_board_at_its_first_bubble(tmp_path: Path) -> None:
+    # Its side tasks stop stepping while that thread is runnable (freeride._worker.runtime, _rank_wants_core).
+    import os
+
+    from freeride._boards import EndBoard
+
+    EndBoard.create(tmp_path / "ends")
+    board = EndBoard.open(tmp_path / "ends", writable=True)
+    here = min(os.sched_getaffinity(0))
+    reporter = BubbleReporter(f"cpu:{here}", stage=0, rank=5, endpoint=_absent(tmp_path), start=False)
+    reporter._end_board = board  # as its connection maps the manager's board
+    said: list[int] = []
+
+    def report() -> None:
+        said.append(threading.get_native_id())
+        reporter.bubble_start(0, 0, "fwd", predicted_ns=MS)
+
+    try:
+        thread = threading.Thread(target=report)
+        thread.start()
+        thread.join()
+        assert board.trainer_thread(5) == said[0] != threading.get_native_id()
+    finally:
+        reporter.close(timeout_s=1)
+        board.close()

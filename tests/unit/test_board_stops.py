@@ -196,3 +196,50 @@ def test_an_older_managers_board_without_command_groups_stops_the_worker_alone(
         command.wait()
         manager.close()
         trainer.close()
+
+
+def test_a_cpu_trainers_thread_is_said_per_rank_and_an_older_board_says_none(tmp_path: Path) -> None:
+    from freeride._boards import GROUPS_END
+
+    path = tmp_path / "ends"
+    EndBoard.create(path)
+    trainer, worker = EndBoard.open(path, writable=True), EndBoard.open(path, writable=False)
+    try:
+        assert worker.trainer_thread(RANK) == 0
+        trainer.set_trainer_thread(RANK, 4321)
+        assert worker.trainer_thread(RANK) == 4321 and worker.trainer_thread(RANK + 1) == 0
+    finally:
+        trainer.close()
+        worker.close()
+    with open(path, "r+b") as fh:
+        fh.truncate(GROUPS_END)  # as an older manager made it: the command groups last
+    older = EndBoard.open(path, writable=True)
+    try:
+        assert not older.has_threads
+        older.set_trainer_thread(RANK, 4321)  # nowhere to write it
+        assert older.trainer_thread(RANK) == 0
+    finally:
+        older.close()
+
+
+def test_a_threads_state_reads_runnable_only_while_it_runs_or_waits_for_a_core() -> None:
+    import threading
+
+    from freeride._boards import ThreadState
+
+    here = ThreadState(threading.get_native_id())
+    assert here.runnable()  # this thread, reading: running
+    here.close()
+    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state = ThreadState(asleep.pid)
+        wait_for(lambda: not state.runnable(), 10, what="the process asleep")
+        asleep.kill()
+        asleep.wait()
+        assert not state.runnable()  # gone
+        state.close()
+    finally:
+        if asleep.poll() is None:
+            asleep.kill()
+            asleep.wait()
+    assert not ThreadState(2**31 - 1).runnable()  # no such thread

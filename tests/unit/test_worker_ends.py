@@ -335,3 +335,46 @@ def test_the_end_board_says_the_worker_holds_its_grants_bubble_from_its_first_st
     rt._run_grant(grant(8, start_ns=200, seconds=0.01, trainer_ends=False))
     parked(manager)
     assert seen and set(seen) == {0}
+
+
+def test_no_step_begins_while_the_trainers_thread_that_shares_its_core_is_runnable(
+        tmp_path: Path, channels: tuple[Channel, Channel]) -> None:
+    # With each bubble's end stamped where the data came, the first rank's worker began steps after it in 1,120 of
+    # 1,596 grants (1F1B, spin:50): the rank, runnable, waited up to 3.5 ms for the core the worker kept.
+    import subprocess
+    import sys
+    import threading
+
+    from freeride._boards import ThreadState
+
+    manager, channel = channels
+    go_r, go_w = os.pipe()
+    rank = subprocess.Popen([sys.executable, "-c", f"import os\nos.read({go_r}, 1)\nwhile True: pass"],
+                            pass_fds=(go_r,))
+    box: dict[str, Any] = {}
+
+    def hook(i: int) -> None:
+        if i == 2:  # its data comes: the rank computes, and would need this core
+            os.write(go_w, b"x")
+            state = ThreadState(rank.pid)
+            deadline = time.monotonic() + 10
+            while not state.runnable():
+                assert time.monotonic() < deadline, "the rank never ran"
+                time.sleep(0.001)
+            state.close()
+            threading.Timer(0.05, lambda: box["ends"].record_end(RANK, 100, 4242)).start()  # its end, said later
+
+    try:
+        rt, _, ends = worker(tmp_path, channel, CallsBack(hook))
+        box["ends"] = ends
+        ends.set_trainer_thread(RANK, rank.pid)
+        began = time.monotonic()
+        rt._run_grant(grant(7, start_ns=100))
+        msg = parked(manager)
+        assert (msg.steps, msg.reason, msg.end_ns) == (3, "ended", 4242)  # none after the rank was runnable
+        assert time.monotonic() - began >= 0.05
+    finally:
+        rank.kill()
+        rank.wait()
+        os.close(go_r)
+        os.close(go_w)
