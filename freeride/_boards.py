@@ -73,9 +73,10 @@ memory access, no system call:
 
   Last, per rank one word: the **trainer's thread**, the id of the thread that computes and waits, written by a
   ``cpu:N`` trainer at its first bubble (:meth:`EndBoard.set_trainer_thread`). A worker granted that rank's
-  bubble reads that thread's state before each step (:func:`thread_runnable`): once it is runnable, the rank's
-  data has come and it waits for the core the worker holds, so the bubble is over though the trainer, without its
-  core, has not said so yet. A board without it (an older manager's, or another pid namespace's) says none.
+  bubble reads that thread's state before each step (:class:`ThreadState`): while it is runnable, the rank waits
+  for the core the worker holds (its data came, though the trainer, without its core, has not said so yet; or its
+  host work of the gap is not done), and the worker starts no step. A board without it (an older manager's, or
+  another pid namespace's) says none.
 
 Words are 8-byte aligned little-endian integers. An aligned 8-byte store or load is a single access on
 the hosts freeride runs on (x86-64, arm64), so a reader sees an old or a new value, never a torn one.
