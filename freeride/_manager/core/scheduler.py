@@ -798,13 +798,14 @@ class SchedulerCore:
                 # and its margin widened from 0.2 to 2.4 ms against 0.7 ms bubbles: 11.9% harvested.
                 task.margin_ns = before
         health.board_step = max(health.board_step, event.step)
-        if event.step > task.steps and counts_steps(task.progress_unit):
+        counted = counts_steps(task.progress_unit)
+        if event.step > task.steps and (counted or not task.progress):
             # Steps finished inside grants it never parked from (its park would have reported them): a task hung
             # after 9 steps read "progress: - (0 steps)". A progress that counts steps moves with them. One in a
-            # unit of the task's own is the task's to say, and its steps stay those it said it with: a task hung
-            # before its first park read "29 numbers" for 1,450,000 numbers, and one hung after its last park read
-            # "120 matmuls (50 steps)" for 120 matmuls at 30 steps (the board's 50 go to its failure).
-            if task.progress == task.steps:
+            # unit of the task's own is the task's to say (a task hung before its first park read "29 numbers" for
+            # 1,450,000 numbers), and once said, its steps stay those it said it at: one hung after its last park
+            # read "120 matmuls (50 steps)" for 120 matmuls at 30 steps (the board's 50 go to its failure).
+            if task.progress == task.steps and counted:
                 task.progress = float(event.step)
             task.steps = event.step
         if not health.verdict_due:
