@@ -181,7 +181,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     reporter = None
     if args.snippet:
         scope = {"engine": engine, "data_iter": data_iter, "device": device, "steps": args.iterations}
-        exec(compile(Path(args.snippet).read_text(), args.snippet, "exec"), scope)
+        own_instrument = fr_deepspeed.instrument
+
+        def instrument_logged(*a: Any, **k: Any) -> Any:  # the snippet's call, its bubbles logged as above
+            k.setdefault("on_iteration", delivered)
+            return own_instrument(*a, **k)
+
+        fr_deepspeed.instrument = instrument_logged  # what the snippet imports
+        try:
+            exec(compile(Path(args.snippet).read_text(), args.snippet, "exec"), scope)
+        finally:
+            fr_deepspeed.instrument = own_instrument
         handle = fr_deepspeed._installed.get(engine)
         reporter = scope.get("reporter")
     else:

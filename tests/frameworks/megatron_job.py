@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             # On CPU the tracker delivers an iteration as it ends: its bubbles are known here.
             phase["bubbles"].append([] if instrumented is None or instrumented.tracker is None else [
                 {"slot": b.slot, "kind": b.kind, "start_ns": b.start_ns, "end_ns": b.end_ns,
-                 "predicted_ns": b.predicted_ns} for b in instrumented.tracker.last_bubbles])
+                 "predicted_ns": b.predicted_ns, "core_wait_ns": b.core_wait_ns}
+                for b in instrumented.tracker.last_bubbles])
 
     def instrumented_in(scope: dict[str, Any]) -> Any:
         return next((v for v in scope.values() if isinstance(v, freeride_megatron.InstrumentedForwardBackward)), None)

@@ -100,8 +100,12 @@ def test_deepspeed_pipeline_reports_its_waits_and_a_side_task_harvests_them(
         spans = [(e[1], e[2]) for it in iterations for e in it["probe"] if e[0] in COMPUTE]
         waits = [(e[1], e[2]) for it in iterations for e in it["probe"] if e[0] in WAITING]
         clips = [(e[1], e[2]) for it in iterations for e in it["probe"] if e[0] == "ClipGradients"]
+        # A bubble ends where the data came; the rank may have waited for its core after that (its log says how
+        # long), and the probe's wait ends only where it ran again.
+        core_wait = {b["start_ns"]: int(b["core_wait_ms"] * 1e6) for it in iterations for b in it["bubbles"]}
+        assert core_wait and all(wait >= 0 for wait in core_wait.values())
         for b in bubbles:
-            span = (b["start_ns"], b["end_ns"])
+            span = (b["start_ns"], b["end_ns"] + core_wait.get(b["start_ns"], 0))
             assert b["iteration"] < ITERATIONS
             # Never over compute; always over a wait of the framework (an instruction's, the loss
             # broadcast, or the gradient-norm all-reduce inside the clipping).
@@ -114,8 +118,10 @@ def test_deepspeed_pipeline_reports_its_waits_and_a_side_task_harvests_them(
     # Stage 0 waits for the slowed stage in RecvGrad before each backward: every such wait (after the
     # first iteration, which also exchanges shapes) is inside a reported bubble of a planned slot.
     by_iteration: dict[int, list[tuple[int, int, int]]] = {}
+    core_wait = {b["start_ns"]: int(b["core_wait_ms"] * 1e6) for it in results[0][0] for b in it["bubbles"]}
     for b in traced[0]:
-        by_iteration.setdefault(b["iteration"], []).append((b["start_ns"], b["end_ns"], b["slot"]))
+        by_iteration.setdefault(b["iteration"], []).append(
+            (b["start_ns"], b["end_ns"] + core_wait.get(b["start_ns"], 0), b["slot"]))
     planned = {s["slot"] for s in results[0][1]["slots"]}
     for i, it in enumerate(results[0][0][1:], start=1):
         for name, start, end in it["probe"]:
